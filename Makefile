@@ -1,0 +1,151 @@
+# epd - one entry point: build, run, test, gpu-test, bench, install, dist.
+#
+# Switches: DEBUG=1 (-O0 -g), ASAN=1 (address+undefined sanitizers), WERROR=1, V=1 (show commands),
+# WITH_CUDA=0/1 (default: 1 when nvcc and NCCL headers are found), CUDA_HOME, NCCL_HOME, PREFIX, DESTDIR.
+
+PREFIX ?= /usr/local
+DESTDIR ?=
+DEBUG ?= 0
+ASAN ?= 0
+WERROR ?= 0
+V ?= 0
+CUDA_HOME ?= /usr/local/cuda
+NCCL_HOME ?= $(CUDA_HOME)
+NVCC ?= $(CUDA_HOME)/bin/nvcc
+CUDA_ARCH ?= -gencode=arch=compute_90,code=sm_90
+ifeq ($(origin WITH_CUDA),undefined)
+WITH_CUDA := $(shell test -x $(NVCC) && test -f $(NCCL_HOME)/include/nccl_device.h && echo 1 || echo 0)
+endif
+PYTHON ?= /usr/bin/python3
+VERSION := 0.1.0
+
+B := build
+Q := $(if $(filter 1,$(V)),,@)
+msg = $(if $(filter 1,$(V)),,@printf '  %-6s %s\n' $(1) $(2))
+
+CC ?= cc
+WARN := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wvla -Wno-unused-parameter
+OPT := $(if $(filter 1,$(DEBUG)),-O0 -g3,-O2 -g)
+SAN := $(if $(filter 1,$(ASAN)),-fsanitize=address,undefined -fno-omit-frame-pointer,)
+CFLAGS_ALL := -std=gnu11 $(OPT) $(WARN) $(SAN) $(if $(filter 1,$(WERROR)),-Werror,) -fPIC \
+  -fvisibility=hidden -pthread -MMD -MP -Iclient -Idaemon -Ikernels -I$(B)/gen \
+  -DEPD_VERSION='"$(VERSION)"' -DEPD_WITH_CUDA=$(WITH_CUDA)
+PKGS := grpc libprotobuf-c libuv libsystemd inih
+PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+PKG_LIBS := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
+CUDA_CFLAGS := $(if $(filter 1,$(WITH_CUDA)),-I$(CUDA_HOME)/include -I$(NCCL_HOME)/include,)
+CUDA_LIBS := $(if $(filter 1,$(WITH_CUDA)),-L$(NCCL_HOME)/lib -L$(NCCL_HOME)/lib64 -L$(CUDA_HOME)/lib64 \
+  -lnccl -lcudart_static -ldl -lrt -lstdc++ '-Wl,-rpath,$$ORIGIN/../lib',)
+CFLAGS_ALL += $(PKG_CFLAGS) $(CUDA_CFLAGS)
+LDFLAGS_ALL := $(SAN) -pthread $(LDFLAGS)
+NVCCFLAGS := -std=c++17 $(CUDA_ARCH) -O3 -Xcompiler -fPIC,-fvisibility=hidden -Iclient -Ikernels \
+  -I$(NCCL_HOME)/include -MMD -MP -lineinfo
+
+# ---- generated protobuf code -------------------------------------------------------------------------
+HEALTH_PROTO ?= /usr/share/grpc-proto/grpc/health/v1/health.proto
+GEN_C := $(B)/gen/epd.pb-c.c $(B)/gen/health.pb-c.c
+GEN_H := $(GEN_C:.c=.h)
+$(B)/gen/epd.pb-c.c $(B)/gen/epd.pb-c.h: proto/epd.proto
+	$(call msg,PROTOC,$<)
+	$(Q)mkdir -p $(B)/gen && protoc-c --proto_path=proto --c_out=$(B)/gen $<
+$(B)/gen/health.pb-c.c $(B)/gen/health.pb-c.h: $(HEALTH_PROTO)
+	$(call msg,PROTOC,$<)
+	$(Q)mkdir -p $(B)/gen && cp $< $(B)/gen/health.proto && protoc-c --proto_path=$(B)/gen --c_out=$(B)/gen $(B)/gen/health.proto
+
+# ---- sources -----------------------------------------------------------------------------------------
+DAEMON_MAIN := daemon/main.c
+DAEMON_SRCS := $(filter-out $(DAEMON_MAIN),$(wildcard daemon/*.c))
+CLIENT_SRCS := $(filter-out client/epdctl.c,$(wildcard client/*.c))
+KERNEL_SRCS := $(if $(filter 1,$(WITH_CUDA)),$(wildcard kernels/*.cu),)
+TEST_SRCS := $(wildcard tests/*.c)
+GPU_TEST_SRCS := $(wildcard tests/gpu/*.c)
+BENCH_SRCS := $(wildcard bench/*.c)
+
+obj = $(patsubst %.c,$(B)/obj/%.o,$(1))
+GEN_OBJS := $(call obj,$(GEN_C:$(B)/%=%))
+DAEMON_OBJS := $(call obj,$(DAEMON_SRCS))
+CLIENT_OBJS := $(call obj,$(CLIENT_SRCS))
+KERNEL_OBJS := $(patsubst %.cu,$(B)/obj/%.o,$(KERNEL_SRCS))
+
+ENGINE_LIB := $(B)/lib/libepdengine.a
+LIBEPD := $(B)/lib/libepd.so
+LIBEPD_A := $(B)/lib/libepd_static.a
+EPD := $(B)/bin/epd
+EPDCTL := $(B)/bin/epdctl
+TESTS := $(B)/bin/epd-tests
+GPU_TESTS := $(B)/bin/epd-gpu-tests
+BENCH := $(B)/bin/epd-bench
+
+.PHONY: all run test gpu-test bench install dist clean deps format
+all: $(EPD) $(EPDCTL) $(LIBEPD) $(TESTS) $(GPU_TESTS) $(B)/epd.pc
+
+$(B)/obj/gen/%.o: $(B)/gen/%.c $(GEN_H)
+	$(call msg,CC,$<)
+	$(Q)mkdir -p $(@D) && $(CC) $(CFLAGS_ALL) -Wno-missing-prototypes -c $< -o $@
+$(B)/obj/%.o: %.c $(GEN_H)
+	$(call msg,CC,$<)
+	$(Q)mkdir -p $(@D) && $(CC) $(CFLAGS_ALL) -c $< -o $@
+$(B)/obj/%.o: %.cu
+	$(call msg,NVCC,$<)
+	$(Q)mkdir -p $(@D) && $(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+$(ENGINE_LIB): $(DAEMON_OBJS) $(KERNEL_OBJS) $(GEN_OBJS)
+	$(call msg,AR,$@)
+	$(Q)mkdir -p $(@D) && rm -f $@ && ar rcs $@ $^
+$(LIBEPD_A): $(CLIENT_OBJS) $(GEN_OBJS)
+	$(call msg,AR,$@)
+	$(Q)mkdir -p $(@D) && rm -f $@ && ar rcs $@ $^
+$(LIBEPD): $(CLIENT_OBJS) $(GEN_OBJS) client/libepd.map
+	$(call msg,LD,$@)
+	$(Q)mkdir -p $(@D) && $(CC) -shared -Wl,-soname,libepd.so.1 -Wl,--version-script=client/libepd.map \
+	  -o $@ $(CLIENT_OBJS) $(GEN_OBJS) $(LDFLAGS_ALL) $(PKG_LIBS) -ldl '-Wl,-rpath,$$ORIGIN'
+	$(Q)ln -sf libepd.so $(B)/lib/libepd.so.1
+$(EPD): $(call obj,$(DAEMON_MAIN)) $(ENGINE_LIB)
+	$(call msg,LD,$@)
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -lm
+$(EPDCTL): $(call obj,client/epdctl.c) $(LIBEPD_A)
+	$(call msg,LD,$@)
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) -ldl -lm
+$(TESTS): $(call obj,$(TEST_SRCS)) $(ENGINE_LIB) $(LIBEPD_A)
+	$(call msg,LD,$@)
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
+$(GPU_TESTS): $(call obj,$(GPU_TEST_SRCS) tests/runner_lib.c) $(ENGINE_LIB) $(LIBEPD_A)
+	$(call msg,LD,$@)
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
+$(BENCH): $(call obj,$(BENCH_SRCS)) $(ENGINE_LIB) $(LIBEPD_A)
+	$(call msg,LD,$@)
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
+$(B)/epd.pc: client/epd.pc.in
+	$(Q)mkdir -p $(@D) && sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' $< > $@
+
+# ---- entry points ------------------------------------------------------------------------------------
+deps:
+	$(Q)deploy/deps.sh
+
+run: deps
+	$(Q)$(MAKE) --no-print-directory all
+	$(Q)tests/run-demo.sh
+
+test: deps
+	$(Q)$(MAKE) --no-print-directory all
+	$(Q)$(TESTS)
+
+gpu-test: all
+	$(Q)$(GPU_TESTS)
+
+bench: all $(BENCH)
+	$(Q)bench/bench.sh
+
+install: all
+	$(Q)deploy/install.sh "$(DESTDIR)" "$(PREFIX)"
+
+dist: all
+	$(Q)deploy/dist.sh $(VERSION)
+
+format:
+	$(Q)clang-format -i $(wildcard client/*.[ch] daemon/*.[ch] tests/*.[ch] tests/gpu/*.[ch] bench/*.[ch]) $(wildcard kernels/*.cu kernels/*.h)
+
+clean:
+	$(Q)rm -rf $(B)
+
+-include $(shell find $(B)/obj -name '*.d' 2>/dev/null)

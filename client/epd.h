@@ -1,0 +1,126 @@
+/*
+ * epd.h - libepd, the client library of the epd expert-parallel communication daemon.
+ *
+ * A worker connects to the daemon's control socket, attaches to one rank of an EP group, gets its IO
+ * arena mapped in place (zero copy), and submits dispatch/combine operations. With the host backend the
+ * arena is host memory and operations are synchronous calls; with the CUDA backend the arena is GPU
+ * memory and operations are enqueued on the caller's CUDA stream (capturable in a CUDA graph).
+ *
+ * Every call that can fail returns epd_result_t (0 or a negative code); epd_strerror() names the code
+ * and epd_last_error() gives the per-handle text of the last failure.
+ */
+#ifndef EPD_H
+#define EPD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "epd_abi.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EPD_API_VERSION 1u
+#define EPD_PROTOCOL_VERSION 1u /* control RPC protocol version, checked by the daemon */
+#define EPD_OPTS_MAGIC 0x4550444fu
+
+typedef enum epd_result {
+  EPD_OK = 0,
+  EPD_ERR_INVALID = -1,      /* an argument is out of range; the message names it */
+  EPD_ERR_NOMEM = -2,        /* out of host or device memory */
+  EPD_ERR_SYSTEM = -3,       /* a system call failed (errno in the message) */
+  EPD_ERR_RPC = -4,          /* the control RPC failed (transport or server error) */
+  EPD_ERR_PROTOCOL = -5,     /* protocol or ABI version mismatch */
+  EPD_ERR_NOT_FOUND = -6,    /* unknown group, client or resource */
+  EPD_ERR_BUSY = -7,         /* rank already attached, or a limit reached */
+  EPD_ERR_TIMEOUT = -8,      /* a wait ran out; the completion names the peer rank */
+  EPD_ERR_PEER = -9,         /* a peer rank's client detached or failed mid-step */
+  EPD_ERR_DRAINING = -10,    /* the daemon is draining: no new attach or step */
+  EPD_ERR_CUDA = -11,        /* a CUDA call failed */
+  EPD_ERR_NCCL = -12,        /* an NCCL call failed */
+  EPD_ERR_UNSUPPORTED = -13, /* not available in this build, backend or mode */
+  EPD_ERR_BAD_EXPERT = -14,  /* a top-k entry is outside [-1, num_experts) */
+  EPD_ERR_TOO_MANY_TOKENS = -15, /* num_tokens over the group's max_tokens */
+  EPD_ERR_PERMISSION = -16,  /* the caller is not allowed to do this */
+  EPD_ERR_OVERFLOW = -17,    /* HT receive capacity exceeded (nothing was written past it) */
+  EPD_ERR_MISMATCH = -18,    /* ranks submitted different ops or banks for one step */
+  EPD_ERR_CLOSED = -19,      /* the daemon connection dropped */
+  EPD_ERR_STATE = -20,       /* call out of order (combine without dispatch, ...) */
+  EPD_ERR_INTERNAL = -21,
+  EPD_ERR_MIN = -22
+} epd_result_t;
+
+/* Name and one-line meaning of a result code; never NULL. */
+const char *epd_strerror(int result);
+
+typedef struct epd_conn epd_conn_t; /* a connection to the daemon's control socket */
+typedef struct epd_ep epd_ep_t;     /* one attachment: a (group, rank) with its queue and arena */
+
+typedef struct epd_connect_opts {
+  uint32_t size, magic, version;
+  const char *socket_path; /* control socket; NULL: $EPD_SOCKET, else the default path */
+  int timeout_ms;          /* per RPC; 0: 10000 */
+} epd_connect_opts_t;
+#define EPD_CONNECT_OPTS_INITIALIZER \
+  { sizeof(epd_connect_opts_t), EPD_OPTS_MAGIC, EPD_API_VERSION, NULL, 0 }
+
+/* Open a control connection (checks the daemon is reachable and speaks our protocol). */
+epd_result_t epd_connect(const epd_connect_opts_t *opts, epd_conn_t **out);
+/* Close a connection; attachments made through it must be detached first. */
+void epd_disconnect(epd_conn_t *conn);
+/* Text of the last failure on this connection (empty if none). */
+const char *epd_conn_last_error(const epd_conn_t *conn);
+
+typedef struct epd_attach_opts {
+  uint32_t size, magic, version;
+  const char *group; /* EP group name; NULL: "default" */
+  int rank;          /* rank in the group, 0..num_ranks-1 */
+  /* Group geometry. The first attach of a group fixes it; later attaches pass 0 (take the group's)
+   * or the same values. */
+  uint32_t num_experts, hidden, topk, max_tokens;
+  const char *client_name; /* shown by `epdctl clients`; NULL: "pid:<pid>" */
+} epd_attach_opts_t;
+#define EPD_ATTACH_OPTS_INITIALIZER \
+  { sizeof(epd_attach_opts_t), EPD_OPTS_MAGIC, EPD_API_VERSION, NULL, 0, 0, 0, 0, 0, NULL }
+
+/* Attach to (group, rank): RPC Attach, then redeem the one-time token on the attach socket for the
+ * queue and arena file descriptors, and map them. */
+epd_result_t epd_attach(epd_conn_t *conn, const epd_attach_opts_t *opts, epd_ep_t **out);
+/* Detach and unmap; in-flight operations of this attachment must have completed. */
+epd_result_t epd_detach(epd_ep_t *ep);
+/* Text of the last failure on this attachment (empty if none). */
+const char *epd_last_error(const epd_ep_t *ep);
+
+typedef enum epd_info {
+  EPD_INFO_RANK, EPD_INFO_NUM_RANKS, EPD_INFO_NUM_EXPERTS, EPD_INFO_HIDDEN, EPD_INFO_TOPK,
+  EPD_INFO_MAX_TOKENS, EPD_INFO_SLOTS_PER_RANK, EPD_INFO_HT_CAPACITY, EPD_INFO_ON_GPU, EPD_INFO_DEVICE,
+  EPD_INFO_MAP_VERSION, EPD_INFO_CLIENT_ID
+} epd_info_t;
+/* A property of the attachment (geometry, device); -1 for an unknown key. */
+int64_t epd_info(const epd_ep_t *ep, epd_info_t key);
+
+/* Address of an arena buffer (EPD_BUF_*) of a bank, in this process; its size in *bytes. Host memory
+ * for the host backend, device memory for the CUDA backend. NULL if the kind is not in the arena. */
+void *epd_buffer(const epd_ep_t *ep, int kind, unsigned bank, size_t *bytes);
+
+/* LL or HT. */
+typedef enum epd_mode { EPD_MODE_LL = 0, EPD_MODE_HT = 1 } epd_mode_t;
+
+/* Dispatch num_tokens tokens of bank's x/topk buffers. stream == NULL: run and wait, return the op's
+ * status. stream != NULL (CUDA backend, a cudaStream_t): enqueue on the stream, return EPD_OK; the
+ * status is read with epd_op_status() after the stream is synchronised. flags: EPD_DESC_*. */
+epd_result_t epd_dispatch(epd_ep_t *ep, epd_mode_t mode, uint32_t num_tokens, uint32_t flags,
+                          unsigned bank, void *stream);
+/* Combine the bank's expert outputs back into the bank's OUT buffer; same stream rules. */
+epd_result_t epd_combine(epd_ep_t *ep, epd_mode_t mode, unsigned bank, void *stream);
+/* Status of the last completed op (after the stream is synchronised) and its completion record. */
+epd_result_t epd_op_status(epd_ep_t *ep, epd_comp_t *comp_out);
+
+/* Expert-map replica of a logical expert. */
+typedef struct epd_replica { uint32_t rank, slot; } epd_replica_t;
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* EPD_H */

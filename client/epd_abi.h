@@ -1,0 +1,132 @@
+/*
+ * epd_abi.h - the memory contract shared by libepd, the daemon and the kernels.
+ *
+ * A client's queue and IO arena are memory owned by the daemon and mapped by the client (a memfd for
+ * the host backend, a cuMem allocation exported as a POSIX fd for the CUDA backend). This header
+ * defines everything both sides read and write there: the submission slots (descriptor, completion,
+ * state word) and the names of the arena buffers. It is plain C with fixed-width types so that C host
+ * code, CUDA device code and Python ctypes agree byte for byte; every struct size is asserted.
+ *
+ * Protocol of one operation (one slot), identical on both backends:
+ *   client: fill slot.desc; store slot.state = EPD_SLOT_SUBMITTED (release)
+ *   daemon: see SUBMITTED (acquire); run the op; fill slot.comp; store slot.state = EPD_SLOT_DONE
+ *   client: wait for state == EPD_SLOT_DONE (acquire); read slot.comp; store slot.state = EPD_SLOT_FREE
+ * All values written are constants per slot, so the same sequence captured in a CUDA graph (stream
+ * memory operations) replays correctly any number of times. The daemon executes SUBMITTED slots of one
+ * queue in ring order starting after the last slot it executed.
+ */
+#ifndef EPD_ABI_H
+#define EPD_ABI_H
+
+#include <stdint.h>
+
+#define EPD_ABI_VERSION 1u
+#define EPD_QUEUE_MAGIC 0x45504451u /* "EPDQ" */
+#define EPD_QUEUE_SLOTS 8u
+#define EPD_NUM_BANKS 2u /* LL/HT IO is double-buffered: step N+1 may dispatch while N combines */
+
+/* Operation codes (epd_desc_t.op). */
+enum {
+  EPD_OP_NONE = 0,
+  EPD_OP_LL_DISPATCH = 1,
+  EPD_OP_LL_COMBINE = 2,
+  EPD_OP_HT_DISPATCH = 3,
+  EPD_OP_HT_COMBINE = 4,
+  EPD_OP_MAX = 5
+};
+
+/* Descriptor flags. */
+enum {
+  EPD_DESC_FP8 = 1u << 0, /* dispatch: send FP8 e4m3 with per-128-channel f32 scales (recv_x holds
+                           * fp8 bytes, recv_scales the scales); x stays BF16 */
+};
+
+/* Slot states (epd_slot_t.state). */
+enum { EPD_SLOT_FREE = 0, EPD_SLOT_SUBMITTED = 1, EPD_SLOT_DONE = 2 };
+
+/* Arena buffer kinds. Offsets and sizes of each (kind, bank) come in the Attach reply, never computed
+ * by the client, so the daemon may lay memory out as its backend needs. Shapes (M = group max_tokens,
+ * H = hidden, K = topk, S = slots per rank, R = ranks, C = HT receive capacity):
+ */
+enum {
+  EPD_BUF_X = 0,            /* [M, H] bf16 dispatch input (always BF16; FP8 is cast on the fly) */
+  EPD_BUF_X_SCALES = 1,     /* [M, H/128] f32, reserved for pre-quantized input */
+  EPD_BUF_TOPK_IDX = 2,     /* [M, K] int64 logical expert ids, -1 = none */
+  EPD_BUF_TOPK_WEIGHTS = 3, /* [M, K] f32 */
+  EPD_BUF_LL_RECV_X = 4,    /* [S, R*M, H] bf16 (or fp8) expert-major */
+  EPD_BUF_LL_RECV_SCALES = 5, /* [S, R*M, H/128] f32 */
+  EPD_BUF_LL_RECV_COUNT = 6,  /* [S] int32 tokens received per local slot */
+  EPD_BUF_LL_RECV_SRC = 7,    /* [S, R*M] int32 (src_rank << 24 | src_token), for inspection */
+  EPD_BUF_LL_Y = 8,           /* [S, R*M, H] bf16 expert outputs, combine input */
+  EPD_BUF_OUT = 9,            /* [M, H] bf16 combine output */
+  EPD_BUF_HT_RECV_X = 10,     /* [C, H] bf16 (or fp8) flat, ordered by (src rank, src token) */
+  EPD_BUF_HT_RECV_SCALES = 11, /* [C, H/128] f32 */
+  EPD_BUF_HT_RECV_TOPK_IDX = 12, /* [C, K] int64 local slot ids, -1 if not local */
+  EPD_BUF_HT_RECV_TOPK_WEIGHTS = 13, /* [C, K] f32 */
+  EPD_BUF_HT_RECV_SRC = 14,   /* [C] int32 (src_rank << 24 | src_token) */
+  EPD_BUF_HT_RECV_COUNT = 15, /* [S] int32 tokens received per local slot */
+  EPD_BUF_HT_Y = 16,          /* [C, H] bf16 combine input (already reduced over local experts) */
+  EPD_BUF_KINDS = 17
+};
+
+/* What the client asks for. 64 bytes. */
+typedef struct epd_desc {
+  uint32_t op;         /* EPD_OP_* */
+  uint32_t flags;      /* EPD_DESC_* */
+  uint32_t num_tokens; /* dispatch: tokens in x (0..max_tokens); combine: ignored (from dispatch) */
+  uint32_t bank;       /* 0..EPD_NUM_BANKS-1; a combine uses the bank of its dispatch */
+  uint64_t user_tag;   /* echoed in the completion */
+  uint32_t reserved[10];
+} epd_desc_t;
+
+/* What the daemon answers. 64 bytes. */
+typedef struct epd_comp {
+  int32_t status;       /* epd_result_t of the op */
+  int32_t peer;         /* on timeout/peer errors: the rank waited for, else -1 */
+  uint32_t map_version; /* expert map version the op's dispatch used */
+  uint32_t num_recv;    /* HT dispatch: tokens received; LL dispatch: total received (all slots) */
+  uint64_t step;        /* group step number the op ran as */
+  uint64_t user_tag;    /* from the descriptor */
+  uint64_t latency_ns;  /* from the last rank's submission to completion */
+  uint32_t reserved[6];
+} epd_comp_t;
+
+/* One submission slot: 256 bytes; the state word has its own 128-byte line. */
+typedef struct epd_slot {
+  epd_desc_t desc;
+  epd_comp_t comp;
+  uint32_t state; /* EPD_SLOT_* */
+  uint32_t pad[31];
+} epd_slot_t;
+
+/* A client's queue. The header is written by the daemon at attach; heartbeat by the client. */
+typedef struct epd_queue {
+  uint32_t magic;       /* EPD_QUEUE_MAGIC */
+  uint32_t abi_version; /* EPD_ABI_VERSION */
+  uint32_t nslots;      /* EPD_QUEUE_SLOTS */
+  uint32_t rank;
+  uint64_t client_id;
+  uint64_t heartbeat;     /* client: bumped while alive (host-side liveness is the attach socket) */
+  int32_t sticky_error;   /* daemon: first error of any op, cleared by epd_clear_error */
+  uint32_t map_version;   /* daemon: active expert map version of the group */
+  uint64_t steps_done;    /* daemon: ops completed on this queue */
+  uint32_t pad0[20];
+  epd_slot_t slot[EPD_QUEUE_SLOTS];
+} epd_queue_t;
+
+#define EPD_ABI_ASSERT(c, m) _Static_assert(c, m)
+#ifdef __cplusplus
+#undef EPD_ABI_ASSERT
+#define EPD_ABI_ASSERT(c, m) static_assert(c, m)
+#endif
+EPD_ABI_ASSERT(sizeof(epd_desc_t) == 64, "epd_desc_t is 64 bytes");
+EPD_ABI_ASSERT(sizeof(epd_comp_t) == 64, "epd_comp_t is 64 bytes");
+EPD_ABI_ASSERT(sizeof(epd_slot_t) == 256, "epd_slot_t is 256 bytes");
+EPD_ABI_ASSERT(sizeof(epd_queue_t) == 128 + 256 * EPD_QUEUE_SLOTS, "epd_queue_t layout");
+
+/* Packing of a source reference in *_RECV_SRC. */
+#define EPD_SRC_PACK(rank, tok) ((int32_t)(((uint32_t)(rank) << 24) | ((uint32_t)(tok)&0xffffffu)))
+#define EPD_SRC_RANK(v) ((int)(((uint32_t)(v)) >> 24))
+#define EPD_SRC_TOKEN(v) ((int)(((uint32_t)(v)) & 0xffffffu))
+
+#endif /* EPD_ABI_H */

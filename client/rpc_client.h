@@ -1,0 +1,38 @@
+/*
+ * rpc_client.h - internal: a blocking unary/streaming client of the epd control RPC over gRPC C core,
+ * shared by libepd and epdctl. Messages are protobuf-c.
+ */
+#ifndef EPD_RPC_CLIENT_H
+#define EPD_RPC_CLIENT_H
+
+#include <stddef.h>
+#include <protobuf-c/protobuf-c.h>
+
+#include "epd.h"
+
+typedef struct epd_rpc epd_rpc_t;
+
+/* Default control socket path: $EPD_SOCKET, else /run/epd/control.sock when root, else
+ * $XDG_RUNTIME_DIR/epd/control.sock, else /tmp/epd-<uid>/control.sock. */
+const char *epd_default_socket_path(char *buf, size_t len);
+/* Open a channel to the Unix socket path (no "unix:" prefix needed). */
+epd_result_t epd_rpc_open(const char *socket_path, int timeout_ms, epd_rpc_t **out, char *err,
+                          size_t errlen);
+void epd_rpc_close(epd_rpc_t *rpc);
+/* Unary call of method (e.g. "/epd.v1.Control/Attach"). On success *reply is a message of reply_desc
+ * (free with protobuf_c_message_free_unpacked). gRPC errors map to epd codes; err gets the details. */
+epd_result_t epd_rpc_call(epd_rpc_t *rpc, const char *method, const ProtobufCMessage *req,
+                          const ProtobufCMessageDescriptor *reply_desc, ProtobufCMessage **reply,
+                          char *err, size_t errlen);
+/* Send raw request bytes (for tests of malformed input); same reply rules. */
+epd_result_t epd_rpc_call_raw(epd_rpc_t *rpc, const char *method, const void *req, size_t len,
+                              const ProtobufCMessageDescriptor *reply_desc, ProtobufCMessage **reply,
+                              char *err, size_t errlen);
+/* Server-streaming call: on_msg is called for each reply message until it returns non-zero, the
+ * stream ends, or timeout_ms passes (0: no timeout). */
+typedef int (*epd_rpc_stream_fn)(void *arg, ProtobufCMessage *msg);
+epd_result_t epd_rpc_stream(epd_rpc_t *rpc, const char *method, const ProtobufCMessage *req,
+                            const ProtobufCMessageDescriptor *reply_desc, epd_rpc_stream_fn on_msg,
+                            void *arg, int timeout_ms, char *err, size_t errlen);
+
+#endif

@@ -1,0 +1,52 @@
+/*
+ * conf.h - the daemon's configuration: one typed table (name, type, bounds, default, reloadable, doc)
+ * from which parsing (libinih), validation, dumping (`epdctl config`) and SIGHUP reload all derive.
+ * Keys are "section.name" in the table and [section] name = value in the file (config/epd.conf).
+ */
+#ifndef EPD_CONF_H
+#define EPD_CONF_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define EPD_PATH_MAX 256
+
+typedef struct epd_conf {
+  /* [daemon] */
+  char control_socket[EPD_PATH_MAX]; /* "" -> default under /run/epd (root) or the user runtime dir */
+  char attach_socket[EPD_PATH_MAX];  /* "" -> beside the control socket, "attach.sock" */
+  uint32_t socket_mode;              /* octal file mode of both sockets */
+  char socket_group[64];             /* group owning the sockets ("" = the daemon's) */
+  char state_dir[EPD_PATH_MAX];      /* where state that survives a restart is kept ("" = none) */
+  uint32_t token_ttl_ms;             /* one-time attach token lifetime */
+  uint32_t drain_timeout_ms;         /* SIGTERM: wait this long for clients before exiting */
+  uint32_t max_message_bytes;        /* gRPC receive limit */
+  /* [log] */
+  int log_level;                     /* EPD_LOG_* */
+  uint32_t log_subsystems;           /* EPD_SUB_* mask */
+  /* [engine] */
+  char backend[16];                  /* "auto", "host", "cuda" */
+  uint32_t num_ranks;                /* ranks (GPUs) of this node */
+  uint32_t max_experts, max_hidden, max_topk, max_tokens;
+  uint32_t slots_factor_pct;         /* redundant-expert slots: 100 = none */
+  uint32_t ht_capacity_factor;       /* HT receive capacity in units of max_tokens (0 = num_ranks) */
+  uint32_t step_timeout_ms;
+  uint32_t max_groups, max_clients_per_rank;
+  uint64_t max_arena_bytes;
+  /* [metrics] */
+  char prometheus_listen[64];        /* "" = off, else "host:port" */
+} epd_conf_t;
+
+/* Fill with defaults. */
+void epd_conf_defaults(epd_conf_t *c);
+/* Load a file over the defaults; on error returns -1 with a message naming the key (and line) and
+ * the allowed range in err. A missing file is an error unless optional != 0. */
+int epd_conf_load(epd_conf_t *c, const char *path, int optional, char *err, size_t errlen);
+/* Set one key from text ("section.name", value); same error rules. */
+int epd_conf_set(epd_conf_t *c, const char *key, const char *value, char *err, size_t errlen);
+/* Write every key with its effective value as "section.name = value\n" into buf; returns length. */
+size_t epd_conf_dump(const epd_conf_t *c, char *buf, size_t len);
+/* Copy the keys that can change at runtime (reloadable) from src into dst; returns how many changed. */
+int epd_conf_apply_reloadable(epd_conf_t *dst, const epd_conf_t *src);
+
+#endif

@@ -1,0 +1,151 @@
+/*
+ * engine.h - the epd engine: ranks, EP groups, client queues and arenas, expert maps, and the
+ * execution of dispatch/combine. Two backends sit behind one interface:
+ *   host - every rank is a thread over shared memory (memfd arenas); the reference implementation;
+ *   cuda - every rank is a GPU driven through NCCL (Device API windows and kernels).
+ * The daemon is a host around the engine; the same engine can be driven in-process (bench, library).
+ * All functions are thread-safe unless noted.
+ */
+#ifndef EPD_ENGINE_H
+#define EPD_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "epd.h"
+
+#define EPD_GROUP_NAME_MAX 64
+#define EPD_CLIENT_NAME_MAX 64
+#define EPD_MAX_RANKS 64
+#define EPD_MAX_REPLICAS 8
+
+typedef struct epd_engine epd_engine_t;
+
+typedef struct epd_engine_opts {
+  const char *backend;   /* "host", "cuda" or "auto" (cuda when GPUs and NCCL are usable) */
+  int num_ranks;         /* ranks of the node (host: threads; cuda: GPUs 0..n-1) */
+  uint32_t max_experts;  /* limits a group's geometry may not exceed */
+  uint32_t max_hidden;
+  uint32_t max_topk;
+  uint32_t max_tokens;
+  uint32_t slots_factor_pct; /* slots per rank = ceil(num_experts/num_ranks * pct/100) (redundancy) */
+  uint32_t ht_capacity_factor; /* HT receive capacity = max_tokens * num_ranks (if 0) or this * max_tokens */
+  uint32_t max_groups;
+  uint32_t max_clients_per_rank;
+  uint64_t max_arena_bytes; /* per client */
+  uint32_t step_timeout_ms; /* a rank waiting longer for its peers fails the step with EPD_ERR_TIMEOUT */
+} epd_engine_opts_t;
+
+/* Event sink: called from engine threads; must not call back into the engine. */
+typedef struct epd_engine_event {
+  const char *kind; /* "map_switch", "timeout", "client_lost", "error" */
+  const char *group;
+  int rank;
+  uint64_t client_id;
+  uint32_t old_version, new_version;
+  uint64_t step;
+  const char *message;
+} epd_engine_event_t;
+typedef void (*epd_engine_event_fn)(void *arg, const epd_engine_event_t *ev);
+
+/* Create the engine and start its rank threads; errbuf receives a message on failure. */
+epd_result_t epd_engine_create(const epd_engine_opts_t *opts, epd_engine_event_fn on_event,
+                               void *event_arg, epd_engine_t **out, char *errbuf, size_t errlen);
+/* Stop the rank threads, fail in-flight steps, free every client and buffer. */
+void epd_engine_destroy(epd_engine_t *eng);
+/* "host" or "cuda". */
+const char *epd_engine_backend(const epd_engine_t *eng);
+/* "host-threads", "persistent" or "launch". */
+const char *epd_engine_mode(const epd_engine_t *eng);
+int epd_engine_num_ranks(const epd_engine_t *eng);
+
+/* What an attach asks for; zero geometry fields take the group's. */
+typedef struct epd_attach_req {
+  char group[EPD_GROUP_NAME_MAX];
+  char name[EPD_CLIENT_NAME_MAX];
+  int rank;
+  uint32_t num_experts, hidden, topk, max_tokens;
+  uint32_t pid, uid, gid;
+} epd_attach_req_t;
+
+typedef struct epd_buffer_desc {
+  uint32_t kind, bank;
+  uint64_t offset, bytes;
+} epd_buffer_desc_t;
+
+/* What an attach gives: the client's memory and geometry. The fds stay owned by the engine. */
+typedef struct epd_attach_info {
+  uint64_t client_id;
+  int queue_fd, arena_fd;
+  uint64_t queue_bytes, arena_bytes;
+  int on_gpu, device;
+  uint32_t num_ranks, num_experts, hidden, topk, max_tokens, slots_per_rank, ht_capacity, map_version;
+  uint32_t nbuffers;
+  epd_buffer_desc_t buffers[EPD_BUF_KINDS * EPD_NUM_BANKS];
+} epd_attach_info_t;
+
+/* Attach a client to (group, rank), creating the group on first attach. */
+epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, epd_attach_info_t *info,
+                               char *errbuf, size_t errlen);
+/* Detach a client: quiesce its queue, fail peers' steps that wait for it, free its memory. lost != 0
+ * when the client died rather than asked (reported as a client_lost event). */
+epd_result_t epd_engine_detach(epd_engine_t *eng, uint64_t client_id, int lost);
+/* Stop (drain != 0) or resume accepting new steps; in-flight steps finish. */
+void epd_engine_set_draining(epd_engine_t *eng, int drain);
+
+/* Expert map of a group: logical expert e has nrep[e] replicas (rank[e][i], slot[e][i]). */
+typedef struct epd_expert_map {
+  uint32_t version;
+  uint32_t num_experts, num_ranks, slots_per_rank;
+  uint8_t *nrep;                     /* [num_experts] */
+  epd_replica_t (*rep)[EPD_MAX_REPLICAS]; /* [num_experts][EPD_MAX_REPLICAS] */
+} epd_expert_map_t;
+
+/* Validate and stage a new map for a group (switched on every rank at the next step boundary);
+ * *version_out gets the staged version. Invalid maps are rejected whole with a precise message. */
+epd_result_t epd_engine_set_map(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
+                                uint32_t *version_out, char *errbuf, size_t errlen);
+/* Copy a group's active map (arrays allocated with malloc; free with epd_expert_map_free). */
+epd_result_t epd_engine_get_map(epd_engine_t *eng, const char *group, epd_expert_map_t *out);
+void epd_expert_map_free(epd_expert_map_t *map);
+
+/* A snapshot for status and metrics (see metrics.h); arrays malloc'ed, free with ..._free. */
+typedef struct epd_group_snap {
+  char name[EPD_GROUP_NAME_MAX];
+  uint32_t num_experts, hidden, topk, max_tokens, slots_per_rank, attached_ranks, map_version;
+  uint64_t steps;
+  uint64_t *expert_tokens; /* [num_experts] tokens routed to each logical expert, cumulative */
+} epd_group_snap_t;
+typedef struct epd_client_snap {
+  uint64_t client_id;
+  char name[EPD_CLIENT_NAME_MAX], group[EPD_GROUP_NAME_MAX];
+  int rank;
+  uint32_t pid, uid;
+  uint64_t ops, attached_ns, arena_bytes;
+} epd_client_snap_t;
+typedef struct epd_rank_snap {
+  int rank, device;
+  uint64_t buffer_bytes, ops, bytes_sent;
+  uint32_t clients;
+  uint64_t timeouts, errors;
+  uint64_t wait_ns_by_peer[EPD_MAX_RANKS]; /* time this rank waited for each peer */
+} epd_rank_snap_t;
+#define EPD_LAT_BUCKETS 16 /* histogram upper bounds: 1us * 2^i, last is +Inf */
+typedef struct epd_op_snap {
+  uint64_t count, errors, bytes;
+  uint64_t lat_bucket[EPD_LAT_BUCKETS];
+  double lat_sum_s;
+} epd_op_snap_t;
+typedef struct epd_engine_snap {
+  const char *backend, *mode;
+  uint32_t num_ranks, ngroups, nclients;
+  epd_group_snap_t *groups;
+  epd_client_snap_t *clients;
+  epd_rank_snap_t *ranks;
+  epd_op_snap_t ops[EPD_OP_MAX]; /* indexed by EPD_OP_* */
+  int draining;
+} epd_engine_snap_t;
+epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out);
+void epd_engine_snapshot_free(epd_engine_snap_t *snap);
+
+#endif /* EPD_ENGINE_H */

@@ -1,0 +1,43 @@
+/*
+ * log.h - structured logging by level and subsystem. To journald (with RANK/CLIENT/GROUP fields) when
+ * run by systemd, else to stderr as "time level subsystem: message key=value". Thread-safe.
+ */
+#ifndef EPD_LOG_H
+#define EPD_LOG_H
+
+#include <stdarg.h>
+#include <stdint.h>
+
+enum { EPD_LOG_ERROR = 0, EPD_LOG_WARN = 1, EPD_LOG_INFO = 2, EPD_LOG_DEBUG = 3, EPD_LOG_TRACE = 4 };
+
+/* Subsystem bits (for the subsystem filter). */
+enum {
+  EPD_SUB_MAIN = 1u << 0,
+  EPD_SUB_CONF = 1u << 1,
+  EPD_SUB_RPC = 1u << 2,
+  EPD_SUB_ATTACH = 1u << 3,
+  EPD_SUB_ENGINE = 1u << 4,
+  EPD_SUB_CUDA = 1u << 5,
+  EPD_SUB_METRICS = 1u << 6,
+  EPD_SUB_ALL = 0xffffffffu
+};
+
+/* Set the level and subsystem mask; to_journal != 0 sends records to journald. */
+void epd_log_init(int level, uint32_t subsystems, int to_journal);
+void epd_log_fini(void);
+/* Change level/mask at runtime (SIGHUP reload). */
+void epd_log_set(int level, uint32_t subsystems);
+/* Parse "error|warn|info|debug|trace"; -1 if unknown. */
+int epd_log_level_parse(const char *s);
+/* Parse a comma list of subsystem names ("all", "main,rpc,..."); returns 0 and sets *mask, or -1. */
+int epd_log_subsystems_parse(const char *s, uint32_t *mask);
+/* Log one record; rank/client may be -1/0 when not applicable. */
+void epd_log_msg(int level, uint32_t sub, int rank, uint64_t client, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+
+#define EPD_LOGE(sub, ...) epd_log_msg(EPD_LOG_ERROR, sub, -1, 0, __VA_ARGS__)
+#define EPD_LOGW(sub, ...) epd_log_msg(EPD_LOG_WARN, sub, -1, 0, __VA_ARGS__)
+#define EPD_LOGI(sub, ...) epd_log_msg(EPD_LOG_INFO, sub, -1, 0, __VA_ARGS__)
+#define EPD_LOGD(sub, ...) epd_log_msg(EPD_LOG_DEBUG, sub, -1, 0, __VA_ARGS__)
+
+#endif

@@ -1,0 +1,16 @@
+#!/bin/sh
+# Install the Debian/Ubuntu packages epd builds and tests with, when any is missing.
+set -e
+PKGS="build-essential pkg-config libuv1-dev libgrpc-dev libprotobuf-c-dev protobuf-c-compiler \
+libsystemd-dev libinih-dev grpc-proto python3 python3-grpcio python3-grpc-tools python3-protobuf \
+python3-numpy python3-pytest python3-prometheus-client prometheus systemd valgrind"
+missing=""
+for p in $PKGS; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"
+done
+[ -z "$missing" ] && exit 0
+echo "installing:$missing"
+SUDO=""
+[ "$(id -u)" -ne 0 ] && SUDO="sudo"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null
