@@ -1,0 +1,32 @@
+/*
+ * attach.h - the attach side channel: a Unix stream socket (path from config) where a client redeems
+ * the one-time token issued by the Attach RPC and receives its queue and arena fds with SCM_RIGHTS
+ * (protocol: client/epd_wire.h). Runs on the libuv loop (uv_poll_t; sendmsg/recvmsg by hand). The
+ * connection then stays open; its hang-up detaches the client as lost.
+ */
+#ifndef EPD_ATTACH_H
+#define EPD_ATTACH_H
+
+#include <stdint.h>
+#include <uv.h>
+
+#include "conf.h"
+#include "engine.h"
+#include "epd_wire.h"
+
+/* Start listening on conf->attach_socket (resolved path in *path_out). */
+int epd_attach_init(uv_loop_t *loop, const epd_conf_t *conf, epd_engine_t *eng, char *err, size_t errlen);
+/* Close the socket and every client connection (without detaching: the engine is destroyed next). */
+void epd_attach_fini(void);
+/* Resolved path of the attach socket. */
+const char *epd_attach_path(void);
+/* Issue a one-time token for a client just attached in the engine (thread-safe; any thread). The
+ * token expires after conf->token_ttl_ms; an unredeemed, expired token detaches the client. The
+ * peer's pid/uid from the Attach call (0 if unknown) are checked against SO_PEERCRED at redemption
+ * when non-zero. */
+int epd_attach_issue_token(uint64_t client_id, uint32_t pid, uint32_t uid,
+                           uint8_t token[EPD_TOKEN_BYTES]);
+/* Number of live attach connections (for status). */
+unsigned epd_attach_connections(void);
+
+#endif
