@@ -75,9 +75,10 @@ EPDCTL := $(B)/bin/epdctl
 TESTS := $(B)/bin/epd-tests
 GPU_TESTS := $(B)/bin/epd-gpu-tests
 BENCH := $(B)/bin/epd-bench
+WORKER := $(B)/bin/epd-worker
 
 .PHONY: all run test gpu-test bench install dist clean deps format
-all: $(EPD) $(EPDCTL) $(LIBEPD) $(TESTS) $(GPU_TESTS) $(B)/epd.pc
+all: $(EPD) $(EPDCTL) $(LIBEPD) $(WORKER) $(TESTS) $(GPU_TESTS) $(B)/epd.pc
 
 $(B)/obj/gen/%.o: $(B)/gen/%.c $(GEN_H)
 	$(call msg,CC,$<)
@@ -110,6 +111,9 @@ $(TESTS): $(call obj,$(TEST_SRCS)) $(ENGINE_LIB) $(LIBEPD_A)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
 $(GPU_TESTS): $(call obj,$(GPU_TEST_SRCS) tests/runner_lib.c) $(ENGINE_LIB) $(LIBEPD_A)
+	$(call msg,LD,$@)
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
+$(WORKER): $(call obj,tests/tools/epd-worker.c) $(ENGINE_LIB) $(LIBEPD_A)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
 $(BENCH): $(call obj,$(BENCH_SRCS)) $(ENGINE_LIB) $(LIBEPD_A)
