@@ -37,7 +37,7 @@ CUDA_CFLAGS := $(if $(filter 1,$(WITH_CUDA)),-I$(CUDA_HOME)/include -I$(NCCL_HOM
 CUDA_LIBS := $(if $(filter 1,$(WITH_CUDA)),-L$(NCCL_HOME)/lib -L$(NCCL_HOME)/lib64 -L$(CUDA_HOME)/lib64 \
   -lnccl -lcudart_static -ldl -lrt -lstdc++ '-Wl,-rpath,$$ORIGIN/../lib',)
 CFLAGS_ALL += $(PKG_CFLAGS) $(CUDA_CFLAGS)
-LDFLAGS_ALL := $(SAN) -pthread $(LDFLAGS)
+LDFLAGS_ALL := $(SAN) -pthread '-Wl,-rpath,$$ORIGIN/../lib' -Wl,--disable-new-dtags $(LDFLAGS)
 NVCCFLAGS := -std=c++17 $(CUDA_ARCH) -O3 -Xcompiler -fPIC,-fvisibility=hidden -Iclient -Ikernels \
   -I$(NCCL_HOME)/include -MMD -MP -lineinfo
 
