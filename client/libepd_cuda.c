@@ -1,26 +1,363 @@
 /*
- * libepd_cuda.c - CUDA side of libepd. This first version reports EPD_ERR_UNSUPPORTED for every call
- * (the host backend needs none of it); the CUDA data path replaces these bodies.
+ * libepd_cuda.c - CUDA side of libepd. libepd links no CUDA library: the driver (libcuda.so.1) is
+ * opened on first use and every entry point is resolved through cuGetProcAddress, so the host backend
+ * keeps working on machines without CUDA and the CUDA calls fail with EPD_ERR_UNSUPPORTED there.
+ * Only the driver's types come from cuda.h (a header, no link); a build without the CUDA headers
+ * (EPD_WITH_CUDA=0) compiles the stubs at the end of this file.
  */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "libepd_cuda.h"
 
-epd_result_t epd_cuda_import(int fd, size_t bytes, int device, epd_cuda_map_t **out, void **addr,
-                             char *err, size_t errlen) {
-  snprintf(err, errlen, "CUDA memory import is not available in this build of libepd");
-  return EPD_ERR_UNSUPPORTED;
+#if EPD_WITH_CUDA
+#include <cuda.h>
+
+/* The driver entry points we use, resolved by base name for the CUDA 12.0 ABI (which picks the _v2
+ * variants of cuMemHostRegister, cuStreamBatchMemOp, ...). */
+#define EPD_CU_FUNCS(X)                                                                            \
+  X(cuInit, (unsigned int))                                                                        \
+  X(cuGetErrorString, (CUresult, const char **))                                                   \
+  X(cuDeviceGet, (CUdevice *, int))                                                                \
+  X(cuDevicePrimaryCtxRetain, (CUcontext *, CUdevice))                                             \
+  X(cuCtxGetCurrent, (CUcontext *))                                                                \
+  X(cuCtxSetCurrent, (CUcontext))                                                                  \
+  X(cuMemImportFromShareableHandle, (CUmemGenericAllocationHandle *, void *,                       \
+                                     CUmemAllocationHandleType))                                   \
+  X(cuMemGetAllocationPropertiesFromHandle, (CUmemAllocationProp *, CUmemGenericAllocationHandle)) \
+  X(cuMemGetAllocationGranularity, (size_t *, const CUmemAllocationProp *,                         \
+                                    CUmemAllocationGranularity_flags))                             \
+  X(cuMemAddressReserve, (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))         \
+  X(cuMemMap, (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))     \
+  X(cuMemSetAccess, (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))                        \
+  X(cuMemUnmap, (CUdeviceptr, size_t))                                                             \
+  X(cuMemRelease, (CUmemGenericAllocationHandle))                                                  \
+  X(cuMemAddressFree, (CUdeviceptr, size_t))                                                       \
+  X(cuMemHostRegister, (void *, size_t, unsigned int))                                             \
+  X(cuMemHostUnregister, (void *))                                                                 \
+  X(cuMemHostGetDevicePointer, (CUdeviceptr *, void *, unsigned int))                              \
+  X(cuStreamBatchMemOp, (CUstream, unsigned int, CUstreamBatchMemOpParams *, unsigned int))        \
+  X(cuStreamSynchronize, (CUstream))                                                               \
+  X(cuMemcpyDtoH, (void *, CUdeviceptr, size_t))
+
+typedef CUresult (*epd_cuGetProcAddress_fn)(const char *, void **, int, cuuint64_t,
+                                            CUdriverProcAddressQueryResult *);
+
+static struct {
+#define X(name, args) CUresult (*name) args;
+  EPD_CU_FUNCS(X)
+#undef X
+} cu;
+
+static pthread_once_t load_once = PTHREAD_ONCE_INIT;
+static epd_result_t load_result = EPD_ERR_UNSUPPORTED;
+static char load_error[256];
+static void *libcuda;
+
+static void load_driver(void) {
+  libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!libcuda) {
+    snprintf(load_error, sizeof load_error, "the CUDA driver (libcuda.so.1) is not available: %s",
+             dlerror());
+    return;
+  }
+  epd_cuGetProcAddress_fn gpa = (epd_cuGetProcAddress_fn)dlsym(libcuda, "cuGetProcAddress_v2");
+  if (!gpa) {
+    snprintf(load_error, sizeof load_error,
+             "the CUDA driver is too old (no cuGetProcAddress_v2; CUDA 12 or newer is required)");
+    return;
+  }
+#define X(name, args)                                                                           \
+  {                                                                                             \
+    CUdriverProcAddressQueryResult st;                                                          \
+    void *p = NULL;                                                                             \
+    if (gpa(#name, &p, 12000, CU_GET_PROC_ADDRESS_DEFAULT, &st) != CUDA_SUCCESS || !p) {        \
+      snprintf(load_error, sizeof load_error, "the CUDA driver lacks %s", #name);               \
+      return;                                                                                   \
+    }                                                                                           \
+    memcpy(&cu.name, &p, sizeof p);                                                             \
+  }
+  EPD_CU_FUNCS(X)
+#undef X
+  CUresult r = cu.cuInit(0);
+  if (r != CUDA_SUCCESS) {
+    const char *s = NULL;
+    cu.cuGetErrorString(r, &s);
+    snprintf(load_error, sizeof load_error, "cuInit failed: %s (%d)", s ? s : "?", (int)r);
+    return;
+  }
+  load_result = EPD_OK;
 }
 
-void epd_cuda_unimport(epd_cuda_map_t *m) { (void)m; }
+epd_result_t epd_cuda_load(char *err, size_t errlen) {
+  pthread_once(&load_once, load_driver);
+  if (load_result != EPD_OK && err) snprintf(err, errlen, "%s", load_error);
+  return load_result;
+}
+
+/* Convert a driver error once, where it enters: the message names the call. */
+static epd_result_t cu_fail(CUresult r, const char *what, char *err, size_t errlen) {
+  const char *s = NULL;
+  if (cu.cuGetErrorString) cu.cuGetErrorString(r, &s);
+  if (err) snprintf(err, errlen, "%s failed: %s (%d)", what, s ? s : "unknown CUDA error", (int)r);
+  return r == CUDA_ERROR_OUT_OF_MEMORY ? EPD_ERR_NOMEM : EPD_ERR_CUDA;
+}
+#define CU_TRY(call, what)                                         \
+  do {                                                             \
+    CUresult r_ = (call);                                          \
+    if (r_ != CUDA_SUCCESS) return cu_fail(r_, what, err, errlen); \
+  } while (0)
+
+/* Make sure the calling thread has a context: the caller's own if it has one (a worker using the
+ * runtime has its device's primary context current), else the primary context of `device`. */
+static epd_result_t ensure_ctx(int device, char *err, size_t errlen) {
+  CUcontext cur = NULL;
+  CU_TRY(cu.cuCtxGetCurrent(&cur), "cuCtxGetCurrent");
+  if (cur) return EPD_OK;
+  if (device < 0) {
+    snprintf(err, errlen, "no CUDA context is current on this thread");
+    return EPD_ERR_STATE;
+  }
+  CUdevice dev;
+  CUcontext ctx;
+  CU_TRY(cu.cuDeviceGet(&dev, device), "cuDeviceGet");
+  /* The primary context is retained once per call site and never released: it is the same context
+   * the runtime uses, and releasing it under a running worker would tear it down. */
+  CU_TRY(cu.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  CU_TRY(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+  return EPD_OK;
+}
+
+struct epd_cuda_map {
+  CUdeviceptr base;
+  size_t size;
+  CUmemGenericAllocationHandle handle;
+};
+
+epd_result_t epd_cuda_import(int fd, size_t bytes, int device, epd_cuda_map_t **out, void **addr,
+                             char *err, size_t errlen) {
+  epd_result_t rc = epd_cuda_load(err, errlen);
+  if (rc) return rc;
+  if (fd < 0 || bytes == 0 || !out || !addr) {
+    snprintf(err, errlen, "epd_cuda_import: fd %d / bytes %zu out of range", fd, bytes);
+    return EPD_ERR_INVALID;
+  }
+  if ((rc = ensure_ctx(device, err, errlen))) return rc;
+  epd_cuda_map_t *m = calloc(1, sizeof *m);
+  if (!m) return EPD_ERR_NOMEM;
+  CUresult r;
+  const char *what;
+  size_t gran = 0;
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  r = cu.cuMemImportFromShareableHandle(&m->handle, (void *)(uintptr_t)fd,
+                                        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  if (r) { what = "cuMemImportFromShareableHandle"; goto fail_free; }
+  r = cu.cuMemGetAllocationPropertiesFromHandle(&prop, m->handle);
+  if (r) { what = "cuMemGetAllocationPropertiesFromHandle"; goto fail_release; }
+  r = cu.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (r) { what = "cuMemGetAllocationGranularity"; goto fail_release; }
+  /* A mapping must cover whole granules: the daemon allocates rounded up, the size it reports may not. */
+  m->size = gran ? (bytes + gran - 1) / gran * gran : bytes;
+  r = cu.cuMemAddressReserve(&m->base, m->size, gran, 0, 0);
+  if (r) { what = "cuMemAddressReserve"; goto fail_release; }
+  r = cu.cuMemMap(m->base, m->size, 0, m->handle, 0);
+  if (r) { what = "cuMemMap"; goto fail_free_va; }
+  CUmemAccessDesc acc;
+  memset(&acc, 0, sizeof acc);
+  acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  acc.location.id = device;
+  acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  r = cu.cuMemSetAccess(m->base, m->size, &acc, 1);
+  if (r) { what = "cuMemSetAccess"; goto fail_unmap; }
+  *out = m;
+  *addr = (void *)(uintptr_t)m->base;
+  return EPD_OK;
+fail_unmap:
+  cu.cuMemUnmap(m->base, m->size);
+fail_free_va:
+  cu.cuMemAddressFree(m->base, m->size);
+fail_release:
+  cu.cuMemRelease(m->handle);
+fail_free:
+  free(m);
+  return cu_fail(r, what, err, errlen);
+}
+
+void epd_cuda_unimport(epd_cuda_map_t *m) {
+  if (!m) return;
+  cu.cuMemUnmap(m->base, m->size);
+  cu.cuMemAddressFree(m->base, m->size);
+  cu.cuMemRelease(m->handle);
+  free(m);
+}
+
+struct epd_cuda_hostreg {
+  void *host;
+};
+
+epd_result_t epd_cuda_register_host(void *host, size_t bytes, int device, epd_cuda_hostreg_t **out,
+                                    uint64_t *dev_addr, char *err, size_t errlen) {
+  epd_result_t rc = epd_cuda_load(err, errlen);
+  if (rc) return rc;
+  if (!host || bytes == 0 || !out || !dev_addr) {
+    snprintf(err, errlen, "epd_cuda_register_host: host %p / bytes %zu out of range", host, bytes);
+    return EPD_ERR_INVALID;
+  }
+  if ((rc = ensure_ctx(device, err, errlen))) return rc;
+  epd_cuda_hostreg_t *h = calloc(1, sizeof *h);
+  if (!h) return EPD_ERR_NOMEM;
+  /* PORTABLE: the worker may drive the queue from any context of the process. */
+  CUresult r = cu.cuMemHostRegister(host, bytes, CU_MEMHOSTREGISTER_DEVICEMAP | CU_MEMHOSTREGISTER_PORTABLE);
+  if (r) {
+    free(h);
+    return cu_fail(r, "cuMemHostRegister", err, errlen);
+  }
+  CUdeviceptr d = 0;
+  r = cu.cuMemHostGetDevicePointer(&d, host, 0);
+  if (r) {
+    cu.cuMemHostUnregister(host);
+    free(h);
+    return cu_fail(r, "cuMemHostGetDevicePointer", err, errlen);
+  }
+  h->host = host;
+  *out = h;
+  *dev_addr = (uint64_t)d;
+  return EPD_OK;
+}
+
+void epd_cuda_unregister_host(epd_cuda_hostreg_t *h) {
+  if (!h) return;
+  cu.cuMemHostUnregister(h->host);
+  free(h);
+}
+
+/* Fill ops with the submission half: 8 x 64-bit descriptor words, then state = SUBMITTED. The state
+ * write keeps the default memory barrier, so the descriptor is visible before the state word. */
+static unsigned put_submit(CUstreamBatchMemOpParams *ops, uint64_t slot_dev, const epd_desc_t *desc) {
+  unsigned n = 0;
+  uint64_t words[sizeof(epd_desc_t) / 8];
+  memcpy(words, desc, sizeof words);
+  for (unsigned i = 0; i < sizeof words / 8; i++, n++) {
+    ops[n].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
+    ops[n].writeValue.address = (CUdeviceptr)(slot_dev + offsetof(epd_slot_t, desc) + 8 * i);
+    ops[n].writeValue.value64 = words[i];
+    ops[n].writeValue.flags = CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER;
+  }
+  ops[n].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+  ops[n].writeValue.address = (CUdeviceptr)(slot_dev + offsetof(epd_slot_t, state));
+  ops[n].writeValue.value = EPD_SLOT_SUBMITTED;
+  ops[n].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  return n + 1;
+}
+
+/* Fill ops with the completion half: wait state == DONE, then state = FREE. */
+static unsigned put_wait(CUstreamBatchMemOpParams *ops, uint64_t slot_dev) {
+  ops[0].waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+  ops[0].waitValue.address = (CUdeviceptr)(slot_dev + offsetof(epd_slot_t, state));
+  ops[0].waitValue.value = EPD_SLOT_DONE;
+  ops[0].waitValue.flags = CU_STREAM_WAIT_VALUE_EQ;
+  ops[1].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+  ops[1].writeValue.address = (CUdeviceptr)(slot_dev + offsetof(epd_slot_t, state));
+  ops[1].writeValue.value = EPD_SLOT_FREE;
+  ops[1].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+  return 2;
+}
+
+static epd_result_t batch(void *stream, CUstreamBatchMemOpParams *ops, unsigned n, char *err,
+                          size_t errlen) {
+  epd_result_t rc = epd_cuda_load(err, errlen);
+  if (rc) return rc;
+  if ((rc = ensure_ctx(-1, err, errlen))) return rc;
+  CU_TRY(cu.cuStreamBatchMemOp((CUstream)stream, n, ops, 0), "cuStreamBatchMemOp");
+  return EPD_OK;
+}
 
 epd_result_t epd_cuda_submit(void *stream, uint64_t slot_dev, const epd_desc_t *desc, char *err,
                              size_t errlen) {
-  snprintf(err, errlen, "stream-ordered submission is not available in this build of libepd");
-  return EPD_ERR_UNSUPPORTED;
+  CUstreamBatchMemOpParams ops[16];
+  memset(ops, 0, sizeof ops);
+  if (!slot_dev || !desc) {
+    snprintf(err, errlen, "epd_cuda_submit: slot address and descriptor are required");
+    return EPD_ERR_INVALID;
+  }
+  unsigned n = put_submit(ops, slot_dev, desc);
+  n += put_wait(ops + n, slot_dev);
+  return batch(stream, ops, n, err, errlen);
+}
+
+epd_result_t epd_cuda_submit_async(void *stream, uint64_t slot_dev, const epd_desc_t *desc, char *err,
+                                   size_t errlen) {
+  CUstreamBatchMemOpParams ops[16];
+  memset(ops, 0, sizeof ops);
+  if (!slot_dev || !desc) {
+    snprintf(err, errlen, "epd_cuda_submit_async: slot address and descriptor are required");
+    return EPD_ERR_INVALID;
+  }
+  return batch(stream, ops, put_submit(ops, slot_dev, desc), err, errlen);
+}
+
+epd_result_t epd_cuda_wait_async(void *stream, uint64_t slot_dev, char *err, size_t errlen) {
+  CUstreamBatchMemOpParams ops[2];
+  memset(ops, 0, sizeof ops);
+  if (!slot_dev) {
+    snprintf(err, errlen, "epd_cuda_wait_async: slot address is required");
+    return EPD_ERR_INVALID;
+  }
+  return batch(stream, ops, put_wait(ops, slot_dev), err, errlen);
 }
 
 epd_result_t epd_cuda_read(void *dst, uint64_t src, size_t bytes, char *err, size_t errlen) {
-  snprintf(err, errlen, "CUDA reads are not available in this build of libepd");
+  epd_result_t rc = epd_cuda_load(err, errlen);
+  if (rc) return rc;
+  if ((rc = ensure_ctx(-1, err, errlen))) return rc;
+  CU_TRY(cu.cuMemcpyDtoH(dst, (CUdeviceptr)src, bytes), "cuMemcpyDtoH");
+  return EPD_OK;
+}
+
+epd_result_t epd_cuda_stream_sync(void *stream, char *err, size_t errlen) {
+  epd_result_t rc = epd_cuda_load(err, errlen);
+  if (rc) return rc;
+  if ((rc = ensure_ctx(-1, err, errlen))) return rc;
+  CU_TRY(cu.cuStreamSynchronize((CUstream)stream), "cuStreamSynchronize");
+  return EPD_OK;
+}
+
+#else /* !EPD_WITH_CUDA: built without the CUDA headers */
+
+static epd_result_t no_cuda(char *err, size_t errlen) {
+  if (err) snprintf(err, errlen, "this libepd was built without CUDA support (WITH_CUDA=0)");
   return EPD_ERR_UNSUPPORTED;
 }
+epd_result_t epd_cuda_load(char *err, size_t errlen) { return no_cuda(err, errlen); }
+epd_result_t epd_cuda_import(int fd, size_t bytes, int device, epd_cuda_map_t **out, void **addr,
+                             char *err, size_t errlen) {
+  return no_cuda(err, errlen);
+}
+void epd_cuda_unimport(epd_cuda_map_t *m) { (void)m; }
+epd_result_t epd_cuda_register_host(void *host, size_t bytes, int device, epd_cuda_hostreg_t **out,
+                                    uint64_t *dev_addr, char *err, size_t errlen) {
+  return no_cuda(err, errlen);
+}
+void epd_cuda_unregister_host(epd_cuda_hostreg_t *r) { (void)r; }
+epd_result_t epd_cuda_submit(void *stream, uint64_t slot_dev, const epd_desc_t *desc, char *err,
+                             size_t errlen) {
+  return no_cuda(err, errlen);
+}
+epd_result_t epd_cuda_submit_async(void *stream, uint64_t slot_dev, const epd_desc_t *desc, char *err,
+                                   size_t errlen) {
+  return no_cuda(err, errlen);
+}
+epd_result_t epd_cuda_wait_async(void *stream, uint64_t slot_dev, char *err, size_t errlen) {
+  return no_cuda(err, errlen);
+}
+epd_result_t epd_cuda_read(void *dst, uint64_t src, size_t bytes, char *err, size_t errlen) {
+  return no_cuda(err, errlen);
+}
+epd_result_t epd_cuda_stream_sync(void *stream, char *err, size_t errlen) { return no_cuda(err, errlen); }
+
+#endif

@@ -1,7 +1,13 @@
 /*
- * libepd_cuda.h - internal: the CUDA side of libepd (import of the daemon's cuMem fds, stream-ordered
- * submission with stream memory operations). Loaded lazily (dlopen of libcuda.so.1) so that libepd
- * works with the host backend on machines without CUDA.
+ * libepd_cuda.h - internal: the CUDA side of libepd (import of the daemon's cuMem fds, host registration
+ * of the queue, stream-ordered submission with stream memory operations). Loaded lazily (dlopen of
+ * libcuda.so.1) so that libepd works with the host backend on machines without CUDA.
+ *
+ * Where the queue lives: the queue stays a memfd in host memory on both backends. With the CUDA backend
+ * the daemon registers it mapped (cudaHostRegister) and the client registers its own mmap with
+ * epd_cuda_register_host(), so the client's stream memory operations and kernels (epd_device.h) write
+ * the slot through a device address while the daemon's CPU thread (launch mode) or its persistent
+ * kernel (MPS mode) sees the same bytes. Only the IO arena is GPU memory (epd_cuda_import).
  */
 #ifndef EPD_LIBEPD_CUDA_H
 #define EPD_LIBEPD_CUDA_H
@@ -12,19 +18,37 @@
 #include "epd.h"
 
 typedef struct epd_cuda_map epd_cuda_map_t;
+typedef struct epd_cuda_hostreg epd_cuda_hostreg_t;
 
+/* Load libcuda.so.1 and resolve the driver entry points (once, thread-safe). EPD_ERR_UNSUPPORTED
+ * with a message when there is no driver. */
+epd_result_t epd_cuda_load(char *err, size_t errlen);
 /* Import a POSIX-fd cuMem allocation of `bytes` on `device` and map it read/write in this process;
- * *addr gets the device address. */
+ * *addr gets the device address. The fd stays owned by the caller. */
 epd_result_t epd_cuda_import(int fd, size_t bytes, int device, epd_cuda_map_t **out, void **addr,
                              char *err, size_t errlen);
 /* Unmap and release an import. */
 void epd_cuda_unimport(epd_cuda_map_t *m);
-/* Enqueue on `stream` (a CUstream): write desc into the device slot, set state SUBMITTED, wait for
- * state DONE, set FREE (stream memory operations; capturable in a CUDA graph). slot_dev is the device
- * address of the epd_slot_t. */
+/* Page-lock and map host memory (the queue's mmap) for `device`; *dev_addr gets the address by which
+ * stream memory operations and kernels reach it. */
+epd_result_t epd_cuda_register_host(void *host, size_t bytes, int device, epd_cuda_hostreg_t **out,
+                                    uint64_t *dev_addr, char *err, size_t errlen);
+/* Undo epd_cuda_register_host (the memory must no longer be used by the GPU). */
+void epd_cuda_unregister_host(epd_cuda_hostreg_t *r);
+/* Enqueue on `stream` (a CUstream/cudaStream_t, NULL = legacy default stream): write desc into the
+ * slot, set state SUBMITTED, wait for state DONE, set FREE, as one batch of stream memory operations
+ * (capturable in a CUDA graph; every value is a constant of the slot, so replays are correct).
+ * slot_dev is the device address of the epd_slot_t (from epd_cuda_register_host). */
 epd_result_t epd_cuda_submit(void *stream, uint64_t slot_dev, const epd_desc_t *desc, char *err,
                              size_t errlen);
+/* Enqueue only the submission half (desc, state = SUBMITTED) or only the completion half (wait DONE,
+ * state = FREE) on a stream; epd_cuda_submit is the two in one batch. */
+epd_result_t epd_cuda_submit_async(void *stream, uint64_t slot_dev, const epd_desc_t *desc, char *err,
+                                   size_t errlen);
+epd_result_t epd_cuda_wait_async(void *stream, uint64_t slot_dev, char *err, size_t errlen);
 /* Copy `bytes` from device address src to host dst (synchronous; for reading completion records). */
 epd_result_t epd_cuda_read(void *dst, uint64_t src, size_t bytes, char *err, size_t errlen);
+/* Synchronise a stream (NULL = legacy default stream). */
+epd_result_t epd_cuda_stream_sync(void *stream, char *err, size_t errlen);
 
 #endif
