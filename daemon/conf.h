@@ -49,4 +49,15 @@ size_t epd_conf_dump(const epd_conf_t *c, char *buf, size_t len);
 /* Copy the keys that can change at runtime (reloadable) from src into dst; returns how many changed. */
 int epd_conf_apply_reloadable(epd_conf_t *dst, const epd_conf_t *src);
 
+/* Describe, one "key: old -> new (applied|needs restart)" line each, the keys that differ between
+ * cur and next; returns how many differ (the text is truncated to len). */
+int epd_conf_diff(const epd_conf_t *cur, const epd_conf_t *next, char *buf, size_t len);
+/* Resolve the control socket path: conf->control_socket, else /run/epd/control.sock for root, else
+ * $XDG_RUNTIME_DIR/epd/control.sock, else /tmp/epd-<uid>/control.sock. Returns 0, or -1 if too long. */
+int epd_conf_control_socket_path(const epd_conf_t *c, char *buf, size_t len);
+/* Resolve the attach socket path: conf->attach_socket, else "attach.sock" beside the control socket. */
+int epd_conf_attach_socket_path(const epd_conf_t *c, char *buf, size_t len);
+/* Print the documented table (key, type, default, range, reloadable, doc) for `epd --help-config`. */
+size_t epd_conf_describe(char *buf, size_t len);
+
 #endif

@@ -6,6 +6,7 @@
 #define EPD_LOG_H
 
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdint.h>
 
 enum { EPD_LOG_ERROR = 0, EPD_LOG_WARN = 1, EPD_LOG_INFO = 2, EPD_LOG_DEBUG = 3, EPD_LOG_TRACE = 4 };
@@ -31,6 +32,13 @@ void epd_log_set(int level, uint32_t subsystems);
 int epd_log_level_parse(const char *s);
 /* Parse a comma list of subsystem names ("all", "main,rpc,..."); returns 0 and sets *mask, or -1. */
 int epd_log_subsystems_parse(const char *s, uint32_t *mask);
+/* Name of a level ("info"); "?" if out of range. */
+const char *epd_log_level_name(int level);
+/* Format a subsystem mask as the comma list epd_log_subsystems_parse() reads ("all" for every bit). */
+void epd_log_subsystems_format(uint32_t mask, char *buf, size_t len);
+/* Current level and mask. */
+int epd_log_level(void);
+uint32_t epd_log_subsystems(void);
 /* Log one record; rank/client may be -1/0 when not applicable. */
 void epd_log_msg(int level, uint32_t sub, int rank, uint64_t client, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));

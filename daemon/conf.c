@@ -1,0 +1,471 @@
+/*
+ * conf.c - the configuration table. Every key is one row (name, type, bounds, default, reloadable,
+ * doc, place in epd_conf_t); defaults, parsing, validation, dumping, diffing and reload all walk it.
+ */
+#define _GNU_SOURCE
+#include "conf.h"
+
+#include <errno.h>
+#include <ini.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <unistd.h>
+
+#include "epd_paths.h"
+#include "log.h"
+
+typedef enum conf_type {
+  CT_STRING,    /* char[size] */
+  CT_UINT,      /* uint32_t, decimal */
+  CT_OCTAL,     /* uint32_t, octal (file modes) */
+  CT_BYTES,     /* uint32_t or uint64_t, with an optional K/M/G/T (binary) suffix */
+  CT_ENUM,      /* char[size], one of choices */
+  CT_LOG_LEVEL, /* int, error|warn|info|debug|trace */
+  CT_SUBSYSTEMS /* uint32_t mask, comma list of subsystem names or "all" */
+} conf_type_t;
+
+typedef struct conf_key {
+  const char *name;
+  conf_type_t type;
+  uint64_t min, max;
+  const char *def; /* default as text, parsed like a file value so that defaults are validated too */
+  int reloadable;  /* applied by SIGHUP without a restart */
+  size_t off, size;
+  const char *choices; /* CT_ENUM: comma list */
+  const char *doc;
+} conf_key_t;
+
+#define F(field) offsetof(epd_conf_t, field), sizeof(((epd_conf_t *)0)->field)
+#define KiB 1024ull
+#define MiB (1024ull * KiB)
+#define GiB (1024ull * MiB)
+#define TiB (1024ull * GiB)
+
+static const conf_key_t keys[] = {
+    {"daemon.control_socket", CT_STRING, 0, 0, "", 0, F(control_socket), NULL,
+     "control RPC socket; empty: /run/epd/control.sock (root), $XDG_RUNTIME_DIR/epd/ or /tmp/epd-<uid>/"},
+    {"daemon.attach_socket", CT_STRING, 0, 0, "", 0, F(attach_socket), NULL,
+     "attach (fd passing) socket; empty: attach.sock beside the control socket"},
+    {"daemon.socket_mode", CT_OCTAL, 0, 0777, "0660", 0, F(socket_mode), NULL,
+     "file mode of both sockets (who may attach: owner and group by default)"},
+    {"daemon.socket_group", CT_STRING, 0, 0, "", 0, F(socket_group), NULL,
+     "group owning both sockets; empty: the daemon's primary group"},
+    {"daemon.state_dir", CT_STRING, 0, 0, "", 0, F(state_dir), NULL,
+     "directory for state that survives a restart (expert maps); empty: none kept"},
+    {"daemon.token_ttl_ms", CT_UINT, 100, 3600000, "10000", 1, F(token_ttl_ms), NULL,
+     "lifetime of a one-time attach token; an unredeemed client is detached after it"},
+    {"daemon.drain_timeout_ms", CT_UINT, 0, 3600000, "10000", 1, F(drain_timeout_ms), NULL,
+     "on SIGTERM or Drain, wait this long for clients to detach before exiting"},
+    {"daemon.max_message_bytes", CT_BYTES, 4 * KiB, GiB, "4MiB", 0, F(max_message_bytes), NULL,
+     "largest control RPC message accepted"},
+    {"log.level", CT_LOG_LEVEL, 0, 0, "info", 1, F(log_level), NULL,
+     "error, warn, info, debug or trace"},
+    {"log.subsystems", CT_SUBSYSTEMS, 0, 0, "all", 1, F(log_subsystems), NULL,
+     "comma list of main, conf, rpc, attach, engine, cuda, metrics, or all (errors always pass)"},
+    {"engine.backend", CT_ENUM, 0, 0, "auto", 0, F(backend), "auto,host,cuda",
+     "auto (cuda when GPUs and NCCL are usable, else host), host (threads over shared memory) or cuda"},
+    {"engine.num_ranks", CT_UINT, 1, 64, "2", 0, F(num_ranks), NULL,
+     "ranks of this node (cuda: GPUs 0..n-1; host: threads)"},
+    {"engine.max_experts", CT_UINT, 1, 4096, "256", 0, F(max_experts), NULL,
+     "largest num_experts a group may have"},
+    {"engine.max_hidden", CT_UINT, 8, 65536, "8192", 0, F(max_hidden), NULL,
+     "largest hidden size a group may have"},
+    {"engine.max_topk", CT_UINT, 1, 16, "16", 0, F(max_topk), NULL, "largest top-k a group may have"},
+    {"engine.max_tokens", CT_UINT, 1, 65536, "256", 0, F(max_tokens), NULL,
+     "largest max_tokens (per rank and step) a group may have"},
+    {"engine.slots_factor_pct", CT_UINT, 100, 800, "100", 0, F(slots_factor_pct), NULL,
+     "expert slots per rank as a percentage of ceil(experts/ranks); above 100 leaves room for replicas"},
+    {"engine.ht_capacity_factor", CT_UINT, 0, 1024, "0", 0, F(ht_capacity_factor), NULL,
+     "HT receive capacity in units of max_tokens; 0: num_ranks (never overflows)"},
+    {"engine.step_timeout_ms", CT_UINT, 1, 3600000, "10000", 0, F(step_timeout_ms), NULL,
+     "a rank waiting longer than this for its peers fails the step with EPD_ERR_TIMEOUT"},
+    {"engine.max_groups", CT_UINT, 1, 256, "8", 0, F(max_groups), NULL, "EP groups served at once"},
+    {"engine.max_clients_per_rank", CT_UINT, 1, 256, "8", 0, F(max_clients_per_rank), NULL,
+     "clients attached to one rank at once (across groups)"},
+    {"engine.max_arena_bytes", CT_BYTES, MiB, TiB, "8GiB", 0, F(max_arena_bytes), NULL,
+     "largest IO arena of one client; an attach whose geometry needs more is refused"},
+    {"metrics.prometheus_listen", CT_STRING, 0, 0, "", 0, F(prometheus_listen), NULL,
+     "host:port to serve /metrics over HTTP; empty: off (metrics stay available over the control RPC)"},
+};
+#define NKEYS (sizeof keys / sizeof keys[0])
+
+static const char *const level_list = "error, warn, info, debug, trace";
+
+static void seterr(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void seterr(char *err, size_t errlen, const char *fmt, ...) {
+  va_list ap;
+  if (!err || errlen == 0) return;
+  va_start(ap, fmt);
+  vsnprintf(err, errlen, fmt, ap);
+  va_end(ap);
+}
+
+static const conf_key_t *find_key(const char *name) {
+  for (size_t i = 0; i < NKEYS; i++)
+    if (!strcmp(keys[i].name, name)) return &keys[i];
+  return NULL;
+}
+
+static uint64_t get_uint(const epd_conf_t *c, const conf_key_t *k) {
+  const char *p = (const char *)c + k->off;
+  if (k->size == sizeof(uint64_t)) {
+    uint64_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+  }
+  uint32_t v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static void put_uint(epd_conf_t *c, const conf_key_t *k, uint64_t v) {
+  char *p = (char *)c + k->off;
+  if (k->size == sizeof(uint64_t)) {
+    memcpy(p, &v, sizeof v);
+  } else {
+    uint32_t w = (uint32_t)v;
+    memcpy(p, &w, sizeof w);
+  }
+}
+
+/* Bytes as the largest binary unit that divides them exactly ("4MiB", "8GiB", "1000"). */
+static void fmt_bytes(uint64_t v, char *buf, size_t len) {
+  static const struct { const char *sfx; uint64_t mul; } u[] = {{"TiB", TiB}, {"GiB", GiB}, {"MiB", MiB}, {"KiB", KiB}};
+  for (size_t i = 0; i < sizeof u / sizeof u[0]; i++)
+    if (v >= u[i].mul && v % u[i].mul == 0) {
+      snprintf(buf, len, "%" PRIu64 "%s", v / u[i].mul, u[i].sfx);
+      return;
+    }
+  snprintf(buf, len, "%" PRIu64, v);
+}
+
+static void fmt_range(const conf_key_t *k, char *buf, size_t len) {
+  char a[32], b[32];
+  if (k->type == CT_BYTES) {
+    fmt_bytes(k->min, a, sizeof a);
+    fmt_bytes(k->max, b, sizeof b);
+  } else if (k->type == CT_OCTAL) {
+    snprintf(a, sizeof a, "0%" PRIo64, k->min);
+    snprintf(b, sizeof b, "0%" PRIo64, k->max);
+  } else {
+    snprintf(a, sizeof a, "%" PRIu64, k->min);
+    snprintf(b, sizeof b, "%" PRIu64, k->max);
+  }
+  snprintf(buf, len, "[%s, %s]", a, b);
+}
+
+/* Format a key's value as text that parse_value() reads back to the same value. */
+static void fmt_value(const epd_conf_t *c, const conf_key_t *k, char *buf, size_t len) {
+  const char *p = (const char *)c + k->off;
+  switch (k->type) {
+  case CT_STRING:
+  case CT_ENUM: snprintf(buf, len, "%.*s", (int)k->size, p); break;
+  case CT_UINT: snprintf(buf, len, "%" PRIu64, get_uint(c, k)); break;
+  case CT_OCTAL: snprintf(buf, len, "0%" PRIo64, get_uint(c, k)); break;
+  case CT_BYTES: fmt_bytes(get_uint(c, k), buf, len); break;
+  case CT_LOG_LEVEL: {
+    int lv;
+    memcpy(&lv, p, sizeof lv);
+    snprintf(buf, len, "%s", epd_log_level_name(lv));
+    break;
+  }
+  case CT_SUBSYSTEMS: epd_log_subsystems_format((uint32_t)get_uint(c, k), buf, len); break;
+  }
+}
+
+/* Parse an unsigned number in base (10 or 8), with a binary unit suffix when bytes != 0. */
+static int parse_number(const char *s, int base, int bytes, uint64_t *out) {
+  char *end;
+  while (*s == ' ' || *s == '\t') s++;
+  if (*s < '0' || *s > '9') return -1; /* no sign, no empty value */
+  errno = 0;
+  unsigned long long v = strtoull(s, &end, base);
+  if (errno || end == s) return -1;
+  while (*end == ' ') end++;
+  uint64_t mul = 1;
+  if (bytes && *end) {
+    static const struct { const char *sfx; uint64_t mul; } u[] = {
+        {"k", KiB}, {"kb", KiB}, {"kib", KiB}, {"m", MiB}, {"mb", MiB}, {"mib", MiB}, {"g", GiB},
+        {"gb", GiB}, {"gib", GiB}, {"t", TiB}, {"tb", TiB}, {"tib", TiB}, {"b", 1}};
+    size_t i;
+    for (i = 0; i < sizeof u / sizeof u[0]; i++)
+      if (!strcasecmp(end, u[i].sfx)) break;
+    if (i == sizeof u / sizeof u[0]) return -1;
+    mul = u[i].mul;
+    end += strlen(end);
+  }
+  if (*end) return -1;
+  if (v > UINT64_MAX / mul) return -1;
+  *out = (uint64_t)v * mul;
+  return 0;
+}
+
+/* Parse and validate one value into c; the message names the key and the allowed values. */
+static int parse_value(epd_conf_t *c, const conf_key_t *k, const char *value, char *err, size_t errlen) {
+  char *p = (char *)c + k->off;
+  char range[80];
+  size_t vlen = strlen(value);
+  char v[1024];
+  /* Accept "..." around a value (paths with a ';' or leading spaces). */
+  if (vlen >= 2 && value[0] == '"' && value[vlen - 1] == '"') {
+    value++;
+    vlen -= 2;
+  }
+  if (vlen >= sizeof v) {
+    seterr(err, errlen, "%s: value is %zu bytes long, more than this key allows", k->name, vlen);
+    return -1;
+  }
+  memcpy(v, value, vlen);
+  v[vlen] = '\0';
+  switch (k->type) {
+  case CT_STRING:
+    if (vlen >= k->size) {
+      seterr(err, errlen, "%s: value is %zu bytes long, the limit is %zu", k->name, vlen, k->size - 1);
+      return -1;
+    }
+    memcpy(p, v, vlen + 1);
+    return 0;
+  case CT_ENUM: {
+    const char *ch = k->choices;
+    while (*ch) {
+      size_t n = strcspn(ch, ",");
+      if (n == vlen && !strncmp(ch, v, n) && n < k->size) {
+        memcpy(p, v, vlen + 1);
+        return 0;
+      }
+      ch += n + (ch[n] == ',');
+    }
+    char list[128];
+    snprintf(list, sizeof list, "%s", k->choices);
+    for (char *q = list; *q; q++)
+      if (*q == ',') *q = '/';
+    seterr(err, errlen, "%s: '%s' is not one of %s", k->name, v, list);
+    return -1;
+  }
+  case CT_LOG_LEVEL: {
+    int lv = epd_log_level_parse(v);
+    if (lv < 0) {
+      seterr(err, errlen, "%s: '%s' is not one of %s", k->name, v, level_list);
+      return -1;
+    }
+    memcpy(p, &lv, sizeof lv);
+    return 0;
+  }
+  case CT_SUBSYSTEMS: {
+    uint32_t m;
+    if (epd_log_subsystems_parse(v, &m) != 0) {
+      seterr(err, errlen,
+             "%s: '%s' is not a comma list of main, conf, rpc, attach, engine, cuda, metrics or all",
+             k->name, v);
+      return -1;
+    }
+    put_uint(c, k, m);
+    return 0;
+  }
+  case CT_UINT:
+  case CT_OCTAL:
+  case CT_BYTES: {
+    uint64_t n;
+    fmt_range(k, range, sizeof range);
+    if (parse_number(v, k->type == CT_OCTAL ? 8 : 10, k->type == CT_BYTES, &n) != 0) {
+      seterr(err, errlen, "%s: '%s' is not %s in range %s", k->name, v,
+             k->type == CT_OCTAL ? "an octal mode" : k->type == CT_BYTES ? "a size (K/M/G/T suffix)" : "an unsigned integer",
+             range);
+      return -1;
+    }
+    if (n < k->min || n > k->max) {
+      char shown[32];
+      if (k->type == CT_OCTAL)
+        snprintf(shown, sizeof shown, "0%" PRIo64, n);
+      else if (k->type == CT_BYTES)
+        fmt_bytes(n, shown, sizeof shown);
+      else
+        snprintf(shown, sizeof shown, "%" PRIu64, n);
+      seterr(err, errlen, "%s: %s is out of range %s", k->name, shown, range);
+      return -1;
+    }
+    put_uint(c, k, n);
+    return 0;
+  }
+  }
+  return -1;
+}
+
+void epd_conf_defaults(epd_conf_t *c) {
+  memset(c, 0, sizeof *c);
+  for (size_t i = 0; i < NKEYS; i++) {
+    char err[256];
+    if (parse_value(c, &keys[i], keys[i].def, err, sizeof err) != 0) {
+      /* A bad default is a programming error caught by the first test run. */
+      fprintf(stderr, "epd: bad built-in default: %s\n", err);
+      abort();
+    }
+  }
+}
+
+int epd_conf_set(epd_conf_t *c, const char *key, const char *value, char *err, size_t errlen) {
+  const conf_key_t *k = find_key(key);
+  if (!k) {
+    seterr(err, errlen, "unknown key '%s'", key);
+    return -1;
+  }
+  epd_conf_t tmp = *c;
+  if (parse_value(&tmp, k, value, err, errlen) != 0) return -1;
+  *c = tmp;
+  return 0;
+}
+
+/* inih calls the reader once per physical line, so counting calls gives the handler's line number
+ * (the Debian libinih is built without INI_HANDLER_LINENO). */
+typedef struct parse_ctx {
+  FILE *f;
+  int line;
+  epd_conf_t *conf;
+  int failed;
+  char *err;
+  size_t errlen;
+} parse_ctx_t;
+
+static char *count_reader(char *str, int num, void *stream) {
+  parse_ctx_t *ctx = stream;
+  char *r = fgets(str, num, ctx->f);
+  if (r) ctx->line++;
+  return r;
+}
+
+static int ini_handler_fn(void *user, const char *section, const char *name, const char *value) {
+  parse_ctx_t *ctx = user;
+  char key[192], msg[384];
+  if (ctx->failed) return 1; /* report the first error only */
+  /* A key outside any section may be written in full ("log.level = debug"), as epd_conf_dump does. */
+  if (!section[0])
+    snprintf(key, sizeof key, "%s", name);
+  else
+    snprintf(key, sizeof key, "%s.%s", section, name);
+  if (epd_conf_set(ctx->conf, key, value, msg, sizeof msg) != 0) {
+    seterr(ctx->err, ctx->errlen, "%s at line %d", msg, ctx->line);
+    ctx->failed = 1;
+    return 0;
+  }
+  return 1;
+}
+
+static int parse_stream(epd_conf_t *c, FILE *f, char *err, size_t errlen) {
+  epd_conf_t tmp = *c;
+  parse_ctx_t ctx = {f, 0, &tmp, 0, err, errlen};
+  int rc = ini_parse_stream(count_reader, &ctx, ini_handler_fn, &ctx);
+  if (ctx.failed) return -1;
+  if (rc > 0) {
+    seterr(err, errlen, "syntax error at line %d (expected '[section]' or 'name = value')", rc);
+    return -1;
+  }
+  if (rc < 0) {
+    seterr(err, errlen, "cannot parse the configuration (error %d)", rc);
+    return -1;
+  }
+  *c = tmp;
+  return 0;
+}
+
+int epd_conf_load(epd_conf_t *c, const char *path, int optional, char *err, size_t errlen) {
+  FILE *f = fopen(path, "r");
+  if (!f) {
+    if (optional && errno == ENOENT) return 0;
+    seterr(err, errlen, "cannot open config file '%s': %s", path, strerror(errno));
+    return -1;
+  }
+  int rc = parse_stream(c, f, err, errlen);
+  fclose(f);
+  return rc;
+}
+
+size_t epd_conf_dump(const epd_conf_t *c, char *buf, size_t len) {
+  size_t off = 0;
+  if (len) buf[0] = '\0';
+  for (size_t i = 0; i < NKEYS; i++) {
+    char v[EPD_PATH_MAX + 8];
+    fmt_value(c, &keys[i], v, sizeof v);
+    int n = snprintf(buf + off, off < len ? len - off : 0, "%s = %s\n", keys[i].name, v);
+    if (n < 0) break;
+    off += (size_t)n;
+  }
+  if (off >= len && len) buf[len - 1] = '\0';
+  return off;
+}
+
+static int key_differs(const epd_conf_t *a, const epd_conf_t *b, const conf_key_t *k) {
+  if (k->type == CT_STRING || k->type == CT_ENUM)
+    return strncmp((const char *)a + k->off, (const char *)b + k->off, k->size) != 0;
+  return memcmp((const char *)a + k->off, (const char *)b + k->off, k->size) != 0;
+}
+
+int epd_conf_apply_reloadable(epd_conf_t *dst, const epd_conf_t *src) {
+  int changed = 0;
+  for (size_t i = 0; i < NKEYS; i++) {
+    const conf_key_t *k = &keys[i];
+    if (!k->reloadable || !key_differs(dst, src, k)) continue;
+    memcpy((char *)dst + k->off, (const char *)src + k->off, k->size);
+    changed++;
+  }
+  return changed;
+}
+
+int epd_conf_diff(const epd_conf_t *cur, const epd_conf_t *next, char *buf, size_t len) {
+  int n = 0;
+  size_t off = 0;
+  if (len) buf[0] = '\0';
+  for (size_t i = 0; i < NKEYS; i++) {
+    const conf_key_t *k = &keys[i];
+    if (!key_differs(cur, next, k)) continue;
+    char a[EPD_PATH_MAX + 8], b[EPD_PATH_MAX + 8];
+    fmt_value(cur, k, a, sizeof a);
+    fmt_value(next, k, b, sizeof b);
+    int w = snprintf(buf + off, off < len ? len - off : 0, "%s: %s -> %s (%s)\n", k->name, a, b,
+                     k->reloadable ? "applied" : "needs restart");
+    if (w > 0) off += (size_t)w;
+    n++;
+  }
+  if (off >= len && len) buf[len - 1] = '\0';
+  return n;
+}
+
+size_t epd_conf_describe(char *buf, size_t len) {
+  size_t off = 0;
+  static const char *const tnames[] = {"string", "uint", "octal", "bytes", "enum", "log-level", "subsystems"};
+  if (len) buf[0] = '\0';
+  for (size_t i = 0; i < NKEYS; i++) {
+    const conf_key_t *k = &keys[i];
+    char range[80] = "";
+    if (k->type == CT_UINT || k->type == CT_OCTAL || k->type == CT_BYTES) fmt_range(k, range, sizeof range);
+    if (k->type == CT_ENUM) snprintf(range, sizeof range, "{%s}", k->choices);
+    int w = snprintf(buf + off, off < len ? len - off : 0, "%-28s %-10s default '%s' %s%s\n    %s\n",
+                     k->name, tnames[k->type], k->def, range, k->reloadable ? " (reloadable)" : "", k->doc);
+    if (w > 0) off += (size_t)w;
+  }
+  if (off >= len && len) buf[len - 1] = '\0';
+  return off;
+}
+
+int epd_conf_control_socket_path(const epd_conf_t *c, char *buf, size_t len) {
+  /* The default rule lives in epd_paths.h so that the daemon, rpc.c and libepd agree. */
+  char def[EPD_PATH_MAX + 64];
+  int n = snprintf(buf, len, "%s", c->control_socket[0] ? c->control_socket
+                                                         : epd_paths_control_default(def, sizeof def));
+  return n < 0 || (size_t)n >= len ? -1 : 0;
+}
+
+int epd_conf_attach_socket_path(const epd_conf_t *c, char *buf, size_t len) {
+  if (c->attach_socket[0]) {
+    int n = snprintf(buf, len, "%s", c->attach_socket);
+    return n < 0 || (size_t)n >= len ? -1 : 0;
+  }
+  char ctl[EPD_PATH_MAX + 64];
+  if (epd_conf_control_socket_path(c, ctl, sizeof ctl) != 0) return -1;
+  char *slash = strrchr(ctl, '/');
+  int n = slash ? snprintf(buf, len, "%.*s/attach.sock", (int)(slash - ctl), ctl) : snprintf(buf, len, "attach.sock");
+  return n < 0 || (size_t)n >= len ? -1 : 0;
+}
