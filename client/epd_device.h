@@ -1,0 +1,88 @@
+/*
+ * epd_device.h - device-side submission for client kernels: a CUDA kernel of the worker enqueues a
+ * dispatch/combine on its queue slot and waits for the completion without leaving the GPU.
+ *
+ * The slot pointer is the device address of an epd_slot_t of the client's queue (the queue is host
+ * memory registered mapped: loads and stores here travel over PCIe/C2C at system scope, which is what
+ * the daemon's CPU thread or persistent kernel observes). Call both functions from ONE thread (e.g.
+ * threadIdx.x == 0 of block 0), then publish the result to the rest of the grid yourself.
+ *
+ * Protocol (client/epd_abi.h): write desc; fence; state = SUBMITTED (release) ... state == DONE
+ * (acquire); read comp; state = FREE. Every wait has a timeout: a dead daemon or peer returns
+ * EPD_ERR_TIMEOUT instead of hanging the kernel (the slot is then left SUBMITTED: the host side must
+ * recover the queue, e.g. by detaching).
+ */
+#ifndef EPD_DEVICE_H
+#define EPD_DEVICE_H
+
+#include <stdint.h>
+
+#include "epd_abi.h"
+
+#ifdef __CUDACC__
+
+#ifndef EPD_DEV_ERR_TIMEOUT
+#define EPD_DEV_ERR_TIMEOUT (-8) /* == EPD_ERR_TIMEOUT of epd.h (kept here so kernels need not include it) */
+#endif
+
+/* Nanoseconds from the GPU's global timer. */
+static __device__ __forceinline__ uint64_t epd_dev_now_ns(void) {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+static __device__ __forceinline__ uint32_t epd_dev_ld_acquire_sys(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+static __device__ __forceinline__ void epd_dev_st_release_sys(uint32_t *p, uint32_t v) {
+  asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+/* Write the descriptor into the slot and mark it SUBMITTED. The slot must be FREE (the previous op on
+ * it completed and was waited for). */
+static __device__ __forceinline__ void epd_dev_submit(epd_slot_t *slot, const epd_desc_t *desc) {
+  volatile uint64_t *dst = (volatile uint64_t *)&slot->desc;
+  const uint64_t *src = (const uint64_t *)desc;
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(epd_desc_t) / 8); i++) dst[i] = src[i];
+  /* The descriptor and everything this kernel wrote before (the inputs in the arena) must be visible
+   * to the daemon before it can see SUBMITTED. */
+  __threadfence_system();
+  epd_dev_st_release_sys(&slot->state, EPD_SLOT_SUBMITTED);
+}
+
+/* Wait up to timeout_ns for the slot's completion; on DONE copy the completion to *comp (if not NULL),
+ * free the slot and return comp.status; on timeout return EPD_DEV_ERR_TIMEOUT (slot left as is). */
+static __device__ __forceinline__ int epd_dev_wait(epd_slot_t *slot, uint64_t timeout_ns,
+                                                   epd_comp_t *comp) {
+  const uint64_t t0 = epd_dev_now_ns();
+  while (epd_dev_ld_acquire_sys(&slot->state) != EPD_SLOT_DONE) {
+    if (epd_dev_now_ns() - t0 > timeout_ns) return EPD_DEV_ERR_TIMEOUT;
+    __nanosleep(64);
+  }
+  const volatile uint64_t *src = (const volatile uint64_t *)&slot->comp;
+  uint64_t c[sizeof(epd_comp_t) / 8];
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(epd_comp_t) / 8); i++) c[i] = src[i];
+  if (comp) {
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(epd_comp_t) / 8); i++) ((uint64_t *)comp)[i] = c[i];
+  }
+  const int status = ((const epd_comp_t *)c)->status;
+  epd_dev_st_release_sys(&slot->state, EPD_SLOT_FREE);
+  return status;
+}
+
+/* Submit and wait in one call (one thread). */
+static __device__ __forceinline__ int epd_dev_run(epd_slot_t *slot, const epd_desc_t *desc,
+                                                  uint64_t timeout_ns, epd_comp_t *comp) {
+  epd_dev_submit(slot, desc);
+  return epd_dev_wait(slot, timeout_ns, comp);
+}
+
+#endif /* __CUDACC__ */
+#endif /* EPD_DEVICE_H */
