@@ -1,0 +1,131 @@
+/*
+ * epd_kernels.h - the launchers of the epd CUDA kernels: the ONE plain-C header host code includes.
+ *
+ * No C++ or NCCL device type crosses this header: NCCL handles are passed as their C pointer types
+ * (struct ncclComm *, struct ncclWindow_vidmem *, both from nccl.h), streams as void * (cudaStream_t).
+ *
+ * LL (low-latency) data path, per rank of a node-local (LSA) team of R ranks:
+ *   - an LL staging window (epd_k_ll_window_bytes), registered with ncclCommWindowRegister on every
+ *     rank (same size, same order). Peers write tokens, routing metadata, combine partials and
+ *     arrival flags into it through NVLink (ncclGetLsaPointer); it also holds this rank's private state.
+ *   - the client IO arena: plain device memory of this rank (it need NOT be a window: the kernels only
+ *     read inputs from and write outputs to the local arena). Its layout is given as byte offsets per
+ *     (bank, EPD_BUF_* kind), see epd_k_arena_t.
+ *   - the expert map: a device table (epd_k_map_bytes / epd_k_map_pack) passed by pointer to every
+ *     dispatch, so the map can change between steps without rebuilding anything.
+ *
+ * Dispatch sends each token once per destination rank (with its routing metadata) into the staging of
+ * that rank and expands it into the expert-major layout at the receiver; combine reduces a token's
+ * local-expert partials (weighted, f32) at the expert rank and sends ONE BF16 partial per (token, expert
+ * rank) back, summed in f32 at the source. Results follow docs/SEMANTICS.md.
+ *
+ * Synchronisation: every op on a bank exchanges per-block arrival flags carrying a per-block sequence
+ * number kept on the device (so launches are graph-replayable and need no host step counter). Every wait
+ * has a timeout: on expiry the op writes EPD_ERR_TIMEOUT and the rank waited for into the completion and
+ * returns (never traps). After a failed op (timeout) the team's sequence numbers may disagree: quiesce
+ * every rank and call epd_k_ll_reset on each before the next op.
+ *
+ * Completion: each op writes status, peer (or -1), num_recv and map_version of a device epd_comp_t
+ * (other fields are left to the caller). All ranks of a team get the same status for a bad expert id.
+ */
+#ifndef EPD_KERNELS_H
+#define EPD_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "epd.h"
+#include "epd_abi.h"
+#include "epd_kconfig.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct ncclComm;         /* ncclComm_t */
+struct ncclWindow_vidmem; /* ncclWindow_t */
+
+/* Geometry of one LL group on one rank. Every rank of the team passes the same values except rank. */
+typedef struct epd_k_ll_geom {
+  uint32_t num_ranks;      /* R: ranks of the team (= LSA team), 1..EPD_K_MAX_RANKS */
+  uint32_t rank;           /* this rank's index in the team (= its LSA rank) */
+  uint32_t num_experts;    /* E: logical experts */
+  uint32_t hidden;         /* H: a multiple of 128, <= EPD_K_MAX_HIDDEN */
+  uint32_t topk;           /* K: 1..EPD_K_MAX_TOPK */
+  uint32_t max_tokens;     /* M: tokens per rank per step, <= EPD_K_MAX_TOKENS */
+  uint32_t slots_per_rank; /* S: physical expert slots per rank */
+  uint32_t blocks;         /* CUDA blocks per LL kernel; 0: EPD_K_LL_BLOCKS (same on every rank) */
+} epd_k_ll_geom_t;
+
+#define EPD_K_OFF_NONE UINT64_MAX
+/* A client IO arena: device base address and byte offset of each (bank, EPD_BUF_*) buffer. Kinds the LL
+ * kernels use: X, TOPK_IDX, TOPK_WEIGHTS, LL_RECV_X, LL_RECV_SCALES (FP8 only), LL_RECV_COUNT,
+ * LL_RECV_SRC, LL_Y, OUT. Shapes are those of client/epd_abi.h with the geometry above. */
+typedef struct epd_k_arena {
+  uint64_t base;
+  uint64_t off[EPD_NUM_BANKS][EPD_BUF_KINDS];
+} epd_k_arena_t;
+
+/* Bytes of the LL staging window for this geometry (both banks), a multiple of 4096. */
+size_t epd_k_ll_window_bytes(const epd_k_ll_geom_t *g);
+
+/* Device expert-map table: bytes for num_experts experts. */
+size_t epd_k_map_bytes(uint32_t num_experts);
+/* Fill a host image of the table (then copy it to the device). rep is [num_experts][rep_stride] pairs
+ * of uint32 (rank, slot) (the layout of epd_replica_t rows); nrep[e] in 1..EPD_K_MAX_REPLICAS. */
+epd_result_t epd_k_map_pack(void *host_dst, uint32_t version, uint32_t num_experts, const uint8_t *nrep,
+                            const uint32_t *rep, uint32_t rep_stride);
+/* Fill a host image with the default map of SEMANTICS.md (expert e on rank e/ceil(E/R), slot
+ * e%ceil(E/R)). */
+void epd_k_map_default(void *host_dst, uint32_t version, uint32_t num_experts, uint32_t num_ranks);
+
+/* Check the NCCL runtime is 2.28.x (the device headers we were built with); message in err if not. */
+epd_result_t epd_k_check_nccl_version(char *err, size_t errlen);
+
+typedef struct epd_k_ll epd_k_ll_t;
+
+/* Bind the LL kernels of one rank to its staging window. The calling thread's current device must be
+ * the rank's GPU. lsa_comm: the node-local communicator; collective over it (ncclDevCommCreate): every
+ * rank must call it at the same time (a thread per GPU). window: the registered staging window,
+ * window_local: its local device address, window_offset: where the LL area starts in it (4096-aligned).
+ * Zeroes the LL state (synchronously). */
+epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm,
+                             struct ncclWindow_vidmem *window, void *window_local, size_t window_offset,
+                             epd_k_ll_t **out, char *err, size_t errlen);
+/* Release the device communicator (local). The window stays owned by the caller. */
+void epd_k_ll_destroy(epd_k_ll_t *k);
+/* Zero this rank's flags and sequence numbers, stream-ordered. Only when every rank is quiescent,
+ * and on every rank before the next op (recovery after a timeout). */
+epd_result_t epd_k_ll_reset(epd_k_ll_t *k, void *stream);
+
+/* Parameters of one LL op. */
+typedef struct epd_k_ll_op {
+  uint32_t op;         /* EPD_OP_LL_DISPATCH or EPD_OP_LL_COMBINE */
+  uint32_t flags;      /* EPD_DESC_* (dispatch: EPD_DESC_FP8) */
+  uint32_t num_tokens; /* dispatch: tokens of x (<= max_tokens, else EPD_ERR_TOO_MANY_TOKENS on all ranks) */
+  uint32_t bank;       /* 0..EPD_NUM_BANKS-1; a combine uses its dispatch's bank */
+  uint64_t timeout_ns; /* per wait; 0: EPD_K_DEFAULT_TIMEOUT_NS */
+  const void *map;     /* dispatch: device expert-map table (epd_k_map_pack) */
+  uint64_t *slot_tokens; /* dispatch, optional (NULL): per local slot [S], += tokens received on success */
+  epd_comp_t *comp;    /* device completion record written by the op (status, peer, num_recv, map_version) */
+} epd_k_ll_op_t;
+
+/* Launch one LL op on `stream` for this rank. Host-side checks (bank, op, num_tokens range, NULL
+ * pointers) return EPD_ERR_INVALID without launching; a launch failure returns EPD_ERR_CUDA. Device-side
+ * outcomes (bad expert id, timeout) land in op->comp. */
+epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const epd_k_ll_op_t *op,
+                             void *stream, char *err, size_t errlen);
+/* Conveniences around epd_k_ll_launch. */
+epd_result_t epd_k_ll_dispatch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map,
+                               uint32_t bank, uint32_t num_tokens, uint32_t flags, epd_comp_t *comp,
+                               uint64_t timeout_ns, void *stream);
+epd_result_t epd_k_ll_combine(epd_k_ll_t *k, const epd_k_arena_t *arena, uint32_t bank,
+                              epd_comp_t *comp, uint64_t timeout_ns, void *stream);
+
+/* The geometry a context was created with. */
+const epd_k_ll_geom_t *epd_k_ll_geom(const epd_k_ll_t *k);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* EPD_KERNELS_H */
