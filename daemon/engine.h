@@ -93,9 +93,6 @@ epd_result_t epd_engine_detach(epd_engine_t *eng, uint64_t client_id, int lost);
 /* The queue and arena fds of an attached client (owned by the engine: the caller must not close them;
  * the attach socket sends them with SCM_RIGHTS). EPD_ERR_NOT_FOUND for an unknown client. */
 epd_result_t epd_engine_client_fds(epd_engine_t *eng, uint64_t client_id, int *queue_fd, int *arena_fd);
-/* The queue and arena fds of an attached client (still owned by the engine: dup them to keep them);
- * EPD_ERR_NOT_FOUND if the client is gone. Used by the attach socket to pass them to the client. */
-epd_result_t epd_engine_client_fds(epd_engine_t *eng, uint64_t client_id, int *queue_fd, int *arena_fd);
 /* Stop (drain != 0) or resume accepting new steps; in-flight steps finish. */
 void epd_engine_set_draining(epd_engine_t *eng, int drain);
 
