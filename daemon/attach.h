@@ -14,7 +14,8 @@
 #include "engine.h"
 #include "epd_wire.h"
 
-/* Start listening on conf->attach_socket (resolved path in *path_out). */
+/* Start listening on conf->attach_socket, or attach.sock beside the control socket (see
+ * epd_conf_attach_socket_path; the path is then given by epd_attach_path()); 0, or -1 with err set. */
 int epd_attach_init(uv_loop_t *loop, const epd_conf_t *conf, epd_engine_t *eng, char *err, size_t errlen);
 /* Close the socket and every client connection (without detaching: the engine is destroyed next). */
 void epd_attach_fini(void);
@@ -26,6 +27,10 @@ const char *epd_attach_path(void);
  * when non-zero. */
 int epd_attach_issue_token(uint64_t client_id, uint32_t pid, uint32_t uid,
                            uint8_t token[EPD_TOKEN_BYTES]);
+/* Change the lifetime of tokens issued from now on (SIGHUP reload of daemon.token_ttl_ms; any thread). */
+void epd_attach_set_token_ttl(uint32_t ttl_ms);
+/* Number of issued, not yet redeemed tokens (for status and tests). */
+unsigned epd_attach_pending_tokens(void);
 /* Number of live attach connections (for status). */
 unsigned epd_attach_connections(void);
 
