@@ -1,0 +1,622 @@
+/*
+ * engine.c - the backend-independent engine core: backend selection, groups and their geometry, client
+ * attach/detach, arena layout, expert maps (validation, staging, switch), counters and snapshots.
+ * Execution of steps belongs to the backends (engine_host.c, engine_cuda.c).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine_internal.h"
+#include "log.h"
+
+#define ALIGN_UP(x, a) (((x) + (a)-1) / (a) * (a))
+#define QUEUE_BYTES ALIGN_UP(sizeof(epd_queue_t), 4096)
+#define MAX_TOPK 16u
+#define MAX_TOKENS_PACK 0xffffffu /* tokens of a rank must fit EPD_SRC_PACK's 24 bits */
+
+uint64_t eng_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t realtime_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void eng_emit(epd_engine_t *eng, const char *kind, const eng_group_t *grp, int rank, uint64_t client_id,
+              uint32_t old_version, uint32_t new_version, uint64_t step, const char *fmt, ...) {
+  char msg[256];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  if (!eng->on_event) return;
+  epd_engine_event_t ev = {kind, grp ? grp->name : "", rank, client_id, old_version, new_version, step, msg};
+  eng->on_event(eng->event_arg, &ev);
+}
+
+void eng_apply_staged_map(epd_engine_t *eng, eng_group_t *grp) {
+  if (!grp->has_staged) return;
+  uint32_t old = grp->map.version;
+  epd_expert_map_free(&grp->map);
+  grp->map = grp->staged;
+  memset(&grp->staged, 0, sizeof grp->staged);
+  grp->has_staged = 0;
+  eng_emit(eng, "map_switch", grp, -1, 0, old, grp->map.version, grp->steps,
+           "group %s switched expert map %u -> %u at step %llu", grp->name, old, grp->map.version,
+           (unsigned long long)grp->steps);
+}
+
+void eng_record_op(epd_engine_t *eng, int rank, uint32_t op, int status, uint64_t bytes,
+                   uint64_t latency_ns) {
+  if (op < EPD_OP_MAX) {
+    epd_op_snap_t *s = &eng->opstat[op];
+    s->count++;
+    if (status) s->errors++;
+    s->bytes += bytes;
+    int b = 0;
+    while (b < EPD_LAT_BUCKETS - 1 && latency_ns > (1000ull << b)) b++;
+    s->lat_bucket[b]++;
+    s->lat_sum_s += latency_ns / 1e9;
+  }
+  if (rank >= 0 && rank < EPD_MAX_RANKS) {
+    eng_rank_stats_t *r = &eng->rank[rank];
+    r->ops++;
+    r->bytes_sent += bytes;
+    if (status) r->errors++;
+    if (status == EPD_ERR_TIMEOUT) r->timeouts++;
+  }
+}
+
+const char *eng_result_name(int result) {
+  static const char *const names[] = {
+      "EPD_OK", "EPD_ERR_INVALID", "EPD_ERR_NOMEM", "EPD_ERR_SYSTEM", "EPD_ERR_RPC", "EPD_ERR_PROTOCOL",
+      "EPD_ERR_NOT_FOUND", "EPD_ERR_BUSY", "EPD_ERR_TIMEOUT", "EPD_ERR_PEER", "EPD_ERR_DRAINING",
+      "EPD_ERR_CUDA", "EPD_ERR_NCCL", "EPD_ERR_UNSUPPORTED", "EPD_ERR_BAD_EXPERT",
+      "EPD_ERR_TOO_MANY_TOKENS", "EPD_ERR_PERMISSION", "EPD_ERR_OVERFLOW", "EPD_ERR_MISMATCH",
+      "EPD_ERR_CLOSED", "EPD_ERR_STATE", "EPD_ERR_INTERNAL"};
+  _Static_assert(sizeof names / sizeof names[0] == -EPD_ERR_MIN, "a name for every result code");
+  return result <= 0 && result > EPD_ERR_MIN ? names[-result] : "EPD_ERR_UNKNOWN";
+}
+
+void *eng_buf(const eng_client_t *c, uint32_t kind, uint32_t bank) {
+  const eng_group_t *g = c->grp;
+  if (!c->arena) return NULL;
+  for (uint32_t i = 0; i < g->nbufs; i++)
+    if (g->bufs[i].kind == kind && g->bufs[i].bank == bank) return c->arena + g->bufs[i].offset;
+  return NULL;
+}
+
+/* ---- create / destroy --------------------------------------------------------------------------- */
+
+static const eng_backend_ops_t *find_backend(const char *name) {
+  if (!strcmp(name, "host")) return &eng_host_ops;
+  if (!strcmp(name, "cuda")) return &eng_cuda_ops; /* NULL unless engine_cuda.c is linked in */
+  return NULL;
+}
+
+epd_result_t epd_engine_create(const epd_engine_opts_t *opts, epd_engine_event_fn on_event,
+                               void *event_arg, epd_engine_t **out, char *errbuf, size_t errlen) {
+  *out = NULL;
+  const char *bname = opts->backend && *opts->backend ? opts->backend : "auto";
+  const eng_backend_ops_t *ops = NULL;
+  if (opts->num_ranks < 1 || opts->num_ranks > EPD_MAX_RANKS) {
+    snprintf(errbuf, errlen, "num_ranks %d out of range [1, %d]", opts->num_ranks, EPD_MAX_RANKS);
+    return EPD_ERR_INVALID;
+  }
+  if (!strcmp(bname, "auto")) {
+    char why[128] = "";
+    const eng_backend_ops_t *cu = find_backend("cuda");
+    ops = (EPD_WITH_CUDA && cu && cu->available && cu->available(why, sizeof why)) ? cu : &eng_host_ops;
+  } else if (!strcmp(bname, "host") || !strcmp(bname, "cuda")) {
+    ops = find_backend(bname);
+    if (!ops) {
+      snprintf(errbuf, errlen, "cuda backend not built");
+      return EPD_ERR_UNSUPPORTED;
+    }
+  } else {
+    snprintf(errbuf, errlen, "backend \"%s\" unknown; allowed: auto, host, cuda", bname);
+    return EPD_ERR_INVALID;
+  }
+  epd_engine_t *eng = calloc(1, sizeof *eng);
+  if (!eng) return EPD_ERR_NOMEM;
+  eng->o = *opts;
+  eng->o.backend = NULL; /* the caller's string may not outlive us */
+  if (!eng->o.step_timeout_ms) eng->o.step_timeout_ms = 10000;
+  if (!eng->o.slots_factor_pct) eng->o.slots_factor_pct = 100;
+  if (!eng->o.max_groups) eng->o.max_groups = 16;
+  if (!eng->o.max_clients_per_rank) eng->o.max_clients_per_rank = 16;
+  if (!eng->o.max_topk || eng->o.max_topk > MAX_TOPK) eng->o.max_topk = MAX_TOPK;
+  if (!eng->o.max_tokens || eng->o.max_tokens > MAX_TOKENS_PACK) eng->o.max_tokens = MAX_TOKENS_PACK;
+  if (!eng->o.max_experts) eng->o.max_experts = 1024;
+  if (!eng->o.max_hidden) eng->o.max_hidden = 16384;
+  if (!eng->o.max_arena_bytes) eng->o.max_arena_bytes = 8ull << 30;
+  eng->ops = ops;
+  eng->on_event = on_event;
+  eng->event_arg = event_arg;
+  eng->next_client_id = 1;
+  pthread_mutex_init(&eng->mu, NULL);
+  epd_result_t rc = ops->create(eng, errbuf, errlen);
+  if (rc) {
+    pthread_mutex_destroy(&eng->mu);
+    free(eng);
+    return rc;
+  }
+  EPD_LOGI(EPD_SUB_ENGINE, "engine up: backend %s, mode %s, %d ranks", ops->name, ops->mode(eng),
+           opts->num_ranks);
+  *out = eng;
+  return EPD_OK;
+}
+
+static void group_free(eng_group_t *g) {
+  epd_expert_map_free(&g->map);
+  epd_expert_map_free(&g->staged);
+  for (unsigned b = 0; b < EPD_NUM_BANKS; b++) epd_ref_plan_free(&g->plan[b]);
+  free(g->expert_tokens);
+  free(g->slot_tokens);
+  free(g);
+}
+
+void epd_engine_destroy(epd_engine_t *eng) {
+  if (!eng) return;
+  eng->ops->destroy(eng);
+  pthread_mutex_lock(&eng->mu);
+  while (eng->clients) {
+    eng_client_t *c = eng->clients;
+    eng->clients = c->next;
+    eng->ops->client_free(eng, c);
+    free(c);
+  }
+  while (eng->groups) {
+    eng_group_t *g = eng->groups;
+    eng->groups = g->next;
+    group_free(g);
+  }
+  pthread_mutex_unlock(&eng->mu);
+  pthread_mutex_destroy(&eng->mu);
+  free(eng);
+}
+
+const char *epd_engine_backend(const epd_engine_t *eng) { return eng->ops->name; }
+const char *epd_engine_mode(const epd_engine_t *eng) { return eng->ops->mode(eng); }
+int epd_engine_num_ranks(const epd_engine_t *eng) { return eng->o.num_ranks; }
+
+/* ---- groups ------------------------------------------------------------------------------------- */
+
+static eng_group_t *find_group(epd_engine_t *eng, const char *name) {
+  for (eng_group_t *g = eng->groups; g; g = g->next)
+    if (!strcmp(g->name, name)) return g;
+  return NULL;
+}
+
+static eng_client_t *find_client(epd_engine_t *eng, uint64_t id) {
+  for (eng_client_t *c = eng->clients; c; c = c->next)
+    if (c->id == id) return c;
+  return NULL;
+}
+
+/* Lay the arena out: every kind for every bank, 64-byte aligned. Returns the total size. */
+static uint64_t layout(eng_group_t *grp) {
+  const epd_ref_geom_t *g = &grp->g;
+  uint64_t M = g->max_tokens, H = g->hidden, K = g->topk, S = g->slots_per_rank, R = g->num_ranks,
+           C = g->ht_capacity, nb = epd_ref_scale_blocks(g->hidden);
+  uint64_t size[EPD_BUF_KINDS] = {
+      [EPD_BUF_X] = M * H * 2,
+      [EPD_BUF_X_SCALES] = M * nb * 4,
+      [EPD_BUF_TOPK_IDX] = M * K * 8,
+      [EPD_BUF_TOPK_WEIGHTS] = M * K * 4,
+      [EPD_BUF_LL_RECV_X] = S * R * M * H * 2,
+      [EPD_BUF_LL_RECV_SCALES] = S * R * M * nb * 4,
+      [EPD_BUF_LL_RECV_COUNT] = S * 4,
+      [EPD_BUF_LL_RECV_SRC] = S * R * M * 4,
+      [EPD_BUF_LL_Y] = S * R * M * H * 2,
+      [EPD_BUF_OUT] = M * H * 2,
+      [EPD_BUF_HT_RECV_X] = C * H * 2,
+      [EPD_BUF_HT_RECV_SCALES] = C * nb * 4,
+      [EPD_BUF_HT_RECV_TOPK_IDX] = C * K * 8,
+      [EPD_BUF_HT_RECV_TOPK_WEIGHTS] = C * K * 4,
+      [EPD_BUF_HT_RECV_SRC] = C * 4,
+      [EPD_BUF_HT_RECV_COUNT] = S * 4,
+      [EPD_BUF_HT_Y] = C * H * 2,
+  };
+  uint64_t off = 0;
+  grp->nbufs = 0;
+  for (uint32_t bank = 0; bank < EPD_NUM_BANKS; bank++)
+    for (uint32_t k = 0; k < EPD_BUF_KINDS; k++) {
+      epd_buffer_desc_t *d = &grp->bufs[grp->nbufs++];
+      d->kind = k;
+      d->bank = bank;
+      d->offset = off;
+      d->bytes = size[k];
+      off = ALIGN_UP(off + size[k], 64);
+    }
+  return ALIGN_UP(off, 4096);
+}
+
+/* Check one geometry field against [lo, hi]. */
+static int check_range(const char *field, uint32_t v, uint32_t lo, uint32_t hi, char *err, size_t errlen) {
+  if (v >= lo && v <= hi) return 0;
+  snprintf(err, errlen, "%s %u out of range [%u, %u]", field, v, lo, hi);
+  return -1;
+}
+
+static epd_result_t group_create(epd_engine_t *eng, const char *name, const epd_attach_req_t *req,
+                                 eng_group_t **out, char *err, size_t errlen) {
+  const epd_engine_opts_t *o = &eng->o;
+  if (eng->ngroups >= o->max_groups) {
+    snprintf(err, errlen, "group \"%s\": max_groups %u reached", name, o->max_groups);
+    return EPD_ERR_BUSY;
+  }
+  if (!req->num_experts || !req->hidden || !req->topk || !req->max_tokens) {
+    snprintf(err, errlen, "group \"%s\" does not exist: the first attach must give num_experts, hidden, "
+             "topk and max_tokens (got %u, %u, %u, %u)", name, req->num_experts, req->hidden, req->topk,
+             req->max_tokens);
+    return EPD_ERR_INVALID;
+  }
+  if (check_range("num_experts", req->num_experts, 1, o->max_experts, err, errlen) ||
+      check_range("hidden", req->hidden, 8, o->max_hidden, err, errlen) ||
+      check_range("topk", req->topk, 1, o->max_topk, err, errlen) ||
+      check_range("max_tokens", req->max_tokens, 1, o->max_tokens, err, errlen))
+    return EPD_ERR_INVALID;
+  if (req->hidden % 8) {
+    snprintf(err, errlen, "hidden %u is not a multiple of 8", req->hidden);
+    return EPD_ERR_INVALID;
+  }
+  eng_group_t *g = calloc(1, sizeof *g);
+  if (!g) return EPD_ERR_NOMEM;
+  snprintf(g->name, sizeof g->name, "%s", name);
+  uint32_t R = (uint32_t)o->num_ranks, E = req->num_experts;
+  uint32_t per = (E + R - 1) / R;
+  uint64_t slots = ((uint64_t)E * o->slots_factor_pct + (uint64_t)R * 100 - 1) / ((uint64_t)R * 100);
+  g->g.num_ranks = R;
+  g->g.num_experts = E;
+  g->g.hidden = req->hidden;
+  g->g.topk = req->topk;
+  g->g.max_tokens = req->max_tokens;
+  g->g.slots_per_rank = (uint32_t)(slots > per ? slots : per);
+  g->g.ht_capacity = o->ht_capacity_factor ? o->ht_capacity_factor * req->max_tokens : R * req->max_tokens;
+  g->arena_bytes = layout(g);
+  epd_result_t rc = EPD_OK;
+  if (g->arena_bytes > o->max_arena_bytes) {
+    snprintf(err, errlen, "group \"%s\": arena of %llu bytes (experts %u, hidden %u, topk %u, max_tokens %u, "
+             "%u slots x %u ranks) exceeds max_arena_bytes %llu", name, (unsigned long long)g->arena_bytes,
+             E, req->hidden, req->topk, req->max_tokens, g->g.slots_per_rank, R,
+             (unsigned long long)o->max_arena_bytes);
+    rc = EPD_ERR_INVALID;
+    goto fail;
+  }
+  if ((rc = epd_ref_map_default(&g->map, E, R, g->g.slots_per_rank))) goto fail;
+  g->last_version = 1;
+  for (unsigned b = 0; b < EPD_NUM_BANKS; b++)
+    if ((rc = epd_ref_plan_init(&g->plan[b], &g->g))) goto fail;
+  g->expert_tokens = calloc(E, sizeof *g->expert_tokens);
+  g->slot_tokens = calloc((size_t)R * g->g.slots_per_rank, sizeof *g->slot_tokens);
+  if (!g->expert_tokens || !g->slot_tokens) {
+    rc = EPD_ERR_NOMEM;
+    goto fail;
+  }
+  g->next = eng->groups;
+  eng->groups = g;
+  eng->ngroups++;
+  EPD_LOGI(EPD_SUB_ENGINE, "group %s created: %u experts, hidden %u, topk %u, max_tokens %u, %u slots/rank, "
+           "ht capacity %u, arena %llu bytes", name, E, req->hidden, req->topk, req->max_tokens,
+           g->g.slots_per_rank, g->g.ht_capacity, (unsigned long long)g->arena_bytes);
+  *out = g;
+  return EPD_OK;
+fail:
+  if (rc == EPD_ERR_NOMEM) snprintf(err, errlen, "out of memory creating group \"%s\"", name);
+  group_free(g);
+  return rc;
+}
+
+static void group_unlink(epd_engine_t *eng, eng_group_t *grp) {
+  for (eng_group_t **p = &eng->groups; *p; p = &(*p)->next)
+    if (*p == grp) {
+      *p = grp->next;
+      eng->ngroups--;
+      break;
+    }
+}
+
+/* Later attaches must match the group's geometry where they give a value. */
+static epd_result_t check_geometry(const eng_group_t *g, const epd_attach_req_t *req, char *err, size_t errlen) {
+  struct { const char *name; uint32_t want, have; } f[] = {
+      {"num_experts", req->num_experts, g->g.num_experts},
+      {"hidden", req->hidden, g->g.hidden},
+      {"topk", req->topk, g->g.topk},
+      {"max_tokens", req->max_tokens, g->g.max_tokens},
+  };
+  for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
+    if (f[i].want && f[i].want != f[i].have) {
+      snprintf(err, errlen, "%s %u does not match group \"%s\" (%s %u); pass 0 or %u", f[i].name, f[i].want,
+               g->name, f[i].name, f[i].have, f[i].have);
+      return EPD_ERR_INVALID;
+    }
+  return EPD_OK;
+}
+
+/* ---- attach / detach ---------------------------------------------------------------------------- */
+
+epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, epd_attach_info_t *info,
+                               char *errbuf, size_t errlen) {
+  char name[EPD_GROUP_NAME_MAX];
+  snprintf(name, sizeof name, "%.*s", (int)strnlen(req->group, sizeof req->group), req->group);
+  if (!name[0]) snprintf(name, sizeof name, "default");
+  epd_result_t rc = EPD_OK;
+  eng_group_t *grp = NULL;
+  int created = 0;
+  eng_client_t *c = NULL;
+  pthread_mutex_lock(&eng->mu);
+  if (eng->draining) {
+    snprintf(errbuf, errlen, "the daemon is draining: no new attach");
+    rc = EPD_ERR_DRAINING;
+    goto out;
+  }
+  if (req->rank < 0 || req->rank >= eng->o.num_ranks) {
+    snprintf(errbuf, errlen, "rank %d out of range [0, %d)", req->rank, eng->o.num_ranks);
+    rc = EPD_ERR_INVALID;
+    goto out;
+  }
+  grp = find_group(eng, name);
+  if (grp) {
+    if ((rc = check_geometry(grp, req, errbuf, errlen))) goto out;
+  } else {
+    if ((rc = group_create(eng, name, req, &grp, errbuf, errlen))) goto out;
+    created = 1;
+  }
+  if (grp->client[req->rank]) {
+    snprintf(errbuf, errlen, "rank %d of group \"%s\" is already attached (client %llu)", req->rank, name,
+             (unsigned long long)grp->client[req->rank]->id);
+    rc = EPD_ERR_BUSY;
+    goto out;
+  }
+  uint32_t on_rank = 0;
+  for (eng_client_t *o = eng->clients; o; o = o->next) on_rank += o->rank == req->rank;
+  if (on_rank >= eng->o.max_clients_per_rank) {
+    snprintf(errbuf, errlen, "rank %d has %u clients: max_clients_per_rank %u reached", req->rank, on_rank,
+             eng->o.max_clients_per_rank);
+    rc = EPD_ERR_BUSY;
+    goto out;
+  }
+  c = calloc(1, sizeof *c);
+  if (!c) {
+    rc = EPD_ERR_NOMEM;
+    snprintf(errbuf, errlen, "out of memory");
+    goto out;
+  }
+  c->id = eng->next_client_id++;
+  c->grp = grp;
+  c->rank = req->rank;
+  c->pid = req->pid;
+  c->uid = req->uid;
+  c->gid = req->gid;
+  c->attached_ns = realtime_ns();
+  c->queue_fd = c->arena_fd = -1;
+  c->queue_bytes = QUEUE_BYTES;
+  c->arena_bytes = grp->arena_bytes;
+  snprintf(c->name, sizeof c->name, "%.*s", (int)strnlen(req->name, sizeof req->name), req->name);
+  if (!c->name[0]) snprintf(c->name, sizeof c->name, "pid:%u", req->pid);
+  if ((rc = eng->ops->client_alloc(eng, c, errbuf, errlen))) {
+    free(c);
+    c = NULL;
+    goto out;
+  }
+  c->next = eng->clients;
+  eng->clients = c;
+  eng->nclients++;
+  grp->client[c->rank] = c;
+  grp->lost[c->rank] = 0;
+  memset(info, 0, sizeof *info);
+  info->client_id = c->id;
+  info->queue_fd = c->queue_fd;
+  info->arena_fd = c->arena_fd;
+  info->queue_bytes = c->queue_bytes;
+  info->arena_bytes = c->arena_bytes;
+  info->device = eng->ops->device(eng, c->rank);
+  info->on_gpu = info->device >= 0;
+  info->num_ranks = grp->g.num_ranks;
+  info->num_experts = grp->g.num_experts;
+  info->hidden = grp->g.hidden;
+  info->topk = grp->g.topk;
+  info->max_tokens = grp->g.max_tokens;
+  info->slots_per_rank = grp->g.slots_per_rank;
+  info->ht_capacity = grp->g.ht_capacity;
+  info->map_version = grp->map.version;
+  info->nbuffers = grp->nbufs;
+  memcpy(info->buffers, grp->bufs, sizeof grp->bufs[0] * grp->nbufs);
+  EPD_LOGI(EPD_SUB_ENGINE, "client %llu (%s, pid %u) attached to group %s rank %d",
+           (unsigned long long)c->id, c->name, c->pid, name, c->rank);
+out:
+  if (rc && created) {
+    group_unlink(eng, grp);
+    group_free(grp);
+  }
+  pthread_mutex_unlock(&eng->mu);
+  return rc;
+}
+
+epd_result_t epd_engine_client_fds(epd_engine_t *eng, uint64_t client_id, int *queue_fd, int *arena_fd) {
+  pthread_mutex_lock(&eng->mu);
+  eng_client_t *c = find_client(eng, client_id);
+  if (c) {
+    *queue_fd = c->queue_fd;
+    *arena_fd = c->arena_fd;
+  }
+  pthread_mutex_unlock(&eng->mu);
+  return c ? EPD_OK : EPD_ERR_NOT_FOUND;
+}
+
+epd_result_t epd_engine_detach(epd_engine_t *eng, uint64_t client_id, int lost) {
+  pthread_mutex_lock(&eng->mu);
+  eng_client_t *c = find_client(eng, client_id);
+  if (!c) {
+    pthread_mutex_unlock(&eng->mu);
+    return EPD_ERR_NOT_FOUND;
+  }
+  eng_group_t *grp = c->grp;
+  eng->ops->client_leave(eng, c, lost);
+  if (lost)
+    eng_emit(eng, "client_lost", grp, c->rank, c->id, 0, 0, grp->steps,
+             "client %llu (%s, pid %u) of group %s rank %d lost", (unsigned long long)c->id, c->name, c->pid,
+             grp->name, c->rank);
+  EPD_LOGI(EPD_SUB_ENGINE, "client %llu detached from group %s rank %d%s", (unsigned long long)c->id,
+           grp->name, c->rank, lost ? " (lost)" : "");
+  for (eng_client_t **p = &eng->clients; *p; p = &(*p)->next)
+    if (*p == c) {
+      *p = c->next;
+      break;
+    }
+  eng->nclients--;
+  grp->client[c->rank] = NULL;
+  eng->ops->client_free(eng, c);
+  free(c);
+  /* A group lives while it has clients: its geometry is then free to change. */
+  int empty = 1;
+  for (uint32_t r = 0; r < grp->g.num_ranks; r++)
+    if (grp->client[r]) empty = 0;
+  if (empty) {
+    EPD_LOGI(EPD_SUB_ENGINE, "group %s has no clients left: removed", grp->name);
+    group_unlink(eng, grp);
+    group_free(grp);
+  }
+  pthread_mutex_unlock(&eng->mu);
+  return EPD_OK;
+}
+
+void epd_engine_set_draining(epd_engine_t *eng, int drain) {
+  pthread_mutex_lock(&eng->mu);
+  eng->draining = drain != 0;
+  pthread_mutex_unlock(&eng->mu);
+}
+
+/* ---- expert maps -------------------------------------------------------------------------------- */
+
+epd_result_t epd_engine_set_map(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
+                                uint32_t *version_out, char *errbuf, size_t errlen) {
+  const char *name = group && *group ? group : "default";
+  pthread_mutex_lock(&eng->mu);
+  epd_result_t rc = EPD_OK;
+  eng_group_t *grp = find_group(eng, name);
+  if (!grp) {
+    snprintf(errbuf, errlen, "group \"%s\" not found", name);
+    rc = EPD_ERR_NOT_FOUND;
+    goto out;
+  }
+  if ((rc = epd_ref_map_validate(map, grp->g.num_experts, grp->g.num_ranks, grp->g.slots_per_rank, errbuf,
+                                 errlen)))
+    goto out;
+  epd_expert_map_t m;
+  if ((rc = epd_ref_map_copy(&m, map))) {
+    snprintf(errbuf, errlen, "out of memory");
+    goto out;
+  }
+  m.num_ranks = grp->g.num_ranks;
+  m.slots_per_rank = grp->g.slots_per_rank;
+  m.version = ++grp->last_version;
+  if (grp->has_staged) epd_expert_map_free(&grp->staged);
+  grp->staged = m;
+  grp->has_staged = 1;
+  if (version_out) *version_out = m.version;
+  EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u staged", name, m.version);
+out:
+  pthread_mutex_unlock(&eng->mu);
+  return rc;
+}
+
+epd_result_t epd_engine_get_map(epd_engine_t *eng, const char *group, epd_expert_map_t *out) {
+  const char *name = group && *group ? group : "default";
+  pthread_mutex_lock(&eng->mu);
+  eng_group_t *grp = find_group(eng, name);
+  epd_result_t rc = grp ? epd_ref_map_copy(out, &grp->map) : EPD_ERR_NOT_FOUND;
+  pthread_mutex_unlock(&eng->mu);
+  return rc;
+}
+
+/* ---- snapshots ---------------------------------------------------------------------------------- */
+
+epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out) {
+  memset(out, 0, sizeof *out);
+  pthread_mutex_lock(&eng->mu);
+  out->backend = eng->ops->name;
+  out->mode = eng->ops->mode(eng);
+  out->num_ranks = (uint32_t)eng->o.num_ranks;
+  out->ngroups = eng->ngroups;
+  out->nclients = eng->nclients;
+  out->draining = eng->draining;
+  out->groups = calloc(eng->ngroups + 1, sizeof *out->groups);
+  out->clients = calloc(eng->nclients + 1, sizeof *out->clients);
+  out->ranks = calloc((size_t)eng->o.num_ranks, sizeof *out->ranks);
+  if (!out->groups || !out->clients || !out->ranks) goto nomem;
+  uint32_t i = 0;
+  for (eng_group_t *g = eng->groups; g; g = g->next, i++) {
+    epd_group_snap_t *s = &out->groups[i];
+    snprintf(s->name, sizeof s->name, "%s", g->name);
+    s->num_experts = g->g.num_experts;
+    s->hidden = g->g.hidden;
+    s->topk = g->g.topk;
+    s->max_tokens = g->g.max_tokens;
+    s->slots_per_rank = g->g.slots_per_rank;
+    for (uint32_t r = 0; r < g->g.num_ranks; r++) s->attached_ranks += g->client[r] != NULL;
+    s->map_version = g->map.version;
+    s->steps = g->steps;
+    s->expert_tokens = malloc(sizeof(uint64_t) * g->g.num_experts);
+    if (!s->expert_tokens) goto nomem;
+    memcpy(s->expert_tokens, g->expert_tokens, sizeof(uint64_t) * g->g.num_experts);
+  }
+  i = 0;
+  for (eng_client_t *c = eng->clients; c; c = c->next, i++) {
+    epd_client_snap_t *s = &out->clients[i];
+    s->client_id = c->id;
+    snprintf(s->name, sizeof s->name, "%s", c->name);
+    snprintf(s->group, sizeof s->group, "%s", c->grp->name);
+    s->rank = c->rank;
+    s->pid = c->pid;
+    s->uid = c->uid;
+    s->ops = c->ops;
+    s->attached_ns = c->attached_ns;
+    s->arena_bytes = c->arena_bytes;
+  }
+  for (int r = 0; r < eng->o.num_ranks; r++) {
+    epd_rank_snap_t *s = &out->ranks[r];
+    s->rank = r;
+    s->device = eng->ops->device(eng, r);
+    s->buffer_bytes = eng->ops->rank_bytes(eng, r);
+    for (eng_client_t *c = eng->clients; c; c = c->next)
+      if (c->rank == r) {
+        s->clients++;
+        s->buffer_bytes += c->queue_bytes + c->arena_bytes;
+      }
+    s->ops = eng->rank[r].ops;
+    s->bytes_sent = eng->rank[r].bytes_sent;
+    s->timeouts = eng->rank[r].timeouts;
+    s->errors = eng->rank[r].errors;
+    memcpy(s->wait_ns_by_peer, eng->rank[r].wait_ns_by_peer, sizeof s->wait_ns_by_peer);
+  }
+  memcpy(out->ops, eng->opstat, sizeof out->ops);
+  pthread_mutex_unlock(&eng->mu);
+  return EPD_OK;
+nomem:
+  pthread_mutex_unlock(&eng->mu);
+  epd_engine_snapshot_free(out);
+  return EPD_ERR_NOMEM;
+}
+
+void epd_engine_snapshot_free(epd_engine_snap_t *snap) {
+  if (!snap) return;
+  if (snap->groups)
+    for (uint32_t i = 0; i < snap->ngroups; i++) free(snap->groups[i].expert_tokens);
+  free(snap->groups);
+  free(snap->clients);
+  free(snap->ranks);
+  snap->groups = NULL;
+  snap->clients = NULL;
+  snap->ranks = NULL;
+}

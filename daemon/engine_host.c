@@ -1,0 +1,453 @@
+/*
+ * engine_host.c - the host backend: every rank is a thread, every client's queue and arena is a memfd
+ * shared with the client, and a step is executed by the reference (ref.c) directly on the mapped arenas.
+ *
+ * Matching: a rank thread polls the queues of its rank's clients in ring order. A submitted slot joins
+ * the step its group is collecting (the k-th op of each rank is step k). The rank thread whose client
+ * completes the set executes the step for all ranks and completes every rank's slot with the same
+ * status, step and map version. A step that waits longer than step_timeout_ms fails with
+ * EPD_ERR_TIMEOUT naming the first missing rank; a client that leaves mid-step fails it with
+ * EPD_ERR_PEER naming its rank.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "engine_internal.h"
+#include "log.h"
+
+#define SPIN_POLLS 256          /* busy polls before the first sleep */
+#define SHORT_SLEEP_NS 5000     /* sleep while recently busy */
+#define LONG_SLEEP_NS 200000    /* sleep once idle for IDLE_AFTER_NS: an idle daemon uses little CPU */
+#define IDLE_AFTER_NS 100000000ull
+
+typedef struct host_rank {
+  epd_engine_t *eng;
+  int rank;
+  pthread_t th;
+  int started;
+} host_rank_t;
+
+typedef struct host_be {
+  atomic_int stop;
+  host_rank_t rank[EPD_MAX_RANKS];
+} host_be_t;
+
+static int host_available(char *why, size_t whylen) { return 1; }
+static const char *host_mode(const epd_engine_t *eng) { return "host-threads"; }
+static int host_device(const epd_engine_t *eng, int rank) { return -1; }
+static uint64_t host_rank_bytes(const epd_engine_t *eng, int rank) { return 0; }
+
+/* ---- step completion ---------------------------------------------------------------------------- */
+
+static uint32_t load_state(epd_slot_t *s) {
+  return atomic_load_explicit((_Atomic uint32_t *)&s->state, memory_order_acquire);
+}
+static void store_state(epd_slot_t *s, uint32_t v) {
+  atomic_store_explicit((_Atomic uint32_t *)&s->state, v, memory_order_release);
+}
+
+/* Complete the slot a client submitted for the current step. */
+static void complete_slot(epd_engine_t *eng, eng_client_t *c, const epd_desc_t *d, int status, int peer,
+                          uint32_t map_version, uint32_t num_recv, uint64_t step, uint64_t latency_ns,
+                          uint64_t bytes) {
+  epd_queue_t *q = c->queue;
+  epd_slot_t *s = &q->slot[c->next_slot];
+  epd_comp_t comp;
+  memset(&comp, 0, sizeof comp);
+  comp.status = status;
+  comp.peer = peer;
+  comp.map_version = map_version;
+  comp.num_recv = num_recv;
+  comp.step = step;
+  comp.user_tag = d->user_tag;
+  comp.latency_ns = latency_ns;
+  s->comp = comp;
+  if (status && !q->sticky_error) q->sticky_error = status;
+  q->map_version = c->grp->map.version;
+  q->steps_done++;
+  c->ops++;
+  c->next_slot = (c->next_slot + 1) % EPD_QUEUE_SLOTS;
+  c->in_step = 0;
+  store_state(s, EPD_SLOT_DONE);
+  eng_record_op(eng, c->rank, d->op, status, bytes, latency_ns);
+}
+
+/* Finish the step being collected for every arrived rank, then start collecting the next. */
+static void finish_step(epd_engine_t *eng, eng_group_t *grp, int status, int peer, uint32_t map_version,
+                        const uint32_t *num_recv, const uint64_t *bytes) {
+  uint64_t now = eng_now_ns(), last = 0;
+  uint32_t R = grp->g.num_ranks;
+  int last_rank = -1;
+  for (uint32_t r = 0; r < R; r++)
+    if (grp->arrived[r] && grp->arrive_ns[r] >= last) {
+      last = grp->arrive_ns[r];
+      last_rank = (int)r;
+    }
+  /* Time each rank waited for the last arrival, charged to that peer. */
+  if (status == EPD_OK && last_rank >= 0)
+    for (uint32_t r = 0; r < R; r++)
+      if (grp->arrived[r]) eng->rank[r].wait_ns_by_peer[last_rank] += last - grp->arrive_ns[r];
+  for (uint32_t r = 0; r < R; r++) {
+    if (!grp->arrived[r]) continue;
+    eng_client_t *c = grp->client[r];
+    if (c && c->in_step)
+      complete_slot(eng, c, &grp->desc[r], status, peer, map_version, num_recv ? num_recv[r] : 0, grp->steps,
+                    now - last, bytes ? bytes[r] : 0);
+    grp->arrived[r] = 0;
+  }
+  grp->narrived = 0;
+  grp->steps++;
+}
+
+static int op_valid(uint32_t op) { return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE; }
+static int op_is_dispatch(uint32_t op) { return op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH; }
+
+static void fail_step(epd_engine_t *eng, eng_group_t *grp, int status, int peer, const char *why) {
+  uint32_t op = 0;
+  for (uint32_t r = 0; r < grp->g.num_ranks; r++)
+    if (grp->arrived[r]) op = grp->desc[r].op;
+  /* A failed dispatch leaves its bank without routing: a combine of it must fail, not reuse old state. */
+  for (uint32_t r = 0; r < grp->g.num_ranks; r++)
+    if (grp->arrived[r] && op_is_dispatch(grp->desc[r].op) && grp->desc[r].bank < EPD_NUM_BANKS)
+      grp->plan_valid[grp->desc[r].bank] = 0;
+  const char *kind = status == EPD_ERR_TIMEOUT ? "timeout" : "error";
+  eng_emit(eng, kind, grp, peer, 0, 0, 0, grp->steps, "group %s step %llu (op %u) failed: %s: %s", grp->name,
+           (unsigned long long)grp->steps, op, eng_result_name(status), why);
+  finish_step(eng, grp, status, peer, grp->map.version, NULL, NULL);
+}
+
+/* Execute a step all ranks have submitted. */
+static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
+  const epd_ref_geom_t *g = &grp->g;
+  uint32_t R = g->num_ranks;
+  char why[256] = "";
+  /* Descriptor checks, in the order of the contract: bad op or bank, then agreement. */
+  for (uint32_t r = 0; r < R; r++) {
+    const epd_desc_t *d = &grp->desc[r];
+    if (!op_valid(d->op)) {
+      snprintf(why, sizeof why, "rank %u: op %u out of range [1, %u]", r, d->op, EPD_OP_MAX - 1);
+      return fail_step(eng, grp, EPD_ERR_INVALID, (int)r, why);
+    }
+    if (d->bank >= EPD_NUM_BANKS) {
+      snprintf(why, sizeof why, "rank %u: bank %u out of range [0, %u)", r, d->bank, EPD_NUM_BANKS);
+      return fail_step(eng, grp, EPD_ERR_INVALID, (int)r, why);
+    }
+    if (op_is_dispatch(d->op) && (d->flags & ~(uint32_t)EPD_DESC_FP8)) {
+      snprintf(why, sizeof why, "rank %u: unknown flags 0x%x", r, d->flags);
+      return fail_step(eng, grp, EPD_ERR_INVALID, (int)r, why);
+    }
+  }
+  const epd_desc_t *d0 = &grp->desc[0];
+  for (uint32_t r = 1; r < R; r++) {
+    const epd_desc_t *d = &grp->desc[r];
+    if (d->op != d0->op || d->bank != d0->bank ||
+        (op_is_dispatch(d->op) && (d->flags & EPD_DESC_FP8) != (d0->flags & EPD_DESC_FP8))) {
+      snprintf(why, sizeof why, "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x",
+               r, d->op, d->bank, d->flags, d0->op, d0->bank, d0->flags);
+      return fail_step(eng, grp, EPD_ERR_MISMATCH, (int)r, why);
+    }
+  }
+  uint32_t op = d0->op, bank = d0->bank;
+  int fp8 = (d0->flags & EPD_DESC_FP8) != 0;
+  int mode = (op == EPD_OP_LL_DISPATCH || op == EPD_OP_LL_COMBINE) ? EPD_MODE_LL : EPD_MODE_HT;
+  epd_ref_plan_t *plan = &grp->plan[bank];
+  uint32_t num_recv[EPD_MAX_RANKS] = {0};
+  uint64_t bytes[EPD_MAX_RANKS] = {0};
+  epd_result_t rc;
+  int bad = -1;
+  if (op_is_dispatch(op)) {
+    if (fp8 && g->hidden % 128) {
+      snprintf(why, sizeof why, "FP8 dispatch needs hidden a multiple of 128 (hidden %u)", g->hidden);
+      return fail_step(eng, grp, EPD_ERR_INVALID, -1, why);
+    }
+    eng_apply_staged_map(eng, grp);
+    epd_ref_in_t in[EPD_MAX_RANKS];
+    epd_ref_out_t outs[EPD_MAX_RANKS], *out[EPD_MAX_RANKS];
+    for (uint32_t r = 0; r < R; r++) {
+      eng_client_t *c = grp->client[r];
+      in[r].num_tokens = grp->desc[r].num_tokens;
+      in[r].x = eng_buf(c, EPD_BUF_X, bank);
+      in[r].topk_idx = eng_buf(c, EPD_BUF_TOPK_IDX, bank);
+      in[r].topk_weights = eng_buf(c, EPD_BUF_TOPK_WEIGHTS, bank);
+      memset(&outs[r], 0, sizeof outs[r]);
+      out[r] = &outs[r];
+      if (mode == EPD_MODE_LL) {
+        outs[r].recv_x = eng_buf(c, EPD_BUF_LL_RECV_X, bank);
+        outs[r].recv_scales = eng_buf(c, EPD_BUF_LL_RECV_SCALES, bank);
+        outs[r].recv_count = eng_buf(c, EPD_BUF_LL_RECV_COUNT, bank);
+        outs[r].recv_src = eng_buf(c, EPD_BUF_LL_RECV_SRC, bank);
+      } else {
+        outs[r].recv_x = eng_buf(c, EPD_BUF_HT_RECV_X, bank);
+        outs[r].recv_scales = eng_buf(c, EPD_BUF_HT_RECV_SCALES, bank);
+        outs[r].recv_count = eng_buf(c, EPD_BUF_HT_RECV_COUNT, bank);
+        outs[r].recv_src = eng_buf(c, EPD_BUF_HT_RECV_SRC, bank);
+        outs[r].recv_topk_idx = eng_buf(c, EPD_BUF_HT_RECV_TOPK_IDX, bank);
+        outs[r].recv_topk_weights = eng_buf(c, EPD_BUF_HT_RECV_TOPK_WEIGHTS, bank);
+      }
+    }
+    grp->plan_valid[bank] = 0;
+    rc = epd_ref_plan_build(plan, &grp->map, in, &bad, why, sizeof why);
+    if (rc) return fail_step(eng, grp, rc, bad, why);
+    if (mode == EPD_MODE_LL) {
+      rc = epd_ref_ll_dispatch(plan, in, fp8, out);
+      for (uint32_t r = 0; r < R; r++) num_recv[r] = plan->ll_recv[r];
+    } else {
+      rc = epd_ref_ht_dispatch(plan, in, fp8, out, &bad);
+      for (uint32_t r = 0; r < R; r++) num_recv[r] = plan->ht_recv[r];
+    }
+    if (rc) {
+      if (rc == EPD_ERR_OVERFLOW)
+        snprintf(why, sizeof why, "rank %d would receive %u tokens, HT capacity %u", bad, plan->ht_recv[bad],
+                 g->ht_capacity);
+      else
+        snprintf(why, sizeof why, "dispatch failed");
+      eng_emit(eng, "error", grp, bad, 0, 0, 0, grp->steps, "group %s step %llu: %s: %s", grp->name,
+               (unsigned long long)grp->steps, eng_result_name(rc), why);
+      return finish_step(eng, grp, rc, bad, plan->map_version, num_recv, NULL);
+    }
+    grp->plan_valid[bank] = 1;
+    uint64_t row = (uint64_t)g->hidden * (fp8 ? 1 : 2) + (fp8 ? epd_ref_scale_blocks(g->hidden) * 4 : 0);
+    for (uint32_t src = 0; src < R; src++) {
+      uint64_t rows = 0;
+      for (uint32_t t = 0; t < plan->num_tokens[src]; t++) {
+        if (mode == EPD_MODE_LL) {
+          for (uint32_t k = 0; k < g->topk; k++)
+            rows += plan->dst_rank[((size_t)src * g->max_tokens + t) * g->topk + k] >= 0;
+        } else {
+          for (uint32_t r = 0; r < R; r++) rows += plan->ht_pos[((size_t)src * g->max_tokens + t) * R + r] >= 0;
+        }
+      }
+      bytes[src] = rows * row;
+    }
+    for (uint32_t e = 0; e < g->num_experts; e++) grp->expert_tokens[e] += plan->expert_tokens[e];
+    for (size_t i = 0; i < (size_t)R * g->slots_per_rank; i++) grp->slot_tokens[i] += plan->slot_tokens[i];
+    return finish_step(eng, grp, EPD_OK, -1, plan->map_version, num_recv, bytes);
+  }
+  /* Combine: the routing of this bank's dispatch. */
+  if (!grp->plan_valid[bank] || plan->mode != mode) {
+    snprintf(why, sizeof why, "%s combine of bank %u without a successful %s dispatch of that bank",
+             mode == EPD_MODE_LL ? "LL" : "HT", bank, mode == EPD_MODE_LL ? "LL" : "HT");
+    return fail_step(eng, grp, EPD_ERR_STATE, -1, why);
+  }
+  const uint16_t *y[EPD_MAX_RANKS];
+  uint16_t *o[EPD_MAX_RANKS];
+  for (uint32_t r = 0; r < R; r++) {
+    y[r] = eng_buf(grp->client[r], mode == EPD_MODE_LL ? EPD_BUF_LL_Y : EPD_BUF_HT_Y, bank);
+    o[r] = eng_buf(grp->client[r], EPD_BUF_OUT, bank);
+    bytes[r] = (uint64_t)(mode == EPD_MODE_LL ? plan->ll_recv[r] : plan->ht_recv[r]) * g->hidden * 2;
+    num_recv[r] = mode == EPD_MODE_LL ? plan->ll_recv[r] : plan->ht_recv[r];
+  }
+  rc = mode == EPD_MODE_LL ? epd_ref_ll_combine(plan, y, o) : epd_ref_ht_combine(plan, y, o);
+  if (rc) return fail_step(eng, grp, rc, -1, "combine failed");
+  finish_step(eng, grp, EPD_OK, -1, plan->map_version, num_recv, bytes);
+}
+
+/* ---- polling ------------------------------------------------------------------------------------ */
+
+/* Look at one client of this rank; returns 1 if it did something. */
+static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
+  eng_group_t *grp = c->grp;
+  if (c->in_step) {
+    if (now - grp->first_arrive_ns <= (uint64_t)eng->o.step_timeout_ms * 1000000ull) return 0;
+    int missing = -1;
+    for (uint32_t r = 0; r < grp->g.num_ranks && missing < 0; r++)
+      if (!grp->arrived[r]) missing = (int)r;
+    char why[128];
+    snprintf(why, sizeof why, "waited %u ms for rank %d", eng->o.step_timeout_ms, missing);
+    fail_step(eng, grp, EPD_ERR_TIMEOUT, missing, why);
+    return 1;
+  }
+  epd_slot_t *s = &c->queue->slot[c->next_slot];
+  if (load_state(s) != EPD_SLOT_SUBMITTED) return 0;
+  epd_desc_t d = s->desc;
+  if (grp->narrived == 0 && eng->draining) {
+    c->in_step = 1;
+    complete_slot(eng, c, &d, EPD_ERR_DRAINING, -1, grp->map.version, 0, grp->steps, 0, 0);
+    return 1;
+  }
+  int r = c->rank;
+  grp->arrived[r] = 1;
+  grp->desc[r] = d;
+  grp->arrive_ns[r] = now;
+  if (grp->narrived++ == 0) grp->first_arrive_ns = now;
+  c->in_step = 1;
+  for (uint32_t p = 0; p < grp->g.num_ranks; p++)
+    if (grp->lost[p] && !grp->client[p]) {
+      char why[128];
+      snprintf(why, sizeof why, "the client of rank %u died and has not been replaced", p);
+      fail_step(eng, grp, EPD_ERR_PEER, (int)p, why);
+      return 1;
+    }
+  if (grp->narrived == grp->g.num_ranks) execute_step(eng, grp);
+  return 1;
+}
+
+static void sleep_ns(long ns) {
+  struct timespec ts = {0, ns};
+  nanosleep(&ts, NULL);
+}
+
+static void *rank_main(void *arg) {
+  host_rank_t *hr = arg;
+  epd_engine_t *eng = hr->eng;
+  host_be_t *be = eng->be;
+  char name[16];
+  snprintf(name, sizeof name, "epd-rank%d", hr->rank);
+  pthread_setname_np(pthread_self(), name);
+  /* Few-microsecond sleeps need a small timer slack (the default 50 us would make every sleep long). */
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+  unsigned idle_polls = 0;
+  uint64_t idle_since = eng_now_ns();
+  while (!atomic_load(&be->stop)) {
+    int busy = 0;
+    uint64_t now = eng_now_ns();
+    pthread_mutex_lock(&eng->mu);
+    for (eng_client_t *c = eng->clients; c; c = c->next)
+      if (c->rank == hr->rank && c->queue) busy |= progress(eng, c, now);
+    pthread_mutex_unlock(&eng->mu);
+    if (busy) {
+      idle_polls = 0;
+      idle_since = now;
+      continue;
+    }
+    if (++idle_polls < SPIN_POLLS) continue;
+    sleep_ns(now - idle_since > IDLE_AFTER_NS ? LONG_SLEEP_NS : SHORT_SLEEP_NS);
+  }
+  return NULL;
+}
+
+/* ---- backend ops -------------------------------------------------------------------------------- */
+
+static void host_destroy(epd_engine_t *eng);
+
+static epd_result_t host_create(epd_engine_t *eng, char *err, size_t errlen) {
+  host_be_t *be = calloc(1, sizeof *be);
+  if (!be) return EPD_ERR_NOMEM;
+  eng->be = be;
+  for (int r = 0; r < eng->o.num_ranks; r++) {
+    host_rank_t *hr = &be->rank[r];
+    hr->eng = eng;
+    hr->rank = r;
+    int e = pthread_create(&hr->th, NULL, rank_main, hr);
+    if (e) {
+      snprintf(err, errlen, "pthread_create for rank %d: %s", r, strerror(e));
+      host_destroy(eng);
+      return EPD_ERR_SYSTEM;
+    }
+    hr->started = 1;
+  }
+  return EPD_OK;
+}
+
+static void host_destroy(epd_engine_t *eng) {
+  host_be_t *be = eng->be;
+  if (!be) return;
+  atomic_store(&be->stop, 1);
+  for (int r = 0; r < EPD_MAX_RANKS; r++)
+    if (be->rank[r].started) pthread_join(be->rank[r].th, NULL);
+  /* Fail what is in flight so that a client still polling sees an answer. */
+  pthread_mutex_lock(&eng->mu);
+  for (eng_group_t *g = eng->groups; g; g = g->next)
+    if (g->narrived) finish_step(eng, g, EPD_ERR_CLOSED, -1, g->map.version, NULL, NULL);
+  pthread_mutex_unlock(&eng->mu);
+  free(be);
+  eng->be = NULL;
+}
+
+static int make_memfd(const char *name, uint64_t bytes, void **map, char *err, size_t errlen) {
+  int fd = memfd_create(name, MFD_CLOEXEC);
+  if (fd < 0) {
+    snprintf(err, errlen, "memfd_create(%s): %s", name, strerror(errno));
+    return -1;
+  }
+  if (ftruncate(fd, (off_t)bytes) < 0) {
+    snprintf(err, errlen, "ftruncate(%s, %llu): %s", name, (unsigned long long)bytes, strerror(errno));
+    close(fd);
+    return -1;
+  }
+  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    snprintf(err, errlen, "mmap(%s, %llu): %s", name, (unsigned long long)bytes, strerror(errno));
+    close(fd);
+    return -1;
+  }
+  *map = p;
+  return fd;
+}
+
+static epd_result_t host_client_alloc(epd_engine_t *eng, eng_client_t *c, char *err, size_t errlen) {
+  void *q = NULL, *a = NULL;
+  char name[64];
+  snprintf(name, sizeof name, "epd-queue-%llu", (unsigned long long)c->id);
+  c->queue_fd = make_memfd(name, c->queue_bytes, &q, err, errlen);
+  if (c->queue_fd < 0) return EPD_ERR_SYSTEM;
+  snprintf(name, sizeof name, "epd-arena-%llu", (unsigned long long)c->id);
+  c->arena_fd = make_memfd(name, c->arena_bytes, &a, err, errlen);
+  if (c->arena_fd < 0) {
+    munmap(q, c->queue_bytes);
+    close(c->queue_fd);
+    c->queue_fd = -1;
+    return EPD_ERR_SYSTEM;
+  }
+  c->queue = q;
+  c->arena = a;
+  epd_queue_t *qu = q; /* fresh memfd pages are zero: every slot FREE */
+  qu->magic = EPD_QUEUE_MAGIC;
+  qu->abi_version = EPD_ABI_VERSION;
+  qu->nslots = EPD_QUEUE_SLOTS;
+  qu->rank = (uint32_t)c->rank;
+  qu->client_id = c->id;
+  qu->map_version = c->grp->map.version;
+  c->next_slot = 0;
+  c->in_step = 0;
+  return EPD_OK;
+}
+
+static void host_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
+  eng_group_t *grp = c->grp;
+  int r = c->rank;
+  if (c->in_step) {
+    /* Its slot is going away: withdraw it from the step, never write there again. */
+    grp->arrived[r] = 0;
+    grp->narrived--;
+    c->in_step = 0;
+  }
+  if (lost) grp->lost[r] = 1;
+  if (grp->narrived) {
+    char why[160];
+    snprintf(why, sizeof why, "client %llu of rank %d %s mid-step", (unsigned long long)c->id, r,
+             lost ? "died" : "detached");
+    fail_step(eng, grp, EPD_ERR_PEER, r, why);
+  }
+}
+
+static void host_client_free(epd_engine_t *eng, eng_client_t *c) {
+  if (c->queue) munmap(c->queue, c->queue_bytes);
+  if (c->arena) munmap(c->arena, c->arena_bytes);
+  if (c->queue_fd >= 0) close(c->queue_fd);
+  if (c->arena_fd >= 0) close(c->arena_fd);
+  c->queue = NULL;
+  c->arena = NULL;
+  c->queue_fd = c->arena_fd = -1;
+}
+
+const eng_backend_ops_t eng_host_ops = {
+    .name = "host",
+    .available = host_available,
+    .create = host_create,
+    .destroy = host_destroy,
+    .mode = host_mode,
+    .device = host_device,
+    .rank_bytes = host_rank_bytes,
+    .client_alloc = host_client_alloc,
+    .client_leave = host_client_leave,
+    .client_free = host_client_free,
+};

@@ -1,0 +1,138 @@
+/*
+ * engine_internal.h - what the engine core (engine.c) shares with its backends (engine_host.c,
+ * engine_cuda.c): the group and client structs and the backend vtable.
+ *
+ * Locking: one engine mutex (eng->mu) guards every group, client, map and counter. The core calls
+ * every backend op with it held except create/destroy/start/stop; backend threads take it to look at
+ * clients and groups. One lock keeps detach (which frees a client's memory) trivially safe against the
+ * threads that execute steps on that memory; the host backend's steps are short enough for it.
+ */
+#ifndef EPD_ENGINE_INTERNAL_H
+#define EPD_ENGINE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+
+#include "engine.h"
+#include "ref.h"
+
+typedef struct eng_group eng_group_t;
+typedef struct eng_client eng_client_t;
+
+struct eng_client {
+  eng_client_t *next; /* engine's client list */
+  uint64_t id;
+  char name[EPD_CLIENT_NAME_MAX];
+  eng_group_t *grp;
+  int rank;
+  uint32_t pid, uid, gid;
+  uint64_t attached_ns; /* CLOCK_REALTIME */
+  uint64_t ops;
+  /* Memory, owned by the backend: fds handed to the client, and the daemon's own view of it (NULL
+   * where the daemon cannot address it from the CPU). */
+  int queue_fd, arena_fd;
+  uint64_t queue_bytes, arena_bytes;
+  epd_queue_t *queue;
+  uint8_t *arena;
+  void *be; /* backend private */
+  /* Host backend progress: next ring slot to execute, and whether the client has joined the group's
+   * step being collected. */
+  uint32_t next_slot;
+  int in_step;
+};
+
+struct eng_group {
+  eng_group_t *next;
+  char name[EPD_GROUP_NAME_MAX];
+  epd_ref_geom_t g;
+  eng_client_t *client[EPD_MAX_RANKS]; /* the attached client of each rank, or NULL */
+  int lost[EPD_MAX_RANKS];             /* the rank's client died; steps fail until it re-attaches */
+  epd_expert_map_t map;                /* active */
+  epd_expert_map_t staged;             /* valid if has_staged */
+  int has_staged;
+  uint32_t last_version;               /* highest version handed out */
+  epd_ref_plan_t plan[EPD_NUM_BANKS];  /* routing of each bank's last dispatch (combine input) */
+  int plan_valid[EPD_NUM_BANKS];
+  uint64_t steps;                      /* steps finished; the number of the step being collected */
+  uint64_t *expert_tokens;             /* [E] cumulative */
+  uint64_t *slot_tokens;               /* [R*S] cumulative */
+  /* Arena layout of every client of the group. */
+  uint32_t nbufs;
+  epd_buffer_desc_t bufs[EPD_BUF_KINDS * EPD_NUM_BANKS];
+  uint64_t arena_bytes;
+  /* Step being collected (host backend). */
+  uint32_t narrived;
+  int arrived[EPD_MAX_RANKS];
+  epd_desc_t desc[EPD_MAX_RANKS];
+  uint64_t arrive_ns[EPD_MAX_RANKS];
+  uint64_t first_arrive_ns;
+};
+
+typedef struct eng_rank_stats {
+  uint64_t ops, bytes_sent, timeouts, errors;
+  uint64_t wait_ns_by_peer[EPD_MAX_RANKS];
+} eng_rank_stats_t;
+
+/* A backend. Ops marked (mu) are called with eng->mu held. */
+typedef struct eng_backend_ops {
+  const char *name; /* "host", "cuda" */
+  /* 1 if usable on this machine (auto selection); why gets the reason when not. */
+  int (*available)(char *why, size_t whylen);
+  /* Set eng->be up (devices, windows) and start the rank threads. */
+  epd_result_t (*create)(epd_engine_t *eng, char *err, size_t errlen);
+  /* Stop the threads, fail what is in flight, release eng->be (clients are freed by the core after). */
+  void (*destroy)(epd_engine_t *eng);
+  /* "host-threads", "persistent", "launch". */
+  const char *(*mode)(const epd_engine_t *eng);
+  /* Device ordinal of a rank, -1 for host memory. */
+  int (*device)(const epd_engine_t *eng, int rank);
+  /* Bytes of daemon-side buffers of a rank (windows), not counting client arenas. */
+  uint64_t (*rank_bytes)(const epd_engine_t *eng, int rank);
+  /* (mu) Allocate c->queue_bytes of queue and c->arena_bytes of arena; set the fds (and c->queue /
+   * c->arena where CPU-visible) and write the queue header. */
+  epd_result_t (*client_alloc)(epd_engine_t *eng, eng_client_t *c, char *err, size_t errlen);
+  /* (mu) The client is leaving (lost: it died): stop using its queue, fail peers' pending steps. */
+  void (*client_leave)(epd_engine_t *eng, eng_client_t *c, int lost);
+  /* (mu) Release the client's memory and fds. */
+  void (*client_free)(epd_engine_t *eng, eng_client_t *c);
+} eng_backend_ops_t;
+
+struct epd_engine {
+  epd_engine_opts_t o;
+  const eng_backend_ops_t *ops;
+  void *be;
+  epd_engine_event_fn on_event;
+  void *event_arg;
+  pthread_mutex_t mu;
+  eng_group_t *groups;
+  uint32_t ngroups;
+  eng_client_t *clients;
+  uint32_t nclients;
+  uint64_t next_client_id;
+  int draining;
+  epd_op_snap_t opstat[EPD_OP_MAX];
+  eng_rank_stats_t rank[EPD_MAX_RANKS];
+};
+
+extern const eng_backend_ops_t eng_host_ops;
+/* Defined by engine_cuda.c when the CUDA backend is linked in (weak: absent otherwise). */
+extern const eng_backend_ops_t eng_cuda_ops __attribute__((weak));
+
+/* Core helpers for backends, all (mu). */
+uint64_t eng_now_ns(void); /* CLOCK_MONOTONIC */
+/* Emit an event to the engine's sink (message formatted). */
+void eng_emit(epd_engine_t *eng, const char *kind, const eng_group_t *grp, int rank, uint64_t client_id,
+              uint32_t old_version, uint32_t new_version, uint64_t step, const char *fmt, ...)
+    __attribute__((format(printf, 9, 10)));
+/* At a dispatch step boundary: make the staged map active (emits map_switch). */
+void eng_apply_staged_map(epd_engine_t *eng, eng_group_t *grp);
+/* Account one finished op of one rank (status, bytes it sent, latency). */
+void eng_record_op(epd_engine_t *eng, int rank, uint32_t op, int status, uint64_t bytes,
+                   uint64_t latency_ns);
+/* Name of a result code ("EPD_ERR_TIMEOUT"); the daemon does not link libepd's epd_strerror. */
+const char *eng_result_name(int result);
+/* Address of buffer (kind, bank) in a client's CPU-visible arena. */
+void *eng_buf(const eng_client_t *c, uint32_t kind, uint32_t bank);
+
+#endif /* EPD_ENGINE_INTERNAL_H */
