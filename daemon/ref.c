@@ -417,3 +417,37 @@ epd_result_t epd_ref_ht_combine(const epd_ref_plan_t *p, const uint16_t *const *
   free(acc);
   return EPD_OK;
 }
+
+/* ---- deterministic inputs ----------------------------------------------------------------------- */
+
+uint64_t epd_ref_rand(uint64_t *state) {
+  uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+static float rand_unit(uint64_t *st) { return (float)(epd_ref_rand(st) >> 40) / (float)(1 << 24); }
+
+void epd_ref_gen_input(uint64_t seed, uint64_t step, uint32_t rank, const epd_ref_geom_t *g,
+                       uint32_t num_tokens, int skew, uint16_t *x, int64_t *topk_idx, float *topk_weights) {
+  uint64_t st = seed * 0x100000001b3ull ^ (step << 20) ^ ((uint64_t)rank << 48) ^ 0x6a09e667f3bcc909ull;
+  uint32_t H = g->hidden, K = g->topk, E = g->num_experts;
+  uint32_t per = (E + g->num_ranks - 1) / g->num_ranks;
+  for (size_t i = 0; i < (size_t)num_tokens * H; i++) x[i] = epd_f32_to_bf16(rand_unit(&st) * 4.0f - 2.0f);
+  for (uint32_t t = 0; t < num_tokens; t++)
+    for (uint32_t k = 0; k < K; k++) {
+      uint64_t u = epd_ref_rand(&st);
+      int64_t e;
+      if (u % 100 < 10)
+        e = -1;
+      else if (k > 0 && u % 100 < 15)
+        e = topk_idx[(size_t)t * K + (u >> 32) % k];
+      else if (skew && (u >> 8) % 100 < 70)
+        e = (int64_t)((u >> 32) % per);
+      else
+        e = (int64_t)((u >> 32) % E);
+      topk_idx[(size_t)t * K + k] = e;
+      topk_weights[(size_t)t * K + k] = 0.05f + 0.95f * rand_unit(&st);
+    }
+}

@@ -110,4 +110,14 @@ static inline epd_replica_t epd_ref_map_dest(const epd_expert_map_t *m, uint32_t
   return m->rep[e][i];
 }
 
+/* Deterministic test inputs of one rank for (seed, step, rank): x random BF16 in [-2, 2), top-k ids
+ * with about 10% -1 entries and 5% duplicates, weights in [0.05, 1). skew != 0 sends about 70% of the
+ * picks to the experts of the default map's rank 0. Writes num_tokens rows of x [., H], topk [., K],
+ * weights [., K]. Used by the tests, epd-worker and the GPU tests so that every process can rebuild
+ * every rank's input. */
+void epd_ref_gen_input(uint64_t seed, uint64_t step, uint32_t rank, const epd_ref_geom_t *g,
+                       uint32_t num_tokens, int skew, uint16_t *x, int64_t *topk_idx, float *topk_weights);
+/* splitmix64 step, for tests that need their own random numbers. */
+uint64_t epd_ref_rand(uint64_t *state);
+
 #endif /* EPD_REF_H */
