@@ -1,0 +1,623 @@
+/*
+ * epdctl - inspect and control a running epd daemon over its control socket.
+ *   epdctl [-s socket] [--json] [--timeout MS] status|metrics|clients|config|experts [group]|
+ *          set-map FILE|drain [--exit]|health [service]|watch [--count N]
+ * Exit status 0 on success; 1 with the daemon's error text otherwise (health: 1 when not SERVING).
+ */
+#define _GNU_SOURCE
+#include <ctype.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "epd.h"
+#include "epd.pb-c.h"
+#include "health.pb-c.h"
+#include "rpc_client.h"
+
+#ifndef EPD_VERSION
+#define EPD_VERSION "unknown"
+#endif
+
+static int json;
+static char err[1024];
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: epdctl [-s SOCKET] [--json] [--timeout MS] COMMAND [ARGS]\n"
+          "commands:\n"
+          "  status             backend, mode, state, ranks, groups, clients\n"
+          "  metrics            Prometheus text format\n"
+          "  clients            attached clients\n"
+          "  config             effective daemon configuration\n"
+          "  experts [GROUP]    active expert map (GROUP default: \"default\")\n"
+          "  set-map FILE       stage an expert map (format: the output of `epdctl experts`; '-' = stdin)\n"
+          "  drain [--exit]     refuse new attaches and steps; --exit: exit when the last client left\n"
+          "  health [SERVICE]   grpc.health.v1 status (exit 1 unless SERVING)\n"
+          "  watch [--count N]  print events as they happen (N: stop after N events)\n"
+          "socket: -s, else $EPD_SOCKET, else the daemon's default path\n");
+}
+
+/* ---- JSON helpers --------------------------------------------------------------------------------- */
+
+static void jstr(const char *s) {
+  putchar('"');
+  for (const unsigned char *p = (const unsigned char *)(s ? s : ""); *p; p++) {
+    if (*p == '"' || *p == '\\')
+      printf("\\%c", *p);
+    else if (*p == '\n')
+      printf("\\n");
+    else if (*p == '\t')
+      printf("\\t");
+    else if (*p < 0x20)
+      printf("\\u%04x", *p);
+    else
+      putchar(*p);
+  }
+  putchar('"');
+}
+
+static void jkey(const char *k, int *first) {
+  printf("%s", *first ? "" : ",");
+  *first = 0;
+  jstr(k);
+  putchar(':');
+}
+
+static void jkv_s(const char *k, const char *v, int *first) {
+  jkey(k, first);
+  jstr(v);
+}
+
+static void jkv_u(const char *k, uint64_t v, int *first) {
+  jkey(k, first);
+  printf("%" PRIu64, v);
+}
+
+static void jkv_i(const char *k, int64_t v, int *first) {
+  jkey(k, first);
+  printf("%" PRId64, v);
+}
+
+/* ---- formatting ----------------------------------------------------------------------------------- */
+
+static const char *human_bytes(uint64_t b, char *buf, size_t len) {
+  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = (double)b;
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    u++;
+  }
+  if (u == 0)
+    snprintf(buf, len, "%" PRIu64 " B", b);
+  else
+    snprintf(buf, len, "%.1f %s", v, units[u]);
+  return buf;
+}
+
+static void json_client(const Epd__V1__ClientStatus *c) {
+  int f = 1;
+  putchar('{');
+  jkv_u("client_id", c->client_id, &f);
+  jkv_s("name", c->name, &f);
+  jkv_s("group", c->group, &f);
+  jkv_i("rank", c->rank, &f);
+  jkv_u("pid", c->pid, &f);
+  jkv_u("uid", c->uid, &f);
+  jkv_u("ops", c->ops, &f);
+  jkv_u("attached_ns", c->attached_ns, &f);
+  jkv_u("arena_bytes", c->arena_bytes, &f);
+  putchar('}');
+}
+
+static void print_status_json(const Epd__V1__StatusReply *s) {
+  int f = 1;
+  putchar('{');
+  jkv_s("version", s->version, &f);
+  jkv_s("backend", s->backend, &f);
+  jkv_s("engine_mode", s->engine_mode, &f);
+  jkv_s("state", s->state, &f);
+  jkv_u("num_ranks", s->num_ranks, &f);
+  jkv_u("uptime_ms", s->uptime_ms, &f);
+  jkey("draining", &f);
+  printf("%s", s->draining ? "true" : "false");
+  jkv_u("protocol_version", s->protocol_version, &f);
+  jkey("ranks", &f);
+  putchar('[');
+  for (size_t i = 0; i < s->n_ranks; i++) {
+    const Epd__V1__RankStatus *r = s->ranks[i];
+    int g = 1;
+    printf("%s{", i ? "," : "");
+    jkv_i("rank", r->rank, &g);
+    jkv_i("device", r->device, &g);
+    jkv_u("buffer_bytes", r->buffer_bytes, &g);
+    jkv_u("clients", r->clients, &g);
+    jkv_u("ops", r->ops, &g);
+    putchar('}');
+  }
+  putchar(']');
+  jkey("groups", &f);
+  putchar('[');
+  for (size_t i = 0; i < s->n_groups; i++) {
+    const Epd__V1__GroupStatus *gr = s->groups[i];
+    int g = 1;
+    printf("%s{", i ? "," : "");
+    jkv_s("name", gr->name, &g);
+    jkv_u("num_experts", gr->num_experts, &g);
+    jkv_u("hidden", gr->hidden, &g);
+    jkv_u("topk", gr->topk, &g);
+    jkv_u("max_tokens", gr->max_tokens, &g);
+    jkv_u("attached_ranks", gr->attached_ranks, &g);
+    jkv_u("steps", gr->steps, &g);
+    jkv_u("map_version", gr->map_version, &g);
+    putchar('}');
+  }
+  putchar(']');
+  jkey("clients", &f);
+  putchar('[');
+  for (size_t i = 0; i < s->n_clients; i++) {
+    if (i) putchar(',');
+    json_client(s->clients[i]);
+  }
+  printf("]}\n");
+}
+
+static void print_clients_table(const Epd__V1__StatusReply *s) {
+  printf("%-8s %-20s %-16s %4s %8s %6s %10s %12s\n", "ID", "NAME", "GROUP", "RANK", "PID", "UID", "OPS", "ARENA");
+  for (size_t i = 0; i < s->n_clients; i++) {
+    const Epd__V1__ClientStatus *c = s->clients[i];
+    char hb[32];
+    printf("%-8" PRIu64 " %-20s %-16s %4d %8u %6u %10" PRIu64 " %12s\n", c->client_id, c->name, c->group, c->rank,
+           c->pid, c->uid, c->ops, human_bytes(c->arena_bytes, hb, sizeof hb));
+  }
+}
+
+static void print_status_human(const Epd__V1__StatusReply *s) {
+  printf("epd %s (protocol %u)\n", s->version, s->protocol_version);
+  printf("backend:  %s\n", s->backend);
+  printf("mode:     %s\n", s->engine_mode);
+  printf("state:    %s%s\n", s->state, s->draining ? " (draining)" : "");
+  printf("uptime:   %.1f s\n", (double)s->uptime_ms / 1e3);
+  printf("ranks:    %u\n", s->num_ranks);
+  printf("  %4s %6s %14s %16s %7s %10s\n", "RANK", "DEVICE", "BUFFERS", "BUFFER_BYTES", "CLIENTS", "OPS");
+  for (size_t i = 0; i < s->n_ranks; i++) {
+    const Epd__V1__RankStatus *r = s->ranks[i];
+    char hb[32];
+    printf("  %4d %6d %14s %16" PRIu64 " %7u %10" PRIu64 "\n", r->rank, r->device,
+           human_bytes(r->buffer_bytes, hb, sizeof hb), r->buffer_bytes, r->clients, r->ops);
+  }
+  printf("groups:   %zu\n", s->n_groups);
+  if (s->n_groups)
+    printf("  %-16s %7s %6s %4s %10s %5s %10s %4s\n", "NAME", "EXPERTS", "HIDDEN", "TOPK", "MAX_TOKENS", "RANKS",
+           "STEPS", "MAP");
+  for (size_t i = 0; i < s->n_groups; i++) {
+    const Epd__V1__GroupStatus *g = s->groups[i];
+    printf("  %-16s %7u %6u %4u %10u %5u %10" PRIu64 " %4u\n", g->name, g->num_experts, g->hidden, g->topk,
+           g->max_tokens, g->attached_ranks, g->steps, g->map_version);
+  }
+  printf("clients:  %zu\n", s->n_clients);
+  if (s->n_clients) {
+    for (size_t i = 0; i < s->n_clients; i++) {
+      const Epd__V1__ClientStatus *c = s->clients[i];
+      printf("  %-8" PRIu64 " %-20s group %-16s rank %d pid %u ops %" PRIu64 "\n", c->client_id, c->name, c->group,
+             c->rank, c->pid, c->ops);
+    }
+  }
+}
+
+/* ---- commands ------------------------------------------------------------------------------------- */
+
+static Epd__V1__StatusReply *get_status(epd_rpc_t *rpc) {
+  Epd__V1__GetStatusRequest q = EPD__V1__GET_STATUS_REQUEST__INIT;
+  q.protocol_version = EPD_PROTOCOL_VERSION;
+  ProtobufCMessage *rep = NULL;
+  if (epd_rpc_call(rpc, "/epd.v1.Control/GetStatus", &q.base, &epd__v1__status_reply__descriptor, &rep, err,
+                   sizeof err) != EPD_OK)
+    return NULL;
+  return (Epd__V1__StatusReply *)rep;
+}
+
+static int cmd_status(epd_rpc_t *rpc, const char *what) {
+  Epd__V1__StatusReply *s = get_status(rpc);
+  if (!s) return 1;
+  if (!strcmp(what, "config")) {
+    if (json) {
+      /* "key = value" lines as a JSON object. */
+      int f = 1;
+      putchar('{');
+      char *text = strdup(s->config), *save = NULL;
+      for (char *line = text ? strtok_r(text, "\n", &save) : NULL; line; line = strtok_r(NULL, "\n", &save)) {
+        char *eq = strstr(line, " = ");
+        if (!eq) continue;
+        *eq = 0;
+        jkv_s(line, eq + 3, &f);
+      }
+      free(text);
+      printf("}\n");
+    } else {
+      fputs(s->config, stdout);
+      if (s->config[0] && s->config[strlen(s->config) - 1] != '\n') putchar('\n');
+    }
+  } else if (!strcmp(what, "clients")) {
+    if (json) {
+      putchar('[');
+      for (size_t i = 0; i < s->n_clients; i++) {
+        if (i) putchar(',');
+        json_client(s->clients[i]);
+      }
+      printf("]\n");
+    } else {
+      print_clients_table(s);
+    }
+  } else if (json) {
+    print_status_json(s);
+  } else {
+    print_status_human(s);
+  }
+  protobuf_c_message_free_unpacked(&s->base, NULL);
+  return 0;
+}
+
+static int cmd_metrics(epd_rpc_t *rpc) {
+  Epd__V1__GetMetricsRequest q = EPD__V1__GET_METRICS_REQUEST__INIT;
+  q.protocol_version = EPD_PROTOCOL_VERSION;
+  ProtobufCMessage *rep = NULL;
+  if (epd_rpc_call(rpc, "/epd.v1.Control/GetMetrics", &q.base, &epd__v1__metrics_reply__descriptor, &rep, err,
+                   sizeof err) != EPD_OK)
+    return 1;
+  fputs(((Epd__V1__MetricsReply *)rep)->text, stdout);
+  protobuf_c_message_free_unpacked(rep, NULL);
+  return 0;
+}
+
+static int cmd_experts(epd_rpc_t *rpc, const char *group) {
+  Epd__V1__GetExpertMapRequest q = EPD__V1__GET_EXPERT_MAP_REQUEST__INIT;
+  q.protocol_version = EPD_PROTOCOL_VERSION;
+  q.group = (char *)(group ? group : "");
+  ProtobufCMessage *rep = NULL;
+  if (epd_rpc_call(rpc, "/epd.v1.Control/GetExpertMap", &q.base, &epd__v1__expert_map__descriptor, &rep, err,
+                   sizeof err) != EPD_OK)
+    return 1;
+  const Epd__V1__ExpertMap *m = (const Epd__V1__ExpertMap *)rep;
+  if (json) {
+    int f = 1;
+    putchar('{');
+    jkv_s("group", m->group, &f);
+    jkv_u("version", m->version, &f);
+    jkv_u("num_ranks", m->num_ranks, &f);
+    jkv_u("slots_per_rank", m->slots_per_rank, &f);
+    jkey("experts", &f);
+    putchar('[');
+    for (size_t i = 0; i < m->n_experts; i++) {
+      printf("%s{\"expert\":%u,\"replicas\":[", i ? "," : "", m->experts[i]->expert);
+      for (size_t k = 0; k < m->experts[i]->n_replicas; k++)
+        printf("%s{\"rank\":%u,\"slot\":%u}", k ? "," : "", m->experts[i]->replicas[k]->rank,
+               m->experts[i]->replicas[k]->slot);
+      printf("]}");
+    }
+    printf("]}\n");
+  } else {
+    printf("group %s version %u num_ranks %u slots_per_rank %u\n", m->group, m->version, m->num_ranks,
+           m->slots_per_rank);
+    for (size_t i = 0; i < m->n_experts; i++) {
+      printf("expert %u:", m->experts[i]->expert);
+      for (size_t k = 0; k < m->experts[i]->n_replicas; k++)
+        printf(" %u:%u", m->experts[i]->replicas[k]->rank, m->experts[i]->replicas[k]->slot);
+      putchar('\n');
+    }
+  }
+  protobuf_c_message_free_unpacked(rep, NULL);
+  return 0;
+}
+
+/* A parsed map file: placements allocated in one array each. */
+typedef struct map_file {
+  Epd__V1__ExpertMap map;
+  Epd__V1__ExpertPlacement *pl, **plp;
+  Epd__V1__Replica *rp, **rpp;
+  size_t npl, nrp, cappl, caprp;
+  char group[128];
+} map_file_t;
+
+static int grow(void **p, size_t *cap, size_t need, size_t elem) {
+  if (need <= *cap) return 0;
+  size_t n = *cap ? *cap * 2 : 64;
+  while (n < need) n *= 2;
+  void *q = realloc(*p, n * elem);
+  if (!q) return -1;
+  *p = q;
+  *cap = n;
+  return 0;
+}
+
+/* Parse the `epdctl experts` format: "group NAME [num_ranks N] [slots_per_rank N] [version V]" and
+ * "expert E: R:S [R:S...]" lines ("expert" and the colon after E are optional; '#' starts a comment). */
+static int parse_map(FILE *f, const char *fname, map_file_t *mf) {
+  char line[8192];
+  int ln = 0;
+  epd__v1__expert_map__init(&mf->map);
+  while (fgets(line, sizeof line, f)) {
+    ln++;
+    char *hash = strchr(line, '#');
+    if (hash) *hash = 0;
+    char *save = NULL, *tok = strtok_r(line, " \t\r\n", &save);
+    if (!tok) continue;
+    if (!strcmp(tok, "group")) {
+      char *name = strtok_r(NULL, " \t\r\n", &save);
+      if (!name) {
+        snprintf(err, sizeof err, "%s:%d: group: missing name", fname, ln);
+        return -1;
+      }
+      snprintf(mf->group, sizeof mf->group, "%s", name);
+      for (char *k; (k = strtok_r(NULL, " \t\r\n", &save));) {
+        char *v = strtok_r(NULL, " \t\r\n", &save);
+        if (!v) {
+          snprintf(err, sizeof err, "%s:%d: %s: missing value", fname, ln, k);
+          return -1;
+        }
+        if (!strcmp(k, "num_ranks"))
+          mf->map.num_ranks = (uint32_t)strtoul(v, NULL, 10);
+        else if (!strcmp(k, "slots_per_rank"))
+          mf->map.slots_per_rank = (uint32_t)strtoul(v, NULL, 10);
+        else if (strcmp(k, "version")) {
+          snprintf(err, sizeof err, "%s:%d: unknown key %s (num_ranks, slots_per_rank, version)", fname, ln, k);
+          return -1;
+        }
+      }
+      continue;
+    }
+    if (!strcmp(tok, "expert")) tok = strtok_r(NULL, " \t\r\n", &save);
+    char *end;
+    errno = 0;
+    unsigned long e = tok ? strtoul(tok, &end, 10) : 0;
+    if (!tok || end == tok || (*end && strcmp(end, ":")) || errno || e > UINT32_MAX) {
+      snprintf(err, sizeof err, "%s:%d: expected \"expert E: RANK:SLOT ...\"", fname, ln);
+      return -1;
+    }
+    if (grow((void **)&mf->pl, &mf->cappl, mf->npl + 1, sizeof *mf->pl)) goto nomem;
+    Epd__V1__ExpertPlacement *p = &mf->pl[mf->npl++];
+    epd__v1__expert_placement__init(p);
+    p->expert = (uint32_t)e;
+    p->replicas = (Epd__V1__Replica **)(uintptr_t)mf->nrp; /* an index until the arrays stop moving */
+    for (char *r; (r = strtok_r(NULL, " \t\r\n", &save));) {
+      unsigned rank, slot;
+      char extra;
+      if (sscanf(r, "%u:%u%c", &rank, &slot, &extra) != 2) {
+        snprintf(err, sizeof err, "%s:%d: replica \"%s\": expected RANK:SLOT", fname, ln, r);
+        return -1;
+      }
+      if (grow((void **)&mf->rp, &mf->caprp, mf->nrp + 1, sizeof *mf->rp)) goto nomem;
+      epd__v1__replica__init(&mf->rp[mf->nrp]);
+      mf->rp[mf->nrp].rank = rank;
+      mf->rp[mf->nrp].slot = slot;
+      mf->nrp++;
+      p->n_replicas++;
+    }
+  }
+  mf->plp = calloc(mf->npl + 1, sizeof *mf->plp);
+  mf->rpp = calloc(mf->nrp + 1, sizeof *mf->rpp);
+  if (!mf->plp || !mf->rpp) goto nomem;
+  for (size_t i = 0; i < mf->nrp; i++) mf->rpp[i] = &mf->rp[i];
+  for (size_t i = 0; i < mf->npl; i++) {
+    mf->pl[i].replicas = &mf->rpp[(size_t)(uintptr_t)mf->pl[i].replicas];
+    mf->plp[i] = &mf->pl[i];
+  }
+  mf->map.group = mf->group;
+  mf->map.n_experts = mf->npl;
+  mf->map.experts = mf->plp;
+  return 0;
+nomem:
+  snprintf(err, sizeof err, "%s: out of memory", fname);
+  return -1;
+}
+
+static int cmd_set_map(epd_rpc_t *rpc, const char *fname, const char *group) {
+  FILE *f = strcmp(fname, "-") ? fopen(fname, "r") : stdin;
+  if (!f) {
+    snprintf(err, sizeof err, "%s: %s", fname, strerror(errno));
+    return 1;
+  }
+  map_file_t mf;
+  memset(&mf, 0, sizeof mf);
+  int rc = parse_map(f, fname, &mf);
+  if (f != stdin) fclose(f);
+  if (rc == 0) {
+    if (group) snprintf(mf.group, sizeof mf.group, "%s", group);
+    Epd__V1__SetExpertMapRequest q = EPD__V1__SET_EXPERT_MAP_REQUEST__INIT;
+    q.protocol_version = EPD_PROTOCOL_VERSION;
+    q.map = &mf.map;
+    ProtobufCMessage *rep = NULL;
+    if (epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &q.base, &epd__v1__set_expert_map_reply__descriptor, &rep,
+                     err, sizeof err) != EPD_OK) {
+      rc = -1;
+    } else {
+      uint32_t v = ((Epd__V1__SetExpertMapReply *)rep)->version;
+      if (json)
+        printf("{\"group\":\"%s\",\"version\":%u}\n", mf.group[0] ? mf.group : "default", v);
+      else
+        printf("staged expert map version %u for group %s (%zu experts)\n", v, mf.group[0] ? mf.group : "default",
+               mf.npl);
+      protobuf_c_message_free_unpacked(rep, NULL);
+    }
+  }
+  free(mf.pl);
+  free(mf.plp);
+  free(mf.rp);
+  free(mf.rpp);
+  return rc ? 1 : 0;
+}
+
+static int cmd_drain(epd_rpc_t *rpc, int exit_when_idle) {
+  Epd__V1__DrainRequest q = EPD__V1__DRAIN_REQUEST__INIT;
+  q.protocol_version = EPD_PROTOCOL_VERSION;
+  q.exit = exit_when_idle;
+  ProtobufCMessage *rep = NULL;
+  if (epd_rpc_call(rpc, "/epd.v1.Control/Drain", &q.base, &epd__v1__drain_reply__descriptor, &rep, err,
+                   sizeof err) != EPD_OK)
+    return 1;
+  uint32_t n = ((Epd__V1__DrainReply *)rep)->clients;
+  if (json)
+    printf("{\"draining\":true,\"exit\":%s,\"clients\":%u}\n", exit_when_idle ? "true" : "false", n);
+  else
+    printf("draining; %u client%s still attached%s\n", n, n == 1 ? "" : "s",
+           exit_when_idle ? "; the daemon exits when the last one detaches" : "");
+  protobuf_c_message_free_unpacked(rep, NULL);
+  return 0;
+}
+
+static int cmd_health(epd_rpc_t *rpc, const char *service) {
+  Grpc__Health__V1__HealthCheckRequest q = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+  q.service = (char *)(service ? service : "");
+  ProtobufCMessage *rep = NULL;
+  if (epd_rpc_call(rpc, "/grpc.health.v1.Health/Check", &q.base, &grpc__health__v1__health_check_response__descriptor,
+                   &rep, err, sizeof err) != EPD_OK)
+    return 1;
+  int st = ((Grpc__Health__V1__HealthCheckResponse *)rep)->status;
+  const ProtobufCEnumValue *v =
+      protobuf_c_enum_descriptor_get_value(&grpc__health__v1__health_check_response__serving_status__descriptor, st);
+  const char *name = v ? v->name : "UNKNOWN";
+  if (json)
+    printf("{\"status\":\"%s\"}\n", name);
+  else
+    printf("%s\n", name);
+  protobuf_c_message_free_unpacked(rep, NULL);
+  if (st != GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING) {
+    snprintf(err, sizeof err, "not serving (%s)", name);
+    return 1;
+  }
+  return 0;
+}
+
+typedef struct watch_ctx {
+  long count, seen;
+} watch_ctx_t;
+
+static int on_event(void *arg, ProtobufCMessage *msg) {
+  watch_ctx_t *w = arg;
+  const Epd__V1__Event *e = (const Epd__V1__Event *)msg;
+  if (json) {
+    int f = 1;
+    putchar('{');
+    jkv_u("seq", e->seq, &f);
+    jkv_u("time_ns", e->time_ns, &f);
+    jkv_s("kind", e->kind, &f);
+    jkv_s("group", e->group, &f);
+    jkv_i("rank", e->rank, &f);
+    jkv_u("client_id", e->client_id, &f);
+    jkv_s("message", e->message, &f);
+    jkv_u("old_version", e->old_version, &f);
+    jkv_u("new_version", e->new_version, &f);
+    jkv_u("step", e->step, &f);
+    printf("}\n");
+  } else {
+    time_t t = (time_t)(e->time_ns / 1000000000ull);
+    struct tm tm;
+    char ts[32];
+    localtime_r(&t, &tm);
+    strftime(ts, sizeof ts, "%H:%M:%S", &tm);
+    printf("%s.%03u #%" PRIu64 " %-11s group=%s rank=%d client=%" PRIu64 " %s\n", ts,
+           (unsigned)(e->time_ns / 1000000ull % 1000), e->seq, e->kind, e->group[0] ? e->group : "-", e->rank,
+           e->client_id, e->message);
+  }
+  fflush(stdout);
+  return w->count > 0 && ++w->seen >= w->count;
+}
+
+static int cmd_watch(epd_rpc_t *rpc, long count, int timeout_ms) {
+  Epd__V1__WatchRequest q = EPD__V1__WATCH_REQUEST__INIT;
+  q.protocol_version = EPD_PROTOCOL_VERSION;
+  watch_ctx_t w = {count, 0};
+  epd_result_t r = epd_rpc_stream(rpc, "/epd.v1.Control/Watch", &q.base, &epd__v1__event__descriptor, on_event, &w,
+                                  timeout_ms, err, sizeof err);
+  return r == EPD_OK ? 0 : 1;
+}
+
+int main(int argc, char **argv) {
+  const char *sock = NULL;
+  int timeout_ms = 10000, timeout_set = 0, i = 1;
+  for (; i < argc && argv[i][0] == '-'; i++) {
+    if (!strcmp(argv[i], "-s") && i + 1 < argc)
+      sock = argv[++i];
+    else if (!strcmp(argv[i], "--json"))
+      json = 1;
+    else if (!strcmp(argv[i], "--timeout") && i + 1 < argc) {
+      timeout_ms = atoi(argv[++i]);
+      timeout_set = 1;
+    } else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+      usage(stdout);
+      return 0;
+    } else if (!strcmp(argv[i], "--version")) {
+      printf("epdctl %s (protocol %u)\n", EPD_VERSION, EPD_PROTOCOL_VERSION);
+      return 0;
+    } else {
+      fprintf(stderr, "epdctl: unknown option %s\n", argv[i]);
+      usage(stderr);
+      return 2;
+    }
+  }
+  if (i >= argc) {
+    usage(stderr);
+    return 2;
+  }
+  const char *cmd = argv[i++];
+  /* Command options may follow the command too (`epdctl status --json`). */
+  const char *pos[4] = {0};
+  int npos = 0, exit_flag = 0;
+  long count = 0;
+  for (; i < argc; i++) {
+    if (!strcmp(argv[i], "--json"))
+      json = 1;
+    else if (!strcmp(argv[i], "--exit"))
+      exit_flag = 1;
+    else if (!strcmp(argv[i], "--count") && i + 1 < argc)
+      count = atol(argv[++i]);
+    else if (!strcmp(argv[i], "--group") && i + 1 < argc)
+      pos[3] = argv[++i];
+    else if (npos < 2)
+      pos[npos++] = argv[i];
+    else {
+      fprintf(stderr, "epdctl: unexpected argument %s\n", argv[i]);
+      return 2;
+    }
+  }
+  static const char *const known[] = {"status", "metrics", "clients", "config", "experts",
+                                      "set-map", "drain", "health", "watch"};
+  int ok = 0;
+  for (size_t k = 0; k < sizeof known / sizeof known[0]; k++) ok |= !strcmp(cmd, known[k]);
+  if (!ok) {
+    fprintf(stderr, "epdctl: unknown command %s\n", cmd);
+    usage(stderr);
+    return 2;
+  }
+  if (!strcmp(cmd, "set-map") && !pos[0]) {
+    fprintf(stderr, "epdctl: set-map needs a FILE\n");
+    return 2;
+  }
+  epd_rpc_t *rpc = NULL;
+  if (epd_rpc_open(sock, timeout_ms, &rpc, err, sizeof err) != EPD_OK) {
+    fprintf(stderr, "epdctl: %s\n", err);
+    return 1;
+  }
+  int rc;
+  if (!strcmp(cmd, "status") || !strcmp(cmd, "clients") || !strcmp(cmd, "config"))
+    rc = cmd_status(rpc, cmd);
+  else if (!strcmp(cmd, "metrics"))
+    rc = cmd_metrics(rpc);
+  else if (!strcmp(cmd, "experts"))
+    rc = cmd_experts(rpc, pos[0] ? pos[0] : pos[3]);
+  else if (!strcmp(cmd, "set-map"))
+    rc = cmd_set_map(rpc, pos[0], pos[3]);
+  else if (!strcmp(cmd, "drain"))
+    rc = cmd_drain(rpc, exit_flag);
+  else if (!strcmp(cmd, "health"))
+    rc = cmd_health(rpc, pos[0]);
+  else
+    rc = cmd_watch(rpc, count, timeout_set ? timeout_ms : 0);
+  if (rc) fprintf(stderr, "epdctl: %s\n", err);
+  epd_rpc_close(rpc);
+  return rc;
+}
