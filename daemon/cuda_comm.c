@@ -1,0 +1,217 @@
+/*
+ * cuda_comm.c - NCCL communicators and symmetric windows for one process driving every local GPU.
+ */
+#include "cuda_comm.h"
+
+#if EPD_WITH_CUDA
+#include <cuda_runtime.h>
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wstrict-prototypes"
+#include <nccl.h>
+#pragma GCC diagnostic pop
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "epd_kernels.h"
+
+struct epd_cc {
+  int n;
+  int dev[EPD_CC_MAX_RANKS];
+  ncclComm_t world[EPD_CC_MAX_RANKS];
+  ncclComm_t lsa[EPD_CC_MAX_RANKS];
+  ncclUniqueId id;
+};
+
+typedef struct cc_job {
+  epd_cc_t *cc;
+  int rank;
+  epd_cc_fn fn;
+  void *arg;
+  epd_result_t res;
+} cc_job_t;
+
+static void *cc_thread(void *p) {
+  cc_job_t *j = p;
+  if (cudaSetDevice(j->cc->dev[j->rank]) != cudaSuccess) {
+    j->res = EPD_ERR_CUDA;
+    return NULL;
+  }
+  j->res = j->fn(j->cc, j->rank, j->arg);
+  return NULL;
+}
+
+epd_result_t epd_cc_each(epd_cc_t *cc, epd_cc_fn fn, void *arg) {
+  cc_job_t jobs[EPD_CC_MAX_RANKS];
+  pthread_t th[EPD_CC_MAX_RANKS];
+  int started[EPD_CC_MAX_RANKS] = {0};
+  for (int r = 0; r < cc->n; r++) {
+    jobs[r] = (cc_job_t){cc, r, fn, arg, EPD_OK};
+    started[r] = pthread_create(&th[r], NULL, cc_thread, &jobs[r]) == 0;
+    if (!started[r]) jobs[r].res = EPD_ERR_SYSTEM;
+  }
+  epd_result_t res = EPD_OK;
+  for (int r = 0; r < cc->n; r++) {
+    if (started[r]) pthread_join(th[r], NULL);
+    if (res == EPD_OK && jobs[r].res != EPD_OK) res = jobs[r].res;
+  }
+  return res;
+}
+
+typedef struct init_arg {
+  char err[EPD_CC_MAX_RANKS][160];
+} init_arg_t;
+
+static epd_result_t cc_init_rank(epd_cc_t *cc, int r, void *argp) {
+  init_arg_t *a = argp;
+  ncclResult_t nr = ncclCommInitRank(&cc->world[r], cc->n, cc->id, r);
+  if (nr != ncclSuccess) {
+    snprintf(a->err[r], sizeof a->err[r], "rank %d: ncclCommInitRank: %s", r, ncclGetErrorString(nr));
+    return EPD_ERR_NCCL;
+  }
+  /* One node for now: every rank of this process is on it (color 0), keyed by rank so that LSA
+   * ranks equal world ranks. */
+  nr = ncclCommSplit(cc->world[r], 0, r, &cc->lsa[r], NULL);
+  if (nr != ncclSuccess) {
+    snprintf(a->err[r], sizeof a->err[r], "rank %d: ncclCommSplit: %s", r, ncclGetErrorString(nr));
+    return EPD_ERR_NCCL;
+  }
+  return EPD_OK;
+}
+
+epd_result_t epd_cc_create(int n, const int *devices, epd_cc_t **out, char *err, size_t errlen) {
+  *out = NULL;
+  epd_result_t res = epd_k_check_nccl_version(err, errlen);
+  if (res != EPD_OK) return res;
+  int ndev = 0;
+  cudaError_t ce = cudaGetDeviceCount(&ndev);
+  if (ce != cudaSuccess) {
+    snprintf(err, errlen, "cudaGetDeviceCount: %s", cudaGetErrorString(ce));
+    return EPD_ERR_CUDA;
+  }
+  if (n < 1 || n > EPD_CC_MAX_RANKS || n > ndev) {
+    snprintf(err, errlen, "num_ranks = %d out of range (1..%d GPUs present)", n, ndev);
+    return EPD_ERR_INVALID;
+  }
+  epd_cc_t *cc = calloc(1, sizeof(*cc));
+  if (!cc) return EPD_ERR_NOMEM;
+  cc->n = n;
+  for (int r = 0; r < n; r++) cc->dev[r] = devices ? devices[r] : r;
+  ncclResult_t nr = ncclGetUniqueId(&cc->id);
+  if (nr != ncclSuccess) {
+    snprintf(err, errlen, "ncclGetUniqueId: %s", ncclGetErrorString(nr));
+    free(cc);
+    return EPD_ERR_NCCL;
+  }
+  init_arg_t *a = calloc(1, sizeof(*a));
+  if (!a) {
+    free(cc);
+    return EPD_ERR_NOMEM;
+  }
+  res = epd_cc_each(cc, cc_init_rank, a);
+  if (res != EPD_OK) {
+    for (int r = 0; r < n; r++)
+      if (a->err[r][0]) {
+        snprintf(err, errlen, "%s", a->err[r]);
+        break;
+      }
+    free(a);
+    epd_cc_destroy(cc);
+    return res;
+  }
+  free(a);
+  *out = cc;
+  return EPD_OK;
+}
+
+static epd_result_t cc_fini_rank(epd_cc_t *cc, int r, void *arg) {
+  (void)arg;
+  if (cc->lsa[r]) ncclCommDestroy(cc->lsa[r]);
+  if (cc->world[r]) {
+    ncclCommFinalize(cc->world[r]);
+    ncclCommDestroy(cc->world[r]);
+  }
+  cc->lsa[r] = cc->world[r] = NULL;
+  return EPD_OK;
+}
+
+void epd_cc_destroy(epd_cc_t *cc) {
+  if (!cc) return;
+  epd_cc_each(cc, cc_fini_rank, NULL);
+  free(cc);
+}
+
+int epd_cc_num_ranks(const epd_cc_t *cc) { return cc->n; }
+int epd_cc_device(const epd_cc_t *cc, int rank) { return cc->dev[rank]; }
+struct ncclComm *epd_cc_world(const epd_cc_t *cc, int rank) { return cc->world[rank]; }
+struct ncclComm *epd_cc_lsa(const epd_cc_t *cc, int rank) { return cc->lsa[rank]; }
+
+typedef struct win_arg {
+  epd_cc_win_t *w;
+  char err[EPD_CC_MAX_RANKS][160];
+} win_arg_t;
+
+static epd_result_t cc_win_rank(epd_cc_t *cc, int r, void *argp) {
+  win_arg_t *a = argp;
+  void *p = NULL;
+  ncclResult_t nr = ncclMemAlloc(&p, a->w->bytes);
+  if (nr != ncclSuccess) {
+    snprintf(a->err[r], sizeof a->err[r], "rank %d: ncclMemAlloc(%zu): %s", r, a->w->bytes,
+             ncclGetErrorString(nr));
+    return EPD_ERR_NOMEM;
+  }
+  cudaError_t ce = cudaMemset(p, 0, a->w->bytes);
+  if (ce == cudaSuccess) ce = cudaDeviceSynchronize();
+  if (ce != cudaSuccess) {
+    snprintf(a->err[r], sizeof a->err[r], "rank %d: cudaMemset: %s", r, cudaGetErrorString(ce));
+    ncclMemFree(p);
+    return EPD_ERR_CUDA;
+  }
+  ncclWindow_t win = NULL;
+  nr = ncclCommWindowRegister(cc->lsa[r], p, a->w->bytes, &win, NCCL_WIN_COLL_SYMMETRIC);
+  if (nr != ncclSuccess) {
+    snprintf(a->err[r], sizeof a->err[r], "rank %d: ncclCommWindowRegister: %s", r, ncclGetErrorString(nr));
+    ncclMemFree(p);
+    return EPD_ERR_NCCL;
+  }
+  a->w->ptr[r] = p;
+  a->w->win[r] = win;
+  return EPD_OK;
+}
+
+epd_result_t epd_cc_window_alloc(epd_cc_t *cc, size_t bytes, epd_cc_win_t *out, char *err, size_t errlen) {
+  memset(out, 0, sizeof(*out));
+  out->bytes = (bytes + 4095) / 4096 * 4096;
+  win_arg_t *a = calloc(1, sizeof(*a));
+  if (!a) return EPD_ERR_NOMEM;
+  a->w = out;
+  epd_result_t res = epd_cc_each(cc, cc_win_rank, a);
+  if (res != EPD_OK) {
+    for (int r = 0; r < cc->n; r++)
+      if (a->err[r][0]) {
+        snprintf(err, errlen, "%s", a->err[r]);
+        break;
+      }
+    epd_cc_window_free(cc, out);
+  }
+  free(a);
+  return res;
+}
+
+static epd_result_t cc_winfree_rank(epd_cc_t *cc, int r, void *argp) {
+  epd_cc_win_t *w = argp;
+  if (w->win[r]) ncclCommWindowDeregister(cc->lsa[r], w->win[r]);
+  if (w->ptr[r]) ncclMemFree(w->ptr[r]);
+  w->win[r] = NULL;
+  w->ptr[r] = NULL;
+  return EPD_OK;
+}
+
+void epd_cc_window_free(epd_cc_t *cc, epd_cc_win_t *w) {
+  if (!cc || !w) return;
+  cudaDeviceSynchronize();
+  epd_cc_each(cc, cc_winfree_rank, w);
+}
+
+#endif /* EPD_WITH_CUDA */

@@ -1,0 +1,53 @@
+/*
+ * cuda_comm.h - NCCL set-up for the CUDA backend: one process drives every GPU of the node.
+ *
+ * For N local GPUs: a thread per GPU runs ncclCommInitRank (ranks numbered node-contiguously, so the
+ * LSA team is the node), splits a node-local communicator (it carries the LSA device communicator, so a
+ * multi-node world never blocks LSA), and registers symmetric windows (ncclMemAlloc +
+ * ncclCommWindowRegister, same size and order on every rank). The NCCL runtime must be 2.28.x (the
+ * device headers the kernels are built with); others are refused with a message.
+ * Only built with EPD_WITH_CUDA=1.
+ */
+#ifndef EPD_CUDA_COMM_H
+#define EPD_CUDA_COMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "epd.h"
+
+#define EPD_CC_MAX_RANKS 64
+
+struct ncclComm;
+struct ncclWindow_vidmem;
+typedef struct epd_cc epd_cc_t;
+
+/* One symmetric window on every rank. */
+typedef struct epd_cc_win {
+  size_t bytes;
+  void *ptr[EPD_CC_MAX_RANKS];                     /* local device address on each rank */
+  struct ncclWindow_vidmem *win[EPD_CC_MAX_RANKS]; /* ncclWindow_t of each rank */
+} epd_cc_win_t;
+
+/* Create communicators for GPUs devices[0..n-1] (NULL: 0..n-1), rank i on devices[i]. */
+epd_result_t epd_cc_create(int n, const int *devices, epd_cc_t **out, char *err, size_t errlen);
+/* Destroy communicators (windows must have been freed). */
+void epd_cc_destroy(epd_cc_t *cc);
+int epd_cc_num_ranks(const epd_cc_t *cc);
+int epd_cc_device(const epd_cc_t *cc, int rank);
+struct ncclComm *epd_cc_world(const epd_cc_t *cc, int rank);
+/* The node-local communicator of a rank (its LSA team is the node). */
+struct ncclComm *epd_cc_lsa(const epd_cc_t *cc, int rank);
+
+/* Run fn(cc, rank, arg) on a thread per rank with the rank's device current (for collective set-up
+ * calls such as ncclDevCommCreate); returns the first non-OK result (by rank order). */
+typedef epd_result_t (*epd_cc_fn)(epd_cc_t *cc, int rank, void *arg);
+epd_result_t epd_cc_each(epd_cc_t *cc, epd_cc_fn fn, void *arg);
+
+/* Allocate and register a window of `bytes` (rounded up to 4096) on every rank of the node-local
+ * communicator, zeroed. Collective (it runs a thread per rank). */
+epd_result_t epd_cc_window_alloc(epd_cc_t *cc, size_t bytes, epd_cc_win_t *out, char *err, size_t errlen);
+/* Deregister and free a window on every rank (every rank must be quiescent). */
+void epd_cc_window_free(epd_cc_t *cc, epd_cc_win_t *w);
+
+#endif

@@ -1,0 +1,806 @@
+/*
+ * ll.cu - low-latency (LL) dispatch and combine on the NCCL 2.28 Device API (LSA over NVLink).
+ *
+ * Semantics: docs/SEMANTICS.md ("LL dispatch", "LL combine"). Launchers: epd_kernels.h.
+ *
+ * LL area of a rank's staging window, per bank (offsets in LLLayout, all 256-byte aligned):
+ *   dflag [R][G] u64    dispatch arrival flag of (src rank, src block): seq << 32 | err << 24 | T_src
+ *   cflag [R][G] u64    combine arrival flag of (expert rank, block): seq << 32
+ *   meta  [R][M] Meta   routing of token (src, t) on this rank: n local entries (slot, weight), k order
+ *   xstg  [R][M][2H]    token (src, t) as sent: BF16 row, or FP8 row (H bytes) + H/128 f32 scales
+ *   cstg  [R][M][2H]    combine partial of my token t from expert rank d (BF16)
+ *   --- private to this rank (never written by peers) ---
+ *   cpos  [R][M][KMAX] i32  expert-major row of entry i of token (src, t) (for combine)
+ *   rtok  [R] u32           tokens dispatched to the team by each src in this bank's last dispatch
+ *   rmask [M] u64           ranks my token t was sent to in this bank's last dispatch
+ *   st    BankState         per-block sequence numbers, completion ticket, error and totals
+ *
+ * Protocol of one op with G blocks on every rank: block b of every rank sends its share (tokens b,
+ * b+G, ...), then stores its flag with release semantics into every rank; every block waits for the R*G
+ * flags of the op (acquire, with a deadline from %globaltimer), then does its share of the receive work
+ * (dispatch: expert slots b, b+G, ...; combine: tokens b, b+G, ...). The flag carries a per-block
+ * sequence number kept in device memory, so no host counter is needed and graph replay works. The last
+ * block to finish (a ticket counter) writes the completion record.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <nccl_device.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "epd_kernels.h"
+
+namespace {
+
+constexpr int KMAX = EPD_K_MAX_TOPK;
+constexpr int NTHR = EPD_K_LL_THREADS;
+constexpr int NWARP = NTHR / 32;
+
+enum : uint32_t { ERRB_BAD_EXPERT = 1u, ERRB_TOO_MANY = 2u, ERRB_BAD_MAP = 4u };
+
+struct __align__(16) Meta {
+  int32_t n;
+  int16_t slot[KMAX];
+  float w[KMAX];
+  int32_t pad[7];
+};
+static_assert(sizeof(Meta) == 128, "Meta is 128 bytes");
+
+struct BankState {
+  uint32_t seq[2][EPD_K_LL_MAX_BLOCKS]; /* [op: 0 dispatch, 1 combine][block] */
+  uint32_t done[2];                     /* completion tickets */
+  int32_t err[2], errpeer[2];
+  uint32_t total;   /* dispatch: rows received, summed over blocks */
+  uint32_t ntok;    /* my tokens in the last dispatch */
+  int32_t derr;     /* status of the last dispatch (combine refuses to run after a failed one) */
+  uint32_t pad;
+};
+
+struct LLLayout {
+  uint64_t bank_bytes;
+  uint64_t dflag, cflag, meta, xstg, cstg, cpos, rtok, rmask, st;
+};
+
+struct LLParams {
+  ncclWindow_t win;
+  uint64_t win_off; /* LL area offset in the window */
+  char *local;      /* LL area, local address */
+  LLLayout lay;
+  uint32_t R, rank, E, H, K, M, S, G;
+  /* op */
+  uint32_t flags, T, bank;
+  uint64_t timeout_ns;
+  const uint32_t *map;
+  uint64_t *slot_tokens;
+  epd_comp_t *comp;
+  epd_k_arena_t arena;
+};
+
+__host__ __device__ inline uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+__device__ __forceinline__ uint64_t gtimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t *p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(uint64_t *p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+/* Base of bank b of rank `peer`'s LL area (peer == rank gives the local address). */
+__device__ __forceinline__ char *peer_bank(const LLParams &p, int peer) {
+  return (char *)ncclGetLsaPointer(p.win, p.win_off + p.bank * p.lay.bank_bytes, peer);
+}
+__device__ __forceinline__ char *local_bank(const LLParams &p) { return p.local + p.bank * p.lay.bank_bytes; }
+template <typename T>
+__device__ __forceinline__ T *arena_buf(const LLParams &p, int kind) {
+  return (T *)(uintptr_t)(p.arena.base + p.arena.off[p.bank][kind]);
+}
+
+__device__ __forceinline__ float bf16_to_f(uint16_t v) { return __uint_as_float((uint32_t)v << 16); }
+__device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *(uint32_t *)&h;
+}
+
+/* Shared state of one block's wait. */
+struct WaitResult {
+  uint32_t T[EPD_K_MAX_RANKS];
+  uint32_t errbits[EPD_K_MAX_RANKS];
+  int timeout_src; /* lowest rank whose flag did not arrive, or INT_MAX */
+};
+
+/* Wait (whole block) for the R*G flags `flags[src][g]` of sequence `seq`, until `deadline`. */
+__device__ void wait_flags(const LLParams &p, const uint64_t *flags, uint32_t seq, uint64_t deadline,
+                           WaitResult *wr) {
+  if (threadIdx.x < EPD_K_MAX_RANKS) {
+    wr->T[threadIdx.x] = 0;
+    wr->errbits[threadIdx.x] = 0;
+  }
+  if (threadIdx.x == 0) wr->timeout_src = 0x7fffffff;
+  __syncthreads();
+  for (uint32_t i = threadIdx.x; i < p.R * p.G; i += blockDim.x) {
+    uint32_t src = i / p.G, g = i % p.G;
+    uint64_t v;
+    bool ok = false;
+    for (;;) {
+      v = ld_acquire_sys(flags + i);
+      if ((uint32_t)(v >> 32) == seq) { ok = true; break; }
+      if (gtimer() > deadline) break;
+    }
+    if (!ok) {
+      atomicMin(&wr->timeout_src, (int)src);
+    } else {
+      if (g == 0) wr->T[src] = (uint32_t)(v & 0xffffffu);
+      uint32_t eb = (uint32_t)(v >> 24) & 0xffu;
+      if (eb) atomicOr(&wr->errbits[src], eb);
+    }
+  }
+  __syncthreads();
+}
+
+/* Status of an op from a wait: (code, peer). Same on every rank for input errors. */
+__device__ void wait_status(const LLParams &p, const WaitResult *wr, int *code, int *peer) {
+  *code = 0;
+  *peer = -1;
+  for (uint32_t s = 0; s < p.R; s++) {
+    uint32_t eb = wr->errbits[s];
+    if (eb) {
+      *code = (eb & ERRB_TOO_MANY) ? EPD_ERR_TOO_MANY_TOKENS
+              : (eb & ERRB_BAD_EXPERT) ? EPD_ERR_BAD_EXPERT : EPD_ERR_INVALID;
+      *peer = (int)s;
+      return;
+    }
+  }
+  if (wr->timeout_src != 0x7fffffff) {
+    *code = EPD_ERR_TIMEOUT;
+    *peer = wr->timeout_src;
+  }
+}
+
+/* Block epilogue: record the block's outcome; the last block writes the completion record. */
+__device__ void finish_block(const LLParams &p, BankState *st, int opi, uint32_t seq, int code, int peer,
+                             uint32_t add_total, int is_dispatch) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (add_total) atomicAdd(&st->total, add_total);
+  if (code != 0 && atomicCAS(&st->err[opi], 0, code) == 0) atomicExch(&st->errpeer[opi], peer);
+  st->seq[opi][blockIdx.x] = seq;
+  __threadfence();
+  uint32_t ticket = atomicAdd(&st->done[opi], 1u);
+  if (ticket != p.G - 1) return;
+  __threadfence();
+  int c = atomicAdd(&st->err[opi], 0);
+  int pe = atomicAdd(&st->errpeer[opi], 0);
+  uint32_t total = atomicAdd(&st->total, 0u);
+  if (is_dispatch) {
+    st->derr = c;
+    st->total = 0;
+  }
+  st->err[opi] = 0;
+  st->errpeer[opi] = -1;
+  st->done[opi] = 0;
+  volatile epd_comp_t *comp = p.comp;
+  if (comp) {
+    comp->status = c;
+    comp->peer = c ? pe : -1;
+    if (is_dispatch) comp->num_recv = c ? 0u : total;
+    if (is_dispatch && p.map) comp->map_version = p.map[0];
+  }
+  __threadfence_system();
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * Dispatch body (block `blockIdx.x` of G).
+ * ------------------------------------------------------------------------------------------------- */
+__device__ void ll_dispatch_body(const LLParams &p) {
+  __shared__ Meta sh_meta[EPD_K_MAX_RANKS];
+  __shared__ uint32_t sh_err, sh_seq;
+  __shared__ uint64_t sh_deadline;
+  __shared__ WaitResult wr;
+  __shared__ uint32_t sh_wc[NWARP];
+  __shared__ int2 sh_list[NTHR];
+  __shared__ uint32_t sh_tstart[EPD_K_MAX_RANKS + 1];
+
+  const uint32_t R = p.R, H = p.H, K = p.K, M = p.M, S = p.S, G = p.G, rank = p.rank;
+  const bool fp8 = (p.flags & EPD_DESC_FP8) != 0;
+  const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  char *lb = local_bank(p);
+  BankState *st = (BankState *)(lb + p.lay.st);
+
+  if (tid == 0) {
+    sh_err = 0;
+    sh_seq = st->seq[0][blockIdx.x] + 1;
+    sh_deadline = gtimer() + p.timeout_ns;
+  }
+  __syncthreads();
+  const uint32_t seq = sh_seq;
+  uint32_t T = p.T;
+  if (T > M) {
+    T = 0;
+    if (tid == 0) sh_err |= ERRB_TOO_MANY;
+  }
+
+  const __nv_bfloat16 *x = arena_buf<__nv_bfloat16>(p, EPD_BUF_X);
+  const int64_t *topk = arena_buf<int64_t>(p, EPD_BUF_TOPK_IDX);
+  const float *topw = arena_buf<float>(p, EPD_BUF_TOPK_WEIGHTS);
+  uint64_t *rmask = (uint64_t *)(lb + p.lay.rmask);
+  const uint32_t map_E = p.map[1];
+  const uint32_t *map_nrep = p.map + 4;
+  const uint32_t *map_rep = p.map + 4 + map_E;
+  const uint64_t rowbytes = 2ull * H;
+
+  /* ---- send: each token once per destination rank ---- */
+  for (uint32_t t = blockIdx.x; t < T; t += G) {
+    if (warp == 0) {
+      int64_t e = -1;
+      float w = 0.f;
+      if (lane < K) {
+        e = __ldcg(topk + (uint64_t)t * K + lane);
+        w = __ldcg(topw + (uint64_t)t * K + lane);
+      }
+      bool bad = lane < K && (e < -1 || e >= (int64_t)p.E);
+      bool valid = lane < K && e >= 0 && e < (int64_t)p.E;
+      for (uint32_t j = 0; j < K; j++) {
+        int64_t ej = __shfl_sync(0xffffffffu, e, j);
+        if (j < lane && ej == e) valid = false; /* a duplicate expert is ignored */
+      }
+      uint32_t d = 0xffffffffu, s = 0;
+      if (valid) {
+        if (e >= (int64_t)map_E) {
+          valid = false;
+          bad = true;
+        } else {
+          uint32_t nrep = map_nrep[e];
+          if (nrep == 0 || nrep > EPD_K_MAX_REPLICAS) {
+            valid = false;
+            atomicOr(&sh_err, ERRB_BAD_MAP);
+          } else {
+            uint32_t i = (uint32_t)(((uint64_t)rank * M + t) % nrep);
+            uint32_t rep = map_rep[(uint64_t)e * EPD_K_MAX_REPLICAS + i];
+            d = rep >> 16;
+            s = rep & 0xffffu;
+            if (d >= R || s >= S) {
+              valid = false;
+              atomicOr(&sh_err, ERRB_BAD_MAP);
+            }
+          }
+        }
+      }
+      if (__any_sync(0xffffffffu, bad) && lane == 0) atomicOr(&sh_err, ERRB_BAD_EXPERT);
+      uint64_t mask = 0;
+      for (uint32_t r = 0; r < R; r++) {
+        uint32_t m = __ballot_sync(0xffffffffu, valid && d == r);
+        if (valid && d == r) {
+          uint32_t pos = __popc(m & ((1u << lane) - 1u));
+          sh_meta[r].slot[pos] = (int16_t)s;
+          sh_meta[r].w[pos] = w;
+        }
+        if (lane == 0) sh_meta[r].n = __popc(m);
+        if (m) mask |= 1ull << r;
+      }
+      if (lane == 0) rmask[t] = mask;
+    }
+    __syncthreads();
+    /* token data to every destination rank that has an entry */
+    const uint64_t row_off = p.lay.xstg + ((uint64_t)rank * M + t) * rowbytes;
+    if (fp8) {
+      for (uint32_t g = warp; g < H / 128; g += NWARP) {
+        uint2 raw = __ldcg((const uint2 *)(x + (uint64_t)t * H + g * 128 + lane * 4));
+        float v0 = bf16_to_f(raw.x & 0xffff), v1 = bf16_to_f(raw.x >> 16);
+        float v2 = bf16_to_f(raw.y & 0xffff), v3 = bf16_to_f(raw.y >> 16);
+        float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        float scale = fmaxf(amax, EPD_K_FP8_AMAX_MIN) / EPD_K_FP8_MAX;
+        __nv_fp8x2_storage_t q01 =
+            __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v0, scale), __fdiv_rn(v1, scale)), __NV_SATFINITE, __NV_E4M3);
+        __nv_fp8x2_storage_t q23 =
+            __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v2, scale), __fdiv_rn(v3, scale)), __NV_SATFINITE, __NV_E4M3);
+        uint32_t q = (uint32_t)q01 | ((uint32_t)q23 << 16);
+        for (uint32_t r = 0; r < R; r++) {
+          if (sh_meta[r].n == 0) continue;
+          char *row = peer_bank(p, r) + row_off;
+          *(uint32_t *)(row + g * 128 + lane * 4) = q;
+          if (lane == 0) *(float *)(row + H + g * 4) = scale;
+        }
+      }
+    } else {
+      const int4 *src = (const int4 *)(x + (uint64_t)t * H);
+      for (uint32_t v = tid; v < H / 8; v += NTHR) {
+        int4 val = __ldcg(src + v);
+        for (uint32_t r = 0; r < R; r++) {
+          if (sh_meta[r].n == 0) continue;
+          ((int4 *)(peer_bank(p, r) + row_off))[v] = val;
+        }
+      }
+    }
+    /* routing metadata to every rank (n == 0 where the token does not go) */
+    if (tid < R * 8) {
+      uint32_t r = tid / 8, part = tid % 8;
+      int4 *dst = (int4 *)(peer_bank(p, r) + p.lay.meta + ((uint64_t)rank * M + t) * sizeof(Meta));
+      dst[part] = ((const int4 *)&sh_meta[r])[part];
+    }
+    __syncthreads();
+  }
+
+  /* ---- signal every rank: this block's share has landed ---- */
+  __threadfence_system();
+  __syncthreads();
+  if (tid < R) {
+    uint64_t *f = (uint64_t *)(peer_bank(p, tid) + p.lay.dflag) + (uint64_t)rank * G + blockIdx.x;
+    st_release_sys(f, ((uint64_t)seq << 32) | ((uint64_t)(sh_err & 0xffu) << 24) | (uint64_t)T);
+  }
+
+  /* ---- receive: wait for every block of every rank ---- */
+  wait_flags(p, (const uint64_t *)(lb + p.lay.dflag), seq, sh_deadline, &wr);
+  int code, peer;
+  wait_status(p, &wr, &code, &peer);
+  uint32_t block_total = 0;
+  if (code == 0) {
+    if (tid == 0) {
+      uint32_t a = 0;
+      for (uint32_t r = 0; r < R; r++) {
+        sh_tstart[r] = a;
+        a += wr.T[r];
+      }
+      sh_tstart[R] = a;
+    }
+    if (blockIdx.x == 0 && tid < R) ((uint32_t *)(lb + p.lay.rtok))[tid] = wr.T[tid];
+    if (blockIdx.x == 0 && tid == 0) st->ntok = T;
+    __syncthreads();
+    const uint32_t N = sh_tstart[R];
+    const uint64_t RM = (uint64_t)R * M;
+    char *recv_x = arena_buf<char>(p, EPD_BUF_LL_RECV_X);
+    float *recv_sc = fp8 ? arena_buf<float>(p, EPD_BUF_LL_RECV_SCALES) : nullptr;
+    int32_t *recv_src = arena_buf<int32_t>(p, EPD_BUF_LL_RECV_SRC);
+    int32_t *recv_cnt = arena_buf<int32_t>(p, EPD_BUF_LL_RECV_COUNT);
+    int32_t *cpos = (int32_t *)(lb + p.lay.cpos);
+    const Meta *meta = (const Meta *)(lb + p.lay.meta);
+    const char *xstg = lb + p.lay.xstg;
+    const uint32_t nsc = H / 128;
+    for (uint32_t s = blockIdx.x; s < S; s += G) {
+      uint32_t base = 0;
+      for (uint32_t c0 = 0; c0 < N; c0 += NTHR) {
+        uint32_t u = c0 + tid;
+        int mi = -1;
+        uint32_t src = 0, t = 0;
+        if (u < N) {
+          while (src + 1 < R && u >= sh_tstart[src + 1]) src++;
+          t = u - sh_tstart[src];
+          const Meta *m = meta + (uint64_t)src * M + t;
+          int4 h0 = __ldcg((const int4 *)m), h1 = __ldcg((const int4 *)m + 1), h2 = __ldcg((const int4 *)m + 2);
+          int32_t words[12] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w, h2.x, h2.y, h2.z, h2.w};
+          int n = words[0];
+          const int16_t *sl = (const int16_t *)&words[1];
+          for (int i = 0; i < n && i < KMAX; i++)
+            if ((uint32_t)(uint16_t)sl[i] == s) mi = i;
+        }
+        uint32_t bal = __ballot_sync(0xffffffffu, mi >= 0);
+        if (lane == 0) sh_wc[warp] = __popc(bal);
+        __syncthreads();
+        uint32_t pre = 0, tot = 0;
+        for (uint32_t w2 = 0; w2 < NWARP; w2++) {
+          if (w2 < warp) pre += sh_wc[w2];
+          tot += sh_wc[w2];
+        }
+        pre += __popc(bal & ((1u << lane) - 1u));
+        if (mi >= 0) {
+          uint32_t pos = base + pre;
+          recv_src[(uint64_t)s * RM + pos] = EPD_SRC_PACK(src, t);
+          cpos[((uint64_t)src * M + t) * KMAX + mi] = (int32_t)pos;
+          sh_list[pre] = make_int2((int)(src * M + t), (int)pos);
+        }
+        __syncthreads();
+        /* expand: one warp per received row */
+        for (uint32_t li = warp; li < tot; li += NWARP) {
+          int2 e = sh_list[li];
+          const char *srow = xstg + (uint64_t)e.x * 2 * H;
+          char *drow = recv_x + ((uint64_t)s * RM + e.y) * 2 * H;
+          uint32_t nvec = fp8 ? H / 16 : H / 8;
+          for (uint32_t v = lane; v < nvec; v += 32) ((int4 *)drow)[v] = __ldcg((const int4 *)srow + v);
+          if (fp8)
+            for (uint32_t v = lane; v < nsc; v += 32)
+              recv_sc[((uint64_t)s * RM + e.y) * nsc + v] = __ldcg((const float *)(srow + H) + v);
+        }
+        base += tot;
+        __syncthreads();
+      }
+      if (tid == 0) {
+        recv_cnt[s] = (int32_t)base;
+        if (p.slot_tokens) p.slot_tokens[s] += base;
+      }
+      block_total += base;
+    }
+  }
+  finish_block(p, st, 0, seq, code, peer, block_total, 1);
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * Combine body.
+ * ------------------------------------------------------------------------------------------------- */
+__device__ void ll_combine_body(const LLParams &p) {
+  __shared__ uint32_t sh_seq;
+  __shared__ uint64_t sh_deadline;
+  __shared__ WaitResult wr;
+  __shared__ const int4 *sh_row[KMAX];
+  __shared__ float sh_w[KMAX];
+  __shared__ int sh_n;
+  __shared__ uint32_t sh_tstart[EPD_K_MAX_RANKS + 1];
+
+  const uint32_t R = p.R, H = p.H, M = p.M, G = p.G, rank = p.rank;
+  const uint32_t tid = threadIdx.x;
+  char *lb = local_bank(p);
+  BankState *st = (BankState *)(lb + p.lay.st);
+  if (tid == 0) {
+    sh_seq = st->seq[1][blockIdx.x] + 1;
+    sh_deadline = gtimer() + p.timeout_ns;
+    uint32_t a = 0;
+    const uint32_t *rtok = (const uint32_t *)(lb + p.lay.rtok);
+    for (uint32_t r = 0; r < R; r++) {
+      sh_tstart[r] = a;
+      a += rtok[r];
+    }
+    sh_tstart[R] = a;
+  }
+  __syncthreads();
+  const uint32_t seq = sh_seq;
+  const int derr = st->derr;
+  const uint64_t RM = (uint64_t)R * M;
+  const uint32_t nv = H / 8;
+
+  /* ---- expert side: one weighted f32 sum per received (src, t), sent back as BF16 once ---- */
+  if (derr == 0) {
+    const Meta *meta = (const Meta *)(lb + p.lay.meta);
+    const int32_t *cpos = (const int32_t *)(lb + p.lay.cpos);
+    const char *y = arena_buf<char>(p, EPD_BUF_LL_Y);
+    const uint32_t N = sh_tstart[R];
+    for (uint32_t u = blockIdx.x; u < N; u += G) {
+      uint32_t src = 0;
+      while (src + 1 < R && u >= sh_tstart[src + 1]) src++;
+      uint32_t t = u - sh_tstart[src];
+      const Meta *m = meta + (uint64_t)src * M + t;
+      if (tid == 0) sh_n = min(__ldcg(&m->n), KMAX);
+      __syncthreads();
+      int n = sh_n;
+      if (n > 0) {
+        if (tid < (uint32_t)n) {
+          uint32_t s = (uint16_t)__ldcg((const short *)&m->slot[tid]);
+          int32_t pos = cpos[((uint64_t)src * M + t) * KMAX + tid];
+          sh_row[tid] = (const int4 *)(y + ((uint64_t)s * RM + pos) * 2 * H);
+          sh_w[tid] = __ldcg(&m->w[tid]);
+        }
+        __syncthreads();
+        int4 *dst = (int4 *)(peer_bank(p, src) + p.lay.cstg + ((uint64_t)rank * M + t) * 2 * H);
+        for (uint32_t v = tid; v < nv; v += NTHR) {
+          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+          for (int i = 0; i < n; i++) {
+            int4 yv = __ldcg(sh_row[i] + v);
+            float w = sh_w[i];
+            const uint32_t *yw = (const uint32_t *)&yv;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+              acc[2 * j] += w * bf16_to_f(yw[j] & 0xffff);
+              acc[2 * j + 1] += w * bf16_to_f(yw[j] >> 16);
+            }
+          }
+          int4 o;
+          o.x = (int)pack_bf16x2(acc[0], acc[1]);
+          o.y = (int)pack_bf16x2(acc[2], acc[3]);
+          o.z = (int)pack_bf16x2(acc[4], acc[5]);
+          o.w = (int)pack_bf16x2(acc[6], acc[7]);
+          dst[v] = o;
+        }
+      }
+      __syncthreads();
+    }
+  }
+
+  __threadfence_system();
+  __syncthreads();
+  if (tid < R) {
+    uint64_t *f = (uint64_t *)(peer_bank(p, tid) + p.lay.cflag) + (uint64_t)rank * G + blockIdx.x;
+    st_release_sys(f, (uint64_t)seq << 32);
+  }
+
+  /* ---- source side: sum the partials of each of my tokens in f32 ---- */
+  wait_flags(p, (const uint64_t *)(lb + p.lay.cflag), seq, sh_deadline, &wr);
+  int code, peer;
+  wait_status(p, &wr, &code, &peer);
+  if (code == 0 && derr != 0) code = EPD_ERR_STATE;
+  if (code == 0) {
+    const uint64_t *rmask = (const uint64_t *)(lb + p.lay.rmask);
+    const char *cstg = lb + p.lay.cstg;
+    __nv_bfloat16 *out = arena_buf<__nv_bfloat16>(p, EPD_BUF_OUT);
+    const uint32_t T = st->ntok;
+    for (uint32_t t = blockIdx.x; t < T; t += G) {
+      uint64_t mask = rmask[t];
+      int4 *orow = (int4 *)(out + (uint64_t)t * H);
+      for (uint32_t v = tid; v < nv; v += NTHR) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (uint32_t d = 0; d < R; d++) {
+          if (!((mask >> d) & 1)) continue;
+          int4 pv = __ldcg((const int4 *)(cstg + ((uint64_t)d * M + t) * 2 * H) + v);
+          const uint32_t *pw = (const uint32_t *)&pv;
+#pragma unroll
+          for (int j = 0; j < 4; j++) {
+            acc[2 * j] += bf16_to_f(pw[j] & 0xffff);
+            acc[2 * j + 1] += bf16_to_f(pw[j] >> 16);
+          }
+        }
+        int4 o;
+        o.x = (int)pack_bf16x2(acc[0], acc[1]);
+        o.y = (int)pack_bf16x2(acc[2], acc[3]);
+        o.z = (int)pack_bf16x2(acc[4], acc[5]);
+        o.w = (int)pack_bf16x2(acc[6], acc[7]);
+        orow[v] = o;
+      }
+    }
+  }
+  finish_block(p, st, 1, seq, code, peer, 0, 0);
+}
+
+__global__ void __launch_bounds__(NTHR) ll_dispatch_kernel(const LLParams p) { ll_dispatch_body(p); }
+__global__ void __launch_bounds__(NTHR) ll_combine_kernel(const LLParams p) { ll_combine_body(p); }
+
+LLLayout make_layout(const epd_k_ll_geom_t *g, uint32_t G) {
+  LLLayout l;
+  uint64_t R = g->num_ranks, M = g->max_tokens, H = g->hidden, o = 0;
+  auto take = [&](uint64_t bytes) {
+    uint64_t at = o;
+    o = align_up(o + bytes, 256);
+    return at;
+  };
+  l.dflag = take(R * G * 8);
+  l.cflag = take(R * G * 8);
+  l.meta = take(R * M * sizeof(Meta));
+  l.xstg = take(R * M * 2 * H);
+  l.cstg = take(R * M * 2 * H);
+  l.cpos = take(R * M * KMAX * 4);
+  l.rtok = take(R * 4);
+  l.rmask = take(M * 8);
+  l.st = take(sizeof(BankState));
+  l.bank_bytes = align_up(o, 4096);
+  return l;
+}
+
+} /* namespace */
+
+struct epd_k_ll {
+  epd_k_ll_geom_t g;
+  ncclComm_t comm;
+  ncclDevComm_t dev;
+  int have_dev;
+  ncclWindow_t win;
+  char *local;
+  size_t win_off;
+  LLLayout lay;
+  int device;
+};
+
+static epd_result_t set_err(char *err, size_t errlen, epd_result_t r, const char *fmt, const char *what,
+                            long a, long b) {
+  if (err && errlen) snprintf(err, errlen, fmt, what, a, b);
+  return r;
+}
+
+static uint32_t geom_blocks(const epd_k_ll_geom_t *g) { return g->blocks ? g->blocks : EPD_K_LL_BLOCKS; }
+
+static epd_result_t check_geom(const epd_k_ll_geom_t *g, char *err, size_t errlen) {
+  const char *f = "%s = %ld out of range (max %ld)";
+  if (g->num_ranks < 1 || g->num_ranks > EPD_K_MAX_RANKS)
+    return set_err(err, errlen, EPD_ERR_INVALID, f, "num_ranks", g->num_ranks, EPD_K_MAX_RANKS);
+  if (g->rank >= g->num_ranks) return set_err(err, errlen, EPD_ERR_INVALID, f, "rank", g->rank, g->num_ranks - 1);
+  if (g->hidden == 0 || g->hidden % 128 || g->hidden > EPD_K_MAX_HIDDEN)
+    return set_err(err, errlen, EPD_ERR_INVALID, "%s = %ld must be a multiple of 128 up to %ld", "hidden",
+                   g->hidden, EPD_K_MAX_HIDDEN);
+  if (g->topk < 1 || g->topk > EPD_K_MAX_TOPK)
+    return set_err(err, errlen, EPD_ERR_INVALID, f, "topk", g->topk, EPD_K_MAX_TOPK);
+  if (g->max_tokens < 1 || g->max_tokens > EPD_K_MAX_TOKENS)
+    return set_err(err, errlen, EPD_ERR_INVALID, f, "max_tokens", g->max_tokens, EPD_K_MAX_TOKENS);
+  if (g->num_experts < 1) return set_err(err, errlen, EPD_ERR_INVALID, f, "num_experts", 0, 1 << 30);
+  if (g->slots_per_rank < 1 || g->slots_per_rank > 0xffff)
+    return set_err(err, errlen, EPD_ERR_INVALID, f, "slots_per_rank", g->slots_per_rank, 0xffff);
+  if (geom_blocks(g) > EPD_K_LL_MAX_BLOCKS)
+    return set_err(err, errlen, EPD_ERR_INVALID, f, "blocks", geom_blocks(g), EPD_K_LL_MAX_BLOCKS);
+  return EPD_OK;
+}
+
+extern "C" {
+
+size_t epd_k_ll_window_bytes(const epd_k_ll_geom_t *g) {
+  return (size_t)(make_layout(g, geom_blocks(g)).bank_bytes * EPD_NUM_BANKS);
+}
+
+size_t epd_k_map_bytes(uint32_t num_experts) {
+  return 16 + (size_t)num_experts * 4 * (1 + EPD_K_MAX_REPLICAS);
+}
+
+epd_result_t epd_k_map_pack(void *host_dst, uint32_t version, uint32_t num_experts, const uint8_t *nrep,
+                            const uint32_t *rep, uint32_t rep_stride) {
+  uint32_t *m = (uint32_t *)host_dst;
+  memset(m, 0, epd_k_map_bytes(num_experts));
+  m[0] = version;
+  m[1] = num_experts;
+  m[2] = EPD_K_MAX_REPLICAS;
+  for (uint32_t e = 0; e < num_experts; e++) {
+    if (nrep[e] < 1 || nrep[e] > EPD_K_MAX_REPLICAS || nrep[e] > rep_stride) return EPD_ERR_INVALID;
+    m[4 + e] = nrep[e];
+    for (uint32_t i = 0; i < nrep[e]; i++) {
+      uint32_t r = rep[((size_t)e * rep_stride + i) * 2], s = rep[((size_t)e * rep_stride + i) * 2 + 1];
+      if (r > 0xffff || s > 0xffff) return EPD_ERR_INVALID;
+      m[4 + num_experts + e * EPD_K_MAX_REPLICAS + i] = (r << 16) | s;
+    }
+  }
+  return EPD_OK;
+}
+
+void epd_k_map_default(void *host_dst, uint32_t version, uint32_t num_experts, uint32_t num_ranks) {
+  uint32_t *m = (uint32_t *)host_dst;
+  memset(m, 0, epd_k_map_bytes(num_experts));
+  uint32_t per = (num_experts + num_ranks - 1) / num_ranks;
+  m[0] = version;
+  m[1] = num_experts;
+  m[2] = EPD_K_MAX_REPLICAS;
+  for (uint32_t e = 0; e < num_experts; e++) {
+    m[4 + e] = 1;
+    m[4 + num_experts + e * EPD_K_MAX_REPLICAS] = ((e / per) << 16) | (e % per);
+  }
+}
+
+epd_result_t epd_k_check_nccl_version(char *err, size_t errlen) {
+  int v = 0;
+  if (ncclGetVersion(&v) != ncclSuccess)
+    return set_err(err, errlen, EPD_ERR_NCCL, "%s failed (%ld %ld)", "ncclGetVersion", 0, 0);
+  if (v / 100 != 228) {
+    if (err && errlen)
+      snprintf(err, errlen,
+               "NCCL runtime %d.%d.%d is not supported: the epd kernels are built against the NCCL 2.28 "
+               "device API (header %d); install NCCL 2.28.x",
+               v / 10000, (v / 100) % 100, v % 100, NCCL_VERSION_CODE);
+    return EPD_ERR_UNSUPPORTED;
+  }
+  return EPD_OK;
+}
+
+epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm,
+                             struct ncclWindow_vidmem *window, void *window_local, size_t window_offset,
+                             epd_k_ll_t **out, char *err, size_t errlen) {
+  epd_result_t r = check_geom(g, err, errlen);
+  if (r) return r;
+  if (!lsa_comm || !window || !window_local || (window_offset % 4096))
+    return set_err(err, errlen, EPD_ERR_INVALID, "%s: NULL handle or unaligned offset %ld (%ld)",
+                   "epd_k_ll_create", (long)window_offset, 4096);
+  epd_k_ll_t *k = (epd_k_ll_t *)calloc(1, sizeof(*k));
+  if (!k) return EPD_ERR_NOMEM;
+  k->g = *g;
+  k->g.blocks = geom_blocks(g);
+  k->comm = lsa_comm;
+  k->win = window;
+  k->local = (char *)window_local + window_offset;
+  k->win_off = window_offset;
+  k->lay = make_layout(&k->g, k->g.blocks);
+  cudaGetDevice(&k->device);
+  ncclDevCommRequirements_t req;
+  memset(&req, 0, sizeof(req));
+  req.lsaBarrierCount = 1;
+  ncclResult_t nr = ncclDevCommCreate(lsa_comm, &req, &k->dev);
+  if (nr != ncclSuccess) {
+    free(k);
+    if (err && errlen)
+      snprintf(err, errlen, "ncclDevCommCreate failed: %s (the communicator may lack device API support)",
+               ncclGetErrorString(nr));
+    return EPD_ERR_NCCL;
+  }
+  k->have_dev = 1;
+  if ((uint32_t)k->dev.lsaSize != g->num_ranks || (uint32_t)k->dev.lsaRank != g->rank) {
+    if (err && errlen)
+      snprintf(err, errlen, "LSA team is %d ranks with this one at %d, geometry says %u ranks, rank %u",
+               k->dev.lsaSize, k->dev.lsaRank, g->num_ranks, g->rank);
+    ncclDevCommDestroy(lsa_comm, &k->dev);
+    free(k);
+    return EPD_ERR_INVALID;
+  }
+  cudaError_t ce = cudaMemset(k->local, 0, k->lay.bank_bytes * EPD_NUM_BANKS);
+  if (ce == cudaSuccess) ce = cudaDeviceSynchronize();
+  if (ce != cudaSuccess) {
+    if (err && errlen) snprintf(err, errlen, "zeroing the LL area: %s", cudaGetErrorString(ce));
+    ncclDevCommDestroy(lsa_comm, &k->dev);
+    free(k);
+    return EPD_ERR_CUDA;
+  }
+  *out = k;
+  return EPD_OK;
+}
+
+void epd_k_ll_destroy(epd_k_ll_t *k) {
+  if (!k) return;
+  if (k->have_dev) ncclDevCommDestroy(k->comm, &k->dev);
+  free(k);
+}
+
+epd_result_t epd_k_ll_reset(epd_k_ll_t *k, void *stream) {
+  cudaError_t ce = cudaMemsetAsync(k->local, 0, k->lay.bank_bytes * EPD_NUM_BANKS, (cudaStream_t)stream);
+  return ce == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
+}
+
+const epd_k_ll_geom_t *epd_k_ll_geom(const epd_k_ll_t *k) { return &k->g; }
+
+epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const epd_k_ll_op_t *op,
+                             void *stream, char *err, size_t errlen) {
+  if (!k || !arena || !op) return set_err(err, errlen, EPD_ERR_INVALID, "%s: NULL argument (%ld %ld)", "epd_k_ll_launch", 0, 0);
+  if (op->bank >= EPD_NUM_BANKS)
+    return set_err(err, errlen, EPD_ERR_INVALID, "%s = %ld out of range (max %ld)", "bank", op->bank, EPD_NUM_BANKS - 1);
+  if (op->op != EPD_OP_LL_DISPATCH && op->op != EPD_OP_LL_COMBINE)
+    return set_err(err, errlen, EPD_ERR_INVALID, "%s = %ld is not an LL op (%ld)", "op", op->op, 0);
+  if (op->op == EPD_OP_LL_DISPATCH && !op->map)
+    return set_err(err, errlen, EPD_ERR_INVALID, "%s: no expert map (%ld %ld)", "dispatch", 0, 0);
+  LLParams p;
+  memset(&p, 0, sizeof(p));
+  p.win = k->win;
+  p.win_off = k->win_off;
+  p.local = k->local;
+  p.lay = k->lay;
+  p.R = k->g.num_ranks;
+  p.rank = k->g.rank;
+  p.E = k->g.num_experts;
+  p.H = k->g.hidden;
+  p.K = k->g.topk;
+  p.M = k->g.max_tokens;
+  p.S = k->g.slots_per_rank;
+  p.G = k->g.blocks;
+  p.flags = op->flags;
+  p.T = op->num_tokens; /* > M is reported on every rank by the kernel */
+  p.bank = op->bank;
+  p.timeout_ns = op->timeout_ns ? op->timeout_ns : EPD_K_DEFAULT_TIMEOUT_NS;
+  p.map = (const uint32_t *)op->map;
+  p.slot_tokens = op->slot_tokens;
+  p.comp = op->comp;
+  p.arena = *arena;
+  if (op->num_tokens > 0xffffffu) p.T = 0xffffffu;
+  if (op->op == EPD_OP_LL_DISPATCH)
+    ll_dispatch_kernel<<<p.G, NTHR, 0, (cudaStream_t)stream>>>(p);
+  else
+    ll_combine_kernel<<<p.G, NTHR, 0, (cudaStream_t)stream>>>(p);
+  cudaError_t ce = cudaGetLastError();
+  if (ce != cudaSuccess) {
+    if (err && errlen) snprintf(err, errlen, "LL kernel launch: %s", cudaGetErrorString(ce));
+    return EPD_ERR_CUDA;
+  }
+  return EPD_OK;
+}
+
+epd_result_t epd_k_ll_dispatch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map,
+                               uint32_t bank, uint32_t num_tokens, uint32_t flags, epd_comp_t *comp,
+                               uint64_t timeout_ns, void *stream) {
+  epd_k_ll_op_t op;
+  memset(&op, 0, sizeof(op));
+  op.op = EPD_OP_LL_DISPATCH;
+  op.flags = flags;
+  op.num_tokens = num_tokens;
+  op.bank = bank;
+  op.timeout_ns = timeout_ns;
+  op.map = map;
+  op.comp = comp;
+  return epd_k_ll_launch(k, arena, &op, stream, NULL, 0);
+}
+
+epd_result_t epd_k_ll_combine(epd_k_ll_t *k, const epd_k_arena_t *arena, uint32_t bank,
+                              epd_comp_t *comp, uint64_t timeout_ns, void *stream) {
+  epd_k_ll_op_t op;
+  memset(&op, 0, sizeof(op));
+  op.op = EPD_OP_LL_COMBINE;
+  op.bank = bank;
+  op.timeout_ns = timeout_ns;
+  op.comp = comp;
+  return epd_k_ll_launch(k, arena, &op, stream, NULL, 0);
+}
+
+} /* extern "C" */
