@@ -1,0 +1,1011 @@
+/*
+ * engine_cuda.c - the CUDA backend: every rank is a GPU of this node, driven from one daemon process.
+ *
+ * Memory handed to a client:
+ *   queue - a memfd in host memory (as on the host backend), registered mapped with cudaHostRegister so
+ *           the client's stream memory operations and kernels (epd_device.h) and a persistent kernel
+ *           can reach the slots; the daemon's rank thread reads it from the CPU.
+ *   arena - a cuMem allocation on the rank's GPU (cuMemCreate with the POSIX fd handle type), mapped
+ *           read/write in the daemon and exported as an fd that libepd imports (zero copy).
+ * Driver-API calls (cuMem*) come through cudaGetDriverEntryPointByVersion: the daemon links only the
+ * static runtime and NCCL, so it starts (and falls back to the host backend) on machines without a GPU.
+ *
+ * Execution ("launch" mode): one thread per GPU polls the state words of its rank's clients. A submitted
+ * slot joins its group's step being collected (the k-th op of each rank is step k, as on the host
+ * backend). When every rank has arrived the step is checked on the host (same op and bank on every rank,
+ * num_tokens in range), numbered in a backend-wide run sequence, and each rank thread launches its LL
+ * kernel on its own stream in run-sequence order (so two groups can never wait on each other across
+ * GPUs). The rank thread then polls an event; when the kernel is done it completes the slot from the
+ * kernel's epd_comp_t. A group's NCCL window and device communicator are created lazily by its first
+ * step (collective: every rank thread does its part at the same time).
+ *
+ * "persistent" mode (a kernel per GPU polling the queues, under CUDA MPS) is detected and reported but
+ * needs a persistent kernel from kernels/: until one exists the backend runs launch mode under MPS too
+ * and says so in the log. EPD_CUDA_MODE=launch|persistent overrides the detection.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "engine_internal.h"
+#include "log.h"
+
+#if EPD_WITH_CUDA
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wstrict-prototypes" /* nccl.h declares f() */
+#include <nccl.h>
+#pragma GCC diagnostic pop
+
+#include "epd_kernels.h"
+
+/* The kernels are linked in only when the kernels/ sources exist: weak references keep this backend linkable
+ * (and reporting EPD_ERR_UNSUPPORTED for ops) before they do. */
+#pragma weak epd_k_ll_window_bytes
+#pragma weak epd_k_map_bytes
+#pragma weak epd_k_map_pack
+#pragma weak epd_k_check_nccl_version
+#pragma weak epd_k_ll_create
+#pragma weak epd_k_ll_destroy
+#pragma weak epd_k_ll_reset
+#pragma weak epd_k_ll_launch
+
+#define SPIN_POLLS 256
+#define SHORT_SLEEP_NS 2000
+#define LONG_SLEEP_NS 200000
+#define IDLE_AFTER_NS 100000000ull
+
+enum { MODE_LAUNCH = 0, MODE_PERSISTENT = 1 };
+enum { PH_COLLECT = 0, PH_RUN = 1 };
+
+/* Driver entry points (resolved through the runtime, no libcuda link). */
+#define CU_FUNCS(X)                                                                                     \
+  X(cuMemCreate, (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long)) \
+  X(cuMemGetAllocationGranularity, (size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags)) \
+  X(cuMemExportToShareableHandle, (void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType,       \
+                                   unsigned long long))                                                 \
+  X(cuMemAddressReserve, (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))              \
+  X(cuMemMap, (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))          \
+  X(cuMemSetAccess, (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))                             \
+  X(cuMemUnmap, (CUdeviceptr, size_t))                                                                  \
+  X(cuMemRelease, (CUmemGenericAllocationHandle))                                                       \
+  X(cuMemAddressFree, (CUdeviceptr, size_t))                                                            \
+  X(cuGetErrorString, (CUresult, const char **))
+
+static struct {
+#define X(name, args) CUresult (*name) args;
+  CU_FUNCS(X)
+#undef X
+} cu;
+
+/* A client's memory and progress, owned by the backend. Outlives its eng_client_t while a step it
+ * joined is still running on the GPU (then the rank thread frees it). */
+typedef struct cuda_client {
+  epd_queue_t *queue; /* host mapping of the queue memfd */
+  uint64_t queue_bytes;
+  int queue_registered;
+  uint64_t queue_dev;
+  int device;
+  CUmemGenericAllocationHandle arena_h;
+  CUdeviceptr arena_dev;
+  size_t arena_size; /* rounded to the allocation granularity */
+  int queue_fd, arena_fd;
+  uint32_t next_slot;
+  int busy; /* joined a step that has not finished on this rank */
+  int dead; /* its eng_client_t is gone: free when no longer busy */
+  struct cuda_client *next_dead;
+} cuda_client_t;
+
+/* Per (group, rank) device state: staging window, kernel context, expert map table. */
+typedef struct cuda_grank {
+  int ready;
+  void *win_buf;
+  size_t win_bytes;
+  ncclWindow_t win;
+  epd_k_ll_t *k;
+  void *map_dev;
+  uint32_t map_version; /* uploaded */
+  epd_comp_t *comp_host; /* pinned, mapped: the kernel writes it */
+  epd_comp_t *comp_dev;
+  cudaEvent_t ev;
+} cuda_grank_t;
+
+/* Backend state of one group (eng_group_t has no backend pointer: see cuda_grp_find). */
+typedef struct cuda_grp {
+  eng_group_t *grp; /* NULL once the group is gone (then freed when every rank let go) */
+  int used;
+  char name[EPD_GROUP_NAME_MAX];
+  epd_ref_geom_t g;
+  uint64_t off[EPD_NUM_BANKS][EPD_BUF_KINDS]; /* arena layout (fixed per group) */
+  int phase;
+  uint64_t run_seq;
+  uint64_t step;
+  int status, peer; /* host-side verdict of the step (0: launch) */
+  char why[160];
+  epd_desc_t desc[EPD_MAX_RANKS];
+  cuda_client_t *cc[EPD_MAX_RANKS];
+  int arrived[EPD_MAX_RANKS], launched[EPD_MAX_RANKS], finished[EPD_MAX_RANKS];
+  int reset_done[EPD_MAX_RANKS];
+  uint32_t narrived, nfinished;
+  int need_reset, setup_failed;
+  uint64_t first_arrive_ns, last_arrive_ns;
+  uint32_t map_version;
+  void *map_img; /* host image of the active map (epd_k_map_pack) */
+  uint32_t map_img_version;
+  cuda_grank_t rk[EPD_MAX_RANKS];
+} cuda_grp_t;
+
+typedef struct cuda_rank {
+  epd_engine_t *eng;
+  int rank, device;
+  pthread_t th;
+  int started;
+  cudaStream_t stream;
+  /* The op in flight on this rank (one at a time: run order is what prevents cross-GPU deadlock). */
+  cuda_grp_t *inflight;
+  uint64_t launch_ns;
+  cuda_client_t *dead; /* clients to free once idle */
+  uint64_t bytes;      /* windows of this rank */
+} cuda_rank_t;
+
+typedef struct cuda_be {
+  atomic_int stop;
+  int mode;
+  int mps;
+  int ndev;
+  uint64_t timeout_ns; /* per kernel wait: the engine's step timeout */
+  ncclComm_t comm[EPD_MAX_RANKS];
+  cuda_rank_t rank[EPD_MAX_RANKS];
+  uint64_t next_run_seq;
+  uint32_t ngrp;
+  cuda_grp_t *grp; /* [max_groups * 2]: a gone group's entry may linger while kernels finish */
+} cuda_be_t;
+
+/* ---- helpers ------------------------------------------------------------------------------------ */
+
+static epd_result_t cuda_err(cudaError_t e, const char *what, char *err, size_t errlen) {
+  snprintf(err, errlen, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+  return e == cudaErrorMemoryAllocation ? EPD_ERR_NOMEM : EPD_ERR_CUDA;
+}
+static epd_result_t cu_err(CUresult r, const char *what, char *err, size_t errlen) {
+  const char *s = NULL;
+  if (cu.cuGetErrorString) cu.cuGetErrorString(r, &s);
+  snprintf(err, errlen, "%s: %s (%d)", what, s ? s : "CUDA driver error", (int)r);
+  return r == CUDA_ERROR_OUT_OF_MEMORY ? EPD_ERR_NOMEM : EPD_ERR_CUDA;
+}
+static epd_result_t nccl_err(ncclResult_t r, const char *what, char *err, size_t errlen) {
+  snprintf(err, errlen, "%s: %s", what, ncclGetErrorString(r));
+  return EPD_ERR_NCCL;
+}
+
+static uint32_t load_state(epd_slot_t *s) {
+  return atomic_load_explicit((_Atomic uint32_t *)&s->state, memory_order_acquire);
+}
+static void store_state(epd_slot_t *s, uint32_t v) {
+  atomic_store_explicit((_Atomic uint32_t *)&s->state, v, memory_order_release);
+}
+
+static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
+static int cu_loaded;
+static void cu_load(void) {
+  int ok = 1;
+#define X(name, args)                                                                            \
+  {                                                                                              \
+    void *p = NULL;                                                                              \
+    enum cudaDriverEntryPointQueryResult q;                                                      \
+    if (cudaGetDriverEntryPointByVersion(#name, &p, 12000, cudaEnableDefault, &q) != cudaSuccess || \
+        !p)                                                                                      \
+      ok = 0;                                                                                    \
+    memcpy(&cu.name, &p, sizeof p);                                                              \
+  }
+  CU_FUNCS(X)
+#undef X
+  cu_loaded = ok;
+}
+
+/* ---- availability and mode ---------------------------------------------------------------------- */
+
+static int cuda_available(char *why, size_t whylen) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n < 1) {
+    snprintf(why, whylen, "no usable CUDA device (%s)", e ? cudaGetErrorString(e) : "0 devices");
+    cudaGetLastError();
+    return 0;
+  }
+  if (!epd_k_ll_launch) {
+    snprintf(why, whylen, "this build has no CUDA kernels");
+    return 0;
+  }
+  char err[160];
+  if (epd_k_check_nccl_version && epd_k_check_nccl_version(err, sizeof err)) {
+    snprintf(why, whylen, "%s", err);
+    return 0;
+  }
+  return 1;
+}
+
+/* MPS: the device attribute says whether contexts on it are shared through an MPS server. */
+static int detect_mps(int device) {
+  int v = 0;
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrMpsEnabled, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return v;
+}
+
+static const char *cuda_mode(const epd_engine_t *eng) {
+  const cuda_be_t *be = eng->be;
+  return be && be->mode == MODE_PERSISTENT ? "persistent" : "launch";
+}
+static int cuda_device(const epd_engine_t *eng, int rank) {
+  const cuda_be_t *be = eng->be;
+  return be ? be->rank[rank].device : rank;
+}
+static uint64_t cuda_rank_bytes(const epd_engine_t *eng, int rank) {
+  const cuda_be_t *be = eng->be;
+  return be ? be->rank[rank].bytes : 0;
+}
+
+/* ---- group state -------------------------------------------------------------------------------- */
+
+/* (mu) The backend state of a group, created on first use. */
+static cuda_grp_t *cuda_grp_find(cuda_be_t *be, eng_group_t *grp, int create) {
+  cuda_grp_t *fr = NULL;
+  for (uint32_t i = 0; i < be->ngrp; i++) {
+    if (be->grp[i].used && be->grp[i].grp == grp) return &be->grp[i];
+    if (!be->grp[i].used && !fr) fr = &be->grp[i];
+  }
+  if (!create || !fr) return NULL;
+  memset(fr, 0, sizeof *fr);
+  fr->used = 1;
+  fr->grp = grp;
+  fr->g = grp->g;
+  for (unsigned b = 0; b < EPD_NUM_BANKS; b++)
+    for (unsigned k = 0; k < EPD_BUF_KINDS; k++) fr->off[b][k] = EPD_K_OFF_NONE;
+  for (uint32_t i = 0; i < grp->nbufs; i++) fr->off[grp->bufs[i].bank][grp->bufs[i].kind] = grp->bufs[i].offset;
+  snprintf(fr->name, sizeof fr->name, "%s", grp->name);
+  return fr;
+}
+
+/* Per-rank device state of a group: window, device communicator, map table. Collective across the
+ * rank threads (window registration and ncclDevCommCreate). Called by the rank thread, without mu. */
+static epd_result_t grank_setup(cuda_be_t *be, cuda_grp_t *cg, int rank, char *err, size_t errlen) {
+  cuda_grank_t *gr = &cg->rk[rank];
+  cuda_rank_t *r = &be->rank[rank];
+  epd_k_ll_geom_t kg = {.num_ranks = cg->g.num_ranks, .rank = (uint32_t)rank,
+                        .num_experts = cg->g.num_experts, .hidden = cg->g.hidden, .topk = cg->g.topk,
+                        .max_tokens = cg->g.max_tokens, .slots_per_rank = cg->g.slots_per_rank};
+  cudaError_t e;
+  ncclResult_t n;
+  epd_result_t rc;
+  gr->win_bytes = epd_k_ll_window_bytes(&kg);
+  if ((n = ncclMemAlloc(&gr->win_buf, gr->win_bytes))) return nccl_err(n, "ncclMemAlloc (LL window)", err, errlen);
+  if ((n = ncclCommWindowRegister(be->comm[rank], gr->win_buf, gr->win_bytes, &gr->win,
+                                  NCCL_WIN_COLL_SYMMETRIC)))
+    return nccl_err(n, "ncclCommWindowRegister (LL window)", err, errlen);
+  if ((rc = epd_k_ll_create(&kg, be->comm[rank], gr->win, gr->win_buf, 0, &gr->k, err, errlen))) return rc;
+  if ((e = cudaMalloc(&gr->map_dev, epd_k_map_bytes(cg->g.num_experts))))
+    return cuda_err(e, "cudaMalloc (expert map)", err, errlen);
+  if ((e = cudaHostAlloc((void **)&gr->comp_host, sizeof(epd_comp_t), cudaHostAllocMapped | cudaHostAllocPortable)))
+    return cuda_err(e, "cudaHostAlloc (completion)", err, errlen);
+  if ((e = cudaHostGetDevicePointer((void **)&gr->comp_dev, gr->comp_host, 0)))
+    return cuda_err(e, "cudaHostGetDevicePointer (completion)", err, errlen);
+  if ((e = cudaEventCreateWithFlags(&gr->ev, cudaEventDisableTiming)))
+    return cuda_err(e, "cudaEventCreate", err, errlen);
+  r->bytes += gr->win_bytes;
+  gr->ready = 1;
+  return EPD_OK;
+}
+
+/* Release a rank's device state of a group (local: the caller made sure nothing runs on it). */
+static void grank_teardown(cuda_be_t *be, cuda_grp_t *cg, int rank) {
+  cuda_grank_t *gr = &cg->rk[rank];
+  cudaSetDevice(be->rank[rank].device);
+  if (gr->k) epd_k_ll_destroy(gr->k);
+  if (gr->win) ncclCommWindowDeregister(be->comm[rank], gr->win);
+  if (gr->win_buf) {
+    ncclMemFree(gr->win_buf);
+    be->rank[rank].bytes -= gr->win_bytes;
+  }
+  if (gr->map_dev) cudaFree(gr->map_dev);
+  if (gr->comp_host) cudaFreeHost(gr->comp_host);
+  if (gr->ev) cudaEventDestroy(gr->ev);
+  memset(gr, 0, sizeof *gr);
+}
+
+static void cuda_client_release(cuda_client_t *cc) {
+  if (cc->queue_registered) cudaHostUnregister(cc->queue);
+  if (cc->queue) munmap(cc->queue, cc->queue_bytes);
+  if (cc->arena_dev) {
+    cu.cuMemUnmap(cc->arena_dev, cc->arena_size);
+    cu.cuMemAddressFree(cc->arena_dev, cc->arena_size);
+  }
+  if (cc->arena_h) cu.cuMemRelease(cc->arena_h);
+  if (cc->queue_fd >= 0) close(cc->queue_fd);
+  if (cc->arena_fd >= 0) close(cc->arena_fd);
+  free(cc);
+}
+
+/* ---- step protocol ------------------------------------------------------------------------------ */
+
+/* (mu) Complete rank r's slot of the current step of cg and account it. */
+static void complete_rank(epd_engine_t *eng, cuda_grp_t *cg, int r, const epd_comp_t *kc) {
+  cuda_client_t *cc = cg->cc[r];
+  uint64_t now = eng_now_ns();
+  uint64_t lat = cg->last_arrive_ns && now > cg->last_arrive_ns ? now - cg->last_arrive_ns : 0;
+  if (cc && !cc->dead) {
+    epd_slot_t *s = &cc->queue->slot[cc->next_slot];
+    epd_comp_t c;
+    memset(&c, 0, sizeof c);
+    c.status = kc ? kc->status : cg->status;
+    c.peer = kc ? kc->peer : cg->peer;
+    c.map_version = kc ? kc->map_version : cg->map_version;
+    c.num_recv = kc ? kc->num_recv : 0;
+    c.step = cg->step;
+    c.user_tag = cg->desc[r].user_tag;
+    c.latency_ns = lat;
+    s->comp = c;
+    cc->queue->steps_done++;
+    cc->queue->map_version = cg->map_version;
+    if (c.status && !cc->queue->sticky_error) cc->queue->sticky_error = c.status;
+    store_state(s, EPD_SLOT_DONE);
+    cc->next_slot = (cc->next_slot + 1) % EPD_QUEUE_SLOTS;
+    if (cg->grp && cg->grp->client[r]) cg->grp->client[r]->ops++;
+    eng_record_op(eng, r, cg->desc[r].op, c.status, 0, lat);
+  }
+  if (cc) cc->busy = 0;
+  cg->finished[r] = 1;
+  cg->nfinished++;
+  if (cg->nfinished < cg->narrived) return;
+  /* Everyone who joined is done: the group collects its next step. */
+  if (cg->grp) cg->grp->steps++;
+  int reset = cg->need_reset;
+  cg->phase = PH_COLLECT;
+  cg->narrived = cg->nfinished = 0;
+  cg->status = 0;
+  cg->peer = -1;
+  cg->first_arrive_ns = cg->last_arrive_ns = 0;
+  for (int i = 0; i < EPD_MAX_RANKS; i++) {
+    cg->arrived[i] = cg->launched[i] = cg->finished[i] = cg->reset_done[i] = 0;
+    cg->cc[i] = NULL;
+  }
+  cg->need_reset = reset;
+}
+
+/* (mu) Fail the step being collected (host verdict) on every rank that joined it. */
+static void fail_collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int status, int peer,
+                         const char *why) {
+  cg->status = status;
+  cg->peer = peer;
+  snprintf(cg->why, sizeof cg->why, "%s", why);
+  if (cg->grp) {
+    eng_emit(eng, status == EPD_ERR_TIMEOUT ? "timeout" : "error", cg->grp, peer, 0, 0, 0, cg->grp->steps,
+             "group %s step %llu: %s", cg->name, (unsigned long long)cg->grp->steps, why);
+    if (status == EPD_ERR_TIMEOUT && peer >= 0) eng->rank[peer].timeouts++;
+  }
+  cg->step = cg->grp ? cg->grp->steps : 0;
+  cg->phase = PH_RUN;
+  cg->run_seq = be->next_run_seq++;
+  uint32_t n = cg->narrived;
+  for (int r = 0; r < (int)cg->g.num_ranks && n; r++)
+    if (cg->arrived[r]) {
+      n--;
+      complete_rank(eng, cg, r, NULL);
+    }
+}
+
+/* (mu) All ranks arrived: check the step on the host and hand it to the rank threads. */
+static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
+  eng_group_t *grp = cg->grp;
+  const epd_desc_t *d0 = &cg->desc[0];
+  char why[160];
+  for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
+    const epd_desc_t *d = &cg->desc[r];
+    if (d->op != EPD_OP_LL_DISPATCH && d->op != EPD_OP_LL_COMBINE) {
+      snprintf(why, sizeof why, "rank %u: op %u is not available on the cuda backend (LL dispatch/combine only)",
+               r, d->op);
+      fail_collect(eng, be, cg, d->op == EPD_OP_HT_DISPATCH || d->op == EPD_OP_HT_COMBINE ? EPD_ERR_UNSUPPORTED
+                                                                                          : EPD_ERR_INVALID,
+                   (int)r, why);
+      return;
+    }
+    if (d->op != d0->op || d->bank != d0->bank) {
+      snprintf(why, sizeof why, "rank %u submitted op %u bank %u, rank 0 op %u bank %u", r, d->op, d->bank,
+               d0->op, d0->bank);
+      fail_collect(eng, be, cg, EPD_ERR_MISMATCH, (int)r, why);
+      return;
+    }
+    if (d->bank >= EPD_NUM_BANKS) {
+      snprintf(why, sizeof why, "rank %u: bank %u out of range [0, %u)", r, d->bank, EPD_NUM_BANKS);
+      fail_collect(eng, be, cg, EPD_ERR_INVALID, (int)r, why);
+      return;
+    }
+    if (d->op == EPD_OP_LL_DISPATCH && d->num_tokens > cg->g.max_tokens) {
+      snprintf(why, sizeof why, "rank %u: num_tokens %u over max_tokens %u", r, d->num_tokens, cg->g.max_tokens);
+      fail_collect(eng, be, cg, EPD_ERR_TOO_MANY_TOKENS, (int)r, why);
+      return;
+    }
+  }
+  if (eng->draining && d0->op == EPD_OP_LL_DISPATCH) {
+    fail_collect(eng, be, cg, EPD_ERR_DRAINING, -1, "the daemon is draining");
+    return;
+  }
+  if (!epd_k_ll_launch) {
+    fail_collect(eng, be, cg, EPD_ERR_UNSUPPORTED, -1, "this build has no CUDA kernels");
+    return;
+  }
+  if (cg->setup_failed) {
+    fail_collect(eng, be, cg, EPD_ERR_CUDA, -1, "the group's GPU resources could not be set up (see log)");
+    return;
+  }
+  if (d0->op == EPD_OP_LL_DISPATCH && grp) {
+    eng_apply_staged_map(eng, grp);
+    if (cg->map_img_version != grp->map.version) {
+      size_t mb = epd_k_map_bytes(grp->map.num_experts);
+      void *img = realloc(cg->map_img, mb);
+      if (img) {
+        cg->map_img = img;
+        if (epd_k_map_pack(img, grp->map.version, grp->map.num_experts, grp->map.nrep,
+                           (const uint32_t *)grp->map.rep, EPD_MAX_REPLICAS) == EPD_OK)
+          cg->map_img_version = grp->map.version;
+      }
+      if (cg->map_img_version != grp->map.version) {
+        fail_collect(eng, be, cg, EPD_ERR_INTERNAL, -1, "could not build the device expert map");
+        return;
+      }
+    }
+    cg->map_version = grp->map.version;
+  }
+  cg->status = 0;
+  cg->peer = -1;
+  cg->step = grp ? grp->steps : 0;
+  cg->phase = PH_RUN;
+  cg->run_seq = be->next_run_seq++;
+}
+
+/* (mu) Poll rank r's client of group cg; returns 1 if something moved. */
+static int collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int r, uint64_t now) {
+  eng_group_t *grp = cg->grp;
+  if (!grp || cg->phase != PH_COLLECT) return 0;
+  eng_client_t *c = grp->client[r];
+  cuda_client_t *cc = c ? c->be : NULL;
+  if (cc && !cg->arrived[r]) {
+    epd_slot_t *s = &cc->queue->slot[cc->next_slot];
+    if (load_state(s) == EPD_SLOT_SUBMITTED) {
+      cg->desc[r] = s->desc;
+      cg->arrived[r] = 1;
+      cg->cc[r] = cc;
+      cc->busy = 1;
+      if (cg->narrived++ == 0) cg->first_arrive_ns = now;
+      cg->last_arrive_ns = now;
+      if (cg->narrived == cg->g.num_ranks) {
+        start_step(eng, be, cg);
+        return 1;
+      }
+    }
+  }
+  if (!cg->narrived || r != 0) return cg->arrived[r];
+  /* Rank 0's thread watches the collection for lost peers and the timeout. */
+  for (uint32_t p = 0; p < cg->g.num_ranks; p++)
+    if (grp->lost[p] && !grp->client[p]) {
+      char why[128];
+      snprintf(why, sizeof why, "the client of rank %u died and has not been replaced", p);
+      fail_collect(eng, be, cg, EPD_ERR_PEER, (int)p, why);
+      return 1;
+    }
+  if (now - cg->first_arrive_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
+    int missing = -1;
+    for (uint32_t p = 0; p < cg->g.num_ranks && missing < 0; p++)
+      if (!cg->arrived[p]) missing = (int)p;
+    char why[128];
+    snprintf(why, sizeof why, "waited %u ms for rank %d", eng->o.step_timeout_ms, missing);
+    fail_collect(eng, be, cg, EPD_ERR_TIMEOUT, missing, why);
+    return 1;
+  }
+  return 0;
+}
+
+/* Launch rank r's part of cg's step (called without mu; cg is pinned by launched[r] && !finished[r]). */
+static epd_result_t launch(cuda_be_t *be, cuda_grp_t *cg, int r, char *err, size_t errlen) {
+  cuda_rank_t *rk = &be->rank[r];
+  cuda_grank_t *gr = &cg->rk[r];
+  cuda_client_t *cc = cg->cc[r];
+  const epd_desc_t *d = &cg->desc[r];
+  cudaError_t e;
+  epd_result_t rc;
+  if (gr->map_version != cg->map_img_version && d->op == EPD_OP_LL_DISPATCH) {
+    if ((e = cudaMemcpy(gr->map_dev, cg->map_img, epd_k_map_bytes(cg->g.num_experts), cudaMemcpyHostToDevice)))
+      return cuda_err(e, "cudaMemcpy (expert map)", err, errlen);
+    gr->map_version = cg->map_img_version;
+  }
+  epd_k_arena_t a;
+  a.base = (uint64_t)cc->arena_dev;
+  memcpy(a.off, cg->off, sizeof a.off);
+  memset(gr->comp_host, 0, sizeof *gr->comp_host);
+  gr->comp_host->peer = -1;
+  epd_k_ll_op_t op = {.op = d->op, .flags = d->flags, .num_tokens = d->num_tokens, .bank = d->bank,
+                      .timeout_ns = be->timeout_ns, .map = gr->map_dev, .slot_tokens = NULL, .comp = gr->comp_dev};
+  if ((rc = epd_k_ll_launch(gr->k, &a, &op, rk->stream, err, errlen))) return rc;
+  if ((e = cudaEventRecord(gr->ev, rk->stream))) return cuda_err(e, "cudaEventRecord", err, errlen);
+  return EPD_OK;
+}
+
+/* (mu) The next step this rank should launch: the lowest run sequence among groups in RUN that this
+ * rank joined and has not launched yet. */
+static cuda_grp_t *next_to_launch(cuda_be_t *be, int r) {
+  cuda_grp_t *best = NULL;
+  for (uint32_t i = 0; i < be->ngrp; i++) {
+    cuda_grp_t *cg = &be->grp[i];
+    if (!cg->used || cg->phase != PH_RUN || !cg->arrived[r] || cg->launched[r] || cg->finished[r]) continue;
+    if (!best || cg->run_seq < best->run_seq) best = cg;
+  }
+  return best;
+}
+
+static void sleep_ns(long ns) {
+  struct timespec ts = {0, ns};
+  nanosleep(&ts, NULL);
+}
+
+/* (mu) Free the group entries nobody uses any more, and clients waiting for their step to end. */
+static void reap(epd_engine_t *eng, cuda_be_t *be, cuda_rank_t *rk) {
+  for (cuda_client_t **p = &rk->dead; *p;) {
+    cuda_client_t *cc = *p;
+    if (cc->busy) {
+      p = &cc->next_dead;
+      continue;
+    }
+    *p = cc->next_dead;
+    cuda_client_release(cc);
+  }
+  /* A group whose last client left: release its device state once no rank runs anything on it. */
+  for (uint32_t i = 0; i < be->ngrp; i++) {
+    cuda_grp_t *cg = &be->grp[i];
+    if (!cg->used || cg->grp || cg->phase != PH_COLLECT) continue;
+    int running = 0;
+    for (int r = 0; r < be->ndev; r++) running |= be->rank[r].inflight == cg;
+    if (running) continue;
+    /* Windows are deregistered locally (no barrier): every rank is idle on this group. */
+    for (int r = 0; r < (int)cg->g.num_ranks; r++) {
+      if (!cg->rk[r].ready && !cg->rk[r].win_buf) continue;
+      cudaSetDevice(be->rank[r].device);
+      cudaStreamSynchronize(be->rank[r].stream);
+      grank_teardown(be, cg, r);
+    }
+    free(cg->map_img);
+    memset(cg, 0, sizeof *cg);
+  }
+  if (rk) cudaSetDevice(rk->device);
+  (void)eng;
+}
+
+static void *rank_main(void *arg) {
+  cuda_rank_t *rk = arg;
+  epd_engine_t *eng = rk->eng;
+  cuda_be_t *be = eng->be;
+  int r = rk->rank;
+  char name[16], err[256];
+  snprintf(name, sizeof name, "epd-gpu%d", r);
+  pthread_setname_np(pthread_self(), name);
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+  cudaSetDevice(rk->device);
+  unsigned idle_polls = 0;
+  uint64_t idle_since = eng_now_ns();
+  while (!atomic_load(&be->stop)) {
+    int busy = 0;
+    uint64_t now = eng_now_ns();
+    pthread_mutex_lock(&eng->mu);
+    /* 1. collect arrivals */
+    for (uint32_t i = 0; i < be->ngrp; i++)
+      if (be->grp[i].used) busy |= collect(eng, be, &be->grp[i], r, now);
+    /* 2. finish the op in flight */
+    if (rk->inflight) {
+      cuda_grp_t *cg = rk->inflight;
+      cudaError_t e = cudaEventQuery(cg->rk[r].ev);
+      if (e != cudaErrorNotReady) {
+        epd_comp_t kc = *(volatile epd_comp_t *)cg->rk[r].comp_host;
+        if (e != cudaSuccess) {
+          EPD_LOGE(EPD_SUB_CUDA, "rank %d group %s step %llu: kernel failed: %s", r, cg->name,
+                   (unsigned long long)cg->step, cudaGetErrorString(e));
+          kc.status = EPD_ERR_CUDA;
+          kc.peer = -1;
+          eng->rank[r].errors++;
+        }
+        if (kc.status == EPD_ERR_TIMEOUT) {
+          cg->need_reset = 1; /* the team's sequence numbers may disagree now */
+          eng->rank[r].timeouts++;
+          if (cg->grp)
+            eng_emit(eng, "timeout", cg->grp, r, 0, 0, 0, cg->step, "group %s step %llu: rank %d timed out "
+                     "waiting for rank %d", cg->name, (unsigned long long)cg->step, r, kc.peer);
+        }
+        rk->inflight = NULL;
+        complete_rank(eng, cg, r, &kc);
+        busy = 1;
+      }
+    }
+    /* 3. launch the next step */
+    cuda_grp_t *cg = rk->inflight ? NULL : next_to_launch(be, r);
+    int do_reset = 0, need_setup = 0;
+    if (cg) {
+      if (cg->need_reset && !cg->reset_done[r]) do_reset = 1;
+      if (!cg->rk[r].ready) need_setup = 1;
+      int all_reset = 1;
+      for (uint32_t p = 0; p < cg->g.num_ranks; p++) all_reset &= cg->reset_done[p];
+      if (cg->need_reset && cg->reset_done[r] && !all_reset) cg = NULL; /* wait for the others' reset */
+    }
+    if (cg && !do_reset) cg->launched[r] = 1;
+    reap(eng, be, rk);
+    pthread_mutex_unlock(&eng->mu);
+
+    if (cg && need_setup) {
+      epd_result_t rc = grank_setup(be, cg, r, err, sizeof err);
+      if (rc) {
+        EPD_LOGE(EPD_SUB_CUDA, "rank %d group %s: setting up the LL window failed: %s", r, cg->name, err);
+        pthread_mutex_lock(&eng->mu);
+        cg->setup_failed = 1;
+        epd_comp_t kc = {.status = rc, .peer = -1, .map_version = cg->map_version};
+        if (!do_reset) complete_rank(eng, cg, r, &kc);
+        pthread_mutex_unlock(&eng->mu);
+        continue;
+      }
+    }
+    if (cg && do_reset) {
+      epd_result_t rc = epd_k_ll_reset(cg->rk[r].k, rk->stream);
+      cudaError_t e = cudaStreamSynchronize(rk->stream);
+      if (rc || e) EPD_LOGE(EPD_SUB_CUDA, "rank %d group %s: LL reset failed", r, cg->name);
+      pthread_mutex_lock(&eng->mu);
+      cg->reset_done[r] = 1;
+      int all = 1;
+      for (uint32_t p = 0; p < cg->g.num_ranks; p++) all &= cg->reset_done[p];
+      if (all) cg->need_reset = 0;
+      pthread_mutex_unlock(&eng->mu);
+      continue;
+    }
+    if (cg) {
+      epd_result_t rc = launch(be, cg, r, err, sizeof err);
+      pthread_mutex_lock(&eng->mu);
+      if (rc) {
+        EPD_LOGE(EPD_SUB_CUDA, "rank %d group %s step %llu: launch failed: %s", r, cg->name,
+                 (unsigned long long)cg->step, err);
+        eng->rank[r].errors++;
+        /* Peers' kernels will time out waiting for this rank: reset the team before the next op. */
+        cg->need_reset = 1;
+        epd_comp_t kc = {.status = rc, .peer = -1, .map_version = cg->map_version};
+        complete_rank(eng, cg, r, &kc);
+      } else {
+        rk->inflight = cg;
+        rk->launch_ns = eng_now_ns();
+      }
+      pthread_mutex_unlock(&eng->mu);
+      busy = 1;
+    }
+    if (busy || rk->inflight) {
+      idle_polls = 0;
+      idle_since = now;
+      continue;
+    }
+    if (++idle_polls < SPIN_POLLS) continue;
+    sleep_ns(now - idle_since > IDLE_AFTER_NS ? LONG_SLEEP_NS : SHORT_SLEEP_NS);
+  }
+  return NULL;
+}
+
+/* ---- backend ops -------------------------------------------------------------------------------- */
+
+static void cuda_destroy(epd_engine_t *eng);
+
+static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
+  int ndev = 0;
+  cudaError_t e = cudaGetDeviceCount(&ndev);
+  if (e != cudaSuccess || ndev < 1) {
+    snprintf(err, errlen, "backend cuda: no usable CUDA device (%s); use backend=host or auto",
+             e ? cudaGetErrorString(e) : "0 devices");
+    return EPD_ERR_UNSUPPORTED;
+  }
+  if (eng->o.num_ranks > ndev) {
+    snprintf(err, errlen, "backend cuda: num_ranks %d but only %d GPUs are visible", eng->o.num_ranks, ndev);
+    return EPD_ERR_INVALID;
+  }
+  if (epd_k_check_nccl_version) {
+    epd_result_t rc = epd_k_check_nccl_version(err, errlen);
+    if (rc) return rc;
+  }
+  pthread_once(&cu_once, cu_load);
+  if (!cu_loaded) {
+    snprintf(err, errlen, "backend cuda: the CUDA driver lacks the cuMem entry points (driver too old?)");
+    return EPD_ERR_UNSUPPORTED;
+  }
+  cuda_be_t *be = calloc(1, sizeof *be);
+  if (!be) return EPD_ERR_NOMEM;
+  be->ngrp = eng->o.max_groups * 2;
+  be->grp = calloc(be->ngrp, sizeof *be->grp);
+  if (!be->grp) {
+    free(be);
+    return EPD_ERR_NOMEM;
+  }
+  eng->be = be;
+  be->ndev = eng->o.num_ranks;
+  be->timeout_ns = (uint64_t)eng->o.step_timeout_ms * 1000000ull;
+  be->mps = detect_mps(0);
+  const char *m = getenv("EPD_CUDA_MODE");
+  be->mode = MODE_LAUNCH;
+  if (m && !strcmp(m, "persistent")) be->mode = MODE_PERSISTENT;
+  if (be->mode == MODE_PERSISTENT || be->mps) {
+    /* No persistent kernel yet: launch per op under MPS too, which is correct, only slower. */
+    EPD_LOGW(EPD_SUB_CUDA, "CUDA MPS %s; no persistent kernel in this build: launching a kernel per op",
+             be->mps ? "is active" : "not active");
+    be->mode = MODE_LAUNCH;
+  }
+  int devs[EPD_MAX_RANKS];
+  for (int r = 0; r < be->ndev; r++) {
+    devs[r] = r;
+    be->rank[r].device = r;
+    be->rank[r].rank = r;
+    be->rank[r].eng = eng;
+  }
+  uint64_t t0 = eng_now_ns();
+  ncclResult_t n = ncclCommInitAll(be->comm, be->ndev, devs);
+  if (n) {
+    nccl_err(n, "ncclCommInitAll", err, errlen);
+    cuda_destroy(eng);
+    return EPD_ERR_NCCL;
+  }
+  EPD_LOGI(EPD_SUB_CUDA, "NCCL communicator of %d GPUs up in %.1f ms; MPS %s, mode %s", be->ndev,
+           (eng_now_ns() - t0) / 1e6, be->mps ? "on" : "off", cuda_mode(eng));
+  for (int r = 0; r < be->ndev; r++) {
+    cuda_rank_t *rk = &be->rank[r];
+    cudaSetDevice(rk->device);
+    if ((e = cudaStreamCreateWithFlags(&rk->stream, cudaStreamNonBlocking))) {
+      cuda_err(e, "cudaStreamCreate", err, errlen);
+      cuda_destroy(eng);
+      return EPD_ERR_CUDA;
+    }
+    int pe = pthread_create(&rk->th, NULL, rank_main, rk);
+    if (pe) {
+      snprintf(err, errlen, "pthread_create for rank %d: %s", r, strerror(pe));
+      cuda_destroy(eng);
+      return EPD_ERR_SYSTEM;
+    }
+    rk->started = 1;
+  }
+  return EPD_OK;
+}
+
+static void cuda_destroy(epd_engine_t *eng) {
+  cuda_be_t *be = eng->be;
+  if (!be) return;
+  atomic_store(&be->stop, 1);
+  for (int r = 0; r < EPD_MAX_RANKS; r++)
+    if (be->rank[r].started) pthread_join(be->rank[r].th, NULL);
+  for (int r = 0; r < be->ndev; r++)
+    if (be->rank[r].stream) {
+      cudaSetDevice(be->rank[r].device);
+      cudaStreamSynchronize(be->rank[r].stream);
+    }
+  pthread_mutex_lock(&eng->mu);
+  /* Answer what is still waiting so that a client polling its slot sees an error, not a hang. */
+  for (uint32_t i = 0; i < be->ngrp; i++) {
+    cuda_grp_t *cg = &be->grp[i];
+    if (!cg->used) continue;
+    for (int r = 0; r < (int)cg->g.num_ranks; r++)
+      if (cg->arrived[r] && !cg->finished[r]) {
+        epd_comp_t kc = {.status = EPD_ERR_CLOSED, .peer = -1, .map_version = cg->map_version};
+        complete_rank(eng, cg, r, &kc);
+      }
+    for (int r = 0; r < (int)cg->g.num_ranks; r++) grank_teardown(be, cg, r);
+    free(cg->map_img);
+    cg->used = 0;
+  }
+  for (int r = 0; r < be->ndev; r++) reap(eng, be, &be->rank[r]);
+  pthread_mutex_unlock(&eng->mu);
+  for (int r = 0; r < be->ndev; r++) {
+    if (be->rank[r].stream) {
+      cudaSetDevice(be->rank[r].device);
+      cudaStreamDestroy(be->rank[r].stream);
+    }
+    if (be->comm[r]) ncclCommDestroy(be->comm[r]);
+  }
+  free(be->grp);
+  free(be);
+  eng->be = NULL;
+}
+
+static int make_memfd(const char *name, uint64_t bytes, void **map, char *err, size_t errlen) {
+  int fd = memfd_create(name, MFD_CLOEXEC);
+  if (fd < 0) {
+    snprintf(err, errlen, "memfd_create(%s): %s", name, strerror(errno));
+    return -1;
+  }
+  if (ftruncate(fd, (off_t)bytes) < 0) {
+    snprintf(err, errlen, "ftruncate(%s, %llu): %s", name, (unsigned long long)bytes, strerror(errno));
+    close(fd);
+    return -1;
+  }
+  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    snprintf(err, errlen, "mmap(%s, %llu): %s", name, (unsigned long long)bytes, strerror(errno));
+    close(fd);
+    return -1;
+  }
+  *map = p;
+  return fd;
+}
+
+/* (mu) Allocate the arena on the rank's GPU, map it here, export it as an fd. */
+static epd_result_t arena_alloc(cuda_client_t *cc, uint64_t bytes, int device, char *err, size_t errlen) {
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  size_t gran = 0;
+  CUresult r;
+  if ((r = cu.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)))
+    return cu_err(r, "cuMemGetAllocationGranularity", err, errlen);
+  cc->arena_size = (bytes + gran - 1) / gran * gran;
+  if ((r = cu.cuMemCreate(&cc->arena_h, cc->arena_size, &prop, 0))) {
+    cc->arena_h = 0;
+    return cu_err(r, "cuMemCreate (client arena)", err, errlen);
+  }
+  if ((r = cu.cuMemAddressReserve(&cc->arena_dev, cc->arena_size, gran, 0, 0))) {
+    cc->arena_dev = 0;
+    return cu_err(r, "cuMemAddressReserve", err, errlen);
+  }
+  if ((r = cu.cuMemMap(cc->arena_dev, cc->arena_size, 0, cc->arena_h, 0))) {
+    cu.cuMemAddressFree(cc->arena_dev, cc->arena_size);
+    cc->arena_dev = 0;
+    return cu_err(r, "cuMemMap", err, errlen);
+  }
+  CUmemAccessDesc acc;
+  memset(&acc, 0, sizeof acc);
+  acc.location = prop.location;
+  acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if ((r = cu.cuMemSetAccess(cc->arena_dev, cc->arena_size, &acc, 1)))
+    return cu_err(r, "cuMemSetAccess", err, errlen);
+  int fd = -1;
+  if ((r = cu.cuMemExportToShareableHandle(&fd, cc->arena_h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)))
+    return cu_err(r, "cuMemExportToShareableHandle", err, errlen);
+  cc->arena_fd = fd;
+  return EPD_OK;
+}
+
+static epd_result_t cuda_client_alloc(epd_engine_t *eng, eng_client_t *c, char *err, size_t errlen) {
+  cuda_be_t *be = eng->be;
+  if (c->grp->g.hidden % 128) {
+    snprintf(err, errlen, "hidden %u: the cuda backend needs a multiple of 128", c->grp->g.hidden);
+    return EPD_ERR_INVALID;
+  }
+  if (!cuda_grp_find(be, c->grp, 1)) {
+    snprintf(err, errlen, "too many groups on the cuda backend (max_groups %u)", eng->o.max_groups);
+    return EPD_ERR_BUSY;
+  }
+  cuda_client_t *cc = calloc(1, sizeof *cc);
+  if (!cc) return EPD_ERR_NOMEM;
+  cc->queue_fd = cc->arena_fd = -1;
+  cc->device = be->rank[c->rank].device;
+  cc->queue_bytes = c->queue_bytes;
+  epd_result_t rc;
+  char name[64];
+  void *q = NULL;
+  snprintf(name, sizeof name, "epd-queue-%llu", (unsigned long long)c->id);
+  cc->queue_fd = make_memfd(name, c->queue_bytes, &q, err, errlen);
+  if (cc->queue_fd < 0) {
+    rc = EPD_ERR_SYSTEM;
+    goto fail;
+  }
+  cc->queue = q;
+  cudaSetDevice(cc->device);
+  cudaError_t e = cudaHostRegister(q, c->queue_bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (e) {
+    rc = cuda_err(e, "cudaHostRegister (queue)", err, errlen);
+    goto fail;
+  }
+  cc->queue_registered = 1;
+  void *qd = NULL;
+  if ((e = cudaHostGetDevicePointer(&qd, q, 0))) {
+    rc = cuda_err(e, "cudaHostGetDevicePointer (queue)", err, errlen);
+    goto fail;
+  }
+  cc->queue_dev = (uint64_t)(uintptr_t)qd;
+  if ((rc = arena_alloc(cc, c->arena_bytes, cc->device, err, errlen))) goto fail;
+  epd_queue_t *qu = q; /* fresh memfd pages are zero: every slot FREE */
+  qu->magic = EPD_QUEUE_MAGIC;
+  qu->abi_version = EPD_ABI_VERSION;
+  qu->nslots = EPD_QUEUE_SLOTS;
+  qu->rank = (uint32_t)c->rank;
+  qu->client_id = c->id;
+  qu->map_version = c->grp->map.version;
+  c->be = cc;
+  c->queue = q;
+  c->arena = NULL; /* GPU memory: not CPU-visible */
+  c->queue_fd = cc->queue_fd;
+  c->arena_fd = cc->arena_fd;
+  c->arena_bytes = cc->arena_size;
+  c->next_slot = 0;
+  c->in_step = 0;
+  EPD_LOGD(EPD_SUB_CUDA, "client %llu: queue %llu bytes (host, mapped), arena %zu bytes on GPU %d",
+           (unsigned long long)c->id, (unsigned long long)c->queue_bytes, cc->arena_size, cc->device);
+  return EPD_OK;
+fail:
+  cuda_client_release(cc);
+  return rc;
+}
+
+static void cuda_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
+  cuda_be_t *be = eng->be;
+  eng_group_t *grp = c->grp;
+  cuda_client_t *cc = c->be;
+  int r = c->rank;
+  if (lost) grp->lost[r] = 1;
+  cuda_grp_t *cg = cuda_grp_find(be, grp, 0);
+  if (!cg || !cc) return;
+  if (cg->phase == PH_COLLECT && cg->arrived[r]) {
+    /* Withdraw its slot from the step being collected and fail the peers that wait for it. */
+    cg->arrived[r] = 0;
+    cg->cc[r] = NULL;
+    cg->narrived--;
+    cc->busy = 0;
+    if (cg->narrived) {
+      char why[160];
+      snprintf(why, sizeof why, "client %llu of rank %d %s mid-step", (unsigned long long)c->id, r,
+               lost ? "died" : "detached");
+      fail_collect(eng, be, cg, EPD_ERR_PEER, r, why);
+    }
+  } else if (cg->phase == PH_COLLECT && cg->narrived && lost) {
+    char why[160];
+    snprintf(why, sizeof why, "client %llu of rank %d died", (unsigned long long)c->id, r);
+    fail_collect(eng, be, cg, EPD_ERR_PEER, r, why);
+  }
+  /* In RUN the step goes on: the daemon still owns the arena, and the peers' kernels need this rank's. */
+}
+
+static void cuda_client_free(epd_engine_t *eng, eng_client_t *c) {
+  cuda_be_t *be = eng->be;
+  cuda_client_t *cc = c->be;
+  eng_group_t *grp = c->grp;
+  c->be = NULL;
+  c->queue = NULL;
+  c->queue_fd = c->arena_fd = -1;
+  if (be) {
+    /* The group goes away with its last client: its device state follows once nothing runs on it. */
+    int empty = 1;
+    for (uint32_t r = 0; r < grp->g.num_ranks; r++)
+      if (grp->client[r] && grp->client[r] != c) empty = 0;
+    cuda_grp_t *cg = cuda_grp_find(be, grp, 0);
+    if (cg && empty) cg->grp = NULL; /* reap() releases its device state once idle */
+  }
+  if (!cc) return;
+  if (cc->busy && be) {
+    cc->dead = 1;
+    cc->next_dead = be->rank[c->rank].dead;
+    be->rank[c->rank].dead = cc;
+    return;
+  }
+  cuda_client_release(cc);
+}
+
+const eng_backend_ops_t eng_cuda_ops = {
+    .name = "cuda",
+    .available = cuda_available,
+    .create = cuda_create,
+    .destroy = cuda_destroy,
+    .mode = cuda_mode,
+    .device = cuda_device,
+    .rank_bytes = cuda_rank_bytes,
+    .client_alloc = cuda_client_alloc,
+    .client_leave = cuda_client_leave,
+    .client_free = cuda_client_free,
+};
+
+#endif /* EPD_WITH_CUDA */
