@@ -52,10 +52,10 @@ def fail(why):
     sys.exit(1)
 
 
-def start():
+def start(*extra):
     global proc, log
     log = open(os.path.join(tmp, f"epd-{time.monotonic_ns()}.log"), "w+")
-    proc = subprocess.Popen([epd, "-c", conf, "-f"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([epd, "-c", conf, "-f", *extra], stdout=log, stderr=subprocess.STDOUT)
     end = time.monotonic() + 15
     while not os.path.exists(ctl) or not os.path.exists(os.path.join(tmp, "run", "attach.sock")):
         if proc.poll() is not None:
@@ -192,4 +192,39 @@ except subprocess.TimeoutExpired:
     fail("Drain(exit=true) with no client did not exit within 5 s")
 if rc != 0:
     fail(f"exit status {rc} after Drain")
+ch.close()
+
+# ---- run 3: a client that never leaves: exit at the drain timeout; a second SIGTERM exits at once ----
+for second_signal in (False, True):
+    ch = start("-o", "daemon.drain_timeout_ms=1000")
+    a = attach(ch, 0)
+    conn, code, text, fds = redeem(a)
+    if code != 0:
+        fail(f"redeem: {code} {text!r}")
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    if second_signal:
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        fail("still running 5 s after SIGTERM with drain_timeout_ms=1000")
+    dt3 = time.monotonic() - t0
+    if rc != 0:
+        fail(f"exit status {rc} after the drain timeout")
+    if second_signal and dt3 > 0.8:
+        fail(f"a second SIGTERM took {dt3:.2f} s to exit")
+    if not second_signal and not 0.9 <= dt3 <= 3:
+        fail(f"exit {dt3:.2f} s after SIGTERM, drain timeout is 1 s")
+    log.flush()
+    log.seek(0)
+    text = log.read()
+    want = "again while draining: exiting now" if second_signal else "drain timeout: 1 client(s) still attached"
+    if want not in text:
+        fail(f"log lacks {want!r}")
+    conn.close()
+    for fd in fds:
+        os.close(fd)
+    ch.close()
 print(f"ok: attach/redeem/expiry; SIGTERM drain waited for the client and exited {dt:.2f} s later; Drain RPC exit")
