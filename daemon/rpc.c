@@ -168,6 +168,16 @@ static grpc_status_code status_of(epd_result_t r) {
   }
 }
 
+/* Name of a result code. A copy of the table, because epd_strerror lives in libepd and the daemon
+ * does not link it. */
+static const char *result_name(int r) {
+  static const char *const names[] = {
+      "ok", "invalid argument", "out of memory", "system error", "rpc error", "protocol mismatch", "not found",
+      "busy", "timeout", "peer failed", "draining", "cuda error", "nccl error", "unsupported", "bad expert",
+      "too many tokens", "permission denied", "overflow", "mismatch", "closed", "state", "internal error"};
+  return r <= 0 && r > EPD_ERR_MIN ? names[-r] : "unknown error";
+}
+
 static void reply_err(rpc_reply_t *rep, epd_result_t r, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static void reply_err(rpc_reply_t *rep, epd_result_t r, const char *fmt, ...) {
   va_list ap;
@@ -306,7 +316,7 @@ static void h_attach(const Epd__V1__AttachRequest *q, rpc_reply_t *rep) {
   char err[256] = "";
   epd_result_t r = epd_engine_attach(g.eng, &ar, &info, err, sizeof err);
   if (r != EPD_OK) {
-    reply_err(rep, r, "%s", err[0] ? err : epd_strerror(r));
+    reply_err(rep, r, "%s", err[0] ? err : result_name(r));
     return;
   }
   uint8_t token[EPD_TOKEN_BYTES], secret[SECRET_BYTES];
@@ -379,7 +389,7 @@ static void h_detach(const Epd__V1__DetachRequest *q, rpc_reply_t *rep) {
   }
   epd_result_t r = epd_engine_detach(g.eng, q->client_id, 0);
   if (r != EPD_OK && r != EPD_ERR_NOT_FOUND) {
-    reply_err(rep, r, "detach of client %llu failed: %s", (unsigned long long)q->client_id, epd_strerror(r));
+    reply_err(rep, r, "detach of client %llu failed: %s", (unsigned long long)q->client_id, result_name(r));
     return;
   }
   secrets_remove(q->client_id);
@@ -399,7 +409,7 @@ static void h_status(rpc_reply_t *rep, int metrics) {
   char *cfg;
   epd_result_t r = take_snapshot(&snap, &info, &cfg);
   if (r != EPD_OK) {
-    reply_err(rep, r, "engine snapshot failed: %s", epd_strerror(r));
+    reply_err(rep, r, "engine snapshot failed: %s", result_name(r));
     free(cfg);
     return;
   }
@@ -418,7 +428,7 @@ static void h_status(rpc_reply_t *rep, int metrics) {
     if (r == EPD_OK) reply_msg(rep, &st->base);
     epd_metrics_status_free(st);
   }
-  if (r != EPD_OK) reply_err(rep, r, "building the %s failed: %s", metrics ? "metrics" : "status", epd_strerror(r));
+  if (r != EPD_OK) reply_err(rep, r, "building the %s failed: %s", metrics ? "metrics" : "status", result_name(r));
   epd_engine_snapshot_free(&snap);
   free(cfg);
 }
@@ -441,7 +451,7 @@ static void h_setmap(const Epd__V1__SetExpertMapRequest *q, rpc_reply_t *rep) {
   memset(&cur, 0, sizeof cur);
   epd_result_t r = epd_engine_get_map(g.eng, group, &cur);
   if (r != EPD_OK) {
-    reply_err(rep, r, "map.group: %s: %s", group, r == EPD_ERR_NOT_FOUND ? "no such group" : epd_strerror(r));
+    reply_err(rep, r, "map.group: %s: %s", group, r == EPD_ERR_NOT_FOUND ? "no such group" : result_name(r));
     return;
   }
   epd_expert_map_t em;
@@ -481,7 +491,7 @@ static void h_setmap(const Epd__V1__SetExpertMapRequest *q, rpc_reply_t *rep) {
   char err[256] = "";
   r = epd_engine_set_map(g.eng, group, &em, &version, err, sizeof err);
   if (r != EPD_OK) {
-    reply_err(rep, r, "%s", err[0] ? err : epd_strerror(r));
+    reply_err(rep, r, "%s", err[0] ? err : result_name(r));
     goto out;
   }
   Epd__V1__SetExpertMapReply sr = EPD__V1__SET_EXPERT_MAP_REPLY__INIT;
@@ -501,7 +511,7 @@ static void h_getmap(const Epd__V1__GetExpertMapRequest *q, rpc_reply_t *rep) {
   memset(&em, 0, sizeof em);
   epd_result_t r = epd_engine_get_map(g.eng, group, &em);
   if (r != EPD_OK) {
-    reply_err(rep, r, "group: %s: %s", group, r == EPD_ERR_NOT_FOUND ? "no such group" : epd_strerror(r));
+    reply_err(rep, r, "group: %s: %s", group, r == EPD_ERR_NOT_FOUND ? "no such group" : result_name(r));
     return;
   }
   size_t n = em.num_experts, nrep = 0;
