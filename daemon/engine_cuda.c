@@ -16,8 +16,8 @@
  * num_tokens in range), numbered in a backend-wide run sequence, and each rank thread launches its LL
  * kernel on its own stream in run-sequence order (so two groups can never wait on each other across
  * GPUs). The rank thread then polls an event; when the kernel is done it completes the slot from the
- * kernel's epd_comp_t. A group's NCCL window and device communicator are created lazily by its first
- * step (collective: every rank thread does its part at the same time).
+ * kernel's epd_comp_t. A group's NCCL window and device communicator are created with its first client
+ * (collective over the node-local communicator of cuda_comm.c, which runs a thread per GPU).
  *
  * "persistent" mode (a kernel per GPU polling the queues, under CUDA MPS) is detected and reported but
  * needs a persistent kernel from kernels/: until one exists the backend runs launch mode under MPS too
@@ -36,14 +36,11 @@
 
 #include "engine_internal.h"
 #include "log.h"
+#include "cuda_comm.h"
 
 #if EPD_WITH_CUDA
 #include <cuda.h>
 #include <cuda_runtime_api.h>
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wstrict-prototypes" /* nccl.h declares f() */
-#include <nccl.h>
-#pragma GCC diagnostic pop
 
 #include "epd_kernels.h"
 
@@ -107,9 +104,6 @@ typedef struct cuda_client {
 /* Per (group, rank) device state: staging window, kernel context, expert map table. */
 typedef struct cuda_grank {
   int ready;
-  void *win_buf;
-  size_t win_bytes;
-  ncclWindow_t win;
   epd_k_ll_t *k;
   void *map_dev;
   uint32_t map_version; /* uploaded */
@@ -136,6 +130,8 @@ typedef struct cuda_grp {
   int reset_done[EPD_MAX_RANKS];
   uint32_t narrived, nfinished;
   int need_reset, setup_failed;
+  int have_win;
+  epd_cc_win_t win; /* the group's LL staging window on every rank */
   uint64_t first_arrive_ns, last_arrive_ns;
   uint32_t map_version;
   void *map_img; /* host image of the active map (epd_k_map_pack) */
@@ -154,6 +150,7 @@ typedef struct cuda_rank {
   uint64_t launch_ns;
   cuda_client_t *dead; /* clients to free once idle */
   uint64_t bytes;      /* windows of this rank */
+  void *scratch;
 } cuda_rank_t;
 
 typedef struct cuda_be {
@@ -161,8 +158,8 @@ typedef struct cuda_be {
   int mode;
   int mps;
   int ndev;
+  epd_cc_t *cc;
   uint64_t timeout_ns; /* per kernel wait: the engine's step timeout */
-  ncclComm_t comm[EPD_MAX_RANKS];
   cuda_rank_t rank[EPD_MAX_RANKS];
   uint64_t next_run_seq;
   uint32_t ngrp;
@@ -181,11 +178,6 @@ static epd_result_t cu_err(CUresult r, const char *what, char *err, size_t errle
   snprintf(err, errlen, "%s: %s (%d)", what, s ? s : "CUDA driver error", (int)r);
   return r == CUDA_ERROR_OUT_OF_MEMORY ? EPD_ERR_NOMEM : EPD_ERR_CUDA;
 }
-static epd_result_t nccl_err(ncclResult_t r, const char *what, char *err, size_t errlen) {
-  snprintf(err, errlen, "%s: %s", what, ncclGetErrorString(r));
-  return EPD_ERR_NCCL;
-}
-
 static uint32_t load_state(epd_slot_t *s) {
   return atomic_load_explicit((_Atomic uint32_t *)&s->state, memory_order_acquire);
 }
@@ -277,23 +269,28 @@ static cuda_grp_t *cuda_grp_find(cuda_be_t *be, eng_group_t *grp, int create) {
   return fr;
 }
 
-/* Per-rank device state of a group: window, device communicator, map table. Collective across the
- * rank threads (window registration and ncclDevCommCreate). Called by the rank thread, without mu. */
-static epd_result_t grank_setup(cuda_be_t *be, cuda_grp_t *cg, int rank, char *err, size_t errlen) {
+/* Per-rank device state of a group: kernel context (ncclDevCommCreate: collective, so it runs on a
+ * thread per rank through epd_cc_each), map table, completion record, event. */
+typedef struct grp_setup_arg {
+  cuda_be_t *be;
+  cuda_grp_t *cg;
+  char err[EPD_MAX_RANKS][200];
+} grp_setup_arg_t;
+
+static epd_result_t grank_setup(epd_cc_t *cc, int rank, void *argp) {
+  grp_setup_arg_t *a = argp;
+  cuda_grp_t *cg = a->cg;
   cuda_grank_t *gr = &cg->rk[rank];
-  cuda_rank_t *r = &be->rank[rank];
+  char *err = a->err[rank];
+  size_t errlen = sizeof a->err[rank];
   epd_k_ll_geom_t kg = {.num_ranks = cg->g.num_ranks, .rank = (uint32_t)rank,
                         .num_experts = cg->g.num_experts, .hidden = cg->g.hidden, .topk = cg->g.topk,
                         .max_tokens = cg->g.max_tokens, .slots_per_rank = cg->g.slots_per_rank};
   cudaError_t e;
-  ncclResult_t n;
   epd_result_t rc;
-  gr->win_bytes = epd_k_ll_window_bytes(&kg);
-  if ((n = ncclMemAlloc(&gr->win_buf, gr->win_bytes))) return nccl_err(n, "ncclMemAlloc (LL window)", err, errlen);
-  if ((n = ncclCommWindowRegister(be->comm[rank], gr->win_buf, gr->win_bytes, &gr->win,
-                                  NCCL_WIN_COLL_SYMMETRIC)))
-    return nccl_err(n, "ncclCommWindowRegister (LL window)", err, errlen);
-  if ((rc = epd_k_ll_create(&kg, be->comm[rank], gr->win, gr->win_buf, 0, &gr->k, err, errlen))) return rc;
+  if ((rc = epd_k_ll_create(&kg, epd_cc_lsa(cc, rank), cg->win.win[rank], cg->win.ptr[rank], 0, &gr->k, err,
+                            errlen)))
+    return rc;
   if ((e = cudaMalloc(&gr->map_dev, epd_k_map_bytes(cg->g.num_experts))))
     return cuda_err(e, "cudaMalloc (expert map)", err, errlen);
   if ((e = cudaHostAlloc((void **)&gr->comp_host, sizeof(epd_comp_t), cudaHostAllocMapped | cudaHostAllocPortable)))
@@ -302,25 +299,69 @@ static epd_result_t grank_setup(cuda_be_t *be, cuda_grp_t *cg, int rank, char *e
     return cuda_err(e, "cudaHostGetDevicePointer (completion)", err, errlen);
   if ((e = cudaEventCreateWithFlags(&gr->ev, cudaEventDisableTiming)))
     return cuda_err(e, "cudaEventCreate", err, errlen);
-  r->bytes += gr->win_bytes;
   gr->ready = 1;
   return EPD_OK;
 }
 
-/* Release a rank's device state of a group (local: the caller made sure nothing runs on it). */
-static void grank_teardown(cuda_be_t *be, cuda_grp_t *cg, int rank) {
-  cuda_grank_t *gr = &cg->rk[rank];
-  cudaSetDevice(be->rank[rank].device);
+static epd_result_t grank_teardown(epd_cc_t *cc, int rank, void *argp) {
+  grp_setup_arg_t *a = argp;
+  cuda_grank_t *gr = &a->cg->rk[rank];
   if (gr->k) epd_k_ll_destroy(gr->k);
-  if (gr->win) ncclCommWindowDeregister(be->comm[rank], gr->win);
-  if (gr->win_buf) {
-    ncclMemFree(gr->win_buf);
-    be->rank[rank].bytes -= gr->win_bytes;
-  }
   if (gr->map_dev) cudaFree(gr->map_dev);
   if (gr->comp_host) cudaFreeHost(gr->comp_host);
   if (gr->ev) cudaEventDestroy(gr->ev);
   memset(gr, 0, sizeof *gr);
+  return EPD_OK;
+}
+
+/* Release a group's device state on every rank (nothing may run on it). */
+static void grp_teardown(cuda_be_t *be, cuda_grp_t *cg) {
+  grp_setup_arg_t *a = calloc(1, sizeof *a);
+  if (!a) return; /* leak rather than crash: only under memory exhaustion */
+  a->be = be;
+  a->cg = cg;
+  for (int r = 0; r < be->ndev; r++) {
+    cudaSetDevice(be->rank[r].device);
+    cudaStreamSynchronize(be->rank[r].stream);
+  }
+  epd_cc_each(be->cc, grank_teardown, a);
+  if (cg->have_win) {
+    for (int r = 0; r < be->ndev; r++) be->rank[r].bytes -= cg->win.bytes;
+    epd_cc_window_free(be->cc, &cg->win);
+  }
+  cg->have_win = 0;
+  free(a);
+}
+
+/* Create a group's window and kernel contexts on every rank (first client of the group). */
+static epd_result_t grp_setup(cuda_be_t *be, cuda_grp_t *cg, char *err, size_t errlen) {
+  epd_k_ll_geom_t kg = {.num_ranks = cg->g.num_ranks, .rank = 0, .num_experts = cg->g.num_experts,
+                        .hidden = cg->g.hidden, .topk = cg->g.topk, .max_tokens = cg->g.max_tokens,
+                        .slots_per_rank = cg->g.slots_per_rank};
+  uint64_t t0 = eng_now_ns();
+  epd_result_t rc = epd_cc_window_alloc(be->cc, epd_k_ll_window_bytes(&kg), &cg->win, err, errlen);
+  if (rc) return rc;
+  cg->have_win = 1;
+  for (int r = 0; r < be->ndev; r++) be->rank[r].bytes += cg->win.bytes;
+  grp_setup_arg_t *a = calloc(1, sizeof *a);
+  if (!a) return EPD_ERR_NOMEM;
+  a->be = be;
+  a->cg = cg;
+  rc = epd_cc_each(be->cc, grank_setup, a);
+  if (rc) {
+    for (int r = 0; r < be->ndev; r++)
+      if (a->err[r][0]) {
+        snprintf(err, errlen, "rank %d: %s", r, a->err[r]);
+        break;
+      }
+    free(a);
+    grp_teardown(be, cg);
+    return rc;
+  }
+  free(a);
+  EPD_LOGI(EPD_SUB_CUDA, "group %s: LL window of %zu bytes per rank and device communicators up in %.1f ms",
+           cg->name, cg->win.bytes, (eng_now_ns() - t0) / 1e6);
+  return EPD_OK;
 }
 
 static void cuda_client_release(cuda_client_t *cc) {
@@ -576,12 +617,7 @@ static void reap(epd_engine_t *eng, cuda_be_t *be, cuda_rank_t *rk) {
     for (int r = 0; r < be->ndev; r++) running |= be->rank[r].inflight == cg;
     if (running) continue;
     /* Windows are deregistered locally (no barrier): every rank is idle on this group. */
-    for (int r = 0; r < (int)cg->g.num_ranks; r++) {
-      if (!cg->rk[r].ready && !cg->rk[r].win_buf) continue;
-      cudaSetDevice(be->rank[r].device);
-      cudaStreamSynchronize(be->rank[r].stream);
-      grank_teardown(be, cg, r);
-    }
+    grp_teardown(be, cg);
     free(cg->map_img);
     memset(cg, 0, sizeof *cg);
   }
@@ -635,10 +671,9 @@ static void *rank_main(void *arg) {
     }
     /* 3. launch the next step */
     cuda_grp_t *cg = rk->inflight ? NULL : next_to_launch(be, r);
-    int do_reset = 0, need_setup = 0;
+    int do_reset = 0;
     if (cg) {
       if (cg->need_reset && !cg->reset_done[r]) do_reset = 1;
-      if (!cg->rk[r].ready) need_setup = 1;
       int all_reset = 1;
       for (uint32_t p = 0; p < cg->g.num_ranks; p++) all_reset &= cg->reset_done[p];
       if (cg->need_reset && cg->reset_done[r] && !all_reset) cg = NULL; /* wait for the others' reset */
@@ -647,18 +682,6 @@ static void *rank_main(void *arg) {
     reap(eng, be, rk);
     pthread_mutex_unlock(&eng->mu);
 
-    if (cg && need_setup) {
-      epd_result_t rc = grank_setup(be, cg, r, err, sizeof err);
-      if (rc) {
-        EPD_LOGE(EPD_SUB_CUDA, "rank %d group %s: setting up the LL window failed: %s", r, cg->name, err);
-        pthread_mutex_lock(&eng->mu);
-        cg->setup_failed = 1;
-        epd_comp_t kc = {.status = rc, .peer = -1, .map_version = cg->map_version};
-        if (!do_reset) complete_rank(eng, cg, r, &kc);
-        pthread_mutex_unlock(&eng->mu);
-        continue;
-      }
-    }
     if (cg && do_reset) {
       epd_result_t rc = epd_k_ll_reset(cg->rk[r].k, rk->stream);
       cudaError_t e = cudaStreamSynchronize(rk->stream);
@@ -746,21 +769,18 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
              be->mps ? "is active" : "not active");
     be->mode = MODE_LAUNCH;
   }
-  int devs[EPD_MAX_RANKS];
   for (int r = 0; r < be->ndev; r++) {
-    devs[r] = r;
     be->rank[r].device = r;
     be->rank[r].rank = r;
     be->rank[r].eng = eng;
   }
   uint64_t t0 = eng_now_ns();
-  ncclResult_t n = ncclCommInitAll(be->comm, be->ndev, devs);
-  if (n) {
-    nccl_err(n, "ncclCommInitAll", err, errlen);
+  epd_result_t rc = epd_cc_create(be->ndev, NULL, &be->cc, err, errlen);
+  if (rc) {
     cuda_destroy(eng);
-    return EPD_ERR_NCCL;
+    return rc;
   }
-  EPD_LOGI(EPD_SUB_CUDA, "NCCL communicator of %d GPUs up in %.1f ms; MPS %s, mode %s", be->ndev,
+  EPD_LOGI(EPD_SUB_CUDA, "NCCL communicators of %d GPUs up in %.1f ms; MPS %s, mode %s", be->ndev,
            (eng_now_ns() - t0) / 1e6, be->mps ? "on" : "off", cuda_mode(eng));
   for (int r = 0; r < be->ndev; r++) {
     cuda_rank_t *rk = &be->rank[r];
@@ -802,7 +822,7 @@ static void cuda_destroy(epd_engine_t *eng) {
         epd_comp_t kc = {.status = EPD_ERR_CLOSED, .peer = -1, .map_version = cg->map_version};
         complete_rank(eng, cg, r, &kc);
       }
-    for (int r = 0; r < (int)cg->g.num_ranks; r++) grank_teardown(be, cg, r);
+    grp_teardown(be, cg);
     free(cg->map_img);
     cg->used = 0;
   }
@@ -813,8 +833,8 @@ static void cuda_destroy(epd_engine_t *eng) {
       cudaSetDevice(be->rank[r].device);
       cudaStreamDestroy(be->rank[r].stream);
     }
-    if (be->comm[r]) ncclCommDestroy(be->comm[r]);
   }
+  epd_cc_destroy(be->cc);
   free(be->grp);
   free(be);
   eng->be = NULL;
@@ -886,9 +906,18 @@ static epd_result_t cuda_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
     snprintf(err, errlen, "hidden %u: the cuda backend needs a multiple of 128", c->grp->g.hidden);
     return EPD_ERR_INVALID;
   }
-  if (!cuda_grp_find(be, c->grp, 1)) {
-    snprintf(err, errlen, "too many groups on the cuda backend (max_groups %u)", eng->o.max_groups);
-    return EPD_ERR_BUSY;
+  cuda_grp_t *cg = cuda_grp_find(be, c->grp, 0);
+  int new_grp = !cg;
+  if (!cg) {
+    if (!(cg = cuda_grp_find(be, c->grp, 1))) {
+      snprintf(err, errlen, "too many groups on the cuda backend (max_groups %u)", eng->o.max_groups);
+      return EPD_ERR_BUSY;
+    }
+    epd_result_t src = grp_setup(be, cg, err, errlen);
+    if (src) {
+      memset(cg, 0, sizeof *cg);
+      return src;
+    }
   }
   cuda_client_t *cc = calloc(1, sizeof *cc);
   if (!cc) return EPD_ERR_NOMEM;
@@ -939,6 +968,11 @@ static epd_result_t cuda_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
   return EPD_OK;
 fail:
   cuda_client_release(cc);
+  if (new_grp) {
+    /* The core drops a group its failed first attach created. */
+    grp_teardown(be, cg);
+    memset(cg, 0, sizeof *cg);
+  }
   return rc;
 }
 
