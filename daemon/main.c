@@ -252,14 +252,16 @@ static void reload(void) {
     EPD_LOGD(EPD_SUB_CONF, "log level is now %s", epd_log_level_name(now.log_level));
   }
   if (atomic_load(&d.state) == ST_DRAINING)
-    epd_notify_ready(d.exit_pending ? "stopping: draining clients" : "draining: no new attach or step");
+    epd_notify_ready("draining: no new attach or step");
   else
     ready_status();
 }
 
 static void on_signal(uv_signal_t *s, int signum) {
   (void)s;
-  if (signum == SIGHUP) {
+  if (signum == SIGHUP && d.exit_pending) {
+    EPD_LOGW(EPD_SUB_CONF, "SIGHUP ignored: the daemon is stopping");
+  } else if (signum == SIGHUP) {
     reload();
   } else if (d.exit_pending) {
     EPD_LOGW(EPD_SUB_MAIN, "%s again while draining: exiting now", strsignal(signum));

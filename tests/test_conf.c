@@ -236,3 +236,45 @@ EPD_TEST(conf_example_file_complete) {
     if (!strstr(text, name)) epd_test_fail(__FILE__, __LINE__, "config/epd.conf lacks %s", key);
   }
 }
+
+/* log.c: the stderr line format, the level and subsystem filters, and the name tables conf relies on. */
+EPD_TEST(log_format_and_filters) {
+  char path[512], text[4096];
+  snprintf(path, sizeof path, "%s/log.txt", epd_test_tmpdir());
+  ASSERT(freopen(path, "w", stderr) != NULL);
+  epd_log_init(EPD_LOG_INFO, EPD_SUB_ALL, 0);
+  EPD_LOGI(EPD_SUB_ATTACH, "hello %d", 42);
+  EPD_LOGD(EPD_SUB_ATTACH, "hidden at info");
+  epd_log_msg(EPD_LOG_WARN, EPD_SUB_ENGINE, 3, 77, "with fields");
+  epd_log_set(EPD_LOG_DEBUG, EPD_SUB_RPC);
+  EPD_LOGD(EPD_SUB_RPC, "rpc debug shown");
+  EPD_LOGI(EPD_SUB_ENGINE, "engine filtered out");
+  EPD_LOGE(EPD_SUB_ENGINE, "errors always pass");
+  fflush(stderr);
+  FILE *f = fopen(path, "r");
+  ASSERT(f != NULL);
+  size_t n = fread(text, 1, sizeof text - 1, f);
+  text[n] = 0;
+  fclose(f);
+  /* "YYYY-mm-ddTHH:MM:SS.mmm LEVEL subsys: message" */
+  int y, mo, da, h, mi, se, ms;
+  char lvl[8], sub[16];
+  ASSERT_EQ(sscanf(text, "%4d-%2d-%2dT%2d:%2d:%2d.%3d %7s %15s", &y, &mo, &da, &h, &mi, &se, &ms, lvl, sub), 9);
+  ASSERT(strcmp(lvl, "INFO") == 0);
+  ASSERT(strcmp(sub, "attach:") == 0);
+  ASSERT_STR_CONTAINS(text, " INFO attach: hello 42\n");
+  ASSERT_STR_CONTAINS(text, " WARN engine: with fields rank=3 client=77\n");
+  ASSERT_STR_CONTAINS(text, " DEBUG rpc: rpc debug shown\n");
+  ASSERT_STR_CONTAINS(text, " ERROR engine: errors always pass\n");
+  ASSERT(!strstr(text, "hidden at info"));
+  ASSERT(!strstr(text, "engine filtered out"));
+  ASSERT_EQ(epd_log_level_parse("warn"), EPD_LOG_WARN);
+  ASSERT_EQ(epd_log_level_parse("nope"), -1);
+  uint32_t m = 0;
+  ASSERT_EQ(epd_log_subsystems_parse("", &m), -1);
+  ASSERT_OK(epd_log_subsystems_parse("all", &m));
+  ASSERT_EQ(m, EPD_SUB_ALL);
+  char buf[128];
+  epd_log_subsystems_format(EPD_SUB_MAIN | EPD_SUB_CUDA, buf, sizeof buf);
+  ASSERT(strcmp(buf, "main,cuda") == 0);
+}
