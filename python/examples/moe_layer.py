@@ -84,12 +84,13 @@ def new_placement(spec):
 
 # ---- the reference: one process, the whole layer ------------------------------------------------------
 
-def reference_step(spec, x, ids, w, weights, use_torch):
-    """out [T, H] float32: sum_k w * bf16(expert(x)), each expert output rounded to BF16 as the workers
-    send it. With torch: an nn.Module-free PyTorch computation in float32 on the CPU."""
+def reference_step(spec, xf, ids, w, weights, use_torch):
+    """out [T, H] float32: sum_k w * bf16(expert(xf)), each expert output rounded to BF16 as the workers
+    send it (xf: the float32 tokens the experts see). With torch: a PyTorch computation in float32 on
+    the CPU."""
     if use_torch:
         import torch
-        xt = torch.from_numpy(formats.bf16_to_f32(x))
+        xt = torch.from_numpy(np.ascontiguousarray(xf, dtype=np.float32))
         out = torch.zeros(xt.shape, dtype=torch.float32)
         for k in range(spec.K):
             for e in np.unique(ids[:, k]):
@@ -100,7 +101,6 @@ def reference_step(spec, x, ids, w, weights, use_torch):
                 y = y.to(torch.bfloat16).to(torch.float32)
                 out[rows] += torch.from_numpy(w[:, k])[rows, None] * y
         return formats.round_bf16(out.numpy())
-    xf = formats.bf16_to_f32(x)
     out = np.zeros(xf.shape, np.float32)
     for k in range(spec.K):
         for e in np.unique(ids[:, k]):
@@ -201,7 +201,6 @@ def torch_worker(spec, socket, rank, barrier, results, use_graph):
             if step == spec.steps // 2:
                 torch.cuda.synchronize()
                 version = change_map(spec, conn, rank, barrier, version)
-                graphs.clear() if not use_graph else None
             bank = step % 2
             x, ids, w = step_inputs(spec, step, rank, wg)
             ep.set_inputs(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).to(dev),
@@ -344,10 +343,8 @@ def check(spec, a, results, procs):
         got += 1
         versions.add(version)
         x, ids, w = step_inputs(spec, step, rank, wg)
-        if spec.fp8:  # the experts see the FP8-quantised tokens
-            q, s = formats.quantize_fp8(x)
-            x = formats.f32_to_bf16(formats.dequantize_fp8(q, s))
-        ref = reference_step(spec, x, ids, w, all_weights, use_torch)
+        xf = formats.dequantize_fp8(*formats.quantize_fp8(x)) if spec.fp8 else formats.bf16_to_f32(x)
+        ref = reference_step(spec, xf, ids, w, all_weights, use_torch)
         err = np.abs(out - ref)
         scale = np.sqrt(np.mean(ref ** 2)) + 1e-6
         rel = float(err.max() / scale)
