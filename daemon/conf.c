@@ -149,8 +149,8 @@ static void fmt_range(const conf_key_t *k, char *buf, size_t len) {
     fmt_bytes(k->min, a, sizeof a);
     fmt_bytes(k->max, b, sizeof b);
   } else if (k->type == CT_OCTAL) {
-    snprintf(a, sizeof a, "0%" PRIo64, k->min);
-    snprintf(b, sizeof b, "0%" PRIo64, k->max);
+    snprintf(a, sizeof a, "%s%" PRIo64, k->min ? "0" : "", k->min);
+    snprintf(b, sizeof b, "%s%" PRIo64, k->max ? "0" : "", k->max);
   } else {
     snprintf(a, sizeof a, "%" PRIu64, k->min);
     snprintf(b, sizeof b, "%" PRIu64, k->max);
@@ -165,7 +165,7 @@ static void fmt_value(const epd_conf_t *c, const conf_key_t *k, char *buf, size_
   case CT_STRING:
   case CT_ENUM: snprintf(buf, len, "%.*s", (int)k->size, p); break;
   case CT_UINT: snprintf(buf, len, "%" PRIu64, get_uint(c, k)); break;
-  case CT_OCTAL: snprintf(buf, len, "0%" PRIo64, get_uint(c, k)); break;
+  case CT_OCTAL: snprintf(buf, len, "%s%" PRIo64, get_uint(c, k) ? "0" : "", get_uint(c, k)); break;
   case CT_BYTES: fmt_bytes(get_uint(c, k), buf, len); break;
   case CT_LOG_LEVEL: {
     int lv;
