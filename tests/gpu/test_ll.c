@@ -1,0 +1,390 @@
+/*
+ * test_ll.c - LL dispatch/combine kernels on 2 GPUs in one process, against the host reference
+ * (daemon/ref.h): random inputs, poisoned outputs, -1 and duplicate entries, skewed and all-to-one
+ * routing, redundant replicas, FP8, many steps, bad expert ids, too many tokens, a peer that never comes.
+ * Skips (77) without 2 GPUs.
+ */
+#include <math.h>
+
+#include "../test.h"
+#include "ll_harness.h"
+#include "ref.h"
+
+#define CK(e)                                                                                \
+  do {                                                                                       \
+    int r_ = (int)(e);                                                                       \
+    if (r_ != 0) epd_test_fail(__FILE__, __LINE__, "%s returned %d: %s", #e, r_, C.h.err);  \
+  } while (0)
+#define CUCK(e)                                                                               \
+  do {                                                                                        \
+    cudaError_t c_ = (e);                                                                     \
+    if (c_ != cudaSuccess) epd_test_fail(__FILE__, __LINE__, "%s: %s", #e, cudaGetErrorString(c_)); \
+  } while (0)
+
+enum { ROUTE_RANDOM = 0, ROUTE_SKEW = 1, ROUTE_ALL_TO_ONE = 2 };
+
+typedef struct ctx {
+  llh_t h;
+  epd_ref_geom_t rg;
+  epd_expert_map_t map;
+  epd_ref_plan_t plan;
+  uint16_t *x[2];
+  int64_t *topk[2];
+  float *w[2];
+  uint16_t *y[2];
+  uint16_t *out[2];
+  uint16_t *rout[2];
+  epd_ref_out_t ref_out[2];
+  uint8_t *gx[2]; /* GPU recv rows */
+  uint32_t ntok[2];
+  void *mapimg;
+} ctx_t;
+
+static ctx_t C;
+
+static void need_gpus(void) {
+  if (llh_gpus() < 2) epd_test_skip("needs 2 GPUs (found %d)", llh_gpus());
+}
+
+static void setup(uint32_t E, uint32_t H, uint32_t K, uint32_t M, uint32_t S, int replicas) {
+  need_gpus();
+  llh_t *h = &C.h;
+  epd_k_ll_geom_t g = {2, 0, E, H, K, M, S, 0};
+  CK(llh_create(h, 2, &g));
+  C.rg = (epd_ref_geom_t){2, E, H, K, M, S, 2 * M};
+  CK(epd_ref_map_default(&C.map, E, 2, S));
+  if (replicas) { /* experts 0..7 get a second replica on the other rank, in the spare slots */
+    uint32_t per = (E + 1) / 2;
+    for (uint32_t e = 0; e < 8 && per + e < S; e++) {
+      uint32_t home = e / per;
+      C.map.nrep[e] = 2;
+      C.map.rep[e][1].rank = 1 - home;
+      C.map.rep[e][1].slot = per + e;
+    }
+    char err[256];
+    CK(epd_ref_map_validate(&C.map, E, 2, S, err, sizeof err));
+  }
+  C.mapimg = malloc(epd_k_map_bytes(E));
+  CK(epd_k_map_pack(C.mapimg, C.map.version, E, C.map.nrep, (const uint32_t *)C.map.rep, EPD_MAX_REPLICAS));
+  CK(llh_set_map(h, C.mapimg));
+  CK(epd_ref_plan_init(&C.plan, &C.rg));
+  size_t RM = 2 * (size_t)M;
+  for (int r = 0; r < 2; r++) {
+    C.x[r] = malloc((size_t)M * H * 2);
+    C.topk[r] = malloc((size_t)M * K * 8);
+    C.w[r] = malloc((size_t)M * K * 4);
+    C.y[r] = malloc((size_t)S * RM * H * 2);
+    C.out[r] = malloc((size_t)M * H * 2);
+    C.rout[r] = malloc((size_t)M * H * 2);
+    C.gx[r] = malloc(RM * H * 2);
+    C.ref_out[r].recv_x = malloc((size_t)S * RM * H * 2);
+    C.ref_out[r].recv_scales = malloc((size_t)S * RM * (H / 128) * 4);
+    C.ref_out[r].recv_count = malloc(S * 4);
+    C.ref_out[r].recv_src = malloc((size_t)S * RM * 4);
+    ASSERT(C.x[r] && C.y[r] && C.gx[r] && C.ref_out[r].recv_x);
+  }
+}
+
+static uint64_t rng_state = 0x1234;
+
+/* Inputs of one step; route as above. */
+static void gen(uint64_t seed, uint64_t step, const uint32_t ntok[2], int route) {
+  for (int r = 0; r < 2; r++) {
+    C.ntok[r] = ntok[r];
+    epd_ref_gen_input(seed, step, (uint32_t)r, &C.rg, ntok[r] > C.rg.max_tokens ? C.rg.max_tokens : ntok[r],
+                      route == ROUTE_SKEW, C.x[r], C.topk[r], C.w[r]);
+    if (route == ROUTE_ALL_TO_ONE)
+      for (uint32_t t = 0; t < ntok[r] && t < C.rg.max_tokens; t++)
+        for (uint32_t k = 0; k < C.rg.topk; k++) C.topk[r][(size_t)t * C.rg.topk + k] = k % 3 == 2 ? -1 : (int64_t)k;
+  }
+}
+
+/* Upload inputs of bank and poison its outputs. */
+static void upload(unsigned bank) {
+  llh_t *h = &C.h;
+  uint32_t M = C.rg.max_tokens, H = C.rg.hidden, K = C.rg.topk, S = C.rg.slots_per_rank;
+  size_t RM = 2 * (size_t)M;
+  for (int r = 0; r < 2; r++) {
+    cudaSetDevice(epd_cc_device(h->cc, r));
+    uint32_t T = C.ntok[r] > M ? M : C.ntok[r];
+    if (T) {
+      CUCK(cudaMemcpy(llh_buf(h, r, bank, EPD_BUF_X), C.x[r], (size_t)T * H * 2, cudaMemcpyHostToDevice));
+      CUCK(cudaMemcpy(llh_buf(h, r, bank, EPD_BUF_TOPK_IDX), C.topk[r], (size_t)T * K * 8, cudaMemcpyHostToDevice));
+      CUCK(cudaMemcpy(llh_buf(h, r, bank, EPD_BUF_TOPK_WEIGHTS), C.w[r], (size_t)T * K * 4, cudaMemcpyHostToDevice));
+    }
+    CUCK(cudaMemset(llh_buf(h, r, bank, EPD_BUF_LL_RECV_X), 0xff, (size_t)S * RM * H * 2));
+    CUCK(cudaMemset(llh_buf(h, r, bank, EPD_BUF_LL_RECV_SCALES), 0xff, (size_t)S * RM * (H / 128) * 4));
+    CUCK(cudaMemset(llh_buf(h, r, bank, EPD_BUF_LL_RECV_COUNT), 0xff, S * 4));
+    CUCK(cudaMemset(llh_buf(h, r, bank, EPD_BUF_LL_RECV_SRC), 0xff, (size_t)S * RM * 4));
+    CUCK(cudaMemset(llh_buf(h, r, bank, EPD_BUF_OUT), 0x7f, (size_t)M * H * 2));
+  }
+}
+
+static int fp8_close(uint8_t a, uint8_t b) {
+  if (a == b) return 1;
+  if ((a & 0x80) != (b & 0x80)) return (a & 0x7f) == 0 && (b & 0x7f) == 0;
+  int d = (int)(a & 0x7f) - (int)(b & 0x7f);
+  return d == 1 || d == -1;
+}
+
+/* Dispatch on both ranks and compare with the reference. */
+static void run_dispatch_check(unsigned bank, int fp8) {
+  llh_t *h = &C.h;
+  uint32_t M = C.rg.max_tokens, H = C.rg.hidden, S = C.rg.slots_per_rank;
+  size_t RM = 2 * (size_t)M;
+  CK(llh_launch(h, 3, EPD_OP_LL_DISPATCH, bank, C.ntok, fp8 ? EPD_DESC_FP8 : 0, 5000000000ull));
+  CK(llh_sync(h, 3));
+  epd_ref_in_t in[2];
+  for (int r = 0; r < 2; r++) in[r] = (epd_ref_in_t){C.ntok[r], C.x[r], C.topk[r], C.w[r]};
+  int bad_rank = -1;
+  char err[256];
+  CK(epd_ref_plan_build(&C.plan, &C.map, in, &bad_rank, err, sizeof err));
+  epd_ref_out_t *outs[2] = {&C.ref_out[0], &C.ref_out[1]};
+  CK(epd_ref_ll_dispatch(&C.plan, in, fp8, outs));
+  for (int r = 0; r < 2; r++) {
+    epd_comp_t comp;
+    CK(llh_comp(h, r, 0, &comp));
+    ASSERT_EQ(comp.status, 0);
+    ASSERT_EQ(comp.peer, -1);
+    ASSERT_EQ(comp.num_recv, C.plan.ll_recv[r]);
+    ASSERT_EQ(comp.map_version, C.map.version);
+    cudaSetDevice(epd_cc_device(h->cc, r));
+    int32_t *cnt = malloc(S * 4), *src = malloc(RM * 4);
+    float *sc = malloc(RM * (H / 128) * 4);
+    CUCK(cudaMemcpy(cnt, llh_buf(h, r, bank, EPD_BUF_LL_RECV_COUNT), S * 4, cudaMemcpyDeviceToHost));
+    for (uint32_t s = 0; s < S; s++) {
+      if (cnt[s] != C.ref_out[r].recv_count[s])
+        epd_test_fail(__FILE__, __LINE__, "rank %d slot %u count %d, expected %d", r, s, cnt[s], C.ref_out[r].recv_count[s]);
+      int n = cnt[s];
+      if (!n) continue;
+      CUCK(cudaMemcpy(src, (int32_t *)llh_buf(h, r, bank, EPD_BUF_LL_RECV_SRC) + s * RM, (size_t)n * 4, cudaMemcpyDeviceToHost));
+      CUCK(cudaMemcpy(C.gx[r], (char *)llh_buf(h, r, bank, EPD_BUF_LL_RECV_X) + s * RM * H * 2, (size_t)n * H * 2, cudaMemcpyDeviceToHost));
+      if (fp8)
+        CUCK(cudaMemcpy(sc, (float *)llh_buf(h, r, bank, EPD_BUF_LL_RECV_SCALES) + s * RM * (H / 128), (size_t)n * (H / 128) * 4, cudaMemcpyDeviceToHost));
+      for (int j = 0; j < n; j++) {
+        if (src[j] != C.ref_out[r].recv_src[s * RM + j])
+          epd_test_fail(__FILE__, __LINE__, "rank %d slot %u row %d src %x, expected %x", r, s, j, src[j], C.ref_out[r].recv_src[s * RM + j]);
+        const uint8_t *gr = C.gx[r] + (size_t)j * H * 2;
+        const uint8_t *rr = (const uint8_t *)C.ref_out[r].recv_x + ((size_t)s * RM + j) * H * 2;
+        if (!fp8) {
+          if (memcmp(gr, rr, (size_t)H * 2))
+            epd_test_fail(__FILE__, __LINE__, "rank %d slot %u row %d: BF16 row differs", r, s, j);
+        } else {
+          for (uint32_t c = 0; c < H; c++)
+            if (!fp8_close(gr[c], rr[c]))
+              epd_test_fail(__FILE__, __LINE__, "rank %d slot %u row %d ch %u: fp8 %02x vs %02x", r, s, j, c, gr[c], rr[c]);
+          for (uint32_t b = 0; b < H / 128; b++) {
+            float a = sc[(size_t)j * (H / 128) + b], e = C.ref_out[r].recv_scales[((size_t)s * RM + j) * (H / 128) + b];
+            if (!(fabsf(a - e) <= 1e-6f * fabsf(e)))
+              epd_test_fail(__FILE__, __LINE__, "rank %d slot %u row %d block %u: scale %g vs %g", r, s, j, b, a, e);
+          }
+        }
+      }
+    }
+    free(cnt);
+    free(src);
+    free(sc);
+  }
+}
+
+/* Random expert outputs for the received rows, combine, compare. */
+static void run_combine_check(unsigned bank) {
+  llh_t *h = &C.h;
+  uint32_t M = C.rg.max_tokens, H = C.rg.hidden, S = C.rg.slots_per_rank, K = C.rg.topk;
+  size_t RM = 2 * (size_t)M;
+  for (int r = 0; r < 2; r++) {
+    cudaSetDevice(epd_cc_device(h->cc, r));
+    for (uint32_t s = 0; s < S; s++) {
+      int n = C.plan.ll_count[(size_t)r * S + s];
+      if (!n) continue;
+      uint16_t *yr = C.y[r] + (size_t)s * RM * H;
+      for (size_t i = 0; i < (size_t)n * H; i++)
+        yr[i] = epd_f32_to_bf16((float)((epd_ref_rand(&rng_state) >> 40) / 16777216.0 * 4.0 - 2.0));
+      CUCK(cudaMemcpy((uint16_t *)llh_buf(h, r, bank, EPD_BUF_LL_Y) + s * RM * H, yr, (size_t)n * H * 2, cudaMemcpyHostToDevice));
+    }
+  }
+  CK(llh_launch(h, 3, EPD_OP_LL_COMBINE, bank, NULL, 0, 5000000000ull));
+  CK(llh_sync(h, 3));
+  const uint16_t *ys[2] = {C.y[0], C.y[1]};
+  uint16_t *outs[2] = {C.rout[0], C.rout[1]};
+  CK(epd_ref_ll_combine(&C.plan, ys, outs));
+  for (int r = 0; r < 2; r++) {
+    epd_comp_t comp;
+    CK(llh_comp(h, r, 1, &comp));
+    ASSERT_EQ(comp.status, 0);
+    uint32_t T = C.ntok[r];
+    if (!T) continue;
+    cudaSetDevice(epd_cc_device(h->cc, r));
+    CUCK(cudaMemcpy(C.out[r], llh_buf(h, r, bank, EPD_BUF_OUT), (size_t)T * H * 2, cudaMemcpyDeviceToHost));
+    for (uint32_t t = 0; t < T; t++) {
+      /* bound: BF16 rounding of each per-rank partial and of the result */
+      for (uint32_t c = 0; c < H; c++) {
+        double part_abs = 0;
+        for (uint32_t k = 0; k < K; k++) {
+          size_t idx = (size_t)r * M * K + (size_t)t * K + k;
+          int d = C.plan.dst_rank[idx];
+          if (d < 0) continue;
+          size_t row = (size_t)C.plan.dst_slot[idx] * RM + C.plan.dst_pos[idx];
+          part_abs += fabs(C.plan.weight[idx] * epd_bf16_to_f32(C.y[d][row * H + c]));
+        }
+        float g = epd_bf16_to_f32(C.out[r][(size_t)t * H + c]), e = epd_bf16_to_f32(C.rout[r][(size_t)t * H + c]);
+        double tol = (part_abs + fabs(e)) * (1.0 / 128) + 1e-6;
+        if (!(fabs((double)g - e) <= tol))
+          epd_test_fail(__FILE__, __LINE__, "rank %d token %u ch %u: out %g, expected %g (tol %g)", r, t, c, g, e, tol);
+      }
+    }
+  }
+}
+
+static void steps(uint64_t seed, int nsteps, uint32_t t0, uint32_t t1, int route, int fp8) {
+  for (int s = 0; s < nsteps; s++) {
+    uint32_t nt[2] = {t0, t1};
+    gen(seed, (uint64_t)s, nt, route);
+    unsigned bank = (unsigned)s % 2;
+    upload(bank);
+    run_dispatch_check(bank, fp8);
+    run_combine_check(bank);
+  }
+}
+
+EPD_TEST_T(gpu_ll_bf16_h2048_k8, 120) {
+  setup(64, 2048, 8, 128, 32, 0);
+  steps(11, 3, 128, 128, ROUTE_RANDOM, 0);
+  steps(12, 2, 7, 1, ROUTE_RANDOM, 0);
+  llh_destroy(&C.h);
+}
+
+EPD_TEST_T(gpu_ll_fp8_h7168_k8_e256, 180) {
+  setup(256, 7168, 8, 128, 128, 0);
+  steps(21, 2, 128, 128, ROUTE_RANDOM, 1);
+  steps(22, 1, 128, 128, ROUTE_RANDOM, 0);
+  steps(23, 2, 1, 7, ROUTE_SKEW, 1);
+  llh_destroy(&C.h);
+}
+
+EPD_TEST_T(gpu_ll_topk9_topk1_skew_all_to_one, 180) {
+  setup(64, 2048, 9, 128, 32, 0);
+  steps(31, 2, 128, 7, ROUTE_SKEW, 1);
+  steps(32, 2, 128, 128, ROUTE_ALL_TO_ONE, 0);
+  steps(33, 1, 1, 128, ROUTE_ALL_TO_ONE, 1);
+  llh_destroy(&C.h);
+  setup(64, 2048, 1, 128, 32, 0);
+  steps(34, 2, 128, 128, ROUTE_RANDOM, 1);
+  steps(35, 2, 7, 1, ROUTE_SKEW, 0);
+  llh_destroy(&C.h);
+}
+
+/* 120 consecutive steps: changing routing and token counts, both banks, both dtypes, redundant
+ * replicas, and the map version changing every 10 steps. */
+EPD_TEST_T(gpu_ll_120_steps_replicas, 300) {
+  setup(64, 1024, 8, 64, 40, 1);
+  for (int s = 0; s < 120; s++) {
+    if (s % 10 == 0) {
+      C.map.version = 1 + (uint32_t)s / 10;
+      CK(epd_k_map_pack(C.mapimg, C.map.version, 64, C.map.nrep, (const uint32_t *)C.map.rep, EPD_MAX_REPLICAS));
+      CK(llh_set_map(&C.h, C.mapimg));
+    }
+    uint32_t nt[2] = {(uint32_t)(epd_ref_rand(&rng_state) % 65), (uint32_t)(epd_ref_rand(&rng_state) % 65)};
+    gen(41, (uint64_t)s, nt, s % 3 == 1 ? ROUTE_SKEW : ROUTE_RANDOM);
+    upload((unsigned)s % 2);
+    run_dispatch_check((unsigned)s % 2, s % 2);
+    run_combine_check((unsigned)s % 2);
+  }
+  llh_destroy(&C.h);
+}
+
+/* Dispatch of bank 1 between dispatch and combine of bank 0 (double buffering). */
+EPD_TEST_T(gpu_ll_banks_interleaved, 120) {
+  setup(64, 2048, 8, 128, 32, 0);
+  uint32_t nt[2] = {128, 100};
+  gen(51, 0, nt, ROUTE_RANDOM);
+  upload(0);
+  run_dispatch_check(0, 0);
+  /* save bank 0's plan by re-running the reference later with the same inputs */
+  uint32_t nt1[2] = {60, 128};
+  gen(52, 0, nt1, ROUTE_SKEW);
+  upload(1);
+  run_dispatch_check(1, 1);
+  run_combine_check(1);
+  gen(51, 0, nt, ROUTE_RANDOM); /* the reference plan of bank 0 again */
+  {
+    epd_ref_in_t in[2];
+    for (int r = 0; r < 2; r++) in[r] = (epd_ref_in_t){C.ntok[r], C.x[r], C.topk[r], C.w[r]};
+    int bad = -1;
+    char err[256];
+    CK(epd_ref_plan_build(&C.plan, &C.map, in, &bad, err, sizeof err));
+  }
+  run_combine_check(0);
+  llh_destroy(&C.h);
+}
+
+static void expect_fail(int code, int peer, unsigned ranks) {
+  llh_t *h = &C.h;
+  for (int r = 0; r < 2; r++) {
+    if (!((ranks >> r) & 1)) continue;
+    epd_comp_t comp;
+    CK(llh_comp(h, r, 0, &comp));
+    if (comp.status != code || comp.peer != peer)
+      epd_test_fail(__FILE__, __LINE__, "rank %d: status %d peer %d, expected %d peer %d", r, comp.status,
+                    comp.peer, code, peer);
+    int32_t cnt;
+    cudaSetDevice(epd_cc_device(h->cc, r));
+    CUCK(cudaMemcpy(&cnt, llh_buf(h, r, 0, EPD_BUF_LL_RECV_COUNT), 4, cudaMemcpyDeviceToHost));
+    ASSERT_EQ(cnt, -1); /* outputs untouched */
+  }
+}
+
+EPD_TEST_T(gpu_ll_bad_expert_and_too_many_tokens, 120) {
+  setup(64, 2048, 8, 128, 32, 0);
+  llh_t *h = &C.h;
+  uint32_t nt[2] = {128, 128};
+  gen(61, 0, nt, ROUTE_RANDOM);
+  C.topk[1][5 * 8 + 3] = 64; /* E */
+  upload(0);
+  CK(llh_launch(h, 3, EPD_OP_LL_DISPATCH, 0, C.ntok, 0, 5000000000ull));
+  CK(llh_sync(h, 3));
+  expect_fail(EPD_ERR_BAD_EXPERT, 1, 3);
+  gen(62, 0, nt, ROUTE_RANDOM);
+  C.topk[0][100 * 8] = -2;
+  upload(0);
+  CK(llh_launch(h, 3, EPD_OP_LL_DISPATCH, 0, C.ntok, EPD_DESC_FP8, 5000000000ull));
+  CK(llh_sync(h, 3));
+  expect_fail(EPD_ERR_BAD_EXPERT, 0, 3);
+  /* a combine after a failed dispatch is refused on every rank */
+  CK(llh_launch(h, 3, EPD_OP_LL_COMBINE, 0, NULL, 0, 5000000000ull));
+  CK(llh_sync(h, 3));
+  for (int r = 0; r < 2; r++) {
+    epd_comp_t comp;
+    CK(llh_comp(h, r, 1, &comp));
+    ASSERT_EQ(comp.status, EPD_ERR_STATE);
+  }
+  uint32_t nt2[2] = {128, 129};
+  gen(63, 0, nt, ROUTE_RANDOM);
+  C.ntok[1] = 129;
+  upload(0);
+  CK(llh_launch(h, 3, EPD_OP_LL_DISPATCH, 0, nt2, 0, 5000000000ull));
+  CK(llh_sync(h, 3));
+  expect_fail(EPD_ERR_TOO_MANY_TOKENS, 1, 3);
+  /* the group goes on */
+  steps(64, 2, 128, 128, ROUTE_RANDOM, 1);
+  llh_destroy(&C.h);
+}
+
+EPD_TEST_T(gpu_ll_peer_timeout, 120) {
+  setup(64, 2048, 8, 128, 32, 0);
+  llh_t *h = &C.h;
+  uint32_t nt[2] = {128, 128};
+  gen(71, 0, nt, ROUTE_RANDOM);
+  upload(0);
+  CK(llh_launch(h, 1, EPD_OP_LL_DISPATCH, 0, C.ntok, 0, 50000000ull)); /* rank 0 only, 50 ms */
+  CK(llh_sync(h, 1));
+  expect_fail(EPD_ERR_TIMEOUT, 1, 1);
+  /* recovery: quiesce, reset every rank, go on */
+  for (int r = 0; r < 2; r++) {
+    cudaSetDevice(epd_cc_device(h->cc, r));
+    CK(epd_k_ll_reset(h->k[r], h->st[r]));
+  }
+  CK(llh_sync(h, 3));
+  steps(72, 2, 128, 128, ROUTE_RANDOM, 0);
+  llh_destroy(&C.h);
+}
