@@ -26,16 +26,17 @@ msg = $(if $(filter 1,$(V)),,@printf '  %-6s %s\n' $(1) $(2))
 CC ?= cc
 WARN := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wvla -Wno-unused-parameter
 OPT := $(if $(filter 1,$(DEBUG)),-O0 -g3,-O2 -g)
-SAN := $(if $(filter 1,$(ASAN)),-fsanitize=address,undefined -fno-omit-frame-pointer,)
-CFLAGS_ALL := -std=gnu11 $(OPT) $(WARN) $(SAN) $(if $(filter 1,$(WERROR)),-Werror,) -fPIC \
+ASAN_FLAGS := -fsanitize=address,undefined -fno-omit-frame-pointer
+SAN := $(if $(filter 1,$(ASAN)),$(ASAN_FLAGS))
+CFLAGS_ALL := -std=gnu11 $(OPT) $(WARN) $(SAN) $(if $(filter 1,$(WERROR)),-Werror) -fPIC \
   -fvisibility=hidden -pthread -MMD -MP -Iclient -Idaemon -Ikernels -I$(B)/gen \
   -DEPD_VERSION='"$(VERSION)"' -DEPD_WITH_CUDA=$(WITH_CUDA)
 PKGS := grpc libprotobuf-c libuv libsystemd inih
 PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
-CUDA_CFLAGS := $(if $(filter 1,$(WITH_CUDA)),-I$(CUDA_HOME)/include -I$(NCCL_HOME)/include,)
-CUDA_LIBS := $(if $(filter 1,$(WITH_CUDA)),-L$(NCCL_HOME)/lib -L$(NCCL_HOME)/lib64 -L$(CUDA_HOME)/lib64 \
-  -lnccl -lcudart_static -ldl -lrt -lstdc++ '-Wl,-rpath,$$ORIGIN/../lib',)
+CUDA_CFLAGS := $(if $(filter 1,$(WITH_CUDA)),-I$(CUDA_HOME)/include -I$(NCCL_HOME)/include)
+CUDA_LINK := -L$(NCCL_HOME)/lib -L$(NCCL_HOME)/lib64 -L$(CUDA_HOME)/lib64 -lnccl -lcudart_static -ldl -lrt -lstdc++
+CUDA_LIBS := $(if $(filter 1,$(WITH_CUDA)),$(CUDA_LINK))
 CFLAGS_ALL += $(PKG_CFLAGS) $(CUDA_CFLAGS)
 LDFLAGS_ALL := $(SAN) -pthread '-Wl,-rpath,$$ORIGIN/../lib' -Wl,--disable-new-dtags $(LDFLAGS)
 NVCCFLAGS := -std=c++17 $(CUDA_ARCH) -O3 -Xcompiler -fPIC,-fvisibility=hidden -Iclient -Ikernels \
