@@ -7,6 +7,7 @@ import sys
 import threading
 from pathlib import Path
 
+sys.dont_write_bytecode = True
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "py"))
 import epdtest  # noqa: E402
 
