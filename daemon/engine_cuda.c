@@ -44,16 +44,6 @@
 
 #include "epd_kernels.h"
 
-/* The kernels are linked in only when the kernels/ sources exist: weak references keep this backend linkable
- * (and reporting EPD_ERR_UNSUPPORTED for ops) before they do. */
-#pragma weak epd_k_ll_window_bytes
-#pragma weak epd_k_map_bytes
-#pragma weak epd_k_map_pack
-#pragma weak epd_k_check_nccl_version
-#pragma weak epd_k_ll_create
-#pragma weak epd_k_ll_destroy
-#pragma weak epd_k_ll_reset
-#pragma weak epd_k_ll_launch
 
 #define SPIN_POLLS 256
 #define SHORT_SLEEP_NS 2000
@@ -213,12 +203,8 @@ static int cuda_available(char *why, size_t whylen) {
     cudaGetLastError();
     return 0;
   }
-  if (!epd_k_ll_launch) {
-    snprintf(why, whylen, "this build has no CUDA kernels");
-    return 0;
-  }
   char err[160];
-  if (epd_k_check_nccl_version && epd_k_check_nccl_version(err, sizeof err)) {
+  if (epd_k_check_nccl_version(err, sizeof err)) {
     snprintf(why, whylen, "%s", err);
     return 0;
   }
@@ -481,10 +467,6 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
     fail_collect(eng, be, cg, EPD_ERR_DRAINING, -1, "the daemon is draining");
     return;
   }
-  if (!epd_k_ll_launch) {
-    fail_collect(eng, be, cg, EPD_ERR_UNSUPPORTED, -1, "this build has no CUDA kernels");
-    return;
-  }
   if (cg->setup_failed) {
     fail_collect(eng, be, cg, EPD_ERR_CUDA, -1, "the group's GPU resources could not be set up (see log)");
     return;
@@ -739,10 +721,8 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
     snprintf(err, errlen, "backend cuda: num_ranks %d but only %d GPUs are visible", eng->o.num_ranks, ndev);
     return EPD_ERR_INVALID;
   }
-  if (epd_k_check_nccl_version) {
-    epd_result_t rc = epd_k_check_nccl_version(err, errlen);
-    if (rc) return rc;
-  }
+  epd_result_t vrc = epd_k_check_nccl_version(err, errlen);
+  if (vrc) return vrc;
   pthread_once(&cu_once, cu_load);
   if (!cu_loaded) {
     snprintf(err, errlen, "backend cuda: the CUDA driver lacks the cuMem entry points (driver too old?)");
@@ -1028,6 +1008,11 @@ static void cuda_client_free(epd_engine_t *eng, eng_client_t *c) {
   }
   cuda_client_release(cc);
 }
+
+/* A strong reference to this object: engine.c refers to eng_cuda_ops weakly, which does not pull
+ * engine_cuda.o out of the static engine library; a program that wants the CUDA backend calls this. */
+int epd_engine_cuda_linked(void);
+int epd_engine_cuda_linked(void) { return 1; }
 
 const eng_backend_ops_t eng_cuda_ops = {
     .name = "cuda",

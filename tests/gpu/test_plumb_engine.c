@@ -48,7 +48,10 @@ static void need_gpus(int n) {
   if (have < n) epd_test_skip("needs %d GPUs, found %d", n, have);
 }
 
+int epd_engine_cuda_linked(void); /* engine_cuda.c: pulls the CUDA backend out of the static library */
+
 static epd_engine_t *engine_up(uint32_t timeout_ms) {
+  ASSERT(epd_engine_cuda_linked());
   epd_engine_opts_t o;
   memset(&o, 0, sizeof o);
   o.backend = "cuda";
