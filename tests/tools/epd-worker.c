@@ -1,0 +1,444 @@
+/*
+ * epd-worker - a test worker: attaches to one rank of a group through libepd and runs dispatch -> toy
+ * expert -> combine steps, checking every result against the reference (daemon/ref.c).
+ *
+ * Every worker generates the inputs of ALL ranks from (seed, step, rank), so it can compute the whole
+ * step's reference locally. The toy expert of slot s on rank r is y = scale(r, s) * recv_x (BF16); OUT
+ * must then be the sum over the token's valid entries of weight * scale(dest) * x (x dequantised for
+ * FP8), within BF16 rounding.
+ *
+ * Usage: epd-worker -s SOCKET -g GROUP -r RANK -n NRANKS --steps N --seed S [--experts E --hidden H
+ *        --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] [-v]
+ * Exit: 0 all steps matched; 1 a result differed; 2 an op or the attach failed; 3 --die-at-step.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <getopt.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "epd.h"
+#include "epd.pb-c.h"
+#include "ref.h"
+#include "rpc_client.h"
+
+typedef struct args {
+  const char *sock, *group;
+  int rank, nranks, steps, ht, fp8, skew, die_at, verbose;
+  uint64_t seed;
+  uint32_t experts, hidden, topk, tokens;
+} args_t;
+
+static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 1, 16, 256, 4, 64};
+
+static double now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
+/* ---- arena access: plain memory for the host backend, CUDA driver copies for GPU arenas ---------- */
+
+static int on_gpu;
+static int (*cu_htod)(uint64_t, const void *, size_t);
+static int (*cu_dtoh)(void *, uint64_t, size_t);
+
+static void gpu_copy_init(void) {
+  void *h = dlopen("libcuda.so.1", RTLD_NOW);
+  if (h) {
+    cu_htod = (int (*)(uint64_t, const void *, size_t))dlsym(h, "cuMemcpyHtoD_v2");
+    cu_dtoh = (int (*)(void *, uint64_t, size_t))dlsym(h, "cuMemcpyDtoH_v2");
+  }
+  if (!cu_htod || !cu_dtoh) {
+    fprintf(stderr, "epd-worker: GPU arena but no libcuda.so.1 copy functions\n");
+    exit(2);
+  }
+}
+
+static void wr(void *dst, const void *src, size_t n) {
+  if (!n) return;
+  if (!on_gpu) {
+    memcpy(dst, src, n);
+  } else if (cu_htod((uint64_t)(uintptr_t)dst, src, n)) {
+    fprintf(stderr, "epd-worker: cuMemcpyHtoD failed\n");
+    exit(2);
+  }
+}
+
+static void rd(void *dst, const void *src, size_t n) {
+  if (!n) return;
+  if (!on_gpu) {
+    memcpy(dst, src, n);
+  } else if (cu_dtoh(dst, (uint64_t)(uintptr_t)src, n)) {
+    fprintf(stderr, "epd-worker: cuMemcpyDtoH failed\n");
+    exit(2);
+  }
+}
+
+static void fill(void *dst, int byte, size_t n) {
+  void *tmp = malloc(n ? n : 1);
+  memset(tmp, byte, n);
+  wr(dst, tmp, n);
+  free(tmp);
+}
+
+static void *bufp(epd_ep_t *ep, int kind, unsigned bank, size_t need) {
+  size_t bytes = 0;
+  void *p = epd_buffer(ep, kind, bank, &bytes);
+  if (!p || bytes < need) {
+    fprintf(stderr, "epd-worker: buffer kind %d bank %u: %zu bytes, need %zu\n", kind, bank, bytes, need);
+    exit(2);
+  }
+  return p;
+}
+
+/* ---- expert map ---------------------------------------------------------------------------------- */
+
+/* Fetch the group's active map over the control RPC (after a SetExpertMap the default is not it). */
+static int fetch_map(epd_expert_map_t *m, uint32_t E, uint32_t R, uint32_t S) {
+  char err[512];
+  epd_rpc_t *rpc = NULL;
+  if (epd_rpc_open(A.sock, 10000, &rpc, err, sizeof err)) {
+    fprintf(stderr, "rank %d: GetExpertMap: %s\n", A.rank, err);
+    return -1;
+  }
+  Epd__V1__GetExpertMapRequest req = EPD__V1__GET_EXPERT_MAP_REQUEST__INIT;
+  req.protocol_version = EPD_PROTOCOL_VERSION;
+  req.group = (char *)A.group;
+  ProtobufCMessage *msg = NULL;
+  epd_result_t rc = epd_rpc_call(rpc, "/epd.v1.Control/GetExpertMap", &req.base, &epd__v1__expert_map__descriptor,
+                                 &msg, err, sizeof err);
+  epd_rpc_close(rpc);
+  if (rc) {
+    fprintf(stderr, "rank %d: GetExpertMap: %s\n", A.rank, err);
+    return -1;
+  }
+  Epd__V1__ExpertMap *em = (Epd__V1__ExpertMap *)msg;
+  epd_expert_map_free(m);
+  epd_ref_map_default(m, E, R, S);
+  m->version = em->version;
+  for (size_t i = 0; i < em->n_experts; i++) {
+    const Epd__V1__ExpertPlacement *p = em->experts[i];
+    if (p->expert >= E) continue;
+    m->nrep[p->expert] = (uint8_t)(p->n_replicas > EPD_MAX_REPLICAS ? EPD_MAX_REPLICAS : p->n_replicas);
+    for (size_t k = 0; k < m->nrep[p->expert]; k++)
+      m->rep[p->expert][k] = (epd_replica_t){p->replicas[k]->rank, p->replicas[k]->slot};
+  }
+  protobuf_c_message_free_unpacked(msg, NULL);
+  char verr[256];
+  if (epd_ref_map_validate(m, E, R, S, verr, sizeof verr)) {
+    fprintf(stderr, "rank %d: map from the daemon is invalid: %s\n", A.rank, verr);
+    return -1;
+  }
+  return 0;
+}
+
+/* ---- die-at-step --------------------------------------------------------------------------------- */
+
+typedef struct dying {
+  epd_ep_t *ep;
+  uint32_t T, flags;
+  unsigned bank;
+} dying_t;
+
+static void *dispatch_thread(void *arg) {
+  dying_t *d = arg;
+  epd_dispatch(d->ep, A.ht ? EPD_MODE_HT : EPD_MODE_LL, d->T, d->flags, d->bank, NULL);
+  return NULL;
+}
+
+/* ---- main ---------------------------------------------------------------------------------------- */
+
+static float expert_scale(uint32_t rank, uint32_t slot) { return 0.5f + 0.125f * (float)((rank * 7 + slot) % 8); }
+
+static uint32_t tokens_of(uint64_t step, uint32_t rank, uint32_t M) {
+  if (step == 0) return M; /* a full batch once */
+  uint64_t st = A.seed ^ (step * 0x9e37u) ^ ((uint64_t)rank << 32);
+  uint64_t r = epd_ref_rand(&st);
+  if (r % 16 == 0) return 0; /* an empty batch now and then */
+  return (uint32_t)(r % (M + 1));
+}
+
+static void usage(void) {
+  fprintf(stderr, "usage: epd-worker -s SOCKET -g GROUP -r RANK -n NRANKS --steps N --seed S [--experts E "
+                  "--hidden H --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] [-v]\n");
+  exit(2);
+}
+
+static void parse(int argc, char **argv) {
+  static const struct option lo[] = {
+      {"socket", 1, 0, 's'},   {"group", 1, 0, 'g'},  {"rank", 1, 0, 'r'},   {"nranks", 1, 0, 'n'},
+      {"steps", 1, 0, 'S'},    {"seed", 1, 0, 'e'},   {"experts", 1, 0, 'E'}, {"hidden", 1, 0, 'H'},
+      {"topk", 1, 0, 'K'},     {"tokens", 1, 0, 'T'}, {"mode", 1, 0, 'm'},   {"fp8", 0, 0, 'f'},
+      {"skew", 0, 0, 'k'},     {"die-at-step", 1, 0, 'd'}, {"verbose", 0, 0, 'v'}, {0, 0, 0, 0}};
+  int c;
+  while ((c = getopt_long(argc, argv, "s:g:r:n:v", lo, NULL)) != -1) {
+    switch (c) {
+    case 's': A.sock = optarg; break;
+    case 'g': A.group = optarg; break;
+    case 'r': A.rank = atoi(optarg); break;
+    case 'n': A.nranks = atoi(optarg); break;
+    case 'S': A.steps = atoi(optarg); break;
+    case 'e': A.seed = strtoull(optarg, NULL, 0); break;
+    case 'E': A.experts = (uint32_t)atoi(optarg); break;
+    case 'H': A.hidden = (uint32_t)atoi(optarg); break;
+    case 'K': A.topk = (uint32_t)atoi(optarg); break;
+    case 'T': A.tokens = (uint32_t)atoi(optarg); break;
+    case 'm':
+      if (!strcmp(optarg, "ll")) A.ht = 0;
+      else if (!strcmp(optarg, "ht")) A.ht = 1;
+      else usage();
+      break;
+    case 'f': A.fp8 = 1; break;
+    case 'k': A.skew = 1; break;
+    case 'd': A.die_at = atoi(optarg); break;
+    case 'v': A.verbose = 1; break;
+    default: usage();
+    }
+  }
+  if (A.rank < 0 || A.nranks < 1 || A.rank >= A.nranks || A.steps < 0) usage();
+  if (A.fp8 && A.hidden % 128) {
+    fprintf(stderr, "epd-worker: --fp8 needs --hidden a multiple of 128\n");
+    exit(2);
+  }
+}
+
+int main(int argc, char **argv) {
+  parse(argc, argv);
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  epd_connect_opts_t co = EPD_CONNECT_OPTS_INITIALIZER;
+  co.socket_path = A.sock;
+  epd_conn_t *conn = NULL;
+  epd_result_t rc = epd_connect(&co, &conn);
+  if (rc) {
+    fprintf(stderr, "rank %d: connect: %s: %s\n", A.rank, epd_strerror(rc), epd_conn_last_error(NULL));
+    return 2;
+  }
+  epd_attach_opts_t ao = EPD_ATTACH_OPTS_INITIALIZER;
+  ao.group = A.group;
+  ao.rank = A.rank;
+  ao.num_experts = A.experts;
+  ao.hidden = A.hidden;
+  ao.topk = A.topk;
+  ao.max_tokens = A.tokens;
+  char name[64];
+  snprintf(name, sizeof name, "epd-worker:r%d", A.rank);
+  ao.client_name = name;
+  epd_ep_t *ep = NULL;
+  /* A replaced rank's dead client may still be being detached: retry BUSY for a few seconds. */
+  double t_end = now_us() + 5e6;
+  while ((rc = epd_attach(conn, &ao, &ep)) == EPD_ERR_BUSY && now_us() < t_end) usleep(50000);
+  if (rc) {
+    fprintf(stderr, "rank %d: attach: %s: %s\n", A.rank, epd_strerror(rc), epd_conn_last_error(conn));
+    return 2;
+  }
+  on_gpu = (int)epd_info(ep, EPD_INFO_ON_GPU);
+  if (on_gpu) gpu_copy_init();
+  epd_ref_geom_t g = {(uint32_t)epd_info(ep, EPD_INFO_NUM_RANKS), (uint32_t)epd_info(ep, EPD_INFO_NUM_EXPERTS),
+                      (uint32_t)epd_info(ep, EPD_INFO_HIDDEN), (uint32_t)epd_info(ep, EPD_INFO_TOPK),
+                      (uint32_t)epd_info(ep, EPD_INFO_MAX_TOKENS), (uint32_t)epd_info(ep, EPD_INFO_SLOTS_PER_RANK),
+                      (uint32_t)epd_info(ep, EPD_INFO_HT_CAPACITY)};
+  if ((int)g.num_ranks != A.nranks) {
+    fprintf(stderr, "rank %d: the group has %u ranks, -n says %d\n", A.rank, g.num_ranks, A.nranks);
+    return 2;
+  }
+  uint32_t R = g.num_ranks, M = g.max_tokens, H = g.hidden, K = g.topk, S = g.slots_per_rank, C = g.ht_capacity;
+  uint32_t nb = epd_ref_scale_blocks(H), me = (uint32_t)A.rank;
+  epd_expert_map_t map;
+  memset(&map, 0, sizeof map);
+  epd_ref_map_default(&map, g.num_experts, R, S);
+  if (epd_info(ep, EPD_INFO_MAP_VERSION) != 1 && fetch_map(&map, g.num_experts, R, S)) return 2;
+  /* Every rank's inputs, and this rank's expected outputs. */
+  uint16_t *xs[EPD_MAX_RANKS];
+  int64_t *is[EPD_MAX_RANKS];
+  float *ws[EPD_MAX_RANKS];
+  epd_ref_in_t in[EPD_MAX_RANKS];
+  for (uint32_t r = 0; r < R; r++) {
+    xs[r] = calloc((size_t)M * H + 1, 2);
+    is[r] = calloc((size_t)M * K + 1, 8);
+    ws[r] = calloc((size_t)M * K + 1, 4);
+  }
+  size_t rows = A.ht ? C : (size_t)S * R * M;
+  epd_ref_out_t want;
+  memset(&want, 0, sizeof want);
+  want.recv_x = calloc(rows + 1, (size_t)H * 2);
+  want.recv_scales = calloc(rows + 1, (size_t)nb * 4);
+  want.recv_count = calloc(S, 4);
+  want.recv_src = calloc(rows + 1, 4);
+  if (A.ht) {
+    want.recv_topk_idx = calloc(rows + 1, (size_t)K * 8);
+    want.recv_topk_weights = calloc(rows + 1, (size_t)K * 4);
+  }
+  epd_ref_out_t *outs[EPD_MAX_RANKS] = {NULL};
+  outs[me] = &want;
+  /* Host copies of what the daemon wrote. */
+  uint8_t *got_x = malloc(rows * H * 2 + 1);
+  float *got_sc = malloc(rows * nb * 4 + 4);
+  int32_t *got_cnt = malloc((size_t)S * 4);
+  int32_t *got_src = malloc(rows * 4 + 4);
+  int64_t *got_ti = malloc(rows * K * 8 + 8);
+  float *got_tw = malloc(rows * K * 4 + 4);
+  uint16_t *y = calloc(rows * H + 1, 2);
+  uint16_t *out = malloc((size_t)M * H * 2 + 2);
+  float *xq = malloc(sizeof(float) * H);
+  epd_ref_plan_t plan;
+  epd_ref_plan_init(&plan, &g);
+  int bad_steps = 0;
+  double t_ops = 0;
+  uint32_t flags = A.fp8 ? EPD_DESC_FP8 : 0;
+  epd_mode_t mode = A.ht ? EPD_MODE_HT : EPD_MODE_LL;
+  for (int step = 0; step < A.steps; step++) {
+    unsigned bank = (unsigned)step % EPD_NUM_BANKS;
+    for (uint32_t r = 0; r < R; r++) {
+      uint32_t T = tokens_of((uint64_t)step, r, M);
+      epd_ref_gen_input(A.seed, (uint64_t)step, r, &g, T, A.skew, xs[r], is[r], ws[r]);
+      in[r] = (epd_ref_in_t){T, xs[r], is[r], ws[r]};
+    }
+    uint32_t T = in[me].num_tokens;
+    wr(bufp(ep, EPD_BUF_X, bank, (size_t)M * H * 2), xs[me], (size_t)T * H * 2);
+    wr(bufp(ep, EPD_BUF_TOPK_IDX, bank, (size_t)M * K * 8), is[me], (size_t)T * K * 8);
+    wr(bufp(ep, EPD_BUF_TOPK_WEIGHTS, bank, (size_t)M * K * 4), ws[me], (size_t)T * K * 4);
+    /* Poison what the ops must write. */
+    int kcnt = A.ht ? EPD_BUF_HT_RECV_COUNT : EPD_BUF_LL_RECV_COUNT;
+    fill(bufp(ep, kcnt, bank, (size_t)S * 4), 0xa5, (size_t)S * 4);
+    fill(bufp(ep, EPD_BUF_OUT, bank, (size_t)M * H * 2), 0xa5, (size_t)M * H * 2);
+    if (step == A.die_at) {
+      dying_t d = {ep, T, flags, bank};
+      pthread_t th;
+      pthread_create(&th, NULL, dispatch_thread, &d);
+      usleep(100000);
+      printf("rank %d: dying at step %d after submitting its dispatch\n", A.rank, step);
+      fflush(NULL);
+      _exit(3);
+    }
+    double t0 = now_us();
+    rc = epd_dispatch(ep, mode, T, flags, bank, NULL);
+    double t1 = now_us();
+    if (rc) {
+      fprintf(stderr, "rank %d step %d: dispatch failed: %s\n", A.rank, step, epd_last_error(ep));
+      return 2;
+    }
+    epd_comp_t comp;
+    epd_op_status(ep, &comp);
+    if (comp.map_version != map.version && fetch_map(&map, g.num_experts, R, S)) return 2;
+    if (comp.map_version != map.version) {
+      fprintf(stderr, "rank %d step %d: dispatch used map %u, the daemon reports %u\n", A.rank, step,
+              comp.map_version, map.version);
+      return 2;
+    }
+    int bad = -1;
+    char err[256];
+    if (epd_ref_plan_build(&plan, &map, in, &bad, err, sizeof err)) {
+      fprintf(stderr, "rank %d step %d: reference: %s\n", A.rank, step, err);
+      return 2;
+    }
+    if (A.ht) epd_ref_ht_dispatch(&plan, in, A.fp8, outs, &bad);
+    else epd_ref_ll_dispatch(&plan, in, A.fp8, outs);
+    /* Compare this rank's received buffers with the reference. */
+    int errs = 0;
+    uint32_t nrecv = A.ht ? plan.ht_recv[me] : plan.ll_recv[me];
+    if (comp.num_recv != nrecv) {
+      fprintf(stderr, "rank %d step %d: num_recv %u, want %u\n", A.rank, step, comp.num_recv, nrecv);
+      errs++;
+    }
+    rd(got_cnt, bufp(ep, kcnt, bank, (size_t)S * 4), (size_t)S * 4);
+    rd(got_x, bufp(ep, A.ht ? EPD_BUF_HT_RECV_X : EPD_BUF_LL_RECV_X, bank, rows * H * 2), rows * H * 2);
+    rd(got_sc, bufp(ep, A.ht ? EPD_BUF_HT_RECV_SCALES : EPD_BUF_LL_RECV_SCALES, bank, rows * nb * 4), rows * nb * 4);
+    rd(got_src, bufp(ep, A.ht ? EPD_BUF_HT_RECV_SRC : EPD_BUF_LL_RECV_SRC, bank, rows * 4), rows * 4);
+    if (A.ht) {
+      rd(got_ti, bufp(ep, EPD_BUF_HT_RECV_TOPK_IDX, bank, rows * K * 8), rows * K * 8);
+      rd(got_tw, bufp(ep, EPD_BUF_HT_RECV_TOPK_WEIGHTS, bank, rows * K * 4), rows * K * 4);
+    }
+    for (uint32_t s = 0; s < S; s++)
+      if (got_cnt[s] != want.recv_count[s] && errs++ < 5)
+        fprintf(stderr, "rank %d step %d: recv_count[%u] = %d, want %d\n", A.rank, step, s, got_cnt[s],
+                want.recv_count[s]);
+    size_t xb = A.fp8 ? H : (size_t)H * 2;
+    /* Received rows, and the toy expert on them. */
+    uint32_t nrows = A.ht ? nrecv : S * R * M;
+    memset(y, 0, rows * H * 2);
+    for (uint32_t row = 0; row < nrows && !errs; row++) {
+      uint32_t s = A.ht ? 0 : row / (R * M), j = A.ht ? row : row % (R * M);
+      if (!A.ht && (int32_t)j >= want.recv_count[s]) continue;
+      if (got_src[row] != want.recv_src[row] || memcmp(got_x + (size_t)row * H * 2, (uint8_t *)want.recv_x + (size_t)row * H * 2, xb) ||
+          (A.fp8 && memcmp(got_sc + (size_t)row * nb, want.recv_scales + (size_t)row * nb, (size_t)nb * 4)) ||
+          (A.ht && (memcmp(got_ti + (size_t)row * K, want.recv_topk_idx + (size_t)row * K, (size_t)K * 8) ||
+                    memcmp(got_tw + (size_t)row * K, want.recv_topk_weights + (size_t)row * K, (size_t)K * 4)))) {
+        if (errs++ < 5)
+          fprintf(stderr, "rank %d step %d: received row %u (slot %u, src 0x%x, want 0x%x) differs from the reference\n",
+                  A.rank, step, j, s, got_src[row], want.recv_src[row]);
+        continue;
+      }
+      for (uint32_t h = 0; h < H; h++)
+        xq[h] = A.fp8 ? epd_e4m3_to_f32(got_x[(size_t)row * H * 2 + h]) * got_sc[(size_t)row * nb + h / 128]
+                      : epd_bf16_to_f32(((uint16_t *)got_x)[(size_t)row * H + h]);
+      float f = 0;
+      if (A.ht) {
+        for (uint32_t k = 0; k < K; k++)
+          if (got_ti[(size_t)row * K + k] >= 0) f += got_tw[(size_t)row * K + k] * expert_scale(me, (uint32_t)got_ti[(size_t)row * K + k]);
+      } else {
+        f = expert_scale(me, s);
+      }
+      for (uint32_t h = 0; h < H; h++) y[(size_t)row * H + h] = epd_f32_to_bf16(f * xq[h]);
+    }
+    if (errs) {
+      bad_steps++;
+      fprintf(stderr, "rank %d step %d: dispatch result differs from the reference (%d errors)\n", A.rank, step, errs);
+    }
+    wr(bufp(ep, A.ht ? EPD_BUF_HT_Y : EPD_BUF_LL_Y, bank, rows * H * 2), y, (size_t)nrows * H * 2);
+    double t2 = now_us();
+    rc = epd_combine(ep, mode, bank, NULL);
+    t_ops += (t1 - t0) + (now_us() - t2);
+    if (rc) {
+      fprintf(stderr, "rank %d step %d: combine failed: %s\n", A.rank, step, epd_last_error(ep));
+      return 2;
+    }
+    /* OUT[t] = sum over valid entries of w * scale(dest) * x, x as the destination received it. */
+    rd(out, bufp(ep, EPD_BUF_OUT, bank, (size_t)M * H * 2), (size_t)T * H * 2);
+    int oerrs = 0;
+    for (uint32_t t = 0; t < T && !errs; t++) {
+      uint8_t q[128];
+      float sc[1];
+      for (uint32_t h = 0; h < H; h++) {
+        float xv = epd_bf16_to_f32(xs[me][(size_t)t * H + h]);
+        if (A.fp8) {
+          if (h % 128 == 0) epd_ref_quant_row(xs[me] + (size_t)t * H + h, 128, q, sc);
+          xv = epd_e4m3_to_f32(q[h % 128]) * sc[0];
+        }
+        float wantv = 0, mag = 0;
+        for (uint32_t k = 0; k < K; k++) {
+          size_t e = ((size_t)me * M + t) * K + k;
+          if (plan.dst_rank[e] < 0) continue;
+          float term = plan.weight[e] * expert_scale((uint32_t)plan.dst_rank[e], (uint32_t)plan.dst_slot[e]) * xv;
+          wantv += term;
+          mag += fabsf(term);
+        }
+        float gotv = epd_bf16_to_f32(out[(size_t)t * H + h]);
+        if (!(fabsf(gotv - wantv) <= mag / 64 + 1e-6f) && oerrs++ < 5)
+          fprintf(stderr, "rank %d step %d: out[%u][%u] = %g, want %g\n", A.rank, step, t, h, gotv, wantv);
+      }
+    }
+    if (oerrs) {
+      bad_steps += errs ? 0 : 1;
+      fprintf(stderr, "rank %d step %d: combine result differs from the reference (%d errors)\n", A.rank, step, oerrs);
+    }
+    if (A.verbose)
+      printf("rank %d step %d: %s%s T=%u recv=%u map v%u %s\n", A.rank, step, A.ht ? "HT" : "LL", A.fp8 ? " fp8" : "",
+             T, nrecv, comp.map_version, errs || oerrs ? "MISMATCH" : "ok");
+  }
+  rc = epd_detach(ep);
+  if (rc) fprintf(stderr, "rank %d: detach: %s: %s\n", A.rank, epd_strerror(rc), epd_conn_last_error(conn));
+  epd_disconnect(conn);
+  if (bad_steps) {
+    printf("rank %d: %d of %d steps differ from the reference\n", A.rank, bad_steps, A.steps);
+    return 1;
+  }
+  printf("rank %d: %d steps ok, %.1f us/step (%s%s%s)\n", A.rank, A.steps, A.steps ? t_ops / A.steps : 0.0,
+         A.ht ? "HT" : "LL", A.fp8 ? ", fp8" : "", A.skew ? ", skew" : "");
+  return rc ? 2 : 0;
+}
