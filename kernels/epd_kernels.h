@@ -122,6 +122,10 @@ epd_result_t epd_k_ll_dispatch(epd_k_ll_t *k, const epd_k_arena_t *arena, const 
 epd_result_t epd_k_ll_combine(epd_k_ll_t *k, const epd_k_arena_t *arena, uint32_t bank,
                               epd_comp_t *comp, uint64_t timeout_ns, void *stream);
 
+/* Benchmark/test helper: hold `stream` until *flag >= value (flag: device address of host-mapped
+ * memory), or until timeout_ns passed. Lets several GPUs start an op at the same moment. */
+epd_result_t epd_k_gate(const uint32_t *flag, uint32_t value, uint64_t timeout_ns, void *stream);
+
 /* The geometry a context was created with. */
 const epd_k_ll_geom_t *epd_k_ll_geom(const epd_k_ll_t *k);
 

@@ -1,0 +1,438 @@
+/*
+ * bench_ll.c - LL dispatch/combine benchmark on the GPUs of one process (in-process engine path).
+ *
+ * Setting (defaults): 2 ranks, 128 tokens per rank, hidden 7168, top-8, 256 experts, random routing
+ * (8 distinct experts per token), FP8 and BF16 dispatch, BF16 combine. Reports, side by side:
+ *   (a) kernel time of dispatch and combine: CUDA events around each kernel on every rank, the ranks
+ *       released together by a gate kernel; median (and p10/p90) over iterations after warm-up, inputs
+ *       alternating between the two banks (two input sets);
+ *   (c) in-process end-to-end: host clock from launching dispatch+combine on every rank to the end of the
+ *       last stream synchronisation;
+ *   (d) baselines in the same run on the same communicators: NCCL grouped ncclSend/ncclRecv of each token
+ *       once per destination rank (dispatch) and of one partial per (token, rank) back (combine), packed
+ *       buffers given for free; and ncclAllGather (x) + ncclReduceScatter (out);
+ *   (e) the byte floor at 450 GB/s per direction: bytes that must cross NVLink per direction.
+ * Sweeps tokens 1..128. Writes JSON and a Markdown table to the directory of argv[1] (default ".").
+ * Exits 77 without 2 GPUs.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wstrict-prototypes"
+#include <nccl.h>
+#pragma GCC diagnostic pop
+
+#include "../tests/gpu/ll_harness.h"
+
+#define NR 2
+#define E_ 256
+#define H_ 7168
+#define K_ 8
+#define M_ 128
+#define S_ 128
+#define ITERS 300
+#define WARM 30
+
+static llh_t H;
+static uint32_t *gate_host;
+static uint32_t gate_val;
+
+#define DIE(...)                                   \
+  do {                                             \
+    fprintf(stderr, "bench_ll: " __VA_ARGS__);     \
+    fprintf(stderr, "\n");                         \
+    exit(1);                                       \
+  } while (0)
+#define CU(e)                                                                                  \
+  do {                                                                                         \
+    cudaError_t c_ = (e);                                                                      \
+    if (c_ != cudaSuccess) DIE("%s:%d %s: %s", __FILE__, __LINE__, #e, cudaGetErrorString(c_)); \
+  } while (0)
+#define NC(e)                                                                                  \
+  do {                                                                                         \
+    ncclResult_t n_ = (e);                                                                     \
+    if (n_ != ncclSuccess) DIE("%s:%d %s: %s", __FILE__, __LINE__, #e, ncclGetErrorString(n_)); \
+  } while (0)
+
+static uint64_t rs = 0x9e3779b97f4a7c15ull;
+static uint64_t rnd(void) {
+  uint64_t z = (rs += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+static uint16_t bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+static double now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+static int cmpd(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+typedef struct stat3 { double p50, p10, p90; } stat3_t;
+static stat3_t stats(double *v, int n) {
+  qsort(v, n, sizeof *v, cmpd);
+  stat3_t s = {v[n / 2], v[n / 10], v[(n * 9) / 10]};
+  return s;
+}
+
+/* Per-rank routing of the current input set (host copy) for the baselines and byte floor. */
+static int64_t topk_h[2][NR][M_ * K_];
+static uint32_t per_dest[2][NR][NR]; /* [set][src][dst] tokens */
+
+static void make_inputs(void) {
+  uint32_t per = E_ / NR;
+  uint16_t *x = malloc((size_t)M_ * H_ * 2);
+  float *w = malloc(M_ * K_ * 4);
+  for (int set = 0; set < 2; set++)
+    for (int r = 0; r < NR; r++) {
+      for (size_t i = 0; i < (size_t)M_ * H_; i++) x[i] = bf16((float)((rnd() >> 40) / 16777216.0 * 4 - 2));
+      memset(per_dest[set][r], 0, sizeof per_dest[set][r]);
+      for (int t = 0; t < M_; t++) {
+        uint32_t mask = 0;
+        for (int k = 0; k < K_; k++) {
+          int64_t e;
+          int dup;
+          do {
+            e = (int64_t)(rnd() % E_);
+            dup = 0;
+            for (int j = 0; j < k; j++) dup |= topk_h[set][r][t * K_ + j] == e;
+          } while (dup);
+          topk_h[set][r][t * K_ + k] = e;
+          w[t * K_ + k] = (float)((rnd() >> 40) / 16777216.0 * 0.9 + 0.05);
+          mask |= 1u << (e / per);
+        }
+        for (int d = 0; d < NR; d++)
+          if ((mask >> d) & 1) per_dest[set][r][d]++;
+      }
+      CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+      CU(cudaMemcpy(llh_buf(&H, r, set, EPD_BUF_X), x, (size_t)M_ * H_ * 2, cudaMemcpyHostToDevice));
+      CU(cudaMemcpy(llh_buf(&H, r, set, EPD_BUF_TOPK_IDX), topk_h[set][r], M_ * K_ * 8, cudaMemcpyHostToDevice));
+      CU(cudaMemcpy(llh_buf(&H, r, set, EPD_BUF_TOPK_WEIGHTS), w, M_ * K_ * 4, cudaMemcpyHostToDevice));
+      /* expert outputs: random BF16 in the first 64 rows of every slot */
+      size_t rowb = (size_t)H_ * 2, RM = (size_t)NR * M_;
+      uint16_t *y = malloc(64 * rowb);
+      for (size_t i = 0; i < 64 * (size_t)H_; i++) y[i] = bf16((float)((rnd() >> 40) / 16777216.0 * 4 - 2));
+      for (int s = 0; s < S_; s++)
+        CU(cudaMemcpy((char *)llh_buf(&H, r, set, EPD_BUF_LL_Y) + s * RM * rowb, y, 64 * rowb, cudaMemcpyHostToDevice));
+      free(y);
+    }
+  free(x);
+  free(w);
+}
+
+static void gate_all(void) {
+  gate_val++;
+  for (int r = 0; r < NR; r++) {
+    CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+    if (epd_k_gate(gate_host, gate_val, 2000000000ull, H.st[r])) DIE("gate launch");
+  }
+}
+static void gate_open(void) { __atomic_store_n(gate_host, gate_val, __ATOMIC_SEQ_CST); }
+
+static void check_comp(int which) {
+  for (int r = 0; r < NR; r++) {
+    epd_comp_t c;
+    if (llh_comp(&H, r, which, &c)) DIE("comp read");
+    if (c.status) DIE("rank %d op %d status %d peer %d", r, which, c.status, c.peer);
+  }
+}
+
+/* (a) kernel times for T tokens; returns medians in d[], c[] (max over ranks per iteration). */
+static void kernel_times(uint32_t T, uint32_t flags, stat3_t *ds, stat3_t *cs) {
+  static double dv[ITERS], cv[ITERS];
+  cudaEvent_t ev[NR][3];
+  for (int r = 0; r < NR; r++) {
+    CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+    for (int i = 0; i < 3; i++) CU(cudaEventCreate(&ev[r][i]));
+  }
+  uint32_t nt[NR];
+  for (int r = 0; r < NR; r++) nt[r] = T;
+  for (int it = -WARM; it < ITERS; it++) {
+    uint32_t bank = (uint32_t)(it + WARM) & 1;
+    gate_all();
+    for (int r = 0; r < NR; r++) {
+      CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+      CU(cudaEventRecord(ev[r][0], H.st[r]));
+    }
+    if (llh_launch(&H, 3, EPD_OP_LL_DISPATCH, bank, nt, flags, 1000000000ull)) DIE("%s", H.err);
+    for (int r = 0; r < NR; r++) {
+      CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+      CU(cudaEventRecord(ev[r][1], H.st[r]));
+    }
+    if (llh_launch(&H, 3, EPD_OP_LL_COMBINE, bank, NULL, 0, 1000000000ull)) DIE("%s", H.err);
+    for (int r = 0; r < NR; r++) {
+      CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+      CU(cudaEventRecord(ev[r][2], H.st[r]));
+    }
+    gate_open();
+    if (llh_sync(&H, 3)) DIE("%s", H.err);
+    if (it < 0) continue;
+    double dmax = 0, cmax = 0;
+    for (int r = 0; r < NR; r++) {
+      float a, b;
+      CU(cudaEventElapsedTime(&a, ev[r][0], ev[r][1]));
+      CU(cudaEventElapsedTime(&b, ev[r][1], ev[r][2]));
+      if (a * 1e3 > dmax) dmax = a * 1e3;
+      if (b * 1e3 > cmax) cmax = b * 1e3;
+    }
+    dv[it] = dmax;
+    cv[it] = cmax;
+  }
+  check_comp(0);
+  check_comp(1);
+  *ds = stats(dv, ITERS);
+  *cs = stats(cv, ITERS);
+  for (int r = 0; r < NR; r++)
+    for (int i = 0; i < 3; i++) cudaEventDestroy(ev[r][i]);
+}
+
+/* (c) in-process end to end: host launch of dispatch+combine on every rank to the last sync. */
+static stat3_t e2e_times(uint32_t T, uint32_t flags) {
+  static double v[ITERS];
+  uint32_t nt[NR] = {T, T};
+  for (int it = -WARM; it < ITERS; it++) {
+    uint32_t bank = (uint32_t)(it + WARM) & 1;
+    double t0 = now_us();
+    if (llh_launch(&H, 3, EPD_OP_LL_DISPATCH, bank, nt, flags, 1000000000ull)) DIE("%s", H.err);
+    if (llh_launch(&H, 3, EPD_OP_LL_COMBINE, bank, NULL, 0, 1000000000ull)) DIE("%s", H.err);
+    if (llh_sync(&H, 3)) DIE("%s", H.err);
+    if (it >= 0) v[it] = now_us() - t0;
+  }
+  return stats(v, ITERS);
+}
+
+/* (d) NCCL baselines on the world communicators. */
+static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_c, stat3_t *ag, stat3_t *rsc) {
+  static double v1[ITERS], v2[ITERS], v3[ITERS], v4[ITERS];
+  void *sbuf[NR], *rbuf[NR], *agbuf[NR], *rsbuf[NR];
+  size_t comb_row = (size_t)H_ * 2;
+  size_t maxrow = disp_row > comb_row ? disp_row : comb_row;
+  cudaEvent_t ev[NR][3];
+  for (int r = 0; r < NR; r++) {
+    CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+    CU(cudaMalloc(&sbuf[r], (size_t)NR * M_ * maxrow));
+    CU(cudaMalloc(&rbuf[r], (size_t)NR * M_ * maxrow));
+    CU(cudaMalloc(&agbuf[r], (size_t)NR * M_ * H_ * 2));
+    CU(cudaMalloc(&rsbuf[r], (size_t)NR * M_ * H_ * 2));
+    CU(cudaMemset(sbuf[r], 0x3c, (size_t)NR * M_ * maxrow));
+    CU(cudaMemset(agbuf[r], 0x3c, (size_t)NR * M_ * H_ * 2));
+    CU(cudaMemset(rsbuf[r], 0x3c, (size_t)NR * M_ * H_ * 2));
+    for (int i = 0; i < 3; i++) CU(cudaEventCreate(&ev[r][i]));
+  }
+  for (int pass = 0; pass < 2; pass++) {
+    for (int it = -WARM; it < ITERS; it++) {
+      gate_all();
+      for (int r = 0; r < NR; r++) {
+        CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+        CU(cudaEventRecord(ev[r][0], H.st[r]));
+      }
+      if (pass == 0) {
+        /* dispatch: each token once per remote destination rank; combine: one partial back */
+        for (int ph = 0; ph < 2; ph++) {
+          size_t row = ph == 0 ? disp_row : comb_row;
+          NC(ncclGroupStart());
+          for (int r = 0; r < NR; r++)
+            for (int d = 0; d < NR; d++) {
+              if (d == r) continue;
+              size_t ns = (ph == 0 ? per_dest[set][r][d] : per_dest[set][d][r]) * row;
+              size_t nr = (ph == 0 ? per_dest[set][d][r] : per_dest[set][r][d]) * row;
+              NC(ncclSend((char *)sbuf[r] + (size_t)d * M_ * maxrow, ns, ncclUint8, d, epd_cc_world(H.cc, r), H.st[r]));
+              NC(ncclRecv((char *)rbuf[r] + (size_t)d * M_ * maxrow, nr, ncclUint8, d, epd_cc_world(H.cc, r), H.st[r]));
+            }
+          NC(ncclGroupEnd());
+          for (int r = 0; r < NR; r++) {
+            CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+            CU(cudaEventRecord(ev[r][1 + ph], H.st[r]));
+          }
+        }
+      } else {
+        NC(ncclGroupStart());
+        for (int r = 0; r < NR; r++)
+          NC(ncclAllGather((char *)agbuf[r] + (size_t)r * M_ * H_ * 2, agbuf[r], (size_t)M_ * H_, ncclBfloat16,
+                           epd_cc_world(H.cc, r), H.st[r]));
+        NC(ncclGroupEnd());
+        for (int r = 0; r < NR; r++) {
+          CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+          CU(cudaEventRecord(ev[r][1], H.st[r]));
+        }
+        NC(ncclGroupStart());
+        for (int r = 0; r < NR; r++)
+          NC(ncclReduceScatter(rsbuf[r], (char *)agbuf[r] + (size_t)r * M_ * H_ * 2, (size_t)M_ * H_, ncclBfloat16,
+                               ncclSum, epd_cc_world(H.cc, r), H.st[r]));
+        NC(ncclGroupEnd());
+        for (int r = 0; r < NR; r++) {
+          CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+          CU(cudaEventRecord(ev[r][2], H.st[r]));
+        }
+      }
+      gate_open();
+      if (llh_sync(&H, 3)) DIE("%s", H.err);
+      if (it < 0) continue;
+      double a = 0, b = 0;
+      for (int r = 0; r < NR; r++) {
+        float x, y;
+        CU(cudaEventElapsedTime(&x, ev[r][0], ev[r][1]));
+        CU(cudaEventElapsedTime(&y, ev[r][1], ev[r][2]));
+        if (x * 1e3 > a) a = x * 1e3;
+        if (y * 1e3 > b) b = y * 1e3;
+      }
+      if (pass == 0) {
+        v1[it] = a;
+        v2[it] = b;
+      } else {
+        v3[it] = a;
+        v4[it] = b;
+      }
+    }
+  }
+  *sr_d = stats(v1, ITERS);
+  *sr_c = stats(v2, ITERS);
+  *ag = stats(v3, ITERS);
+  *rsc = stats(v4, ITERS);
+  for (int r = 0; r < NR; r++) {
+    CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+    cudaFree(sbuf[r]);
+    cudaFree(rbuf[r]);
+    cudaFree(agbuf[r]);
+    cudaFree(rsbuf[r]);
+  }
+}
+
+int main(int argc, char **argv) {
+  const char *outdir = argc > 1 ? argv[1] : ".";
+  if (llh_gpus() < NR) {
+    fprintf(stderr, "bench_ll: needs %d GPUs, skipping\n", NR);
+    return 77;
+  }
+  epd_k_ll_geom_t g = {NR, 0, E_, H_, K_, M_, S_, 0};
+  if (llh_create(&H, NR, &g)) DIE("set-up: %s", H.err);
+  void *img = malloc(epd_k_map_bytes(E_));
+  epd_k_map_default(img, 1, E_, NR);
+  if (llh_set_map(&H, img)) DIE("map");
+  CU(cudaHostAlloc((void **)&gate_host, 64, cudaHostAllocMapped | cudaHostAllocPortable));
+  *gate_host = 0;
+  make_inputs();
+
+  struct cudaDeviceProp prop;
+  CU(cudaGetDeviceProperties(&prop, 0));
+  int nccl_v = 0, rt_v = 0, drv_v = 0;
+  ncclGetVersion(&nccl_v);
+  cudaRuntimeGetVersion(&rt_v);
+  cudaDriverGetVersion(&drv_v);
+  char date[64];
+  time_t tnow = time(NULL);
+  strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", gmtime(&tnow));
+
+  /* main setting */
+  stat3_t d8, c8, d16, c16, e2e8, e2e16;
+  kernel_times(M_, EPD_DESC_FP8, &d8, &c8);
+  kernel_times(M_, 0, &d16, &c16);
+  e2e8 = e2e_times(M_, EPD_DESC_FP8);
+  e2e16 = e2e_times(M_, 0);
+  size_t fp8_row = H_ + H_ / 128 * 4;
+  stat3_t sr_d8, sr_c, ag, rsc, sr_d16, sr_c2, ag2, rsc2;
+  nccl_baselines(0, fp8_row, &sr_d8, &sr_c, &ag, &rsc);
+  nccl_baselines(0, (size_t)H_ * 2, &sr_d16, &sr_c2, &ag2, &rsc2);
+  /* byte floor: the larger direction of the rank pair, tokens crossing NVLink */
+  double remote_tok = 0;
+  for (int r = 0; r < NR; r++)
+    for (int d = 0; d < NR; d++)
+      if (d != r && per_dest[0][r][d] > remote_tok) remote_tok = per_dest[0][r][d];
+  double bw = 450e3; /* bytes per us */
+  double floor_d8 = remote_tok * (fp8_row + 128) / bw, floor_d16 = remote_tok * (H_ * 2 + 128) / bw;
+  double floor_c = remote_tok * H_ * 2 / bw;
+
+  /* sweep */
+  static const uint32_t sweep[] = {1, 2, 4, 8, 16, 32, 64, 128};
+  enum { NSW = sizeof sweep / sizeof sweep[0] };
+  stat3_t sw_d8[NSW], sw_c8[NSW], sw_d16[NSW], sw_c16[NSW];
+  for (int i = 0; i < NSW; i++) {
+    kernel_times(sweep[i], EPD_DESC_FP8, &sw_d8[i], &sw_c8[i]);
+    kernel_times(sweep[i], 0, &sw_d16[i], &sw_c16[i]);
+  }
+
+  char path[1024];
+  snprintf(path, sizeof path, "%s/bench_ll.json", outdir);
+  FILE *f = fopen(path, "w");
+  if (!f) DIE("cannot write %s", path);
+  fprintf(f, "{\n  \"bench\": \"bench_ll\",\n  \"date\": \"%s\",\n  \"device\": \"%s\",\n  \"gpus\": %d,\n", date, prop.name, NR);
+  fprintf(f, "  \"nccl_version\": %d,\n  \"cuda_runtime\": %d,\n  \"cuda_driver\": %d,\n", nccl_v, rt_v, drv_v);
+  fprintf(f, "  \"command\": \"%s\",\n", getenv("EPD_BENCH_CMD") ? getenv("EPD_BENCH_CMD") : argv[0]);
+  fprintf(f, "  \"setting\": {\"ranks\": %d, \"tokens\": %d, \"hidden\": %d, \"topk\": %d, \"experts\": %d, \"blocks\": %u, \"iters\": %d, \"warmup\": %d},\n",
+          NR, M_, H_, K_, E_, epd_k_ll_geom(H.k[0])->blocks, ITERS, WARM);
+  fprintf(f, "  \"remote_tokens_per_direction\": %.0f,\n", remote_tok);
+#define J3(name, s) fprintf(f, "  \"%s\": {\"p50_us\": %.2f, \"p10_us\": %.2f, \"p90_us\": %.2f},\n", name, s.p50, s.p10, s.p90)
+  J3("a_dispatch_fp8_kernel", d8);
+  J3("a_combine_kernel_after_fp8", c8);
+  J3("a_dispatch_bf16_kernel", d16);
+  J3("a_combine_kernel_after_bf16", c16);
+  J3("c_inprocess_e2e_fp8_dispatch_plus_combine", e2e8);
+  J3("c_inprocess_e2e_bf16_dispatch_plus_combine", e2e16);
+  J3("d_nccl_sendrecv_dispatch_fp8", sr_d8);
+  J3("d_nccl_sendrecv_dispatch_bf16", sr_d16);
+  J3("d_nccl_sendrecv_combine_bf16", sr_c);
+  J3("d_nccl_allgather_bf16", ag);
+  J3("d_nccl_reducescatter_bf16", rsc);
+  fprintf(f, "  \"e_floor_us\": {\"dispatch_fp8\": %.2f, \"dispatch_bf16\": %.2f, \"combine_bf16\": %.2f},\n", floor_d8, floor_d16, floor_c);
+  fprintf(f, "  \"sweep\": [\n");
+  for (int i = 0; i < NSW; i++)
+    fprintf(f, "    {\"tokens\": %u, \"dispatch_fp8_us\": %.2f, \"combine_after_fp8_us\": %.2f, \"dispatch_bf16_us\": %.2f, \"combine_after_bf16_us\": %.2f}%s\n",
+            sweep[i], sw_d8[i].p50, sw_c8[i].p50, sw_d16[i].p50, sw_c16[i].p50, i + 1 < NSW ? "," : "");
+  fprintf(f, "  ]\n}\n");
+  fclose(f);
+
+  snprintf(path, sizeof path, "%s/bench_ll.md", outdir);
+  f = fopen(path, "w");
+  if (!f) DIE("cannot write %s", path);
+  fprintf(f, "# LL dispatch/combine, %d x %s\n\n", NR, prop.name);
+  fprintf(f, "%s; NCCL %d, CUDA runtime %d, driver API %d; command `%s`.\n", date, nccl_v, rt_v, drv_v,
+          getenv("EPD_BENCH_CMD") ? getenv("EPD_BENCH_CMD") : argv[0]);
+  fprintf(f, "Setting: %d ranks, %d tokens per rank, hidden %d, top-%d, %d experts, random routing "
+             "(%.0f tokens per direction cross NVLink), %u blocks x %d threads. Median (p10-p90) of %d "
+             "iterations after %d warm-up, kernel times are the slower rank of each iteration (CUDA events,"
+             " ranks released together by a gate kernel).\n\n",
+          NR, M_, H_, K_, E_, remote_tok, epd_k_ll_geom(H.k[0])->blocks, EPD_K_LL_THREADS, ITERS, WARM);
+  fprintf(f, "| what | µs (p50) | p10-p90 |\n| --- | --- | --- |\n");
+#define M3(name, s) fprintf(f, "| %s | %.2f | %.2f-%.2f |\n", name, s.p50, s.p10, s.p90)
+  M3("(a) epd dispatch FP8, kernel", d8);
+  M3("(a) epd combine BF16 (after FP8 dispatch), kernel", c8);
+  M3("(a) epd dispatch BF16, kernel", d16);
+  M3("(a) epd combine BF16 (after BF16 dispatch), kernel", c16);
+  M3("(c) in-process end to end, FP8 dispatch + combine (host launch to sync)", e2e8);
+  M3("(c) in-process end to end, BF16 dispatch + combine", e2e16);
+  M3("(d) NCCL send/recv, dispatch FP8 (each token once per rank)", sr_d8);
+  M3("(d) NCCL send/recv, dispatch BF16", sr_d16);
+  M3("(d) NCCL send/recv, combine BF16 (one partial per token and rank)", sr_c);
+  M3("(d) NCCL allgather BF16", ag);
+  M3("(d) NCCL reduce-scatter BF16", rsc);
+  fprintf(f, "| (e) byte floor 450 GB/s: dispatch FP8 / BF16 / combine | %.2f / %.2f / %.2f | |\n\n", floor_d8, floor_d16, floor_c);
+  double ours = d8.p50 + c8.p50, sr = sr_d8.p50 + sr_c.p50, agrs = ag.p50 + rsc.p50;
+  double best = sr < agrs ? sr : agrs;
+  fprintf(f, "Dispatch FP8 + combine: epd %.2f µs; NCCL send/recv %.2f µs; allgather + reduce-scatter %.2f µs; "
+             "speed-up over the faster baseline %.2fx.\n\n", ours, sr, agrs, best / ours);
+  fprintf(f, "Token sweep (kernel time, µs p50):\n\n| tokens | dispatch FP8 | combine | dispatch BF16 | combine |\n| --- | --- | --- | --- | --- |\n");
+  for (int i = 0; i < NSW; i++)
+    fprintf(f, "| %u | %.2f | %.2f | %.2f | %.2f |\n", sweep[i], sw_d8[i].p50, sw_c8[i].p50, sw_d16[i].p50, sw_c16[i].p50);
+  fclose(f);
+  /* echo the table */
+  f = fopen(path, "r");
+  char line[512];
+  while (f && fgets(line, sizeof line, f)) fputs(line, stdout);
+  if (f) fclose(f);
+  cudaFreeHost(gate_host);
+  llh_destroy(&H);
+  return 0;
+}
