@@ -11,6 +11,7 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
+#include <stdarg.h>
 #include <unistd.h>
 
 #include <cuda.h>
@@ -31,6 +32,23 @@
     CUresult r_ = (call);                                                         \
     if (r_ != CUDA_SUCCESS) epd_test_fail(__FILE__, __LINE__, "%s: %d", #call, (int)r_); \
   } while (0)
+
+/* Measurements: to stdout (the runner keeps it only on failure) and appended to $EPD_PLUMB_LOG. */
+static void report(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void report(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vprintf(fmt, ap);
+  va_end(ap);
+  const char *p = getenv("EPD_PLUMB_LOG");
+  FILE *f = p && *p ? fopen(p, "a") : NULL;
+  if (f) {
+    va_start(ap, fmt);
+    vfprintf(f, fmt, ap);
+    va_end(ap);
+    fclose(f);
+  }
+}
 
 static uint64_t now_ns(void) {
   struct timespec ts;
@@ -290,7 +308,7 @@ EPD_TEST_T(plumb_memops_roundtrip, 60) {
   CK(cudaStreamSynchronize(s));
   uint64_t t2 = now_ns();
   ASSERT_EQ(fake_join(&f), 2 * N);
-  printf("memops round trip: host-synced %.2f us/op, pipelined %.2f us/op\n", (t1 - t0) / 1e3 / N,
+  report("memops round trip: host-synced %.2f us/op, pipelined %.2f us/op\n", (t1 - t0) / 1e3 / N,
          (t2 - t1) / 1e3 / N);
 }
 
@@ -322,7 +340,7 @@ EPD_TEST_T(plumb_graph_replay, 60) {
     ASSERT_EQ(p.client_view->slot[i].state, EPD_SLOT_FREE);
     ASSERT_EQ(p.client_view->slot[i].comp.user_tag, 0x7700u + i);
   }
-  printf("graph replay: %.2f us/op over %d replays of %u ops\n", (t1 - t0) / 1e3 / ((R - 1) * EPD_QUEUE_SLOTS),
+  report("graph replay: %.2f us/op over %d replays of %u ops\n", (t1 - t0) / 1e3 / ((R - 1) * EPD_QUEUE_SLOTS),
          R - 1, EPD_QUEUE_SLOTS);
   cudaGraphExecDestroy(ge);
   cudaGraphDestroy(g);
@@ -364,7 +382,7 @@ EPD_TEST_T(plumb_device_submit_wait, 60) {
   ASSERT_EQ(fake_join(&f), N);
   for (int i = 0; i < N; i++) ASSERT_EQ(status[i], 0);
   for (unsigned i = 0; i < EPD_QUEUE_SLOTS; i++) ASSERT_EQ(p.client_view->slot[i].state, EPD_SLOT_FREE);
-  printf("device submit+wait round trip: %.2f us/op\n", ns[0] / 1e3 / N);
+  report("device submit+wait round trip: %.2f us/op\n", ns[0] / 1e3 / N);
   /* Nobody answers: the wait times out with EPD_ERR_TIMEOUT instead of hanging. */
   n = 1;
   first = 3;
