@@ -13,14 +13,14 @@ export EPD_PLUMB_LOG=$OUT/plumb.log
 nvidia-smi -L
 ls $NCCL_LIB
 echo "== without MPS"
-timeout 300 "$B/bin/plumb-tests" ${PLUMB_FILTER:-plumb} 2>&1 | tee "$OUT/nomps.txt"
+timeout ${PLUMB_T1:-170} "$B/bin/plumb-tests" ${PLUMB_FILTER:-plumb} 2>&1 | tee "$OUT/nomps.txt"
 if [ "${PLUMB_MPS:-1}" = 1 ]; then
   echo "== under MPS"
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/epd-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/epd-mps-log
   mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
   nvidia-cuda-mps-control -d && echo "MPS started"
   echo "== under MPS" >> "$EPD_PLUMB_LOG"
-  timeout 200 "$B/bin/plumb-tests" ${PLUMB_MPS_FILTER:-plumb_engine plumb_device plumb_memops} 2>&1 | tee "$OUT/mps.txt"
+  timeout ${PLUMB_T2:-90} "$B/bin/plumb-tests" ${PLUMB_MPS_FILTER:-plumb_engine plumb_device plumb_memops} 2>&1 | tee "$OUT/mps.txt"
   echo quit | nvidia-cuda-mps-control
 fi
 echo "== measurements"
