@@ -1,0 +1,82 @@
+#!/bin/bash
+# 30-e2e: the real daemon (host backend) with epd-worker processes checking every step against the
+# reference: LL with skewed routing, HT with FP8, two groups at once, detach and re-attach of the same
+# ranks, and a worker killed mid-step: its peer gets a clear error (EPD_ERR_PEER or EPD_ERR_TIMEOUT)
+# promptly, the daemon keeps serving, and a new client of that rank attaches and runs.
+set -u
+B=${EPD_BUILD:-build}
+EPD=$B/bin/epd
+WORKER=$B/bin/epd-worker
+[ -x "$EPD" ] || { echo "skip: $EPD is not built"; exit 77; }
+[ -x "$WORKER" ] || { echo "skip: $WORKER is not built"; exit 77; }
+T=${EPD_TEST_TMPDIR:-$(mktemp -d)}
+mkdir -p "$T/run"
+LOG=$T/epd.log
+SOCK=$T/run/control.sock
+PID=
+fail() {
+  echo "FAIL: $*"
+  for f in "$T"/w*.out; do [ -f "$f" ] && sed "s|^|  $(basename "$f")| |" "$f" | tail -8; done
+  [ -f "$LOG" ] && sed 's/^/  log| /' "$LOG" | tail -30
+  [ -n "$PID" ] && kill -KILL "$PID" 2>/dev/null
+  exit 1
+}
+wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
+
+"$EPD" -s "$SOCK" -f -o engine.backend=host -o engine.num_ranks=2 -o engine.step_timeout_ms=4000 \
+  -o daemon.attach_socket="$T/run/attach.sock" -o daemon.drain_timeout_ms=2000 2> "$LOG" &
+PID=$!
+wait_for 15 test -S "$SOCK" || fail "no control socket"
+wait_for 5 test -S "$T/run/attach.sock" || fail "no attach socket"
+
+# worker NAME ARGS...: start one worker in the background, output in $T/NAME.out, pid in W_NAME.
+worker() { local n=$1; shift; timeout 60 "$WORKER" -s "$SOCK" "$@" > "$T/$n.out" 2>&1 & eval "W_$n=$!"; }
+# expect_ok NAME: the worker exited 0 and printed its summary.
+expect_ok() {
+  local n=$1 pid; eval "pid=\$W_$n"
+  wait "$pid"; local rc=$?
+  [ $rc -eq 0 ] || fail "worker $n exited $rc"
+  grep -q "steps ok" "$T/$n.out" || fail "worker $n printed no summary"
+  grep -h "steps ok" "$T/$n.out"
+}
+
+echo "== LL, skewed routing, 12 steps"
+worker wa0 -g ll -r 0 -n 2 --steps 12 --seed 5 --skew
+worker wa1 -g ll -r 1 -n 2 --steps 12 --seed 5 --skew
+expect_ok wa0; expect_ok wa1
+
+echo "== two groups at once: HT + FP8 + skew, and LL + FP8 (detach and re-attach of the same ranks)"
+worker wb0 -g ht -r 0 -n 2 --steps 8 --seed 9 --mode ht --fp8 --skew --experts 12 --topk 3 --tokens 40
+worker wb1 -g ht -r 1 -n 2 --steps 8 --seed 9 --mode ht --fp8 --skew --experts 12 --topk 3 --tokens 40
+worker wc0 -g ll -r 0 -n 2 --steps 8 --seed 6 --fp8
+worker wc1 -g ll -r 1 -n 2 --steps 8 --seed 6 --fp8
+expect_ok wb0; expect_ok wb1; expect_ok wc0; expect_ok wc1
+
+echo "== a worker dies mid-step"
+worker wd0 -g die -r 0 -n 2 --steps 20 --seed 3
+worker wd1 -g die -r 1 -n 2 --steps 20 --seed 3 --die-at-step 4
+start=$(date +%s%N)
+wait "$W_wd1"; rc=$?
+[ $rc -eq 3 ] || fail "dying worker exited $rc, want 3"
+wait "$W_wd0"; rc=$?
+ms=$(( ($(date +%s%N) - start) / 1000000 ))
+[ $rc -eq 2 ] || fail "survivor exited $rc, want 2 (an op error)"
+grep -Eq "EPD_ERR_PEER|EPD_ERR_TIMEOUT" "$T/wd0.out" || fail "survivor's error names neither PEER nor TIMEOUT"
+grep -q "peer rank 1" "$T/wd0.out" || fail "survivor's error does not name rank 1"
+grep -h "failed" "$T/wd0.out"
+[ $ms -lt 5000 ] || fail "the survivor took $ms ms to fail"
+echo "survivor failed after $ms ms"
+kill -0 "$PID" 2>/dev/null || fail "the daemon died"
+wait_for 5 grep -q "client_lost" "$LOG" || fail "no client_lost event in the log"
+
+echo "== a new client of the dead rank attaches and runs"
+worker we0 -g die -r 0 -n 2 --steps 6 --seed 4 --mode ht
+worker we1 -g die -r 1 -n 2 --steps 6 --seed 4 --mode ht
+expect_ok we0; expect_ok we1
+
+echo "== SIGTERM"
+kill -TERM "$PID"
+wait "$PID"; rc=$?
+PID=
+[ $rc -eq 0 ] || fail "daemon exited $rc on SIGTERM"
+echo "30-e2e: all ok"
