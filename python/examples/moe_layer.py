@@ -309,6 +309,9 @@ def main(argv=None):
     daemon = None
     socket = a.socket
     if a.daemon:
+        lib = os.path.join(os.path.dirname(os.path.abspath(a.daemon)), "..", "lib", "libepd.so")
+        if "EPD_LIBRARY" not in os.environ and os.path.exists(lib):
+            os.environ["EPD_LIBRARY"] = os.path.normpath(lib)  # the libepd of the same build
         daemon, socket = start_daemon(a.daemon, "host" if a.host else "cuda", tmp)
     try:
         barrier = ctx.Barrier(spec.R)

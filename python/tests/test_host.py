@@ -73,7 +73,7 @@ def check_out(eps, plan, want_fn, bank):
         T = len(want)
         got = formats.bf16_to_f32(ep.bank(bank).out[:T])
         # BF16 output; implementations may carry per-rank partials as BF16.
-        np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -6 * (1 + np.abs(want).max()),
+        np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -6 * (1 + np.abs(want).max(initial=0)),
                                    err_msg="rank %d OUT" % r)
 
 
