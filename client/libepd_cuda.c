@@ -8,6 +8,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +43,9 @@
   X(cuMemHostGetDevicePointer, (CUdeviceptr *, void *, unsigned int))                              \
   X(cuStreamBatchMemOp, (CUstream, unsigned int, CUstreamBatchMemOpParams *, unsigned int))        \
   X(cuStreamSynchronize, (CUstream))                                                               \
+  X(cuStreamWriteValue32, (CUstream, CUdeviceptr, cuuint32_t, unsigned int))                        \
+  X(cuStreamWriteValue64, (CUstream, CUdeviceptr, cuuint64_t, unsigned int))                        \
+  X(cuStreamWaitValue32, (CUstream, CUdeviceptr, cuuint32_t, unsigned int))                         \
   X(cuMemcpyDtoH, (void *, CUdeviceptr, size_t))
 
 typedef CUresult (*epd_cuGetProcAddress_fn)(const char *, void **, int, cuuint64_t,
@@ -268,13 +272,81 @@ static unsigned put_wait(CUstreamBatchMemOpParams *ops, uint64_t slot_dev) {
   return 2;
 }
 
+/* How stream memory operations are issued: one batch (fewest API calls), else one call per op (some
+ * drivers refuse a batch that the single-op calls accept), else 64-bit writes split in two 32-bit
+ * writes. Chosen on first use and kept; all three are capturable in a CUDA graph. */
+static atomic_int memop_mode = -1; /* -1 unknown, 0 batch, 1 single ops, 2 single 32-bit ops */
+
+static CUresult single_ops(CUstream st, const CUstreamBatchMemOpParams *ops, unsigned n, int split64) {
+  CUresult r = CUDA_SUCCESS;
+  for (unsigned i = 0; i < n && r == CUDA_SUCCESS; i++) {
+    switch (ops[i].operation) {
+      case CU_STREAM_MEM_OP_WRITE_VALUE_64:
+        if (!split64) {
+          r = cu.cuStreamWriteValue64(st, ops[i].writeValue.address, ops[i].writeValue.value64,
+                                      ops[i].writeValue.flags);
+        } else {
+          r = cu.cuStreamWriteValue32(st, ops[i].writeValue.address, (cuuint32_t)ops[i].writeValue.value64,
+                                      ops[i].writeValue.flags);
+          if (r == CUDA_SUCCESS)
+            r = cu.cuStreamWriteValue32(st, ops[i].writeValue.address + 4,
+                                        (cuuint32_t)(ops[i].writeValue.value64 >> 32), ops[i].writeValue.flags);
+        }
+        break;
+      case CU_STREAM_MEM_OP_WRITE_VALUE_32:
+        r = cu.cuStreamWriteValue32(st, ops[i].writeValue.address, ops[i].writeValue.value, ops[i].writeValue.flags);
+        break;
+      case CU_STREAM_MEM_OP_WAIT_VALUE_32:
+        r = cu.cuStreamWaitValue32(st, ops[i].waitValue.address, ops[i].waitValue.value, ops[i].waitValue.flags);
+        break;
+      default:
+        r = CUDA_ERROR_INVALID_VALUE;
+    }
+  }
+  return r;
+}
+
 static epd_result_t batch(void *stream, CUstreamBatchMemOpParams *ops, unsigned n, char *err,
                           size_t errlen) {
   epd_result_t rc = epd_cuda_load(err, errlen);
   if (rc) return rc;
   if ((rc = ensure_ctx(-1, err, errlen))) return rc;
-  CU_TRY(cu.cuStreamBatchMemOp((CUstream)stream, n, ops, 0), "cuStreamBatchMemOp");
+  CUstream st = (CUstream)stream;
+  int mode = atomic_load(&memop_mode);
+  CUresult r = CUDA_ERROR_INVALID_VALUE;
+  if (mode <= 0) {
+    r = cu.cuStreamBatchMemOp(st, n, ops, 0);
+    if (r == CUDA_SUCCESS) {
+      atomic_store(&memop_mode, 0);
+      return EPD_OK;
+    }
+    /* Nothing was enqueued by a refused batch: fall back to single ops. */
+    if (mode == 0 || (r != CUDA_ERROR_INVALID_VALUE && r != CUDA_ERROR_NOT_SUPPORTED))
+      return cu_fail(r, "cuStreamBatchMemOp", err, errlen);
+  }
+  if (mode < 0 || mode == 1) {
+    /* The first op decides: a refused first call enqueued nothing. */
+    r = single_ops(st, ops, 1, 0);
+    if (r == CUDA_SUCCESS) {
+      atomic_store(&memop_mode, 1);
+      r = single_ops(st, ops + 1, n - 1, 0);
+      return r ? cu_fail(r, "cuStreamWriteValue/WaitValue", err, errlen) : EPD_OK;
+    }
+    if (mode == 1) return cu_fail(r, "cuStreamWriteValue/WaitValue", err, errlen);
+  }
+  r = single_ops(st, ops, n, 1);
+  if (r) return cu_fail(r, "cuStreamWriteValue32/WaitValue32", err, errlen);
+  atomic_store(&memop_mode, 2);
   return EPD_OK;
+}
+
+const char *epd_cuda_memop_mode(void) {
+  switch (atomic_load(&memop_mode)) {
+    case 0: return "batch";
+    case 1: return "single";
+    case 2: return "single32";
+    default: return "unknown";
+  }
 }
 
 epd_result_t epd_cuda_submit(void *stream, uint64_t slot_dev, const epd_desc_t *desc, char *err,
@@ -359,5 +431,6 @@ epd_result_t epd_cuda_read(void *dst, uint64_t src, size_t bytes, char *err, siz
   return no_cuda(err, errlen);
 }
 epd_result_t epd_cuda_stream_sync(void *stream, char *err, size_t errlen) { return no_cuda(err, errlen); }
+const char *epd_cuda_memop_mode(void) { return "none"; }
 
 #endif

@@ -48,6 +48,9 @@ epd_result_t epd_cuda_submit_async(void *stream, uint64_t slot_dev, const epd_de
 epd_result_t epd_cuda_wait_async(void *stream, uint64_t slot_dev, char *err, size_t errlen);
 /* Copy `bytes` from device address src to host dst (synchronous; for reading completion records). */
 epd_result_t epd_cuda_read(void *dst, uint64_t src, size_t bytes, char *err, size_t errlen);
+/* How stream memory operations are issued, decided on first use: "batch" (one cuStreamBatchMemOp),
+ * "single" (one call per op), "single32" (64-bit writes split), or "unknown" before the first. */
+const char *epd_cuda_memop_mode(void);
 /* Synchronise a stream (NULL = legacy default stream). */
 epd_result_t epd_cuda_stream_sync(void *stream, char *err, size_t errlen);
 

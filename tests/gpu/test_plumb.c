@@ -308,8 +308,8 @@ EPD_TEST_T(plumb_memops_roundtrip, 60) {
   CK(cudaStreamSynchronize(s));
   uint64_t t2 = now_ns();
   ASSERT_EQ(fake_join(&f), 2 * N);
-  report("memops round trip: host-synced %.2f us/op, pipelined %.2f us/op\n", (t1 - t0) / 1e3 / N,
-         (t2 - t1) / 1e3 / N);
+  report("memops round trip (%s): host-synced %.2f us/op, pipelined %.2f us/op\n", epd_cuda_memop_mode(),
+         (t1 - t0) / 1e3 / N, (t2 - t1) / 1e3 / N);
 }
 
 /* The same submission captured in a CUDA graph (one op per slot) and replayed 100 times. */
