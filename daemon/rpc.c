@@ -13,6 +13,8 @@
 #include "rpc.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <grp.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -29,6 +31,7 @@
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
+#include <grpc/grpc_posix.h>
 #include <grpc/grpc_security.h>
 #include <grpc/slice.h>
 #include <grpc/support/alloc.h>
@@ -104,7 +107,10 @@ typedef struct rpc_call {
   int close_started; /* a RECV_CLOSE_ON_SERVER batch of its own is pending (streams) */
   uint64_t after; /* Watch: last event sequence sent */
   char service[128];
-  int health_sent; /* Health.Watch: last status sent, -1 none */
+  int health_sent;
+  /* the peer (SO_PEERCRED of its connection); known = 0 when the connection is not ours */
+  int peer_known;
+  uint32_t peer_pid, peer_uid, peer_gid; /* Health.Watch: last status sent, -1 none */
   struct rpc_call *next;
 } rpc_call_t;
 
@@ -138,7 +144,15 @@ static struct {
   int live_calls;
   secret_entry_t *secrets;
   size_t nsecrets, capsecrets;
-} g;
+  /* Connections are accepted here, not by gRPC, so that SO_PEERCRED can be read (gRPC gives no peer
+   * uid); creds[fd] is the peer of connection fd, looked up by the "fd:N" peer name gRPC reports. */
+  int listen_fd, wake_fd[2];
+  pthread_t accept_thread;
+  int accept_started;
+  pthread_mutex_t cred_mu;
+  struct ucred creds[1024];
+  uint8_t cred_set[1024];
+} g = {.listen_fd = -1, .wake_fd = {-1, -1}, .cred_mu = PTHREAD_MUTEX_INITIALIZER};
 
 static uint64_t mono_ns(void) {
   struct timespec ts;
@@ -292,7 +306,7 @@ static int copy_name(rpc_reply_t *rep, const char *field, char *dst, size_t len,
   return 0;
 }
 
-static void h_attach(const Epd__V1__AttachRequest *q, rpc_reply_t *rep) {
+static void h_attach(const rpc_call_t *c, const Epd__V1__AttachRequest *q, rpc_reply_t *rep) {
   epd_attach_req_t ar;
   memset(&ar, 0, sizeof ar);
   char dflt_name[32];
@@ -310,7 +324,10 @@ static void h_attach(const Epd__V1__AttachRequest *q, rpc_reply_t *rep) {
   ar.hidden = q->hidden;
   ar.topk = q->topk;
   ar.max_tokens = q->max_tokens;
-  ar.pid = q->pid;
+  /* The kernel's word (SO_PEERCRED) over the client's: AttachRequest.pid is only a fallback. */
+  ar.pid = c->peer_known ? c->peer_pid : q->pid;
+  ar.uid = c->peer_known ? c->peer_uid : 0;
+  ar.gid = c->peer_known ? c->peer_gid : 0;
   epd_attach_info_t info;
   memset(&info, 0, sizeof info);
   char err[256] = "";
@@ -325,7 +342,7 @@ static void h_attach(const Epd__V1__AttachRequest *q, rpc_reply_t *rep) {
     reply_err(rep, EPD_ERR_SYSTEM, "getrandom: %s", strerror(errno));
     return;
   }
-  if (epd_attach_issue_token(info.client_id, q->pid, 0, token) != 0) {
+  if (epd_attach_issue_token(info.client_id, ar.pid, ar.uid, token) != 0) {
     epd_engine_detach(g.eng, info.client_id, 0);
     reply_err(rep, EPD_ERR_BUSY, "cannot issue an attach token for client %llu (too many pending attaches)",
               (unsigned long long)info.client_id);
@@ -370,7 +387,8 @@ static void h_attach(const Epd__V1__AttachRequest *q, rpc_reply_t *rep) {
   a.secret.len = sizeof secret;
   reply_msg(rep, &a.base);
   epd_events_publish("attach", ar.group, ar.rank, info.client_id, 0, info.map_version, 0,
-                     "client %s (pid %u) attached to group %s rank %d", ar.name, q->pid, ar.group, ar.rank);
+                     "client %s (pid %u uid %u) attached to group %s rank %d", ar.name, ar.pid, ar.uid, ar.group,
+                     ar.rank);
 }
 
 static void h_detach(const Epd__V1__DetachRequest *q, rpc_reply_t *rep) {
@@ -628,7 +646,7 @@ static void handle_unary(rpc_call_t *c, rpc_reply_t *rep) {
   ProtobufCMessage *msg = decode(c, rep);
   if (!msg) return;
   switch (c->method) {
-  case M_ATTACH: h_attach((const Epd__V1__AttachRequest *)msg, rep); break;
+  case M_ATTACH: h_attach(c, (const Epd__V1__AttachRequest *)msg, rep); break;
   case M_DETACH: h_detach((const Epd__V1__DetachRequest *)msg, rep); break;
   case M_STATUS: h_status(rep, 0); break;
   case M_METRICS: h_status(rep, 1); break;
@@ -815,12 +833,30 @@ static void pump_streams(void) {
   }
 }
 
+/* Fill c's peer credentials from the connection it came on. */
+static void peer_lookup(rpc_call_t *c) {
+  char *peer = grpc_call_get_peer(c->call);
+  int fd = -1;
+  if (peer && sscanf(peer, "fd:%d", &fd) == 1 && fd >= 0 && fd < (int)(sizeof g.cred_set)) {
+    pthread_mutex_lock(&g.cred_mu);
+    if (g.cred_set[fd]) {
+      c->peer_known = 1;
+      c->peer_pid = (uint32_t)g.creds[fd].pid;
+      c->peer_uid = (uint32_t)g.creds[fd].uid;
+      c->peer_gid = (uint32_t)g.creds[fd].gid;
+    }
+    pthread_mutex_unlock(&g.cred_mu);
+  }
+  gpr_free(peer);
+}
+
 static void on_new(rpc_call_t *c, int ok) {
   if (!ok) { /* the server is shutting down: the request was never matched with a call */
     call_free(c);
     return;
   }
   if (!atomic_load(&g.stop)) request_call(c->method);
+  peer_lookup(c);
   rpc_reply_t rep;
   memset(&rep, 0, sizeof rep);
   if (c->method == M_UNKNOWN) {
@@ -976,6 +1012,90 @@ static int apply_perms(const epd_conf_t *conf, char *err, size_t errlen) {
   return 0;
 }
 
+/* ---- connections: accepted here for SO_PEERCRED, then handed to gRPC ----------------------------- */
+
+static int make_listener(char *err, size_t errlen) {
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof sa.sun_path, "%s", g.path);
+  g.listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (g.listen_fd < 0 || bind(g.listen_fd, (struct sockaddr *)&sa, sizeof sa) != 0 || listen(g.listen_fd, 128) != 0) {
+    snprintf(err, errlen, "daemon.control_socket: cannot listen on %s: %s", g.path, strerror(errno));
+    if (g.listen_fd >= 0) close(g.listen_fd);
+    g.listen_fd = -1;
+    return -1;
+  }
+  return 0;
+}
+
+static void *accept_main(void *arg) {
+  (void)arg;
+  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  for (;;) {
+    struct pollfd pf[2] = {{.fd = g.listen_fd, .events = POLLIN}, {.fd = g.wake_fd[0], .events = POLLIN}};
+    if (poll(pf, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      EPD_LOGE(EPD_SUB_RPC, "control socket poll: %s", strerror(errno));
+      break;
+    }
+    if (pf[1].revents) break;
+    if (!(pf[0].revents & POLLIN)) continue;
+    /* gRPC needs a non-blocking fd: a blocking one hangs its event engine. */
+    int fd = accept4(g.listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED)
+        EPD_LOGW(EPD_SUB_RPC, "control socket accept: %s", strerror(errno));
+      if (errno == EMFILE || errno == ENFILE) usleep(100 * 1000); /* do not spin while out of fds */
+      continue;
+    }
+    struct ucred cr;
+    socklen_t len = sizeof cr;
+    int have = getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0;
+    pthread_mutex_lock(&g.cred_mu);
+    if (fd < (int)sizeof g.cred_set) {
+      g.cred_set[fd] = (uint8_t)have;
+      if (have) g.creds[fd] = cr;
+    }
+    pthread_mutex_unlock(&g.cred_mu);
+    if (have)
+      epd_log_msg(EPD_LOG_DEBUG, EPD_SUB_RPC, -1, 0, "control connection fd %d from pid %d uid %u gid %u", fd,
+                  (int)cr.pid, (unsigned)cr.uid, (unsigned)cr.gid);
+    grpc_server_add_channel_from_fd(g.server, fd, creds);
+  }
+  grpc_server_credentials_release(creds);
+  return NULL;
+}
+
+static int start_accept(char *err, size_t errlen) {
+  if (pipe2(g.wake_fd, O_CLOEXEC) != 0) {
+    snprintf(err, errlen, "pipe: %s", strerror(errno));
+    return -1;
+  }
+  if (pthread_create(&g.accept_thread, NULL, accept_main, NULL) != 0) {
+    snprintf(err, errlen, "cannot start the accept thread: %s", strerror(errno));
+    return -1;
+  }
+  g.accept_started = 1;
+  return 0;
+}
+
+static void stop_accept(void) {
+  if (g.accept_started) {
+    ssize_t w = write(g.wake_fd[1], "x", 1);
+    (void)w; /* a full pipe still wakes the thread */
+    pthread_join(g.accept_thread, NULL);
+    g.accept_started = 0;
+  }
+  for (int i = 0; i < 2; i++)
+    if (g.wake_fd[i] >= 0) {
+      close(g.wake_fd[i]);
+      g.wake_fd[i] = -1;
+    }
+  if (g.listen_fd >= 0) {
+    close(g.listen_fd);
+    g.listen_fd = -1;
+  }
+}
+
 /* ---- module --------------------------------------------------------------------------------------- */
 
 /* Shut the server down and wait for its tag (used where no call was ever requested). */
@@ -1011,6 +1131,23 @@ static void teardown(void) {
 
 int epd_rpc_init(const epd_conf_t *conf, epd_engine_t *eng, const epd_rpc_hooks_t *hooks, char *err,
                  size_t errlen) {
+  /* Checks first, on a local path: a failed init must not disturb a server that is running. */
+  char path[EPD_PATH_MAX];
+  if (conf->control_socket[0])
+    snprintf(path, sizeof path, "%s", conf->control_socket);
+  else
+    epd_paths_control_default(path, sizeof path);
+  if (strlen(path) >= sizeof(((struct sockaddr_un *)0)->sun_path)) {
+    snprintf(err, errlen, "daemon.control_socket: %s is %zu bytes, at most %zu allowed", path, strlen(path),
+             sizeof(((struct sockaddr_un *)0)->sun_path) - 1);
+    return -1;
+  }
+  if (mkdir_parents(path, err, errlen) || clear_stale(path, err, errlen)) return -1;
+  if (g.thread_started) {
+    snprintf(err, errlen, "control RPC already serving %s", g.path);
+    return -1;
+  }
+  snprintf(g.path, sizeof g.path, "%s", path);
   memset(&g.reg, 0, sizeof g.reg);
   g.eng = eng;
   if (hooks)
@@ -1022,16 +1159,6 @@ int epd_rpc_init(const epd_conf_t *conf, epd_engine_t *eng, const epd_rpc_hooks_
   g.start_ns = mono_ns();
   g.watches = NULL;
   g.live_calls = 0;
-  if (conf->control_socket[0])
-    snprintf(g.path, sizeof g.path, "%s", conf->control_socket);
-  else
-    epd_paths_control_default(g.path, sizeof g.path);
-  if (strlen(g.path) >= sizeof(((struct sockaddr_un *)0)->sun_path)) {
-    snprintf(err, errlen, "daemon.control_socket: %s is %zu bytes, at most %zu allowed", g.path, strlen(g.path),
-             sizeof(((struct sockaddr_un *)0)->sun_path) - 1);
-    return -1;
-  }
-  if (mkdir_parents(g.path, err, errlen) || clear_stale(g.path, err, errlen)) return -1;
 
   grpc_init();
   g.grpc_inited = 1;
@@ -1051,19 +1178,14 @@ int epd_rpc_init(const epd_conf_t *conf, epd_engine_t *eng, const epd_rpc_hooks_
       return -1;
     }
   }
-  char target[EPD_PATH_MAX + 8];
-  snprintf(target, sizeof target, "unix:%s", g.path);
-  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
-  int port = grpc_server_add_http2_port(g.server, target, creds);
-  grpc_server_credentials_release(creds);
-  if (port == 0) {
-    snprintf(err, errlen, "daemon.control_socket: cannot listen on %s (directory writable? path valid?)", target);
+  if (make_listener(err, errlen) != 0) {
     server_shutdown_idle();
     teardown();
     return -1;
   }
   grpc_server_start(g.server);
-  if (apply_perms(conf, err, errlen) != 0) {
+  if (apply_perms(conf, err, errlen) != 0 || start_accept(err, errlen) != 0) {
+    stop_accept();
     server_shutdown_idle();
     teardown();
     unlink(g.path);
@@ -1071,6 +1193,7 @@ int epd_rpc_init(const epd_conf_t *conf, epd_engine_t *eng, const epd_rpc_hooks_
   }
   if (pthread_create(&g.thread, NULL, rpc_thread, NULL) != 0) {
     snprintf(err, errlen, "cannot start the RPC thread: %s", strerror(errno));
+    stop_accept();
     server_shutdown_idle();
     teardown();
     unlink(g.path);
@@ -1084,6 +1207,7 @@ int epd_rpc_init(const epd_conf_t *conf, epd_engine_t *eng, const epd_rpc_hooks_
 
 void epd_rpc_fini(void) {
   if (!g.thread_started) return;
+  stop_accept(); /* no new connection while the server shuts down */
   atomic_store(&g.stop, 1);
   pthread_join(g.thread, NULL);
   g.thread_started = 0;

@@ -336,7 +336,7 @@ static Epd__V1__AttachReply *attach(epd_rpc_t *rpc, int rank, epd_result_t want,
   q.topk = 2;
   q.max_tokens = 16;
   q.client_name = "proto-test";
-  q.pid = (uint32_t)getpid();
+  q.pid = 1; /* a lie: the daemon takes the pid from SO_PEERCRED */
   ProtobufCMessage *rep = NULL;
   epd_result_t r =
       epd_rpc_call(rpc, "/epd.v1.Control/Attach", &q.base, &epd__v1__attach_reply__descriptor, &rep, err, errlen);
@@ -493,6 +493,8 @@ EPD_TEST(rpc_attach_detach_watch_map) {
   ASSERT_EQ(s->clients[0]->client_id, a->client_id);
   ASSERT(!strcmp(s->clients[0]->name, "proto-test"));
   ASSERT_EQ(s->clients[0]->rank, 1);
+  ASSERT_EQ(s->clients[0]->pid, getpid());
+  ASSERT_EQ(s->clients[0]->uid, getuid());
   ASSERT_EQ(s->n_groups, 1);
   ASSERT(!strcmp(s->groups[0]->name, "default"));
   protobuf_c_message_free_unpacked(&s->base, NULL);

@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """attach_once.py SOCKET GROUP RANK NAME: Attach a client over the control RPC (without redeeming the
-token) and print "client_id secret_hex". Used by the shell system tests to create daemon state."""
+token) and print "client_id secret_hex pid". Used by the shell system tests to create daemon state."""
+import os
 import sys
 
 sys.dont_write_bytecode = True
@@ -14,4 +15,4 @@ with grpc.insecure_channel("unix:" + sock) as ch:
     a = epd_grpc.ControlStub(ch).Attach(
         epd_pb2.AttachRequest(protocol_version=epdtest.PROTOCOL_VERSION, group=group, rank=rank, num_experts=8,
                               hidden=128, topk=2, max_tokens=16, client_name=name, pid=4242), timeout=10)
-print(a.client_id, a.secret.hex())
+print(a.client_id, a.secret.hex(), os.getpid())

@@ -51,24 +51,24 @@ echo "$out" | grep -q '^clients:  0$' || fail "status clients: $out"
 [ "$(ctl health)" = SERVING ] || fail "health not SERVING"
 
 # one client on rank 2 of group "grp"
-read -r CID SECRET < <(PYTHONPATH=$ROOT/tests/py EPD_BUILD=$BUILD $PY "$ROOT/tests/py/attach_once.py" "$SOCK" grp 2 ctl-client) \
+read -r CID SECRET CPID < <(PYTHONPATH=$ROOT/tests/py EPD_BUILD=$BUILD $PY "$ROOT/tests/py/attach_once.py" "$SOCK" grp 2 ctl-client) \
   || fail "attach"
 [ -n "$CID" ] || fail "attach printed no client id"
 
 out=$(ctl clients) || fail "clients"
-echo "$out" | awk -v id="$CID" '$1 == id && $2 == "ctl-client" && $3 == "grp" && $4 == 2 && $5 == 4242 {ok=1} END {exit !ok}' \
+echo "$out" | awk -v id="$CID" -v pid="$CPID" -v uid="$(id -u)" '$1 == id && $2 == "ctl-client" && $3 == "grp" && $4 == 2 && $5 == pid && $6 == uid {ok=1} END {exit !ok}' \
   || fail "clients table lacks the client: $out"
 
 ctl status --json > "$D/status.json" || fail "status --json"
-$PY - "$D/status.json" "$CID" <<'PYEOF' || fail "status --json does not match the daemon state"
+$PY - "$D/status.json" "$CID" "$CPID" <<'PYEOF' || fail "status --json does not match the daemon state"
 import json, sys
 s = json.load(open(sys.argv[1]))
-cid = int(sys.argv[2])
+cid, pid = int(sys.argv[2]), int(sys.argv[3])  # the pid is SO_PEERCRED's, not AttachRequest.pid (4242)
 assert s["backend"] == "host" and s["engine_mode"] == "host-threads" and s["state"] == "ready", s
 assert s["num_ranks"] == 3 and [r["rank"] for r in s["ranks"]] == [0, 1, 2], s["ranks"]
 assert [r["clients"] for r in s["ranks"]] == [0, 0, 1], s["ranks"]
 assert s["ranks"][2]["buffer_bytes"] > 0, s["ranks"]
-assert [(c["client_id"], c["name"], c["group"], c["rank"], c["pid"]) for c in s["clients"]] == [(cid, "ctl-client", "grp", 2, 4242)], s["clients"]
+assert [(c["client_id"], c["name"], c["group"], c["rank"], c["pid"]) for c in s["clients"]] == [(cid, "ctl-client", "grp", 2, pid)], s["clients"]
 assert [(g["name"], g["num_experts"], g["hidden"], g["topk"], g["max_tokens"]) for g in s["groups"]] == [("grp", 8, 128, 2, 16)], s["groups"]
 assert s["draining"] is False and s["protocol_version"] == 1
 PYEOF
