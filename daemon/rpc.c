@@ -1016,7 +1016,12 @@ static int apply_perms(const epd_conf_t *conf, char *err, size_t errlen) {
 
 static int make_listener(char *err, size_t errlen) {
   struct sockaddr_un sa = {.sun_family = AF_UNIX};
-  snprintf(sa.sun_path, sizeof sa.sun_path, "%s", g.path);
+  size_t n = strlen(g.path);
+  if (n >= sizeof sa.sun_path) { /* checked by epd_rpc_init; kept so this function stands alone */
+    snprintf(err, errlen, "daemon.control_socket: %s is too long", g.path);
+    return -1;
+  }
+  memcpy(sa.sun_path, g.path, n + 1);
   g.listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (g.listen_fd < 0 || bind(g.listen_fd, (struct sockaddr *)&sa, sizeof sa) != 0 || listen(g.listen_fd, 128) != 0) {
     snprintf(err, errlen, "daemon.control_socket: cannot listen on %s: %s", g.path, strerror(errno));
