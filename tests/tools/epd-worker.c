@@ -434,6 +434,28 @@ int main(int argc, char **argv) {
   rc = epd_detach(ep);
   if (rc) fprintf(stderr, "rank %d: detach: %s: %s\n", A.rank, epd_strerror(rc), epd_conn_last_error(conn));
   epd_disconnect(conn);
+  for (uint32_t r = 0; r < R; r++) {
+    free(xs[r]);
+    free(is[r]);
+    free(ws[r]);
+  }
+  free(want.recv_x);
+  free(want.recv_scales);
+  free(want.recv_count);
+  free(want.recv_src);
+  free(want.recv_topk_idx);
+  free(want.recv_topk_weights);
+  free(got_x);
+  free(got_sc);
+  free(got_cnt);
+  free(got_src);
+  free(got_ti);
+  free(got_tw);
+  free(y);
+  free(out);
+  free(xq);
+  epd_ref_plan_free(&plan);
+  epd_expert_map_free(&map);
   if (bad_steps) {
     printf("rank %d: %d of %d steps differ from the reference\n", A.rank, bad_steps, A.steps);
     return 1;
