@@ -250,7 +250,7 @@ static unsigned put_submit(CUstreamBatchMemOpParams *ops, uint64_t slot_dev, con
     ops[n].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
     ops[n].writeValue.address = (CUdeviceptr)(slot_dev + offsetof(epd_slot_t, desc) + 8 * i);
     ops[n].writeValue.value64 = words[i];
-    ops[n].writeValue.flags = CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER;
+    ops[n].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT; /* NO_MEMORY_BARRIER is refused (CUDA 13 driver 580) */
   }
   ops[n].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
   ops[n].writeValue.address = (CUdeviceptr)(slot_dev + offsetof(epd_slot_t, state));

@@ -142,7 +142,11 @@ static void *buf(const gclient_t *c, uint32_t kind, uint32_t bank, size_t *bytes
   epd_test_fail(__FILE__, __LINE__, "buffer %u/%u not in the arena", kind, bank);
 }
 
-/* Enqueue an op on the client's stream (not waited). */
+/* Enqueue an op on the client's stream: descriptor and SUBMITTED only. The completion is awaited on
+ * the host (finish), not with a stream WAIT: in one process the client's stream and the engine's
+ * kernel stream share the context, and a blocked stream memory wait can stall the engine's kernel
+ * behind it on a shared hardware queue (a deadlock seen on the H200s; across processes, as with the
+ * daemon, the contexts are separate). */
 static void submit(gclient_t *c, uint32_t op, uint32_t bank, uint32_t T, uint32_t flags, uint64_t tag) {
   epd_desc_t d;
   memset(&d, 0, sizeof d);
@@ -154,8 +158,8 @@ static void submit(gclient_t *c, uint32_t op, uint32_t bank, uint32_t T, uint32_
   char err[256] = "";
   CK(cudaSetDevice(c->info.device));
   uint64_t slot = c->qdev + offsetof(epd_queue_t, slot) + (uint64_t)c->next * sizeof(epd_slot_t);
-  int rc = epd_cuda_submit(c->s, slot, &d, err, sizeof err);
-  if (rc) epd_test_fail(__FILE__, __LINE__, "epd_cuda_submit: %s", err);
+  int rc = epd_cuda_submit_async(c->s, slot, &d, err, sizeof err);
+  if (rc) epd_test_fail(__FILE__, __LINE__, "epd_cuda_submit_async: %s", err);
 }
 
 /* Wait for the client's stream (time-limited) and return the completion of its last op. */
@@ -164,10 +168,14 @@ static epd_comp_t finish(gclient_t *c, int timeout_s) {
   uint64_t dl = now_ns() + (uint64_t)timeout_s * 1000000000ull;
   cudaError_t e;
   while ((e = cudaStreamQuery(c->s)) == cudaErrorNotReady)
-    if (now_ns() > dl) epd_test_fail(__FILE__, __LINE__, "rank %d: op did not complete in %d s", c->info.device, timeout_s);
+    if (now_ns() > dl) epd_test_fail(__FILE__, __LINE__, "rank %d: submission not written in %d s", c->info.device, timeout_s);
   CK(e);
-  epd_comp_t comp = c->q->slot[c->next].comp;
-  ASSERT_EQ(c->q->slot[c->next].state, EPD_SLOT_FREE);
+  epd_slot_t *sl = &c->q->slot[c->next];
+  while (__atomic_load_n(&sl->state, __ATOMIC_ACQUIRE) != EPD_SLOT_DONE)
+    if (now_ns() > dl) epd_test_fail(__FILE__, __LINE__, "rank %d: op did not complete in %d s (state %u)", c->info.device,
+                                     timeout_s, sl->state);
+  epd_comp_t comp = sl->comp;
+  __atomic_store_n(&sl->state, EPD_SLOT_FREE, __ATOMIC_RELEASE);
   c->next = (c->next + 1) % EPD_QUEUE_SLOTS;
   return comp;
 }
@@ -331,7 +339,7 @@ static void run_ll(epd_engine_t *eng, const char *group, const geom_t *g, int st
     }
   }
   report("%s: E%u H%u K%u M%u %s: %d steps ok; dispatch %.1f us, combine %.1f us per step (host-synced, "
-         "incl. stream memops)\n", group, g->E, g->H, g->K, g->M, fp8 ? "fp8" : "bf16", steps, disp_us / steps,
+         "submit by stream memops, host-polled completion)\n", group, g->E, g->H, g->K, g->M, fp8 ? "fp8" : "bf16", steps, disp_us / steps,
          comb_us / steps);
   for (int r = 0; r < NR; r++) detach(eng, &c[r], 0);
   epd_ref_plan_free(&plan);
