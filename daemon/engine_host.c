@@ -23,10 +23,15 @@
 #include "engine_internal.h"
 #include "log.h"
 
+/* Polling: spin a little, then sleep longer the longer the rank has been idle, so that steps in a busy
+ * loop see microseconds of latency and an idle daemon uses almost no CPU (the first op after a second
+ * of idleness pays up to a millisecond). */
 #define SPIN_POLLS 256          /* busy polls before the first sleep */
-#define SHORT_SLEEP_NS 5000     /* sleep while recently busy */
-#define LONG_SLEEP_NS 200000    /* sleep once idle for IDLE_AFTER_NS: an idle daemon uses little CPU */
-#define IDLE_AFTER_NS 100000000ull
+#define SHORT_SLEEP_NS 5000     /* idle less than WARM_NS */
+#define MID_SLEEP_NS 100000     /* idle less than COLD_NS */
+#define LONG_SLEEP_NS 1000000   /* idle longer (a rank without clients blocks instead) */
+#define WARM_NS 100000000ull
+#define COLD_NS 1000000000ull
 
 typedef struct host_rank {
   epd_engine_t *eng;
@@ -37,6 +42,7 @@ typedef struct host_rank {
 
 typedef struct host_be {
   atomic_int stop;
+  pthread_cond_t attached; /* signalled (under eng->mu) when a client attaches: wakes client-less ranks */
   host_rank_t rank[EPD_MAX_RANKS];
 } host_be_t;
 
@@ -307,11 +313,29 @@ static void *rank_main(void *arg) {
   unsigned idle_polls = 0;
   uint64_t idle_since = eng_now_ns();
   while (!atomic_load(&be->stop)) {
-    int busy = 0;
+    int busy = 0, nclients = 0;
     uint64_t now = eng_now_ns();
     pthread_mutex_lock(&eng->mu);
     for (eng_client_t *c = eng->clients; c; c = c->next)
-      if (c->rank == hr->rank && c->queue) busy |= progress(eng, c, now);
+      if (c->rank == hr->rank && c->queue) {
+        nclients++;
+        busy |= progress(eng, c, now);
+      }
+    if (!nclients) {
+      /* Nothing to poll: block until an attach (or a periodic look at the stop flag). */
+      struct timespec ts;
+      clock_gettime(CLOCK_REALTIME, &ts);
+      ts.tv_nsec += 100000000;
+      if (ts.tv_nsec >= 1000000000) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000;
+      }
+      pthread_cond_timedwait(&be->attached, &eng->mu, &ts);
+      pthread_mutex_unlock(&eng->mu);
+      idle_polls = 0;
+      idle_since = eng_now_ns();
+      continue;
+    }
     pthread_mutex_unlock(&eng->mu);
     if (busy) {
       idle_polls = 0;
@@ -319,7 +343,8 @@ static void *rank_main(void *arg) {
       continue;
     }
     if (++idle_polls < SPIN_POLLS) continue;
-    sleep_ns(now - idle_since > IDLE_AFTER_NS ? LONG_SLEEP_NS : SHORT_SLEEP_NS);
+    uint64_t idle = now - idle_since;
+    sleep_ns(idle > COLD_NS ? LONG_SLEEP_NS : idle > WARM_NS ? MID_SLEEP_NS : SHORT_SLEEP_NS);
   }
   return NULL;
 }
@@ -332,6 +357,7 @@ static epd_result_t host_create(epd_engine_t *eng, char *err, size_t errlen) {
   host_be_t *be = calloc(1, sizeof *be);
   if (!be) return EPD_ERR_NOMEM;
   eng->be = be;
+  pthread_cond_init(&be->attached, NULL);
   for (int r = 0; r < eng->o.num_ranks; r++) {
     host_rank_t *hr = &be->rank[r];
     hr->eng = eng;
@@ -358,6 +384,7 @@ static void host_destroy(epd_engine_t *eng) {
   for (eng_group_t *g = eng->groups; g; g = g->next)
     if (g->narrived) finish_step(eng, g, EPD_ERR_CLOSED, -1, g->map.version, NULL, NULL);
   pthread_mutex_unlock(&eng->mu);
+  pthread_cond_destroy(&be->attached);
   free(be);
   eng->be = NULL;
 }
@@ -408,6 +435,7 @@ static epd_result_t host_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
   qu->map_version = c->grp->map.version;
   c->next_slot = 0;
   c->in_step = 0;
+  pthread_cond_broadcast(&((host_be_t *)eng->be)->attached);
   return EPD_OK;
 }
 
