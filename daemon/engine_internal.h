@@ -117,7 +117,13 @@ struct epd_engine {
 
 extern const eng_backend_ops_t eng_host_ops;
 /* Defined by engine_cuda.c when the CUDA backend is linked in (weak: absent otherwise). */
+#if EPD_WITH_CUDA
+/* Strong when CUDA is built: a weak reference would not pull engine_cuda.o out of the static engine
+ * library, and the daemon would silently lack the CUDA backend. */
+extern const eng_backend_ops_t eng_cuda_ops;
+#else
 extern const eng_backend_ops_t eng_cuda_ops __attribute__((weak));
+#endif
 
 /* Core helpers for backends, all (mu). */
 uint64_t eng_now_ns(void); /* CLOCK_MONOTONIC */
