@@ -318,6 +318,7 @@ int main(int argc, char **argv) {
     return 77;
   }
   epd_k_ll_geom_t g = {NR, 0, E_, H_, K_, M_, S_, 0};
+  if (getenv("EPD_BENCH_BLOCKS")) g.blocks = (uint32_t)atoi(getenv("EPD_BENCH_BLOCKS"));
   if (llh_create(&H, NR, &g)) DIE("set-up: %s", H.err);
   void *img = malloc(epd_k_map_bytes(E_));
   epd_k_map_default(img, 1, E_, NR);

@@ -238,7 +238,25 @@ __device__ void ll_dispatch_body(const LLParams &p) {
   const uint64_t rowbytes = 2ull * H;
 
   /* ---- send: each token once per destination rank ---- */
+  constexpr int XV = (EPD_K_MAX_HIDDEN / 8 + NTHR - 1) / NTHR;     /* BF16 vectors per thread */
+  constexpr int XG = (EPD_K_MAX_HIDDEN / 128 + NWARP - 1) / NWARP; /* FP8 groups per warp */
   for (uint32_t t = blockIdx.x; t < T; t += G) {
+    /* the token's row is loaded first, so its latency overlaps the routing's dependent loads */
+    int4 xb[XV];
+    uint2 xf[XG];
+    if (fp8) {
+#pragma unroll
+      for (int j = 0; j < XG; j++) {
+        uint32_t g = warp + j * NWARP;
+        if (g < H / 128) xf[j] = __ldcg((const uint2 *)(x + (uint64_t)t * H + g * 128 + lane * 4));
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < XV; j++) {
+        uint32_t v = tid + j * NTHR;
+        if (v < H / 8) xb[j] = __ldcg((const int4 *)(x + (uint64_t)t * H) + v);
+      }
+    }
     if (warp == 0) {
       int64_t e = -1;
       float w = 0.f;
@@ -292,8 +310,11 @@ __device__ void ll_dispatch_body(const LLParams &p) {
     /* token data to every destination rank that has an entry */
     const uint64_t row_off = p.lay.xstg + ((uint64_t)rank * M + t) * rowbytes;
     if (fp8) {
-      for (uint32_t g = warp; g < H / 128; g += NWARP) {
-        uint2 raw = __ldcg((const uint2 *)(x + (uint64_t)t * H + g * 128 + lane * 4));
+#pragma unroll
+      for (int jg = 0; jg < XG; jg++) {
+        uint32_t g = warp + jg * NWARP;
+        if (g >= H / 128) break;
+        uint2 raw = xf[jg];
         float v0 = bf16_to_f(raw.x & 0xffff), v1 = bf16_to_f(raw.x >> 16);
         float v2 = bf16_to_f(raw.y & 0xffff), v3 = bf16_to_f(raw.y >> 16);
         float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
@@ -313,9 +334,11 @@ __device__ void ll_dispatch_body(const LLParams &p) {
         }
       }
     } else {
-      const int4 *src = (const int4 *)(x + (uint64_t)t * H);
-      for (uint32_t v = tid; v < H / 8; v += NTHR) {
-        int4 val = __ldcg(src + v);
+#pragma unroll
+      for (int j = 0; j < XV; j++) {
+        uint32_t v = tid + j * NTHR;
+        if (v >= H / 8) break;
+        int4 val = xb[j];
         for (uint32_t r = 0; r < R; r++) {
           if (sh_meta[r].n == 0) continue;
           ((int4 *)(peer_bank(p, r) + row_off))[v] = val;
@@ -331,8 +354,11 @@ __device__ void ll_dispatch_body(const LLParams &p) {
     __syncthreads();
   }
 
-  /* ---- signal every rank: this block's share has landed ---- */
-  __threadfence_system();
+  /* ---- signal every rank: this block's share has landed ----
+   * bar.sync orders every thread's stores before thread 0's system-scope fence (cumulativity), so one
+   * fence per block suffices; a fence in every thread serialises per warp and cost ~15 us. */
+  __syncthreads();
+  if (tid == 0) __threadfence_system();
   __syncthreads();
   if (tid < R) {
     uint64_t *f = (uint64_t *)(peer_bank(p, tid) + p.lay.dflag) + (uint64_t)rank * G + blockIdx.x;
@@ -405,7 +431,16 @@ __device__ void ll_dispatch_body(const LLParams &p) {
           const char *srow = xstg + (uint64_t)e.x * 2 * H;
           char *drow = recv_x + ((uint64_t)s * RM + e.y) * 2 * H;
           uint32_t nvec = fp8 ? H / 16 : H / 8;
-          for (uint32_t v = lane; v < nvec; v += 32) ((int4 *)drow)[v] = __ldcg((const int4 *)srow + v);
+          /* 8 loads in flight per lane before the stores (a load-store chain per vector is latency bound) */
+          for (uint32_t v0 = lane; v0 < nvec; v0 += 32 * 8) {
+            int4 buf[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+              if (v0 + j * 32 < nvec) buf[j] = __ldcg((const int4 *)srow + v0 + j * 32);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+              if (v0 + j * 32 < nvec) ((int4 *)drow)[v0 + j * 32] = buf[j];
+          }
           if (fp8)
             for (uint32_t v = lane; v < nsc; v += 32)
               recv_sc[((uint64_t)s * RM + e.y) * nsc + v] = __ldcg((const float *)(srow + H) + v);
@@ -481,14 +516,21 @@ __device__ void ll_combine_body(const LLParams &p) {
         int4 *dst = (int4 *)(peer_bank(p, src) + p.lay.cstg + ((uint64_t)rank * M + t) * 2 * H);
         for (uint32_t v = tid; v < nv; v += NTHR) {
           float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          for (int i = 0; i < n; i++) {
-            int4 yv = __ldcg(sh_row[i] + v);
-            float w = sh_w[i];
-            const uint32_t *yw = (const uint32_t *)&yv;
+          for (int i0 = 0; i0 < n; i0 += 8) {
+            int4 yv[8];
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-              acc[2 * j] += w * bf16_to_f(yw[j] & 0xffff);
-              acc[2 * j + 1] += w * bf16_to_f(yw[j] >> 16);
+            for (int i = 0; i < 8; i++)
+              if (i0 + i < n) yv[i] = __ldcg(sh_row[i0 + i] + v);
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+              if (i0 + i >= n) break;
+              float w = sh_w[i0 + i];
+              const uint32_t *yw = (const uint32_t *)&yv[i];
+#pragma unroll
+              for (int j = 0; j < 4; j++) {
+                acc[2 * j] += w * bf16_to_f(yw[j] & 0xffff);
+                acc[2 * j + 1] += w * bf16_to_f(yw[j] >> 16);
+              }
             }
           }
           int4 o;
@@ -503,7 +545,8 @@ __device__ void ll_combine_body(const LLParams &p) {
     }
   }
 
-  __threadfence_system();
+  __syncthreads();
+  if (tid == 0) __threadfence_system();
   __syncthreads();
   if (tid < R) {
     uint64_t *f = (uint64_t *)(peer_bank(p, tid) + p.lay.cflag) + (uint64_t)rank * G + blockIdx.x;
@@ -525,10 +568,14 @@ __device__ void ll_combine_body(const LLParams &p) {
       int4 *orow = (int4 *)(out + (uint64_t)t * H);
       for (uint32_t v = tid; v < nv; v += NTHR) {
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (uint32_t d = 0; d < R; d++) {
-          if (!((mask >> d) & 1)) continue;
-          int4 pv = __ldcg((const int4 *)(cstg + ((uint64_t)d * M + t) * 2 * H) + v);
-          const uint32_t *pw = (const uint32_t *)&pv;
+        int4 pvs[EPD_K_MAX_RANKS];
+#pragma unroll
+        for (uint32_t d = 0; d < EPD_K_MAX_RANKS; d++)
+          if (d < R && ((mask >> d) & 1)) pvs[d] = __ldcg((const int4 *)(cstg + ((uint64_t)d * M + t) * 2 * H) + v);
+#pragma unroll
+        for (uint32_t d = 0; d < EPD_K_MAX_RANKS; d++) {
+          if (d >= R || !((mask >> d) & 1)) continue;
+          const uint32_t *pw = (const uint32_t *)&pvs[d];
 #pragma unroll
           for (int j = 0; j < 4; j++) {
             acc[2 * j] += bf16_to_f(pw[j] & 0xffff);
