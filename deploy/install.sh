@@ -3,7 +3,7 @@
 # Usage: install.sh DESTDIR PREFIX   (B selects the build directory, default build)
 set -eu
 DESTDIR=${1:-}
-PREFIX=${2:-/usr/local}
+PREFIX=${2-/usr/local}
 B=${B:-build}
 root="$DESTDIR$PREFIX"
 install -d "$root/bin" "$root/lib/pkgconfig" "$root/include/epd" "$root/share/man/man1" \
