@@ -31,7 +31,7 @@ SAN := $(if $(filter 1,$(ASAN)),$(ASAN_FLAGS))
 CFLAGS_ALL := -std=gnu11 $(OPT) $(WARN) $(SAN) $(if $(filter 1,$(WERROR)),-Werror) -fPIC \
   -fvisibility=hidden -pthread -MMD -MP -Iclient -Idaemon -Ikernels -I$(B)/gen \
   -DEPD_VERSION='"$(VERSION)"' -DEPD_WITH_CUDA=$(WITH_CUDA)
-PKGS := grpc libprotobuf-c libuv libsystemd inih
+PKGS := grpc libprotobuf-c libuv libsystemd inih libmicrohttpd
 PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 CUDA_CFLAGS := $(if $(filter 1,$(WITH_CUDA)),-I$(CUDA_HOME)/include -I$(NCCL_HOME)/include)

@@ -1,6 +1,6 @@
 /*
  * main.c - the epd daemon: arguments, configuration, then the modules in dependency order
- * (log, conf, events, engine, rpc, attach, notify), the libuv loop, and the same in reverse.
+ * (log, conf, events, engine, rpc, http, attach, notify), the libuv loop, and the same in reverse.
  * SIGTERM/SIGINT and the Drain RPC drain (stop new work, wait for clients up to drain_timeout_ms) then
  * exit 0; SIGHUP reloads what can be reloaded. An init failure prints why and exits 1.
  */
@@ -22,6 +22,7 @@
 #include "conf.h"
 #include "engine.h"
 #include "events.h"
+#include "http.h"
 #include "log.h"
 #include "notify.h"
 #include "rpc.h"
@@ -352,16 +353,21 @@ int main(int argc, char **argv) {
     goto fail;
   }
   stage = 4;
+  if (epd_http_init(&d.conf, d.eng, &hooks, eerr, sizeof eerr) != 0) {
+    snprintf(err, sizeof err, "prometheus endpoint: %s", eerr);
+    goto fail;
+  }
+  stage = 5;
   if (epd_attach_init(&d.loop, &d.conf, d.eng, eerr, sizeof eerr) != 0) {
     snprintf(err, sizeof err, "attach socket: %s", eerr);
     goto fail;
   }
-  stage = 5;
+  stage = 6;
   if ((rc = epd_notify_init(&d.loop)) != 0) {
     snprintf(err, sizeof err, "watchdog timer: %s", uv_strerror(rc));
     goto fail;
   }
-  stage = 6;
+  stage = 7;
 
   atomic_store(&d.state, ST_READY);
   epd_rpc_set_serving(1);
@@ -385,8 +391,9 @@ fail:
   epd_notify_status("failed: %s", err);
   rc = 1;
 out:
-  if (stage >= 6) epd_notify_fini();
-  if (stage >= 5) epd_attach_fini();
+  if (stage >= 7) epd_notify_fini();
+  if (stage >= 6) epd_attach_fini();
+  if (stage >= 5) epd_http_fini();
   /* The RPC thread goes before the loop's handles: its Drain hook sends to the wake-up handle. */
   if (stage >= 4) epd_rpc_fini();
   if (stage >= 1) {

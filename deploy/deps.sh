@@ -2,7 +2,7 @@
 # Install the Debian/Ubuntu packages epd builds and tests with, when any is missing.
 set -e
 PKGS="build-essential pkg-config libuv1-dev libgrpc-dev libprotobuf-c-dev protobuf-c-compiler \
-libsystemd-dev libinih-dev grpc-proto python3 python3-grpcio python3-grpc-tools python3-protobuf \
+libsystemd-dev libinih-dev libmicrohttpd-dev grpc-proto python3 python3-grpcio python3-grpc-tools python3-protobuf \
 python3-numpy python3-pytest python3-prometheus-client prometheus systemd valgrind"
 missing=""
 for p in $PKGS; do
