@@ -136,7 +136,7 @@ test: deps
 	$(Q)$(TESTS)
 
 gpu-test: all
-	$(Q)$(GPU_TESTS)
+	$(Q)EPD_BUILD=$(B) EPD_SYSTEM_TESTS=tests/gpu $(GPU_TESTS)
 
 bench: all $(BENCH)
 	$(Q)bench/bench.sh

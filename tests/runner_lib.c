@@ -1,6 +1,7 @@
 /*
  * runner_lib.c - runs the registered tests and the system scripts, each in a child process with a
- * timeout, printing one line per test and a summary "N passed, N failed, N skipped".
+ * timeout, printing one line per test and a summary "N passed, N failed, N skipped". Scripts are the
+ * executable NN-name.sh / NN-name.py files of $EPD_SYSTEM_TESTS (default tests/system).
  * Usage: epd-tests [substring-filter...]   Exit status 0 iff nothing failed.
  */
 #define _GNU_SOURCE
@@ -75,7 +76,7 @@ static void add_scripts(const char *dir) {
     size_t len = strlen(nm);
     char path[512];
     snprintf(path, sizeof path, "%s/%s", dir, nm);
-    if (nm[0] != '.' && ((len > 3 && !strcmp(nm + len - 3, ".sh")) || (len > 3 && !strcmp(nm + len - 3, ".py"))) &&
+    if (nm[0] >= '0' && nm[0] <= '9' && ((len > 3 && !strcmp(nm + len - 3, ".sh")) || (len > 3 && !strcmp(nm + len - 3, ".py"))) &&
         access(path, X_OK) == 0 && ntests < MAX_TESTS) {
       test_entry_t *t = &tests[ntests++];
       snprintf(t->name, sizeof t->name, "system/%.*s", (int)(len - 3), nm);

@@ -1,9 +1,9 @@
 #!/bin/bash
-# e2e_cuda.sh - the real daemon with engine.backend=cuda on 2 GPUs and epd-worker processes checking
+# 50-e2e-cuda.sh - the real daemon with engine.backend=cuda on 2 GPUs and epd-worker processes checking
 # every LL step against the reference (BF16 and FP8, skewed routing, H 7168 x 256 experts x top-8 x 128
 # tokens), and a worker killed mid-step: its peer gets EPD_ERR_PEER/EPD_ERR_TIMEOUT naming rank 1, the
 # daemon keeps serving and a new client of that rank runs. Optionally under CUDA MPS (E2E_MPS=1).
-# Usage (repository root, on the GPU machine): bash tests/gpu/e2e_cuda.sh [build-dir]
+# Usage (repository root, on the GPU machine): bash tests/gpu/50-e2e-cuda.sh [build-dir]
 set -u
 B=${1:-${EPD_BUILD:-build}}
 EPD=$B/bin/epd
