@@ -1,17 +1,21 @@
 /*
  * epdctl - inspect and control a running epd daemon over its control socket.
  *   epdctl [-s socket] [--json] [--timeout MS] status|metrics|clients|config|experts [group]|
- *          set-map FILE|drain [--exit]|health [service]|watch [--count N]
+ *          set-map FILE|drain [--exit]|health [service]|watch [--count N]|
+ *          top [--iterations N] [--interval-ms MS]
  * Exit status 0 on success; 1 with the daemon's error text otherwise (health: 1 when not SERVING).
  */
 #define _GNU_SOURCE
 #include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "epd.h"
 #include "epd.pb-c.h"
@@ -38,6 +42,9 @@ static void usage(FILE *f) {
           "  drain [--exit]     refuse new attaches and steps; --exit: exit when the last client left\n"
           "  health [SERVICE]   grpc.health.v1 status (exit 1 unless SERVING)\n"
           "  watch [--count N]  print events as they happen (N: stop after N events)\n"
+          "  top [--iterations N] [--interval-ms MS]\n"
+          "                     live view: per-rank ops, ops/s, clients, op latency p50, last events\n"
+          "                     (N: stop after N frames; MS: refresh period, default 1000)\n"
           "socket: -s, else $EPD_SOCKET, else the daemon's default path\n");
 }
 
@@ -536,6 +543,182 @@ static int cmd_watch(epd_rpc_t *rpc, long count, int timeout_ms) {
   return r == EPD_OK ? 0 : 1;
 }
 
+/* ---- top: a live view from Watch (a thread on its own channel) and periodic GetStatus/GetMetrics --- */
+
+#define TOP_EVENTS 8
+#define TOP_MAX_RANKS 64
+
+static struct {
+  pthread_mutex_t lock;
+  char lines[TOP_EVENTS][256];
+  unsigned n;             /* events seen in all */
+  int ended;              /* the Watch stream ended (the daemon went away) */
+  const char *sock;
+} top = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static int top_on_event(void *arg, ProtobufCMessage *msg) {
+  (void)arg;
+  const Epd__V1__Event *e = (const Epd__V1__Event *)msg;
+  time_t t = (time_t)(e->time_ns / 1000000000ull);
+  struct tm tm;
+  char ts[32];
+  localtime_r(&t, &tm);
+  strftime(ts, sizeof ts, "%H:%M:%S", &tm);
+  pthread_mutex_lock(&top.lock);
+  snprintf(top.lines[top.n % TOP_EVENTS], sizeof top.lines[0], "%s.%03u %-11s group=%s rank=%d %s", ts,
+           (unsigned)(e->time_ns / 1000000ull % 1000), e->kind, e->group[0] ? e->group : "-", e->rank, e->message);
+  top.n++;
+  pthread_mutex_unlock(&top.lock);
+  return 0;
+}
+
+static void *top_watch(void *arg) {
+  (void)arg;
+  char werr[512];
+  epd_rpc_t *w = NULL;
+  if (epd_rpc_open(top.sock, 10000, &w, werr, sizeof werr) == EPD_OK) {
+    Epd__V1__WatchRequest q = EPD__V1__WATCH_REQUEST__INIT;
+    q.protocol_version = EPD_PROTOCOL_VERSION;
+    epd_rpc_stream(w, "/epd.v1.Control/Watch", &q.base, &epd__v1__event__descriptor, top_on_event, NULL, 0, werr,
+                   sizeof werr);
+    epd_rpc_close(w);
+  }
+  pthread_mutex_lock(&top.lock);
+  top.ended = 1;
+  pthread_mutex_unlock(&top.lock);
+  return NULL;
+}
+
+/* Value of the sample whose name and labels are exactly key (e.g. `epd_rank_ops_total{rank="0"}`); -1 if
+ * absent. The text is the builder's own output, one sample a line. */
+static double metric_value(const char *text, const char *key) {
+  size_t kl = strlen(key);
+  for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+    if (!strncmp(p, key, kl) && p[kl] == ' ') return strtod(p + kl + 1, NULL);
+  return -1;
+}
+
+/* Median of an op's latency histogram: the upper bound of the first bucket holding half the samples
+ * (Prometheus buckets are cumulative). Returns -1 without samples, INFINITY when past the last bound. */
+static double metric_p50(const char *text, const char *op, double *count) {
+  char key[160];
+  snprintf(key, sizeof key, "epd_op_latency_seconds_count{op=\"%s\",", op);
+  *count = 0;
+  for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+    if (!strncmp(p, key, strlen(key))) *count += strtod(strchr(p, ' ') + 1, NULL);
+  if (*count <= 0) return -1;
+  snprintf(key, sizeof key, "epd_op_latency_seconds_bucket{op=\"%s\",", op);
+  for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+    if (strncmp(p, key, strlen(key))) continue;
+    const char *le = strstr(p, "le=\""), *sp = strchr(p, ' ');
+    if (!le || !sp || strtod(sp + 1, NULL) < *count / 2) continue;
+    return strncmp(le + 4, "+Inf", 4) ? strtod(le + 4, NULL) : INFINITY;
+  }
+  return INFINITY;
+}
+
+static const char *fmt_secs(double s, char *buf, size_t len) {
+  if (s < 0)
+    snprintf(buf, len, "-");
+  else if (isinf(s))
+    snprintf(buf, len, ">max");
+  else if (s < 1e-3)
+    snprintf(buf, len, "%.1f us", s * 1e6);
+  else if (s < 1)
+    snprintf(buf, len, "%.2f ms", s * 1e3);
+  else
+    snprintf(buf, len, "%.2f s", s);
+  return buf;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static char *get_metrics_text(epd_rpc_t *rpc) {
+  Epd__V1__GetMetricsRequest q = EPD__V1__GET_METRICS_REQUEST__INIT;
+  q.protocol_version = EPD_PROTOCOL_VERSION;
+  ProtobufCMessage *rep = NULL;
+  if (epd_rpc_call(rpc, "/epd.v1.Control/GetMetrics", &q.base, &epd__v1__metrics_reply__descriptor, &rep, err,
+                   sizeof err) != EPD_OK)
+    return NULL;
+  char *t = strdup(((Epd__V1__MetricsReply *)rep)->text);
+  protobuf_c_message_free_unpacked(rep, NULL);
+  return t;
+}
+
+/* iterations 0: until interrupted. The screen is cleared between frames only on a terminal. */
+static int cmd_top(epd_rpc_t *rpc, const char *sock, long iterations, long interval_ms) {
+  static const char *const ops[] = {"ll_dispatch", "ll_combine", "ht_dispatch", "ht_combine"};
+  uint64_t prev_ops[TOP_MAX_RANKS] = {0};
+  double prev_t = 0;
+  int clear = isatty(STDOUT_FILENO) && !json;
+  pthread_t th;
+  top.sock = sock;
+  /* The Watch thread blocks in its stream; it is never joined: the process leaves with _exit below. */
+  if (pthread_create(&th, NULL, top_watch, NULL) != 0) {
+    snprintf(err, sizeof err, "cannot start the Watch thread");
+    return 1;
+  }
+  pthread_detach(th);
+  int rc = 0;
+  for (long it = 0; iterations <= 0 || it < iterations; it++) {
+    if (it) {
+      struct timespec ts = {interval_ms / 1000, (interval_ms % 1000) * 1000000L};
+      nanosleep(&ts, NULL);
+    }
+    Epd__V1__StatusReply *s = get_status(rpc);
+    char *m = s ? get_metrics_text(rpc) : NULL;
+    if (!s || !m) {
+      if (s) protobuf_c_message_free_unpacked(&s->base, NULL);
+      rc = 1;
+      break;
+    }
+    double t = now_s(), dt = it ? t - prev_t : 0;
+    if (clear) printf("\033[H\033[2J");
+    printf("epd %s  backend %s  mode %s  state %s%s  uptime %.1f s  clients %zu  groups %zu  [%ld]\n", s->version,
+           s->backend, s->engine_mode, s->state, s->draining ? " (draining)" : "", (double)s->uptime_ms / 1e3,
+           s->n_clients, s->n_groups, it + 1);
+    printf("%4s %7s %12s %10s %10s %8s %7s\n", "RANK", "CLIENTS", "OPS", "OPS/S", "BUFFERS", "TIMEOUTS", "ERRORS");
+    for (size_t i = 0; i < s->n_ranks; i++) {
+      const Epd__V1__RankStatus *r = s->ranks[i];
+      char key[96], hb[32], rate[32] = "-";
+      snprintf(key, sizeof key, "epd_timeouts_total{rank=\"%d\"}", r->rank);
+      double to = metric_value(m, key);
+      snprintf(key, sizeof key, "epd_rank_errors_total{rank=\"%d\"}", r->rank);
+      double er = metric_value(m, key);
+      if (i < TOP_MAX_RANKS) {
+        if (dt > 0) snprintf(rate, sizeof rate, "%.1f", (double)(r->ops - prev_ops[i]) / dt);
+        prev_ops[i] = r->ops;
+      }
+      printf("%4d %7u %12" PRIu64 " %10s %10s %8.0f %7.0f\n", r->rank, r->clients, r->ops, rate,
+             human_bytes(r->buffer_bytes, hb, sizeof hb), to, er);
+    }
+    printf("%-12s %10s %10s\n", "OP", "COUNT", "P50");
+    for (size_t k = 0; k < sizeof ops / sizeof ops[0]; k++) {
+      double cnt, p50 = metric_p50(m, ops[k], &cnt);
+      char b[32];
+      printf("%-12s %10.0f %10s\n", ops[k], cnt, fmt_secs(p50, b, sizeof b));
+    }
+    pthread_mutex_lock(&top.lock);
+    unsigned n = top.n, first = n > TOP_EVENTS ? n - TOP_EVENTS : 0;
+    printf("events: %u%s\n", n, top.ended ? " (watch stream ended)" : "");
+    for (unsigned e = first; e < n; e++) printf("  %s\n", top.lines[e % TOP_EVENTS]);
+    pthread_mutex_unlock(&top.lock);
+    if (!clear) printf("\n");
+    fflush(stdout);
+    prev_t = t;
+    free(m);
+    protobuf_c_message_free_unpacked(&s->base, NULL);
+  }
+  if (rc) fprintf(stderr, "epdctl: %s\n", err);
+  fflush(stdout);
+  fflush(stderr);
+  _exit(rc);
+}
+
 int main(int argc, char **argv) {
   const char *sock = NULL;
   int timeout_ms = 10000, timeout_set = 0, i = 1;
@@ -567,7 +750,7 @@ int main(int argc, char **argv) {
   /* Command options may follow the command too (`epdctl status --json`). */
   const char *pos[4] = {0};
   int npos = 0, exit_flag = 0;
-  long count = 0;
+  long count = 0, iterations = 0, interval_ms = 1000;
   for (; i < argc; i++) {
     if (!strcmp(argv[i], "--json"))
       json = 1;
@@ -575,7 +758,15 @@ int main(int argc, char **argv) {
       exit_flag = 1;
     else if (!strcmp(argv[i], "--count") && i + 1 < argc)
       count = atol(argv[++i]);
-    else if (!strcmp(argv[i], "--group") && i + 1 < argc)
+    else if (!strcmp(argv[i], "--iterations") && i + 1 < argc)
+      iterations = atol(argv[++i]);
+    else if (!strcmp(argv[i], "--interval-ms") && i + 1 < argc) {
+      interval_ms = atol(argv[++i]);
+      if (interval_ms < 10 || interval_ms > 3600000) {
+        fprintf(stderr, "epdctl: --interval-ms must be 10..3600000\n");
+        return 2;
+      }
+    } else if (!strcmp(argv[i], "--group") && i + 1 < argc)
       pos[3] = argv[++i];
     else if (npos < 2)
       pos[npos++] = argv[i];
@@ -585,7 +776,7 @@ int main(int argc, char **argv) {
     }
   }
   static const char *const known[] = {"status", "metrics", "clients", "config", "experts",
-                                      "set-map", "drain", "health", "watch"};
+                                      "set-map", "drain", "health", "watch", "top"};
   int ok = 0;
   for (size_t k = 0; k < sizeof known / sizeof known[0]; k++) ok |= !strcmp(cmd, known[k]);
   if (!ok) {
@@ -615,6 +806,8 @@ int main(int argc, char **argv) {
     rc = cmd_drain(rpc, exit_flag);
   else if (!strcmp(cmd, "health"))
     rc = cmd_health(rpc, pos[0]);
+  else if (!strcmp(cmd, "top"))
+    rc = cmd_top(rpc, sock, iterations, interval_ms);
   else
     rc = cmd_watch(rpc, count, timeout_set ? timeout_ms : 0);
   if (rc) fprintf(stderr, "epdctl: %s\n", err);
