@@ -14,7 +14,12 @@ install -m 0755 "$B/lib/libepd.so" "$root/lib/libepd.so.1"
 ln -sf libepd.so.1 "$root/lib/libepd.so"
 install -m 0644 client/epd.h client/epd_abi.h "$root/include/epd/"
 [ -f client/epd_device.h ] && install -m 0644 client/epd_device.h "$root/include/epd/"
-install -m 0644 "$B/epd.pc" "$root/lib/pkgconfig/epd.pc"
+# The pkg-config file is made here rather than copied from $B: that copy carries the PREFIX `make all` ran
+# with, not this one. An empty PREFIX (make dist) gives a relocatable file, relative to where it lies.
+version=$(sed -n 's/^Version: *//p' "$B/epd.pc")
+pcprefix=${PREFIX:-'${pcfiledir}/../..'}
+sed -e "s|@PREFIX@|$pcprefix|g" -e "s|@VERSION@|${version:-0.0.0}|g" client/epd.pc.in > "$root/lib/pkgconfig/epd.pc"
+chmod 0644 "$root/lib/pkgconfig/epd.pc"
 [ -f "$DESTDIR/etc/epd/epd.conf" ] || install -m 0644 config/epd.conf "$DESTDIR/etc/epd/epd.conf"
 for u in deploy/*.service; do
   sed "s|/usr/bin/epd|$PREFIX/bin/epd|g" "$u" > "$root/lib/systemd/system/$(basename "$u")"
