@@ -128,6 +128,7 @@ static void make_inputs(void) {
       for (int s = 0; s < S_; s++)
         CU(cudaMemcpy((char *)llh_buf(&H, r, set, EPD_BUF_LL_Y) + s * RM * rowb, y, 64 * rowb, cudaMemcpyHostToDevice));
       free(y);
+      CU(cudaDeviceSynchronize()); /* legacy-stream copies do not order against the non-blocking streams */
     }
   free(x);
   free(w);
@@ -311,6 +312,52 @@ static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_
   }
 }
 
+
+/* Phase profile from in-kernel %globaltimer stamps of block 0 (rank 0), medians over iterations. */
+static void trace_run(uint32_t T, uint32_t flags, FILE *out) {
+  enum { NI = 100 };
+  static double ph[2][8][NI];
+  uint64_t *tr[NR];
+  for (int r = 0; r < NR; r++) {
+    CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+    CU(cudaMalloc((void **)&tr[r], 2 * 8 * sizeof(uint64_t)));
+  }
+  for (int it = -10; it < NI; it++) {
+    uint32_t bank = (uint32_t)(it + 10) & 1;
+    gate_all();
+    for (int opi = 0; opi < 2; opi++)
+      for (int r = 0; r < NR; r++) {
+        CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+        epd_k_ll_op_t op;
+        memset(&op, 0, sizeof op);
+        op.op = opi ? EPD_OP_LL_COMBINE : EPD_OP_LL_DISPATCH;
+        op.flags = flags;
+        op.num_tokens = T;
+        op.bank = bank;
+        op.timeout_ns = 1000000000ull;
+        op.map = H.map_dev[r];
+        op.comp = H.comp[r] + opi;
+        op.trace = tr[r] + 8 * opi;
+        if (epd_k_ll_launch(H.k[r], &H.ar[r], &op, H.st[r], H.err, sizeof H.err)) DIE("%s", H.err);
+      }
+    gate_open();
+    if (llh_sync(&H, 3)) DIE("%s", H.err);
+    if (it < 0) continue;
+    uint64_t h[16];
+    CU(cudaSetDevice(epd_cc_device(H.cc, 0)));
+    CU(cudaMemcpy(h, tr[0], sizeof h, cudaMemcpyDeviceToHost));
+    for (int opi = 0; opi < 2; opi++)
+      for (int i = 1; i < 8; i++) ph[opi][i][it] = (double)(h[8 * opi + i] - h[8 * opi + (i == 7 ? 0 : i - 1)]) / 1e3;
+  }
+  static const char *nm[8] = {"", "send", "fence", "flag", "wait", "recv", "finish", "total(last blk)"};
+  for (int opi = 0; opi < 2; opi++) {
+    fprintf(out, "trace T=%u %s %s:", T, flags ? "fp8" : "bf16", opi ? "combine" : "dispatch");
+    for (int i = 1; i < 8; i++) fprintf(out, " %s %.2f", nm[i], stats(ph[opi][i], NI).p50);
+    fprintf(out, "\n");
+  }
+  for (int r = 0; r < NR; r++) cudaFree(tr[r]);
+}
+
 int main(int argc, char **argv) {
   const char *outdir = argc > 1 ? argv[1] : ".";
   if (llh_gpus() < NR) {
@@ -337,6 +384,11 @@ int main(int argc, char **argv) {
   time_t tnow = time(NULL);
   strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", gmtime(&tnow));
 
+  if (getenv("EPD_BENCH_TRACE")) {
+    trace_run(1, EPD_DESC_FP8, stdout);
+    trace_run(128, EPD_DESC_FP8, stdout);
+    trace_run(128, 0, stdout);
+  }
   /* main setting */
   stat3_t d8, c8, d16, c16, e2e8, e2e16;
   kernel_times(M_, EPD_DESC_FP8, &d8, &c8);

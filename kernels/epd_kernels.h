@@ -108,6 +108,8 @@ typedef struct epd_k_ll_op {
   const void *map;     /* dispatch: device expert-map table (epd_k_map_pack) */
   uint64_t *slot_tokens; /* dispatch, optional (NULL): per local slot [S], += tokens received on success */
   epd_comp_t *comp;    /* device completion record written by the op (status, peer, num_recv, map_version) */
+  uint64_t *trace;     /* optional (NULL): 8 %globaltimer stamps of block 0 (start, sent, fenced, flagged,
+                        * arrived, received, done) and [7] the last block's completion (profiling) */
 } epd_k_ll_op_t;
 
 /* Launch one LL op on `stream` for this rank. Host-side checks (bank, op, num_tokens range, NULL

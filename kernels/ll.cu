@@ -75,6 +75,7 @@ struct LLParams {
   const uint32_t *map;
   uint64_t *slot_tokens;
   epd_comp_t *comp;
+  uint64_t *trace;
   epd_k_arena_t arena;
 };
 
@@ -90,8 +91,12 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t *p) {
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void st_release_sys(uint64_t *p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#define TRACE(i)                                                              \
+  do {                                                                        \
+    if (p.trace && blockIdx.x == 0 && threadIdx.x == 0) p.trace[i] = gtimer(); \
+  } while (0)
+__device__ __forceinline__ void st_relaxed_sys(uint64_t *p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 /* Base of bank b of rank `peer`'s LL area (peer == rank gives the local address). */
@@ -170,6 +175,7 @@ __device__ void finish_block(const LLParams &p, BankState *st, int opi, uint32_t
                              uint32_t add_total, int is_dispatch) {
   __syncthreads();
   if (threadIdx.x != 0) return;
+  if (p.trace && blockIdx.x == 0) p.trace[6] = gtimer();
   if (add_total) atomicAdd(&st->total, add_total);
   if (code != 0 && atomicCAS(&st->err[opi], 0, code) == 0) atomicExch(&st->errpeer[opi], peer);
   st->seq[opi][blockIdx.x] = seq;
@@ -187,6 +193,7 @@ __device__ void finish_block(const LLParams &p, BankState *st, int opi, uint32_t
   st->err[opi] = 0;
   st->errpeer[opi] = -1;
   st->done[opi] = 0;
+  if (p.trace) p.trace[7] = gtimer();
   volatile epd_comp_t *comp = p.comp;
   if (comp) {
     comp->status = c;
@@ -202,8 +209,7 @@ __device__ void finish_block(const LLParams &p, BankState *st, int opi, uint32_t
  * ------------------------------------------------------------------------------------------------- */
 __device__ void ll_dispatch_body(const LLParams &p) {
   __shared__ Meta sh_meta[EPD_K_MAX_RANKS];
-  __shared__ uint32_t sh_err, sh_seq;
-  __shared__ uint64_t sh_deadline;
+  __shared__ uint32_t sh_err;
   __shared__ WaitResult wr;
   __shared__ uint32_t sh_wc[NWARP];
   __shared__ int2 sh_list[NTHR];
@@ -215,13 +221,12 @@ __device__ void ll_dispatch_body(const LLParams &p) {
   char *lb = local_bank(p);
   BankState *st = (BankState *)(lb + p.lay.st);
 
-  if (tid == 0) {
-    sh_err = 0;
-    sh_seq = st->seq[0][blockIdx.x] + 1;
-    sh_deadline = gtimer() + p.timeout_ns;
-  }
+  /* seq and the deadline are per-thread registers: their loads overlap the send instead of delaying it */
+  const uint32_t seq = st->seq[0][blockIdx.x] + 1;
+  const uint64_t deadline = gtimer() + p.timeout_ns;
+  if (tid == 0) sh_err = 0;
   __syncthreads();
-  const uint32_t seq = sh_seq;
+  TRACE(0);
   uint32_t T = p.T;
   if (T > M) {
     T = 0;
@@ -276,13 +281,18 @@ __device__ void ll_dispatch_body(const LLParams &p) {
           valid = false;
           bad = true;
         } else {
-          uint32_t nrep = map_nrep[e];
+          uint32_t nrep = __ldcg(map_nrep + e), reps[EPD_K_MAX_REPLICAS];
+#pragma unroll
+          for (int j = 0; j < EPD_K_MAX_REPLICAS; j++) reps[j] = __ldcg(map_rep + (uint64_t)e * EPD_K_MAX_REPLICAS + j);
           if (nrep == 0 || nrep > EPD_K_MAX_REPLICAS) {
             valid = false;
             atomicOr(&sh_err, ERRB_BAD_MAP);
           } else {
             uint32_t i = (uint32_t)(((uint64_t)rank * M + t) % nrep);
-            uint32_t rep = map_rep[(uint64_t)e * EPD_K_MAX_REPLICAS + i];
+            uint32_t rep = reps[0];
+#pragma unroll
+            for (int j = 1; j < EPD_K_MAX_REPLICAS; j++)
+              if ((uint32_t)j == i) rep = reps[j];
             d = rep >> 16;
             s = rep & 0xffffu;
             if (d >= R || s >= S) {
@@ -358,15 +368,19 @@ __device__ void ll_dispatch_body(const LLParams &p) {
    * bar.sync orders every thread's stores before thread 0's system-scope fence (cumulativity), so one
    * fence per block suffices; a fence in every thread serialises per warp and cost ~15 us. */
   __syncthreads();
-  if (tid == 0) __threadfence_system();
-  __syncthreads();
-  if (tid < R) {
-    uint64_t *f = (uint64_t *)(peer_bank(p, tid) + p.lay.dflag) + (uint64_t)rank * G + blockIdx.x;
-    st_release_sys(f, ((uint64_t)seq << 32) | ((uint64_t)(sh_err & 0xffu) << 24) | (uint64_t)T);
+  TRACE(1);
+  if (tid == 0) {
+    __threadfence_system(); /* with the relaxed stores below: a release pattern of thread 0 */
+    TRACE(2);
+    uint64_t v = ((uint64_t)seq << 32) | ((uint64_t)(sh_err & 0xffu) << 24) | (uint64_t)T;
+    for (uint32_t r = 0; r < R; r++)
+      st_relaxed_sys((uint64_t *)(peer_bank(p, r) + p.lay.dflag) + (uint64_t)rank * G + blockIdx.x, v);
   }
 
+  TRACE(3);
   /* ---- receive: wait for every block of every rank ---- */
-  wait_flags(p, (const uint64_t *)(lb + p.lay.dflag), seq, sh_deadline, &wr);
+  wait_flags(p, (const uint64_t *)(lb + p.lay.dflag), seq, deadline, &wr);
+  TRACE(4);
   int code, peer;
   wait_status(p, &wr, &code, &peer);
   uint32_t block_total = 0;
@@ -455,6 +469,7 @@ __device__ void ll_dispatch_body(const LLParams &p) {
       block_total += base;
     }
   }
+  TRACE(5);
   finish_block(p, st, 0, seq, code, peer, block_total, 1);
 }
 
@@ -462,21 +477,17 @@ __device__ void ll_dispatch_body(const LLParams &p) {
  * Combine body.
  * ------------------------------------------------------------------------------------------------- */
 __device__ void ll_combine_body(const LLParams &p) {
-  __shared__ uint32_t sh_seq;
-  __shared__ uint64_t sh_deadline;
   __shared__ WaitResult wr;
-  __shared__ const int4 *sh_row[KMAX];
-  __shared__ float sh_w[KMAX];
-  __shared__ int sh_n;
   __shared__ uint32_t sh_tstart[EPD_K_MAX_RANKS + 1];
 
   const uint32_t R = p.R, H = p.H, M = p.M, G = p.G, rank = p.rank;
   const uint32_t tid = threadIdx.x;
   char *lb = local_bank(p);
   BankState *st = (BankState *)(lb + p.lay.st);
+  const uint32_t seq = st->seq[1][blockIdx.x] + 1;
+  const uint64_t deadline = gtimer() + p.timeout_ns;
+  const uint32_t lane = tid & 31, warp = tid >> 5;
   if (tid == 0) {
-    sh_seq = st->seq[1][blockIdx.x] + 1;
-    sh_deadline = gtimer() + p.timeout_ns;
     uint32_t a = 0;
     const uint32_t *rtok = (const uint32_t *)(lb + p.lay.rtok);
     for (uint32_t r = 0; r < R; r++) {
@@ -486,7 +497,7 @@ __device__ void ll_combine_body(const LLParams &p) {
     sh_tstart[R] = a;
   }
   __syncthreads();
-  const uint32_t seq = sh_seq;
+  TRACE(0);
   const int derr = st->derr;
   const uint64_t RM = (uint64_t)R * M;
   const uint32_t nv = H / 8;
@@ -497,64 +508,87 @@ __device__ void ll_combine_body(const LLParams &p) {
     const int32_t *cpos = (const int32_t *)(lb + p.lay.cpos);
     const char *y = arena_buf<char>(p, EPD_BUF_LL_Y);
     const uint32_t N = sh_tstart[R];
-    for (uint32_t u = blockIdx.x; u < N; u += G) {
+    /* work items of (received token, 64-vector chunk of H), one per warp: a token's meta, rows and
+     * weights are loaded by the lanes in parallel, then 2 x n rows of loads are in flight per lane */
+    constexpr uint32_t CH = 64;
+    const uint32_t nchunk = (nv + CH - 1) / CH;
+    const uint32_t nitems = N * nchunk;
+    for (uint32_t item = blockIdx.x * NWARP + warp; item < nitems; item += G * NWARP) {
+      uint32_t u = item / nchunk, c = item % nchunk;
       uint32_t src = 0;
       while (src + 1 < R && u >= sh_tstart[src + 1]) src++;
       uint32_t t = u - sh_tstart[src];
       const Meta *m = meta + (uint64_t)src * M + t;
-      if (tid == 0) sh_n = min(__ldcg(&m->n), KMAX);
-      __syncthreads();
-      int n = sh_n;
-      if (n > 0) {
-        if (tid < (uint32_t)n) {
-          uint32_t s = (uint16_t)__ldcg((const short *)&m->slot[tid]);
-          int32_t pos = cpos[((uint64_t)src * M + t) * KMAX + tid];
-          sh_row[tid] = (const int4 *)(y + ((uint64_t)s * RM + pos) * 2 * H);
-          sh_w[tid] = __ldcg(&m->w[tid]);
+      int n = __ldcg(&m->n);
+      uint32_t s_l = lane < KMAX ? (uint32_t)(uint16_t)__ldcg((const short *)&m->slot[lane]) : 0u;
+      float w_l = lane < KMAX ? __ldcg(&m->w[lane]) : 0.f;
+      int32_t pos_l = lane < KMAX ? __ldcg(cpos + ((uint64_t)src * M + t) * KMAX + lane) : 0;
+      n = min(n, KMAX);
+      if (n <= 0) continue;
+      const uint32_t vbeg = c * CH, vend = min(vbeg + CH, nv);
+      float acc[2][8];
+#pragma unroll
+      for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[h][j] = 0.f;
+      for (int i0 = 0; i0 < n; i0 += 8) {
+        int4 yv[8][2];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+          int ii = i0 + i;
+          uint32_t s_i = __shfl_sync(0xffffffffu, s_l, ii & 31);
+          int32_t p_i = __shfl_sync(0xffffffffu, pos_l, ii & 31);
+          const int4 *row = (const int4 *)(y + ((uint64_t)s_i * RM + p_i) * 2 * H);
+#pragma unroll
+          for (int h = 0; h < 2; h++) {
+            uint32_t v = vbeg + lane + h * 32;
+            if (ii < n && v < vend) yv[i][h] = __ldcg(row + v);
+          }
         }
-        __syncthreads();
-        int4 *dst = (int4 *)(peer_bank(p, src) + p.lay.cstg + ((uint64_t)rank * M + t) * 2 * H);
-        for (uint32_t v = tid; v < nv; v += NTHR) {
-          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          for (int i0 = 0; i0 < n; i0 += 8) {
-            int4 yv[8];
 #pragma unroll
-            for (int i = 0; i < 8; i++)
-              if (i0 + i < n) yv[i] = __ldcg(sh_row[i0 + i] + v);
+        for (int i = 0; i < 8; i++) {
+          int ii = i0 + i;
+          float w = __shfl_sync(0xffffffffu, w_l, ii & 31);
+          if (ii >= n) break;
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-              if (i0 + i >= n) break;
-              float w = sh_w[i0 + i];
-              const uint32_t *yw = (const uint32_t *)&yv[i];
+          for (int h = 0; h < 2; h++) {
+            const uint32_t *yw = (const uint32_t *)&yv[i][h];
 #pragma unroll
-              for (int j = 0; j < 4; j++) {
-                acc[2 * j] += w * bf16_to_f(yw[j] & 0xffff);
-                acc[2 * j + 1] += w * bf16_to_f(yw[j] >> 16);
-              }
+            for (int j = 0; j < 4; j++) {
+              acc[h][2 * j] += w * bf16_to_f(yw[j] & 0xffff);
+              acc[h][2 * j + 1] += w * bf16_to_f(yw[j] >> 16);
             }
           }
-          int4 o;
-          o.x = (int)pack_bf16x2(acc[0], acc[1]);
-          o.y = (int)pack_bf16x2(acc[2], acc[3]);
-          o.z = (int)pack_bf16x2(acc[4], acc[5]);
-          o.w = (int)pack_bf16x2(acc[6], acc[7]);
-          dst[v] = o;
         }
       }
-      __syncthreads();
+      int4 *dst = (int4 *)(peer_bank(p, src) + p.lay.cstg + ((uint64_t)rank * M + t) * 2 * H);
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        uint32_t v = vbeg + lane + h * 32;
+        if (v >= vend) continue;
+        int4 o;
+        o.x = (int)pack_bf16x2(acc[h][0], acc[h][1]);
+        o.y = (int)pack_bf16x2(acc[h][2], acc[h][3]);
+        o.z = (int)pack_bf16x2(acc[h][4], acc[h][5]);
+        o.w = (int)pack_bf16x2(acc[h][6], acc[h][7]);
+        dst[v] = o;
+      }
     }
   }
 
   __syncthreads();
-  if (tid == 0) __threadfence_system();
-  __syncthreads();
-  if (tid < R) {
-    uint64_t *f = (uint64_t *)(peer_bank(p, tid) + p.lay.cflag) + (uint64_t)rank * G + blockIdx.x;
-    st_release_sys(f, (uint64_t)seq << 32);
+  TRACE(1);
+  if (tid == 0) {
+    __threadfence_system();
+    TRACE(2);
+    for (uint32_t r = 0; r < R; r++)
+      st_relaxed_sys((uint64_t *)(peer_bank(p, r) + p.lay.cflag) + (uint64_t)rank * G + blockIdx.x, (uint64_t)seq << 32);
   }
 
+  TRACE(3);
   /* ---- source side: sum the partials of each of my tokens in f32 ---- */
-  wait_flags(p, (const uint64_t *)(lb + p.lay.cflag), seq, sh_deadline, &wr);
+  wait_flags(p, (const uint64_t *)(lb + p.lay.cflag), seq, deadline, &wr);
+  TRACE(4);
   int code, peer;
   wait_status(p, &wr, &code, &peer);
   if (code == 0 && derr != 0) code = EPD_ERR_STATE;
@@ -591,6 +625,7 @@ __device__ void ll_combine_body(const LLParams &p) {
       }
     }
   }
+  TRACE(5);
   finish_block(p, st, 1, seq, code, peer, 0, 0);
 }
 
@@ -810,6 +845,7 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
   p.map = (const uint32_t *)op->map;
   p.slot_tokens = op->slot_tokens;
   p.comp = op->comp;
+  p.trace = op->trace;
   p.arena = *arena;
   if (op->num_tokens > 0xffffffu) p.T = 0xffffffu;
   if (op->op == EPD_OP_LL_DISPATCH)

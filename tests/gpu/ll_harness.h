@@ -135,6 +135,7 @@ static int llh_set_map(llh_t *h, const void *img) {
     cudaSetDevice(epd_cc_device(h->cc, r));
     if (cudaMemcpy(h->map_dev[r], img, epd_k_map_bytes(h->g.num_experts), cudaMemcpyHostToDevice) != cudaSuccess)
       return EPD_ERR_CUDA;
+    if (cudaDeviceSynchronize() != cudaSuccess) return EPD_ERR_CUDA; /* legacy-stream copy vs our streams */
   }
   return 0;
 }

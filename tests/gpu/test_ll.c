@@ -117,6 +117,9 @@ static void upload(unsigned bank) {
     CUCK(cudaMemset(llh_buf(h, r, bank, EPD_BUF_LL_RECV_COUNT), 0xff, S * 4));
     CUCK(cudaMemset(llh_buf(h, r, bank, EPD_BUF_LL_RECV_SRC), 0xff, (size_t)S * RM * 4));
     CUCK(cudaMemset(llh_buf(h, r, bank, EPD_BUF_OUT), 0x7f, (size_t)M * H * 2));
+    /* cudaMemset and pageable cudaMemcpy run on the legacy stream, which does not order against the
+     * kernels' non-blocking streams: finish them before any launch */
+    CUCK(cudaDeviceSynchronize());
   }
 }
 
@@ -202,6 +205,7 @@ static void run_combine_check(unsigned bank) {
         yr[i] = epd_f32_to_bf16((float)((epd_ref_rand(&rng_state) >> 40) / 16777216.0 * 4.0 - 2.0));
       CUCK(cudaMemcpy((uint16_t *)llh_buf(h, r, bank, EPD_BUF_LL_Y) + s * RM * H, yr, (size_t)n * H * 2, cudaMemcpyHostToDevice));
     }
+    CUCK(cudaDeviceSynchronize());
   }
   CK(llh_launch(h, 3, EPD_OP_LL_COMBINE, bank, NULL, 0, 5000000000ull));
   CK(llh_sync(h, 3));
