@@ -15,6 +15,7 @@
  * Sweeps tokens 1..128. Writes JSON and a Markdown table to the directory of argv[1] (default ".").
  * Exits 77 without 2 GPUs.
  */
+#if EPD_WITH_CUDA
 #define _GNU_SOURCE
 #include <math.h>
 #include <stdio.h>
@@ -489,3 +490,11 @@ int main(int argc, char **argv) {
   llh_destroy(&H);
   return 0;
 }
+
+#else /* !EPD_WITH_CUDA */
+#include <stdio.h>
+int main(void) {
+  fprintf(stderr, "bench_ll: built without CUDA, skipping\n");
+  return 77;
+}
+#endif

@@ -117,6 +117,15 @@ typedef struct epd_k_ll_op {
  * outcomes (bad expert id, timeout) land in op->comp. */
 epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const epd_k_ll_op_t *op,
                              void *stream, char *err, size_t errlen);
+/* Persistent mode (needs CUDA MPS when clients share the GPU): launch a kernel of `blocks` blocks that
+ * serves one client queue: it runs every SUBMITTED slot in ring order from first_slot (dispatch/combine
+ * with this arena and map; other ops complete with EPD_ERR_INVALID), writes the slot's completion
+ * (status, peer, num_recv, map_version, user_tag) and sets the slot DONE (release, system scope). It
+ * returns when *stop (device-visible memory, e.g. host-mapped) is non-zero while it is idle. */
+epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map,
+                                        epd_queue_t *queue, const uint32_t *stop, uint32_t first_slot,
+                                        uint64_t timeout_ns, void *stream);
+
 /* Conveniences around epd_k_ll_launch. */
 epd_result_t epd_k_ll_dispatch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map,
                                uint32_t bank, uint32_t num_tokens, uint32_t flags, epd_comp_t *comp,
@@ -130,6 +139,56 @@ epd_result_t epd_k_gate(const uint32_t *flag, uint32_t value, uint64_t timeout_n
 
 /* The geometry a context was created with. */
 const epd_k_ll_geom_t *epd_k_ll_geom(const epd_k_ll_t *k);
+
+/* ---- HT (high-throughput) data path: docs/SEMANTICS.md "HT dispatch"/"HT combine" ----
+ * Per rank of a node-local (LSA) team: an HT staging window (epd_k_ht_window_bytes: capacity rows of
+ * incoming tokens per bank, plus max_tokens combine rows per peer) registered like the LL one; the
+ * client arena as for LL (kinds X, TOPK_IDX, TOPK_WEIGHTS, HT_RECV_*, HT_Y, OUT). A dispatch is three
+ * stream-ordered kernels (route, plan with the count exchange, data on `blocks` SMs); a combine one.
+ * Timeouts, sequence numbers and recovery (epd_k_ht_reset on every quiescent rank) are as for LL. */
+typedef struct epd_k_ht_geom {
+  uint32_t num_ranks;      /* R: ranks of the team (= LSA team), 1..EPD_K_MAX_RANKS */
+  uint32_t rank;           /* this rank's index in the team */
+  uint32_t num_experts;    /* E */
+  uint32_t hidden;         /* H: a multiple of 128, <= EPD_K_MAX_HIDDEN */
+  uint32_t topk;           /* K: 1..EPD_K_MAX_TOPK */
+  uint32_t max_tokens;     /* M: tokens per rank per step, <= EPD_K_HT_MAX_TOKENS */
+  uint32_t slots_per_rank; /* S */
+  uint32_t capacity;       /* C: receive rows per rank (overflow: EPD_ERR_OVERFLOW on every rank) */
+  uint32_t blocks;         /* CUDA blocks (SMs) of the data kernels; 0: EPD_K_HT_BLOCKS */
+} epd_k_ht_geom_t;
+
+typedef struct epd_k_ht epd_k_ht_t;
+
+/* Bytes of the HT staging window for this geometry (both banks), a multiple of 4096. */
+size_t epd_k_ht_window_bytes(const epd_k_ht_geom_t *g);
+/* Bind the HT kernels of one rank to its staging window (collective over lsa_comm, like
+ * epd_k_ll_create). Zeroes the HT control state (synchronously). */
+epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm,
+                             struct ncclWindow_vidmem *window, void *window_local, size_t window_offset,
+                             epd_k_ht_t **out, char *err, size_t errlen);
+void epd_k_ht_destroy(epd_k_ht_t *k);
+/* Zero flags and sequence numbers, stream-ordered (every rank quiescent, then every rank). */
+epd_result_t epd_k_ht_reset(epd_k_ht_t *k, void *stream);
+const epd_k_ht_geom_t *epd_k_ht_geom(const epd_k_ht_t *k);
+
+/* Parameters of one HT op (fields as epd_k_ll_op_t). comp->num_recv: rows received (on overflow: the
+ * rows this rank would need). */
+typedef struct epd_k_ht_op {
+  uint32_t op;         /* EPD_OP_HT_DISPATCH or EPD_OP_HT_COMBINE */
+  uint32_t flags;      /* dispatch: EPD_DESC_FP8 */
+  uint32_t num_tokens; /* dispatch */
+  uint32_t bank;       /* a combine uses its dispatch's bank */
+  uint64_t timeout_ns; /* per wait; 0: EPD_K_DEFAULT_TIMEOUT_NS */
+  const void *map;     /* dispatch: device expert-map table */
+  uint64_t *slot_tokens; /* dispatch, optional: per local slot [S], += (j, k) entries received */
+  epd_comp_t *comp;    /* device completion record */
+} epd_k_ht_op_t;
+
+/* Launch one HT op on `stream`: host checks return EPD_ERR_INVALID, launch failures EPD_ERR_CUDA;
+ * device outcomes land in op->comp. */
+epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const epd_k_ht_op_t *op, void *stream,
+                             char *err, size_t errlen);
 
 #ifdef __cplusplus
 }

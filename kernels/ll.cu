@@ -76,6 +76,8 @@ struct LLParams {
   uint64_t *slot_tokens;
   epd_comp_t *comp;
   uint64_t *trace;
+  uint32_t *done_state; /* persistent mode: the slot state word set to EPD_SLOT_DONE by the last block */
+  uint64_t user_tag;
   epd_k_arena_t arena;
 };
 
@@ -199,9 +201,13 @@ __device__ void finish_block(const LLParams &p, BankState *st, int opi, uint32_t
     comp->status = c;
     comp->peer = c ? pe : -1;
     if (is_dispatch) comp->num_recv = c ? 0u : total;
-    if (is_dispatch && p.map) comp->map_version = p.map[0];
+    if (is_dispatch && p.map) comp->map_version = __ldcg(p.map);
+    if (p.done_state) comp->user_tag = p.user_tag;
   }
   __threadfence_system();
+  if (p.done_state) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p.done_state), "r"((uint32_t)EPD_SLOT_DONE) : "memory");
+  }
 }
 
 /* ---------------------------------------------------------------------------------------------------
@@ -222,7 +228,7 @@ __device__ void ll_dispatch_body(const LLParams &p) {
   BankState *st = (BankState *)(lb + p.lay.st);
 
   /* seq and the deadline are per-thread registers: their loads overlap the send instead of delaying it */
-  const uint32_t seq = st->seq[0][blockIdx.x] + 1;
+  const uint32_t seq = __ldcg(&st->seq[0][blockIdx.x]) + 1;
   const uint64_t deadline = gtimer() + p.timeout_ns;
   if (tid == 0) sh_err = 0;
   __syncthreads();
@@ -484,7 +490,7 @@ __device__ void ll_combine_body(const LLParams &p) {
   const uint32_t tid = threadIdx.x;
   char *lb = local_bank(p);
   BankState *st = (BankState *)(lb + p.lay.st);
-  const uint32_t seq = st->seq[1][blockIdx.x] + 1;
+  const uint32_t seq = __ldcg(&st->seq[1][blockIdx.x]) + 1;
   const uint64_t deadline = gtimer() + p.timeout_ns;
   const uint32_t lane = tid & 31, warp = tid >> 5;
   if (tid == 0) {
@@ -492,13 +498,13 @@ __device__ void ll_combine_body(const LLParams &p) {
     const uint32_t *rtok = (const uint32_t *)(lb + p.lay.rtok);
     for (uint32_t r = 0; r < R; r++) {
       sh_tstart[r] = a;
-      a += rtok[r];
+      a += __ldcg(rtok + r);
     }
     sh_tstart[R] = a;
   }
   __syncthreads();
   TRACE(0);
-  const int derr = st->derr;
+  const int derr = __ldcg(&st->derr);
   const uint64_t RM = (uint64_t)R * M;
   const uint32_t nv = H / 8;
 
@@ -596,9 +602,9 @@ __device__ void ll_combine_body(const LLParams &p) {
     const uint64_t *rmask = (const uint64_t *)(lb + p.lay.rmask);
     const char *cstg = lb + p.lay.cstg;
     __nv_bfloat16 *out = arena_buf<__nv_bfloat16>(p, EPD_BUF_OUT);
-    const uint32_t T = st->ntok;
+    const uint32_t T = __ldcg(&st->ntok);
     for (uint32_t t = blockIdx.x; t < T; t += G) {
-      uint64_t mask = rmask[t];
+      uint64_t mask = __ldcg(rmask + t);
       int4 *orow = (int4 *)(out + (uint64_t)t * H);
       for (uint32_t v = tid; v < nv; v += NTHR) {
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -630,6 +636,54 @@ __device__ void ll_combine_body(const LLParams &p) {
 }
 
 __global__ void __launch_bounds__(NTHR) ll_dispatch_kernel(const LLParams p) { ll_dispatch_body(p); }
+
+/* Persistent LL kernel: every block walks the queue's ring on its own (same order on every block), waits
+ * for a SUBMITTED slot, runs the op body; the op's last block writes the completion and sets the slot
+ * DONE, so no block can fall a slot behind. Returns when *stop != 0 while idle. */
+__global__ void __launch_bounds__(NTHR)
+    ll_persistent_kernel(LLParams base, epd_queue_t *q, const volatile uint32_t *stop, uint32_t first_slot) {
+  __shared__ int sh_go;
+  __shared__ epd_desc_t sh_desc;
+  uint32_t pos = first_slot;
+  for (;;) {
+    epd_slot_t *sl = &q->slot[pos % EPD_QUEUE_SLOTS];
+    if (threadIdx.x == 0) {
+      int go = 0;
+      for (;;) {
+        uint32_t stv;
+        asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(stv) : "l"(&sl->state) : "memory");
+        if (stv == EPD_SLOT_SUBMITTED) { go = 1; break; }
+        if (*stop) break;
+      }
+      sh_go = go;
+      if (go) {
+        const volatile uint32_t *d = (const volatile uint32_t *)&sl->desc;
+        uint32_t *o = (uint32_t *)&sh_desc;
+        for (int i = 0; i < (int)(sizeof(epd_desc_t) / 4); i++) o[i] = d[i];
+      }
+    }
+    __syncthreads();
+    if (!sh_go) return;
+    LLParams p = base;
+    p.flags = sh_desc.flags;
+    p.T = sh_desc.num_tokens > 0xffffffu ? 0xffffffu : sh_desc.num_tokens;
+    p.bank = sh_desc.bank;
+    p.comp = &sl->comp;
+    p.done_state = &sl->state;
+    p.user_tag = sh_desc.user_tag;
+    BankState *st = (BankState *)(p.local + (p.bank < EPD_NUM_BANKS ? p.bank : 0) * p.lay.bank_bytes + p.lay.st);
+    if (sh_desc.bank >= EPD_NUM_BANKS || (sh_desc.op != EPD_OP_LL_DISPATCH && sh_desc.op != EPD_OP_LL_COMBINE)) {
+      p.bank = 0;
+      finish_block(p, st, 0, __ldcg(&st->seq[0][blockIdx.x]), EPD_ERR_INVALID, -1, 0, 0);
+    } else if (sh_desc.op == EPD_OP_LL_DISPATCH) {
+      ll_dispatch_body(p);
+    } else {
+      ll_combine_body(p);
+    }
+    __syncthreads();
+    pos++;
+  }
+}
 __global__ void __launch_bounds__(NTHR) ll_combine_kernel(const LLParams p) { ll_combine_body(p); }
 
 LLLayout make_layout(const epd_k_ll_geom_t *g, uint32_t G) {
@@ -782,6 +836,19 @@ epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm
     return EPD_ERR_NCCL;
   }
   k->have_dev = 1;
+  {
+    /* every block waits for every other block's arrival: all of them must be resident at once */
+    int nsm = 0, per_sm = 0;
+    cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, k->device);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ll_persistent_kernel, NTHR, 0);
+    if ((long)nsm * per_sm < (long)k->g.blocks) {
+      if (err && errlen)
+        snprintf(err, errlen, "blocks = %u exceeds the %d x %d blocks this GPU keeps resident", k->g.blocks, nsm, per_sm);
+      ncclDevCommDestroy(lsa_comm, &k->dev);
+      free(k);
+      return EPD_ERR_INVALID;
+    }
+  }
   if ((uint32_t)k->dev.lsaSize != g->num_ranks || (uint32_t)k->dev.lsaRank != g->rank) {
     if (err && errlen)
       snprintf(err, errlen, "LSA team is %d ranks with this one at %d, geometry says %u ranks, rank %u",
@@ -858,6 +925,31 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
     return EPD_ERR_CUDA;
   }
   return EPD_OK;
+}
+
+epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map,
+                                        epd_queue_t *queue, const uint32_t *stop, uint32_t first_slot,
+                                        uint64_t timeout_ns, void *stream) {
+  if (!k || !arena || !map || !queue || !stop) return EPD_ERR_INVALID;
+  LLParams p;
+  memset(&p, 0, sizeof(p));
+  p.win = k->win;
+  p.win_off = k->win_off;
+  p.local = k->local;
+  p.lay = k->lay;
+  p.R = k->g.num_ranks;
+  p.rank = k->g.rank;
+  p.E = k->g.num_experts;
+  p.H = k->g.hidden;
+  p.K = k->g.topk;
+  p.M = k->g.max_tokens;
+  p.S = k->g.slots_per_rank;
+  p.G = k->g.blocks;
+  p.timeout_ns = timeout_ns ? timeout_ns : EPD_K_DEFAULT_TIMEOUT_NS;
+  p.map = (const uint32_t *)map;
+  p.arena = *arena;
+  ll_persistent_kernel<<<p.G, NTHR, 0, (cudaStream_t)stream>>>(p, queue, (const volatile uint32_t *)stop, first_slot);
+  return cudaGetLastError() == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
 }
 
 epd_result_t epd_k_ll_dispatch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map,

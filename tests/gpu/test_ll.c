@@ -4,6 +4,7 @@
  * routing, redundant replicas, FP8, many steps, bad expert ids, too many tokens, a peer that never comes.
  * Skips (77) without 2 GPUs.
  */
+#if EPD_WITH_CUDA
 #include <math.h>
 
 #include "../test.h"
@@ -119,8 +120,61 @@ static void upload(unsigned bank) {
     CUCK(cudaMemset(llh_buf(h, r, bank, EPD_BUF_OUT), 0x7f, (size_t)M * H * 2));
     /* cudaMemset and pageable cudaMemcpy run on the legacy stream, which does not order against the
      * kernels' non-blocking streams: finish them before any launch */
-    CUCK(cudaDeviceSynchronize());
+    CUCK(cudaStreamSynchronize(0));
   }
+}
+
+/* Persistent mode: ops go through a device queue served by epd_k_ll_persistent_launch. */
+static int g_persistent;
+static epd_queue_t *g_q[2];
+static uint32_t g_qpos;
+static epd_comp_t g_comp[2][2];
+
+static void exec_op(uint32_t opc, unsigned bank, const uint32_t *ntok, uint32_t flags) {
+  llh_t *h = &C.h;
+  if (!g_persistent) {
+    CK(llh_launch(h, 3, opc, bank, ntok, flags, 5000000000ull));
+    CK(llh_sync(h, 3));
+    return;
+  }
+  uint32_t si = g_qpos++ % EPD_QUEUE_SLOTS;
+  for (int r = 0; r < 2; r++) {
+    cudaSetDevice(epd_cc_device(h->cc, r));
+    epd_desc_t d;
+    memset(&d, 0, sizeof d);
+    d.op = opc;
+    d.flags = flags;
+    d.num_tokens = ntok ? ntok[r] : 0;
+    d.bank = bank;
+    d.user_tag = 1000 + g_qpos;
+    CUCK(cudaMemcpy(&g_q[r]->slot[si].desc, &d, sizeof d, cudaMemcpyHostToDevice));
+    CUCK(cudaStreamSynchronize(0));
+    uint32_t stv = EPD_SLOT_SUBMITTED;
+    CUCK(cudaMemcpy(&g_q[r]->slot[si].state, &stv, 4, cudaMemcpyHostToDevice));
+    CUCK(cudaStreamSynchronize(0));
+  }
+  for (int r = 0; r < 2; r++) {
+    cudaSetDevice(epd_cc_device(h->cc, r));
+    uint32_t stv = 0;
+    for (int i = 0; i < 200000 && stv != EPD_SLOT_DONE; i++)
+      CUCK(cudaMemcpy(&stv, &g_q[r]->slot[si].state, 4, cudaMemcpyDeviceToHost));
+    if (stv != EPD_SLOT_DONE) epd_test_fail(__FILE__, __LINE__, "rank %d: slot %u never DONE (state %u)", r, si, stv);
+    epd_comp_t c;
+    CUCK(cudaMemcpy(&c, &g_q[r]->slot[si].comp, sizeof c, cudaMemcpyDeviceToHost));
+    ASSERT_EQ(c.user_tag, 1000 + g_qpos);
+    g_comp[r][opc == EPD_OP_LL_DISPATCH ? 0 : 1] = c;
+    stv = EPD_SLOT_FREE;
+    CUCK(cudaMemcpy(&g_q[r]->slot[si].state, &stv, 4, cudaMemcpyHostToDevice));
+    CUCK(cudaStreamSynchronize(0));
+  }
+}
+
+static int get_comp(int r, int which, epd_comp_t *c) {
+  if (g_persistent) {
+    *c = g_comp[r][which];
+    return 0;
+  }
+  return llh_comp(&C.h, r, which, c);
 }
 
 static int fp8_close(uint8_t a, uint8_t b) {
@@ -135,8 +189,7 @@ static void run_dispatch_check(unsigned bank, int fp8) {
   llh_t *h = &C.h;
   uint32_t M = C.rg.max_tokens, H = C.rg.hidden, S = C.rg.slots_per_rank;
   size_t RM = 2 * (size_t)M;
-  CK(llh_launch(h, 3, EPD_OP_LL_DISPATCH, bank, C.ntok, fp8 ? EPD_DESC_FP8 : 0, 5000000000ull));
-  CK(llh_sync(h, 3));
+  exec_op(EPD_OP_LL_DISPATCH, bank, C.ntok, fp8 ? EPD_DESC_FP8 : 0);
   epd_ref_in_t in[2];
   for (int r = 0; r < 2; r++) in[r] = (epd_ref_in_t){C.ntok[r], C.x[r], C.topk[r], C.w[r]};
   int bad_rank = -1;
@@ -146,7 +199,7 @@ static void run_dispatch_check(unsigned bank, int fp8) {
   CK(epd_ref_ll_dispatch(&C.plan, in, fp8, outs));
   for (int r = 0; r < 2; r++) {
     epd_comp_t comp;
-    CK(llh_comp(h, r, 0, &comp));
+    CK(get_comp(r, 0, &comp));
     ASSERT_EQ(comp.status, 0);
     ASSERT_EQ(comp.peer, -1);
     ASSERT_EQ(comp.num_recv, C.plan.ll_recv[r]);
@@ -205,16 +258,15 @@ static void run_combine_check(unsigned bank) {
         yr[i] = epd_f32_to_bf16((float)((epd_ref_rand(&rng_state) >> 40) / 16777216.0 * 4.0 - 2.0));
       CUCK(cudaMemcpy((uint16_t *)llh_buf(h, r, bank, EPD_BUF_LL_Y) + s * RM * H, yr, (size_t)n * H * 2, cudaMemcpyHostToDevice));
     }
-    CUCK(cudaDeviceSynchronize());
+    CUCK(cudaStreamSynchronize(0));
   }
-  CK(llh_launch(h, 3, EPD_OP_LL_COMBINE, bank, NULL, 0, 5000000000ull));
-  CK(llh_sync(h, 3));
+  exec_op(EPD_OP_LL_COMBINE, bank, NULL, 0);
   const uint16_t *ys[2] = {C.y[0], C.y[1]};
   uint16_t *outs[2] = {C.rout[0], C.rout[1]};
   CK(epd_ref_ll_combine(&C.plan, ys, outs));
   for (int r = 0; r < 2; r++) {
     epd_comp_t comp;
-    CK(llh_comp(h, r, 1, &comp));
+    CK(get_comp(r, 1, &comp));
     ASSERT_EQ(comp.status, 0);
     uint32_t T = C.ntok[r];
     if (!T) continue;
@@ -392,3 +444,42 @@ EPD_TEST_T(gpu_ll_peer_timeout, 120) {
   steps(72, 2, 128, 128, ROUTE_RANDOM, 0);
   llh_destroy(&C.h);
 }
+
+/* The persistent kernel serving a device queue per rank: dispatch/combine steps in ring order, both
+ * banks and dtypes, then stop. */
+EPD_TEST_T(gpu_ll_persistent_queue, 120) {
+  setup(64, 2048, 8, 128, 32, 0);
+  llh_t *h = &C.h;
+  uint32_t *stop;
+  CUCK(cudaHostAlloc((void **)&stop, 64, cudaHostAllocMapped | cudaHostAllocPortable));
+  *stop = 0;
+  cudaStream_t ps[2];
+  for (int r = 0; r < 2; r++) {
+    CUCK(cudaSetDevice(epd_cc_device(h->cc, r)));
+    CUCK(cudaMalloc((void **)&g_q[r], sizeof(epd_queue_t)));
+    CUCK(cudaMemset(g_q[r], 0, sizeof(epd_queue_t)));
+    CUCK(cudaDeviceSynchronize());
+    CUCK(cudaStreamCreateWithFlags(&ps[r], cudaStreamNonBlocking));
+    CK(epd_k_ll_persistent_launch(h->k[r], &h->ar[r], h->map_dev[r], g_q[r], stop, 0, 5000000000ull, ps[r]));
+  }
+  g_persistent = 1;
+  for (int s = 0; s < 12; s++) {
+    uint32_t nt[2] = {s % 3 ? 128u : 7u, s % 4 ? 128u : 1u};
+    gen(81, (uint64_t)s, nt, s % 2 ? ROUTE_SKEW : ROUTE_RANDOM);
+    upload((unsigned)s % 2);
+    run_dispatch_check((unsigned)s % 2, s % 2);
+    run_combine_check((unsigned)s % 2);
+  }
+  __atomic_store_n(stop, 1u, __ATOMIC_SEQ_CST);
+  for (int r = 0; r < 2; r++) {
+    CUCK(cudaSetDevice(epd_cc_device(h->cc, r)));
+    CUCK(cudaStreamSynchronize(ps[r]));
+  }
+  g_persistent = 0;
+  llh_destroy(&C.h);
+}
+
+#else /* !EPD_WITH_CUDA */
+#include "../test.h"
+EPD_TEST(gpu_ll_without_cuda) { epd_test_skip("built without CUDA (WITH_CUDA=0)"); }
+#endif
