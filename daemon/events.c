@@ -75,9 +75,9 @@ static void publish_v(const char *kind, const char *group, int rank, uint64_t cl
 
   /* Problems are logged as warnings so that they stand out in the journal; the rest is routine. */
   int warn = !strcmp(ev.kind, "timeout") || !strcmp(ev.kind, "error") || !strcmp(ev.kind, "client_lost");
-  epd_log_msg(warn ? EPD_LOG_WARN : EPD_LOG_INFO, EPD_SUB_MAIN, rank, client_id,
-              "event %s: %s group=%s old_version=%u new_version=%u step=%llu", ev.kind, ev.message,
-              ev.group[0] ? ev.group : "-", old_version, new_version, (unsigned long long)step);
+  epd_log_group_msg(warn ? EPD_LOG_WARN : EPD_LOG_INFO, EPD_SUB_MAIN, rank, client_id, ev.group,
+                    "event %s: %s old_version=%u new_version=%u step=%llu", ev.kind, ev.message, old_version,
+                    new_version, (unsigned long long)step);
 
   pthread_mutex_lock(&g_ev.mu);
   if (g_ev.ring && !g_ev.closed) {

@@ -1,6 +1,6 @@
 /*
  * log.c - levels, subsystem filter, stderr lines "YYYY-mm-ddTHH:MM:SS.mmm LEVEL subsys: message" or
- * journald records with PRIORITY, EPD_SUBSYSTEM, EPD_RANK and EPD_CLIENT fields.
+ * journald records with PRIORITY, EPD_SUBSYSTEM, EPD_RANK, EPD_CLIENT and EPD_GROUP fields.
  */
 #define _GNU_SOURCE
 #include "log.h"
@@ -103,17 +103,34 @@ static const char *sub_name(uint32_t sub) {
   return "epd";
 }
 
+static void log_va(int level, uint32_t sub, int rank, uint64_t client, const char *group, const char *fmt,
+                   va_list ap) __attribute__((format(printf, 6, 0)));
+
 void epd_log_msg(int level, uint32_t sub, int rank, uint64_t client, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  log_va(level, sub, rank, client, NULL, fmt, ap);
+  va_end(ap);
+}
+
+void epd_log_group_msg(int level, uint32_t sub, int rank, uint64_t client, const char *group, const char *fmt,
+                       ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  log_va(level, sub, rank, client, group, fmt, ap);
+  va_end(ap);
+}
+
+static void log_va(int level, uint32_t sub, int rank, uint64_t client, const char *group, const char *fmt,
+                   va_list ap) {
   if (level > atomic_load(&cur_level)) return;
   /* Errors always pass the subsystem filter: a filter must never hide why the daemon failed. */
   if (level > EPD_LOG_ERROR && !(sub & atomic_load(&cur_mask))) return;
   if (level < EPD_LOG_ERROR) level = EPD_LOG_ERROR;
   if (level > EPD_LOG_TRACE) level = EPD_LOG_TRACE;
   char msg[1024];
-  va_list ap;
-  va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
+  if (!group) group = "";
   const char *sn = sub_name(sub);
   if (atomic_load(&journal)) {
     char rs[16] = "", cs[24] = "";
@@ -121,12 +138,12 @@ void epd_log_msg(int level, uint32_t sub, int rank, uint64_t client, const char 
     snprintf(cs, sizeof cs, "%llu", (unsigned long long)client);
     sd_journal_send("MESSAGE=%s: %s", sn, msg, "PRIORITY=%d", level_prio[level], "SYSLOG_IDENTIFIER=epd",
                     "EPD_SUBSYSTEM=%s", sn, "EPD_RANK=%s", rank >= 0 ? rs : "", "EPD_CLIENT=%s",
-                    client ? cs : "", NULL);
+                    client ? cs : "", "EPD_GROUP=%s", group, NULL);
     return;
   }
   struct timeval tv;
   struct tm tm;
-  char ts[32], extra[64] = "";
+  char ts[32], extra[64] = "", gx[EPD_LOG_GROUP_MAX + 8] = "";
   gettimeofday(&tv, NULL);
   localtime_r(&tv.tv_sec, &tm);
   strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%S", &tm);
@@ -136,9 +153,10 @@ void epd_log_msg(int level, uint32_t sub, int rank, uint64_t client, const char 
     snprintf(extra, sizeof extra, " rank=%d", rank);
   else if (client)
     snprintf(extra, sizeof extra, " client=%llu", (unsigned long long)client);
+  if (*group) snprintf(gx, sizeof gx, " group=%.*s", EPD_LOG_GROUP_MAX, group);
   pthread_mutex_lock(&out_lock);
-  fprintf(stderr, "%s.%03d %s %s: %s%s\n", ts, (int)(tv.tv_usec / 1000), level_upper[level], sn, msg,
-          extra);
+  fprintf(stderr, "%s.%03d %s %s: %s%s%s\n", ts, (int)(tv.tv_usec / 1000), level_upper[level], sn, msg,
+          extra, gx);
   fflush(stderr);
   pthread_mutex_unlock(&out_lock);
 }

@@ -43,6 +43,11 @@ uint32_t epd_log_subsystems(void);
 void epd_log_msg(int level, uint32_t sub, int rank, uint64_t client, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));
 
+#define EPD_LOG_GROUP_MAX 64
+/* Same, for a record about an EP group (journald field EPD_GROUP, " group=" on stderr). */
+void epd_log_group_msg(int level, uint32_t sub, int rank, uint64_t client, const char *group, const char *fmt,
+                       ...) __attribute__((format(printf, 6, 7)));
+
 #define EPD_LOGE(sub, ...) epd_log_msg(EPD_LOG_ERROR, sub, -1, 0, __VA_ARGS__)
 #define EPD_LOGW(sub, ...) epd_log_msg(EPD_LOG_WARN, sub, -1, 0, __VA_ARGS__)
 #define EPD_LOGI(sub, ...) epd_log_msg(EPD_LOG_INFO, sub, -1, 0, __VA_ARGS__)

@@ -246,6 +246,7 @@ EPD_TEST(log_format_and_filters) {
   EPD_LOGI(EPD_SUB_ATTACH, "hello %d", 42);
   EPD_LOGD(EPD_SUB_ATTACH, "hidden at info");
   epd_log_msg(EPD_LOG_WARN, EPD_SUB_ENGINE, 3, 77, "with fields");
+  epd_log_group_msg(EPD_LOG_INFO, EPD_SUB_ENGINE, 1, 0, "llama", "about a group");
   epd_log_set(EPD_LOG_DEBUG, EPD_SUB_RPC);
   EPD_LOGD(EPD_SUB_RPC, "rpc debug shown");
   EPD_LOGI(EPD_SUB_ENGINE, "engine filtered out");
@@ -264,6 +265,7 @@ EPD_TEST(log_format_and_filters) {
   ASSERT(strcmp(sub, "attach:") == 0);
   ASSERT_STR_CONTAINS(text, " INFO attach: hello 42\n");
   ASSERT_STR_CONTAINS(text, " WARN engine: with fields rank=3 client=77\n");
+  ASSERT_STR_CONTAINS(text, " INFO engine: about a group rank=1 group=llama\n");
   ASSERT_STR_CONTAINS(text, " DEBUG rpc: rpc debug shown\n");
   ASSERT_STR_CONTAINS(text, " ERROR engine: errors always pass\n");
   ASSERT(!strstr(text, "hidden at info"));
