@@ -22,9 +22,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "access.h"
 #include "log.h"
 
-#define MAX_PENDING_TOKENS 4096
 #define REQUEST_TIMEOUT_MS 5000 /* a connection must send its redeem request within this */
 #define SWEEP_PERIOD_MS 100
 
@@ -56,6 +56,7 @@ static token_ent_t *toks;
 static size_t ntoks;
 static uint32_t tok_ttl_ms = 10000;
 static int tok_open;
+static size_t tok_cap; /* daemon.max_pending_tokens */
 
 /* Loop-thread state. */
 static uv_loop_t *loop;
@@ -86,7 +87,7 @@ int epd_attach_issue_token(uint64_t client_id, uint32_t pid, uint32_t uid, uint8
     off += (size_t)n;
   }
   pthread_mutex_lock(&tok_lock);
-  if (!tok_open || ntoks >= MAX_PENDING_TOKENS) {
+  if (!tok_open || ntoks >= tok_cap) {
     pthread_mutex_unlock(&tok_lock);
     return -1;
   }
@@ -316,9 +317,23 @@ static void listen_event(uv_poll_t *p, int status, int events) {
     }
     conn_t *c = calloc(1, sizeof *c);
     socklen_t cl = sizeof c->cred;
-    if (!c || getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &c->cred, &cl) != 0 ||
-        uv_poll_init(loop, &c->poll, fd) != 0) {
+    if (!c || getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &c->cred, &cl) != 0) {
       EPD_LOGW(EPD_SUB_ATTACH, "attach socket: cannot take a connection: %s", c ? strerror(errno) : "out of memory");
+      free(c);
+      close(fd);
+      continue;
+    }
+    /* Checked before uv_poll_init, so that a refused connection leaves no handle in the loop. */
+    if (!epd_access_allowed("attach", c->cred.pid, c->cred.uid, c->cred.gid)) {
+      send_reply(fd, EPD_ERR_PERMISSION, -1, -1,
+                 "uid %u gid %u is not allowed on this daemon (daemon.allow_uids/allow_gids)", (unsigned)c->cred.uid,
+                 (unsigned)c->cred.gid);
+      free(c);
+      close(fd);
+      continue;
+    }
+    if (uv_poll_init(loop, &c->poll, fd) != 0) {
+      EPD_LOGW(EPD_SUB_ATTACH, "attach socket: cannot take a connection: %s", strerror(errno));
       free(c);
       close(fd);
       continue;
@@ -447,7 +462,8 @@ int epd_attach_init(uv_loop_t *lp, const epd_conf_t *conf, epd_engine_t *eng, ch
   }
   if (make_listener(conf, err, errlen) != 0) goto fail;
   pthread_mutex_lock(&tok_lock);
-  toks = calloc(MAX_PENDING_TOKENS, sizeof *toks);
+  tok_cap = conf->max_pending_tokens ? conf->max_pending_tokens : 4096;
+  toks = calloc(tok_cap, sizeof *toks);
   ntoks = 0;
   tok_ttl_ms = conf->token_ttl_ms;
   tok_open = toks != NULL;

@@ -6,6 +6,8 @@
 #include "conf.h"
 
 #include <errno.h>
+#include <grp.h>
+#include <pwd.h>
 #include <ini.h>
 #include <inttypes.h>
 #include <stdarg.h>
@@ -25,7 +27,8 @@ typedef enum conf_type {
   CT_BYTES,     /* uint32_t or uint64_t, with an optional K/M/G/T (binary) suffix */
   CT_ENUM,      /* char[size], one of choices */
   CT_LOG_LEVEL, /* int, error|warn|info|debug|trace */
-  CT_SUBSYSTEMS /* uint32_t mask, comma list of subsystem names or "all" */
+  CT_SUBSYSTEMS, /* uint32_t mask, comma list of subsystem names or "all" */
+  CT_IDLIST      /* char[size], comma list of user (choices "user") or group ids/names, checked on parse */
 } conf_type_t;
 
 typedef struct conf_key {
@@ -62,6 +65,16 @@ static const conf_key_t keys[] = {
      "on SIGTERM or Drain, wait this long for clients to detach before exiting"},
     {"daemon.max_message_bytes", CT_BYTES, 4 * KiB, GiB, "4MiB", 0, F(max_message_bytes), NULL,
      "largest control RPC message accepted"},
+    {"daemon.max_pending_tokens", CT_UINT, 1, 65536, "4096", 0, F(max_pending_tokens), NULL,
+     "issued, not yet redeemed attach tokens at once; an Attach beyond it fails with EPD_ERR_BUSY"},
+    {"daemon.allow_uids", CT_IDLIST, 0, 0, "", 0, F(allow_uids), "user",
+     "comma list of users (uids or names) allowed on both sockets; empty: anyone who can open them"},
+    {"daemon.allow_gids", CT_IDLIST, 0, 0, "", 0, F(allow_gids), "group",
+     "comma list of groups (gids or names, primary or supplementary) allowed on both sockets; empty: anyone"},
+    {"daemon.admin_uids", CT_IDLIST, 0, 0, "", 0, F(admin_uids), "user",
+     "users allowed SetExpertMap and Drain besides root and the daemon's uid; this and admin_gid empty: anyone"},
+    {"daemon.admin_gid", CT_IDLIST, 0, 0, "", 0, F(admin_gid), "group",
+     "group(s) whose members (primary or supplementary) may call SetExpertMap and Drain"},
     {"log.level", CT_LOG_LEVEL, 0, 0, "info", 1, F(log_level), NULL,
      "error, warn, info, debug or trace"},
     {"log.subsystems", CT_SUBSYSTEMS, 0, 0, "all", 1, F(log_subsystems), NULL,
@@ -163,6 +176,7 @@ static void fmt_value(const epd_conf_t *c, const conf_key_t *k, char *buf, size_
   const char *p = (const char *)c + k->off;
   switch (k->type) {
   case CT_STRING:
+  case CT_IDLIST:
   case CT_ENUM: snprintf(buf, len, "%.*s", (int)k->size, p); break;
   case CT_UINT: snprintf(buf, len, "%" PRIu64, get_uint(c, k)); break;
   case CT_OCTAL: snprintf(buf, len, "%s%" PRIo64, get_uint(c, k) ? "0" : "", get_uint(c, k)); break;
@@ -229,6 +243,20 @@ static int parse_value(epd_conf_t *c, const conf_key_t *k, const char *value, ch
     }
     memcpy(p, v, vlen + 1);
     return 0;
+  case CT_IDLIST: {
+    uint32_t ids[EPD_CONF_MAX_IDS];
+    char msg[192];
+    if (vlen >= k->size) {
+      seterr(err, errlen, "%s: value is %zu bytes long, the limit is %zu", k->name, vlen, k->size - 1);
+      return -1;
+    }
+    if (epd_conf_parse_ids(v, !strcmp(k->choices, "group"), ids, EPD_CONF_MAX_IDS, msg, sizeof msg) < 0) {
+      seterr(err, errlen, "%s: %s", k->name, msg);
+      return -1;
+    }
+    memcpy(p, v, vlen + 1);
+    return 0;
+  }
   case CT_ENUM: {
     const char *ch = k->choices;
     while (*ch) {
@@ -398,7 +426,7 @@ size_t epd_conf_dump(const epd_conf_t *c, char *buf, size_t len) {
 }
 
 static int key_differs(const epd_conf_t *a, const epd_conf_t *b, const conf_key_t *k) {
-  if (k->type == CT_STRING || k->type == CT_ENUM)
+  if (k->type == CT_STRING || k->type == CT_ENUM || k->type == CT_IDLIST)
     return strncmp((const char *)a + k->off, (const char *)b + k->off, k->size) != 0;
   return memcmp((const char *)a + k->off, (const char *)b + k->off, k->size) != 0;
 }
@@ -435,7 +463,7 @@ int epd_conf_diff(const epd_conf_t *cur, const epd_conf_t *next, char *buf, size
 
 size_t epd_conf_describe(char *buf, size_t len) {
   size_t off = 0;
-  static const char *const tnames[] = {"string", "uint", "octal", "bytes", "enum", "log-level", "subsystems"};
+  static const char *const tnames[] = {"string", "uint", "octal", "bytes", "enum", "log-level", "subsystems", "id-list"};
   if (len) buf[0] = '\0';
   for (size_t i = 0; i < NKEYS; i++) {
     const conf_key_t *k = &keys[i];
@@ -468,4 +496,55 @@ int epd_conf_attach_socket_path(const epd_conf_t *c, char *buf, size_t len) {
   char *slash = strrchr(ctl, '/');
   int n = slash ? snprintf(buf, len, "%.*s/attach.sock", (int)(slash - ctl), ctl) : snprintf(buf, len, "attach.sock");
   return n < 0 || (size_t)n >= len ? -1 : 0;
+}
+
+int epd_conf_parse_ids(const char *text, int groups, uint32_t *out, size_t max, char *err, size_t errlen) {
+  size_t n = 0;
+  const char *p = text;
+  for (;;) {
+    while (*p == ' ' || *p == '\t') p++;
+    if (!*p) break;
+    size_t len = strcspn(p, ",");
+    char item[64];
+    size_t l = len;
+    while (l && (p[l - 1] == ' ' || p[l - 1] == '\t')) l--;
+    if (l == 0 || l >= sizeof item) {
+      seterr(err, errlen, "'%.*s' is not a %s id or name", (int)(l < 40 ? l : 40), p, groups ? "group" : "user");
+      return -1;
+    }
+    memcpy(item, p, l);
+    item[l] = '\0';
+    uint64_t id;
+    if (item[0] >= '0' && item[0] <= '9') {
+      if (parse_number(item, 10, 0, &id) != 0 || id >= UINT32_MAX) {
+        seterr(err, errlen, "'%s' is not a %s id (0..%u)", item, groups ? "group" : "user", UINT32_MAX - 1);
+        return -1;
+      }
+    } else {
+      char buf[4096];
+      if (groups) {
+        struct group gr, *res = NULL;
+        if (getgrnam_r(item, &gr, buf, sizeof buf, &res) != 0 || !res) {
+          seterr(err, errlen, "unknown group '%s'", item);
+          return -1;
+        }
+        id = res->gr_gid;
+      } else {
+        struct passwd pw, *res = NULL;
+        if (getpwnam_r(item, &pw, buf, sizeof buf, &res) != 0 || !res) {
+          seterr(err, errlen, "unknown user '%s'", item);
+          return -1;
+        }
+        id = res->pw_uid;
+      }
+    }
+    if (n >= max) {
+      seterr(err, errlen, "more than %zu entries", max);
+      return -1;
+    }
+    out[n++] = (uint32_t)id;
+    p += len;
+    if (*p == ',') p++;
+  }
+  return (int)n;
 }

@@ -21,6 +21,11 @@ typedef struct epd_conf {
   uint32_t token_ttl_ms;             /* one-time attach token lifetime */
   uint32_t drain_timeout_ms;         /* SIGTERM: wait this long for clients before exiting */
   uint32_t max_message_bytes;        /* gRPC receive limit */
+  uint32_t max_pending_tokens;       /* issued, unredeemed attach tokens at once */
+  char allow_uids[256];              /* comma list of users (ids or names) who may connect; "" = anyone */
+  char allow_gids[256];              /* comma list of groups (primary or supplementary); "" = anyone */
+  char admin_uids[256];              /* users allowed SetExpertMap/Drain (with root and the daemon's uid) */
+  char admin_gid[256];               /* group(s) allowed SetExpertMap/Drain; both "" = anyone */
   /* [log] */
   int log_level;                     /* EPD_LOG_* */
   uint32_t log_subsystems;           /* EPD_SUB_* mask */
@@ -57,6 +62,10 @@ int epd_conf_diff(const epd_conf_t *cur, const epd_conf_t *next, char *buf, size
 int epd_conf_control_socket_path(const epd_conf_t *c, char *buf, size_t len);
 /* Resolve the attach socket path: conf->attach_socket, else "attach.sock" beside the control socket. */
 int epd_conf_attach_socket_path(const epd_conf_t *c, char *buf, size_t len);
+/* Parse a comma list of numeric ids or names (users, or groups when groups != 0) into out (at most
+ * max); returns the count, or -1 with a message naming the bad entry in err. */
+int epd_conf_parse_ids(const char *text, int groups, uint32_t *out, size_t max, char *err, size_t errlen);
+#define EPD_CONF_MAX_IDS 64
 /* Print the documented table (key, type, default, range, reloadable, doc) for `epd --help-config`. */
 size_t epd_conf_describe(char *buf, size_t len);
 

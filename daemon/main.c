@@ -18,6 +18,7 @@
 #include <unistd.h>
 #include <uv.h>
 
+#include "access.h"
 #include "attach.h"
 #include "conf.h"
 #include "engine.h"
@@ -343,6 +344,10 @@ int main(int argc, char **argv) {
   uv_signal_start(&d.sig_term, on_signal, SIGTERM);
   uv_signal_start(&d.sig_int, on_signal, SIGINT);
   uv_signal_start(&d.sig_hup, on_signal, SIGHUP);
+  if (epd_access_init(&d.conf, eerr, sizeof eerr) != 0) {
+    snprintf(err, sizeof err, "%s", eerr);
+    goto fail;
+  }
   if (make_socket_dir(d.conf.control_socket, eerr, sizeof eerr) != 0) {
     snprintf(err, sizeof err, "%s", eerr);
     goto fail;

@@ -37,6 +37,7 @@
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
 
+#include "access.h"
 #include "attach.h"
 #include "epd.pb-c.h"
 #include "epd_paths.h"
@@ -645,6 +646,17 @@ static ProtobufCMessage *decode(rpc_call_t *c, rpc_reply_t *rep) {
 static void handle_unary(rpc_call_t *c, rpc_reply_t *rep) {
   ProtobufCMessage *msg = decode(c, rep);
   if (!msg) return;
+  /* State-changing calls: root, the daemon's uid, daemon.admin_uids or members of daemon.admin_gid. */
+  if ((c->method == M_SETMAP || c->method == M_DRAIN) &&
+      !epd_access_is_admin(c->peer_known, (int32_t)c->peer_pid, c->peer_uid, c->peer_gid)) {
+    EPD_LOGW(EPD_SUB_RPC, "%s refused: pid %u uid %u gid %u is not an admin", methods[c->method].name, c->peer_pid,
+             c->peer_uid, c->peer_gid);
+    reply_err(rep, EPD_ERR_PERMISSION,
+              "%s needs admin rights: root, the daemon's uid, daemon.admin_uids or group daemon.admin_gid "
+              "(caller uid %u gid %u)", methods[c->method].name, c->peer_uid, c->peer_gid);
+    protobuf_c_message_free_unpacked(msg, NULL);
+    return;
+  }
   switch (c->method) {
   case M_ATTACH: h_attach(c, (const Epd__V1__AttachRequest *)msg, rep); break;
   case M_DETACH: h_detach((const Epd__V1__DetachRequest *)msg, rep); break;
@@ -1055,6 +1067,12 @@ static void *accept_main(void *arg) {
     struct ucred cr;
     socklen_t len = sizeof cr;
     int have = getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0;
+    /* Unknown credentials pass only when no allow list is set (uid/gid -1 match no list entry). */
+    if (!epd_access_allowed("control", have ? cr.pid : 0, have ? cr.uid : (uint32_t)-1,
+                            have ? cr.gid : (uint32_t)-1)) {
+      close(fd);
+      continue;
+    }
     pthread_mutex_lock(&g.cred_mu);
     if (fd < (int)sizeof g.cred_set) {
       g.cred_set[fd] = (uint8_t)have;
