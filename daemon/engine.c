@@ -6,10 +6,13 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "engine_internal.h"
 #include "log.h"
@@ -18,6 +21,28 @@
 #define QUEUE_BYTES ALIGN_UP(sizeof(epd_queue_t), 4096)
 #define MAX_TOPK 16u
 #define MAX_TOKENS_PACK 0xffffffu /* tokens of a rank must fit EPD_SRC_PACK's 24 bits */
+
+/* memfd_create + ftruncate + mmap shared; returns the fd (the mapping in *map) or -1 with err set. */
+int eng_make_memfd(const char *name, uint64_t bytes, void **map, char *err, size_t errlen) {
+  int fd = memfd_create(name, MFD_CLOEXEC);
+  if (fd < 0) {
+    snprintf(err, errlen, "memfd_create(%s): %s", name, strerror(errno));
+    return -1;
+  }
+  if (ftruncate(fd, (off_t)bytes) < 0) {
+    snprintf(err, errlen, "ftruncate(%s, %llu): %s", name, (unsigned long long)bytes, strerror(errno));
+    close(fd);
+    return -1;
+  }
+  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    snprintf(err, errlen, "mmap(%s, %llu): %s", name, (unsigned long long)bytes, strerror(errno));
+    close(fd);
+    return -1;
+  }
+  *map = p;
+  return fd;
+}
 
 uint64_t eng_now_ns(void) {
   struct timespec ts;
@@ -43,16 +68,86 @@ void eng_emit(epd_engine_t *eng, const char *kind, const eng_group_t *grp, int r
   eng->on_event(eng->event_arg, &ev);
 }
 
+/* Bytes of the queue mapping: the queue, then the map table (epd_abi.h), each page-aligned. */
+#define MAP_TABLE_OFFSET QUEUE_BYTES
+static uint64_t queue_bytes_for(const eng_group_t *grp) {
+  return QUEUE_BYTES + ALIGN_UP(epd_map_table_bytes(grp->g.num_experts, EPD_MAX_REPLICAS, grp->g.num_ranks,
+                                                    grp->g.slots_per_rank), 4096);
+}
+
+/* Write the group's active map into a client's map table (a seqlock: see epd_abi.h). */
+static void map_table_write(eng_client_t *c) {
+  const eng_group_t *grp = c->grp;
+  const epd_expert_map_t *m = &grp->map;
+  if (!c->queue || c->queue_bytes < queue_bytes_for(grp)) return;
+  epd_map_table_t *t = (epd_map_table_t *)((uint8_t *)c->queue + MAP_TABLE_OFFSET);
+  uint32_t E = m->num_experts, X = EPD_MAX_REPLICAS, RS = grp->g.num_ranks * grp->g.slots_per_rank;
+  uint32_t *nrep = (uint32_t *)(t + 1), *rep = nrep + E;
+  int32_t *slot_expert = (int32_t *)(rep + (size_t)E * X * 2);
+  _Atomic uint32_t *seq = (_Atomic uint32_t *)&t->seq;
+  uint32_t s0 = atomic_load_explicit(seq, memory_order_relaxed);
+  atomic_store_explicit(seq, s0 | 1u, memory_order_relaxed);
+  atomic_thread_fence(memory_order_release);
+  t->magic = EPD_MAP_TABLE_MAGIC;
+  t->version = m->version;
+  t->num_experts = E;
+  t->num_ranks = grp->g.num_ranks;
+  t->slots_per_rank = grp->g.slots_per_rank;
+  t->max_replicas = X;
+  t->ranks_per_node = m->ranks_per_node;
+  t->step = grp->steps;
+  for (uint32_t i = 0; i < RS; i++) slot_expert[i] = -1;
+  for (uint32_t e = 0; e < E; e++) {
+    nrep[e] = m->nrep[e];
+    for (uint32_t i = 0; i < X; i++) {
+      rep[((size_t)e * X + i) * 2] = i < m->nrep[e] ? m->rep[e][i].rank : 0;
+      rep[((size_t)e * X + i) * 2 + 1] = i < m->nrep[e] ? m->rep[e][i].slot : 0;
+      if (i < m->nrep[e]) slot_expert[m->rep[e][i].rank * grp->g.slots_per_rank + m->rep[e][i].slot] = (int32_t)e;
+    }
+  }
+  c->queue->map_table_offset = MAP_TABLE_OFFSET;
+  atomic_store_explicit(seq, (s0 | 1u) + 1u, memory_order_release);
+}
+
+/* The host backend's weight copies: memcpy between the clients' weights regions (every rank of the group
+ * is attached: a step is being executed). Returns bytes copied. */
+static uint64_t do_weight_copies(epd_engine_t *eng, eng_group_t *grp) {
+  uint64_t bytes = 0, wb = grp->weight_bytes_per_slot;
+  for (uint32_t i = 0; i < grp->nstaged_copies; i++) {
+    const epd_weight_copy_t *cp = &grp->staged_copies[i];
+    eng_client_t *src = grp->client[cp->src_rank], *dst = grp->client[cp->dst_rank];
+    uint8_t *sw = src ? eng_buf(src, EPD_BUF_EXPERT_WEIGHTS, 0) : NULL;
+    uint8_t *dw = dst ? eng_buf(dst, EPD_BUF_EXPERT_WEIGHTS, 0) : NULL;
+    if (!sw || !dw) {
+      eng_emit(eng, "error", grp, sw ? (int)cp->dst_rank : (int)cp->src_rank, 0, 0, 0, grp->steps,
+               "group %s: weight copy (%u,%u) -> (%u,%u) skipped: rank %u has no attached client", grp->name,
+               cp->src_rank, cp->src_slot, cp->dst_rank, cp->dst_slot, sw ? cp->dst_rank : cp->src_rank);
+      continue;
+    }
+    memmove(dw + cp->dst_slot * wb, sw + cp->src_slot * wb, wb);
+    bytes += wb;
+  }
+  return bytes;
+}
+
 void eng_apply_staged_map(epd_engine_t *eng, eng_group_t *grp) {
   if (!grp->has_staged) return;
   uint32_t old = grp->map.version;
+  uint64_t copied = do_weight_copies(eng, grp);
+  free(grp->staged_copies);
+  grp->staged_copies = NULL;
+  grp->nstaged_copies = 0;
+  grp->weight_bytes_copied += copied;
+  grp->map_switches++;
   epd_expert_map_free(&grp->map);
   grp->map = grp->staged;
   memset(&grp->staged, 0, sizeof grp->staged);
   grp->has_staged = 0;
+  for (uint32_t r = 0; r < grp->g.num_ranks; r++)
+    if (grp->client[r]) map_table_write(grp->client[r]);
   eng_emit(eng, "map_switch", grp, -1, 0, old, grp->map.version, grp->steps,
-           "group %s switched expert map %u -> %u at step %llu", grp->name, old, grp->map.version,
-           (unsigned long long)grp->steps);
+           "group %s switched expert map %u -> %u at step %llu (%llu weight bytes copied)", grp->name, old,
+           grp->map.version, (unsigned long long)grp->steps, (unsigned long long)copied);
 }
 
 void eng_record_op(epd_engine_t *eng, int rank, uint32_t op, int status, uint64_t bytes,
@@ -131,6 +226,9 @@ epd_result_t epd_engine_create(const epd_engine_opts_t *opts, epd_engine_event_f
   eng->o = *opts;
   eng->o.backend = NULL; /* the caller's string may not outlive us */
   if (!eng->o.step_timeout_ms) eng->o.step_timeout_ms = 10000;
+  /* Fault injection for the health/failure tests: the engine fails at this step of any group. */
+  const char *fail_at = getenv("EPD_TEST_FAIL_AT_STEP");
+  eng->fail_at_step = fail_at ? strtoull(fail_at, NULL, 10) : 0;
   if (!eng->o.slots_factor_pct) eng->o.slots_factor_pct = 100;
   if (!eng->o.max_groups) eng->o.max_groups = 16;
   if (!eng->o.max_clients_per_rank) eng->o.max_clients_per_rank = 16;
@@ -162,6 +260,7 @@ static void group_free(eng_group_t *g) {
   for (unsigned b = 0; b < EPD_NUM_BANKS; b++) epd_ref_plan_free(&g->plan[b]);
   free(g->expert_tokens);
   free(g->slot_tokens);
+  free(g->staged_copies);
   free(g);
 }
 
@@ -238,6 +337,15 @@ static uint64_t layout(eng_group_t *grp) {
       d->bytes = size[k];
       off = ALIGN_UP(off + size[k], 64);
     }
+  if (grp->weight_bytes_per_slot) { /* page-aligned: workers may register it with their GPU or NIC */
+    off = ALIGN_UP(off, 4096);
+    epd_buffer_desc_t *d = &grp->bufs[grp->nbufs++];
+    d->kind = EPD_BUF_EXPERT_WEIGHTS;
+    d->bank = 0;
+    d->offset = off;
+    d->bytes = S * grp->weight_bytes_per_slot;
+    off += d->bytes;
+  }
   return ALIGN_UP(off, 4096);
 }
 
@@ -283,6 +391,14 @@ static epd_result_t group_create(epd_engine_t *eng, const char *name, const epd_
   g->g.max_tokens = req->max_tokens;
   g->g.slots_per_rank = (uint32_t)(slots > per ? slots : per);
   g->g.ht_capacity = o->ht_capacity_factor ? o->ht_capacity_factor * req->max_tokens : R * req->max_tokens;
+  uint64_t max_wb = o->max_weight_bytes_per_slot ? o->max_weight_bytes_per_slot : 1ull << 30;
+  if (req->weight_bytes_per_slot > max_wb) {
+    snprintf(err, errlen, "weight_bytes_per_slot %llu out of range [0, %llu]",
+             (unsigned long long)req->weight_bytes_per_slot, (unsigned long long)max_wb);
+    free(g);
+    return EPD_ERR_INVALID;
+  }
+  g->weight_bytes_per_slot = req->weight_bytes_per_slot;
   g->arena_bytes = layout(g);
   epd_result_t rc = EPD_OK;
   if (g->arena_bytes > o->max_arena_bytes) {
@@ -294,6 +410,7 @@ static epd_result_t group_create(epd_engine_t *eng, const char *name, const epd_
     goto fail;
   }
   if ((rc = epd_ref_map_default(&g->map, E, R, g->g.slots_per_rank))) goto fail;
+  g->map.ranks_per_node = o->ranks_per_node;
   g->last_version = 1;
   for (unsigned b = 0; b < EPD_NUM_BANKS; b++)
     if ((rc = epd_ref_plan_init(&g->plan[b], &g->g))) goto fail;
@@ -340,6 +457,12 @@ static epd_result_t check_geometry(const eng_group_t *g, const epd_attach_req_t 
                g->name, f[i].name, f[i].have, f[i].have);
       return EPD_ERR_INVALID;
     }
+  if (req->weight_bytes_per_slot && req->weight_bytes_per_slot != g->weight_bytes_per_slot) {
+    snprintf(err, errlen, "weight_bytes_per_slot %llu does not match group \"%s\" (%llu); pass 0 or %llu",
+             (unsigned long long)req->weight_bytes_per_slot, g->name, (unsigned long long)g->weight_bytes_per_slot,
+             (unsigned long long)g->weight_bytes_per_slot);
+    return EPD_ERR_INVALID;
+  }
   return EPD_OK;
 }
 
@@ -400,7 +523,7 @@ epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, e
   c->gid = req->gid;
   c->attached_ns = realtime_ns();
   c->queue_fd = c->arena_fd = -1;
-  c->queue_bytes = QUEUE_BYTES;
+  c->queue_bytes = queue_bytes_for(grp);
   c->arena_bytes = grp->arena_bytes;
   snprintf(c->name, sizeof c->name, "%.*s", (int)strnlen(req->name, sizeof req->name), req->name);
   if (!c->name[0]) snprintf(c->name, sizeof c->name, "pid:%u", req->pid);
@@ -414,6 +537,7 @@ epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, e
   eng->nclients++;
   grp->client[c->rank] = c;
   grp->lost[c->rank] = 0;
+  map_table_write(c);
   memset(info, 0, sizeof *info);
   info->client_id = c->id;
   info->queue_fd = c->queue_fd;
@@ -431,6 +555,7 @@ epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, e
   info->ht_capacity = grp->g.ht_capacity;
   info->map_version = grp->map.version;
   info->nbuffers = grp->nbufs;
+  info->weight_bytes_per_slot = grp->weight_bytes_per_slot;
   memcpy(info->buffers, grp->bufs, sizeof grp->bufs[0] * grp->nbufs);
   EPD_LOGI(EPD_SUB_ENGINE, "client %llu (%s, pid %u) attached to group %s rank %d",
            (unsigned long long)c->id, c->name, c->pid, name, c->rank);
@@ -501,6 +626,108 @@ void epd_engine_set_draining(epd_engine_t *eng, int drain) {
 
 epd_result_t epd_engine_set_map(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
                                 uint32_t *version_out, char *errbuf, size_t errlen) {
+  return epd_engine_set_map_copies(eng, group, map, NULL, 0, version_out, errbuf, errlen);
+}
+
+/* Logical expert a map places on (rank, slot), or -1. */
+static int32_t map_slot_expert(const epd_expert_map_t *m, uint32_t rank, uint32_t slot) {
+  for (uint32_t e = 0; e < m->num_experts; e++)
+    for (uint32_t i = 0; i < m->nrep[e] && i < EPD_MAX_REPLICAS; i++)
+      if (m->rep[e][i].rank == rank && m->rep[e][i].slot == slot) return (int32_t)e;
+  return -1;
+}
+
+/* Check a map's weight copies against the group and against the copies still staged (a slot being
+ * migrated): (mu). */
+static epd_result_t check_copies(epd_engine_t *eng, const eng_group_t *grp, const epd_expert_map_t *map,
+                                 const epd_weight_copy_t *cp, uint32_t n, char *err, size_t errlen) {
+  const epd_ref_geom_t *g = &grp->g;
+  if (n && !grp->weight_bytes_per_slot) {
+    snprintf(err, errlen, "copies: group \"%s\" has no expert-weights region (attach with "
+             "weight_bytes_per_slot > 0)", grp->name);
+    return EPD_ERR_INVALID;
+  }
+  if (n && strcmp(eng->ops->name, "host")) {
+    snprintf(err, errlen, "copies: weight migration is implemented for the host backend only (backend %s)",
+             eng->ops->name);
+    return EPD_ERR_UNSUPPORTED;
+  }
+  if (n > g->num_ranks * g->slots_per_rank) {
+    snprintf(err, errlen, "copies: %u copies, at most one per destination slot (%u)", n,
+             g->num_ranks * g->slots_per_rank);
+    return EPD_ERR_INVALID;
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    if (cp[i].src_rank >= g->num_ranks || cp[i].dst_rank >= g->num_ranks || cp[i].src_slot >= g->slots_per_rank ||
+        cp[i].dst_slot >= g->slots_per_rank) {
+      snprintf(err, errlen, "copies[%u]: (rank %u, slot %u) -> (rank %u, slot %u): ranks must be in [0, %u), "
+               "slots in [0, %u)", i, cp[i].src_rank, cp[i].src_slot, cp[i].dst_rank, cp[i].dst_slot, g->num_ranks,
+               g->slots_per_rank);
+      return EPD_ERR_INVALID;
+    }
+    if (cp[i].src_rank == cp[i].dst_rank && cp[i].src_slot == cp[i].dst_slot) {
+      snprintf(err, errlen, "copies[%u]: source and destination are the same slot (rank %u, slot %u)", i,
+               cp[i].src_rank, cp[i].src_slot);
+      return EPD_ERR_INVALID;
+    }
+    for (uint32_t j = 0; j < i; j++) {
+      if (cp[j].dst_rank == cp[i].dst_rank && cp[j].dst_slot == cp[i].dst_slot) {
+        snprintf(err, errlen, "copies[%u]: destination (rank %u, slot %u) is also the destination of copies[%u]", i,
+                 cp[i].dst_rank, cp[i].dst_slot, j);
+        return EPD_ERR_INVALID;
+      }
+      /* All copies of a map happen at once: a chain would depend on their order. */
+      if ((cp[j].dst_rank == cp[i].src_rank && cp[j].dst_slot == cp[i].src_slot) ||
+          (cp[i].dst_rank == cp[j].src_rank && cp[i].dst_slot == cp[j].src_slot)) {
+        snprintf(err, errlen, "copies[%u] and copies[%u]: one copies from the slot the other copies into; "
+                 "split the migration into two maps", j, i);
+        return EPD_ERR_INVALID;
+      }
+    }
+    /* The destination must end up holding the expert the map places there, i.e. the source's expert in
+     * the active map; a copy into a slot the new map leaves free is allowed (prefetch). */
+    int32_t want = map_slot_expert(map, cp[i].dst_rank, cp[i].dst_slot);
+    int32_t have = map_slot_expert(&grp->map, cp[i].src_rank, cp[i].src_slot);
+    if (want >= 0 && have >= 0 && want != have) {
+      snprintf(err, errlen, "copies[%u]: source (rank %u, slot %u) holds expert %d in the active map version %u, "
+               "but the map places expert %d on the destination (rank %u, slot %u)", i, cp[i].src_rank,
+               cp[i].src_slot, have, grp->map.version, want, cp[i].dst_rank, cp[i].dst_slot);
+      return EPD_ERR_INVALID;
+    }
+  }
+  /* A slot being migrated: the staged map's copies run at its switch. A new map replaces the staged
+   * one but inherits its copies, so it must not change what those copies fill, nor copy from or into
+   * their slots. */
+  for (uint32_t k = 0; grp->has_staged && k < grp->nstaged_copies; k++) {
+    const epd_weight_copy_t *p = &grp->staged_copies[k];
+    int32_t staged_e = map_slot_expert(&grp->staged, p->dst_rank, p->dst_slot);
+    int32_t new_e = map_slot_expert(map, p->dst_rank, p->dst_slot);
+    if (staged_e != new_e) {
+      snprintf(err, errlen, "(rank %u, slot %u) is being migrated for staged map version %u (expert %d); this map "
+               "places %s%d there: send it after the switch or keep the slot", p->dst_rank, p->dst_slot,
+               grp->staged.version, staged_e, new_e < 0 ? "nothing, not expert " : "expert ", new_e < 0 ? staged_e : new_e);
+      return EPD_ERR_BUSY;
+    }
+    for (uint32_t i = 0; i < n; i++)
+      if ((cp[i].dst_rank == p->dst_rank && cp[i].dst_slot == p->dst_slot) ||
+          (cp[i].src_rank == p->dst_rank && cp[i].src_slot == p->dst_slot) ||
+          (cp[i].dst_rank == p->src_rank && cp[i].dst_slot == p->src_slot)) {
+        snprintf(err, errlen, "copies[%u]: (rank %u, slot %u) -> (rank %u, slot %u) touches a slot being migrated for "
+                 "staged map version %u ((rank %u, slot %u) -> (rank %u, slot %u)); send it after the switch", i,
+                 cp[i].src_rank, cp[i].src_slot, cp[i].dst_rank, cp[i].dst_slot, grp->staged.version, p->src_rank,
+                 p->src_slot, p->dst_rank, p->dst_slot);
+        return EPD_ERR_BUSY;
+      }
+  }
+  return EPD_OK;
+}
+
+/* Serialised by eng->mu: every call gets the next version; the map staged last before a dispatch step
+ * boundary is the one that becomes active there (earlier staged maps are never active, their weight
+ * copies are inherited). */
+epd_result_t epd_engine_set_map_copies(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
+                                       const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t *version_out,
+                                       char *errbuf, size_t errlen) {
   const char *name = group && *group ? group : "default";
   pthread_mutex_lock(&eng->mu);
   epd_result_t rc = EPD_OK;
@@ -513,19 +740,35 @@ epd_result_t epd_engine_set_map(epd_engine_t *eng, const char *group, const epd_
   if ((rc = epd_ref_map_validate(map, grp->g.num_experts, grp->g.num_ranks, grp->g.slots_per_rank, errbuf,
                                  errlen)))
     goto out;
+  if ((rc = check_copies(eng, grp, map, copies, ncopies, errbuf, errlen))) goto out;
+  uint32_t nall = grp->nstaged_copies + ncopies;
+  epd_weight_copy_t *all = NULL;
+  if (nall && !(all = malloc(sizeof *all * nall))) {
+    snprintf(errbuf, errlen, "out of memory");
+    rc = EPD_ERR_NOMEM;
+    goto out;
+  }
+  if (grp->nstaged_copies) memcpy(all, grp->staged_copies, sizeof *all * grp->nstaged_copies);
+  if (ncopies) memcpy(all + grp->nstaged_copies, copies, sizeof *all * ncopies);
   epd_expert_map_t m;
   if ((rc = epd_ref_map_copy(&m, map))) {
+    free(all);
     snprintf(errbuf, errlen, "out of memory");
     goto out;
   }
   m.num_ranks = grp->g.num_ranks;
   m.slots_per_rank = grp->g.slots_per_rank;
+  m.ranks_per_node = eng->o.ranks_per_node;
   m.version = ++grp->last_version;
   if (grp->has_staged) epd_expert_map_free(&grp->staged);
   grp->staged = m;
   grp->has_staged = 1;
+  free(grp->staged_copies);
+  grp->staged_copies = all;
+  grp->nstaged_copies = nall;
   if (version_out) *version_out = m.version;
-  EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u staged", name, m.version);
+  EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u staged (%u weight copies pending)", name, m.version,
+           nall);
 out:
   pthread_mutex_unlock(&eng->mu);
   return rc;
@@ -570,6 +813,13 @@ epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out) {
     s->expert_tokens = malloc(sizeof(uint64_t) * g->g.num_experts);
     if (!s->expert_tokens) goto nomem;
     memcpy(s->expert_tokens, g->expert_tokens, sizeof(uint64_t) * g->g.num_experts);
+    size_t nslots = (size_t)g->g.num_ranks * g->g.slots_per_rank;
+    s->num_ranks = g->g.num_ranks;
+    s->map_switches = g->map_switches;
+    s->weight_bytes_copied = g->weight_bytes_copied;
+    s->slot_tokens = malloc(sizeof(uint64_t) * nslots);
+    if (!s->slot_tokens) goto nomem;
+    memcpy(s->slot_tokens, g->slot_tokens, sizeof(uint64_t) * nslots);
   }
   i = 0;
   for (eng_client_t *c = eng->clients; c; c = c->next, i++) {
@@ -612,11 +862,29 @@ nomem:
 void epd_engine_snapshot_free(epd_engine_snap_t *snap) {
   if (!snap) return;
   if (snap->groups)
-    for (uint32_t i = 0; i < snap->ngroups; i++) free(snap->groups[i].expert_tokens);
+    for (uint32_t i = 0; i < snap->ngroups; i++) {
+      free(snap->groups[i].expert_tokens);
+      free(snap->groups[i].slot_tokens);
+    }
   free(snap->groups);
   free(snap->clients);
   free(snap->ranks);
   snap->groups = NULL;
   snap->clients = NULL;
   snap->ranks = NULL;
+}
+
+void eng_fail(epd_engine_t *eng, const char *fmt, ...) {
+  if (atomic_load(&eng->failed)) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(eng->failed_msg, sizeof eng->failed_msg, fmt, ap);
+  va_end(ap);
+  atomic_store(&eng->failed, 1);
+  EPD_LOGE(EPD_SUB_ENGINE, "engine failed: %s", eng->failed_msg);
+  eng_emit(eng, "error", NULL, -1, 0, 0, 0, 0, "engine failed: %s", eng->failed_msg);
+}
+
+const char *epd_engine_failure(const epd_engine_t *eng) {
+  return atomic_load(&((epd_engine_t *)eng)->failed) ? eng->failed_msg : NULL;
 }

@@ -34,6 +34,8 @@ typedef struct epd_engine_opts {
   uint32_t max_clients_per_rank;
   uint64_t max_arena_bytes; /* per client */
   uint32_t step_timeout_ms; /* a rank waiting longer for its peers fails the step with EPD_ERR_TIMEOUT */
+  uint32_t ranks_per_node; /* node of a rank = rank / ranks_per_node (replica choice); 0: one node */
+  uint64_t max_weight_bytes_per_slot; /* limit of an attach's weight_bytes_per_slot; 0: 1 GiB */
 } epd_engine_opts_t;
 
 /* Event sink: called from engine threads; must not call back into the engine. */
@@ -66,6 +68,7 @@ typedef struct epd_attach_req {
   int rank;
   uint32_t num_experts, hidden, topk, max_tokens;
   uint32_t pid, uid, gid;
+  uint64_t weight_bytes_per_slot; /* 0: no EPD_BUF_EXPERT_WEIGHTS (the first attach fixes it) */
 } epd_attach_req_t;
 
 typedef struct epd_buffer_desc {
@@ -81,7 +84,8 @@ typedef struct epd_attach_info {
   int on_gpu, device;
   uint32_t num_ranks, num_experts, hidden, topk, max_tokens, slots_per_rank, ht_capacity, map_version;
   uint32_t nbuffers;
-  epd_buffer_desc_t buffers[EPD_BUF_KINDS * EPD_NUM_BANKS];
+  epd_buffer_desc_t buffers[EPD_MAX_BUFFERS];
+  uint64_t weight_bytes_per_slot;
 } epd_attach_info_t;
 
 /* Attach a client to (group, rank), creating the group on first attach. */
@@ -93,6 +97,9 @@ epd_result_t epd_engine_detach(epd_engine_t *eng, uint64_t client_id, int lost);
 /* The queue and arena fds of an attached client (owned by the engine: the caller must not close them;
  * the attach socket sends them with SCM_RIGHTS). EPD_ERR_NOT_FOUND for an unknown client. */
 epd_result_t epd_engine_client_fds(epd_engine_t *eng, uint64_t client_id, int *queue_fd, int *arena_fd);
+/* NULL while the engine can run steps; else why it cannot (a failed GPU context): the daemon reports
+ * state "failed" and health NOT_SERVING, and every new step fails. */
+const char *epd_engine_failure(const epd_engine_t *eng);
 /* Stop (drain != 0) or resume accepting new steps; in-flight steps finish. */
 void epd_engine_set_draining(epd_engine_t *eng, int drain);
 
@@ -100,6 +107,7 @@ void epd_engine_set_draining(epd_engine_t *eng, int drain);
 typedef struct epd_expert_map {
   uint32_t version;
   uint32_t num_experts, num_ranks, slots_per_rank;
+  uint32_t ranks_per_node;           /* replica choice prefers the source's node; 0: one node */
   uint8_t *nrep;                     /* [num_experts] */
   epd_replica_t (*rep)[EPD_MAX_REPLICAS]; /* [num_experts][EPD_MAX_REPLICAS] */
 } epd_expert_map_t;
@@ -108,6 +116,18 @@ typedef struct epd_expert_map {
  * *version_out gets the staged version. Invalid maps are rejected whole with a precise message. */
 epd_result_t epd_engine_set_map(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
                                 uint32_t *version_out, char *errbuf, size_t errlen);
+/* A weight copy of a migration: the EPD_BUF_EXPERT_WEIGHTS slot (src_rank, src_slot) is copied to
+ * (dst_rank, dst_slot) before the map that carries it becomes active. */
+typedef struct epd_weight_copy {
+  uint32_t src_rank, src_slot, dst_rank, dst_slot;
+} epd_weight_copy_t;
+/* epd_engine_set_map with weight copies (ncopies may be 0). Copies need the group's weights region
+ * (EPD_ERR_INVALID otherwise) and the host backend (EPD_ERR_UNSUPPORTED on cuda). A map that places a
+ * different expert on, or copies from or into, a slot that a staged map's copies still have to fill
+ * is rejected with EPD_ERR_BUSY. */
+epd_result_t epd_engine_set_map_copies(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
+                                       const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t *version_out,
+                                       char *errbuf, size_t errlen);
 /* Copy a group's active map (arrays allocated with malloc; free with epd_expert_map_free). */
 epd_result_t epd_engine_get_map(epd_engine_t *eng, const char *group, epd_expert_map_t *out);
 void epd_expert_map_free(epd_expert_map_t *map);
@@ -118,6 +138,9 @@ typedef struct epd_group_snap {
   uint32_t num_experts, hidden, topk, max_tokens, slots_per_rank, attached_ranks, map_version;
   uint64_t steps;
   uint64_t *expert_tokens; /* [num_experts] tokens routed to each logical expert, cumulative */
+  uint32_t num_ranks;
+  uint64_t *slot_tokens;   /* [num_ranks * slots_per_rank] tokens routed to each physical slot (replica) */
+  uint64_t map_switches, weight_bytes_copied;
 } epd_group_snap_t;
 typedef struct epd_client_snap {
   uint64_t client_id;

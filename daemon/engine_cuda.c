@@ -150,6 +150,7 @@ typedef struct cuda_be {
   int ndev;
   epd_cc_t *cc;
   uint64_t timeout_ns; /* per kernel wait: the engine's step timeout */
+  uint64_t spin_ns;    /* rank threads spin without sleeping this long after activity ($EPD_CUDA_SPIN_NS) */
   cuda_rank_t rank[EPD_MAX_RANKS];
   uint64_t next_run_seq;
   uint32_t ngrp;
@@ -250,7 +251,8 @@ static cuda_grp_t *cuda_grp_find(cuda_be_t *be, eng_group_t *grp, int create) {
   fr->g = grp->g;
   for (unsigned b = 0; b < EPD_NUM_BANKS; b++)
     for (unsigned k = 0; k < EPD_BUF_KINDS; k++) fr->off[b][k] = EPD_K_OFF_NONE;
-  for (uint32_t i = 0; i < grp->nbufs; i++) fr->off[grp->bufs[i].bank][grp->bufs[i].kind] = grp->bufs[i].offset;
+  for (uint32_t i = 0; i < grp->nbufs; i++) /* the kernels see IO kinds only (not the expert weights) */
+    if (grp->bufs[i].kind < EPD_BUF_KINDS) fr->off[grp->bufs[i].bank][grp->bufs[i].kind] = grp->bufs[i].offset;
   snprintf(fr->name, sizeof fr->name, "%s", grp->name);
   return fr;
 }
@@ -503,6 +505,14 @@ static int collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int r, uint
   eng_client_t *c = grp->client[r];
   cuda_client_t *cc = c ? c->be : NULL;
   if (cc && !cg->arrived[r]) {
+    /* Ring order from the slot after the last one run; a CUDA graph that captured fewer ops than the
+     * ring has slots replays the same slots again, so take the first SUBMITTED slot from there on
+     * (one stream submits one op at a time: it waits for DONE before the next). */
+    uint32_t k = 0;
+    while (k < EPD_QUEUE_SLOTS &&
+           load_state(&cc->queue->slot[(cc->next_slot + k) % EPD_QUEUE_SLOTS]) != EPD_SLOT_SUBMITTED)
+      k++;
+    if (k > 0 && k < EPD_QUEUE_SLOTS) cc->next_slot = (cc->next_slot + k) % EPD_QUEUE_SLOTS;
     epd_slot_t *s = &cc->queue->slot[cc->next_slot];
     if (load_state(s) == EPD_SLOT_SUBMITTED) {
       cg->desc[r] = s->desc;
@@ -638,6 +648,8 @@ static void *rank_main(void *arg) {
           kc.status = EPD_ERR_CUDA;
           kc.peer = -1;
           eng->rank[r].errors++;
+          /* A kernel fault is sticky: this GPU context runs nothing more. */
+          eng_fail(eng, "rank %d: kernel failed: %s", r, cudaGetErrorString(e));
         }
         if (kc.status == EPD_ERR_TIMEOUT) {
           cg->need_reset = 1; /* the team's sequence numbers may disagree now */
@@ -700,6 +712,9 @@ static void *rank_main(void *arg) {
       continue;
     }
     if (++idle_polls < SPIN_POLLS) continue;
+    /* $EPD_CUDA_SPIN_NS: keep spinning (no sleep) this long after the last activity, so the next op
+     * of a busy client is seen at once (a core per GPU while clients are active). */
+    if (now - idle_since < be->spin_ns) continue;
     sleep_ns(now - idle_since > IDLE_AFTER_NS ? LONG_SLEEP_NS : SHORT_SLEEP_NS);
   }
   return NULL;
@@ -740,6 +755,8 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
   be->ndev = eng->o.num_ranks;
   be->timeout_ns = (uint64_t)eng->o.step_timeout_ms * 1000000ull;
   be->mps = detect_mps(0);
+  const char *spin = getenv("EPD_CUDA_SPIN_NS");
+  be->spin_ns = spin ? strtoull(spin, NULL, 10) : 0;
   const char *m = getenv("EPD_CUDA_MODE");
   be->mode = MODE_LAUNCH;
   if (m && !strcmp(m, "persistent")) be->mode = MODE_PERSISTENT;
@@ -760,8 +777,9 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
     cuda_destroy(eng);
     return rc;
   }
-  EPD_LOGI(EPD_SUB_CUDA, "NCCL communicators of %d GPUs up in %.1f ms; MPS %s, mode %s", be->ndev,
-           (eng_now_ns() - t0) / 1e6, be->mps ? "on" : "off", cuda_mode(eng));
+  EPD_LOGI(EPD_SUB_CUDA, "NCCL communicators of %d GPUs up in %.1f ms; MPS %s, mode %s, idle spin %llu ns",
+           be->ndev, (eng_now_ns() - t0) / 1e6, be->mps ? "on" : "off", cuda_mode(eng),
+           (unsigned long long)be->spin_ns);
   for (int r = 0; r < be->ndev; r++) {
     cuda_rank_t *rk = &be->rank[r];
     cudaSetDevice(rk->device);
@@ -818,27 +836,6 @@ static void cuda_destroy(epd_engine_t *eng) {
   free(be->grp);
   free(be);
   eng->be = NULL;
-}
-
-static int make_memfd(const char *name, uint64_t bytes, void **map, char *err, size_t errlen) {
-  int fd = memfd_create(name, MFD_CLOEXEC);
-  if (fd < 0) {
-    snprintf(err, errlen, "memfd_create(%s): %s", name, strerror(errno));
-    return -1;
-  }
-  if (ftruncate(fd, (off_t)bytes) < 0) {
-    snprintf(err, errlen, "ftruncate(%s, %llu): %s", name, (unsigned long long)bytes, strerror(errno));
-    close(fd);
-    return -1;
-  }
-  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) {
-    snprintf(err, errlen, "mmap(%s, %llu): %s", name, (unsigned long long)bytes, strerror(errno));
-    close(fd);
-    return -1;
-  }
-  *map = p;
-  return fd;
 }
 
 /* (mu) Allocate the arena on the rank's GPU, map it here, export it as an fd. */
@@ -908,7 +905,7 @@ static epd_result_t cuda_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
   char name[64];
   void *q = NULL;
   snprintf(name, sizeof name, "epd-queue-%llu", (unsigned long long)c->id);
-  cc->queue_fd = make_memfd(name, c->queue_bytes, &q, err, errlen);
+  cc->queue_fd = eng_make_memfd(name, c->queue_bytes, &q, err, errlen);
   if (cc->queue_fd < 0) {
     rc = EPD_ERR_SYSTEM;
     goto fail;

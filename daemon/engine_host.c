@@ -135,6 +135,13 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
   const epd_ref_geom_t *g = &grp->g;
   uint32_t R = g->num_ranks;
   char why[256] = "";
+  if (eng->fail_at_step && grp->steps + 1 >= eng->fail_at_step)
+    eng_fail(eng, "fault injected at step %llu of group %s ($EPD_TEST_FAIL_AT_STEP)",
+             (unsigned long long)grp->steps, grp->name);
+  if (epd_engine_failure(eng)) {
+    snprintf(why, sizeof why, "the engine failed: %s", epd_engine_failure(eng));
+    return fail_step(eng, grp, EPD_ERR_INTERNAL, -1, why);
+  }
   /* Descriptor checks, in the order of the contract: bad op or bank, then agreement. */
   for (uint32_t r = 0; r < R; r++) {
     const epd_desc_t *d = &grp->desc[r];
@@ -389,35 +396,14 @@ static void host_destroy(epd_engine_t *eng) {
   eng->be = NULL;
 }
 
-static int make_memfd(const char *name, uint64_t bytes, void **map, char *err, size_t errlen) {
-  int fd = memfd_create(name, MFD_CLOEXEC);
-  if (fd < 0) {
-    snprintf(err, errlen, "memfd_create(%s): %s", name, strerror(errno));
-    return -1;
-  }
-  if (ftruncate(fd, (off_t)bytes) < 0) {
-    snprintf(err, errlen, "ftruncate(%s, %llu): %s", name, (unsigned long long)bytes, strerror(errno));
-    close(fd);
-    return -1;
-  }
-  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) {
-    snprintf(err, errlen, "mmap(%s, %llu): %s", name, (unsigned long long)bytes, strerror(errno));
-    close(fd);
-    return -1;
-  }
-  *map = p;
-  return fd;
-}
-
 static epd_result_t host_client_alloc(epd_engine_t *eng, eng_client_t *c, char *err, size_t errlen) {
   void *q = NULL, *a = NULL;
   char name[64];
   snprintf(name, sizeof name, "epd-queue-%llu", (unsigned long long)c->id);
-  c->queue_fd = make_memfd(name, c->queue_bytes, &q, err, errlen);
+  c->queue_fd = eng_make_memfd(name, c->queue_bytes, &q, err, errlen);
   if (c->queue_fd < 0) return EPD_ERR_SYSTEM;
   snprintf(name, sizeof name, "epd-arena-%llu", (unsigned long long)c->id);
-  c->arena_fd = make_memfd(name, c->arena_bytes, &a, err, errlen);
+  c->arena_fd = eng_make_memfd(name, c->arena_bytes, &a, err, errlen);
   if (c->arena_fd < 0) {
     munmap(q, c->queue_bytes);
     close(c->queue_fd);

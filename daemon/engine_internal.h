@@ -57,9 +57,15 @@ struct eng_group {
   uint64_t steps;                      /* steps finished; the number of the step being collected */
   uint64_t *expert_tokens;             /* [E] cumulative */
   uint64_t *slot_tokens;               /* [R*S] cumulative */
+  /* Expert placement (engine.c): the weights region of every client, the weight copies the staged map
+   * needs before it becomes active (done at the switch, the switch waits for them), counters. */
+  uint64_t weight_bytes_per_slot;      /* 0: no EPD_BUF_EXPERT_WEIGHTS */
+  epd_weight_copy_t *staged_copies;
+  uint32_t nstaged_copies;
+  uint64_t map_switches, weight_bytes_copied;
   /* Arena layout of every client of the group. */
   uint32_t nbufs;
-  epd_buffer_desc_t bufs[EPD_BUF_KINDS * EPD_NUM_BANKS];
+  epd_buffer_desc_t bufs[EPD_MAX_BUFFERS];
   uint64_t arena_bytes;
   /* Step being collected (host backend). */
   uint32_t narrived;
@@ -113,6 +119,11 @@ struct epd_engine {
   int draining;
   epd_op_snap_t opstat[EPD_OP_MAX];
   eng_rank_stats_t rank[EPD_MAX_RANKS];
+  /* Set once by eng_fail when the backend can no longer run steps (a sticky CUDA error); read without
+   * the lock by epd_engine_failure. */
+  _Atomic int failed;
+  char failed_msg[256];
+  uint64_t fail_at_step; /* $EPD_TEST_FAIL_AT_STEP: fault injection for tests (0: off) */
 };
 
 extern const eng_backend_ops_t eng_host_ops;
@@ -127,11 +138,16 @@ extern const eng_backend_ops_t eng_cuda_ops __attribute__((weak));
 
 /* Core helpers for backends, all (mu). */
 uint64_t eng_now_ns(void); /* CLOCK_MONOTONIC */
+/* A shared memory region for a queue or arena: memfd of `bytes`, mapped here in *map; fd or -1 (err). */
+int eng_make_memfd(const char *name, uint64_t bytes, void **map, char *err, size_t errlen);
+/* (mu) Mark the engine failed for good (first message wins); emits an "error" event and logs it. */
+void eng_fail(epd_engine_t *eng, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Emit an event to the engine's sink (message formatted). */
 void eng_emit(epd_engine_t *eng, const char *kind, const eng_group_t *grp, int rank, uint64_t client_id,
               uint32_t old_version, uint32_t new_version, uint64_t step, const char *fmt, ...)
     __attribute__((format(printf, 9, 10)));
-/* At a dispatch step boundary: make the staged map active (emits map_switch). */
+/* At a dispatch step boundary: do the staged map's weight copies, make it active, publish it in every
+ * client's map table (emits map_switch). */
 void eng_apply_staged_map(epd_engine_t *eng, eng_group_t *grp);
 /* Account one finished op of one rank (status, bytes it sent, latency). */
 void eng_record_op(epd_engine_t *eng, int rank, uint32_t op, int status, uint64_t bytes,

@@ -161,6 +161,8 @@ static void hook_drain(void *arg, int exit_when_idle) {
 
 static const char *hook_state(void *arg) {
   (void)arg;
+  /* An engine that cannot run steps any more makes the daemon "failed" (health NOT_SERVING). */
+  if (d.eng && epd_engine_failure(d.eng)) return "failed";
   return state_names[atomic_load(&d.state)];
 }
 
