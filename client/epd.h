@@ -80,9 +80,14 @@ typedef struct epd_attach_opts {
    * or the same values. */
   uint32_t num_experts, hidden, topk, max_tokens;
   const char *client_name; /* shown by `epdctl clients`; NULL: "pid:<pid>" */
+  /* Expert weights per local slot (bytes). The first attach of a group with a value > 0 gives every
+   * client an EPD_BUF_EXPERT_WEIGHTS buffer [slots_per_rank, weight_bytes_per_slot] that maps with weight
+   * copies migrate between ranks; later attaches pass 0 or the same. (Added after API version 1: an
+   * older, shorter struct is accepted and means 0.) */
+  uint64_t weight_bytes_per_slot;
 } epd_attach_opts_t;
 #define EPD_ATTACH_OPTS_INITIALIZER \
-  { sizeof(epd_attach_opts_t), EPD_OPTS_MAGIC, EPD_API_VERSION, NULL, 0, 0, 0, 0, 0, NULL }
+  { sizeof(epd_attach_opts_t), EPD_OPTS_MAGIC, EPD_API_VERSION, NULL, 0, 0, 0, 0, 0, NULL, 0 }
 
 /* Attach to (group, rank): RPC Attach, then redeem the one-time token on the attach socket for the
  * queue and arena file descriptors, and map them. */
@@ -95,7 +100,9 @@ const char *epd_last_error(const epd_ep_t *ep);
 typedef enum epd_info {
   EPD_INFO_RANK, EPD_INFO_NUM_RANKS, EPD_INFO_NUM_EXPERTS, EPD_INFO_HIDDEN, EPD_INFO_TOPK,
   EPD_INFO_MAX_TOKENS, EPD_INFO_SLOTS_PER_RANK, EPD_INFO_HT_CAPACITY, EPD_INFO_ON_GPU, EPD_INFO_DEVICE,
-  EPD_INFO_MAP_VERSION, EPD_INFO_CLIENT_ID
+  EPD_INFO_MAP_VERSION, EPD_INFO_CLIENT_ID,
+  EPD_INFO_NEXT_SLOT, /* the queue slot libepd's next op will use (the daemon runs slots in ring order) */
+  EPD_INFO_WEIGHT_BYTES_PER_SLOT /* bytes per slot of EPD_BUF_EXPERT_WEIGHTS, 0 if the group has none */
 } epd_info_t;
 /* A property of the attachment (geometry, device); -1 for an unknown key. */
 int64_t epd_info(const epd_ep_t *ep, epd_info_t key);
@@ -117,8 +124,31 @@ epd_result_t epd_combine(epd_ep_t *ep, epd_mode_t mode, unsigned bank, void *str
 /* Status of the last completed op (after the stream is synchronised) and its completion record. */
 epd_result_t epd_op_status(epd_ep_t *ep, epd_comp_t *comp_out);
 
+/* Device address of submission slot `slot` (0..EPD_QUEUE_SLOTS-1) of the attachment's queue, for a
+ * client kernel that submits and waits with client/epd_device.h (CUDA backend: the queue is host memory
+ * registered mapped, this is its device alias). NULL on the host backend or for a slot out of range.
+ * The daemon runs SUBMITTED slots in ring order from the slot after the last one it ran; after attach
+ * that is slot 0, after libepd's own ops it is epd_info(ep, EPD_INFO_NEXT_SLOT). A kernel that owns
+ * slots must leave them FREE (completed and waited for) before libepd submits on them again; libepd's
+ * ring position does not move with the kernel's ops. */
+void *epd_slot_device_ptr(epd_ep_t *ep, unsigned slot);
+
 /* Expert-map replica of a logical expert. */
 typedef struct epd_replica { uint32_t rank, slot; } epd_replica_t;
+
+/* The group's active expert map, read from the table the daemon keeps in this attachment's queue
+ * memory (no round trip; consistent snapshots). The map of a step is the version in its completion
+ * (epd_comp_t.map_version); the table shows it from that step's dispatch until the next switch. */
+/* Active map version (0 if the daemon publishes no table). */
+uint32_t epd_map_version(const epd_ep_t *ep);
+/* Replicas of a logical expert: up to max of them in reps, their number in *nrep, the version read in
+ * *version (either may be NULL). EPD_ERR_INVALID for an expert out of range, EPD_ERR_UNSUPPORTED without
+ * a table. */
+epd_result_t epd_expert_slots(const epd_ep_t *ep, uint32_t logical, epd_replica_t *reps, uint32_t max,
+                              uint32_t *nrep, uint32_t *version);
+/* The logical expert held by each of this rank's n physical slots (n <= slots_per_rank; -1 for a free
+ * slot): which weights to run on each slot. *version gets the version read (may be NULL). */
+epd_result_t epd_slot_experts(const epd_ep_t *ep, int32_t *logical, uint32_t n, uint32_t *version);
 
 #ifdef __cplusplus
 }

@@ -66,8 +66,14 @@ enum {
   EPD_BUF_HT_RECV_SRC = 14,   /* [C] int32 (src_rank << 24 | src_token) */
   EPD_BUF_HT_RECV_COUNT = 15, /* [S] int32 tokens received per local slot */
   EPD_BUF_HT_Y = 16,          /* [C, H] bf16 combine input (already reduced over local experts) */
-  EPD_BUF_KINDS = 17
+  EPD_BUF_KINDS = 17,
+  /* Not an IO kind and not per bank (bank 0 only): present when the group was created with
+   * weight_bytes_per_slot > 0. [S, weight_bytes_per_slot] bytes: the expert weights of each local slot,
+   * owned by the worker; the daemon copies slots between ranks when a map asks for it (migration). */
+  EPD_BUF_EXPERT_WEIGHTS = 32
 };
+/* Most buffer descriptors an attach can carry: every IO kind of every bank, plus the weights. */
+#define EPD_MAX_BUFFERS (EPD_BUF_KINDS * EPD_NUM_BANKS + 1)
 
 /* What the client asks for. 64 bytes. */
 typedef struct epd_desc {
@@ -110,7 +116,8 @@ typedef struct epd_queue {
   int32_t sticky_error;   /* daemon: first error of any op, cleared by epd_clear_error */
   uint32_t map_version;   /* daemon: active expert map version of the group */
   uint64_t steps_done;    /* daemon: ops completed on this queue */
-  uint32_t pad0[20];
+  uint32_t map_table_offset; /* daemon: offset of the epd_map_table_t in the queue mapping, 0: none */
+  uint32_t pad0[19];
   epd_slot_t slot[EPD_QUEUE_SLOTS];
 } epd_queue_t;
 
@@ -123,6 +130,31 @@ EPD_ABI_ASSERT(sizeof(epd_desc_t) == 64, "epd_desc_t is 64 bytes");
 EPD_ABI_ASSERT(sizeof(epd_comp_t) == 64, "epd_comp_t is 64 bytes");
 EPD_ABI_ASSERT(sizeof(epd_slot_t) == 256, "epd_slot_t is 256 bytes");
 EPD_ABI_ASSERT(sizeof(epd_queue_t) == 128 + 256 * EPD_QUEUE_SLOTS, "epd_queue_t layout");
+
+/* The active expert map, mapped read-only in meaning for the client: written by the daemon into the
+ * queue memory (at queue.map_table_offset) at attach and at every map switch, before the first op that
+ * runs on the new version completes. A seqlock: the daemon makes seq odd, writes, makes it even again;
+ * a reader copies what it needs and retries while seq was odd or changed (libepd does this).
+ * After the 64-byte header, in this order (E = num_experts, X = max_replicas, R, S = slots_per_rank):
+ *   uint32_t nrep[E];            replicas of each logical expert
+ *   uint32_t rep[E][X][2];       (rank, slot) of each replica
+ *   int32_t  slot_expert[R][S];  logical expert held by each physical slot, -1 for a free slot */
+#define EPD_MAP_TABLE_MAGIC 0x4550444du /* "EPDM" */
+typedef struct epd_map_table {
+  uint32_t magic;
+  uint32_t seq;
+  uint32_t version;
+  uint32_t num_experts, num_ranks, slots_per_rank, max_replicas;
+  uint32_t ranks_per_node;
+  uint64_t step;        /* group step at which this version became active */
+  uint32_t pad[6];
+} epd_map_table_t;
+EPD_ABI_ASSERT(sizeof(epd_map_table_t) == 64, "epd_map_table_t is 64 bytes");
+static inline uint64_t epd_map_table_bytes(uint32_t num_experts, uint32_t max_replicas, uint32_t num_ranks,
+                                           uint32_t slots_per_rank) {
+  return sizeof(epd_map_table_t) + 4ull * num_experts + 8ull * num_experts * max_replicas +
+         4ull * num_ranks * slots_per_rank;
+}
 
 /* Packing of a source reference in *_RECV_SRC. */
 #define EPD_SRC_PACK(rank, tok) ((int32_t)(((uint32_t)(rank) << 24) | ((uint32_t)(tok)&0xffffffu)))

@@ -252,8 +252,9 @@ EPD_EXPORT epd_result_t epd_attach(epd_conn_t *conn, const epd_attach_opts_t *op
   if (!conn) return EPD_ERR_INVALID;
   if (!out) return fail(conn->err, EPD_ERR_INVALID, "out: must not be NULL");
   *out = NULL;
-  if (!opts || !opts_ok(opts->size, opts->magic, sizeof *opts))
+  if (!opts || !opts_ok(opts->size, opts->magic, offsetof(epd_attach_opts_t, weight_bytes_per_slot)))
     return fail(conn->err, EPD_ERR_INVALID, "opts: not initialised with EPD_ATTACH_OPTS_INITIALIZER");
+  uint64_t wbytes = opts->size >= sizeof *opts ? opts->weight_bytes_per_slot : 0;
   if (opts->rank < 0) /* the daemon checks the upper bound: it knows num_ranks */
     return fail(conn->err, EPD_ERR_INVALID, "rank %d: must be >= 0", opts->rank);
   char name[64];
@@ -266,6 +267,7 @@ EPD_EXPORT epd_result_t epd_attach(epd_conn_t *conn, const epd_attach_opts_t *op
   req.hidden = opts->hidden;
   req.topk = opts->topk;
   req.max_tokens = opts->max_tokens;
+  req.weight_bytes_per_slot = wbytes;
   req.client_name = (char *)(opts->client_name ? opts->client_name : name);
   req.pid = (uint32_t)getpid();
   ProtobufCMessage *msg = NULL;
@@ -292,10 +294,11 @@ EPD_EXPORT epd_result_t epd_attach(epd_conn_t *conn, const epd_attach_opts_t *op
   ep->slots_per_rank = a->slots_per_rank;
   ep->ht_capacity = a->ht_capacity;
   ep->map_version = a->map_version;
+  ep->weight_bytes_per_slot = a->weight_bytes_per_slot;
   const char *env = getenv("EPD_OP_TIMEOUT_MS");
   ep->op_timeout_ms = env && atoi(env) > 0 ? atoi(env) : EPD_DEFAULT_OP_TIMEOUT_MS;
   int fds[2] = {-1, -1};
-  if (a->secret.len > sizeof ep->secret || a->token.len != EPD_TOKEN_BYTES || a->n_buffers > EPD_BUF_KINDS * EPD_NUM_BANKS) {
+  if (a->secret.len > sizeof ep->secret || a->token.len != EPD_TOKEN_BYTES || a->n_buffers > EPD_MAX_BUFFERS) {
     rc = fail(ep->err, EPD_ERR_PROTOCOL, "attach reply: secret %zu bytes, token %zu bytes, %zu buffers",
               a->secret.len, a->token.len, a->n_buffers);
     goto fail;
@@ -366,8 +369,22 @@ EPD_EXPORT int64_t epd_info(const epd_ep_t *ep, epd_info_t key) {
   /* The daemon keeps the active version in the queue header; before any op it is the attach's. */
   case EPD_INFO_MAP_VERSION: return ep->queue && ep->queue->map_version ? ep->queue->map_version : ep->map_version;
   case EPD_INFO_CLIENT_ID: return (int64_t)ep->client_id;
+  case EPD_INFO_NEXT_SLOT: return ep->next_slot;
+  case EPD_INFO_WEIGHT_BYTES_PER_SLOT: return (int64_t)ep->weight_bytes_per_slot;
   }
   return -1;
+}
+
+EPD_EXPORT void *epd_slot_device_ptr(epd_ep_t *ep, unsigned slot) {
+  if (!ep || !ep->queue_reg || !ep->queue_dev) {
+    if (ep) fail(ep->err, EPD_ERR_UNSUPPORTED, "epd_slot_device_ptr: the queue is not GPU-mapped (host backend)");
+    return NULL;
+  }
+  if (slot >= EPD_QUEUE_SLOTS) {
+    fail(ep->err, EPD_ERR_INVALID, "slot %u: out of range [0, %u)", slot, EPD_QUEUE_SLOTS);
+    return NULL;
+  }
+  return (void *)(uintptr_t)(ep->queue_dev + offsetof(epd_queue_t, slot) + (uint64_t)slot * sizeof(epd_slot_t));
 }
 
 EPD_EXPORT void *epd_buffer(const epd_ep_t *ep, int kind, unsigned bank, size_t *bytes) {
@@ -379,6 +396,98 @@ EPD_EXPORT void *epd_buffer(const epd_ep_t *ep, int kind, unsigned bank, size_t 
       return ep->arena + ep->buffers[i].offset;
     }
   return NULL;
+}
+
+/* ---- expert map table ----------------------------------------------------------------------------- */
+
+/* The table in the queue mapping, checked against the mapping's size; NULL if there is none. */
+static const epd_map_table_t *map_table(const epd_ep_t *ep) {
+  if (!ep || !ep->queue) return NULL;
+  uint32_t off = ep->queue->map_table_offset;
+  if (!off || off % 8 || (size_t)off + sizeof(epd_map_table_t) > ep->queue_bytes) return NULL;
+  const epd_map_table_t *t = (const epd_map_table_t *)((const uint8_t *)ep->queue + off);
+  if (t->magic != EPD_MAP_TABLE_MAGIC || t->max_replicas == 0 ||
+      off + epd_map_table_bytes(t->num_experts, t->max_replicas, t->num_ranks, t->slots_per_rank) > ep->queue_bytes)
+    return NULL;
+  return t;
+}
+
+/* Seqlock read: copy what fn wants while the daemon is not writing, retry otherwise (the daemon writes
+ * only at step boundaries, for microseconds). Returns the version read, 0 if the table never settled. */
+typedef void (*map_read_fn)(const epd_map_table_t *t, void *arg);
+static uint32_t map_read(const epd_map_table_t *t, map_read_fn fn, void *arg) {
+  const _Atomic uint32_t *seq = (const _Atomic uint32_t *)&t->seq;
+  for (int tries = 0; tries < 1000000; tries++) {
+    uint32_t s1 = atomic_load_explicit(seq, memory_order_acquire);
+    if (s1 & 1u) continue;
+    uint32_t v = t->version;
+    fn(t, arg);
+    atomic_thread_fence(memory_order_acquire);
+    if (atomic_load_explicit(seq, memory_order_relaxed) == s1) return v;
+  }
+  return 0;
+}
+
+EPD_EXPORT uint32_t epd_map_version(const epd_ep_t *ep) {
+  const epd_map_table_t *t = map_table(ep);
+  return t ? atomic_load_explicit((const _Atomic uint32_t *)&t->version, memory_order_acquire) : 0;
+}
+
+typedef struct slots_arg {
+  uint32_t logical, max, n;
+  epd_replica_t *reps;
+} slots_arg_t;
+static void read_slots(const epd_map_table_t *t, void *arg) {
+  slots_arg_t *a = arg;
+  const uint32_t *nrep = (const uint32_t *)(t + 1), *rep = nrep + t->num_experts;
+  a->n = nrep[a->logical] <= t->max_replicas ? nrep[a->logical] : t->max_replicas;
+  for (uint32_t i = 0; i < a->n && i < a->max; i++) {
+    a->reps[i].rank = rep[((size_t)a->logical * t->max_replicas + i) * 2];
+    a->reps[i].slot = rep[((size_t)a->logical * t->max_replicas + i) * 2 + 1];
+  }
+}
+
+EPD_EXPORT epd_result_t epd_expert_slots(const epd_ep_t *ep, uint32_t logical, epd_replica_t *reps, uint32_t max,
+                                         uint32_t *nrep, uint32_t *version) {
+  if (!ep) return EPD_ERR_INVALID;
+  char *err = (char *)ep->err; /* the per-handle error text is not part of the const contract */
+  const epd_map_table_t *t = map_table(ep);
+  if (!t) return fail(err, EPD_ERR_UNSUPPORTED, "the daemon publishes no expert map table");
+  if (logical >= t->num_experts)
+    return fail(err, EPD_ERR_INVALID, "logical %u: out of range [0, %u)", logical, t->num_experts);
+  if (max && !reps) return fail(err, EPD_ERR_INVALID, "reps: NULL with max %u", max);
+  slots_arg_t a = {logical, max, 0, reps};
+  uint32_t v = map_read(t, read_slots, &a);
+  if (!v) return fail(err, EPD_ERR_TIMEOUT, "the expert map table did not settle");
+  if (nrep) *nrep = a.n;
+  if (version) *version = v;
+  return EPD_OK;
+}
+
+typedef struct slot_experts_arg {
+  uint32_t rank, n;
+  int32_t *logical;
+} slot_experts_arg_t;
+static void read_slot_experts(const epd_map_table_t *t, void *arg) {
+  slot_experts_arg_t *a = arg;
+  const int32_t *se = (const int32_t *)((const uint32_t *)(t + 1) + t->num_experts +
+                                        (size_t)t->num_experts * t->max_replicas * 2);
+  memcpy(a->logical, se + (size_t)a->rank * t->slots_per_rank, sizeof *a->logical * a->n);
+}
+
+EPD_EXPORT epd_result_t epd_slot_experts(const epd_ep_t *ep, int32_t *logical, uint32_t n, uint32_t *version) {
+  if (!ep) return EPD_ERR_INVALID;
+  char *err = (char *)ep->err;
+  const epd_map_table_t *t = map_table(ep);
+  if (!t) return fail(err, EPD_ERR_UNSUPPORTED, "the daemon publishes no expert map table");
+  if (n > t->slots_per_rank || (n && !logical) || (uint32_t)ep->rank >= t->num_ranks)
+    return fail(err, EPD_ERR_INVALID, "n %u: out of range [0, %u] (slots per rank), logical %s", n,
+                t->slots_per_rank, logical ? "set" : "NULL");
+  slot_experts_arg_t a = {(uint32_t)ep->rank, n, logical};
+  uint32_t v = map_read(t, read_slot_experts, &a);
+  if (!v) return fail(err, EPD_ERR_TIMEOUT, "the expert map table did not settle");
+  if (version) *version = v;
+  return EPD_OK;
 }
 
 /* ---- ops ---------------------------------------------------------------------------------------- */

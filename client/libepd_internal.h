@@ -35,6 +35,7 @@ struct epd_ep {
   int stuck;  /* a synchronous op timed out: the ring is out of step */
   int on_gpu, device;
   uint32_t num_ranks, num_experts, hidden, topk, max_tokens, slots_per_rank, ht_capacity, map_version;
+  uint64_t weight_bytes_per_slot;
   int rank;
   epd_queue_t *queue; /* host mapping (memfd) on both backends */
   size_t queue_bytes;
@@ -44,7 +45,7 @@ struct epd_ep {
   epd_cuda_hostreg_t *queue_reg;  /* memory "cuda": the queue registered for stream memory operations */
   uint64_t queue_dev;
   uint32_t nbuffers;
-  struct { uint32_t kind, bank; uint64_t offset, bytes; } buffers[EPD_BUF_KINDS * EPD_NUM_BANKS];
+  struct { uint32_t kind, bank; uint64_t offset, bytes; } buffers[EPD_MAX_BUFFERS];
   uint32_t next_slot;   /* ring position of the next op (the daemon executes in ring order) */
   int last_slot;        /* slot of the last op, -1 if none */
   int last_async;       /* the last op was enqueued on a stream */

@@ -767,7 +767,7 @@ epd_result_t epd_engine_set_map_copies(epd_engine_t *eng, const char *group, con
   grp->staged_copies = all;
   grp->nstaged_copies = nall;
   if (version_out) *version_out = m.version;
-  EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u staged (%u weight copies pending)", name, m.version,
+  EPD_LOGD(EPD_SUB_ENGINE, "group %s: expert map version %u staged (%u weight copies pending)", name, m.version,
            nall);
 out:
   pthread_mutex_unlock(&eng->mu);

@@ -200,6 +200,29 @@ epd_result_t epd_metrics_text(const epd_engine_snap_t *snap, const epd_daemon_in
       sb_printf(&sb, "\",expert=\"%u\"} %llu\n", e, (unsigned long long)gr->expert_tokens[e]);
     }
   }
+  sb_head(&sb, "epd_slot_tokens_total", "counter",
+          "Tokens routed to each physical (rank, slot) replica (the load of each replica).");
+  for (uint32_t g = 0; g < snap->ngroups; g++) {
+    const epd_group_snap_t *gr = &snap->groups[g];
+    for (uint32_t i = 0; gr->slot_tokens && i < gr->num_ranks * gr->slots_per_rank; i++) {
+      sb_printf(&sb, "epd_slot_tokens_total{group=\"");
+      sb_label(&sb, gr->name);
+      sb_printf(&sb, "\",rank=\"%u\",slot=\"%u\"} %llu\n", i / gr->slots_per_rank, i % gr->slots_per_rank,
+                (unsigned long long)gr->slot_tokens[i]);
+    }
+  }
+  sb_head(&sb, "epd_map_switches_total", "counter", "Expert map switches of an EP group.");
+  for (uint32_t g = 0; g < snap->ngroups; g++) {
+    sb_printf(&sb, "epd_map_switches_total{group=\"");
+    sb_label(&sb, snap->groups[g].name);
+    sb_printf(&sb, "\"} %llu\n", (unsigned long long)snap->groups[g].map_switches);
+  }
+  sb_head(&sb, "epd_weight_bytes_copied_total", "counter", "Expert weight bytes copied by migrations.");
+  for (uint32_t g = 0; g < snap->ngroups; g++) {
+    sb_printf(&sb, "epd_weight_bytes_copied_total{group=\"");
+    sb_label(&sb, snap->groups[g].name);
+    sb_printf(&sb, "\"} %llu\n", (unsigned long long)snap->groups[g].weight_bytes_copied);
+  }
 
   if (sb.failed) {
     free(sb.p);

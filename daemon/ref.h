@@ -103,11 +103,20 @@ epd_result_t epd_ref_map_validate(const epd_expert_map_t *m, uint32_t num_expert
                                   uint32_t slots_per_rank, char *err, size_t errlen);
 /* Deep copy (arrays malloc'ed). */
 epd_result_t epd_ref_map_copy(epd_expert_map_t *dst, const epd_expert_map_t *src);
-/* Replica of expert e used by token t of rank src: index (src * M + t) % nrep[e]. */
+/* Replica of expert e used by token t of rank src (SEMANTICS.md): with u = src * M + t, the replica
+ * (u % n) of the n replicas on src's node (node = rank / ranks_per_node), in map order; when the node
+ * has none, or there is one node, replica u % nrep[e]. */
 static inline epd_replica_t epd_ref_map_dest(const epd_expert_map_t *m, uint32_t max_tokens, uint32_t src,
                                              uint32_t t, uint32_t e) {
-  uint32_t i = (uint32_t)(((uint64_t)src * max_tokens + t) % m->nrep[e]);
-  return m->rep[e][i];
+  uint64_t u = (uint64_t)src * max_tokens + t;
+  uint32_t rpn = m->ranks_per_node, n = m->nrep[e];
+  if (rpn && rpn < m->num_ranks && n > 1) {
+    uint32_t node = src / rpn, nl = 0, loc[EPD_MAX_REPLICAS];
+    for (uint32_t i = 0; i < n; i++)
+      if (m->rep[e][i].rank / rpn == node) loc[nl++] = i;
+    if (nl) return m->rep[e][loc[u % nl]];
+  }
+  return m->rep[e][u % n];
 }
 
 /* Deterministic test inputs of one rank for (seed, step, rank): x random BF16 in [-2, 2), top-k ids

@@ -325,6 +325,7 @@ static void h_attach(const rpc_call_t *c, const Epd__V1__AttachRequest *q, rpc_r
   ar.hidden = q->hidden;
   ar.topk = q->topk;
   ar.max_tokens = q->max_tokens;
+  ar.weight_bytes_per_slot = q->weight_bytes_per_slot;
   /* The kernel's word (SO_PEERCRED) over the client's: AttachRequest.pid is only a fallback. */
   ar.pid = c->peer_known ? c->peer_pid : q->pid;
   ar.uid = c->peer_known ? c->peer_uid : 0;
@@ -356,8 +357,8 @@ static void h_attach(const rpc_call_t *c, const Epd__V1__AttachRequest *q, rpc_r
   }
 
   Epd__V1__AttachReply a = EPD__V1__ATTACH_REPLY__INIT;
-  Epd__V1__BufferInfo bufs[EPD_BUF_KINDS * EPD_NUM_BANKS], *bufp[EPD_BUF_KINDS * EPD_NUM_BANKS];
-  uint32_t nb = info.nbuffers < EPD_BUF_KINDS * EPD_NUM_BANKS ? info.nbuffers : EPD_BUF_KINDS * EPD_NUM_BANKS;
+  Epd__V1__BufferInfo bufs[EPD_MAX_BUFFERS], *bufp[EPD_MAX_BUFFERS];
+  uint32_t nb = info.nbuffers < EPD_MAX_BUFFERS ? info.nbuffers : EPD_MAX_BUFFERS;
   for (uint32_t i = 0; i < nb; i++) {
     epd__v1__buffer_info__init(&bufs[i]);
     bufs[i].kind = info.buffers[i].kind;
@@ -384,6 +385,7 @@ static void h_attach(const rpc_call_t *c, const Epd__V1__AttachRequest *q, rpc_r
   a.slots_per_rank = info.slots_per_rank;
   a.ht_capacity = info.ht_capacity;
   a.map_version = info.map_version;
+  a.weight_bytes_per_slot = info.weight_bytes_per_slot;
   a.secret.data = secret;
   a.secret.len = sizeof secret;
   reply_msg(rep, &a.base);
@@ -507,8 +509,21 @@ static void h_setmap(const Epd__V1__SetExpertMapRequest *q, rpc_reply_t *rep) {
     }
   }
   uint32_t version = 0;
-  char err[256] = "";
-  r = epd_engine_set_map(g.eng, group, &em, &version, err, sizeof err);
+  char err[320] = "";
+  epd_weight_copy_t *cps = NULL;
+  if (q->n_copies > (1u << 16)) {
+    reply_err(rep, EPD_ERR_INVALID, "copies: %zu entries, at most %u", q->n_copies, 1u << 16);
+    goto out;
+  }
+  if (q->n_copies && !(cps = calloc(q->n_copies, sizeof *cps))) {
+    reply_err(rep, EPD_ERR_NOMEM, "out of memory for %zu copies", q->n_copies);
+    goto out;
+  }
+  for (size_t i = 0; i < q->n_copies; i++)
+    cps[i] = (epd_weight_copy_t){q->copies[i]->src_rank, q->copies[i]->src_slot, q->copies[i]->dst_rank,
+                                 q->copies[i]->dst_slot};
+  r = epd_engine_set_map_copies(g.eng, group, &em, cps, (uint32_t)q->n_copies, &version, err, sizeof err);
+  free(cps);
   if (r != EPD_OK) {
     reply_err(rep, r, "%s", err[0] ? err : result_name(r));
     goto out;

@@ -8,7 +8,10 @@
  * FP8), within BF16 rounding.
  *
  * Usage: epd-worker -s SOCKET -g GROUP -r RANK -n NRANKS --steps N --seed S [--experts E --hidden H
- *        --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] [-v]
+ *        --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] [--map-every N] [-v]
+ * --map-every N: rank 0 stages a new random expert map (redundant replicas included) through
+ * SetExpertMap after every N-th step; every rank reads the map of each step from libepd's mapped map
+ * table (epd_expert_slots, no round trip) and checks the step against the reference with it.
  * Exit: 0 all steps matched; 1 a result differed; 2 an op or the attach failed; 3 --die-at-step.
  */
 #define _GNU_SOURCE
@@ -29,12 +32,12 @@
 
 typedef struct args {
   const char *sock, *group;
-  int rank, nranks, steps, ht, fp8, skew, die_at, verbose;
+  int rank, nranks, steps, ht, fp8, skew, die_at, verbose, map_every;
   uint64_t seed;
   uint32_t experts, hidden, topk, tokens;
 } args_t;
 
-static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 1, 16, 256, 4, 64};
+static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 1, 16, 256, 4, 64};
 
 static double now_us(void) {
   struct timespec ts;
@@ -138,6 +141,99 @@ static int fetch_map(epd_expert_map_t *m, uint32_t E, uint32_t R, uint32_t S) {
   return 0;
 }
 
+/* The active map from libepd's mapped table (no round trip); -1 if the daemon publishes none. */
+static int table_map(epd_ep_t *ep, epd_expert_map_t *m, uint32_t E, uint32_t R, uint32_t S) {
+  epd_expert_map_free(m);
+  epd_ref_map_default(m, E, R, S);
+  uint32_t v0 = epd_map_version(ep), v = 0;
+  if (!v0) return -1;
+  for (uint32_t e = 0; e < E; e++) {
+    epd_replica_t reps[EPD_MAX_REPLICAS];
+    uint32_t n = 0;
+    if (epd_expert_slots(ep, e, reps, EPD_MAX_REPLICAS, &n, &v) || v != v0 || n < 1 || n > EPD_MAX_REPLICAS) {
+      fprintf(stderr, "rank %d: map table: expert %u: %s (version %u, then %u)\n", A.rank, e, epd_last_error(ep), v0, v);
+      return -2;
+    }
+    m->nrep[e] = (uint8_t)n;
+    for (uint32_t i = 0; i < n; i++) m->rep[e][i] = reps[i];
+  }
+  m->version = v0;
+  /* The slot -> expert rows must agree with the replica lists. */
+  int32_t se[1024];
+  if (S <= 1024 && !epd_slot_experts(ep, se, S, &v) && v == v0)
+    for (uint32_t s = 0; s < S; s++) {
+      int32_t want = -1;
+      for (uint32_t e = 0; e < E; e++)
+        for (uint32_t i = 0; i < m->nrep[e]; i++)
+          if (m->rep[e][i].rank == (uint32_t)A.rank && m->rep[e][i].slot == s) want = (int32_t)e;
+      if (se[s] != want) {
+        fprintf(stderr, "rank %d: map table: slot %u holds expert %d, the replica lists say %d\n", A.rank, s, se[s], want);
+        return -2;
+      }
+    }
+  char verr[256];
+  if (epd_ref_map_validate(m, E, R, S, verr, sizeof verr)) {
+    fprintf(stderr, "rank %d: map table is invalid: %s\n", A.rank, verr);
+    return -2;
+  }
+  return 0;
+}
+
+/* --map-every: stage a random valid map (seeded by the step) with SetExpertMap; its version or 0. */
+static uint32_t stage_random_map(uint32_t E, uint32_t R, uint32_t S, int step) {
+  uint64_t st = A.seed * 7919 + (uint64_t)step;
+  uint32_t n = R * S, *perm = malloc(sizeof *perm * n);
+  for (uint32_t i = 0; i < n; i++) perm[i] = i;
+  for (uint32_t i = n - 1; i > 0; i--) {
+    uint32_t j = (uint32_t)(epd_ref_rand(&st) % (i + 1)), t = perm[i];
+    perm[i] = perm[j];
+    perm[j] = t;
+  }
+  Epd__V1__ExpertPlacement *pl = calloc(E, sizeof *pl), **plp = calloc(E, sizeof *plp);
+  Epd__V1__Replica *rp = calloc(n, sizeof *rp), **rpp = calloc(n, sizeof *rpp);
+  uint32_t used = 0;
+  for (uint32_t e = 0; e < E; e++) {
+    epd__v1__expert_placement__init(&pl[e]);
+    pl[e].expert = e;
+    plp[e] = &pl[e];
+    pl[e].replicas = &rpp[used];
+    uint32_t spare = n - used - (E - e); /* slots left after one for this and every later expert */
+    uint32_t nr = 1 + (spare > 0 && epd_ref_rand(&st) % 3 == 0);
+    for (uint32_t i = 0; i < nr; i++, used++) {
+      epd__v1__replica__init(&rp[used]);
+      rp[used].rank = perm[used] / S;
+      rp[used].slot = perm[used] % S;
+      rpp[used] = &rp[used];
+      pl[e].n_replicas++;
+    }
+  }
+  Epd__V1__ExpertMap m = EPD__V1__EXPERT_MAP__INIT;
+  m.group = (char *)A.group;
+  m.n_experts = E;
+  m.experts = plp;
+  Epd__V1__SetExpertMapRequest q = EPD__V1__SET_EXPERT_MAP_REQUEST__INIT;
+  q.protocol_version = EPD_PROTOCOL_VERSION;
+  q.map = &m;
+  char err[512];
+  uint32_t v = 0;
+  epd_rpc_t *rpc = NULL;
+  ProtobufCMessage *rep = NULL;
+  if (epd_rpc_open(A.sock, 10000, &rpc, err, sizeof err) ||
+      epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &q.base, &epd__v1__set_expert_map_reply__descriptor, &rep, err,
+                   sizeof err))
+    fprintf(stderr, "rank %d step %d: SetExpertMap: %s\n", A.rank, step, err);
+  else
+    v = ((Epd__V1__SetExpertMapReply *)rep)->version;
+  if (rep) protobuf_c_message_free_unpacked(rep, NULL);
+  if (rpc) epd_rpc_close(rpc);
+  free(perm);
+  free(pl);
+  free(plp);
+  free(rp);
+  free(rpp);
+  return v;
+}
+
 /* ---- die-at-step --------------------------------------------------------------------------------- */
 
 typedef struct dying {
@@ -166,7 +262,8 @@ static uint32_t tokens_of(uint64_t step, uint32_t rank, uint32_t M) {
 
 static void usage(void) {
   fprintf(stderr, "usage: epd-worker -s SOCKET -g GROUP -r RANK -n NRANKS --steps N --seed S [--experts E "
-                  "--hidden H --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] [-v]\n");
+                  "--hidden H --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] "
+                  "[--map-every N] [-v]\n");
   exit(2);
 }
 
@@ -175,7 +272,8 @@ static void parse(int argc, char **argv) {
       {"socket", 1, 0, 's'},   {"group", 1, 0, 'g'},  {"rank", 1, 0, 'r'},   {"nranks", 1, 0, 'n'},
       {"steps", 1, 0, 'S'},    {"seed", 1, 0, 'e'},   {"experts", 1, 0, 'E'}, {"hidden", 1, 0, 'H'},
       {"topk", 1, 0, 'K'},     {"tokens", 1, 0, 'T'}, {"mode", 1, 0, 'm'},   {"fp8", 0, 0, 'f'},
-      {"skew", 0, 0, 'k'},     {"die-at-step", 1, 0, 'd'}, {"verbose", 0, 0, 'v'}, {0, 0, 0, 0}};
+      {"skew", 0, 0, 'k'},     {"die-at-step", 1, 0, 'd'}, {"verbose", 0, 0, 'v'}, {"map-every", 1, 0, 'M'},
+      {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "s:g:r:n:v", lo, NULL)) != -1) {
     switch (c) {
@@ -198,6 +296,7 @@ static void parse(int argc, char **argv) {
     case 'k': A.skew = 1; break;
     case 'd': A.die_at = atoi(optarg); break;
     case 'v': A.verbose = 1; break;
+    case 'M': A.map_every = atoi(optarg); break;
     default: usage();
     }
   }
@@ -289,7 +388,7 @@ int main(int argc, char **argv) {
   uint32_t *seg_n = calloc(S + 1, sizeof *seg_n); /* rows read back per slot (LL) or in all (HT) */
   epd_ref_plan_t plan;
   epd_ref_plan_init(&plan, &g);
-  int bad_steps = 0;
+  int bad_steps = 0, nswitch = 0, nstaged = 0;
   double t_ops = 0;
   uint32_t flags = A.fp8 ? EPD_DESC_FP8 : 0;
   epd_mode_t mode = A.ht ? EPD_MODE_HT : EPD_MODE_LL;
@@ -326,7 +425,11 @@ int main(int argc, char **argv) {
     }
     epd_comp_t comp;
     epd_op_status(ep, &comp);
-    if (comp.map_version != map.version && fetch_map(&map, g.num_experts, R, S)) return 2;
+    if (comp.map_version != map.version) {
+      int t = table_map(ep, &map, g.num_experts, R, S);
+      if (t == -2 || (t == -1 && fetch_map(&map, g.num_experts, R, S))) return 2;
+      nswitch++;
+    }
     if (comp.map_version != map.version) {
       fprintf(stderr, "rank %d step %d: dispatch used map %u, the daemon reports %u\n", A.rank, step,
               comp.map_version, map.version);
@@ -444,7 +547,13 @@ int main(int argc, char **argv) {
     if (A.verbose)
       printf("rank %d step %d: %s%s T=%u recv=%u map v%u %s\n", A.rank, step, A.ht ? "HT" : "LL", A.fp8 ? " fp8" : "",
              T, nrecv, comp.map_version, errs || oerrs ? "MISMATCH" : "ok");
+    if (A.map_every > 0 && A.rank == 0 && (step + 1) % A.map_every == 0) {
+      if (!stage_random_map(g.num_experts, R, S, step)) return 2;
+      nstaged++;
+    }
   }
+  if (A.map_every > 0)
+    printf("rank %d: %d map switches seen, %d maps staged\n", A.rank, nswitch, nstaged);
   rc = epd_detach(ep);
   if (rc) fprintf(stderr, "rank %d: detach: %s: %s\n", A.rank, epd_strerror(rc), epd_conn_last_error(conn));
   epd_disconnect(conn);
