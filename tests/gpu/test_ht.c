@@ -1,0 +1,317 @@
+/*
+ * test_ht.c - HT dispatch/combine kernels on 2 GPUs in one process, against the host reference
+ * (daemon/ref.h): random and skewed routing with -1 and duplicate entries, empty ranks, 1 token, 4096 and
+ * 8192 tokens, hidden 7168 and 4096, top-8, BF16 and FP8, poisoned outputs, overflow past the receive
+ * capacity (nothing written), bad expert ids, too many tokens. Skips without 2 GPUs.
+ */
+#include <math.h>
+
+#include "../test.h"
+#include "ht_harness.h"
+#include "ref.h"
+
+#define CK(e)                                                                                  \
+  do {                                                                                         \
+    int r_ = (int)(e);                                                                         \
+    if (r_ != 0) epd_test_fail(__FILE__, __LINE__, "%s returned %d: %s", #e, r_, T_.h.err);    \
+  } while (0)
+#define CUCK(e)                                                                                         \
+  do {                                                                                                  \
+    cudaError_t c_ = (e);                                                                               \
+    if (c_ != cudaSuccess) epd_test_fail(__FILE__, __LINE__, "%s: %s", #e, cudaGetErrorString(c_));     \
+  } while (0)
+
+typedef struct tctx {
+  hth_t h;
+  epd_ref_geom_t rg;
+  epd_expert_map_t map;
+  epd_ref_plan_t plan;
+  uint16_t *x[2], *y[2], *out[2], *rout[2];
+  int64_t *topk[2];
+  float *w[2];
+  epd_ref_out_t ro[2];
+  uint8_t *gx;
+  float *gsc;
+  int64_t *gidx;
+  float *gw;
+  int32_t *gsrc;
+  uint32_t ntok[2];
+  void *mapimg;
+} tctx_t;
+
+static tctx_t T_;
+static uint64_t rng = 0x9876;
+
+static void setup(uint32_t E, uint32_t H, uint32_t K, uint32_t M, uint32_t S, uint32_t C, uint32_t blocks) {
+  if (hth_gpus() < 2) epd_test_skip("needs 2 GPUs (found %d)", hth_gpus());
+  epd_k_ht_geom_t g = {2, 0, E, H, K, M, S, C, blocks};
+  CK(hth_create(&T_.h, 2, &g));
+  T_.rg = (epd_ref_geom_t){2, E, H, K, M, S, C};
+  CK(epd_ref_map_default(&T_.map, E, 2, S));
+  T_.mapimg = malloc(epd_k_map_bytes(E));
+  CK(epd_k_map_pack(T_.mapimg, T_.map.version, E, T_.map.nrep, (const uint32_t *)T_.map.rep, EPD_MAX_REPLICAS));
+  CK(hth_set_map(&T_.h, T_.mapimg));
+  CK(epd_ref_plan_init(&T_.plan, &T_.rg));
+  size_t Cg = (size_t)C + HTH_GUARD_ROWS;
+  for (int r = 0; r < 2; r++) {
+    T_.x[r] = malloc((size_t)M * H * 2);
+    T_.topk[r] = malloc((size_t)M * K * 8);
+    T_.w[r] = malloc((size_t)M * K * 4);
+    T_.y[r] = malloc(Cg * H * 2);
+    T_.out[r] = malloc((size_t)M * H * 2);
+    T_.rout[r] = malloc((size_t)M * H * 2);
+    T_.ro[r].recv_x = malloc(Cg * H * 2);
+    T_.ro[r].recv_scales = malloc(Cg * (H / 128) * 4);
+    T_.ro[r].recv_count = malloc(S * 4);
+    T_.ro[r].recv_src = malloc(Cg * 4);
+    T_.ro[r].recv_topk_idx = malloc(Cg * K * 8);
+    T_.ro[r].recv_topk_weights = malloc(Cg * K * 4);
+    ASSERT(T_.x[r] && T_.y[r] && T_.ro[r].recv_x && T_.ro[r].recv_topk_weights);
+  }
+  T_.gx = malloc(Cg * H * 2);
+  T_.gsc = malloc(Cg * (H / 128) * 4);
+  T_.gidx = malloc(Cg * K * 8);
+  T_.gw = malloc(Cg * K * 4);
+  T_.gsrc = malloc(Cg * 4);
+  ASSERT(T_.gx && T_.gsc && T_.gidx && T_.gw && T_.gsrc);
+}
+
+static void gen(uint64_t seed, uint64_t step, uint32_t t0, uint32_t t1, int skew) {
+  uint32_t nt[2] = {t0, t1};
+  for (int r = 0; r < 2; r++) {
+    T_.ntok[r] = nt[r];
+    uint32_t n = nt[r] > T_.rg.max_tokens ? T_.rg.max_tokens : nt[r];
+    epd_ref_gen_input(seed, step, (uint32_t)r, &T_.rg, n, skew, T_.x[r], T_.topk[r], T_.w[r]);
+  }
+}
+
+/* Upload inputs of a bank and poison every output (guard rows included). */
+static void upload(unsigned bank) {
+  hth_t *h = &T_.h;
+  uint32_t M = T_.rg.max_tokens, H = T_.rg.hidden, K = T_.rg.topk, S = T_.rg.slots_per_rank;
+  size_t Cg = (size_t)T_.rg.ht_capacity + HTH_GUARD_ROWS;
+  for (int r = 0; r < 2; r++) {
+    cudaSetDevice(epd_cc_device(h->cc, r));
+    uint32_t n = T_.ntok[r] > M ? M : T_.ntok[r];
+    if (n) {
+      CUCK(cudaMemcpy(hth_buf(h, r, bank, EPD_BUF_X), T_.x[r], (size_t)n * H * 2, cudaMemcpyHostToDevice));
+      CUCK(cudaMemcpy(hth_buf(h, r, bank, EPD_BUF_TOPK_IDX), T_.topk[r], (size_t)n * K * 8, cudaMemcpyHostToDevice));
+      CUCK(cudaMemcpy(hth_buf(h, r, bank, EPD_BUF_TOPK_WEIGHTS), T_.w[r], (size_t)n * K * 4, cudaMemcpyHostToDevice));
+    }
+    CUCK(cudaMemset(hth_buf(h, r, bank, EPD_BUF_HT_RECV_X), 0xff, Cg * H * 2));
+    CUCK(cudaMemset(hth_buf(h, r, bank, EPD_BUF_HT_RECV_SCALES), 0xff, Cg * (H / 128) * 4));
+    CUCK(cudaMemset(hth_buf(h, r, bank, EPD_BUF_HT_RECV_TOPK_IDX), 0x5a, Cg * K * 8));
+    CUCK(cudaMemset(hth_buf(h, r, bank, EPD_BUF_HT_RECV_TOPK_WEIGHTS), 0xff, Cg * K * 4));
+    CUCK(cudaMemset(hth_buf(h, r, bank, EPD_BUF_HT_RECV_SRC), 0xff, Cg * 4));
+    CUCK(cudaMemset(hth_buf(h, r, bank, EPD_BUF_HT_RECV_COUNT), 0xff, S * 4));
+    CUCK(cudaMemset(hth_buf(h, r, bank, EPD_BUF_OUT), 0x7f, (size_t)M * H * 2));
+    CUCK(cudaStreamSynchronize(0));
+  }
+}
+
+static void exec(uint32_t opc, unsigned bank, int fp8) {
+  CK(hth_launch(&T_.h, 3, opc, bank, T_.ntok, fp8 ? EPD_DESC_FP8 : 0, 5000000000ull));
+  CK(hth_sync(&T_.h, 3));
+}
+
+static int fp8_close(uint8_t a, uint8_t b) {
+  if (a == b) return 1;
+  if ((a & 0x80) != (b & 0x80)) return (a & 0x7f) == 0 && (b & 0x7f) == 0;
+  int d = (int)(a & 0x7f) - (int)(b & 0x7f);
+  return d == 1 || d == -1;
+}
+
+/* Rows past `from` of every HT receive buffer of rank r are still poisoned. */
+static void check_untouched(int r, unsigned bank, size_t from) {
+  hth_t *h = &T_.h;
+  uint32_t H = T_.rg.hidden;
+  size_t Cg = (size_t)T_.rg.ht_capacity + HTH_GUARD_ROWS;
+  if (from >= Cg) return;
+  cudaSetDevice(epd_cc_device(h->cc, r));
+  size_t n = Cg - from;
+  CUCK(cudaMemcpy(T_.gx, (char *)hth_buf(h, r, bank, EPD_BUF_HT_RECV_X) + from * H * 2, n * H * 2, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < n * H * 2; i++)
+    if (T_.gx[i] != 0xff) epd_test_fail(__FILE__, __LINE__, "rank %d: recv_x written at row %zu", r, from + i / (H * 2));
+  CUCK(cudaMemcpy(T_.gsrc, (int32_t *)hth_buf(h, r, bank, EPD_BUF_HT_RECV_SRC) + from, n * 4, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < n; i++)
+    if (T_.gsrc[i] != -1) epd_test_fail(__FILE__, __LINE__, "rank %d: recv_src written at row %zu", r, from + i);
+}
+
+static void dispatch_check(unsigned bank, int fp8) {
+  hth_t *h = &T_.h;
+  uint32_t H = T_.rg.hidden, K = T_.rg.topk, S = T_.rg.slots_per_rank, nb = H / 128;
+  exec(EPD_OP_HT_DISPATCH, bank, fp8);
+  epd_ref_in_t in[2];
+  for (int r = 0; r < 2; r++) in[r] = (epd_ref_in_t){T_.ntok[r], T_.x[r], T_.topk[r], T_.w[r]};
+  int bad = -1;
+  char err[256];
+  CK(epd_ref_plan_build(&T_.plan, &T_.map, in, &bad, err, sizeof err));
+  epd_ref_out_t *outs[2] = {&T_.ro[0], &T_.ro[1]};
+  CK(epd_ref_ht_dispatch(&T_.plan, in, fp8, outs, &bad));
+  for (int r = 0; r < 2; r++) {
+    epd_comp_t c;
+    CK(hth_comp(h, r, 0, &c));
+    if (c.status != 0) epd_test_fail(__FILE__, __LINE__, "rank %d: dispatch status %d peer %d", r, c.status, c.peer);
+    ASSERT_EQ(c.peer, -1);
+    ASSERT_EQ(c.num_recv, T_.plan.ht_recv[r]);
+    ASSERT_EQ(c.map_version, T_.map.version);
+    size_t N = c.num_recv;
+    cudaSetDevice(epd_cc_device(h->cc, r));
+    int32_t *cnt = malloc(S * 4);
+    CUCK(cudaMemcpy(cnt, hth_buf(h, r, bank, EPD_BUF_HT_RECV_COUNT), S * 4, cudaMemcpyDeviceToHost));
+    for (uint32_t s = 0; s < S; s++)
+      if (cnt[s] != T_.ro[r].recv_count[s])
+        epd_test_fail(__FILE__, __LINE__, "rank %d slot %u: count %d, expected %d", r, s, cnt[s], T_.ro[r].recv_count[s]);
+    free(cnt);
+    if (N) {
+      CUCK(cudaMemcpy(T_.gx, hth_buf(h, r, bank, EPD_BUF_HT_RECV_X), N * H * 2, cudaMemcpyDeviceToHost));
+      CUCK(cudaMemcpy(T_.gidx, hth_buf(h, r, bank, EPD_BUF_HT_RECV_TOPK_IDX), N * K * 8, cudaMemcpyDeviceToHost));
+      CUCK(cudaMemcpy(T_.gw, hth_buf(h, r, bank, EPD_BUF_HT_RECV_TOPK_WEIGHTS), N * K * 4, cudaMemcpyDeviceToHost));
+      CUCK(cudaMemcpy(T_.gsrc, hth_buf(h, r, bank, EPD_BUF_HT_RECV_SRC), N * 4, cudaMemcpyDeviceToHost));
+      if (fp8) CUCK(cudaMemcpy(T_.gsc, hth_buf(h, r, bank, EPD_BUF_HT_RECV_SCALES), N * nb * 4, cudaMemcpyDeviceToHost));
+    }
+    for (size_t j = 0; j < N; j++) {
+      if (T_.gsrc[j] != T_.ro[r].recv_src[j])
+        epd_test_fail(__FILE__, __LINE__, "rank %d row %zu: src %x, expected %x", r, j, T_.gsrc[j], T_.ro[r].recv_src[j]);
+      for (uint32_t k = 0; k < K; k++) {
+        if (T_.gidx[j * K + k] != T_.ro[r].recv_topk_idx[j * K + k])
+          epd_test_fail(__FILE__, __LINE__, "rank %d row %zu k %u: idx %lld, expected %lld", r, j, k,
+                        (long long)T_.gidx[j * K + k], (long long)T_.ro[r].recv_topk_idx[j * K + k]);
+        if (memcmp(&T_.gw[j * K + k], &T_.ro[r].recv_topk_weights[j * K + k], 4))
+          epd_test_fail(__FILE__, __LINE__, "rank %d row %zu k %u: weight %g, expected %g", r, j, k, T_.gw[j * K + k],
+                        T_.ro[r].recv_topk_weights[j * K + k]);
+      }
+      const uint8_t *gr = T_.gx + j * H * 2, *rr = (const uint8_t *)T_.ro[r].recv_x + j * H * 2;
+      if (!fp8) {
+        if (memcmp(gr, rr, (size_t)H * 2)) epd_test_fail(__FILE__, __LINE__, "rank %d row %zu: BF16 row differs", r, j);
+      } else {
+        for (uint32_t c2 = 0; c2 < H; c2++)
+          if (!fp8_close(gr[c2], rr[c2]))
+            epd_test_fail(__FILE__, __LINE__, "rank %d row %zu ch %u: fp8 %02x vs %02x", r, j, c2, gr[c2], rr[c2]);
+        for (uint32_t b = 0; b < nb; b++) {
+          float a = T_.gsc[j * nb + b], e = T_.ro[r].recv_scales[j * nb + b];
+          if (!(fabsf(a - e) <= 1e-6f * fabsf(e)))
+            epd_test_fail(__FILE__, __LINE__, "rank %d row %zu block %u: scale %g vs %g", r, j, b, a, e);
+        }
+      }
+    }
+    check_untouched(r, bank, N > T_.rg.ht_capacity ? T_.rg.ht_capacity : N);
+  }
+}
+
+static void combine_check(unsigned bank) {
+  hth_t *h = &T_.h;
+  uint32_t H = T_.rg.hidden;
+  for (int r = 0; r < 2; r++) {
+    size_t N = T_.plan.ht_recv[r];
+    cudaSetDevice(epd_cc_device(h->cc, r));
+    for (size_t i = 0; i < N * H; i++)
+      T_.y[r][i] = epd_f32_to_bf16((float)((epd_ref_rand(&rng) >> 40) / 16777216.0 * 4.0 - 2.0));
+    if (N) CUCK(cudaMemcpy(hth_buf(h, r, bank, EPD_BUF_HT_Y), T_.y[r], N * H * 2, cudaMemcpyHostToDevice));
+    CUCK(cudaStreamSynchronize(0));
+  }
+  exec(EPD_OP_HT_COMBINE, bank, 0);
+  const uint16_t *ys[2] = {T_.y[0], T_.y[1]};
+  uint16_t *outs[2] = {T_.rout[0], T_.rout[1]};
+  CK(epd_ref_ht_combine(&T_.plan, ys, outs));
+  for (int r = 0; r < 2; r++) {
+    epd_comp_t c;
+    CK(hth_comp(h, r, 1, &c));
+    if (c.status != 0) epd_test_fail(__FILE__, __LINE__, "rank %d: combine status %d peer %d", r, c.status, c.peer);
+    uint32_t n = T_.ntok[r];
+    if (!n) continue;
+    cudaSetDevice(epd_cc_device(h->cc, r));
+    CUCK(cudaMemcpy(T_.out[r], hth_buf(h, r, bank, EPD_BUF_OUT), (size_t)n * H * 2, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < (size_t)n * H; i++)
+      if (T_.out[r][i] != T_.rout[r][i])
+        epd_test_fail(__FILE__, __LINE__, "rank %d token %zu ch %zu: out %04x, expected %04x", r, i / H, i % H,
+                      T_.out[r][i], T_.rout[r][i]);
+  }
+}
+
+static void step(uint64_t seed, uint64_t s, uint32_t t0, uint32_t t1, int skew, int fp8) {
+  gen(seed, s, t0, t1, skew);
+  unsigned bank = (unsigned)s % 2;
+  upload(bank);
+  dispatch_check(bank, fp8);
+  combine_check(bank);
+}
+
+EPD_TEST_T(gpu_ht_h7168_4096_bf16_fp8_skew_empty_one, 300) {
+  setup(256, 7168, 8, 4096, 128, 8192, 0);
+  step(1, 0, 4096, 4096, 0, 0);
+  step(1, 1, 4096, 4096, 0, 1);
+  step(2, 2, 4096, 3000, 1, 0);
+  step(2, 3, 4096, 4096, 1, 1);
+  step(3, 4, 4096, 0, 0, 0);
+  step(3, 5, 0, 4096, 1, 1);
+  step(4, 6, 1, 1, 0, 1);
+  step(4, 7, 1, 0, 0, 0);
+  step(5, 8, 0, 0, 0, 0);
+  hth_destroy(&T_.h);
+}
+
+EPD_TEST_T(gpu_ht_h4096_8192_tokens, 300) {
+  setup(256, 4096, 8, 8192, 128, 16384, 16);
+  step(11, 0, 8192, 8192, 0, 0);
+  step(11, 1, 8192, 8192, 1, 1);
+  step(12, 2, 8192, 17, 0, 1);
+  hth_destroy(&T_.h);
+}
+
+static void expect_fail(int code, int peer, unsigned bank, int check_recv) {
+  for (int r = 0; r < 2; r++) {
+    epd_comp_t c;
+    CK(hth_comp(&T_.h, r, 0, &c));
+    if (c.status != code || c.peer != peer)
+      epd_test_fail(__FILE__, __LINE__, "rank %d: status %d peer %d, expected %d peer %d", r, c.status, c.peer, code, peer);
+    if (check_recv) ASSERT_EQ(c.num_recv, T_.plan.ht_recv[r]);
+    check_untouched(r, bank, 0); /* a failed dispatch writes nothing */
+    int32_t cnt;
+    cudaSetDevice(epd_cc_device(T_.h.cc, r));
+    CUCK(cudaMemcpy(&cnt, hth_buf(&T_.h, r, bank, EPD_BUF_HT_RECV_COUNT), 4, cudaMemcpyDeviceToHost));
+    ASSERT_EQ(cnt, -1);
+  }
+}
+
+EPD_TEST_T(gpu_ht_overflow_bad_expert_too_many, 180) {
+  setup(64, 1024, 8, 512, 32, 600, 8);
+  /* skewed: rank 0 receives far more than 600 rows */
+  gen(21, 0, 512, 512, 1);
+  upload(0);
+  exec(EPD_OP_HT_DISPATCH, 0, 0);
+  {
+    epd_ref_in_t in[2];
+    for (int r = 0; r < 2; r++) in[r] = (epd_ref_in_t){T_.ntok[r], T_.x[r], T_.topk[r], T_.w[r]};
+    int bad = -1;
+    char err[256];
+    CK(epd_ref_plan_build(&T_.plan, &T_.map, in, &bad, err, sizeof err));
+    epd_ref_out_t *outs[2] = {&T_.ro[0], &T_.ro[1]};
+    ASSERT_EQ(epd_ref_ht_dispatch(&T_.plan, in, 0, outs, &bad), EPD_ERR_OVERFLOW);
+    expect_fail(EPD_ERR_OVERFLOW, bad, 0, 1);
+  }
+  /* a combine after a failed dispatch is refused */
+  exec(EPD_OP_HT_COMBINE, 0, 0);
+  for (int r = 0; r < 2; r++) {
+    epd_comp_t c;
+    CK(hth_comp(&T_.h, r, 1, &c));
+    ASSERT_EQ(c.status, EPD_ERR_STATE);
+  }
+  /* the next steps work */
+  step(22, 1, 250, 300, 0, 0);
+  step(22, 2, 290, 10, 0, 1);
+  /* bad expert id on rank 1 */
+  gen(23, 0, 100, 100, 0);
+  T_.topk[1][5 * 8 + 3] = 64;
+  upload(0);
+  exec(EPD_OP_HT_DISPATCH, 0, 0);
+  expect_fail(EPD_ERR_BAD_EXPERT, 1, 0, 0);
+  /* too many tokens on rank 0 */
+  gen(24, 0, 100, 100, 0);
+  T_.ntok[0] = 513;
+  upload(0);
+  exec(EPD_OP_HT_DISPATCH, 0, 0);
+  expect_fail(EPD_ERR_TOO_MANY_TOKENS, 0, 0, 0);
+  step(25, 1, 280, 280, 0, 0);
+  hth_destroy(&T_.h);
+}
