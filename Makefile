@@ -120,6 +120,21 @@ $(WORKER): $(call obj,tests/tools/epd-worker.c) $(ENGINE_LIB) $(LIBEPD_A)
 $(BENCH): $(call obj,$(BENCH_SRCS)) $(ENGINE_LIB) $(LIBEPD_A)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
+# The expert-map switch benchmark (in-process engine; bench/map/bench_map.c).
+BENCH_MAP := $(B)/bin/epd-bench-map
+$(BENCH_MAP): $(call obj,bench/map/bench_map.c) $(ENGINE_LIB) $(LIBEPD_A)
+	$(call msg,LD,$@)
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
+# The end-to-end benchmark client (one process per rank; bench/e2e/run_gpu.sh): libepd + a client kernel.
+BENCH_E2E := $(B)/bin/epd-bench-e2e
+$(BENCH_E2E): $(call obj,bench/e2e/bench_e2e.c) $(B)/obj/bench/e2e/e2e_dev.o $(LIBEPD_A)
+	$(call msg,LD,$@)
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
+# The HT kernel benchmark (in-process, 2 GPUs; bench/ht/bench_ht.c).
+BENCH_HT := $(B)/bin/epd-bench-ht
+$(BENCH_HT): $(call obj,bench/ht/bench_ht.c) $(ENGINE_LIB) $(LIBEPD_A)
+	$(call msg,LD,$@)
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
 $(B)/epd.pc: client/epd.pc.in
 	$(Q)mkdir -p $(@D) && sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' $< > $@
 

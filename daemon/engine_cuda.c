@@ -122,10 +122,15 @@ typedef struct cuda_grp {
   int need_reset, setup_failed;
   int have_win;
   epd_cc_win_t win; /* the group's LL staging window on every rank */
+  int have_hwin;
+  epd_cc_win_t hwin; /* the group's HT staging window (capacity rows per bank) */
   uint64_t first_arrive_ns, last_arrive_ns;
   uint32_t map_version;
   void *map_img; /* host image of the active map (epd_k_map_pack) */
   uint32_t map_img_version;
+  /* Map version of each bank's last LL dispatch, and the version the current op reports: a combine
+   * reports its bank's dispatch version even when a later dispatch (other bank) switched the map. */
+  uint32_t bank_map_version[EPD_NUM_BANKS], op_map_version;
   cuda_grank_t rk[EPD_MAX_RANKS];
 } cuda_grp_t;
 
@@ -378,7 +383,8 @@ static void complete_rank(epd_engine_t *eng, cuda_grp_t *cg, int r, const epd_co
     memset(&c, 0, sizeof c);
     c.status = kc ? kc->status : cg->status;
     c.peer = kc ? kc->peer : cg->peer;
-    c.map_version = kc ? kc->map_version : cg->map_version;
+    /* The kernel does not know the version: the host set it at the step's dispatch (combine: same). */
+    c.map_version = cg->op_map_version ? cg->op_map_version : kc && kc->map_version ? kc->map_version : cg->map_version;
     c.num_recv = kc ? kc->num_recv : 0;
     c.step = cg->step;
     c.user_tag = cg->desc[r].user_tag;
@@ -491,6 +497,10 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
     }
     cg->map_version = grp->map.version;
   }
+  if (d0->op == EPD_OP_LL_DISPATCH) cg->bank_map_version[d0->bank % EPD_NUM_BANKS] = cg->map_version;
+  cg->op_map_version = d0->op == EPD_OP_LL_COMBINE && cg->bank_map_version[d0->bank % EPD_NUM_BANKS]
+                           ? cg->bank_map_version[d0->bank % EPD_NUM_BANKS]
+                           : cg->map_version;
   cg->status = 0;
   cg->peer = -1;
   cg->step = grp ? grp->steps : 0;

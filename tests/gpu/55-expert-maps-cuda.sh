@@ -1,0 +1,58 @@
+#!/bin/bash
+# 55-expert-maps-cuda.sh - the daemon with engine.backend=cuda on 2 GPUs (redundant slots) and two
+# epd-worker processes stepping while rank 0 stages a new random expert map every 3 steps through
+# SetExpertMap: every step is checked against the reference with the map version its completion carries,
+# read from libepd's mapped map table (BF16, then FP8 with skewed routing). Weight copies are refused on
+# this backend with UNIMPLEMENTED (EPD_ERR_UNSUPPORTED) - not exercised here.
+# Usage (repository root, on the GPU machine): bash tests/gpu/55-expert-maps-cuda.sh [build-dir]
+set -u
+B=${1:-${EPD_BUILD:-build}}
+EPD=$B/bin/epd
+WORKER=$B/bin/epd-worker
+[ -x "$EPD" ] || { echo "skip: $EPD is not built"; exit 77; }
+[ -x "$WORKER" ] || { echo "skip: $WORKER is not built"; exit 77; }
+[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] || { echo "skip: needs 2 GPUs"; exit 77; }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
+[ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
+T=$(mktemp -d)
+mkdir -p "$T/run"
+LOG=$T/epd.log
+SOCK=$T/run/control.sock
+PID=
+fail() {
+  echo "FAIL: $*"
+  for f in "$T"/w*.out; do [ -f "$f" ] && sed "s/^/  $(basename "$f"): /" "$f" | tail -8; done
+  [ -f "$LOG" ] && sed 's/^/  log| /' "$LOG" | tail -30
+  [ -n "$PID" ] && kill -KILL "$PID" 2>/dev/null
+  exit 1
+}
+wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
+
+"$EPD" -s "$SOCK" -f -o engine.backend=cuda -o engine.num_ranks=2 -o engine.step_timeout_ms=4000 \
+  -o engine.slots_factor_pct=200 -o daemon.attach_socket="$T/run/attach.sock" 2> "$LOG" &
+PID=$!
+wait_for 30 test -S "$SOCK" || fail "no control socket"
+wait_for 5 test -S "$T/run/attach.sock" || fail "no attach socket"
+
+run2() { # GROUP STEPS ARGS...
+  local g=$1 steps=$2; shift 2
+  for r in 0 1; do
+    timeout 120 "$WORKER" -s "$SOCK" -g "$g" -r $r -n 2 --steps "$steps" --map-every 3 "$@" > "$T/w$g$r.out" 2>&1 &
+    eval "P$r=$!"
+  done
+  for r in 0 1; do
+    eval "wait \$P$r" || fail "worker $g/$r exited $?"
+    grep -q "steps ok" "$T/w$g$r.out" || fail "worker $g/$r printed no summary"
+  done
+  grep -h "steps ok\|map switches seen" "$T"/w"$g"?.out
+  local seen; seen=$(sed -n 's/.*: \([0-9]*\) map switches seen.*/\1/p' "$T/w${g}1.out")
+  [ "${seen:-0}" -ge $(( steps / 3 - 2 )) ] || fail "rank 1 saw ${seen:-0} map switches in $steps steps"
+}
+echo "== LL BF16, 120 steps, a new map every 3 steps (hidden 256, 32 experts, top-4)"
+run2 bf 120 --seed 21 --hidden 256 --experts 32 --topk 4 --tokens 64
+echo "== LL FP8 + skew, 60 steps, a new map every 3 steps (hidden 512)"
+run2 f8 60 --seed 22 --hidden 512 --experts 32 --topk 4 --tokens 64 --fp8 --skew
+grep -c "event map_switch" "$LOG"
+kill -TERM "$PID"; wait "$PID"
+echo "ok"
