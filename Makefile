@@ -153,7 +153,7 @@ test: deps
 gpu-test: all
 	$(Q)EPD_BUILD=$(B) EPD_SYSTEM_TESTS=tests/gpu $(GPU_TESTS)
 
-bench: all $(BENCH)
+bench: all $(BENCH) $(if $(filter 1,$(WITH_CUDA)),$(BENCH_E2E))
 	$(Q)bench/bench.sh
 
 install: all

@@ -546,7 +546,8 @@ static int collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int r, uint
       fail_collect(eng, be, cg, EPD_ERR_PEER, (int)p, why);
       return 1;
     }
-  if (now - cg->first_arrive_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
+  /* now was read before mu: another rank thread may have stamped a later first arrival. */
+  if (now > cg->first_arrive_ns && now - cg->first_arrive_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
     int missing = -1;
     for (uint32_t p = 0; p < cg->g.num_ranks && missing < 0; p++)
       if (!cg->arrived[p]) missing = (int)p;

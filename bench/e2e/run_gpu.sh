@@ -1,0 +1,102 @@
+#!/bin/bash
+# run_gpu.sh - one GPU-machine run of the end-to-end benchmarks (2 GPUs), packed into $OUT/e2e-results.tgz:
+#   inproc/        epd-bench (bench_ll.c: kernel time, in-process end to end, NCCL baselines)
+#   nomps/         daemon backend=cuda without MPS, default poll loop: bench_e2e (C) + py_overhead (Python)
+#   nomps-spin/    (MOE=1) the same daemon with EPD_CUDA_SPIN_NS (rank threads never sleep while busy)
+#   mps-spin/      under CUDA MPS (nvidia-cuda-mps-control -d, pipe/log dirs under /tmp), spin on: C + Python
+#   python-moe.txt (MOE=1) tests/gpu/60-python-moe.sh
+# Usage (repository root of the GPU machine): bash bench/e2e/run_gpu.sh BUNDLE_DIR   (OUT=... set)
+set -u
+D=${1:-dist/epd-0.1.0-linux-x86_64}
+FINAL=${OUT:-/tmp/e2e-out}
+mkdir -p "$FINAL"
+WORK=$(mktemp -d /tmp/e2e.XXXX)
+OUT=$WORK/out  # everything lands here, then one tarball in $FINAL (the device tool returns few files)
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
+export LD_LIBRARY_PATH=$NCCL_LIB:$PWD/$D/lib
+export PYTHONPATH=$PWD/python EPD_LIBRARY=$PWD/$D/lib/libepd.so.1
+ITERS=${ITERS:-300}
+rm -f /dev/shm/epd-bench-e2e-* 2>/dev/null
+{
+  date -u +%FT%TZ
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  nvidia-smi topo -m 2>/dev/null | head -4
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1
+  ls "$NCCL_LIB"
+} > "$OUT/env.txt" 2>&1
+
+DPID=
+start_daemon() { # name [env assignments...]
+  local n=$1; shift
+  mkdir -p "$WORK/$n" "$OUT/$n"
+  SOCK=$WORK/$n/control.sock
+  env "$@" "$D/bin/epd" -s "$SOCK" -f -o engine.backend=cuda -o engine.num_ranks=2 -o engine.step_timeout_ms=5000 \
+    -o daemon.attach_socket="$WORK/$n/attach.sock" -o daemon.drain_timeout_ms=2000 2> "$OUT/$n/daemon.log" &
+  DPID=$!
+  for _ in $(seq 600); do [ -S "$WORK/$n/attach.sock" ] && break; sleep 0.05; done
+  [ -S "$WORK/$n/attach.sock" ] || echo "daemon $n did not start"
+  grep -iE "mode|mps" "$OUT/$n/daemon.log" | head -3
+}
+stop_daemon() {
+  [ -n "$DPID" ] || return
+  kill -TERM "$DPID" 2>/dev/null
+  for _ in $(seq 100); do kill -0 "$DPID" 2>/dev/null || break; sleep 0.05; done
+  kill -KILL "$DPID" 2>/dev/null
+  wait "$DPID" 2>/dev/null
+  DPID=
+}
+bench_c() { # name dev_iters
+  local n=$1 di=$2
+  for r in 0 1; do
+    timeout 150 "$D/bin/epd-bench-e2e" -s "$SOCK" -r $r -g "c-$n" --iters "$ITERS" --dev-iters "$di" \
+      --out "$OUT/$n/e2e" > "$OUT/$n/e2e.r$r.log" 2>&1 &
+    eval "P$r=\$!"
+  done
+  wait "$P0"; echo "bench_e2e $n rank 0 rc $?"; wait "$P1"; echo "bench_e2e $n rank 1 rc $?"
+  tail -3 "$OUT/$n/e2e.r0.log"
+}
+
+echo "== in-process (epd-bench)"
+mkdir -p "$OUT/inproc"
+EPD_BENCH_CMD="epd-bench (bench/e2e/run_gpu.sh, same device call)" timeout 150 "$D/bin/epd-bench" "$OUT/inproc" \
+  > "$OUT/inproc/log.txt" 2>&1
+echo "epd-bench rc $?"; tail -3 "$OUT/inproc/log.txt"
+
+echo "== no MPS, default poll loop"
+start_daemon nomps
+bench_c nomps 20
+timeout 200 python3 bench/e2e/py_overhead.py --socket "$SOCK" --iters "$ITERS" --out "$OUT/nomps/py" \
+  > "$OUT/nomps/py.log" 2>&1
+echo "py_overhead rc $?"; tail -3 "$OUT/nomps/py.log"
+stop_daemon
+
+if [ "${MOE:-0}" = 1 ]; then
+  echo "== no MPS, spinning poll loop"
+  start_daemon nomps-spin EPD_CUDA_SPIN_NS=20000000
+  bench_c nomps-spin 20
+  stop_daemon
+  echo "== python moe layer"
+  timeout 400 bash tests/gpu/60-python-moe.sh "$D" > "$OUT/python-moe.txt" 2>&1
+  echo "60-python-moe rc $?"; tail -8 "$OUT/python-moe.txt"
+fi
+
+echo "== MPS, spinning poll loop"
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/e2e-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/e2e-mps-log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+if nvidia-cuda-mps-control -d; then
+  start_daemon mps-spin EPD_CUDA_SPIN_NS=20000000
+  bench_c mps-spin "$ITERS"
+  timeout 200 python3 bench/e2e/py_overhead.py --socket "$SOCK" --iters "$ITERS" --out "$OUT/mps-spin/py" \
+    > "$OUT/mps-spin/py.log" 2>&1
+  echo "py_overhead rc $?"; tail -3 "$OUT/mps-spin/py.log"
+  stop_daemon
+  echo quit | nvidia-cuda-mps-control
+else
+  echo "MPS did not start"
+fi
+unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+rm -f /dev/shm/epd-bench-e2e-* 2>/dev/null
+tar -C "$OUT" -czf "$FINAL/e2e-results.tgz" .
+echo "== done"

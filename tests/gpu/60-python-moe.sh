@@ -1,0 +1,33 @@
+#!/bin/bash
+# 60-python-moe.sh - python/examples/moe_layer.py on 2 GPUs: a daemon with engine.backend=cuda, two torch
+# worker processes (one per GPU, half of 16 experts each, gated-MLP weights), dispatch -> expert MLP ->
+# combine for 40 steps compared with the single-process PyTorch reference, with an expert-map change
+# halfway: eager, inside torch.cuda.graph (captured steps replayed), and FP8 dispatch inside graphs.
+# Skips (77) without 2 GPUs, torch with CUDA, or a built daemon/libepd.
+# Usage (repository root): bash tests/gpu/60-python-moe.sh [build-or-bundle-dir]
+set -u
+cd "$(dirname "$0")/../.." || exit 1
+B=${1:-${EPD_BUILD:-build}}
+case "$B" in /*) ;; *) B="$PWD/$B" ;; esac
+PY=${PYTHON:-python3}
+[ -x "$B/bin/epd" ] || { echo "skip: $B/bin/epd is not built"; exit 77; }
+LIB=${EPD_LIBRARY:-}
+for f in "$B/lib/libepd.so.1" "$B/lib/libepd.so"; do [ -z "$LIB" ] && [ -f "$f" ] && LIB=$f; done
+[ -n "$LIB" ] || { echo "skip: no libepd in $B/lib"; exit 77; }
+[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] || { echo "skip: needs 2 GPUs"; exit 77; }
+"$PY" -c "import torch, numpy, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)" 2>/dev/null ||
+  { echo "skip: $PY has no torch with 2 CUDA devices"; exit 77; }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
+[ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
+export EPD_LIBRARY=$LIB PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+rc=0
+run() {
+  echo "== moe_layer.py $*"
+  timeout 300 "$PY" python/examples/moe_layer.py --daemon "$B/bin/epd" --steps 40 "$@" || { echo "FAIL: moe_layer.py $*"; rc=1; }
+}
+run
+run --graph
+run --graph --fp8 --hidden 1024 --inter 512 --max-tokens 64 --topk 8
+[ $rc -eq 0 ] && echo "python_moe: all passed"
+exit $rc
