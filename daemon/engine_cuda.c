@@ -95,6 +95,7 @@ typedef struct cuda_client {
 typedef struct cuda_grank {
   int ready;
   epd_k_ll_t *k;
+  epd_k_ht_t *kh; /* HT kernels (NULL where the geometry exceeds the HT limits) */
   void *map_dev;
   uint32_t map_version; /* uploaded */
   epd_comp_t *comp_host; /* pinned, mapped: the kernel writes it */
@@ -284,6 +285,14 @@ static epd_result_t grank_setup(epd_cc_t *cc, int rank, void *argp) {
   if ((rc = epd_k_ll_create(&kg, epd_cc_lsa(cc, rank), cg->win.win[rank], cg->win.ptr[rank], 0, &gr->k, err,
                             errlen)))
     return rc;
+  if (cg->have_hwin) {
+    epd_k_ht_geom_t hg = {.num_ranks = cg->g.num_ranks, .rank = (uint32_t)rank, .num_experts = cg->g.num_experts,
+                          .hidden = cg->g.hidden, .topk = cg->g.topk, .max_tokens = cg->g.max_tokens,
+                          .slots_per_rank = cg->g.slots_per_rank, .capacity = cg->g.ht_capacity};
+    if ((rc = epd_k_ht_create(&hg, epd_cc_lsa(cc, rank), cg->hwin.win[rank], cg->hwin.ptr[rank], 0, &gr->kh, err,
+                              errlen)))
+      return rc;
+  }
   if ((e = cudaMalloc(&gr->map_dev, epd_k_map_bytes(cg->g.num_experts))))
     return cuda_err(e, "cudaMalloc (expert map)", err, errlen);
   if ((e = cudaHostAlloc((void **)&gr->comp_host, sizeof(epd_comp_t), cudaHostAllocMapped | cudaHostAllocPortable)))
@@ -300,6 +309,7 @@ static epd_result_t grank_teardown(epd_cc_t *cc, int rank, void *argp) {
   grp_setup_arg_t *a = argp;
   cuda_grank_t *gr = &a->cg->rk[rank];
   if (gr->k) epd_k_ll_destroy(gr->k);
+  if (gr->kh) epd_k_ht_destroy(gr->kh);
   if (gr->map_dev) cudaFree(gr->map_dev);
   if (gr->comp_host) cudaFreeHost(gr->comp_host);
   if (gr->ev) cudaEventDestroy(gr->ev);
@@ -323,6 +333,11 @@ static void grp_teardown(cuda_be_t *be, cuda_grp_t *cg) {
     epd_cc_window_free(be->cc, &cg->win);
   }
   cg->have_win = 0;
+  if (cg->have_hwin) {
+    for (int r = 0; r < be->ndev; r++) be->rank[r].bytes -= cg->hwin.bytes;
+    epd_cc_window_free(be->cc, &cg->hwin);
+  }
+  cg->have_hwin = 0;
   free(a);
 }
 
@@ -336,6 +351,19 @@ static epd_result_t grp_setup(cuda_be_t *be, cuda_grp_t *cg, char *err, size_t e
   if (rc) return rc;
   cg->have_win = 1;
   for (int r = 0; r < be->ndev; r++) be->rank[r].bytes += cg->win.bytes;
+  /* HT: a staging window of ht_capacity rows per bank, where the geometry is within the HT limits. */
+  if (cg->g.max_tokens <= EPD_K_HT_MAX_TOKENS && cg->g.ht_capacity >= 1 &&
+      cg->g.ht_capacity <= (uint32_t)EPD_K_HT_MAX_TOKENS * EPD_K_MAX_RANKS) {
+    epd_k_ht_geom_t hg = {.num_ranks = cg->g.num_ranks, .num_experts = cg->g.num_experts, .hidden = cg->g.hidden,
+                          .topk = cg->g.topk, .max_tokens = cg->g.max_tokens,
+                          .slots_per_rank = cg->g.slots_per_rank, .capacity = cg->g.ht_capacity};
+    if ((rc = epd_cc_window_alloc(be->cc, epd_k_ht_window_bytes(&hg), &cg->hwin, err, errlen))) {
+      grp_teardown(be, cg);
+      return rc;
+    }
+    cg->have_hwin = 1;
+    for (int r = 0; r < be->ndev; r++) be->rank[r].bytes += cg->hwin.bytes;
+  }
   grp_setup_arg_t *a = calloc(1, sizeof *a);
   if (!a) return EPD_ERR_NOMEM;
   a->be = be;
@@ -446,12 +474,11 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
   char why[160];
   for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
     const epd_desc_t *d = &cg->desc[r];
-    if (d->op != EPD_OP_LL_DISPATCH && d->op != EPD_OP_LL_COMBINE) {
-      snprintf(why, sizeof why, "rank %u: op %u is not available on the cuda backend (LL dispatch/combine only)",
-               r, d->op);
-      fail_collect(eng, be, cg, d->op == EPD_OP_HT_DISPATCH || d->op == EPD_OP_HT_COMBINE ? EPD_ERR_UNSUPPORTED
-                                                                                          : EPD_ERR_INVALID,
-                   (int)r, why);
+    const int is_ht = d->op == EPD_OP_HT_DISPATCH || d->op == EPD_OP_HT_COMBINE;
+    if ((d->op != EPD_OP_LL_DISPATCH && d->op != EPD_OP_LL_COMBINE && !is_ht) || (is_ht && !cg->have_hwin)) {
+      snprintf(why, sizeof why, "rank %u: op %u is not available on the cuda backend%s", r, d->op,
+               is_ht ? " for this geometry (HT limits: max_tokens, capacity)" : "");
+      fail_collect(eng, be, cg, is_ht ? EPD_ERR_UNSUPPORTED : EPD_ERR_INVALID, (int)r, why);
       return;
     }
     if (d->op != d0->op || d->bank != d0->bank) {
@@ -465,13 +492,13 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
       fail_collect(eng, be, cg, EPD_ERR_INVALID, (int)r, why);
       return;
     }
-    if (d->op == EPD_OP_LL_DISPATCH && d->num_tokens > cg->g.max_tokens) {
+    if ((d->op == EPD_OP_LL_DISPATCH || d->op == EPD_OP_HT_DISPATCH) && d->num_tokens > cg->g.max_tokens) {
       snprintf(why, sizeof why, "rank %u: num_tokens %u over max_tokens %u", r, d->num_tokens, cg->g.max_tokens);
       fail_collect(eng, be, cg, EPD_ERR_TOO_MANY_TOKENS, (int)r, why);
       return;
     }
   }
-  if (eng->draining && d0->op == EPD_OP_LL_DISPATCH) {
+  if (eng->draining && (d0->op == EPD_OP_LL_DISPATCH || d0->op == EPD_OP_HT_DISPATCH)) {
     fail_collect(eng, be, cg, EPD_ERR_DRAINING, -1, "the daemon is draining");
     return;
   }
@@ -479,7 +506,7 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
     fail_collect(eng, be, cg, EPD_ERR_CUDA, -1, "the group's GPU resources could not be set up (see log)");
     return;
   }
-  if (d0->op == EPD_OP_LL_DISPATCH && grp) {
+  if ((d0->op == EPD_OP_LL_DISPATCH || d0->op == EPD_OP_HT_DISPATCH) && grp) {
     eng_apply_staged_map(eng, grp);
     if (cg->map_img_version != grp->map.version) {
       size_t mb = epd_k_map_bytes(grp->map.num_experts);
@@ -567,7 +594,7 @@ static epd_result_t launch(cuda_be_t *be, cuda_grp_t *cg, int r, char *err, size
   const epd_desc_t *d = &cg->desc[r];
   cudaError_t e;
   epd_result_t rc;
-  if (gr->map_version != cg->map_img_version && d->op == EPD_OP_LL_DISPATCH) {
+  if (gr->map_version != cg->map_img_version && (d->op == EPD_OP_LL_DISPATCH || d->op == EPD_OP_HT_DISPATCH)) {
     if ((e = cudaMemcpy(gr->map_dev, cg->map_img, epd_k_map_bytes(cg->g.num_experts), cudaMemcpyHostToDevice)))
       return cuda_err(e, "cudaMemcpy (expert map)", err, errlen);
     gr->map_version = cg->map_img_version;
@@ -577,9 +604,21 @@ static epd_result_t launch(cuda_be_t *be, cuda_grp_t *cg, int r, char *err, size
   memcpy(a.off, cg->off, sizeof a.off);
   memset(gr->comp_host, 0, sizeof *gr->comp_host);
   gr->comp_host->peer = -1;
-  epd_k_ll_op_t op = {.op = d->op, .flags = d->flags, .num_tokens = d->num_tokens, .bank = d->bank,
-                      .timeout_ns = be->timeout_ns, .map = gr->map_dev, .slot_tokens = NULL, .comp = gr->comp_dev};
-  if ((rc = epd_k_ll_launch(gr->k, &a, &op, rk->stream, err, errlen))) return rc;
+  if (d->op == EPD_OP_HT_DISPATCH || d->op == EPD_OP_HT_COMBINE) {
+    if (!gr->kh) {
+      snprintf(err, errlen, "HT is not available for this group's geometry (max_tokens %u, capacity %u)",
+               cg->g.max_tokens, cg->g.ht_capacity);
+      return EPD_ERR_UNSUPPORTED;
+    }
+    epd_k_ht_op_t hop = {.op = d->op, .flags = d->flags, .num_tokens = d->num_tokens, .bank = d->bank,
+                         .timeout_ns = be->timeout_ns, .map = gr->map_dev, .slot_tokens = NULL,
+                         .comp = gr->comp_dev};
+    if ((rc = epd_k_ht_launch(gr->kh, &a, &hop, rk->stream, err, errlen))) return rc;
+  } else {
+    epd_k_ll_op_t op = {.op = d->op, .flags = d->flags, .num_tokens = d->num_tokens, .bank = d->bank,
+                        .timeout_ns = be->timeout_ns, .map = gr->map_dev, .slot_tokens = NULL, .comp = gr->comp_dev};
+    if ((rc = epd_k_ll_launch(gr->k, &a, &op, rk->stream, err, errlen))) return rc;
+  }
   if ((e = cudaEventRecord(gr->ev, rk->stream))) return cuda_err(e, "cudaEventRecord", err, errlen);
   return EPD_OK;
 }
@@ -689,6 +728,7 @@ static void *rank_main(void *arg) {
 
     if (cg && do_reset) {
       epd_result_t rc = epd_k_ll_reset(cg->rk[r].k, rk->stream);
+      if (rc == EPD_OK && cg->rk[r].kh) rc = epd_k_ht_reset(cg->rk[r].kh, rk->stream);
       cudaError_t e = cudaStreamSynchronize(rk->stream);
       if (rc || e) EPD_LOGE(EPD_SUB_CUDA, "rank %d group %s: LL reset failed", r, cg->name);
       pthread_mutex_lock(&eng->mu);

@@ -189,6 +189,9 @@ typedef struct epd_k_ht_op {
  * device outcomes land in op->comp. */
 epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const epd_k_ht_op_t *op, void *stream,
                              char *err, size_t errlen);
+/* Benchmark helper: copy `bytes` (16-byte aligned) with a plain vector copy kernel on `blocks` blocks
+ * (dst may be a peer GPU's memory with peer access enabled). */
+epd_result_t epd_k_copy(void *dst, const void *src, size_t bytes, uint32_t blocks, void *stream);
 
 #ifdef __cplusplus
 }

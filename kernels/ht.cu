@@ -883,3 +883,25 @@ epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const ep
 }
 
 } /* extern "C" */
+
+/* ---- benchmark helper: plain copy kernel (16-byte vectors, 8 in flight per thread) ---- */
+namespace {
+__global__ void __launch_bounds__(512) copy_kernel(int4 *dst, const int4 *src, size_t n16) {
+  const size_t stride = (size_t)gridDim.x * blockDim.x;
+  for (size_t i0 = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i0 < n16; i0 += stride * 8) {
+    int4 b[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+      if (i0 + j * stride < n16) b[j] = ld_nc_v4(src + i0 + j * stride);
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+      if (i0 + j * stride < n16) dst[i0 + j * stride] = b[j];
+  }
+}
+} /* namespace */
+
+extern "C" epd_result_t epd_k_copy(void *dst, const void *src, size_t bytes, uint32_t blocks, void *stream) {
+  if ((uintptr_t)dst % 16 || (uintptr_t)src % 16 || bytes % 16 || !blocks) return EPD_ERR_INVALID;
+  copy_kernel<<<blocks, 512, 0, (cudaStream_t)stream>>>((int4 *)dst, (const int4 *)src, bytes / 16);
+  return cudaGetLastError() == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
+}

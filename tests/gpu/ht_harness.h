@@ -161,7 +161,7 @@ static int hth_launch(hth_t *h, unsigned rank_mask, uint32_t opc, uint32_t bank,
   return 0;
 }
 
-static int hth_sync(hth_t *h, unsigned rank_mask) {
+__attribute__((unused)) static int hth_sync(hth_t *h, unsigned rank_mask) {
   for (int r = 0; r < h->R; r++) {
     if (!((rank_mask >> r) & 1)) continue;
     cudaSetDevice(epd_cc_device(h->cc, r));
