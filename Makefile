@@ -78,7 +78,7 @@ GPU_TESTS := $(B)/bin/epd-gpu-tests
 BENCH := $(B)/bin/epd-bench
 WORKER := $(B)/bin/epd-worker
 
-.PHONY: all run test gpu-test bench install dist clean deps format
+.PHONY: all run test gpu-test bench install dist clean deps format fuzz
 all: $(EPD) $(EPDCTL) $(LIBEPD) $(WORKER) $(TESTS) $(GPU_TESTS) $(B)/epd.pc
 
 $(B)/obj/gen/%.o: $(B)/gen/%.c $(GEN_H)
@@ -161,6 +161,21 @@ install: all
 
 dist: all
 	$(Q)deploy/dist.sh $(VERSION)
+
+# libFuzzer targets (tests/fuzz/fuzz_*.c, clang + ASan, host engine only) in $(B)/fuzz/bin; the system
+# test tests/system/61-fuzz.sh runs each for a fixed time over tests/fuzz/corpus/<target>.
+FUZZ_B := $(B)/fuzz
+FUZZ_BINS := $(patsubst tests/fuzz/%.c,$(FUZZ_B)/bin/%,$(wildcard tests/fuzz/fuzz_*.c))
+fuzz:
+	$(Q)$(MAKE) --no-print-directory B=$(FUZZ_B) CC=clang WITH_CUDA=0 ASAN=1 \
+	  ASAN_FLAGS="-fsanitize=address,fuzzer-no-link -fno-omit-frame-pointer" $(FUZZ_B)/lib/libepdengine.a
+	$(Q)$(MAKE) --no-print-directory FUZZ_LINK=1 $(FUZZ_BINS)
+ifeq ($(FUZZ_LINK),1)
+$(FUZZ_B)/bin/%: tests/fuzz/%.c $(FUZZ_B)/lib/libepdengine.a
+	$(call msg,FUZZ,$@)
+	$(Q)mkdir -p $(@D) && clang -std=gnu11 -g -O1 -fsanitize=address,fuzzer -Iclient -Idaemon -I$(FUZZ_B)/gen \
+	  $(PKG_CFLAGS) -DEPD_WITH_CUDA=0 $< $(FUZZ_B)/lib/libepdengine.a -o $@ $(PKG_LIBS) -pthread -ldl -lm
+endif
 
 format:
 	$(Q)clang-format -i $(wildcard client/*.[ch] daemon/*.[ch] tests/*.[ch] tests/gpu/*.[ch] bench/*.[ch]) $(wildcard kernels/*.cu kernels/*.h)

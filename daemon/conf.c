@@ -411,6 +411,17 @@ int epd_conf_load(epd_conf_t *c, const char *path, int optional, char *err, size
   return rc;
 }
 
+int epd_conf_load_text(epd_conf_t *c, const char *text, size_t len, char *err, size_t errlen) {
+  FILE *f = fmemopen((void *)text, len, "r");
+  if (!f) {
+    seterr(err, errlen, "cannot read the configuration text: %s", strerror(errno));
+    return -1;
+  }
+  int rc = parse_stream(c, f, err, errlen);
+  fclose(f);
+  return rc;
+}
+
 size_t epd_conf_dump(const epd_conf_t *c, char *buf, size_t len) {
   size_t off = 0;
   if (len) buf[0] = '\0';

@@ -47,6 +47,8 @@ void epd_conf_defaults(epd_conf_t *c);
 /* Load a file over the defaults; on error returns -1 with a message naming the key (and line) and
  * the allowed range in err. A missing file is an error unless optional != 0. */
 int epd_conf_load(epd_conf_t *c, const char *path, int optional, char *err, size_t errlen);
+/* Parse configuration text (the file format) over c; same error rules as epd_conf_load. */
+int epd_conf_load_text(epd_conf_t *c, const char *text, size_t len, char *err, size_t errlen);
 /* Set one key from text ("section.name", value); same error rules. */
 int epd_conf_set(epd_conf_t *c, const char *key, const char *value, char *err, size_t errlen);
 /* Write every key with its effective value as "section.name = value\n" into buf; returns length. */

@@ -623,6 +623,27 @@ static void h_hcheck(const Grpc__Health__V1__HealthCheckRequest *q, rpc_reply_t 
   reply_msg(rep, &hr.base);
 }
 
+/* Decode and check a request of method m from bytes: NULL with rep filled on failure. */
+static ProtobufCMessage *decode_bytes(int m, const uint8_t *data, size_t len, rpc_reply_t *rep) {
+  const char *name = methods[m].name;
+  ProtobufCMessage *msg = protobuf_c_message_unpack(methods[m].req, NULL, len, data);
+  if (!msg) {
+    reply_err(rep, EPD_ERR_INVALID, "malformed %sRequest", name);
+    return NULL;
+  }
+  if (methods[m].versioned) {
+    const ProtobufCFieldDescriptor *f = protobuf_c_message_descriptor_get_field_by_name(methods[m].req, "protocol_version");
+    uint32_t v = f ? *(const uint32_t *)((const char *)msg + f->offset) : 0;
+    if (v != EPD_PROTOCOL_VERSION) {
+      reply_err(rep, EPD_ERR_PROTOCOL, "protocol_version: client speaks %u, daemon speaks %u", v,
+                EPD_PROTOCOL_VERSION);
+      protobuf_c_message_free_unpacked(msg, NULL);
+      return NULL;
+    }
+  }
+  return msg;
+}
+
 /* Decode and check a request: NULL with rep filled on failure. */
 static ProtobufCMessage *decode(rpc_call_t *c, rpc_reply_t *rep) {
   const char *name = methods[c->method].name;
@@ -634,26 +655,11 @@ static ProtobufCMessage *decode(rpc_call_t *c, rpc_reply_t *rep) {
       return NULL;
     }
     grpc_slice s = grpc_byte_buffer_reader_readall(&rd);
-    msg = protobuf_c_message_unpack(methods[c->method].req, NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+    msg = decode_bytes(c->method, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), rep);
     grpc_slice_unref(s);
     grpc_byte_buffer_reader_destroy(&rd);
   } else {
-    msg = protobuf_c_message_unpack(methods[c->method].req, NULL, 0, (const uint8_t *)"");
-  }
-  if (!msg) {
-    reply_err(rep, EPD_ERR_INVALID, "malformed %sRequest", name);
-    return NULL;
-  }
-  if (methods[c->method].versioned) {
-    const ProtobufCFieldDescriptor *f =
-        protobuf_c_message_descriptor_get_field_by_name(methods[c->method].req, "protocol_version");
-    uint32_t v = f ? *(const uint32_t *)((const char *)msg + f->offset) : 0;
-    if (v != EPD_PROTOCOL_VERSION) {
-      reply_err(rep, EPD_ERR_PROTOCOL, "protocol_version: client speaks %u, daemon speaks %u", v,
-                EPD_PROTOCOL_VERSION);
-      protobuf_c_message_free_unpacked(msg, NULL);
-      return NULL;
-    }
+    msg = decode_bytes(c->method, (const uint8_t *)"", 0, rep);
   }
   return msg;
 }
@@ -684,6 +690,48 @@ static void handle_unary(rpc_call_t *c, rpc_reply_t *rep) {
   default: reply_err(rep, EPD_ERR_INTERNAL, "no handler for %s", methods[c->method].name); break;
   }
   protobuf_c_message_free_unpacked(msg, NULL);
+}
+
+int epd_rpc_handle_bytes(epd_engine_t *eng, const char *method, const uint8_t *data, size_t len, char *details,
+                         size_t dlen) {
+  int m;
+  for (m = 0; m < M_COUNT; m++)
+    if (!strcmp(methods[m].path, method)) break;
+  rpc_reply_t rep;
+  memset(&rep, 0, sizeof rep);
+  if (m == M_COUNT) {
+    rep.code = GRPC_STATUS_UNIMPLEMENTED;
+    snprintf(rep.details, sizeof rep.details, "unknown method %s", method);
+  } else if (methods[m].streaming || g.server || !eng) {
+    /* Streams, or a running server (whose state must not be touched from another thread): decode only. */
+    ProtobufCMessage *msg = decode_bytes(m, data, len, &rep);
+    if (msg) protobuf_c_message_free_unpacked(msg, NULL);
+  } else {
+    rpc_call_t c;
+    memset(&c, 0, sizeof c);
+    c.method = m;
+    c.peer_known = 1;
+    c.peer_pid = (uint32_t)getpid();
+    c.peer_uid = (uint32_t)getuid();
+    c.peer_gid = (uint32_t)getgid();
+    g.eng = eng;
+    rep.code = GRPC_STATUS_OK;
+    ProtobufCMessage *msg = decode_bytes(m, data, len, &rep);
+    if (msg) {
+      protobuf_c_message_free_unpacked(msg, NULL);
+      c.payload = NULL;
+      /* handle_unary decodes again from a byte buffer: give it one. */
+      grpc_slice sl = grpc_slice_from_copied_buffer((const char *)data, len);
+      c.payload = grpc_raw_byte_buffer_create(&sl, 1);
+      grpc_slice_unref(sl);
+      handle_unary(&c, &rep);
+      grpc_byte_buffer_destroy(c.payload);
+    }
+    g.eng = NULL;
+  }
+  if (details && dlen) snprintf(details, dlen, "%s", rep.details);
+  free(rep.bytes);
+  return (int)rep.code;
 }
 
 /* ---- call state machine --------------------------------------------------------------------------- */
