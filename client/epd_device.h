@@ -2,9 +2,13 @@
  * epd_device.h - device-side submission for client kernels: a CUDA kernel of the worker enqueues a
  * dispatch/combine on its queue slot and waits for the completion without leaving the GPU.
  *
- * The slot pointer is the device address of an epd_slot_t of the client's queue (the queue is host
- * memory registered mapped: loads and stores here travel over PCIe/C2C at system scope, which is what
- * the daemon's CPU thread or persistent kernel observes). Call both functions from ONE thread (e.g.
+ * The slot pointer is the device address of an epd_slot_t of the client's queue, from
+ * epd_slot_device_ptr(ep, i) (client/epd.h; the queue is host memory registered mapped: loads and
+ * stores here travel over PCIe/C2C at system scope, which is what the daemon's CPU thread or persistent
+ * kernel observes). Use slots in ring order starting at epd_info(ep, EPD_INFO_NEXT_SLOT).
+ * Without CUDA MPS a client kernel spinning here is time-sliced against the daemon's kernels (about
+ * 2.4 ms per op measured on 2x H200, bench/results/bench_e2e_h200x2.md): use device-side enqueue under
+ * MPS only. Call both functions from ONE thread (e.g.
  * threadIdx.x == 0 of block 0), then publish the result to the rest of the grid yourself.
  *
  * Protocol (client/epd_abi.h): write desc; fence; state = SUBMITTED (release) ... state == DONE
