@@ -1,13 +1,28 @@
 #!/bin/sh
-# bench.sh - run the epd benchmarks (make bench). Results: JSON + Markdown in $EPD_BENCH_OUT
-# (default bench/results/). NVLink multicast stays off. Exit 0 when skipped for lack of GPUs.
+# bench.sh - run every epd benchmark (make bench) and record the results: JSON + Markdown (or raw text)
+# in $EPD_BENCH_OUT (default bench/results/). Each needs 2 GPUs and skips cleanly (exit 77) without.
+#   epd-bench       LL kernels, in-process path, NCCL send/recv and allgather/reduce-scatter baselines
+#   epd-bench-ht    HT kernels at 4096 tokens, NCCL send/recv and the copy-kernel ceiling
+#   epd-bench-map   SetExpertMap -> first step, switching step, migration, communicator re-creation
+#   e2e/run_gpu.sh  end to end through the daemon (stream memops, graph, device-side enqueue; MPS or not)
+# NVLink multicast stays off.
 set -u
 B=${B:-build}
 OUT_DIR=${EPD_BENCH_OUT:-bench/results}
 mkdir -p "$OUT_DIR"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export EPD_BENCH_CMD="${EPD_BENCH_CMD:-make bench ($B/bin/epd-bench $OUT_DIR)}"
-"$B/bin/epd-bench" "$OUT_DIR"
-rc=$?
-if [ $rc -eq 77 ]; then echo "bench: skipped (needs 2 GPUs)"; exit 0; fi
+rc=0
+run() { # name command...
+  name=$1; shift
+  echo "== $name: $*"
+  EPD_BENCH_CMD="make bench ($*)" "$@"
+  r=$?
+  if [ $r -eq 77 ]; then echo "$name: skipped (needs 2 GPUs)"; elif [ $r -ne 0 ]; then echo "$name: FAILED ($r)"; rc=1; fi
+}
+run ll "$B/bin/epd-bench" "$OUT_DIR"
+[ -x "$B/bin/epd-bench-ht" ] && run ht sh -c "'$B/bin/epd-bench-ht' --iters 20 --blocks 24,32,48 > '$OUT_DIR/bench_ht.txt'"
+[ -x "$B/bin/epd-bench-map" ] && run map "$B/bin/epd-bench-map" "$OUT_DIR" --cuda
+if [ -x "$B/bin/epd-bench-e2e" ] && command -v nvidia-smi >/dev/null 2>&1; then
+  OUT="$OUT_DIR" run e2e bash bench/e2e/run_gpu.sh "$B"
+fi
 exit $rc
