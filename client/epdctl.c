@@ -38,7 +38,8 @@ static void usage(FILE *f) {
           "  clients            attached clients\n"
           "  config             effective daemon configuration\n"
           "  experts [GROUP]    active expert map (GROUP default: \"default\")\n"
-          "  set-map FILE       stage an expert map (format: the output of `epdctl experts`; '-' = stdin)\n"
+          "  set-map FILE       stage an expert map (format: the output of `epdctl experts`, plus optional\n"
+          "                     \"copy R:S -> R:S\" weight-migration lines; '-' = stdin)\n"
           "  drain [--exit]     refuse new attaches and steps; --exit: exit when the last client left\n"
           "  health [SERVICE]   grpc.health.v1 status (exit 1 unless SERVING)\n"
           "  watch [--count N]  print events as they happen (N: stop after N events)\n"
@@ -327,6 +328,8 @@ typedef struct map_file {
   Epd__V1__ExpertPlacement *pl, **plp;
   Epd__V1__Replica *rp, **rpp;
   size_t npl, nrp, cappl, caprp;
+  Epd__V1__WeightCopy *wc, **wcp; /* "copy R:S -> R:S" lines (weight migration) */
+  size_t nwc, capwc;
   char group[128];
 } map_file_t;
 
@@ -342,7 +345,8 @@ static int grow(void **p, size_t *cap, size_t need, size_t elem) {
 }
 
 /* Parse the `epdctl experts` format: "group NAME [num_ranks N] [slots_per_rank N] [version V]" and
- * "expert E: R:S [R:S...]" lines ("expert" and the colon after E are optional; '#' starts a comment). */
+ * "expert E: R:S [R:S...]" lines ("expert" and the colon after E are optional; '#' starts a comment),
+ * plus "copy R:S -> R:S" lines: expert weights the daemon copies before the map takes effect. */
 static int parse_map(FILE *f, const char *fname, map_file_t *mf) {
   char line[8192];
   int ln = 0;
@@ -377,6 +381,22 @@ static int parse_map(FILE *f, const char *fname, map_file_t *mf) {
       }
       continue;
     }
+    if (!strcmp(tok, "copy")) {
+      char *a = strtok_r(NULL, " \t\r\n", &save), *arrow = strtok_r(NULL, " \t\r\n", &save);
+      char *b = strtok_r(NULL, " \t\r\n", &save);
+      unsigned sr, ss, dr, ds;
+      char extra;
+      if (!a || !arrow || !b || strcmp(arrow, "->") || sscanf(a, "%u:%u%c", &sr, &ss, &extra) != 2 ||
+          sscanf(b, "%u:%u%c", &dr, &ds, &extra) != 2) {
+        snprintf(err, sizeof err, "%s:%d: expected \"copy RANK:SLOT -> RANK:SLOT\"", fname, ln);
+        return -1;
+      }
+      if (grow((void **)&mf->wc, &mf->capwc, mf->nwc + 1, sizeof *mf->wc)) goto nomem;
+      Epd__V1__WeightCopy *w = &mf->wc[mf->nwc++];
+      epd__v1__weight_copy__init(w);
+      w->src_rank = sr, w->src_slot = ss, w->dst_rank = dr, w->dst_slot = ds;
+      continue;
+    }
     if (!strcmp(tok, "expert")) tok = strtok_r(NULL, " \t\r\n", &save);
     char *end;
     errno = 0;
@@ -407,7 +427,9 @@ static int parse_map(FILE *f, const char *fname, map_file_t *mf) {
   }
   mf->plp = calloc(mf->npl + 1, sizeof *mf->plp);
   mf->rpp = calloc(mf->nrp + 1, sizeof *mf->rpp);
-  if (!mf->plp || !mf->rpp) goto nomem;
+  mf->wcp = calloc(mf->nwc + 1, sizeof *mf->wcp);
+  if (!mf->plp || !mf->rpp || !mf->wcp) goto nomem;
+  for (size_t i = 0; i < mf->nwc; i++) mf->wcp[i] = &mf->wc[i];
   for (size_t i = 0; i < mf->nrp; i++) mf->rpp[i] = &mf->rp[i];
   for (size_t i = 0; i < mf->npl; i++) {
     mf->pl[i].replicas = &mf->rpp[(size_t)(uintptr_t)mf->pl[i].replicas];
@@ -437,6 +459,8 @@ static int cmd_set_map(epd_rpc_t *rpc, const char *fname, const char *group) {
     Epd__V1__SetExpertMapRequest q = EPD__V1__SET_EXPERT_MAP_REQUEST__INIT;
     q.protocol_version = EPD_PROTOCOL_VERSION;
     q.map = &mf.map;
+    q.n_copies = mf.nwc;
+    q.copies = mf.wcp;
     ProtobufCMessage *rep = NULL;
     if (epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &q.base, &epd__v1__set_expert_map_reply__descriptor, &rep,
                      err, sizeof err) != EPD_OK) {
@@ -445,6 +469,9 @@ static int cmd_set_map(epd_rpc_t *rpc, const char *fname, const char *group) {
       uint32_t v = ((Epd__V1__SetExpertMapReply *)rep)->version;
       if (json)
         printf("{\"group\":\"%s\",\"version\":%u}\n", mf.group[0] ? mf.group : "default", v);
+      else if (mf.nwc)
+        printf("staged expert map version %u for group %s (%zu experts, %zu weight copies)\n", v,
+               mf.group[0] ? mf.group : "default", mf.npl, mf.nwc);
       else
         printf("staged expert map version %u for group %s (%zu experts)\n", v, mf.group[0] ? mf.group : "default",
                mf.npl);
@@ -455,6 +482,8 @@ static int cmd_set_map(epd_rpc_t *rpc, const char *fname, const char *group) {
   free(mf.plp);
   free(mf.rp);
   free(mf.rpp);
+  free(mf.wc);
+  free(mf.wcp);
   return rc ? 1 : 0;
 }
 

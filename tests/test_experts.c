@@ -10,14 +10,18 @@
 #define _GNU_SOURCE
 #include <math.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "engine.h"
+#include "epd.pb-c.h"
 #include "metrics.h"
 #include "ref.h"
+#include "rpc_client.h"
 #include "test.h"
 
 typedef struct xclient {
@@ -627,4 +631,173 @@ EPD_TEST(experts_migration_copies_exact) {
   epd_expert_map_free(&m);
   epd_expert_map_free(&m2);
   epd_engine_destroy(eng);
+}
+
+/* ---- through the daemon: libepd's map table, the weights buffer, SetExpertMap copies over the RPC --- */
+
+static char xsock[300];
+
+static double xnow_s(void) { return now_ms() / 1e3; }
+
+static pid_t xdaemon_up(void) {
+  char epd[300], attach[300], logp[300];
+  snprintf(epd, sizeof epd, "%s/bin/epd", epd_test_build_dir());
+  if (access(epd, X_OK)) epd_test_skip("%s is not built", epd);
+  snprintf(xsock, sizeof xsock, "%s/control.sock", epd_test_tmpdir());
+  snprintf(attach, sizeof attach, "daemon.attach_socket=%s/attach.sock", epd_test_tmpdir());
+  snprintf(logp, sizeof logp, "%s/epd.log", epd_test_tmpdir());
+  pid_t pid = fork();
+  if (pid == 0) {
+    if (!freopen(logp, "w", stderr)) _exit(126);
+    execl(epd, epd, "-f", "-s", xsock, "-o", "engine.backend=host", "-o", "engine.num_ranks=2", "-o",
+          "engine.slots_factor_pct=200", "-o", "engine.step_timeout_ms=3000", "-o", attach, (char *)NULL);
+    _exit(127);
+  }
+  ASSERT_GT(pid, 0);
+  char ap[300];
+  snprintf(ap, sizeof ap, "%s/attach.sock", epd_test_tmpdir());
+  double end = xnow_s() + 15;
+  while (access(xsock, F_OK) || access(ap, F_OK)) {
+    if (xnow_s() > end) epd_test_fail(__FILE__, __LINE__, "daemon sockets not there after 15 s");
+    if (waitpid(pid, NULL, WNOHANG) == pid) epd_test_fail(__FILE__, __LINE__, "daemon exited at start");
+    usleep(20000);
+  }
+  return pid;
+}
+
+/* SetExpertMap over the RPC: map = default of (E=8, R=2) with expert 0 moved to (1, 5), plus copies. */
+static epd_result_t rpc_set_map(uint32_t e0_rank, uint32_t e0_slot, const epd_weight_copy_t *cp, size_t ncp,
+                                uint32_t *version, char *err, size_t errlen) {
+  epd_rpc_t *rpc = NULL;
+  epd_result_t rc = epd_rpc_open(xsock, 5000, &rpc, err, errlen);
+  if (rc) return rc;
+  Epd__V1__ExpertPlacement pl[8], *plp[8];
+  Epd__V1__Replica rp[8], *rpp[8];
+  for (uint32_t e = 0; e < 8; e++) {
+    epd__v1__expert_placement__init(&pl[e]);
+    epd__v1__replica__init(&rp[e]);
+    pl[e].expert = e;
+    rp[e].rank = e == 0 ? e0_rank : e / 4;
+    rp[e].slot = e == 0 ? e0_slot : e % 4;
+    rpp[e] = &rp[e];
+    pl[e].replicas = &rpp[e];
+    pl[e].n_replicas = 1;
+    plp[e] = &pl[e];
+  }
+  Epd__V1__ExpertMap m = EPD__V1__EXPERT_MAP__INIT;
+  m.group = "lw";
+  m.n_experts = 8;
+  m.experts = plp;
+  Epd__V1__WeightCopy wc[4], *wcp[4];
+  for (size_t i = 0; i < ncp && i < 4; i++) {
+    epd__v1__weight_copy__init(&wc[i]);
+    wc[i].src_rank = cp[i].src_rank;
+    wc[i].src_slot = cp[i].src_slot;
+    wc[i].dst_rank = cp[i].dst_rank;
+    wc[i].dst_slot = cp[i].dst_slot;
+    wcp[i] = &wc[i];
+  }
+  Epd__V1__SetExpertMapRequest q = EPD__V1__SET_EXPERT_MAP_REQUEST__INIT;
+  q.protocol_version = EPD_PROTOCOL_VERSION;
+  q.map = &m;
+  q.n_copies = ncp;
+  q.copies = wcp;
+  ProtobufCMessage *rep = NULL;
+  rc = epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &q.base, &epd__v1__set_expert_map_reply__descriptor, &rep,
+                    err, errlen);
+  if (rc == EPD_OK) *version = ((Epd__V1__SetExpertMapReply *)rep)->version;
+  if (rep) protobuf_c_message_free_unpacked(rep, NULL);
+  epd_rpc_close(rpc);
+  return rc;
+}
+
+static void *lw_dispatch(void *arg) {
+  epd_ep_t *ep = arg;
+  ASSERT_OK(epd_dispatch(ep, EPD_MODE_LL, 0, 0, 0, NULL));
+  return NULL;
+}
+
+EPD_TEST(experts_libepd_table_weights_and_rpc_copies) {
+  pid_t pid = xdaemon_up();
+  epd_connect_opts_t co = EPD_CONNECT_OPTS_INITIALIZER;
+  co.socket_path = xsock;
+  epd_conn_t *conn = NULL;
+  ASSERT_OK(epd_connect(&co, &conn));
+  const uint64_t WB = 4096 + 64;
+  epd_ep_t *ep[2];
+  for (int r = 0; r < 2; r++) {
+    epd_attach_opts_t ao = EPD_ATTACH_OPTS_INITIALIZER;
+    ao.group = "lw";
+    ao.rank = r;
+    ao.num_experts = 8;
+    ao.hidden = 16;
+    ao.topk = 2;
+    ao.max_tokens = 8;
+    ao.weight_bytes_per_slot = WB;
+    epd_result_t rc = epd_attach(conn, &ao, &ep[r]);
+    if (rc) epd_test_fail(__FILE__, __LINE__, "attach: %d %s", rc, epd_conn_last_error(conn));
+  }
+  uint32_t S = (uint32_t)epd_info(ep[0], EPD_INFO_SLOTS_PER_RANK);
+  ASSERT_EQ(S, 8u);
+  ASSERT_EQ(epd_info(ep[1], EPD_INFO_WEIGHT_BYTES_PER_SLOT), (int64_t)WB);
+  uint8_t *w[2];
+  for (int r = 0; r < 2; r++) {
+    size_t bytes = 0;
+    w[r] = epd_buffer(ep[r], EPD_BUF_EXPERT_WEIGHTS, 0, &bytes);
+    ASSERT(w[r] != NULL);
+    ASSERT_EQ(bytes, S * WB);
+    ASSERT(epd_buffer(ep[r], EPD_BUF_EXPERT_WEIGHTS, 1, NULL) == NULL); /* bank 0 only */
+    for (size_t i = 0; i < S * WB; i++) w[r][i] = pattern((uint32_t)r, (uint32_t)(i / WB), i % WB);
+  }
+  /* The table before any switch: the default map. */
+  ASSERT_EQ(epd_map_version(ep[0]), 1u);
+  epd_replica_t reps[8];
+  uint32_t n = 0, v = 0;
+  ASSERT_OK(epd_expert_slots(ep[0], 5, reps, 8, &n, &v));
+  ASSERT_EQ(n, 1u);
+  ASSERT_EQ(v, 1u);
+  ASSERT_EQ(reps[0].rank, 1u);
+  ASSERT_EQ(reps[0].slot, 1u);
+  ASSERT_EQ(epd_expert_slots(ep[0], 8, reps, 8, &n, &v), EPD_ERR_INVALID);
+  ASSERT_STR_CONTAINS(epd_last_error(ep[0]), "logical 8: out of range [0, 8)");
+  int32_t se[8];
+  ASSERT_OK(epd_slot_experts(ep[1], se, S, &v));
+  ASSERT_EQ(se[0], 4);
+  ASSERT_EQ(se[3], 7);
+  ASSERT_EQ(se[5], -1);
+  ASSERT_EQ(epd_slot_experts(ep[1], se, S + 1, &v), EPD_ERR_INVALID);
+  /* SetExpertMap with a copy over the RPC; an invalid copy and a map moving the migrating slot fail. */
+  char err[512] = "";
+  epd_weight_copy_t bad = {0, 9, 1, 5};
+  ASSERT_NE(rpc_set_map(1, 5, &bad, 1, &v, err, sizeof err), EPD_OK);
+  ASSERT_STR_CONTAINS(err, "copies[0]: (rank 0, slot 9) -> (rank 1, slot 5)");
+  epd_weight_copy_t cp = {0, 0, 1, 5};
+  ASSERT_OK(rpc_set_map(1, 5, &cp, 1, &v, err, sizeof err));
+  ASSERT_EQ(v, 2u); /* the rejected call used no version */
+  ASSERT_NE(rpc_set_map(1, 6, NULL, 0, &v, err, sizeof err), EPD_OK);
+  ASSERT_STR_CONTAINS(err, "(rank 1, slot 5) is being migrated for staged map version 2");
+  /* Nothing moves before the step boundary; then the copy, the switch and the table, in that order. */
+  ASSERT_EQ(w[1][5 * WB + 3], pattern(1, 5, 3));
+  ASSERT_EQ(epd_map_version(ep[1]), 1u);
+  pthread_t th[2];
+  for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, lw_dispatch, ep[r]);
+  for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+  epd_comp_t comp;
+  ASSERT_OK(epd_op_status(ep[1], &comp));
+  ASSERT_EQ(comp.map_version, 2u);
+  for (size_t i = 0; i < WB; i++)
+    if (w[1][5 * WB + i] != pattern(0, 0, i)) epd_test_fail(__FILE__, __LINE__, "weight byte %zu not copied", i);
+  ASSERT_EQ(epd_map_version(ep[0]), 2u);
+  ASSERT_OK(epd_expert_slots(ep[0], 0, reps, 8, &n, &v));
+  ASSERT_EQ(v, 2u);
+  ASSERT_EQ(reps[0].rank, 1u);
+  ASSERT_EQ(reps[0].slot, 5u);
+  ASSERT_OK(epd_slot_experts(ep[1], se, S, &v));
+  ASSERT_EQ(se[5], 0);
+  ASSERT_OK(epd_slot_experts(ep[0], se, S, &v));
+  ASSERT_EQ(se[0], -1);
+  for (int r = 0; r < 2; r++) ASSERT_OK(epd_detach(ep[r]));
+  epd_disconnect(conn);
+  kill(pid, SIGTERM);
+  waitpid(pid, NULL, 0);
 }

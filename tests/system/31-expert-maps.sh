@@ -59,6 +59,11 @@ echo "== LL, 300 steps, a new map every 3 steps (metrics read while it runs)"
 start4 ll 300 --seed 11 --experts 10 --topk 3 --tokens 24 --hidden 64
 wait_for 30 metrics_ok || fail "no per-slot counters or map switches in the metrics"
 grep -E 'epd_map_switches_total|epd_slot_tokens_total\{group="ll",rank="0",slot="0"\}' "$T/metrics.txt"
+# epdctl set-map with a weight-copy line: refused whole for a group without a weights region.
+{ echo "group ll"; for e in $(seq 0 9); do echo "expert $e: $((e / 3)):$((e % 3))"; done; echo "copy 0:0 -> 1:4"; } > "$T/map.txt"
+"$EPDCTL" -s "$SOCK" set-map "$T/map.txt" > "$T/setmap.out" 2>&1 && fail "set-map with a copy succeeded on a group without weights"
+grep -q "no expert-weights region" "$T/setmap.out" || fail "set-map error: $(cat "$T/setmap.out")"
+echo "copy refused: $(cat "$T/setmap.out")"
 wait4 ll 300
 echo "== HT + FP8 + skew, 120 steps, a new map every 3 steps"
 start4 ht 120 --seed 12 --experts 10 --topk 3 --tokens 24 --hidden 128 --mode ht --fp8 --skew
