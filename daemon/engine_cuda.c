@@ -126,6 +126,7 @@ typedef struct cuda_grp {
   int have_hwin;
   epd_cc_win_t hwin; /* the group's HT staging window (capacity rows per bank) */
   uint64_t first_arrive_ns, last_arrive_ns;
+  uint64_t arrive_ns[EPD_MAX_RANKS]; /* per rank, for the per-peer wait metric */
   uint32_t map_version;
   void *map_img; /* host image of the active map (epd_k_map_pack) */
   uint32_t map_img_version;
@@ -558,7 +559,10 @@ static int collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int r, uint
       cc->busy = 1;
       if (cg->narrived++ == 0) cg->first_arrive_ns = now;
       cg->last_arrive_ns = now;
+      cg->arrive_ns[r] = now;
       if (cg->narrived == cg->g.num_ranks) {
+        /* Time each rank waited for the last arrival (rank r, just now), charged to that peer. */
+        for (uint32_t p = 0; p < cg->g.num_ranks; p++) eng->rank[p].wait_ns_by_peer[r] += now - cg->arrive_ns[p];
         start_step(eng, be, cg);
         return 1;
       }
