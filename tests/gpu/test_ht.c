@@ -4,6 +4,7 @@
  * 8192 tokens, hidden 7168 and 4096, top-8, BF16 and FP8, poisoned outputs, overflow past the receive
  * capacity (nothing written), bad expert ids, too many tokens. Skips without 2 GPUs.
  */
+#if EPD_WITH_CUDA
 #include <math.h>
 
 #include "../test.h"
@@ -315,3 +316,8 @@ EPD_TEST_T(gpu_ht_overflow_bad_expert_too_many, 180) {
   step(25, 1, 280, 280, 0, 0);
   hth_destroy(&T_.h);
 }
+
+#else /* !EPD_WITH_CUDA */
+#include "../test.h"
+EPD_TEST(gpu_ht_without_cuda) { epd_test_skip("built without CUDA (WITH_CUDA=0)"); }
+#endif
