@@ -22,6 +22,7 @@ typedef struct epd_conf {
   uint32_t drain_timeout_ms;         /* SIGTERM: wait this long for clients before exiting */
   uint32_t max_message_bytes;        /* gRPC receive limit */
   uint32_t max_pending_tokens;       /* issued, unredeemed attach tokens at once */
+  uint32_t max_watches;              /* server-streaming calls (Watch, Health.Watch) open at once */
   char allow_uids[256];              /* comma list of users (ids or names) who may connect; "" = anyone */
   char allow_gids[256];              /* comma list of groups (primary or supplementary); "" = anyone */
   char admin_uids[256];              /* users allowed SetExpertMap/Drain (with root and the daemon's uid) */
@@ -38,6 +39,13 @@ typedef struct epd_conf {
   uint32_t step_timeout_ms;
   uint32_t max_groups, max_clients_per_rank;
   uint64_t max_arena_bytes;
+  /* [cluster] scale-out across nodes (daemon/cluster.h) */
+  uint32_t nodes;                    /* daemons (nodes) forming the EP world; 1: single node */
+  uint32_t node_rank;                /* this node, 0 = coordinator */
+  char cluster_listen[128];          /* coordinator's rendezvous listener "host:port"; "" = off */
+  char cluster_coordinator[128];     /* "host:port" the other nodes contact */
+  char cluster_data_listen[128];     /* this node's data-plane listener "host:port" (port 0: any) */
+  uint32_t cluster_timeout_ms;       /* rendezvous and data connection set-up */
   /* [metrics] */
   char prometheus_listen[64];        /* "" = off, else "host:port" */
 } epd_conf_t;
