@@ -4,6 +4,7 @@
  * a CUDA graph and replayed), and client kernels using epd_device.h. A host thread plays the daemon.
  * Every test skips without 2 GPUs; every wait is time-limited.
  */
+#if EPD_WITH_CUDA
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdatomic.h>
@@ -392,3 +393,8 @@ EPD_TEST_T(plumb_device_submit_wait, 60) {
   ASSERT_EQ(status[0], -8);
   ASSERT_EQ(p.client_view->slot[3].state, EPD_SLOT_SUBMITTED);
 }
+
+#else /* !EPD_WITH_CUDA */
+#include "../test.h"
+EPD_TEST(gpu_plumb_without_cuda) { epd_test_skip("built without CUDA (WITH_CUDA=0)"); }
+#endif

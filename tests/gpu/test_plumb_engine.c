@@ -5,6 +5,7 @@
  * also a missing peer times out naming it, a lost client fails the step with EPD_ERR_PEER, and the
  * engine recovers. Skips without 2 GPUs.
  */
+#if EPD_WITH_CUDA
 #define _GNU_SOURCE
 #include <math.h>
 #include <sys/mman.h>
@@ -397,3 +398,8 @@ EPD_TEST_T(plumb_engine_timeout_and_peer_lost, 120) {
   for (int r = 0; r < NR; r++) detach(eng, &c[r], 0);
   epd_engine_destroy(eng);
 }
+
+#else /* !EPD_WITH_CUDA */
+#include "../test.h"
+EPD_TEST(gpu_plumb_engine_without_cuda) { epd_test_skip("built without CUDA (WITH_CUDA=0)"); }
+#endif
