@@ -783,6 +783,46 @@ epd_result_t epd_engine_get_map(epd_engine_t *eng, const char *group, epd_expert
   return rc;
 }
 
+/* A restored map replaces the default map of a group that has run nothing yet, keeping its version, so
+ * that the next SetExpertMap continues the numbering (daemon restart with daemon.state_dir). */
+epd_result_t epd_engine_restore_map(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
+                                    char *errbuf, size_t errlen) {
+  const char *name = group && *group ? group : "default";
+  pthread_mutex_lock(&eng->mu);
+  epd_result_t rc = EPD_OK;
+  eng_group_t *grp = find_group(eng, name);
+  epd_expert_map_t m;
+  if (!grp) {
+    snprintf(errbuf, errlen, "group \"%s\" not found", name);
+    rc = EPD_ERR_NOT_FOUND;
+    goto out;
+  }
+  if (grp->steps || grp->has_staged || grp->last_version != 1 || map->version < 1) {
+    snprintf(errbuf, errlen, "group \"%s\" already has map version %u or ran steps", name, grp->last_version);
+    rc = EPD_ERR_STATE;
+    goto out;
+  }
+  if ((rc = epd_ref_map_validate(map, grp->g.num_experts, grp->g.num_ranks, grp->g.slots_per_rank, errbuf,
+                                 errlen)))
+    goto out;
+  if ((rc = epd_ref_map_copy(&m, map))) goto out;
+  m.num_ranks = grp->g.num_ranks;
+  m.slots_per_rank = grp->g.slots_per_rank;
+  m.ranks_per_node = eng->o.ranks_per_node;
+  m.version = map->version;
+  epd_expert_map_free(&grp->map);
+  grp->map = m;
+  grp->last_version = m.version;
+  for (uint32_t r = 0; r < grp->g.num_ranks; r++)
+    if (grp->client[r]) {
+      map_table_write(grp->client[r]);
+      if (grp->client[r]->queue) grp->client[r]->queue->map_version = m.version; /* what epd_info reports */
+    }
+out:
+  pthread_mutex_unlock(&eng->mu);
+  return rc;
+}
+
 /* ---- snapshots ---------------------------------------------------------------------------------- */
 
 epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out) {

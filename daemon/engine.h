@@ -130,6 +130,10 @@ epd_result_t epd_engine_set_map_copies(epd_engine_t *eng, const char *group, con
                                        char *errbuf, size_t errlen);
 /* Copy a group's active map (arrays allocated with malloc; free with epd_expert_map_free). */
 epd_result_t epd_engine_get_map(epd_engine_t *eng, const char *group, epd_expert_map_t *out);
+/* Install map, keeping its version, as the active map of a group that has run no step and staged no
+ * map (restore after a restart); EPD_ERR_STATE otherwise, validation errors as epd_engine_set_map. */
+epd_result_t epd_engine_restore_map(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
+                                    char *errbuf, size_t errlen);
 void epd_expert_map_free(epd_expert_map_t *map);
 
 /* A snapshot for status and metrics (see metrics.h); arrays malloc'ed, free with ..._free. */

@@ -20,6 +20,7 @@
 
 #include "access.h"
 #include "attach.h"
+#include "state.h"
 #include "conf.h"
 #include "engine.h"
 #include "events.h"
@@ -346,6 +347,10 @@ int main(int argc, char **argv) {
   uv_signal_start(&d.sig_term, on_signal, SIGTERM);
   uv_signal_start(&d.sig_int, on_signal, SIGINT);
   uv_signal_start(&d.sig_hup, on_signal, SIGHUP);
+  if (epd_state_init(d.conf.state_dir, eerr, sizeof eerr) != 0) {
+    snprintf(err, sizeof err, "%s", eerr);
+    goto fail;
+  }
   if (epd_access_init(&d.conf, eerr, sizeof eerr) != 0) {
     snprintf(err, sizeof err, "%s", eerr);
     goto fail;

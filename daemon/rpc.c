@@ -39,6 +39,7 @@
 
 #include "access.h"
 #include "attach.h"
+#include "state.h"
 #include "epd.pb-c.h"
 #include "epd_paths.h"
 #include "events.h"
@@ -142,6 +143,7 @@ static struct {
   char path[EPD_PATH_MAX];
   uint64_t start_ns;
   rpc_call_t *watches;
+  uint32_t max_watches; /* daemon.max_watches */
   int live_calls;
   secret_entry_t *secrets;
   size_t nsecrets, capsecrets;
@@ -307,6 +309,23 @@ static int copy_name(rpc_reply_t *rep, const char *field, char *dst, size_t len,
   return 0;
 }
 
+/* A group that starts from the default map (new, or first attach after a restart) takes the map saved in
+ * daemon.state_dir, if any and if it fits the group's geometry. */
+static void restore_map(const char *group, epd_attach_info_t *info) {
+  epd_expert_map_t m;
+  if (epd_state_load_map(group, &m) != 1) return;
+  char err[256] = "";
+  epd_result_t r = m.version > 1 ? epd_engine_restore_map(g.eng, group, &m, err, sizeof err) : EPD_OK;
+  if (r == EPD_OK && m.version > 1) {
+    info->map_version = m.version;
+    epd_log_msg(EPD_LOG_INFO, EPD_SUB_RPC, -1, 0, "group %s: expert map version %u restored from the state dir",
+                group, m.version);
+  } else if (r != EPD_OK) {
+    EPD_LOGW(EPD_SUB_RPC, "group %s: saved expert map version %u not restored: %s", group, m.version, err);
+  }
+  epd_expert_map_free(&m);
+}
+
 static void h_attach(const rpc_call_t *c, const Epd__V1__AttachRequest *q, rpc_reply_t *rep) {
   epd_attach_req_t ar;
   memset(&ar, 0, sizeof ar);
@@ -338,6 +357,7 @@ static void h_attach(const rpc_call_t *c, const Epd__V1__AttachRequest *q, rpc_r
     reply_err(rep, r, "%s", err[0] ? err : result_name(r));
     return;
   }
+  if (info.map_version == 1) restore_map(ar.group, &info);
   uint8_t token[EPD_TOKEN_BYTES], secret[SECRET_BYTES];
   if (getrandom(secret, sizeof secret, 0) != (ssize_t)sizeof secret) {
     epd_engine_detach(g.eng, info.client_id, 0);
@@ -528,6 +548,8 @@ static void h_setmap(const Epd__V1__SetExpertMapRequest *q, rpc_reply_t *rep) {
     reply_err(rep, r, "%s", err[0] ? err : result_name(r));
     goto out;
   }
+  em.version = version;
+  epd_state_save_map(group, &em); /* the last accepted map survives a restart */
   Epd__V1__SetExpertMapReply sr = EPD__V1__SET_EXPERT_MAP_REPLY__INIT;
   sr.version = version;
   reply_msg(rep, &sr.base);
@@ -954,6 +976,15 @@ static void on_new(rpc_call_t *c, int ok) {
     finish_call(c, &rep);
     return;
   }
+  size_t nwatch = 0;
+  for (rpc_call_t *w = g.watches; w; w = w->next) nwatch++;
+  if (nwatch >= g.max_watches) { /* each stream holds a call and its buffers: bounded, not per client */
+    reply_err(&rep, EPD_ERR_BUSY, "%s: %zu streams open, daemon.max_watches is %u", methods[c->method].name, nwatch,
+              g.max_watches);
+    protobuf_c_message_free_unpacked(msg, NULL);
+    finish_call(c, &rep);
+    return;
+  }
   if (c->method == M_HWATCH) {
     const Grpc__Health__V1__HealthCheckRequest *q = (const Grpc__Health__V1__HealthCheckRequest *)msg;
     snprintf(c->service, sizeof c->service, "%s", q->service ? q->service : "");
@@ -1244,6 +1275,7 @@ int epd_rpc_init(const epd_conf_t *conf, epd_engine_t *eng, const epd_rpc_hooks_
   atomic_store(&g.serving, 1);
   g.start_ns = mono_ns();
   g.watches = NULL;
+  g.max_watches = conf->max_watches ? conf->max_watches : 256;
   g.live_calls = 0;
 
   grpc_init();

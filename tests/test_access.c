@@ -29,6 +29,7 @@ EPD_TEST(conf_id_lists) {
   epd_conf_t c;
   epd_conf_defaults(&c);
   ASSERT_EQ(c.max_pending_tokens, 4096);
+  ASSERT_EQ(c.max_watches, 256);
   ASSERT_EQ(c.allow_uids[0], 0);
   ASSERT_EQ(epd_conf_set(&c, "daemon.allow_uids", "12345,root", err, sizeof err), 0);
   ASSERT_STR_CONTAINS(c.allow_uids, "12345,root");

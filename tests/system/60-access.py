@@ -66,7 +66,7 @@ finally:
     d.cleanup()
 
 # ---- 2. our uid allowed by list, tokens bounded ----
-d = epdtest.Daemon(extra=["[daemon]", f"allow_uids = 12345,{ME}", "max_pending_tokens = 2"])
+d = epdtest.Daemon(extra=["[daemon]", f"allow_uids = 12345,{ME}", "max_pending_tokens = 2", "max_watches = 3"])
 try:
     ch = grpc.insecure_channel("unix:" + d.sock)
     stub = pbg.ControlStub(ch)
@@ -84,6 +84,28 @@ try:
     check(codes[:2] == ["OK", "OK"] and all("RESOURCE_EXHAUSTED" in c and "too many pending" in c
                                             for c in codes[2:]),
           f"max_pending_tokens = 2 bounds unredeemed attaches: {codes}")
+    # max_watches = 3: a fourth stream is refused, one more fits once a stream is cancelled
+    watches = [stub.Watch(pb.WatchRequest(protocol_version=1), timeout=30) for _ in range(3)]
+    time.sleep(0.5)
+    extra = stub.Watch(pb.WatchRequest(protocol_version=1), timeout=10)
+    try:
+        next(extra)
+        got = "a message"
+    except grpc.RpcError as e:
+        got = f"{e.code().name}: {e.details()}"
+    check(got.startswith("RESOURCE_EXHAUSTED") and "daemon.max_watches is 3" in got,
+          f"fourth Watch with max_watches = 3: {got}")
+    watches[0].cancel()
+    time.sleep(0.5)
+    again = stub.Watch(pb.WatchRequest(protocol_version=1), timeout=2)
+    try:
+        next(again)
+        got = "a message"
+    except grpc.RpcError as e:
+        got = e.code().name
+    check(got == "DEADLINE_EXCEEDED", f"a Watch fits again after one is cancelled (no event: {got})")
+    for w in watches[1:]:
+        w.cancel()
     ch.close()
 finally:
     d.stop()
