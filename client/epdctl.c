@@ -130,6 +130,10 @@ static void print_status_json(const Epd__V1__StatusReply *s) {
   jkv_s("engine_mode", s->engine_mode, &f);
   jkv_s("state", s->state, &f);
   jkv_u("num_ranks", s->num_ranks, &f);
+  jkv_u("nodes", s->nodes ? s->nodes : 1, &f);
+  jkv_u("node_rank", s->node_rank, &f);
+  jkv_u("world_ranks", s->world_ranks ? s->world_ranks : s->num_ranks, &f);
+  jkv_s("inter_node_transport", s->inter_node_transport && *s->inter_node_transport ? s->inter_node_transport : "none", &f);
   jkv_u("uptime_ms", s->uptime_ms, &f);
   jkey("draining", &f);
   printf("%s", s->draining ? "true" : "false");
@@ -191,6 +195,9 @@ static void print_status_human(const Epd__V1__StatusReply *s) {
   printf("state:    %s%s\n", s->state, s->draining ? " (draining)" : "");
   printf("uptime:   %.1f s\n", (double)s->uptime_ms / 1e3);
   printf("ranks:    %u\n", s->num_ranks);
+  if (s->nodes > 1)
+    printf("cluster:  node %u of %u, %u world ranks, inter-node transport %s\n", s->node_rank, s->nodes,
+           s->world_ranks, s->inter_node_transport);
   printf("  %4s %6s %14s %16s %7s %10s\n", "RANK", "DEVICE", "BUFFERS", "BUFFER_BYTES", "CLIENTS", "OPS");
   for (size_t i = 0; i < s->n_ranks; i++) {
     const Epd__V1__RankStatus *r = s->ranks[i];

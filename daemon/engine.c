@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "engine_internal.h"
+#include "engine_net.h"
 #include "log.h"
 
 #define ALIGN_UP(x, a) (((x) + (a)-1) / (a) * (a))
@@ -221,9 +222,23 @@ epd_result_t epd_engine_create(const epd_engine_opts_t *opts, epd_engine_event_f
     snprintf(errbuf, errlen, "backend \"%s\" unknown; allowed: auto, host, cuda", bname);
     return EPD_ERR_INVALID;
   }
+  if (opts->nodes > 1 && (ops != &eng_host_ops || !opts->net ||
+                          opts->nodes * (uint32_t)opts->num_ranks > EPD_MAX_RANKS || opts->node_rank >= opts->nodes)) {
+    snprintf(errbuf, errlen, ops != &eng_host_ops
+                                 ? "%u nodes: the CUDA inter-node stage is not implemented; only the host backend "
+                                   "runs across nodes"
+                                 : "%u nodes: needs connected data links, node_rank < nodes and nodes * num_ranks <= 64",
+             opts->nodes);
+    return EPD_ERR_UNSUPPORTED;
+  }
   epd_engine_t *eng = calloc(1, sizeof *eng);
   if (!eng) return EPD_ERR_NOMEM;
   eng->o = *opts;
+  if (eng->o.nodes < 2) {
+    eng->o.nodes = 1;
+    eng->o.node_rank = 0;
+    eng->o.net = NULL;
+  }
   eng->o.backend = NULL; /* the caller's string may not outlive us */
   if (!eng->o.step_timeout_ms) eng->o.step_timeout_ms = 10000;
   /* Fault injection for the health/failure tests: the engine fails at this step of any group. */
@@ -255,6 +270,7 @@ epd_result_t epd_engine_create(const epd_engine_opts_t *opts, epd_engine_event_f
 }
 
 static void group_free(eng_group_t *g) {
+  eng_net_group_free(g);
   epd_expert_map_free(&g->map);
   epd_expert_map_free(&g->staged);
   for (unsigned b = 0; b < EPD_NUM_BANKS; b++) epd_ref_plan_free(&g->plan[b]);
@@ -287,6 +303,7 @@ void epd_engine_destroy(epd_engine_t *eng) {
 const char *epd_engine_backend(const epd_engine_t *eng) { return eng->ops->name; }
 const char *epd_engine_mode(const epd_engine_t *eng) { return eng->ops->mode(eng); }
 int epd_engine_num_ranks(const epd_engine_t *eng) { return eng->o.num_ranks; }
+int epd_engine_world_ranks(const epd_engine_t *eng) { return eng->o.num_ranks * (int)eng->o.nodes; }
 
 /* ---- groups ------------------------------------------------------------------------------------- */
 
@@ -381,7 +398,7 @@ static epd_result_t group_create(epd_engine_t *eng, const char *name, const epd_
   eng_group_t *g = calloc(1, sizeof *g);
   if (!g) return EPD_ERR_NOMEM;
   snprintf(g->name, sizeof g->name, "%s", name);
-  uint32_t R = (uint32_t)o->num_ranks, E = req->num_experts;
+  uint32_t R = (uint32_t)o->num_ranks * o->nodes, E = req->num_experts; /* world ranks */
   uint32_t per = (E + R - 1) / R;
   uint64_t slots = ((uint64_t)E * o->slots_factor_pct + (uint64_t)R * 100 - 1) / ((uint64_t)R * 100);
   g->g.num_ranks = R;
@@ -483,8 +500,14 @@ epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, e
     rc = EPD_ERR_DRAINING;
     goto out;
   }
-  if (req->rank < 0 || req->rank >= eng->o.num_ranks) {
-    snprintf(errbuf, errlen, "rank %d out of range [0, %d)", req->rank, eng->o.num_ranks);
+  int rank0 = (int)eng->o.node_rank * eng->o.num_ranks; /* scale-out: this node's world ranks */
+  if (req->rank < rank0 || req->rank >= rank0 + eng->o.num_ranks) {
+    if (eng->o.nodes > 1)
+      snprintf(errbuf, errlen, "rank %d out of range [%d, %d): this daemon is node %u of %u and owns world ranks "
+               "%d..%d (attach each world rank at the daemon of its node)", req->rank, rank0,
+               rank0 + eng->o.num_ranks, eng->o.node_rank, eng->o.nodes, rank0, rank0 + eng->o.num_ranks - 1);
+    else
+      snprintf(errbuf, errlen, "rank %d out of range [0, %d)", req->rank, eng->o.num_ranks);
     rc = EPD_ERR_INVALID;
     goto out;
   }
@@ -874,8 +897,14 @@ epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out) {
     s->attached_ns = c->attached_ns;
     s->arena_bytes = c->arena_bytes;
   }
-  for (int r = 0; r < eng->o.num_ranks; r++) {
-    epd_rank_snap_t *s = &out->ranks[r];
+  out->nodes = eng->o.nodes;
+  out->node_rank = eng->o.node_rank;
+  out->world_ranks = eng->o.nodes * (uint32_t)eng->o.num_ranks;
+  out->inter_node_transport = eng->o.nodes > 1 ? "host-tcp" : "none";
+  epd_net_counters(eng->o.net, &out->net_tx_bytes, &out->net_rx_bytes, &out->net_tx_frames, &out->net_rx_frames);
+  for (int li = 0; li < eng->o.num_ranks; li++) {
+    epd_rank_snap_t *s = &out->ranks[li];
+    int r = (int)eng->o.node_rank * eng->o.num_ranks + li; /* world rank */
     s->rank = r;
     s->device = eng->ops->device(eng, r);
     s->buffer_bytes = eng->ops->rank_bytes(eng, r);

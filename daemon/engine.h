@@ -36,6 +36,10 @@ typedef struct epd_engine_opts {
   uint32_t step_timeout_ms; /* a rank waiting longer for its peers fails the step with EPD_ERR_TIMEOUT */
   uint32_t ranks_per_node; /* node of a rank = rank / ranks_per_node (replica choice); 0: one node */
   uint64_t max_weight_bytes_per_slot; /* limit of an attach's weight_bytes_per_slot; 0: 1 GiB */
+  /* Scale-out (engine_net.h): nodes > 1 makes every group span nodes * num_ranks world ranks, this
+   * node owning world ranks node_rank * num_ranks ..; needs the host backend and connected links. */
+  uint32_t nodes, node_rank;
+  struct epd_net *net;
 } epd_engine_opts_t;
 
 /* Event sink: called from engine threads; must not call back into the engine. */
@@ -60,6 +64,8 @@ const char *epd_engine_backend(const epd_engine_t *eng);
 /* "host-threads", "persistent" or "launch". */
 const char *epd_engine_mode(const epd_engine_t *eng);
 int epd_engine_num_ranks(const epd_engine_t *eng);
+/* Ranks of every group: num_ranks times the nodes of the scale-out world (num_ranks on one node). */
+int epd_engine_world_ranks(const epd_engine_t *eng);
 
 /* What an attach asks for; zero geometry fields take the group's. */
 typedef struct epd_attach_req {
@@ -174,6 +180,10 @@ typedef struct epd_engine_snap {
   epd_rank_snap_t *ranks;
   epd_op_snap_t ops[EPD_OP_MAX]; /* indexed by EPD_OP_* */
   int draining;
+  /* Scale-out: ranks[] above are this node's, numbered by world rank. */
+  uint32_t nodes, node_rank, world_ranks;
+  const char *inter_node_transport; /* "none" (one node), "host-tcp" */
+  uint64_t net_tx_bytes, net_rx_bytes, net_tx_frames, net_rx_frames;
 } epd_engine_snap_t;
 epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out);
 void epd_engine_snapshot_free(epd_engine_snap_t *snap);

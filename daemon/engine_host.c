@@ -265,16 +265,29 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
 
 /* ---- polling ------------------------------------------------------------------------------------ */
 
+/* Scale-out (engine_net.c): run the step once the local ranks and the other nodes' parts are in. */
+static int net_progress(epd_engine_t *eng, eng_group_t *grp) {
+  eng_net_result_t res;
+  if (!eng_net_step(eng, grp, &res)) return 0;
+  if (res.status == EPD_OK)
+    finish_step(eng, grp, EPD_OK, -1, res.map_version, res.num_recv, res.bytes);
+  else
+    fail_step(eng, grp, res.status, res.peer, res.why);
+  return 1;
+}
+
 /* Look at one client of this rank; returns 1 if it did something. */
 static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
   eng_group_t *grp = c->grp;
   if (c->in_step) {
+    if (eng->o.nodes > 1 && net_progress(eng, grp)) return 1;
     if (now - grp->first_arrive_ns <= (uint64_t)eng->o.step_timeout_ms * 1000000ull) return 0;
     int missing = -1;
     for (uint32_t r = 0; r < grp->g.num_ranks && missing < 0; r++)
       if (!grp->arrived[r]) missing = (int)r;
-    char why[128];
+    char why[256];
     snprintf(why, sizeof why, "waited %u ms for rank %d", eng->o.step_timeout_ms, missing);
+    if (eng->o.nodes > 1) missing = eng_net_missing_rank(eng, grp, why, sizeof why);
     fail_step(eng, grp, EPD_ERR_TIMEOUT, missing, why);
     return 1;
   }
@@ -299,7 +312,10 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
       fail_step(eng, grp, EPD_ERR_PEER, (int)p, why);
       return 1;
     }
-  if (grp->narrived == grp->g.num_ranks) execute_step(eng, grp);
+  if (eng->o.nodes > 1)
+    net_progress(eng, grp);
+  else if (grp->narrived == grp->g.num_ranks)
+    execute_step(eng, grp);
   return 1;
 }
 
@@ -368,7 +384,7 @@ static epd_result_t host_create(epd_engine_t *eng, char *err, size_t errlen) {
   for (int r = 0; r < eng->o.num_ranks; r++) {
     host_rank_t *hr = &be->rank[r];
     hr->eng = eng;
-    hr->rank = r;
+    hr->rank = (int)eng->o.node_rank * eng->o.num_ranks + r; /* world rank (scale-out) */
     int e = pthread_create(&hr->th, NULL, rank_main, hr);
     if (e) {
       snprintf(err, errlen, "pthread_create for rank %d: %s", r, strerror(e));

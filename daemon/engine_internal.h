@@ -73,6 +73,7 @@ struct eng_group {
   epd_desc_t desc[EPD_MAX_RANKS];
   uint64_t arrive_ns[EPD_MAX_RANKS];
   uint64_t first_arrive_ns;
+  void *net; /* scale-out state (engine_net.c), NULL on one node */
 };
 
 typedef struct eng_rank_stats {
@@ -156,5 +157,23 @@ void eng_record_op(epd_engine_t *eng, int rank, uint32_t op, int status, uint64_
 const char *eng_result_name(int result);
 /* Address of buffer (kind, bank) in a client's CPU-visible arena. */
 void *eng_buf(const eng_client_t *c, uint32_t kind, uint32_t bank);
+
+/* Scale-out hooks of the host backend (engine_net.c), used when eng->o.nodes > 1. The outcome of a
+ * step that ran (or failed) across nodes: */
+typedef struct eng_net_result {
+  int status, peer;
+  uint32_t map_version;
+  uint32_t num_recv[EPD_MAX_RANKS];
+  uint64_t bytes[EPD_MAX_RANKS];
+  char why[256];
+} eng_net_result_t;
+/* (mu) Once every local rank of grp has submitted: send this node's part of the step (once), and run
+ * the step when every other node's part is in. 1 when *res holds the outcome, 0 while waiting. */
+int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res);
+/* (mu) The rank a timed-out step waits for (a local rank, or the first rank of a silent node); why
+ * gets the timeout message. */
+int eng_net_missing_rank(epd_engine_t *eng, const eng_group_t *grp, char *why, size_t len);
+/* (mu) Free grp->net. */
+void eng_net_group_free(eng_group_t *grp);
 
 #endif /* EPD_ENGINE_INTERNAL_H */

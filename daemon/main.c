@@ -20,6 +20,7 @@
 
 #include "access.h"
 #include "attach.h"
+#include "cluster.h"
 #include "state.h"
 #include "conf.h"
 #include "engine.h"
@@ -295,6 +296,8 @@ static int make_socket_dir(const char *sock, char *err, size_t errlen) {
   return 0;
 }
 
+static epd_net_t *cluster_net; /* scale-out data links (cluster.h), NULL on one node */
+
 int main(int argc, char **argv) {
   char err[1024];
   int stage = 0, rc;
@@ -333,6 +336,18 @@ int main(int argc, char **argv) {
       .max_groups = d.conf.max_groups, .max_clients_per_rank = d.conf.max_clients_per_rank,
       .max_arena_bytes = d.conf.max_arena_bytes, .step_timeout_ms = d.conf.step_timeout_ms};
   char eerr[512] = "";
+  /* Scale-out: rendezvous and data links before the engine, so that READY means the world is formed. */
+  if (epd_cluster_init(&d.conf, &cluster_net, eerr, sizeof eerr) != 0) {
+    snprintf(err, sizeof err, "cluster (node %u of %u): %s", d.conf.node_rank, d.conf.nodes, eerr);
+    goto fail;
+  }
+  if (cluster_net) {
+    eo.nodes = d.conf.nodes;
+    eo.node_rank = d.conf.node_rank;
+    eo.net = cluster_net;
+    eo.ranks_per_node = d.conf.num_ranks; /* replicas on the source's node are preferred */
+    if (!strcmp(eo.backend, "auto")) eo.backend = "host"; /* the only backend that runs across nodes */
+  }
   if (epd_engine_create(&eo, epd_events_from_engine, NULL, &d.eng, eerr, sizeof eerr) != EPD_OK) {
     snprintf(err, sizeof err, "engine (backend %s, %u ranks): %s", d.conf.backend, d.conf.num_ranks, eerr);
     goto fail;
@@ -415,6 +430,7 @@ out:
     uv_loop_close(&d.loop);
   }
   if (stage >= 3) epd_engine_destroy(d.eng);
+  epd_cluster_fini(cluster_net);
   if (stage >= 2) epd_events_fini();
   EPD_LOGI(EPD_SUB_MAIN, "exit %d", rc);
   epd_log_fini();

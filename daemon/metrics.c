@@ -102,6 +102,22 @@ epd_result_t epd_metrics_text(const epd_engine_snap_t *snap, const epd_daemon_in
   sb_printf(&sb, "epd_draining %d\n", snap->draining ? 1 : 0);
   sb_head(&sb, "epd_ranks", "gauge", "Ranks (GPUs or host threads) owned by this daemon.");
   sb_printf(&sb, "epd_ranks %u\n", snap->num_ranks);
+  sb_head(&sb, "epd_cluster_nodes", "gauge", "Nodes (daemons) of the EP world (cluster.nodes).");
+  sb_printf(&sb, "epd_cluster_nodes %u\n", snap->nodes ? snap->nodes : 1);
+  sb_head(&sb, "epd_cluster_node_rank", "gauge", "This daemon's node rank (cluster.node_rank).");
+  sb_printf(&sb, "epd_cluster_node_rank %u\n", snap->node_rank);
+  sb_head(&sb, "epd_cluster_world_ranks", "gauge", "Ranks of every group across all nodes.");
+  sb_printf(&sb, "epd_cluster_world_ranks %u\n", snap->world_ranks ? snap->world_ranks : snap->num_ranks);
+  sb_head(&sb, "epd_cluster_info", "gauge", "Inter-node transport (value is always 1).");
+  sb_printf(&sb, "epd_cluster_info{transport=\"");
+  sb_label(&sb, snap->inter_node_transport ? snap->inter_node_transport : "none");
+  sb_printf(&sb, "\"} 1\n");
+  sb_head(&sb, "epd_cluster_bytes_total", "counter", "Data-plane bytes to and from the other nodes.");
+  sb_printf(&sb, "epd_cluster_bytes_total{direction=\"tx\"} %llu\n", (unsigned long long)snap->net_tx_bytes);
+  sb_printf(&sb, "epd_cluster_bytes_total{direction=\"rx\"} %llu\n", (unsigned long long)snap->net_rx_bytes);
+  sb_head(&sb, "epd_cluster_frames_total", "counter", "Data-plane frames (one per group, step and node pair).");
+  sb_printf(&sb, "epd_cluster_frames_total{direction=\"tx\"} %llu\n", (unsigned long long)snap->net_tx_frames);
+  sb_printf(&sb, "epd_cluster_frames_total{direction=\"rx\"} %llu\n", (unsigned long long)snap->net_rx_frames);
   sb_head(&sb, "epd_clients", "gauge", "Attached clients.");
   sb_printf(&sb, "epd_clients %u\n", snap->nclients);
   sb_head(&sb, "epd_attach_connections", "gauge", "Open attach-socket connections.");
@@ -256,6 +272,10 @@ epd_result_t epd_metrics_status(const epd_engine_snap_t *snap, const epd_daemon_
   st->uptime_ms = info ? info->uptime_ms : 0;
   st->draining = snap->draining ? 1 : 0;
   st->protocol_version = EPD_PROTOCOL_VERSION;
+  st->nodes = snap->nodes ? snap->nodes : 1;
+  st->node_rank = snap->node_rank;
+  st->world_ranks = snap->world_ranks ? snap->world_ranks : snap->num_ranks;
+  st->inter_node_transport = dup_str(snap->inter_node_transport ? snap->inter_node_transport : "none", &failed);
 
   if (snap->ngroups) {
     st->groups = calloc(snap->ngroups, sizeof *st->groups);
@@ -348,6 +368,7 @@ void epd_metrics_status_free(Epd__V1__StatusReply *st) {
   free(st->version);
   free(st->backend);
   free(st->engine_mode);
+  free(st->inter_node_transport);
   free(st->state);
   free(st->config);
   free(st);

@@ -334,7 +334,7 @@ static void h_attach(const rpc_call_t *c, const Epd__V1__AttachRequest *q, rpc_r
   if (copy_name(rep, "group", ar.group, sizeof ar.group, q->group, "default") ||
       copy_name(rep, "client_name", ar.name, sizeof ar.name, q->client_name, dflt_name))
     return;
-  int nranks = epd_engine_num_ranks(g.eng);
+  int nranks = epd_engine_world_ranks(g.eng); /* the engine checks the rank is on this node */
   if (q->rank < 0 || q->rank >= nranks) {
     reply_err(rep, EPD_ERR_INVALID, "rank: %d out of range [0, %d)", q->rank, nranks);
     return;

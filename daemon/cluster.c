@@ -1,0 +1,550 @@
+/*
+ * cluster.c - scale-out start-up: rendezvous over gRPC (TCP) and the data links (see cluster.h).
+ *
+ * The Rendezvous RPC answers at once: every node polls it (every 100 ms) until the reply says the world
+ * is complete. That keeps the coordinator stateless per call and lets a waiting node name the nodes
+ * still missing when its own timeout expires. The coordinator keeps serving until every node has
+ * received the complete reply, then shuts its server down; a fatal disagreement is answered to every
+ * caller for a short grace period so that all nodes fail with the same message.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/slice.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+
+#include "cluster.h"
+#include "engine.h"
+#include "epd.pb-c.h"
+#include "log.h"
+
+#define METHOD "/epd.v1.Cluster/Rendezvous"
+#define ID_BYTES 128
+#define MAX_NODES EPD_MAX_RANKS
+#define FATAL_GRACE_MS 1500
+
+typedef struct world {
+  uint32_t nodes, node_rank, ranks_per_node;
+  char addr[MAX_NODES][EPD_NET_ADDR_MAX];
+  uint8_t id[ID_BYTES];
+} world_t;
+
+static uint64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+size_t epd_cluster_agreed_config(const epd_conf_t *c, char *buf, size_t len) {
+  return (size_t)snprintf(buf, len,
+                          "protocol_version = %u\ncluster.nodes = %u\nengine.num_ranks = %u\nengine.backend = %s\n"
+                          "engine.max_experts = %u\nengine.max_hidden = %u\nengine.max_topk = %u\n"
+                          "engine.max_tokens = %u\nengine.slots_factor_pct = %u\nengine.ht_capacity_factor = %u\n",
+                          EPD_PROTOCOL_VERSION, c->nodes, c->num_ranks, c->backend, c->max_experts, c->max_hidden,
+                          c->max_topk, c->max_tokens, c->slots_factor_pct, c->ht_capacity_factor);
+}
+
+uint64_t epd_cluster_hash(const char *text) {
+  uint64_t h = 1469598103934665603ull;
+  for (const unsigned char *p = (const unsigned char *)text; *p; p++) {
+    h ^= *p;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+/* "key (node a: x, node b: y); ..." for every line of mine that theirs lacks or sets differently. */
+static void config_diff(const char *mine, const char *theirs, uint32_t me, uint32_t them, char *out, size_t len) {
+  out[0] = 0;
+  char *m = strdup(mine);
+  if (!m) return;
+  for (char *save = NULL, *line = strtok_r(m, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+    char key[96];
+    const char *eq = strstr(line, " = ");
+    if (!eq || (size_t)(eq - line) >= sizeof key) continue;
+    snprintf(key, sizeof key, "%.*s", (int)(eq - line), line);
+    const char *tv = "(absent)";
+    char tbuf[96];
+    for (const char *p = theirs; p && *p;) {
+      const char *nl = strchr(p, '\n');
+      size_t n = nl ? (size_t)(nl - p) : strlen(p);
+      if (n > strlen(key) + 3 && !strncmp(p, key, strlen(key)) && !strncmp(p + strlen(key), " = ", 3)) {
+        snprintf(tbuf, sizeof tbuf, "%.*s", (int)(n - strlen(key) - 3), p + strlen(key) + 3);
+        tv = tbuf;
+        break;
+      }
+      p = nl ? nl + 1 : NULL;
+    }
+    if (!strcmp(tv, eq + 3)) continue;
+    size_t l = strlen(out);
+    snprintf(out + l, len - l, "%s%s (node %u: %s, node %u: %s)", l ? "; " : "", key, me, eq + 3, them, tv);
+  }
+  free(m);
+}
+
+static const char *agreed_keys =
+    "protocol version, cluster.nodes, engine.num_ranks, engine.backend, engine.max_experts, engine.max_hidden, "
+    "engine.max_topk, engine.max_tokens, engine.slots_factor_pct, engine.ht_capacity_factor";
+
+/* ---- coordinator ------------------------------------------------------------------------------------ */
+
+typedef struct rv_call {
+  struct rv_call *next;
+  grpc_call *call;
+  gpr_timespec deadline;
+  grpc_metadata_array md;
+  grpc_byte_buffer *payload, *reply;
+  grpc_slice details;
+  int cancelled;
+  int node_complete; /* the reply sent was the complete world to this node (-1: not) */
+  char reply_tag;    /* its address is the tag of the reply batch */
+} rv_call_t;
+
+static void rv_free(rv_call_t *c) {
+  if (c->call) grpc_call_unref(c->call);
+  grpc_metadata_array_destroy(&c->md);
+  if (c->payload) grpc_byte_buffer_destroy(c->payload);
+  if (c->reply) grpc_byte_buffer_destroy(c->reply);
+  grpc_slice_unref(c->details);
+  free(c);
+}
+
+static void rv_reply(rv_call_t *c, grpc_status_code code, const char *msg, const ProtobufCMessage *body) {
+  grpc_op ops[4];
+  memset(ops, 0, sizeof ops);
+  int n = 0;
+  ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+  if (code == GRPC_STATUS_OK && body) {
+    size_t len = protobuf_c_message_get_packed_size(body);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (buf) {
+      protobuf_c_message_pack(body, buf);
+      grpc_slice s = grpc_slice_from_copied_buffer((const char *)buf, len);
+      c->reply = grpc_raw_byte_buffer_create(&s, 1);
+      grpc_slice_unref(s);
+      free(buf);
+      ops[n].op = GRPC_OP_SEND_MESSAGE;
+      ops[n++].data.send_message.send_message = c->reply;
+    } else {
+      code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+      msg = "out of memory";
+    }
+  }
+  grpc_slice_unref(c->details);
+  c->details = grpc_slice_from_copied_string(msg ? msg : "");
+  ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+  ops[n].data.send_status_from_server.status = code;
+  ops[n++].data.send_status_from_server.status_details = &c->details;
+  ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+  ops[n++].data.recv_close_on_server.cancelled = &c->cancelled;
+  if (grpc_call_start_batch(c->call, ops, (size_t)n, &c->reply_tag, NULL) != GRPC_CALL_OK)
+    c->node_complete = -2; /* never completes: freed by the caller */
+}
+
+static Epd__V1__RendezvousRequest *rv_unpack(grpc_byte_buffer *bb) {
+  if (!bb) return NULL;
+  grpc_byte_buffer_reader r;
+  if (!grpc_byte_buffer_reader_init(&r, bb)) return NULL;
+  grpc_slice s = grpc_byte_buffer_reader_readall(&r);
+  grpc_byte_buffer_reader_destroy(&r);
+  Epd__V1__RendezvousRequest *m =
+      epd__v1__rendezvous_request__unpack(NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+  grpc_slice_unref(s);
+  return m;
+}
+
+static void missing_list(const int *joined, uint32_t nodes, char *out, size_t len) {
+  out[0] = 0;
+  for (uint32_t n = 0; n < nodes; n++)
+    if (!joined[n]) {
+      size_t l = strlen(out);
+      snprintf(out + l, len - l, "%s%u", l ? ", " : "", n);
+    }
+}
+
+static int coordinator(const epd_conf_t *conf, world_t *w, const char *agreed, char *err, size_t errlen) {
+  grpc_init();
+  grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
+  grpc_server *srv = grpc_server_create(NULL, NULL);
+  void *method = grpc_server_register_method(srv, METHOD, NULL, GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
+  grpc_server_credentials *cr = grpc_insecure_server_credentials_create();
+  int port = grpc_server_add_http2_port(srv, conf->cluster_listen, cr);
+  grpc_server_credentials_release(cr);
+  grpc_server_register_completion_queue(srv, cq, NULL);
+  int rc = -1;
+  if (!port) {
+    snprintf(err, errlen, "cluster.listen %s: cannot listen there (address in use or invalid)", conf->cluster_listen);
+    grpc_server_destroy(srv);
+    grpc_completion_queue_shutdown(cq);
+    while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {}
+    grpc_completion_queue_destroy(cq);
+    grpc_shutdown();
+    return -1;
+  }
+  grpc_server_start(srv);
+  EPD_LOGI(EPD_SUB_MAIN, "cluster: coordinator of %u nodes, rendezvous on %s", w->nodes, conf->cluster_listen);
+  int joined[MAX_NODES] = {0}, got_complete[MAX_NODES] = {0};
+  joined[0] = got_complete[0] = 1;
+  uint32_t njoined = 1, ncomplete = 1;
+  uint64_t deadline = now_ms() + conf->cluster_timeout_ms, fatal_until = 0;
+  char fatal[1024] = "", missing[256];
+  rv_call_t *live = NULL, *pending = NULL;
+  Epd__V1__ClusterPeer peers[MAX_NODES], *pp[MAX_NODES];
+  for (;;) {
+    if (!pending) {
+      pending = calloc(1, sizeof *pending);
+      if (!pending) break;
+      grpc_metadata_array_init(&pending->md);
+      pending->details = grpc_empty_slice();
+      pending->node_complete = -1;
+      if (grpc_server_request_registered_call(srv, method, &pending->call, &pending->deadline, &pending->md,
+                                              &pending->payload, cq, cq, pending) != GRPC_CALL_OK) {
+        rv_free(pending);
+        pending = NULL;
+        break;
+      }
+    }
+    uint64_t t = now_ms();
+    if (*fatal && t >= fatal_until) break;
+    if (!*fatal && ncomplete == w->nodes) {
+      rc = 0;
+      break;
+    }
+    if (!*fatal && t >= deadline) {
+      missing_list(joined, w->nodes, missing, sizeof missing);
+      if (njoined < w->nodes)
+        snprintf(fatal, sizeof fatal, "rendezvous incomplete after cluster.timeout_ms %u: node(s) %s did not join "
+                 "(coordinator listening on %s)", conf->cluster_timeout_ms, missing, conf->cluster_listen);
+      else
+        snprintf(fatal, sizeof fatal, "rendezvous incomplete after cluster.timeout_ms %u: every node joined but "
+                 "not all fetched the peer list", conf->cluster_timeout_ms);
+      fatal_until = t + FATAL_GRACE_MS;
+      continue;
+    }
+    grpc_event ev = grpc_completion_queue_next(
+        cq, gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(50, GPR_TIMESPAN)), NULL);
+    if (ev.type != GRPC_OP_COMPLETE) continue;
+    if (ev.tag == pending) {
+      rv_call_t *c = pending;
+      pending = NULL;
+      c->next = live;
+      live = c;
+      if (!ev.success) continue;
+      Epd__V1__RendezvousRequest *rq = rv_unpack(c->payload);
+      char msg[1024];
+      if (*fatal) {
+        rv_reply(c, GRPC_STATUS_FAILED_PRECONDITION, fatal, NULL);
+      } else if (!rq) {
+        rv_reply(c, GRPC_STATUS_INVALID_ARGUMENT, "malformed RendezvousRequest", NULL);
+      } else if (rq->protocol_version != EPD_PROTOCOL_VERSION || rq->nodes != w->nodes ||
+                 rq->ranks_per_node != w->ranks_per_node || rq->config_hash != epd_cluster_hash(agreed) ||
+                 strcmp(rq->agreed_config ? rq->agreed_config : "", agreed)) {
+        char diff[700];
+        config_diff(agreed, rq->agreed_config ? rq->agreed_config : "", 0, rq->node_rank, diff, sizeof diff);
+        snprintf(fatal, sizeof fatal, "node %u's configuration disagrees with the coordinator's: %s (these keys "
+                 "must be equal on every node: %s)", rq->node_rank, *diff ? diff : "config hash differs", agreed_keys);
+        fatal_until = now_ms() + FATAL_GRACE_MS;
+        rv_reply(c, GRPC_STATUS_FAILED_PRECONDITION, fatal, NULL);
+      } else if (rq->node_rank == 0 || rq->node_rank >= w->nodes) {
+        if (rq->node_rank)
+          snprintf(msg, sizeof msg, "node_rank %u out of range [1, %u)", rq->node_rank, w->nodes);
+        else
+          snprintf(msg, sizeof msg, "duplicate node_rank 0: that is the coordinator's (%s); two daemons have "
+                   "cluster.node_rank = 0", conf->cluster_listen);
+        EPD_LOGW(EPD_SUB_MAIN, "cluster: refused a node: %s", msg);
+        rv_reply(c, GRPC_STATUS_ALREADY_EXISTS, msg, NULL);
+      } else if (joined[rq->node_rank] && strcmp(w->addr[rq->node_rank], rq->data_addr ? rq->data_addr : "")) {
+        snprintf(msg, sizeof msg, "duplicate node_rank %u: already joined with data address %s (this caller: %s); "
+                 "two daemons have cluster.node_rank = %u", rq->node_rank, w->addr[rq->node_rank],
+                 rq->data_addr ? rq->data_addr : "", rq->node_rank);
+        EPD_LOGW(EPD_SUB_MAIN, "cluster: refused a node: %s", msg);
+        rv_reply(c, GRPC_STATUS_ALREADY_EXISTS, msg, NULL);
+      } else {
+        uint32_t n = rq->node_rank;
+        if (!joined[n]) {
+          joined[n] = 1;
+          njoined++;
+          snprintf(w->addr[n], sizeof w->addr[n], "%s", rq->data_addr ? rq->data_addr : "");
+          EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u joined (data %s), %u of %u", n, w->addr[n], njoined, w->nodes);
+        }
+        Epd__V1__RendezvousReply rep = EPD__V1__RENDEZVOUS_REPLY__INIT;
+        uint32_t miss[MAX_NODES], nm = 0;
+        for (uint32_t i = 0; i < w->nodes; i++)
+          if (!joined[i]) miss[nm++] = i;
+        rep.complete = nm == 0;
+        rep.n_missing = nm;
+        rep.missing = miss;
+        if (rep.complete) {
+          for (uint32_t i = 0; i < w->nodes; i++) {
+            epd__v1__cluster_peer__init(&peers[i]);
+            peers[i].node_rank = i;
+            peers[i].data_addr = w->addr[i];
+            pp[i] = &peers[i];
+          }
+          rep.n_peers = w->nodes;
+          rep.peers = pp;
+          rep.unique_id.data = w->id;
+          rep.unique_id.len = ID_BYTES;
+          c->node_complete = (int)n;
+        }
+        rv_reply(c, GRPC_STATUS_OK, "", &rep.base);
+      }
+      if (rq) epd__v1__rendezvous_request__free_unpacked(rq, NULL);
+      if (c->node_complete == -2) c->node_complete = -1;
+      continue;
+    }
+    /* A reply batch finished: a complete world delivered counts once per node. */
+    for (rv_call_t **p = &live; *p; p = &(*p)->next)
+      if (ev.tag == &(*p)->reply_tag) {
+        rv_call_t *c = *p;
+        if (ev.success && !c->cancelled && c->node_complete > 0 && !got_complete[c->node_complete]) {
+          got_complete[c->node_complete] = 1;
+          ncomplete++;
+        }
+        *p = c->next;
+        rv_free(c);
+        break;
+      }
+  }
+  if (*fatal) snprintf(err, errlen, "%s", fatal);
+  else if (rc) snprintf(err, errlen, "rendezvous: out of memory or the gRPC server failed");
+  /* Shutdown order of DESIGN.md §10. */
+  static int shutdown_tag;
+  grpc_server_shutdown_and_notify(srv, cq, &shutdown_tag);
+  grpc_server_cancel_all_calls(srv);
+  for (int got = 0; !got;) {
+    grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    if (ev.type != GRPC_OP_COMPLETE) continue;
+    if (ev.tag == &shutdown_tag) got = 1;
+    else if (ev.tag == pending) {
+      rv_free(pending);
+      pending = NULL;
+    } else
+      for (rv_call_t **p = &live; *p; p = &(*p)->next)
+        if (ev.tag == &(*p)->reply_tag) {
+          rv_call_t *c = *p;
+          *p = c->next;
+          rv_free(c);
+          break;
+        }
+  }
+  grpc_server_destroy(srv);
+  grpc_completion_queue_shutdown(cq);
+  while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {}
+  grpc_completion_queue_destroy(cq);
+  while (live) {
+    rv_call_t *c = live;
+    live = c->next;
+    rv_free(c);
+  }
+  if (pending) rv_free(pending);
+  grpc_shutdown();
+  return rc;
+}
+
+/* ---- the other nodes -------------------------------------------------------------------------------- */
+
+static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const char *data_addr, char *err,
+                  size_t errlen) {
+  grpc_init();
+  grpc_channel_credentials *cr = grpc_insecure_credentials_create();
+  grpc_channel *ch = grpc_channel_create(conf->cluster_coordinator, cr, NULL);
+  grpc_channel_credentials_release(cr);
+  Epd__V1__RendezvousRequest rq = EPD__V1__RENDEZVOUS_REQUEST__INIT;
+  rq.protocol_version = EPD_PROTOCOL_VERSION;
+  rq.node_rank = w->node_rank;
+  rq.nodes = w->nodes;
+  rq.ranks_per_node = w->ranks_per_node;
+  rq.config_hash = epd_cluster_hash(agreed);
+  rq.data_addr = (char *)data_addr;
+  rq.agreed_config = (char *)agreed;
+  size_t len = epd__v1__rendezvous_request__get_packed_size(&rq);
+  uint8_t *buf = malloc(len ? len : 1);
+  if (!buf) {
+    snprintf(err, errlen, "out of memory");
+    grpc_channel_destroy(ch);
+    grpc_shutdown();
+    return -1;
+  }
+  epd__v1__rendezvous_request__pack(&rq, buf);
+  uint64_t deadline = now_ms() + conf->cluster_timeout_ms;
+  char last[512] = "never reached";
+  int rc = -1, reached = 0;
+  EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u of %u joining the coordinator at %s", w->node_rank, w->nodes,
+           conf->cluster_coordinator);
+  while (rc < 0) {
+    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+    grpc_slice m = grpc_slice_from_static_string(METHOD);
+    gpr_timespec dl = gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_millis(2000, GPR_TIMESPAN));
+    grpc_call *call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, m, NULL, dl, NULL);
+    grpc_slice s = grpc_slice_from_copied_buffer((const char *)buf, len);
+    grpc_byte_buffer *send = grpc_raw_byte_buffer_create(&s, 1), *recv = NULL;
+    grpc_slice_unref(s);
+    grpc_metadata_array init_md, trailing;
+    grpc_metadata_array_init(&init_md);
+    grpc_metadata_array_init(&trailing);
+    grpc_status_code st = GRPC_STATUS_UNKNOWN;
+    grpc_slice details = grpc_empty_slice();
+    grpc_op ops[6];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = send;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &init_md;
+    ops[4].op = GRPC_OP_RECV_MESSAGE;
+    ops[4].data.recv_message.recv_message = &recv;
+    ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    ops[5].data.recv_status_on_client.trailing_metadata = &trailing;
+    ops[5].data.recv_status_on_client.status = &st;
+    ops[5].data.recv_status_on_client.status_details = &details;
+    static int tag;
+    int final = 0;
+    if (call && grpc_call_start_batch(call, ops, 6, &tag, NULL) == GRPC_CALL_OK) {
+      grpc_completion_queue_pluck(cq, &tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+      char *d = grpc_slice_to_c_string(details);
+      if (st == GRPC_STATUS_OK) {
+        reached = 1;
+        Epd__V1__RendezvousReply *rep = NULL;
+        if (recv) {
+          grpc_byte_buffer_reader r;
+          if (grpc_byte_buffer_reader_init(&r, recv)) {
+            grpc_slice all = grpc_byte_buffer_reader_readall(&r);
+            grpc_byte_buffer_reader_destroy(&r);
+            rep = epd__v1__rendezvous_reply__unpack(NULL, GRPC_SLICE_LENGTH(all), GRPC_SLICE_START_PTR(all));
+            grpc_slice_unref(all);
+          }
+        }
+        if (!rep) {
+          snprintf(err, errlen, "coordinator %s: malformed RendezvousReply", conf->cluster_coordinator);
+          final = 1;
+        } else if (rep->complete) {
+          if (rep->n_peers != w->nodes || rep->unique_id.len != ID_BYTES) {
+            snprintf(err, errlen, "coordinator %s: reply with %zu peers and a %zu-byte id (want %u, %d)",
+                     conf->cluster_coordinator, rep->n_peers, rep->unique_id.len, w->nodes, ID_BYTES);
+            final = 1;
+          } else {
+            for (size_t i = 0; i < rep->n_peers; i++)
+              if (rep->peers[i]->node_rank < w->nodes)
+                snprintf(w->addr[rep->peers[i]->node_rank], EPD_NET_ADDR_MAX, "%s",
+                         rep->peers[i]->data_addr ? rep->peers[i]->data_addr : "");
+            memcpy(w->id, rep->unique_id.data, ID_BYTES);
+            rc = 0;
+          }
+        } else {
+          size_t l = (size_t)snprintf(last, sizeof last, "node(s) ");
+          for (size_t i = 0; i < rep->n_missing && l < sizeof last; i++)
+            l += (size_t)snprintf(last + l, sizeof last - l, "%s%u", i ? ", " : "", rep->missing[i]);
+          if (l < sizeof last) snprintf(last + l, sizeof last - l, " did not join");
+        }
+        if (rep) epd__v1__rendezvous_reply__free_unpacked(rep, NULL);
+      } else if (st == GRPC_STATUS_UNAVAILABLE || st == GRPC_STATUS_DEADLINE_EXCEEDED) {
+        if (!reached) snprintf(last, sizeof last, "coordinator (node 0) at %s not reachable: %s",
+                               conf->cluster_coordinator, d ? d : "");
+      } else {
+        snprintf(err, errlen, "rendezvous with the coordinator at %s refused: %s", conf->cluster_coordinator,
+                 d ? d : "");
+        final = 1;
+      }
+      gpr_free(d);
+    } else {
+      snprintf(err, errlen, "cannot start a gRPC call to %s", conf->cluster_coordinator);
+      final = 1;
+    }
+    grpc_byte_buffer_destroy(send);
+    if (recv) grpc_byte_buffer_destroy(recv);
+    grpc_slice_unref(details);
+    grpc_metadata_array_destroy(&init_md);
+    grpc_metadata_array_destroy(&trailing);
+    if (call) grpc_call_unref(call);
+    grpc_completion_queue_shutdown(cq);
+    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {}
+    grpc_completion_queue_destroy(cq);
+    if (final) break;
+    if (rc < 0 && now_ms() >= deadline) {
+      snprintf(err, errlen, "rendezvous incomplete after cluster.timeout_ms %u: %s", conf->cluster_timeout_ms, last);
+      break;
+    }
+    if (rc < 0) usleep(100000);
+  }
+  free(buf);
+  grpc_channel_destroy(ch);
+  grpc_shutdown();
+  return rc;
+}
+
+int epd_cluster_init(const epd_conf_t *conf, epd_net_t **net, char *err, size_t errlen) {
+  *net = NULL;
+  if (conf->nodes <= 1) return 0;
+  if (conf->node_rank >= conf->nodes) {
+    snprintf(err, errlen, "cluster.node_rank %u out of range [0, %u) (cluster.nodes %u)", conf->node_rank, conf->nodes,
+             conf->nodes);
+    return -1;
+  }
+  if ((uint64_t)conf->nodes * conf->num_ranks > EPD_MAX_RANKS) {
+    snprintf(err, errlen, "cluster.nodes %u x engine.num_ranks %u = %u world ranks, at most %d", conf->nodes,
+             conf->num_ranks, conf->nodes * conf->num_ranks, EPD_MAX_RANKS);
+    return -1;
+  }
+  if (!strcmp(conf->backend, "cuda")) {
+    snprintf(err, errlen, "cluster.nodes %u with engine.backend cuda: the CUDA inter-node stage (NCCL send/recv or "
+             "GIN) is not implemented; only the host backend runs across nodes", conf->nodes);
+    return -1;
+  }
+  if (conf->node_rank == 0 && !conf->cluster_listen[0]) {
+    snprintf(err, errlen, "cluster.listen is empty: node 0 (the coordinator) needs a TCP host:port for the rendezvous");
+    return -1;
+  }
+  if (conf->node_rank > 0 && !conf->cluster_coordinator[0]) {
+    snprintf(err, errlen, "cluster.coordinator is empty: node %u needs the coordinator's host:port", conf->node_rank);
+    return -1;
+  }
+  char adv[EPD_NET_ADDR_MAX], agreed[1024];
+  if (epd_net_listen(conf->cluster_data_listen, net, adv, sizeof adv, err, errlen)) return -1;
+  epd_cluster_agreed_config(conf, agreed, sizeof agreed);
+  world_t *w = calloc(1, sizeof *w);
+  if (!w) {
+    snprintf(err, errlen, "out of memory");
+    goto fail;
+  }
+  w->nodes = conf->nodes;
+  w->node_rank = conf->node_rank;
+  w->ranks_per_node = conf->num_ranks;
+  snprintf(w->addr[conf->node_rank], EPD_NET_ADDR_MAX, "%s", adv);
+  if (conf->node_rank == 0) {
+    if (getrandom(w->id, ID_BYTES, 0) != ID_BYTES) {
+      snprintf(err, errlen, "getrandom: %s", strerror(errno));
+      goto fail;
+    }
+    if (coordinator(conf, w, agreed, err, errlen)) goto fail;
+  } else if (joiner(conf, w, agreed, adv, err, errlen)) {
+    goto fail;
+  }
+  uint64_t left = conf->cluster_timeout_ms; /* the links get a full timeout of their own */
+  if (epd_net_connect(*net, w->nodes, w->node_rank, (const char(*)[EPD_NET_ADDR_MAX])w->addr, w->id,
+                      (uint32_t)left, err, errlen))
+    goto fail;
+  EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u of %u, %u world ranks, inter-node transport host-tcp", w->node_rank,
+           w->nodes, w->nodes * w->ranks_per_node);
+  free(w);
+  return 0;
+fail:
+  free(w);
+  epd_net_destroy(*net);
+  *net = NULL;
+  return -1;
+}
+
+void epd_cluster_fini(epd_net_t *net) { epd_net_destroy(net); }

@@ -1,0 +1,26 @@
+/*
+ * cluster.h - scale-out start-up: the rendezvous of the daemons of several nodes (cluster.* config) and
+ * the data links between them (engine_net.h). Node 0 is the coordinator: it serves the
+ * epd.v1.Cluster/Rendezvous RPC on cluster.listen (a TCP gRPC server of its own, never the control
+ * socket) until every node has joined, then closes it. The other nodes call it, retrying until
+ * cluster.timeout_ms. Everything happens before the daemon reports READY.
+ */
+#ifndef EPD_CLUSTER_H
+#define EPD_CLUSTER_H
+
+#include <stddef.h>
+
+#include "conf.h"
+#include "engine_net.h"
+
+/* With conf->nodes > 1: validate the cluster keys, listen for data, rendezvous, connect the data links.
+ * *net gets the links (NULL with one node). 0, or -1 with a message in err (a missing node, keys that
+ * differ, a duplicate node rank, a bad address, the cuda backend). */
+int epd_cluster_init(const epd_conf_t *conf, epd_net_t **net, char *err, size_t errlen);
+/* Close the data links (after the engine is destroyed). */
+void epd_cluster_fini(epd_net_t *net);
+/* The keys that must agree across nodes as "key = value" lines, and their FNV-1a hash. */
+size_t epd_cluster_agreed_config(const epd_conf_t *conf, char *buf, size_t len);
+uint64_t epd_cluster_hash(const char *text);
+
+#endif /* EPD_CLUSTER_H */

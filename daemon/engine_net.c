@@ -1,0 +1,963 @@
+/*
+ * engine_net.c - the host backend across nodes: TCP links between daemons and the two-level step
+ * (see engine_net.h for the protocol, README "Scale-out" for what it is for).
+ *
+ * Wire format: every frame is a uint64 byte length followed by a net_hdr_t, the sender's local
+ * descriptors, its HT count per world rank, and the payload of the op. Integers are in host byte order:
+ * every node of a world must have the same endianness (all supported targets are little-endian).
+ * A receiver thread per peer queues frames under net->mu; the rank threads look them up by (group,
+ * step, source node) and drop stale ones. A link that breaks marks its node dead: steps that wait for
+ * it fail with EPD_ERR_PEER; a node that is merely slow fails the step with EPD_ERR_TIMEOUT through the
+ * host backend's step timeout.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+#include <arpa/inet.h>
+
+#include "engine_internal.h"
+#include "engine_net.h"
+#include "log.h"
+
+#define NET_MAGIC 0x4e445045u  /* "EPDN" */
+#define HELLO_MAGIC 0x4f4c4845u /* "EHLO" */
+#define MAX_NODES EPD_MAX_RANKS
+#define MAX_FRAME (1ull << 34)
+
+typedef struct net_frame {
+  struct net_frame *next;
+  char group[EPD_GROUP_NAME_MAX];
+  uint64_t step;
+  uint32_t src_node;
+  uint8_t *buf; /* whole frame after the length */
+  size_t len;
+} net_frame_t;
+
+typedef struct net_peer {
+  int fd;
+  pthread_t th;
+  int started;
+  atomic_int dead;
+  char why[160];
+  pthread_mutex_t send_mu;
+  struct epd_net *net;
+  uint32_t node;
+} net_peer_t;
+
+struct epd_net {
+  int lfd;
+  uint32_t nodes, node_rank;
+  net_peer_t peer[MAX_NODES];
+  pthread_mutex_t mu;
+  net_frame_t *frames;
+  atomic_int stop;
+  _Atomic uint64_t tx_bytes, rx_bytes, tx_frames, rx_frames;
+};
+
+typedef struct net_hdr {
+  uint32_t magic, src_node;
+  int32_t status, bad_rank;
+  uint64_t step;
+  char group[EPD_GROUP_NAME_MAX];
+  uint32_t map_version, nlocal, world, pad;
+  uint64_t map_hash;
+  char why[192];
+} net_hdr_t;
+
+typedef struct net_desc {
+  uint32_t op, bank, flags, num_tokens;
+} net_desc_t;
+
+/* ---- sockets ------------------------------------------------------------------------------------ */
+
+static int split_addr(const char *addr, char *host, size_t hl, char *port, size_t pl) {
+  const char *c = strrchr(addr, ':');
+  if (!c || c == addr || !c[1]) return -1;
+  const char *h = addr;
+  size_t n = (size_t)(c - addr);
+  if (h[0] == '[' && n >= 2 && h[n - 1] == ']') h++, n -= 2;
+  if (n >= hl || strlen(c + 1) >= pl) return -1;
+  memcpy(host, h, n);
+  host[n] = 0;
+  snprintf(port, pl, "%s", c + 1);
+  return 0;
+}
+
+static int resolve(const char *addr, struct addrinfo **res, int passive, char *err, size_t errlen) {
+  char host[EPD_NET_ADDR_MAX], port[16];
+  if (split_addr(addr, host, sizeof host, port, sizeof port)) {
+    snprintf(err, errlen, "address \"%s\" is not host:port", addr);
+    return -1;
+  }
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = passive ? AI_PASSIVE : 0};
+  int e = getaddrinfo(host, port, &hints, res);
+  if (e) {
+    snprintf(err, errlen, "address \"%s\": %s", addr, gai_strerror(e));
+    return -1;
+  }
+  return 0;
+}
+
+static int write_all(int fd, const void *p, size_t n) {
+  const uint8_t *b = p;
+  while (n) {
+    ssize_t w = send(fd, b, n, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return -1;
+    b += w;
+    n -= (size_t)w;
+  }
+  return 0;
+}
+
+/* Read n bytes; timeout_ms < 0 blocks. 0, or -1 with errno (0 on EOF). */
+static int read_all(int fd, void *p, size_t n, int timeout_ms) {
+  uint8_t *b = p;
+  while (n) {
+    if (timeout_ms >= 0) {
+      struct pollfd pf = {fd, POLLIN, 0};
+      int r = poll(&pf, 1, timeout_ms);
+      if (r == 0) {
+        errno = ETIMEDOUT;
+        return -1;
+      }
+      if (r < 0 && errno != EINTR) return -1;
+      if (r < 0) continue;
+    }
+    ssize_t got = recv(fd, b, n, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got == 0) errno = 0;
+    if (got <= 0) return -1;
+    b += got;
+    n -= (size_t)got;
+  }
+  return 0;
+}
+
+static uint64_t mono_ms(void) { return eng_now_ns() / 1000000ull; }
+
+epd_result_t epd_net_listen(const char *addr, epd_net_t **out, char *adv, size_t advlen, char *err,
+                            size_t errlen) {
+  *out = NULL;
+  struct addrinfo *ai;
+  if (!addr || !*addr) {
+    snprintf(err, errlen, "cluster.data_listen is empty: set the host:port of this node's data listener");
+    return EPD_ERR_INVALID;
+  }
+  if (resolve(addr, &ai, 1, err, errlen)) return EPD_ERR_INVALID;
+  int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  if (fd >= 0) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (fd < 0 || bind(fd, ai->ai_addr, ai->ai_addrlen) || listen(fd, 64)) {
+    snprintf(err, errlen, "data listener %s: %s", addr, strerror(errno));
+    if (fd >= 0) close(fd);
+    freeaddrinfo(ai);
+    return EPD_ERR_SYSTEM;
+  }
+  freeaddrinfo(ai);
+  struct sockaddr_storage ss;
+  socklen_t sl = sizeof ss;
+  getsockname(fd, (struct sockaddr *)&ss, &sl);
+  char host[EPD_NET_ADDR_MAX], port[16], nhost[64];
+  split_addr(addr, host, sizeof host, port, sizeof port);
+  uint16_t p = ss.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
+                                        : ntohs(((struct sockaddr_in *)&ss)->sin_port);
+  if (ss.ss_family == AF_INET6 && strchr(host, ':'))
+    snprintf(adv, advlen, "[%s]:%u", host, p);
+  else
+    snprintf(adv, advlen, "%s:%u", host, p);
+  (void)nhost;
+  epd_net_t *net = calloc(1, sizeof *net);
+  if (!net) {
+    close(fd);
+    return EPD_ERR_NOMEM;
+  }
+  net->lfd = fd;
+  pthread_mutex_init(&net->mu, NULL);
+  for (int i = 0; i < MAX_NODES; i++) {
+    net->peer[i].fd = -1;
+    net->peer[i].net = net;
+    net->peer[i].node = (uint32_t)i;
+    pthread_mutex_init(&net->peer[i].send_mu, NULL);
+  }
+  *out = net;
+  return EPD_OK;
+}
+
+static void peer_dead(net_peer_t *p, const char *fmt, const char *what) {
+  if (atomic_exchange(&p->dead, 1)) return;
+  snprintf(p->why, sizeof p->why, fmt, what);
+  if (!atomic_load(&p->net->stop))
+    EPD_LOGE(EPD_SUB_ENGINE, "data link to node %u lost: %s", p->node, p->why);
+}
+
+static void *recv_main(void *arg) {
+  net_peer_t *p = arg;
+  epd_net_t *net = p->net;
+  char name[16];
+  snprintf(name, sizeof name, "epd-net%u", p->node);
+  pthread_setname_np(pthread_self(), name);
+  for (;;) {
+    uint64_t len;
+    if (read_all(p->fd, &len, sizeof len, -1)) {
+      peer_dead(p, "%s", errno ? strerror(errno) : "connection closed by the peer");
+      return NULL;
+    }
+    if (len < sizeof(net_hdr_t) || len > MAX_FRAME) {
+      peer_dead(p, "%s", "malformed frame length");
+      return NULL;
+    }
+    net_frame_t *f = calloc(1, sizeof *f);
+    uint8_t *buf = malloc(len);
+    if (!f || !buf || read_all(p->fd, buf, len, -1)) {
+      free(f);
+      free(buf);
+      peer_dead(p, "%s", !f || !buf ? "out of memory" : errno ? strerror(errno) : "connection closed mid-frame");
+      return NULL;
+    }
+    net_hdr_t *h = (net_hdr_t *)buf;
+    if (h->magic != NET_MAGIC || h->src_node != p->node) {
+      free(f);
+      free(buf);
+      peer_dead(p, "%s", "frame with a bad magic or source node");
+      return NULL;
+    }
+    memcpy(f->group, h->group, sizeof f->group);
+    f->group[sizeof f->group - 1] = 0;
+    f->step = h->step;
+    f->src_node = p->node;
+    f->buf = buf;
+    f->len = len;
+    atomic_fetch_add(&net->rx_bytes, len + 8);
+    atomic_fetch_add(&net->rx_frames, 1);
+    pthread_mutex_lock(&net->mu);
+    f->next = net->frames;
+    net->frames = f;
+    pthread_mutex_unlock(&net->mu);
+  }
+}
+
+epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
+                             const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret, uint32_t timeout_ms,
+                             char *err, size_t errlen) {
+  net->nodes = nodes;
+  net->node_rank = node_rank;
+  uint64_t deadline = mono_ms() + timeout_ms;
+  struct {
+    uint32_t magic, node;
+    uint8_t secret[EPD_NET_SECRET_BYTES];
+  } hello = {HELLO_MAGIC, node_rank, {0}}, got;
+  memcpy(hello.secret, secret, EPD_NET_SECRET_BYTES);
+  /* Connect to the lower nodes (their listeners exist: they bound before the rendezvous). */
+  for (uint32_t n = 0; n < node_rank; n++) {
+    struct addrinfo *ai;
+    if (resolve(peers[n], &ai, 0, err, errlen)) return EPD_ERR_INVALID;
+    int fd = -1;
+    while (fd < 0) {
+      fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) break;
+      int e = errno;
+      if (fd >= 0) close(fd);
+      fd = -1;
+      if (mono_ms() >= deadline) {
+        snprintf(err, errlen, "data link to node %u at %s: %s (cluster.timeout_ms %u)", n, peers[n], strerror(e),
+                 timeout_ms);
+        freeaddrinfo(ai);
+        return EPD_ERR_TIMEOUT;
+      }
+      usleep(50000);
+    }
+    freeaddrinfo(ai);
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (write_all(fd, &hello, sizeof hello)) {
+      snprintf(err, errlen, "data link to node %u: %s", n, strerror(errno));
+      close(fd);
+      return EPD_ERR_PEER;
+    }
+    net->peer[n].fd = fd;
+  }
+  /* Accept the higher nodes. */
+  uint32_t want = nodes - 1 - node_rank;
+  while (want) {
+    int left = (int)(deadline > mono_ms() ? deadline - mono_ms() : 0);
+    struct pollfd pf = {net->lfd, POLLIN, 0};
+    if (poll(&pf, 1, left) <= 0) {
+      char missing[128] = "";
+      for (uint32_t n = node_rank + 1; n < nodes; n++)
+        if (net->peer[n].fd < 0)
+          snprintf(missing + strlen(missing), sizeof missing - strlen(missing), "%s%u", *missing ? ", " : "", n);
+      snprintf(err, errlen, "data links from node(s) %s not made within cluster.timeout_ms %u", missing,
+               timeout_ms);
+      return EPD_ERR_TIMEOUT;
+    }
+    int fd = accept4(net->lfd, NULL, NULL, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    if (read_all(fd, &got, sizeof got, 2000) || got.magic != HELLO_MAGIC ||
+        memcmp(got.secret, secret, EPD_NET_SECRET_BYTES) || got.node <= node_rank || got.node >= nodes ||
+        net->peer[got.node].fd >= 0) {
+      EPD_LOGW(EPD_SUB_ENGINE, "data listener: refused a connection (bad hello, secret or node)");
+      close(fd);
+      continue;
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    net->peer[got.node].fd = fd;
+    want--;
+  }
+  for (uint32_t n = 0; n < nodes; n++) {
+    if (n == node_rank) continue;
+    net_peer_t *p = &net->peer[n];
+    struct timeval tv = {30, 0}; /* a peer that stops reading fails our sends instead of hanging them */
+    setsockopt(p->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    if (pthread_create(&p->th, NULL, recv_main, p)) {
+      snprintf(err, errlen, "pthread_create: %s", strerror(errno));
+      return EPD_ERR_SYSTEM;
+    }
+    p->started = 1;
+  }
+  EPD_LOGI(EPD_SUB_ENGINE, "data links up: node %u of %u", node_rank, nodes);
+  return EPD_OK;
+}
+
+void epd_net_destroy(epd_net_t *net) {
+  if (!net) return;
+  atomic_store(&net->stop, 1);
+  for (int n = 0; n < MAX_NODES; n++) {
+    net_peer_t *p = &net->peer[n];
+    if (p->fd >= 0) shutdown(p->fd, SHUT_RDWR);
+    if (p->started) pthread_join(p->th, NULL);
+    if (p->fd >= 0) close(p->fd);
+    pthread_mutex_destroy(&p->send_mu);
+  }
+  if (net->lfd >= 0) close(net->lfd);
+  while (net->frames) {
+    net_frame_t *f = net->frames;
+    net->frames = f->next;
+    free(f->buf);
+    free(f);
+  }
+  pthread_mutex_destroy(&net->mu);
+  free(net);
+}
+
+uint32_t epd_net_nodes(const epd_net_t *net) { return net ? net->nodes : 1; }
+uint32_t epd_net_node_rank(const epd_net_t *net) { return net ? net->node_rank : 0; }
+void epd_net_counters(const epd_net_t *net, uint64_t *tx_bytes, uint64_t *rx_bytes, uint64_t *tx_frames,
+                      uint64_t *rx_frames) {
+  *tx_bytes = net ? atomic_load(&net->tx_bytes) : 0;
+  *rx_bytes = net ? atomic_load(&net->rx_bytes) : 0;
+  *tx_frames = net ? atomic_load(&net->tx_frames) : 0;
+  *rx_frames = net ? atomic_load(&net->rx_frames) : 0;
+}
+
+static int net_send(epd_net_t *net, uint32_t node, const void *buf, size_t len) {
+  net_peer_t *p = &net->peer[node];
+  if (atomic_load(&p->dead)) return -1;
+  uint64_t l = len;
+  pthread_mutex_lock(&p->send_mu);
+  int rc = write_all(p->fd, &l, sizeof l) || write_all(p->fd, buf, len) ? -1 : 0;
+  pthread_mutex_unlock(&p->send_mu);
+  if (rc) {
+    peer_dead(p, "send: %s", strerror(errno));
+    return -1;
+  }
+  atomic_fetch_add(&net->tx_bytes, len + 8);
+  atomic_fetch_add(&net->tx_frames, 1);
+  return 0;
+}
+
+/* Take the frame of (group, step) from node, dropping that node's stale frames of the group. */
+static net_frame_t *net_take(epd_net_t *net, const char *group, uint64_t step, uint32_t node) {
+  net_frame_t *found = NULL;
+  pthread_mutex_lock(&net->mu);
+  for (net_frame_t **pp = &net->frames; *pp;) {
+    net_frame_t *f = *pp;
+    if (f->src_node == node && !strcmp(f->group, group) && f->step <= step) {
+      *pp = f->next;
+      if (f->step == step && !found) {
+        found = f;
+      } else {
+        free(f->buf);
+        free(f);
+      }
+      continue;
+    }
+    pp = &f->next;
+  }
+  pthread_mutex_unlock(&net->mu);
+  return found;
+}
+
+static int net_has(epd_net_t *net, const char *group, uint64_t step, uint32_t node) {
+  int has = 0;
+  pthread_mutex_lock(&net->mu);
+  for (net_frame_t *f = net->frames; f && !has; f = f->next)
+    has = f->src_node == node && f->step == step && !strcmp(f->group, group);
+  pthread_mutex_unlock(&net->mu);
+  return has;
+}
+
+/* ---- the two-level step ------------------------------------------------------------------------- */
+
+/* Per group: what this node sent for the step being collected, and the remote ranks' inputs. */
+typedef struct net_group {
+  uint64_t sent_step; /* UINT64_MAX: nothing sent yet */
+  int lstatus, lbad;
+  char lwhy[192];
+  epd_ref_plan_t lplan; /* routing of this node's tokens only (dedup, HT counts, statistics) */
+  uint16_t *x[EPD_MAX_RANKS];   /* remote ranks' received tokens, [M, H] */
+  int64_t *idx[EPD_MAX_RANKS];  /* [M, K], -1 where not received */
+  float *w[EPD_MAX_RANKS];
+  uint32_t *ht_local;           /* [W] this node's HT tokens per destination rank */
+  net_frame_t *f[MAX_NODES];    /* frames of the step, taken when all are in */
+} net_group_t;
+
+void eng_net_group_free(eng_group_t *grp) {
+  net_group_t *ng = grp->net;
+  if (!ng) return;
+  epd_ref_plan_free(&ng->lplan);
+  for (int r = 0; r < EPD_MAX_RANKS; r++) {
+    free(ng->x[r]);
+    free(ng->idx[r]);
+    free(ng->w[r]);
+  }
+  free(ng->ht_local);
+  for (int n = 0; n < MAX_NODES; n++)
+    if (ng->f[n]) {
+      free(ng->f[n]->buf);
+      free(ng->f[n]);
+    }
+  free(ng);
+  grp->net = NULL;
+}
+
+static net_group_t *group_state(epd_engine_t *eng, eng_group_t *grp) {
+  if (grp->net) return grp->net;
+  net_group_t *ng = calloc(1, sizeof *ng);
+  if (!ng) return NULL;
+  ng->sent_step = UINT64_MAX;
+  const epd_ref_geom_t *g = &grp->g;
+  uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank;
+  int ok = epd_ref_plan_init(&ng->lplan, g) == EPD_OK;
+  ng->ht_local = calloc(g->num_ranks, sizeof *ng->ht_local);
+  ok = ok && ng->ht_local;
+  for (uint32_t r = 0; r < g->num_ranks && ok; r++) {
+    if (r / L == me) continue;
+    ng->x[r] = calloc((size_t)g->max_tokens * g->hidden, 2);
+    ng->idx[r] = malloc((size_t)g->max_tokens * g->topk * 8);
+    ng->w[r] = calloc((size_t)g->max_tokens * g->topk, 4);
+    ok = ng->x[r] && ng->idx[r] && ng->w[r];
+  }
+  grp->net = ng;
+  if (!ok) {
+    eng_net_group_free(grp);
+    return NULL;
+  }
+  return ng;
+}
+
+static int op_ok(uint32_t op) { return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE; }
+static int op_dispatch(uint32_t op) { return op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH; }
+
+static uint64_t map_hash(const epd_expert_map_t *m) {
+  uint64_t h = 1469598103934665603ull;
+#define MIX(v)                                                                                                 \
+  do {                                                                                                         \
+    h ^= (uint64_t)(v);                                                                                        \
+    h *= 1099511628211ull;                                                                                     \
+  } while (0)
+  MIX(m->version);
+  for (uint32_t e = 0; e < m->num_experts; e++) {
+    MIX(m->nrep[e]);
+    for (uint32_t i = 0; i < m->nrep[e]; i++) {
+      MIX(m->rep[e][i].rank);
+      MIX(m->rep[e][i].slot);
+    }
+  }
+#undef MIX
+  return h;
+}
+
+/* Does token (src, t) of plan p have an entry on a rank of node n? */
+static int goes_to(const epd_ref_plan_t *p, uint32_t L, uint32_t src, uint32_t t, uint32_t n) {
+  const epd_ref_geom_t *g = &p->g;
+  const int32_t *d = &p->dst_rank[((size_t)src * g->max_tokens + t) * g->topk];
+  for (uint32_t k = 0; k < g->topk; k++)
+    if (d[k] >= 0 && (uint32_t)d[k] / L == n) return 1;
+  return 0;
+}
+
+/* acc += this node's part of OUT[src][t]: its ranks' weighted expert outputs (LL) / rows (HT). */
+static void add_partial(const epd_ref_plan_t *p, int mode, uint32_t L, uint32_t node, const uint16_t *const *y,
+                        uint32_t src, uint32_t t, float *acc) {
+  const epd_ref_geom_t *g = &p->g;
+  uint32_t R = g->num_ranks, M = g->max_tokens, K = g->topk, H = g->hidden;
+  if (mode == EPD_MODE_LL) {
+    size_t row = ((size_t)src * M + t) * K;
+    for (uint32_t k = 0; k < K; k++) {
+      int32_t d = p->dst_rank[row + k];
+      if (d < 0 || (uint32_t)d / L != node) continue;
+      const uint16_t *yr = y[d] + ((size_t)p->dst_slot[row + k] * R * M + p->dst_pos[row + k]) * H;
+      float w = p->weight[row + k];
+      for (uint32_t h = 0; h < H; h++) acc[h] += w * epd_bf16_to_f32(yr[h]);
+    }
+  } else {
+    const int32_t *hp = &p->ht_pos[((size_t)src * M + t) * R];
+    for (uint32_t r = node * L; r < (node + 1) * L; r++) {
+      if (hp[r] < 0) continue;
+      const uint16_t *yr = y[r] + (size_t)hp[r] * H;
+      for (uint32_t h = 0; h < H; h++) acc[h] += epd_bf16_to_f32(yr[h]);
+    }
+  }
+}
+
+/* A growing byte buffer for frames. */
+typedef struct obuf {
+  uint8_t *p;
+  size_t len, cap;
+  int oom;
+} obuf_t;
+static void *oput(obuf_t *b, const void *src, size_t n) {
+  if (b->oom) return NULL;
+  if (b->len + n > b->cap) {
+    size_t c = b->cap ? b->cap * 2 : 4096;
+    while (c < b->len + n) c *= 2;
+    uint8_t *q = realloc(b->p, c);
+    if (!q) {
+      b->oom = 1;
+      return NULL;
+    }
+    b->p = q;
+    b->cap = c;
+  }
+  void *at = b->p + b->len;
+  if (src) memcpy(at, src, n);
+  b->len += n;
+  return at;
+}
+
+/* Build and send this node's frame of the step to every other node. */
+static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
+  epd_net_t *net = eng->o.net;
+  const epd_ref_geom_t *g = &grp->g;
+  uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank, base = me * L, W = g->num_ranks;
+  uint32_t M = g->max_tokens, H = g->hidden, K = g->topk;
+  const epd_desc_t *d0 = &grp->desc[base];
+  int same = 1;
+  for (uint32_t r = base; r < base + L; r++) {
+    const epd_desc_t *d = &grp->desc[r];
+    same &= op_ok(d->op) && d->bank < EPD_NUM_BANKS && d->op == d0->op && d->bank == d0->bank &&
+            (d->flags & EPD_DESC_FP8) == (d0->flags & EPD_DESC_FP8);
+  }
+  ng->lstatus = EPD_OK;
+  ng->lbad = -1;
+  ng->lwhy[0] = 0;
+  memset(ng->ht_local, 0, sizeof *ng->ht_local * W);
+  int dispatch = same && op_dispatch(d0->op), mode = d0->op <= EPD_OP_LL_COMBINE ? EPD_MODE_LL : EPD_MODE_HT;
+  if (dispatch) {
+    eng_apply_staged_map(eng, grp);
+    epd_ref_in_t in[EPD_MAX_RANKS];
+    memset(in, 0, sizeof in);
+    for (uint32_t r = base; r < base + L; r++) {
+      eng_client_t *c = grp->client[r];
+      in[r] = (epd_ref_in_t){grp->desc[r].num_tokens, eng_buf(c, EPD_BUF_X, d0->bank),
+                             eng_buf(c, EPD_BUF_TOPK_IDX, d0->bank), eng_buf(c, EPD_BUF_TOPK_WEIGHTS, d0->bank)};
+    }
+    ng->lstatus = epd_ref_plan_build(&ng->lplan, &grp->map, in, &ng->lbad, ng->lwhy, sizeof ng->lwhy);
+    if (!ng->lstatus) memcpy(ng->ht_local, ng->lplan.ht_recv, sizeof *ng->ht_local * W);
+  }
+  const epd_ref_plan_t *gp = &grp->plan[d0->bank < EPD_NUM_BANKS ? d0->bank : 0];
+  int combine = same && !dispatch && grp->plan_valid[d0->bank] && gp->mode == mode;
+  const uint16_t *y[EPD_MAX_RANKS] = {0};
+  if (combine)
+    for (uint32_t r = base; r < base + L; r++)
+      y[r] = eng_buf(grp->client[r], mode == EPD_MODE_LL ? EPD_BUF_LL_Y : EPD_BUF_HT_Y, d0->bank);
+  for (uint32_t n = 0; n < eng->o.nodes; n++) {
+    if (n == me) continue;
+    obuf_t b = {0};
+    net_hdr_t *h = oput(&b, NULL, sizeof *h);
+    if (h) {
+      memset(h, 0, sizeof *h);
+      h->magic = NET_MAGIC;
+      h->src_node = me;
+      h->status = ng->lstatus;
+      h->bad_rank = ng->lbad;
+      h->step = grp->steps;
+      snprintf(h->group, sizeof h->group, "%s", grp->name);
+      h->map_version = grp->map.version;
+      h->map_hash = map_hash(&grp->map);
+      h->nlocal = L;
+      h->world = W;
+      snprintf(h->why, sizeof h->why, "%s", ng->lwhy);
+    }
+    for (uint32_t r = base; r < base + L; r++) {
+      net_desc_t nd = {grp->desc[r].op, grp->desc[r].bank, grp->desc[r].flags, grp->desc[r].num_tokens};
+      oput(&b, &nd, sizeof nd);
+    }
+    oput(&b, ng->ht_local, sizeof *ng->ht_local * W);
+    if (dispatch && !ng->lstatus) {
+      /* Each token once per destination node, only if it routes to a rank there. */
+      for (uint32_t r = base; r < base + L; r++) {
+        size_t at = b.len;
+        uint32_t cnt = 0;
+        oput(&b, &cnt, 4);
+        for (uint32_t t = 0; t < ng->lplan.num_tokens[r]; t++) {
+          if (!goes_to(&ng->lplan, L, r, t, n)) continue;
+          const epd_ref_in_t *ir = NULL;
+          (void)ir;
+          eng_client_t *c = grp->client[r];
+          const uint16_t *x = eng_buf(c, EPD_BUF_X, d0->bank);
+          const int64_t *ix = eng_buf(c, EPD_BUF_TOPK_IDX, d0->bank);
+          const float *wt = eng_buf(c, EPD_BUF_TOPK_WEIGHTS, d0->bank);
+          oput(&b, &t, 4);
+          oput(&b, x + (size_t)t * H, (size_t)H * 2);
+          oput(&b, ix + (size_t)t * K, (size_t)K * 8);
+          oput(&b, wt + (size_t)t * K, (size_t)K * 4);
+          cnt++;
+        }
+        if (!b.oom) memcpy(b.p + at, &cnt, 4);
+      }
+    } else if (combine) {
+      /* One float32 partial per (token of node n, this node). */
+      float *acc = malloc(sizeof(float) * H);
+      for (uint32_t s = n * L; s < (n + 1) * L && acc; s++) {
+        size_t at = b.len;
+        uint32_t cnt = 0;
+        oput(&b, &cnt, 4);
+        for (uint32_t t = 0; t < gp->num_tokens[s]; t++) {
+          if (!goes_to(gp, L, s, t, me)) continue;
+          for (uint32_t hh = 0; hh < H; hh++) acc[hh] = 0;
+          add_partial(gp, mode, L, me, y, s, t, acc);
+          oput(&b, &t, 4);
+          oput(&b, acc, sizeof(float) * H);
+          cnt++;
+        }
+        if (!b.oom) memcpy(b.p + at, &cnt, 4);
+      }
+      if (!acc) b.oom = 1;
+      free(acc);
+    }
+    (void)M;
+    if (b.oom) {
+      /* Tell the peer rather than leave it to time out. */
+      b.len = 0;
+      b.oom = 0;
+      net_hdr_t hh = {.magic = NET_MAGIC, .src_node = me, .status = EPD_ERR_NOMEM, .bad_rank = (int32_t)base,
+                      .step = grp->steps, .nlocal = 0, .world = W};
+      snprintf(hh.group, sizeof hh.group, "%s", grp->name);
+      snprintf(hh.why, sizeof hh.why, "node %u: out of memory building the step's frame", me);
+      oput(&b, &hh, sizeof hh);
+      ng->lstatus = EPD_ERR_NOMEM;
+      ng->lbad = (int)base;
+      snprintf(ng->lwhy, sizeof ng->lwhy, "%s", hh.why);
+    }
+    if (b.p) net_send(net, n, b.p, b.len);
+    free(b.p);
+  }
+}
+
+int eng_net_missing_rank(epd_engine_t *eng, const eng_group_t *grp, char *why, size_t len) {
+  uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank, base = me * L;
+  for (uint32_t r = base; r < base + L; r++)
+    if (!grp->arrived[r]) {
+      snprintf(why, len, "waited %u ms for rank %u", eng->o.step_timeout_ms, r);
+      return (int)r;
+    }
+  const net_group_t *ng = grp->net;
+  for (uint32_t n = 0; n < eng->o.nodes; n++)
+    if (n != me && !(ng && ng->f[n]) && !net_has(eng->o.net, grp->name, grp->steps, n)) {
+      snprintf(why, len, "waited %u ms for rank %u: node %u (ranks %u..%u) did not send its part of the step",
+               eng->o.step_timeout_ms, n * L, n, n * L, n * L + L - 1);
+      return (int)(n * L);
+    }
+  snprintf(why, len, "waited %u ms for the step", eng->o.step_timeout_ms);
+  return -1;
+}
+
+static int fail(eng_net_result_t *res, int status, int peer, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int fail(eng_net_result_t *res, int status, int peer, const char *fmt, ...) {
+  res->status = status;
+  res->peer = peer;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(res->why, sizeof res->why, fmt, ap);
+  va_end(ap);
+  return 1;
+}
+
+static void drop_frames(net_group_t *ng) {
+  for (int n = 0; n < MAX_NODES; n++)
+    if (ng->f[n]) {
+      free(ng->f[n]->buf);
+      free(ng->f[n]);
+      ng->f[n] = NULL;
+    }
+}
+
+static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_net_result_t *res) {
+  const epd_ref_geom_t *g = &grp->g;
+  uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank, base = me * L, W = g->num_ranks;
+  uint32_t nodes = eng->o.nodes, M = g->max_tokens, H = g->hidden, K = g->topk;
+  /* The global descriptors, world rank order; and each frame's parts. */
+  epd_desc_t d[EPD_MAX_RANKS];
+  const uint8_t *pay[MAX_NODES] = {0}, *end[MAX_NODES] = {0};
+  const uint32_t *htc[MAX_NODES] = {0};
+  for (uint32_t n = 0; n < nodes; n++) {
+    if (n == me) {
+      for (uint32_t r = base; r < base + L; r++) d[r] = grp->desc[r];
+      htc[n] = ng->ht_local;
+      continue;
+    }
+    net_frame_t *f = ng->f[n];
+    const net_hdr_t *h = (const net_hdr_t *)f->buf;
+    if (h->status == EPD_OK && (h->nlocal != L || h->world != W ||
+                                f->len < sizeof *h + (size_t)L * sizeof(net_desc_t) + (size_t)W * 4))
+      return fail(res, EPD_ERR_MISMATCH, (int)(n * L), "node %u sent a frame for %u ranks of %u, this node expects %u of %u "
+                  "(the groups' geometries differ?)", n, h->nlocal, h->world, L, W);
+    if (h->status != EPD_OK) continue;
+    const net_desc_t *nd = (const net_desc_t *)(h + 1);
+    for (uint32_t i = 0; i < L; i++) {
+      memset(&d[n * L + i], 0, sizeof d[0]);
+      d[n * L + i].op = nd[i].op;
+      d[n * L + i].bank = nd[i].bank;
+      d[n * L + i].flags = nd[i].flags;
+      d[n * L + i].num_tokens = nd[i].num_tokens;
+    }
+    htc[n] = (const uint32_t *)(nd + L);
+    pay[n] = (const uint8_t *)(htc[n] + W);
+    end[n] = f->buf + f->len;
+  }
+  /* A node that could not build its frame (out of memory) fails the step everywhere. */
+  for (uint32_t n = 0; n < nodes; n++) {
+    if (n == me) continue;
+    const net_hdr_t *h = (const net_hdr_t *)ng->f[n]->buf;
+    if (h->status == EPD_ERR_NOMEM) return fail(res, EPD_ERR_NOMEM, h->bad_rank, "%s", h->why);
+  }
+  /* Descriptor checks of engine_host.c's execute_step, over the world. */
+  for (uint32_t r = 0; r < W; r++) {
+    if (!op_ok(d[r].op))
+      return fail(res, EPD_ERR_INVALID, (int)r, "rank %u: op %u out of range [1, %u]", r, d[r].op, EPD_OP_MAX - 1);
+    if (d[r].bank >= EPD_NUM_BANKS)
+      return fail(res, EPD_ERR_INVALID, (int)r, "rank %u: bank %u out of range [0, %u)", r, d[r].bank, EPD_NUM_BANKS);
+    if (op_dispatch(d[r].op) && (d[r].flags & ~(uint32_t)EPD_DESC_FP8))
+      return fail(res, EPD_ERR_INVALID, (int)r, "rank %u: unknown flags 0x%x", r, d[r].flags);
+  }
+  for (uint32_t r = 1; r < W; r++)
+    if (d[r].op != d[0].op || d[r].bank != d[0].bank ||
+        (op_dispatch(d[r].op) && (d[r].flags & EPD_DESC_FP8) != (d[0].flags & EPD_DESC_FP8)))
+      return fail(res, EPD_ERR_MISMATCH, (int)r, "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x",
+                  r, d[r].op, d[r].bank, d[r].flags, d[0].op, d[0].bank, d[0].flags);
+  uint32_t op = d[0].op, bank = d[0].bank;
+  int fp8 = (d[0].flags & EPD_DESC_FP8) != 0, mode = op <= EPD_OP_LL_COMBINE ? EPD_MODE_LL : EPD_MODE_HT;
+  epd_ref_plan_t *plan = &grp->plan[bank];
+  res->map_version = grp->map.version;
+  if (op_dispatch(op)) {
+    if (fp8 && H % 128)
+      return fail(res, EPD_ERR_INVALID, -1, "FP8 dispatch needs hidden a multiple of 128 (hidden %u)", H);
+    uint64_t mh = map_hash(&grp->map);
+    for (uint32_t n = 0; n < nodes; n++) {
+      const net_hdr_t *h = n == me ? NULL : (const net_hdr_t *)ng->f[n]->buf;
+      if (h && (h->map_version != grp->map.version || h->map_hash != mh))
+        return fail(res, EPD_ERR_MISMATCH, (int)(n * L),
+                    "node %u dispatches with expert map version %u, node %u with version %u%s (set the same map on "
+                    "every node)", n, h->map_version, me, grp->map.version,
+                    h->map_version == grp->map.version ? " but different placements" : "");
+    }
+    /* Input errors, the lowest node's first (every node reports the same). */
+    for (uint32_t n = 0; n < nodes; n++) {
+      if (n == me && ng->lstatus) return fail(res, ng->lstatus, ng->lbad, "%s", ng->lwhy);
+      const net_hdr_t *h = n == me ? NULL : (const net_hdr_t *)ng->f[n]->buf;
+      if (h && h->status) return fail(res, h->status, h->bad_rank, "%s", h->why);
+    }
+    /* HT capacity over the world: the sum of every node's counts. */
+    if (mode == EPD_MODE_HT)
+      for (uint32_t r = 0; r < W; r++) {
+        uint64_t sum = 0;
+        for (uint32_t n = 0; n < nodes; n++) sum += htc[n][r];
+        if (sum > g->ht_capacity)
+          return fail(res, EPD_ERR_OVERFLOW, (int)r, "rank %u would receive %llu tokens, HT capacity %u", r,
+                      (unsigned long long)sum, g->ht_capacity);
+      }
+    /* The global view: own ranks' arenas, the other ranks' received tokens (the rest routes nowhere). */
+    epd_ref_in_t in[EPD_MAX_RANKS];
+    epd_ref_out_t outs[EPD_MAX_RANKS], *out[EPD_MAX_RANKS];
+    memset(outs, 0, sizeof outs);
+    for (uint32_t r = 0; r < W; r++) {
+      out[r] = NULL;
+      if (r / L == me) {
+        eng_client_t *c = grp->client[r];
+        in[r] = (epd_ref_in_t){d[r].num_tokens, eng_buf(c, EPD_BUF_X, bank), eng_buf(c, EPD_BUF_TOPK_IDX, bank),
+                               eng_buf(c, EPD_BUF_TOPK_WEIGHTS, bank)};
+        out[r] = &outs[r];
+        if (mode == EPD_MODE_LL) {
+          outs[r].recv_x = eng_buf(c, EPD_BUF_LL_RECV_X, bank);
+          outs[r].recv_scales = eng_buf(c, EPD_BUF_LL_RECV_SCALES, bank);
+          outs[r].recv_count = eng_buf(c, EPD_BUF_LL_RECV_COUNT, bank);
+          outs[r].recv_src = eng_buf(c, EPD_BUF_LL_RECV_SRC, bank);
+        } else {
+          outs[r].recv_x = eng_buf(c, EPD_BUF_HT_RECV_X, bank);
+          outs[r].recv_scales = eng_buf(c, EPD_BUF_HT_RECV_SCALES, bank);
+          outs[r].recv_count = eng_buf(c, EPD_BUF_HT_RECV_COUNT, bank);
+          outs[r].recv_src = eng_buf(c, EPD_BUF_HT_RECV_SRC, bank);
+          outs[r].recv_topk_idx = eng_buf(c, EPD_BUF_HT_RECV_TOPK_IDX, bank);
+          outs[r].recv_topk_weights = eng_buf(c, EPD_BUF_HT_RECV_TOPK_WEIGHTS, bank);
+        }
+        continue;
+      }
+      uint32_t T = d[r].num_tokens > M ? M : d[r].num_tokens;
+      for (size_t i = 0; i < (size_t)T * K; i++) ng->idx[r][i] = -1;
+      in[r] = (epd_ref_in_t){T, ng->x[r], ng->idx[r], ng->w[r]};
+    }
+    for (uint32_t n = 0; n < nodes; n++) {
+      if (n == me) continue;
+      const uint8_t *p = pay[n];
+      size_t ent = 4 + (size_t)H * 2 + (size_t)K * 12;
+      for (uint32_t r = n * L; r < (n + 1) * L; r++) {
+        uint32_t cnt;
+        if (p + 4 > end[n]) return fail(res, EPD_ERR_PEER, (int)r, "node %u sent a truncated dispatch frame", n);
+        memcpy(&cnt, p, 4);
+        p += 4;
+        if (cnt > in[r].num_tokens || (size_t)(end[n] - p) < cnt * ent)
+          return fail(res, EPD_ERR_PEER, (int)r, "node %u sent a malformed dispatch frame", n);
+        for (uint32_t i = 0; i < cnt; i++, p += ent) {
+          uint32_t t;
+          memcpy(&t, p, 4);
+          if (t >= in[r].num_tokens) return fail(res, EPD_ERR_PEER, (int)r, "node %u sent token %u of %u", n, t, in[r].num_tokens);
+          memcpy(ng->x[r] + (size_t)t * H, p + 4, (size_t)H * 2);
+          memcpy(ng->idx[r] + (size_t)t * K, p + 4 + (size_t)H * 2, (size_t)K * 8);
+          memcpy(ng->w[r] + (size_t)t * K, p + 4 + (size_t)H * 2 + (size_t)K * 8, (size_t)K * 4);
+        }
+      }
+    }
+    char why[256] = "";
+    int bad = -1;
+    grp->plan_valid[bank] = 0;
+    epd_result_t rc = epd_ref_plan_build(plan, &grp->map, in, &bad, why, sizeof why);
+    if (rc) return fail(res, rc, bad, "%s", why);
+    rc = mode == EPD_MODE_LL ? epd_ref_ll_dispatch(plan, in, fp8, out) : epd_ref_ht_dispatch(plan, in, fp8, out, &bad);
+    if (rc) return fail(res, rc, bad, "dispatch failed (rank %d)", bad);
+    grp->plan_valid[bank] = 1;
+    res->map_version = plan->map_version;
+    uint64_t row = (uint64_t)H * (fp8 ? 1 : 2) + (fp8 ? epd_ref_scale_blocks(H) * 4 : 0);
+    for (uint32_t r = base; r < base + L; r++) {
+      res->num_recv[r] = mode == EPD_MODE_LL ? plan->ll_recv[r] : plan->ht_recv[r];
+      uint64_t rows = 0;
+      for (uint32_t t = 0; t < plan->num_tokens[r]; t++)
+        for (uint32_t k = 0; k < K; k++) rows += plan->dst_rank[((size_t)r * M + t) * K + k] >= 0;
+      res->bytes[r] = rows * row;
+    }
+    /* Statistics count the tokens of this node's ranks (each node counts its own). */
+    for (uint32_t e = 0; e < g->num_experts; e++) grp->expert_tokens[e] += ng->lplan.expert_tokens[e];
+    for (size_t i = 0; i < (size_t)W * g->slots_per_rank; i++) grp->slot_tokens[i] += ng->lplan.slot_tokens[i];
+    res->status = EPD_OK;
+    return 1;
+  }
+  /* Combine: own partials plus every other node's, added in node order, rounded once. */
+  if (!grp->plan_valid[bank] || plan->mode != mode)
+    return fail(res, EPD_ERR_STATE, -1, "%s combine of bank %u without a successful %s dispatch of that bank",
+                mode == EPD_MODE_LL ? "LL" : "HT", bank, mode == EPD_MODE_LL ? "LL" : "HT");
+  const uint16_t *y[EPD_MAX_RANKS] = {0};
+  for (uint32_t r = base; r < base + L; r++)
+    y[r] = eng_buf(grp->client[r], mode == EPD_MODE_LL ? EPD_BUF_LL_Y : EPD_BUF_HT_Y, bank);
+  /* Index the partial rows: part[n][(r - base) * M + t]. */
+  const float **part = calloc((size_t)nodes * L * M, sizeof *part);
+  float *acc = malloc(sizeof(float) * H);
+  if (!part || !acc) {
+    free(part);
+    free(acc);
+    return fail(res, EPD_ERR_NOMEM, -1, "out of memory combining");
+  }
+  int bad_frame = -1;
+  for (uint32_t n = 0; n < nodes && bad_frame < 0; n++) {
+    if (n == me) continue;
+    const uint8_t *p = pay[n];
+    size_t ent = 4 + (size_t)H * 4;
+    for (uint32_t r = base; r < base + L && bad_frame < 0; r++) {
+      uint32_t cnt;
+      if (p + 4 > end[n]) {
+        bad_frame = (int)n;
+        break;
+      }
+      memcpy(&cnt, p, 4);
+      p += 4;
+      if ((size_t)(end[n] - p) < cnt * ent) bad_frame = (int)n;
+      for (uint32_t i = 0; i < cnt && bad_frame < 0; i++, p += ent) {
+        uint32_t t;
+        memcpy(&t, p, 4);
+        if (t >= M) bad_frame = (int)n;
+        else part[((size_t)n * L + (r - base)) * M + t] = (const float *)(p + 4);
+      }
+    }
+  }
+  if (bad_frame >= 0) {
+    free(part);
+    free(acc);
+    return fail(res, EPD_ERR_PEER, bad_frame * (int)L, "node %d sent a malformed combine frame", bad_frame);
+  }
+  for (uint32_t r = base; r < base + L; r++) {
+    uint16_t *o = eng_buf(grp->client[r], EPD_BUF_OUT, bank);
+    for (uint32_t t = 0; t < plan->num_tokens[r]; t++) {
+      for (uint32_t h = 0; h < H; h++) acc[h] = 0;
+      for (uint32_t n = 0; n < nodes; n++) {
+        if (n == me) {
+          add_partial(plan, mode, L, me, y, r, t, acc);
+          continue;
+        }
+        const float *pr = part[((size_t)n * L + (r - base)) * M + t];
+        if (pr)
+          for (uint32_t h = 0; h < H; h++) acc[h] += pr[h];
+      }
+      for (uint32_t h = 0; h < H; h++) o[(size_t)t * H + h] = epd_f32_to_bf16(acc[h]);
+    }
+    res->num_recv[r] = mode == EPD_MODE_LL ? plan->ll_recv[r] : plan->ht_recv[r];
+    res->bytes[r] = (uint64_t)res->num_recv[r] * H * 2;
+  }
+  free(part);
+  free(acc);
+  res->status = EPD_OK;
+  return 1;
+}
+
+int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
+  epd_net_t *net = eng->o.net;
+  uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank, base = me * L;
+  memset(res, 0, sizeof *res);
+  res->peer = -1;
+  for (uint32_t r = base; r < base + L; r++)
+    if (!grp->arrived[r]) return 0;
+  net_group_t *ng = group_state(eng, grp);
+  if (!ng) return fail(res, EPD_ERR_NOMEM, -1, "out of memory for the group's scale-out state");
+  if (ng->sent_step != grp->steps) {
+    drop_frames(ng);
+    send_step(eng, grp, ng);
+    ng->sent_step = grp->steps;
+  }
+  for (uint32_t n = 0; n < eng->o.nodes; n++) {
+    if (n == me || ng->f[n]) continue;
+    ng->f[n] = net_take(net, grp->name, grp->steps, n);
+    if (ng->f[n]) continue;
+    net_peer_t *p = &net->peer[n];
+    if (atomic_load(&p->dead)) {
+      drop_frames(ng);
+      return fail(res, EPD_ERR_PEER, (int)(n * L), "the data link to node %u (ranks %u..%u) is down: %s", n, n * L,
+                  n * L + L - 1, p->why);
+    }
+    return 0;
+  }
+  int done = run_step(eng, grp, ng, res);
+  drop_frames(ng);
+  return done;
+}

@@ -1,0 +1,44 @@
+/*
+ * engine_net.h - the scale-out data plane of the host backend ("host-tcp"): one TCP connection per
+ * node pair, framed messages per (group, step), and the two-level step of docs/SEMANTICS.md across
+ * nodes (README "Scale-out"). The connections are made at start-up by cluster.c; the engine uses them
+ * through the eng_net_* hooks of engine_internal.h.
+ *
+ * Dispatch: when all local ranks of a group have submitted a step, the node sends every other node
+ * ONE frame: its ranks' descriptors, their per-destination-rank HT counts, and each token that routes
+ * to at least one rank of that node ONCE (x, top-k ids, weights), whatever the number of its ranks
+ * there. Every node then runs the reference over the global view (its own tokens plus the tokens it
+ * received) and writes its own ranks' outputs. Combine: every node sends back, per (token, source
+ * node), one float32 partial sum (its ranks' weighted expert outputs); the source node adds the
+ * partials in node order and rounds once to BF16.
+ */
+#ifndef EPD_ENGINE_NET_H
+#define EPD_ENGINE_NET_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "epd.h"
+
+#define EPD_NET_ADDR_MAX 128
+#define EPD_NET_SECRET_BYTES 16
+
+typedef struct epd_net epd_net_t;
+
+/* Bind and listen on "host:port" (port 0: any); adv gets the "host:port" the other nodes must use. */
+epd_result_t epd_net_listen(const char *addr, epd_net_t **out, char *adv, size_t advlen, char *err,
+                            size_t errlen);
+/* Connect the full mesh: accept from higher nodes, connect to lower ones, within timeout_ms; peers[n] is
+ * node n's data address, secret authenticates the links. Starts one receiver thread per peer. */
+epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
+                             const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret, uint32_t timeout_ms,
+                             char *err, size_t errlen);
+/* Close every connection, stop the threads, free queued frames. */
+void epd_net_destroy(epd_net_t *net);
+uint32_t epd_net_nodes(const epd_net_t *net);
+uint32_t epd_net_node_rank(const epd_net_t *net);
+/* Bytes and frames sent/received since start (metrics). */
+void epd_net_counters(const epd_net_t *net, uint64_t *tx_bytes, uint64_t *rx_bytes, uint64_t *tx_frames,
+                      uint64_t *rx_frames);
+
+#endif /* EPD_ENGINE_NET_H */

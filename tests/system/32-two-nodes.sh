@@ -1,0 +1,168 @@
+#!/bin/bash
+# 32-two-nodes: scale-out with the host backend standing in for GPUs. Two daemons on this host are told
+# they are nodes 0 and 1 of one EP world (cluster.nodes=2, 2 ranks each: 4 world ranks), node 0 the
+# coordinator on 127.0.0.1:<free port>; the data plane runs over their TCP link ("host-tcp").
+# - epd-worker processes attach each world rank at its node's daemon and check every step against the
+#   single-node reference of the same world size and map: LL and HT, BF16 and FP8, skewed routing, two
+#   groups at once; status, epdctl and metrics show the cluster and the bytes that crossed the link;
+# - an attach of another node's rank is refused naming the node; a step whose other node never
+#   submits fails with EPD_ERR_TIMEOUT naming a rank of that node; a killed node fails steps with
+#   EPD_ERR_PEER promptly;
+# - start-up refusals: a node that never joins (both sides name it, within cluster.timeout_ms),
+#   disagreeing configurations (the key that differs is named), a duplicate node rank, backend cuda.
+set -u
+B=${EPD_BUILD:-build}
+EPD=$B/bin/epd
+WORKER=$B/bin/epd-worker
+EPDCTL=$B/bin/epdctl
+for x in "$EPD" "$WORKER" "$EPDCTL"; do [ -x "$x" ] || { echo "skip: $x is not built"; exit 77; }; done
+T=${EPD_TEST_TMPDIR:-$(mktemp -d)}
+PIDS=()
+fail() {
+  echo "FAIL: $*"
+  for f in "$T"/*.out; do [ -f "$f" ] && sed "s/^/  $(basename "$f"): /" "$f" | tail -6; done
+  for f in "$T"/*.log; do [ -f "$f" ] && sed "s/^/  $(basename "$f")| /" "$f" | tail -12; done
+  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  exit 1
+}
+wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
+# A free TCP port on 127.0.0.1 (bound then released; the daemons bind it right after).
+free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# node NAME NODE_RANK NODES PORT [-o k=v ...]: start a daemon in the background (pid in P_NAME).
+node() {
+  local n=$1 rank=$2 nodes=$3 port=$4; shift 4
+  local where="-o cluster.coordinator=127.0.0.1:$port"
+  [ "$rank" = 0 ] && where="-o cluster.listen=127.0.0.1:$port"
+  mkdir -p "$T/$n"
+  "$EPD" -s "$T/$n/control.sock" -f -o daemon.attach_socket="$T/$n/attach.sock" -o engine.backend=host \
+    -o engine.num_ranks=2 -o engine.step_timeout_ms=3000 -o daemon.drain_timeout_ms=1000 \
+    -o cluster.nodes="$nodes" -o cluster.node_rank="$rank" -o cluster.data_listen=127.0.0.1:0 \
+    -o cluster.timeout_ms=8000 $where "$@" 2> "$T/$n.log" &
+  eval "P_$n=$!"
+  PIDS+=($!)
+}
+# worker NAME NODE ARGS...: one epd-worker at NODE's daemon, output in $T/NAME.out, pid in W_NAME.
+worker() {
+  local n=$1 nd=$2; shift 2
+  ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" timeout 40 "$WORKER" -s "$T/$nd/control.sock" "$@" \
+    > "$T/$n.out" 2>&1 &
+  eval "W_$n=$!"
+}
+expect_ok() {
+  local n pid rc
+  for n in "$@"; do
+    eval "pid=\$W_$n"
+    wait "$pid"; rc=$?
+    [ $rc -eq 0 ] || fail "worker $n exited $rc"
+    grep -q "steps ok" "$T/$n.out" || fail "worker $n printed no summary"
+  done
+}
+# world GROUP STEPS ARGS...: the 4 world ranks of GROUP, ranks 0-1 at node a, 2-3 at node b.
+world() {
+  local g=$1 s=$2; shift 2
+  for r in 0 1; do worker "${g}$r" a -g "$g" -r $r -n 4 --steps "$s" --seed 11 "$@"; done
+  for r in 2 3; do worker "${g}$r" b -g "$g" -r $r -n 4 --steps "$s" --seed 11 "$@"; done
+}
+
+PORT=$(free_port)
+node a 0 2 "$PORT"
+node b 1 2 "$PORT"
+wait_for 15 test -S "$T/a/attach.sock" || fail "node 0 did not come up"
+wait_for 15 test -S "$T/b/attach.sock" || fail "node 1 did not come up"
+
+echo "== status and metrics show the cluster"
+"$EPDCTL" -s "$T/b/control.sock" status > "$T/status.out" || fail "epdctl status"
+grep -q "cluster:  node 1 of 2, 4 world ranks, inter-node transport host-tcp" "$T/status.out" || fail "status: $(cat "$T/status.out")"
+"$EPDCTL" -s "$T/a/control.sock" --json status > "$T/status.json" || fail "epdctl --json status"
+/usr/bin/python3 - "$T/status.json" <<'EOF' || fail "status json"
+import json, sys
+s = json.load(open(sys.argv[1]))
+want = {"nodes": 2, "node_rank": 0, "world_ranks": 4, "num_ranks": 2, "inter_node_transport": "host-tcp"}
+bad = {k: (s.get(k), v) for k, v in want.items() if s.get(k) != v}
+assert not bad, bad
+EOF
+
+echo "== LL BF16 and HT FP8, skewed routing, two groups at once, every step against the reference"
+world ll 8 --skew
+world ht 8 --skew --mode ht --fp8
+expect_ok ll0 ll1 ll2 ll3 ht0 ht1 ht2 ht3
+grep -h "steps ok" "$T"/ll0.out "$T"/ht2.out
+echo "== LL FP8 and HT BF16, uniform routing, 12 tokens max"
+world lf 6 --fp8 --tokens 12
+world hb 6 --mode ht --tokens 12
+expect_ok lf0 lf1 lf2 lf3 hb0 hb1 hb2 hb3
+"$EPDCTL" -s "$T/a/control.sock" metrics > "$T/metrics.out" || fail "epdctl metrics"
+grep -q '^epd_cluster_nodes 2$' "$T/metrics.out" || fail "metrics: no epd_cluster_nodes 2"
+grep -q '^epd_cluster_world_ranks 4$' "$T/metrics.out" || fail "metrics: no epd_cluster_world_ranks 4"
+grep -q '^epd_cluster_info{transport="host-tcp"} 1$' "$T/metrics.out" || fail "metrics: no transport"
+TX=$(sed -n 's/^epd_cluster_bytes_total{direction="tx"} //p' "$T/metrics.out")
+FR=$(sed -n 's/^epd_cluster_frames_total{direction="rx"} //p' "$T/metrics.out")
+[ "${TX:-0}" -gt 100000 ] || fail "metrics: only ${TX:-0} bytes sent to node 1"
+# 4 groups x (dispatch + combine) x steps: one frame per step from the other node.
+[ "${FR:-0}" -eq $(( (8 + 8 + 6 + 6) * 2 )) ] || fail "metrics: $FR frames from node 1, want $(( (8 + 8 + 6 + 6) * 2 ))"
+echo "   node 0 sent $TX bytes, received $FR frames"
+
+echo "== a rank of the other node is refused, naming the node"
+worker wrong a -g ll -r 2 -n 4 --steps 1
+wait "$W_wrong"; [ $? -eq 2 ] || fail "attach of rank 2 at node 0 did not fail"
+grep -q "node 0 of 2 and owns world ranks 0..1" "$T/wrong.out" || fail "refusal does not name the node: $(cat "$T/wrong.out")"
+
+echo "== node 1 never submits: EPD_ERR_TIMEOUT naming a rank of node 1"
+worker to0 a -g to -r 0 -n 4 --steps 1
+worker to1 a -g to -r 1 -n 4 --steps 1
+S=$(date +%s%N)
+wait "$W_to0"; R0=$?
+wait "$W_to1"; R1=$?
+MS=$(( ($(date +%s%N) - S) / 1000000 ))
+[ $R0 -eq 2 ] && [ $R1 -eq 2 ] || fail "timeout case: workers exited $R0 $R1"
+grep -q "EPD_ERR_TIMEOUT.*peer rank 2" "$T/to0.out" || fail "timeout does not name rank 2: $(cat "$T/to0.out")"
+[ $MS -lt 8000 ] || fail "timeout took $MS ms (step_timeout_ms 3000)"
+grep -q "node 1 (ranks 2..3) did not send" "$T/a.log" || fail "the log does not say node 1 was silent"
+
+echo "== node 1 killed: EPD_ERR_PEER naming a rank of node 1, promptly"
+kill -KILL "$P_b"; wait "$P_b" 2>/dev/null
+wait_for 5 grep -q "data link to node 1 lost" "$T/a.log" || fail "node 0 did not notice the lost link"
+worker pe0 a -g pe -r 0 -n 4 --steps 1
+worker pe1 a -g pe -r 1 -n 4 --steps 1
+S=$(date +%s%N)
+wait "$W_pe0"; R0=$?
+wait "$W_pe1"; R1=$?
+MS=$(( ($(date +%s%N) - S) / 1000000 ))
+[ $R0 -eq 2 ] && [ $R1 -eq 2 ] || fail "lost node: workers exited $R0 $R1"
+grep -q "EPD_ERR_PEER.*peer rank 2" "$T/pe0.out" || fail "lost node: no EPD_ERR_PEER naming rank 2: $(cat "$T/pe0.out")"
+[ $MS -lt 2500 ] || fail "lost node: the step failed only after $MS ms"
+"$EPDCTL" -s "$T/a/control.sock" status > /dev/null || fail "node 0 stopped serving after losing node 1"
+kill -TERM "$P_a"; wait "$P_a"; RA=$?
+[ $RA -eq 0 ] || fail "node 0 exited $RA on SIGTERM"
+
+echo "== start-up refusals"
+# Each case in parallel; every daemon must exit 1 within its cluster.timeout_ms plus a margin.
+P1=$(free_port); P2=$(free_port); P3=$(free_port); P4=$(free_port)
+node lone0 0 2 "$P1" -o cluster.timeout_ms=1500          # node 1 never comes
+node lone1 1 2 "$P2" -o cluster.timeout_ms=1500          # no coordinator
+node cfg0 0 2 "$P3"                                        # max_tokens differs
+node cfg1 1 2 "$P3" -o engine.max_tokens=128
+node dup0 0 3 "$P4" -o cluster.timeout_ms=2500            # two daemons claim node 1
+node dup1 1 3 "$P4" -o cluster.timeout_ms=2500
+sleep 0.3
+node dup1b 1 3 "$P4" -o cluster.timeout_ms=2500
+node cuda 0 2 "$(free_port)" -o engine.backend=cuda
+S=$(date +%s%N)
+for n in lone0 lone1 cfg0 cfg1 dup0 dup1 dup1b cuda; do
+  eval "pid=\$P_$n"
+  wait "$pid"; rc=$?
+  [ $rc -eq 1 ] || fail "$n exited $rc, want 1"
+done
+MS=$(( ($(date +%s%N) - S) / 1000000 ))
+[ $MS -lt 7000 ] || fail "refusals took $MS ms"
+expect_log() { grep -q -- "$2" "$T/$1.log" || fail "$1: no \"$2\" in its log"; }
+expect_log lone0 "start-up failed: cluster (node 0 of 2): rendezvous incomplete after cluster.timeout_ms 1500: node(s) 1 did not join"
+expect_log lone1 "rendezvous incomplete after cluster.timeout_ms 1500: coordinator (node 0) at 127.0.0.1:$P2 not reachable"
+expect_log cfg0 "node 1's configuration disagrees with the coordinator's: engine.max_tokens (node 0: 256, node 1: 128)"
+expect_log cfg1 "refused: node 1's configuration disagrees with the coordinator's: engine.max_tokens (node 0: 256, node 1: 128)"
+expect_log cfg1 "must be equal on every node"
+grep -q "duplicate node_rank 1" "$T/dup1.log" "$T/dup1b.log" || fail "no duplicate node_rank 1 error"
+expect_log dup0 "node(s) 2 did not join"
+expect_log cuda "the CUDA inter-node stage (NCCL send/recv or GIN) is not implemented"
+echo "32-two-nodes: all checks passed"
