@@ -191,7 +191,14 @@ static void fmt_value(const epd_conf_t *c, const conf_key_t *k, char *buf, size_
   switch (k->type) {
   case CT_STRING:
   case CT_IDLIST:
-  case CT_ENUM: snprintf(buf, len, "%.*s", (int)k->size, p); break;
+  case CT_ENUM: {
+    /* Quoted where the parser would otherwise change it (outer quotes or blanks are stripped). */
+    size_t n = strnlen(p, k->size);
+    int q = n && (p[0] == '"' || p[n - 1] == '"' || p[0] == ' ' || p[0] == '\t' || p[n - 1] == ' ' ||
+                  p[n - 1] == '\t');
+    snprintf(buf, len, q ? "\"%.*s\"" : "%.*s", (int)n, p);
+    break;
+  }
   case CT_UINT: snprintf(buf, len, "%" PRIu64, get_uint(c, k)); break;
   case CT_OCTAL: snprintf(buf, len, "%s%" PRIo64, get_uint(c, k) ? "0" : "", get_uint(c, k)); break;
   case CT_BYTES: fmt_bytes(get_uint(c, k), buf, len); break;
@@ -370,12 +377,27 @@ typedef struct parse_ctx {
   int failed;
   char *err;
   size_t errlen;
+  int long_line, max_len; /* first line longer than libinih takes (it would split it), and the limit */
 } parse_ctx_t;
 
 static char *count_reader(char *str, int num, void *stream) {
   parse_ctx_t *ctx = stream;
   char *r = fgets(str, num, ctx->f);
-  if (r) ctx->line++;
+  if (!r) return r;
+  ctx->line++;
+  size_t n = strlen(r);
+  if (n == (size_t)num - 1 && r[n - 1] != '\n') {
+    /* libinih reads lines of at most num - 1 bytes and would parse the rest as a line of its own: refuse
+     * the file instead (skip the rest of the physical line so that later line numbers stay right). */
+    int ch;
+    while ((ch = fgetc(ctx->f)) != EOF && ch != '\n') {
+    }
+    if (!ctx->long_line) {
+      ctx->long_line = ctx->line;
+      ctx->max_len = num - 2;
+    }
+    str[0] = '\0';
+  }
   return r;
 }
 
@@ -398,8 +420,13 @@ static int ini_handler_fn(void *user, const char *section, const char *name, con
 
 static int parse_stream(epd_conf_t *c, FILE *f, char *err, size_t errlen) {
   epd_conf_t tmp = *c;
-  parse_ctx_t ctx = {f, 0, &tmp, 0, err, errlen};
+  parse_ctx_t ctx = {f, 0, &tmp, 0, err, errlen, 0, 0};
   int rc = ini_parse_stream(count_reader, &ctx, ini_handler_fn, &ctx);
+  if (ctx.long_line && !ctx.failed) {
+    seterr(err, errlen, "line %d is longer than %d characters (the limit of the INI parser)", ctx.long_line,
+           ctx.max_len);
+    return -1;
+  }
   if (ctx.failed) return -1;
   if (rc > 0) {
     seterr(err, errlen, "syntax error at line %d (expected '[section]' or 'name = value')", rc);
