@@ -355,12 +355,22 @@ static int coordinator(const epd_conf_t *conf, world_t *w, const char *agreed, c
 
 /* ---- the other nodes -------------------------------------------------------------------------------- */
 
+/* A channel of its own (local subchannel pool): gRPC backs a refused connection off for seconds, and a
+ * coordinator that starts a little after this node must be found at the next poll. */
+static grpc_channel *open_channel(const char *target) {
+  grpc_channel_credentials *cr = grpc_insecure_credentials_create();
+  grpc_arg args[2] = {{.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, .value.integer = 1},
+                      {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, .value.integer = 100}};
+  grpc_channel_args cargs = {.num_args = 2, .args = args};
+  grpc_channel *ch = grpc_channel_create(target, cr, &cargs);
+  grpc_channel_credentials_release(cr);
+  return ch;
+}
+
 static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const char *data_addr, char *err,
                   size_t errlen) {
   grpc_init();
-  grpc_channel_credentials *cr = grpc_insecure_credentials_create();
-  grpc_channel *ch = grpc_channel_create(conf->cluster_coordinator, cr, NULL);
-  grpc_channel_credentials_release(cr);
+  grpc_channel *ch = open_channel(conf->cluster_coordinator);
   Epd__V1__RendezvousRequest rq = EPD__V1__RENDEZVOUS_REQUEST__INIT;
   rq.protocol_version = EPD_PROTOCOL_VERSION;
   rq.node_rank = w->node_rank;
@@ -384,6 +394,7 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
   EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u of %u joining the coordinator at %s", w->node_rank, w->nodes,
            conf->cluster_coordinator);
   while (rc < 0) {
+    if (!ch) ch = open_channel(conf->cluster_coordinator);
     grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
     grpc_slice m = grpc_slice_from_static_string(METHOD);
     gpr_timespec dl = gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_millis(2000, GPR_TIMESPAN));
@@ -411,7 +422,7 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
     ops[5].data.recv_status_on_client.status = &st;
     ops[5].data.recv_status_on_client.status_details = &details;
     static int tag;
-    int final = 0;
+    int final = 0, reopen = 0;
     if (call && grpc_call_start_batch(call, ops, 6, &tag, NULL) == GRPC_CALL_OK) {
       grpc_completion_queue_pluck(cq, &tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
       char *d = grpc_slice_to_c_string(details);
@@ -453,6 +464,7 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
       } else if (st == GRPC_STATUS_UNAVAILABLE || st == GRPC_STATUS_DEADLINE_EXCEEDED) {
         if (!reached) snprintf(last, sizeof last, "coordinator (node 0) at %s not reachable: %s",
                                conf->cluster_coordinator, d ? d : "");
+        reopen = 1;
       } else {
         snprintf(err, errlen, "rendezvous with the coordinator at %s refused: %s", conf->cluster_coordinator,
                  d ? d : "");
@@ -472,6 +484,10 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
     grpc_completion_queue_shutdown(cq);
     while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {}
     grpc_completion_queue_destroy(cq);
+    if (reopen) {
+      grpc_channel_destroy(ch);
+      ch = NULL;
+    }
     if (final) break;
     if (rc < 0 && now_ms() >= deadline) {
       snprintf(err, errlen, "rendezvous incomplete after cluster.timeout_ms %u: %s", conf->cluster_timeout_ms, last);
@@ -480,7 +496,7 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
     if (rc < 0) usleep(100000);
   }
   free(buf);
-  grpc_channel_destroy(ch);
+  if (ch) grpc_channel_destroy(ch);
   grpc_shutdown();
   return rc;
 }

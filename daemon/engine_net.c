@@ -70,7 +70,8 @@ typedef struct net_hdr {
   int32_t status, bad_rank;
   uint64_t step;
   char group[EPD_GROUP_NAME_MAX];
-  uint32_t map_version, nlocal, world, pad;
+  uint32_t map_version, nlocal, world, hidden;
+  uint32_t num_experts, topk, max_tokens, pad;
   uint64_t map_hash;
   char why[192];
 } net_hdr_t;
@@ -600,6 +601,10 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
       h->map_hash = map_hash(&grp->map);
       h->nlocal = L;
       h->world = W;
+      h->num_experts = g->num_experts;
+      h->hidden = H;
+      h->topk = K;
+      h->max_tokens = M;
       snprintf(h->why, sizeof h->why, "%s", ng->lwhy);
     }
     for (uint32_t r = base; r < base + L; r++) {
@@ -649,7 +654,6 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
       if (!acc) b.oom = 1;
       free(acc);
     }
-    (void)M;
     if (b.oom) {
       /* Tell the peer rather than leave it to time out. */
       b.len = 0;
@@ -723,6 +727,11 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
     }
     net_frame_t *f = ng->f[n];
     const net_hdr_t *h = (const net_hdr_t *)f->buf;
+    if (h->status == EPD_OK && (h->num_experts != g->num_experts || h->hidden != H || h->topk != K ||
+                                h->max_tokens != M))
+      return fail(res, EPD_ERR_MISMATCH, (int)(n * L), "group %s has num_experts %u, hidden %u, topk %u, max_tokens %u "
+                  "on node %u but %u, %u, %u, %u on node %u (the first attach on each node fixes it)", grp->name,
+                  h->num_experts, h->hidden, h->topk, h->max_tokens, n, g->num_experts, H, K, M, me);
     if (h->status == EPD_OK && (h->nlocal != L || h->world != W ||
                                 f->len < sizeof *h + (size_t)L * sizeof(net_desc_t) + (size_t)W * 4))
       return fail(res, EPD_ERR_MISMATCH, (int)(n * L), "node %u sent a frame for %u ranks of %u, this node expects %u of %u "

@@ -7,7 +7,7 @@
 #   groups at once; status, epdctl and metrics show the cluster and the bytes that crossed the link;
 # - an attach of another node's rank is refused naming the node; a step whose other node never
 #   submits fails with EPD_ERR_TIMEOUT naming a rank of that node; a killed node fails steps with
-#   EPD_ERR_PEER promptly;
+#   EPD_ERR_PEER promptly; a group with another geometry on each node fails with EPD_ERR_MISMATCH;
 # - start-up refusals: a node that never joins (both sides name it, within cluster.timeout_ms),
 #   disagreeing configurations (the key that differs is named), a duplicate node rank, backend cuda.
 set -u
@@ -26,8 +26,13 @@ fail() {
   exit 1
 }
 wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
-# A free TCP port on 127.0.0.1 (bound then released; the daemons bind it right after).
-free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# N distinct free TCP ports on 127.0.0.1 (all bound at once, then released; the daemons bind them right after).
+free_ports() {
+  /usr/bin/python3 -c 'import socket, sys
+ss = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in ss: s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in ss))' "$1"
+}
 
 # node NAME NODE_RANK NODES PORT [-o k=v ...]: start a daemon in the background (pid in P_NAME).
 node() {
@@ -65,7 +70,7 @@ world() {
   for r in 2 3; do worker "${g}$r" b -g "$g" -r $r -n 4 --steps "$s" --seed 11 "$@"; done
 }
 
-PORT=$(free_port)
+PORT=$(free_ports 1)
 node a 0 2 "$PORT"
 node b 1 2 "$PORT"
 wait_for 15 test -S "$T/a/attach.sock" || fail "node 0 did not come up"
@@ -108,6 +113,17 @@ worker wrong a -g ll -r 2 -n 4 --steps 1
 wait "$W_wrong"; [ $? -eq 2 ] || fail "attach of rank 2 at node 0 did not fail"
 grep -q "node 0 of 2 and owns world ranks 0..1" "$T/wrong.out" || fail "refusal does not name the node: $(cat "$T/wrong.out")"
 
+echo "== the same group with another hidden size on each node: EPD_ERR_MISMATCH on every rank"
+for r in 0 1; do worker geo$r a -g geo -r $r -n 4 --steps 1 --hidden 128; done
+for r in 2 3; do worker geo$r b -g geo -r $r -n 4 --steps 1 --hidden 256; done
+for r in 0 1 2 3; do
+  eval "pid=\$W_geo$r"; wait "$pid"; rc=$?
+  [ $rc -eq 2 ] || fail "geometry mismatch: worker $r exited $rc"
+  grep -q "EPD_ERR_MISMATCH" "$T/geo$r.out" || fail "geometry mismatch: worker $r: $(cat "$T/geo$r.out")"
+done
+grep -q "group geo has num_experts 16, hidden 256, topk 4, max_tokens 64 on node 1 but 16, 128, 4, 64 on node 0" "$T/a.log" ||
+  fail "the log does not explain the geometry mismatch"
+
 echo "== node 1 never submits: EPD_ERR_TIMEOUT naming a rank of node 1"
 worker to0 a -g to -r 0 -n 4 --steps 1
 worker to1 a -g to -r 1 -n 4 --steps 1
@@ -138,16 +154,16 @@ kill -TERM "$P_a"; wait "$P_a"; RA=$?
 
 echo "== start-up refusals"
 # Each case in parallel; every daemon must exit 1 within its cluster.timeout_ms plus a margin.
-P1=$(free_port); P2=$(free_port); P3=$(free_port); P4=$(free_port)
+read -r P1 P2 P3 P4 P5 < <(free_ports 5)
 node lone0 0 2 "$P1" -o cluster.timeout_ms=1500          # node 1 never comes
 node lone1 1 2 "$P2" -o cluster.timeout_ms=1500          # no coordinator
 node cfg0 0 2 "$P3"                                        # max_tokens differs
 node cfg1 1 2 "$P3" -o engine.max_tokens=128
 node dup0 0 3 "$P4" -o cluster.timeout_ms=2500            # two daemons claim node 1
 node dup1 1 3 "$P4" -o cluster.timeout_ms=2500
-sleep 0.3
+wait_for 3 grep -q "node 1 joined" "$T/dup0.log" || fail "dup1 did not join"
 node dup1b 1 3 "$P4" -o cluster.timeout_ms=2500
-node cuda 0 2 "$(free_port)" -o engine.backend=cuda
+node cuda 0 2 "$P5" -o engine.backend=cuda
 S=$(date +%s%N)
 for n in lone0 lone1 cfg0 cfg1 dup0 dup1 dup1b cuda; do
   eval "pid=\$P_$n"
@@ -162,7 +178,7 @@ expect_log lone1 "rendezvous incomplete after cluster.timeout_ms 1500: coordinat
 expect_log cfg0 "node 1's configuration disagrees with the coordinator's: engine.max_tokens (node 0: 256, node 1: 128)"
 expect_log cfg1 "refused: node 1's configuration disagrees with the coordinator's: engine.max_tokens (node 0: 256, node 1: 128)"
 expect_log cfg1 "must be equal on every node"
-grep -q "duplicate node_rank 1" "$T/dup1.log" "$T/dup1b.log" || fail "no duplicate node_rank 1 error"
 expect_log dup0 "node(s) 2 did not join"
+expect_log dup1b "refused: duplicate node_rank 1: already joined with data address"
 expect_log cuda "the CUDA inter-node stage (NCCL send/recv or GIN) is not implemented"
 echo "32-two-nodes: all checks passed"

@@ -1,0 +1,320 @@
+/*
+ * test_cluster.c - scale-out in-process: two host-backend engines as nodes 0 and 1 of one world (2 ranks
+ * each, 4 world ranks) over real loopback TCP links (engine_net.c). Every step's dispatch output must
+ * equal the single-node reference of the 4-rank world byte for byte, combine within BF16 rounding of
+ * it; the bytes node 0 sends for a dispatch must be exactly one copy of each token per destination
+ * node (deduplicated across that node's ranks); an expert map set on one node only fails the dispatch
+ * on every rank with EPD_ERR_MISMATCH.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "engine.h"
+#include "engine_net.h"
+#include "ref.h"
+#include "test.h"
+
+#define L 2 /* ranks per node */
+#define W 4 /* world ranks */
+#define HDR_BYTES 320 /* sizeof(net_hdr_t) in engine_net.c, plus the 8-byte length in front of a frame */
+
+typedef struct cl_client {
+  epd_attach_info_t info;
+  epd_queue_t *q;
+  uint8_t *arena;
+  uint32_t next;
+} cl_client_t;
+
+static uint64_t ms_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static void *cbuf(cl_client_t *c, uint32_t kind, uint32_t bank) {
+  for (uint32_t i = 0; i < c->info.nbuffers; i++)
+    if (c->info.buffers[i].kind == kind && c->info.buffers[i].bank == bank) return c->arena + c->info.buffers[i].offset;
+  epd_test_fail(__FILE__, __LINE__, "buffer kind %u bank %u missing", kind, bank);
+}
+
+static void csubmit(cl_client_t *c, uint32_t op, uint32_t T, uint32_t flags, uint32_t bank) {
+  epd_slot_t *s = &c->q->slot[c->next];
+  memset(&s->desc, 0, sizeof s->desc);
+  s->desc.op = op;
+  s->desc.num_tokens = T;
+  s->desc.flags = flags;
+  s->desc.bank = bank;
+  atomic_store_explicit((_Atomic uint32_t *)&s->state, EPD_SLOT_SUBMITTED, memory_order_release);
+}
+
+static epd_comp_t cwait(cl_client_t *c) {
+  epd_slot_t *s = &c->q->slot[c->next];
+  uint64_t end = ms_now() + 20000;
+  while (atomic_load_explicit((_Atomic uint32_t *)&s->state, memory_order_acquire) != EPD_SLOT_DONE) {
+    if (ms_now() > end) epd_test_fail(__FILE__, __LINE__, "slot %u not done after 20 s", c->next);
+    usleep(20);
+  }
+  epd_comp_t comp = s->comp;
+  atomic_store_explicit((_Atomic uint32_t *)&s->state, EPD_SLOT_FREE, memory_order_release);
+  c->next = (c->next + 1) % EPD_QUEUE_SLOTS;
+  return comp;
+}
+
+typedef struct cluster {
+  epd_net_t *net[2];
+  epd_engine_t *eng[2];
+  cl_client_t c[W];
+  epd_ref_geom_t g;
+} cluster_t;
+
+typedef struct conn_arg {
+  epd_net_t *net;
+  uint32_t node;
+  char (*peers)[EPD_NET_ADDR_MAX];
+  epd_result_t rc;
+  char err[256];
+} conn_arg_t;
+
+static void *connect_main(void *arg) {
+  conn_arg_t *a = arg;
+  static const uint8_t secret[EPD_NET_SECRET_BYTES] = "0123456789abcde";
+  a->rc = epd_net_connect(a->net, 2, a->node, (const char(*)[EPD_NET_ADDR_MAX])a->peers, secret, 5000, a->err,
+                          sizeof a->err);
+  return NULL;
+}
+
+static void cluster_up(cluster_t *cl, uint32_t E, uint32_t H, uint32_t K, uint32_t M) {
+  memset(cl, 0, sizeof *cl);
+  char peers[2][EPD_NET_ADDR_MAX], err[256] = "";
+  for (int n = 0; n < 2; n++)
+    if (epd_net_listen("127.0.0.1:0", &cl->net[n], peers[n], sizeof peers[n], err, sizeof err))
+      epd_test_fail(__FILE__, __LINE__, "listen: %s", err);
+  conn_arg_t a[2];
+  pthread_t th[2];
+  for (int n = 0; n < 2; n++) {
+    a[n] = (conn_arg_t){cl->net[n], (uint32_t)n, peers, 0, ""};
+    pthread_create(&th[n], NULL, connect_main, &a[n]);
+  }
+  for (int n = 0; n < 2; n++) {
+    pthread_join(th[n], NULL);
+    if (a[n].rc) epd_test_fail(__FILE__, __LINE__, "node %d connect: %s", n, a[n].err);
+  }
+  for (int n = 0; n < 2; n++) {
+    epd_engine_opts_t o;
+    memset(&o, 0, sizeof o);
+    o.backend = "host";
+    o.num_ranks = L;
+    o.max_experts = 256;
+    o.max_hidden = 4096;
+    o.max_topk = 8;
+    o.max_tokens = 256;
+    o.max_groups = 4;
+    o.max_clients_per_rank = 4;
+    o.max_arena_bytes = 1ull << 30;
+    o.step_timeout_ms = 5000;
+    o.ranks_per_node = L;
+    o.nodes = 2;
+    o.node_rank = (uint32_t)n;
+    o.net = cl->net[n];
+    if (epd_engine_create(&o, NULL, NULL, &cl->eng[n], err, sizeof err))
+      epd_test_fail(__FILE__, __LINE__, "engine %d: %s", n, err);
+    ASSERT_EQ(epd_engine_world_ranks(cl->eng[n]), W);
+  }
+  for (int r = 0; r < W; r++) {
+    epd_attach_req_t req;
+    memset(&req, 0, sizeof req);
+    snprintf(req.group, sizeof req.group, "g");
+    snprintf(req.name, sizeof req.name, "r%d", r);
+    req.rank = r;
+    req.num_experts = E;
+    req.hidden = H;
+    req.topk = K;
+    req.max_tokens = M;
+    cl_client_t *c = &cl->c[r];
+    /* A rank of the other node is refused, naming the node. */
+    epd_attach_info_t dummy;
+    ASSERT_EQ(epd_engine_attach(cl->eng[1 - r / L], &req, &dummy, err, sizeof err), EPD_ERR_INVALID);
+    ASSERT_STR_CONTAINS(err, "owns world ranks");
+    if (epd_engine_attach(cl->eng[r / L], &req, &c->info, err, sizeof err))
+      epd_test_fail(__FILE__, __LINE__, "attach %d: %s", r, err);
+    c->q = mmap(NULL, c->info.queue_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, c->info.queue_fd, 0);
+    c->arena = mmap(NULL, c->info.arena_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, c->info.arena_fd, 0);
+    ASSERT(c->q != MAP_FAILED && c->arena != MAP_FAILED);
+    ASSERT_EQ(c->info.num_ranks, W);
+  }
+  epd_attach_info_t *i = &cl->c[0].info;
+  cl->g = (epd_ref_geom_t){i->num_ranks, i->num_experts, i->hidden, i->topk, i->max_tokens, i->slots_per_rank,
+                           i->ht_capacity};
+}
+
+static void cluster_down(cluster_t *cl) {
+  for (int r = 0; r < W; r++) {
+    munmap(cl->c[r].q, cl->c[r].info.queue_bytes);
+    munmap(cl->c[r].arena, cl->c[r].info.arena_bytes);
+  }
+  for (int n = 0; n < 2; n++) epd_engine_destroy(cl->eng[n]);
+  for (int n = 0; n < 2; n++) epd_net_destroy(cl->net[n]);
+}
+
+static uint64_t tx_of(epd_net_t *net) {
+  uint64_t tx, rx, tf, rf;
+  epd_net_counters(net, &tx, &rx, &tf, &rf);
+  return tx;
+}
+
+EPD_TEST(cluster_two_nodes_equal_ref) {
+  cluster_t cl;
+  const uint32_t E = 16, H = 256, K = 4, M = 24;
+  cluster_up(&cl, E, H, K, M);
+  const epd_ref_geom_t *g = &cl.g;
+  uint32_t S = g->slots_per_rank, C = g->ht_capacity, nb = epd_ref_scale_blocks(H);
+  epd_expert_map_t map;
+  ASSERT_OK(epd_engine_get_map(cl.eng[0], "g", &map));
+  epd_ref_plan_t plan;
+  ASSERT_OK(epd_ref_plan_init(&plan, g));
+  uint16_t *xs[W];
+  int64_t *is[W];
+  float *ws[W];
+  epd_ref_in_t in[W];
+  epd_ref_out_t want[W], *outs[W];
+  size_t rows = (size_t)S * W * M > C ? (size_t)S * W * M : C;
+  for (int r = 0; r < W; r++) {
+    xs[r] = calloc((size_t)M * H, 2);
+    is[r] = calloc((size_t)M * K, 8);
+    ws[r] = calloc((size_t)M * K, 4);
+    want[r] = (epd_ref_out_t){calloc(rows, (size_t)H * 2), calloc(rows, (size_t)nb * 4), calloc(S, 4),
+                              calloc(rows, 4), calloc(C, (size_t)K * 8), calloc(C, (size_t)K * 4)};
+    outs[r] = &want[r];
+  }
+  uint16_t *wout[W];
+  for (int r = 0; r < W; r++) wout[r] = calloc((size_t)M * H, 2);
+  int deduped = 0;
+  uint64_t rs = 99;
+  for (int step = 0; step < 8; step++) {
+    int ht = step % 2, fp8 = (step / 2) % 2, skew = step < 4;
+    uint32_t bank = (uint32_t)step % EPD_NUM_BANKS;
+    for (int r = 0; r < W; r++) {
+      uint32_t T = step == 0 ? M : (uint32_t)((step * 7 + r * 5) % (M + 1));
+      epd_ref_gen_input(7, (uint64_t)step, (uint32_t)r, g, T, skew, xs[r], is[r], ws[r]);
+      in[r] = (epd_ref_in_t){T, xs[r], is[r], ws[r]};
+      memcpy(cbuf(&cl.c[r], EPD_BUF_X, bank), xs[r], (size_t)T * H * 2);
+      memcpy(cbuf(&cl.c[r], EPD_BUF_TOPK_IDX, bank), is[r], (size_t)T * K * 8);
+      memcpy(cbuf(&cl.c[r], EPD_BUF_TOPK_WEIGHTS, bank), ws[r], (size_t)T * K * 4);
+      memset(cbuf(&cl.c[r], EPD_BUF_OUT, bank), 0x5a, (size_t)M * H * 2);
+    }
+    int bad = -1;
+    char err[128];
+    ASSERT_OK(epd_ref_plan_build(&plan, &map, in, &bad, err, sizeof err));
+    if (ht)
+      ASSERT_OK(epd_ref_ht_dispatch(&plan, in, fp8, outs, &bad));
+    else
+      ASSERT_OK(epd_ref_ll_dispatch(&plan, in, fp8, outs));
+    /* What node 0 must send node 1: each of its tokens with an entry on rank 2 or 3, once. */
+    uint64_t ntok = 0, pairs = 0;
+    for (uint32_t src = 0; src < L; src++)
+      for (uint32_t t = 0; t < in[src].num_tokens; t++) {
+        int any = 0;
+        for (uint32_t d = L; d < W; d++) {
+          int hit = 0;
+          for (uint32_t k = 0; k < K; k++) hit |= plan.dst_rank[((size_t)src * M + t) * K + k] == (int32_t)d;
+          pairs += hit;
+          any |= hit;
+        }
+        ntok += any;
+      }
+    deduped |= pairs > ntok;
+    uint64_t tx0 = tx_of(cl.net[0]);
+    for (int r = 0; r < W; r++)
+      csubmit(&cl.c[r], ht ? EPD_OP_HT_DISPATCH : EPD_OP_LL_DISPATCH, in[r].num_tokens, fp8 ? EPD_DESC_FP8 : 0, bank);
+    for (int r = 0; r < W; r++) {
+      epd_comp_t comp = cwait(&cl.c[r]);
+      ASSERT_EQ(comp.status, EPD_OK);
+      ASSERT_EQ(comp.step, (uint64_t)step * 2);
+      ASSERT_EQ(comp.num_recv, ht ? plan.ht_recv[r] : plan.ll_recv[r]);
+    }
+    uint64_t sent = tx_of(cl.net[0]) - tx0;
+    ASSERT_EQ(sent, 8 + HDR_BYTES + L * 16 + W * 4 + L * 4 + ntok * (4 + (uint64_t)H * 2 + (uint64_t)K * 12));
+    /* Dispatch outputs: byte for byte the 4-rank reference. */
+    for (int r = 0; r < W; r++) {
+      cl_client_t *c = &cl.c[r];
+      int32_t *cnt = cbuf(c, ht ? EPD_BUF_HT_RECV_COUNT : EPD_BUF_LL_RECV_COUNT, bank);
+      ASSERT(!memcmp(cnt, want[r].recv_count, (size_t)S * 4));
+      uint8_t *rx = cbuf(c, ht ? EPD_BUF_HT_RECV_X : EPD_BUF_LL_RECV_X, bank);
+      float *rsc = cbuf(c, ht ? EPD_BUF_HT_RECV_SCALES : EPD_BUF_LL_RECV_SCALES, bank);
+      int32_t *src = cbuf(c, ht ? EPD_BUF_HT_RECV_SRC : EPD_BUF_LL_RECV_SRC, bank);
+      uint16_t *y = cbuf(c, ht ? EPD_BUF_HT_Y : EPD_BUF_LL_Y, bank);
+      size_t rowb = (size_t)H * 2, cmpb = fp8 ? H : rowb;
+      for (size_t row = 0; row < (ht ? (size_t)plan.ht_recv[r] : (size_t)S * W * M); row++) {
+        if (!ht && (int32_t)(row % ((size_t)W * M)) >= cnt[row / ((size_t)W * M)]) continue;
+        ASSERT_EQ(src[row], want[r].recv_src[row]);
+        ASSERT(!memcmp(rx + row * rowb, (uint8_t *)want[r].recv_x + row * rowb, cmpb));
+        if (fp8) ASSERT(!memcmp(rsc + row * nb, want[r].recv_scales + row * nb, (size_t)nb * 4));
+        if (ht) {
+          ASSERT(!memcmp((int64_t *)cbuf(c, EPD_BUF_HT_RECV_TOPK_IDX, bank) + row * K, want[r].recv_topk_idx + row * K,
+                         (size_t)K * 8));
+          ASSERT(!memcmp((float *)cbuf(c, EPD_BUF_HT_RECV_TOPK_WEIGHTS, bank) + row * K,
+                         want[r].recv_topk_weights + row * K, (size_t)K * 4));
+        }
+        for (uint32_t h = 0; h < H; h++) /* the expert: any values; combine is checked against them */
+          y[row * H + h] = epd_f32_to_bf16((float)(epd_ref_rand(&rs) >> 40) / (float)(1 << 24) * 4.0f - 2.0f);
+      }
+    }
+    /* Combine against the reference over the same expert outputs. */
+    const uint16_t *ys[W];
+    for (int r = 0; r < W; r++) ys[r] = cbuf(&cl.c[r], ht ? EPD_BUF_HT_Y : EPD_BUF_LL_Y, bank);
+    ASSERT_OK(ht ? epd_ref_ht_combine(&plan, ys, wout) : epd_ref_ll_combine(&plan, ys, wout));
+    for (int r = 0; r < W; r++) csubmit(&cl.c[r], ht ? EPD_OP_HT_COMBINE : EPD_OP_LL_COMBINE, 0, 0, bank);
+    for (int r = 0; r < W; r++) {
+      epd_comp_t comp = cwait(&cl.c[r]);
+      ASSERT_EQ(comp.status, EPD_OK);
+      const uint16_t *o = cbuf(&cl.c[r], EPD_BUF_OUT, bank);
+      for (size_t i = 0; i < (size_t)in[r].num_tokens * H; i++) {
+        /* Partials are added per node: the f32 sum may round differently, never by more than BF16 rounding. */
+        float a = epd_bf16_to_f32(o[i]), b = epd_bf16_to_f32(wout[r][i]);
+        if (!(fabsf(a - b) <= fabsf(b) / 128 + 1e-3f))
+          epd_test_fail(__FILE__, __LINE__, "step %d rank %d out[%zu] = %g, reference %g", step, r, i, a, b);
+      }
+    }
+  }
+  ASSERT(deduped); /* the byte check above saw tokens that go to both ranks of node 1, sent once */
+  /* A map set on node 1 only: every rank's dispatch fails with EPD_ERR_MISMATCH. */
+  uint32_t v = 0;
+  char err[256] = "";
+  epd_expert_map_t m2;
+  ASSERT_OK(epd_ref_map_copy(&m2, &map));
+  epd_replica_t tmp = m2.rep[0][0];
+  m2.rep[0][0] = m2.rep[E - 1][0];
+  m2.rep[E - 1][0] = tmp;
+  ASSERT_OK(epd_engine_set_map(cl.eng[1], "g", &m2, &v, err, sizeof err));
+  for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
+  for (int r = 0; r < W; r++) ASSERT_EQ(cwait(&cl.c[r]).status, EPD_ERR_MISMATCH);
+  /* The same map on node 0 too: the next dispatch runs again. */
+  ASSERT_OK(epd_engine_set_map(cl.eng[0], "g", &m2, &v, err, sizeof err));
+  for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
+  for (int r = 0; r < W; r++) {
+    epd_comp_t comp = cwait(&cl.c[r]);
+    ASSERT_EQ(comp.status, EPD_OK);
+    ASSERT_EQ(comp.map_version, v);
+  }
+  epd_expert_map_free(&m2);
+  epd_expert_map_free(&map);
+  epd_ref_plan_free(&plan);
+  for (int r = 0; r < W; r++) {
+    free(xs[r]);
+    free(is[r]);
+    free(ws[r]);
+    free(wout[r]);
+    free(want[r].recv_x);
+    free(want[r].recv_scales);
+    free(want[r].recv_count);
+    free(want[r].recv_src);
+    free(want[r].recv_topk_idx);
+    free(want[r].recv_topk_weights);
+  }
+  cluster_down(&cl);
+}
