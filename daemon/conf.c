@@ -98,6 +98,9 @@ static const conf_key_t keys[] = {
      "HT receive capacity in units of max_tokens; 0: num_ranks (never overflows)"},
     {"engine.step_timeout_ms", CT_UINT, 1, 3600000, "10000", 0, F(step_timeout_ms), NULL,
      "a rank waiting longer than this for its peers fails the step with EPD_ERR_TIMEOUT"},
+    {"engine.exit_on_failure", CT_UINT, 0, 1, "1", 1, F(exit_on_failure), NULL,
+     "1: after an engine failure (a sticky GPU fault) drain and exit 1 so systemd restarts the daemon; "
+     "0: stay up in state failed"},
     {"engine.max_groups", CT_UINT, 1, 256, "8", 0, F(max_groups), NULL, "EP groups served at once"},
     {"engine.max_clients_per_rank", CT_UINT, 1, 256, "8", 0, F(max_clients_per_rank), NULL,
      "clients attached to one rank at once (across groups)"},

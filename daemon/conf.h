@@ -37,6 +37,7 @@ typedef struct epd_conf {
   uint32_t slots_factor_pct;         /* redundant-expert slots: 100 = none */
   uint32_t ht_capacity_factor;       /* HT receive capacity in units of max_tokens (0 = num_ranks) */
   uint32_t step_timeout_ms;
+  uint32_t exit_on_failure;          /* 1: drain and exit 1 after an engine failure (restart by systemd) */
   uint32_t max_groups, max_clients_per_rank;
   uint64_t max_arena_bytes;
   /* [cluster] scale-out across nodes (daemon/cluster.h) */

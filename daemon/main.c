@@ -49,6 +49,8 @@ static struct {
   uv_signal_t sig_term, sig_int, sig_hup;
   uv_async_t wake;
   uv_timer_t drain_timer;
+  uv_timer_t failure_timer; /* watches for an engine failure */
+  int exit_status;          /* of a normal shutdown: 1 after an engine failure */
   epd_engine_t *eng;
   atomic_int state;
   int exit_pending;
@@ -220,6 +222,21 @@ static void begin_drain(int exit_when_idle, const char *why) {
   uv_timer_start(&d.drain_timer, drain_tick, 0, DRAIN_POLL_MS);
 }
 
+/* Engine failure: with engine.exit_on_failure, drain and exit 1 (systemd restarts a fresh engine). */
+static void failure_tick(uv_timer_t *t) {
+  const char *why = epd_engine_failure(d.eng);
+  if (!why) return;
+  pthread_mutex_lock(&d.lock);
+  int do_exit = d.conf.exit_on_failure != 0;
+  pthread_mutex_unlock(&d.lock);
+  epd_notify_status("failed: %s", why);
+  if (!do_exit) return;
+  uv_timer_stop(t);
+  EPD_LOGE(EPD_SUB_MAIN, "engine failed (%s): draining, then exiting with status 1 for a restart", why);
+  d.exit_status = 1;
+  begin_drain(1, "engine failed");
+}
+
 static void on_wake(uv_async_t *a) {
   (void)a;
   pthread_mutex_lock(&d.lock);
@@ -356,6 +373,7 @@ int main(int argc, char **argv) {
   /* The wake-up handle exists before the RPC server so that a Drain call always has somewhere to go. */
   uv_async_init(&d.loop, &d.wake, on_wake);
   uv_timer_init(&d.loop, &d.drain_timer);
+  uv_timer_init(&d.loop, &d.failure_timer);
   uv_signal_init(&d.loop, &d.sig_term);
   uv_signal_init(&d.loop, &d.sig_int);
   uv_signal_init(&d.loop, &d.sig_hup);
@@ -404,11 +422,12 @@ int main(int argc, char **argv) {
            epd_engine_mode(d.eng));
   ready_status();
 
+  uv_timer_start(&d.failure_timer, failure_tick, 200, 200);
   uv_run(&d.loop, UV_RUN_DEFAULT);
 
   EPD_LOGI(EPD_SUB_MAIN, "shutting down");
   epd_notify_stopping("stopping");
-  rc = 0;
+  rc = d.exit_status;
   goto out;
 fail:
   atomic_store(&d.state, ST_FAILED);

@@ -1,7 +1,9 @@
 #!/bin/bash
 # 14-engine-failure: when the engine can no longer run steps (on GPUs: a sticky CUDA fault; here the
-# fault is injected with EPD_TEST_FAIL_AT_STEP), every step gets a clear error naming the failure, the
-# daemon stays up and says why: state "failed" in status, health NOT_SERVING, an "error" event, the log.
+# fault is injected with EPD_TEST_FAIL_AT_STEP), every step gets a clear error naming the failure and
+# the daemon says why: state "failed" in status, health NOT_SERVING, an "error" event, the log. With
+# engine.exit_on_failure=0 it stays up like that; with the default (1) it drains and exits with status
+# 1, so that systemd (Restart=on-failure) starts a fresh engine.
 set -u
 B=${EPD_BUILD:-build}
 EPD=$B/bin/epd
@@ -22,7 +24,7 @@ fail() {
 wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
 
 EPD_TEST_FAIL_AT_STEP=5 "$EPD" -s "$SOCK" -f -o engine.backend=host -o engine.num_ranks=2 \
-  -o daemon.attach_socket="$T/run/attach.sock" 2> "$LOG" &
+  -o engine.exit_on_failure=0 -o daemon.attach_socket="$T/run/attach.sock" 2> "$LOG" &
 PID=$!
 wait_for 15 test -S "$SOCK" || fail "no control socket"
 wait_for 5 test -S "$T/run/attach.sock" || fail "no attach socket"
@@ -53,4 +55,25 @@ grep -q "engine failed" "$T/watch.out" || fail "no 'engine failed' event on Watc
 
 kill -TERM "$PID"
 wait "$PID" || fail "daemon exit status $? after SIGTERM"
-echo "ok: steps fail with a clear error, state failed, health NOT_SERVING, event seen"
+
+# Default engine.exit_on_failure=1: the failed daemon drains its clients and exits 1 by itself.
+LOG=$T/epd2.log
+rm -f "$SOCK" "$T/run/attach.sock"
+EPD_TEST_FAIL_AT_STEP=3 "$EPD" -s "$SOCK" -f -o engine.backend=host -o engine.num_ranks=2 \
+  -o daemon.drain_timeout_ms=3000 -o daemon.attach_socket="$T/run/attach.sock" 2> "$LOG" &
+PID=$!
+wait_for 15 test -S "$SOCK" || fail "no control socket (second daemon)"
+wait_for 5 test -S "$T/run/attach.sock" || fail "no attach socket (second daemon)"
+start=$(date +%s%N)
+for r in 0 1; do
+  ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" timeout 30 "$WORKER" -s "$SOCK" -g f -r $r -n 2 \
+    --steps 10 --seed 3 > "$T/x$r.out" 2>&1 &
+  eval "X$r=$!"
+done
+wait "$X0"; wait "$X1"
+wait_for 10 sh -c "! kill -0 $PID" || fail "the failed daemon did not exit"
+wait "$PID"; rc=$?
+ms=$(( ($(date +%s%N) - start) / 1000000 ))
+[ $rc -eq 1 ] || fail "the failed daemon exited $rc, want 1 (so that systemd restarts it)"
+grep -q "exiting with status 1" "$LOG" || fail "the log does not say why it exits"
+echo "ok: steps fail with a clear error, state failed, health NOT_SERVING, event seen; default: exit 1 after $ms ms"
