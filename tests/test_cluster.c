@@ -88,7 +88,7 @@ static void *connect_main(void *arg) {
   return NULL;
 }
 
-static void cluster_up(cluster_t *cl, uint32_t E, uint32_t H, uint32_t K, uint32_t M) {
+static void cluster_up(cluster_t *cl, uint32_t E, uint32_t H, uint32_t K, uint32_t M, uint32_t ht_factor) {
   memset(cl, 0, sizeof *cl);
   char peers[2][EPD_NET_ADDR_MAX], err[256] = "";
   for (int n = 0; n < 2; n++)
@@ -117,6 +117,7 @@ static void cluster_up(cluster_t *cl, uint32_t E, uint32_t H, uint32_t K, uint32
     o.max_clients_per_rank = 4;
     o.max_arena_bytes = 1ull << 30;
     o.step_timeout_ms = 5000;
+    o.ht_capacity_factor = ht_factor;
     o.ranks_per_node = L;
     o.nodes = 2;
     o.node_rank = (uint32_t)n;
@@ -170,7 +171,7 @@ static uint64_t tx_of(epd_net_t *net) {
 EPD_TEST(cluster_two_nodes_equal_ref) {
   cluster_t cl;
   const uint32_t E = 16, H = 256, K = 4, M = 24;
-  cluster_up(&cl, E, H, K, M);
+  cluster_up(&cl, E, H, K, M, 0);
   const epd_ref_geom_t *g = &cl.g;
   uint32_t S = g->slots_per_rank, C = g->ht_capacity, nb = epd_ref_scale_blocks(H);
   epd_expert_map_t map;
@@ -315,6 +316,39 @@ EPD_TEST(cluster_two_nodes_equal_ref) {
     free(want[r].recv_src);
     free(want[r].recv_topk_idx);
     free(want[r].recv_topk_weights);
+  }
+  cluster_down(&cl);
+}
+
+/* HT capacity is decided over the world: 5 tokens of every rank go to rank 0, whose capacity is 12
+ * (1 x max_tokens): each node's share (10) fits, the world's (20) does not. Node 1 never sees node 0's
+ * tokens: it fails the step on every rank only because node 0's frame carries its counts. */
+EPD_TEST(cluster_ht_overflow_decided_over_the_world) {
+  cluster_t cl;
+  const uint32_t E = 8, H = 64, K = 2, M = 12, T = 5;
+  cluster_up(&cl, E, H, K, M, 1);
+  ASSERT_EQ(cl.g.ht_capacity, M);
+  for (int r = 0; r < W; r++) {
+    int64_t *idx = cbuf(&cl.c[r], EPD_BUF_TOPK_IDX, 0);
+    float *w = cbuf(&cl.c[r], EPD_BUF_TOPK_WEIGHTS, 0);
+    for (uint32_t t = 0; t < T; t++) {
+      idx[t * K] = 0;      /* expert 0: rank 0 */
+      idx[t * K + 1] = -1;
+      w[t * K] = 1.0f;
+    }
+  }
+  for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_HT_DISPATCH, T, 0, 0);
+  for (int r = 0; r < W; r++) {
+    epd_comp_t comp = cwait(&cl.c[r]);
+    ASSERT_EQ(comp.status, EPD_ERR_OVERFLOW);
+    ASSERT_EQ(comp.peer, 0);
+  }
+  /* Within capacity (3 tokens per rank: 12), the same routing runs on every rank. */
+  for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_HT_DISPATCH, 3, 0, 0);
+  for (int r = 0; r < W; r++) {
+    epd_comp_t comp = cwait(&cl.c[r]);
+    ASSERT_EQ(comp.status, EPD_OK);
+    ASSERT_EQ(comp.num_recv, r == 0 ? 12u : 0u);
   }
   cluster_down(&cl);
 }
