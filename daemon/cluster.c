@@ -47,12 +47,13 @@ static uint64_t now_ms(void) {
 }
 
 size_t epd_cluster_agreed_config(const epd_conf_t *c, char *buf, size_t len) {
-  return (size_t)snprintf(buf, len,
-                          "protocol_version = %u\ncluster.nodes = %u\nengine.num_ranks = %u\nengine.backend = %s\n"
-                          "engine.max_experts = %u\nengine.max_hidden = %u\nengine.max_topk = %u\n"
-                          "engine.max_tokens = %u\nengine.slots_factor_pct = %u\nengine.ht_capacity_factor = %u\n",
-                          EPD_PROTOCOL_VERSION, c->nodes, c->num_ranks, c->backend, c->max_experts, c->max_hidden,
-                          c->max_topk, c->max_tokens, c->slots_factor_pct, c->ht_capacity_factor);
+  return (size_t)snprintf(
+      buf, len,
+      "protocol_version = %u\ncluster.nodes = %u\nengine.num_ranks = %u\nengine.backend = %s\n"
+      "engine.max_experts = %u\nengine.max_hidden = %u\nengine.max_topk = %u\n"
+      "engine.max_tokens = %u\nengine.slots_factor_pct = %u\nengine.ht_capacity_factor = %u\n",
+      EPD_PROTOCOL_VERSION, c->nodes, c->num_ranks, c->backend, c->max_experts, c->max_hidden, c->max_topk,
+      c->max_tokens, c->slots_factor_pct, c->ht_capacity_factor);
 }
 
 uint64_t epd_cluster_hash(const char *text) {
@@ -65,7 +66,8 @@ uint64_t epd_cluster_hash(const char *text) {
 }
 
 /* "key (node a: x, node b: y); ..." for every line of mine that theirs lacks or sets differently. */
-static void config_diff(const char *mine, const char *theirs, uint32_t me, uint32_t them, char *out, size_t len) {
+static void config_diff(const char *mine, const char *theirs, uint32_t me, uint32_t them, char *out,
+                        size_t len) {
   out[0] = 0;
   char *m = strdup(mine);
   if (!m) return;
@@ -94,7 +96,8 @@ static void config_diff(const char *mine, const char *theirs, uint32_t me, uint3
 }
 
 static const char *agreed_keys =
-    "protocol version, cluster.nodes, engine.num_ranks, engine.backend, engine.max_experts, engine.max_hidden, "
+    "protocol version, cluster.nodes, engine.num_ranks, engine.backend, engine.max_experts, "
+    "engine.max_hidden, "
     "engine.max_topk, engine.max_tokens, engine.slots_factor_pct, engine.ht_capacity_factor";
 
 /* ---- coordinator ------------------------------------------------------------------------------------ */
@@ -184,16 +187,20 @@ static int coordinator(const epd_conf_t *conf, world_t *w, const char *agreed, c
   grpc_server_register_completion_queue(srv, cq, NULL);
   int rc = -1;
   if (!port) {
-    snprintf(err, errlen, "cluster.listen %s: cannot listen there (address in use or invalid)", conf->cluster_listen);
+    snprintf(err, errlen, "cluster.listen %s: cannot listen there (address in use or invalid)",
+             conf->cluster_listen);
     grpc_server_destroy(srv);
     grpc_completion_queue_shutdown(cq);
-    while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {}
+    while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
+    }
     grpc_completion_queue_destroy(cq);
     grpc_shutdown();
     return -1;
   }
   grpc_server_start(srv);
-  EPD_LOGI(EPD_SUB_MAIN, "cluster: coordinator of %u nodes, rendezvous on %s", w->nodes, conf->cluster_listen);
+  EPD_LOGI(EPD_SUB_MAIN, "cluster: coordinator of %u nodes, rendezvous on %s", w->nodes,
+           conf->cluster_listen);
   int joined[MAX_NODES] = {0}, got_complete[MAX_NODES] = {0};
   joined[0] = got_complete[0] = 1;
   uint32_t njoined = 1, ncomplete = 1;
@@ -224,11 +231,15 @@ static int coordinator(const epd_conf_t *conf, world_t *w, const char *agreed, c
     if (!*fatal && t >= deadline) {
       missing_list(joined, w->nodes, missing, sizeof missing);
       if (njoined < w->nodes)
-        snprintf(fatal, sizeof fatal, "rendezvous incomplete after cluster.timeout_ms %u: node(s) %s did not join "
-                 "(coordinator listening on %s)", conf->cluster_timeout_ms, missing, conf->cluster_listen);
+        snprintf(fatal, sizeof fatal,
+                 "rendezvous incomplete after cluster.timeout_ms %u: node(s) %s did not join "
+                 "(coordinator listening on %s)",
+                 conf->cluster_timeout_ms, missing, conf->cluster_listen);
       else
-        snprintf(fatal, sizeof fatal, "rendezvous incomplete after cluster.timeout_ms %u: every node joined but "
-                 "not all fetched the peer list", conf->cluster_timeout_ms);
+        snprintf(fatal, sizeof fatal,
+                 "rendezvous incomplete after cluster.timeout_ms %u: every node joined but "
+                 "not all fetched the peer list",
+                 conf->cluster_timeout_ms);
       fatal_until = t + FATAL_GRACE_MS;
       continue;
     }
@@ -252,22 +263,28 @@ static int coordinator(const epd_conf_t *conf, world_t *w, const char *agreed, c
                  strcmp(rq->agreed_config ? rq->agreed_config : "", agreed)) {
         char diff[700];
         config_diff(agreed, rq->agreed_config ? rq->agreed_config : "", 0, rq->node_rank, diff, sizeof diff);
-        snprintf(fatal, sizeof fatal, "node %u's configuration disagrees with the coordinator's: %s (these keys "
-                 "must be equal on every node: %s)", rq->node_rank, *diff ? diff : "config hash differs", agreed_keys);
+        snprintf(fatal, sizeof fatal,
+                 "node %u's configuration disagrees with the coordinator's: %s (these keys "
+                 "must be equal on every node: %s)",
+                 rq->node_rank, *diff ? diff : "config hash differs", agreed_keys);
         fatal_until = now_ms() + FATAL_GRACE_MS;
         rv_reply(c, GRPC_STATUS_FAILED_PRECONDITION, fatal, NULL);
       } else if (rq->node_rank == 0 || rq->node_rank >= w->nodes) {
         if (rq->node_rank)
           snprintf(msg, sizeof msg, "node_rank %u out of range [1, %u)", rq->node_rank, w->nodes);
         else
-          snprintf(msg, sizeof msg, "duplicate node_rank 0: that is the coordinator's (%s); two daemons have "
-                   "cluster.node_rank = 0", conf->cluster_listen);
+          snprintf(msg, sizeof msg,
+                   "duplicate node_rank 0: that is the coordinator's (%s); two daemons have "
+                   "cluster.node_rank = 0",
+                   conf->cluster_listen);
         EPD_LOGW(EPD_SUB_MAIN, "cluster: refused a node: %s", msg);
         rv_reply(c, GRPC_STATUS_ALREADY_EXISTS, msg, NULL);
-      } else if (joined[rq->node_rank] && strcmp(w->addr[rq->node_rank], rq->data_addr ? rq->data_addr : "")) {
-        snprintf(msg, sizeof msg, "duplicate node_rank %u: already joined with data address %s (this caller: %s); "
-                 "two daemons have cluster.node_rank = %u", rq->node_rank, w->addr[rq->node_rank],
-                 rq->data_addr ? rq->data_addr : "", rq->node_rank);
+      } else if (joined[rq->node_rank] &&
+                 strcmp(w->addr[rq->node_rank], rq->data_addr ? rq->data_addr : "")) {
+        snprintf(msg, sizeof msg,
+                 "duplicate node_rank %u: already joined with data address %s (this caller: %s); "
+                 "two daemons have cluster.node_rank = %u",
+                 rq->node_rank, w->addr[rq->node_rank], rq->data_addr ? rq->data_addr : "", rq->node_rank);
         EPD_LOGW(EPD_SUB_MAIN, "cluster: refused a node: %s", msg);
         rv_reply(c, GRPC_STATUS_ALREADY_EXISTS, msg, NULL);
       } else {
@@ -276,7 +293,8 @@ static int coordinator(const epd_conf_t *conf, world_t *w, const char *agreed, c
           joined[n] = 1;
           njoined++;
           snprintf(w->addr[n], sizeof w->addr[n], "%s", rq->data_addr ? rq->data_addr : "");
-          EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u joined (data %s), %u of %u", n, w->addr[n], njoined, w->nodes);
+          EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u joined (data %s), %u of %u", n, w->addr[n], njoined,
+                   w->nodes);
         }
         Epd__V1__RendezvousReply rep = EPD__V1__RENDEZVOUS_REPLY__INIT;
         uint32_t miss[MAX_NODES], nm = 0;
@@ -317,8 +335,10 @@ static int coordinator(const epd_conf_t *conf, world_t *w, const char *agreed, c
         break;
       }
   }
-  if (*fatal) snprintf(err, errlen, "%s", fatal);
-  else if (rc) snprintf(err, errlen, "rendezvous: out of memory or the gRPC server failed");
+  if (*fatal)
+    snprintf(err, errlen, "%s", fatal);
+  else if (rc)
+    snprintf(err, errlen, "rendezvous: out of memory or the gRPC server failed");
   /* Shutdown order of DESIGN.md §10. */
   static int shutdown_tag;
   grpc_server_shutdown_and_notify(srv, cq, &shutdown_tag);
@@ -326,7 +346,8 @@ static int coordinator(const epd_conf_t *conf, world_t *w, const char *agreed, c
   for (int got = 0; !got;) {
     grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     if (ev.type != GRPC_OP_COMPLETE) continue;
-    if (ev.tag == &shutdown_tag) got = 1;
+    if (ev.tag == &shutdown_tag)
+      got = 1;
     else if (ev.tag == pending) {
       rv_free(pending);
       pending = NULL;
@@ -341,7 +362,9 @@ static int coordinator(const epd_conf_t *conf, world_t *w, const char *agreed, c
   }
   grpc_server_destroy(srv);
   grpc_completion_queue_shutdown(cq);
-  while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {}
+  while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+         GRPC_QUEUE_SHUTDOWN) {
+  }
   grpc_completion_queue_destroy(cq);
   while (live) {
     rv_call_t *c = live;
@@ -359,8 +382,9 @@ static int coordinator(const epd_conf_t *conf, world_t *w, const char *agreed, c
  * coordinator that starts a little after this node must be found at the next poll. */
 static grpc_channel *open_channel(const char *target) {
   grpc_channel_credentials *cr = grpc_insecure_credentials_create();
-  grpc_arg args[2] = {{.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, .value.integer = 1},
-                      {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, .value.integer = 100}};
+  grpc_arg args[2] = {
+      {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, .value.integer = 1},
+      {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, .value.integer = 100}};
   grpc_channel_args cargs = {.num_args = 2, .args = args};
   grpc_channel *ch = grpc_channel_create(target, cr, &cargs);
   grpc_channel_credentials_release(cr);
@@ -462,8 +486,9 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
         }
         if (rep) epd__v1__rendezvous_reply__free_unpacked(rep, NULL);
       } else if (st == GRPC_STATUS_UNAVAILABLE || st == GRPC_STATUS_DEADLINE_EXCEEDED) {
-        if (!reached) snprintf(last, sizeof last, "coordinator (node 0) at %s not reachable: %s",
-                               conf->cluster_coordinator, d ? d : "");
+        if (!reached)
+          snprintf(last, sizeof last, "coordinator (node 0) at %s not reachable: %s",
+                   conf->cluster_coordinator, d ? d : "");
         reopen = 1;
       } else {
         snprintf(err, errlen, "rendezvous with the coordinator at %s refused: %s", conf->cluster_coordinator,
@@ -482,7 +507,9 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
     grpc_metadata_array_destroy(&trailing);
     if (call) grpc_call_unref(call);
     grpc_completion_queue_shutdown(cq);
-    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {}
+    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
+    }
     grpc_completion_queue_destroy(cq);
     if (reopen) {
       grpc_channel_destroy(ch);
@@ -490,7 +517,8 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
     }
     if (final) break;
     if (rc < 0 && now_ms() >= deadline) {
-      snprintf(err, errlen, "rendezvous incomplete after cluster.timeout_ms %u: %s", conf->cluster_timeout_ms, last);
+      snprintf(err, errlen, "rendezvous incomplete after cluster.timeout_ms %u: %s", conf->cluster_timeout_ms,
+               last);
       break;
     }
     if (rc < 0) usleep(100000);
@@ -505,8 +533,8 @@ int epd_cluster_init(const epd_conf_t *conf, epd_net_t **net, char *err, size_t 
   *net = NULL;
   if (conf->nodes <= 1) return 0;
   if (conf->node_rank >= conf->nodes) {
-    snprintf(err, errlen, "cluster.node_rank %u out of range [0, %u) (cluster.nodes %u)", conf->node_rank, conf->nodes,
-             conf->nodes);
+    snprintf(err, errlen, "cluster.node_rank %u out of range [0, %u) (cluster.nodes %u)", conf->node_rank,
+             conf->nodes, conf->nodes);
     return -1;
   }
   if ((uint64_t)conf->nodes * conf->num_ranks > EPD_MAX_RANKS) {
@@ -515,16 +543,20 @@ int epd_cluster_init(const epd_conf_t *conf, epd_net_t **net, char *err, size_t 
     return -1;
   }
   if (!strcmp(conf->backend, "cuda")) {
-    snprintf(err, errlen, "cluster.nodes %u with engine.backend cuda: the CUDA inter-node stage (NCCL send/recv or "
-             "GIN) is not implemented; only the host backend runs across nodes", conf->nodes);
+    snprintf(err, errlen,
+             "cluster.nodes %u with engine.backend cuda: the CUDA inter-node stage (NCCL send/recv or "
+             "GIN) is not implemented; only the host backend runs across nodes",
+             conf->nodes);
     return -1;
   }
   if (conf->node_rank == 0 && !conf->cluster_listen[0]) {
-    snprintf(err, errlen, "cluster.listen is empty: node 0 (the coordinator) needs a TCP host:port for the rendezvous");
+    snprintf(err, errlen,
+             "cluster.listen is empty: node 0 (the coordinator) needs a TCP host:port for the rendezvous");
     return -1;
   }
   if (conf->node_rank > 0 && !conf->cluster_coordinator[0]) {
-    snprintf(err, errlen, "cluster.coordinator is empty: node %u needs the coordinator's host:port", conf->node_rank);
+    snprintf(err, errlen, "cluster.coordinator is empty: node %u needs the coordinator's host:port",
+             conf->node_rank);
     return -1;
   }
   char adv[EPD_NET_ADDR_MAX], agreed[1024];
@@ -552,8 +584,8 @@ int epd_cluster_init(const epd_conf_t *conf, epd_net_t **net, char *err, size_t 
   if (epd_net_connect(*net, w->nodes, w->node_rank, (const char(*)[EPD_NET_ADDR_MAX])w->addr, w->id,
                       (uint32_t)left, err, errlen))
     goto fail;
-  EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u of %u, %u world ranks, inter-node transport host-tcp", w->node_rank,
-           w->nodes, w->nodes * w->ranks_per_node);
+  EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u of %u, %u world ranks, inter-node transport host-tcp",
+           w->node_rank, w->nodes, w->nodes * w->ranks_per_node);
   free(w);
   return 0;
 fail:
@@ -563,4 +595,6 @@ fail:
   return -1;
 }
 
-void epd_cluster_fini(epd_net_t *net) { epd_net_destroy(net); }
+void epd_cluster_fini(epd_net_t *net) {
+  epd_net_destroy(net);
+}

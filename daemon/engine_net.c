@@ -30,7 +30,7 @@
 #include "engine_net.h"
 #include "log.h"
 
-#define NET_MAGIC 0x4e445045u  /* "EPDN" */
+#define NET_MAGIC 0x4e445045u   /* "EPDN" */
 #define HELLO_MAGIC 0x4f4c4845u /* "EHLO" */
 #define MAX_NODES EPD_MAX_RANKS
 #define MAX_FRAME (1ull << 34)
@@ -101,7 +101,8 @@ static int resolve(const char *addr, struct addrinfo **res, int passive, char *e
     snprintf(err, errlen, "address \"%s\" is not host:port", addr);
     return -1;
   }
-  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = passive ? AI_PASSIVE : 0};
+  struct addrinfo hints = {
+      .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = passive ? AI_PASSIVE : 0};
   int e = getaddrinfo(host, port, &hints, res);
   if (e) {
     snprintf(err, errlen, "address \"%s\": %s", addr, gai_strerror(e));
@@ -146,7 +147,9 @@ static int read_all(int fd, void *p, size_t n, int timeout_ms) {
   return 0;
 }
 
-static uint64_t mono_ms(void) { return eng_now_ns() / 1000000ull; }
+static uint64_t mono_ms(void) {
+  return eng_now_ns() / 1000000ull;
+}
 
 epd_result_t epd_net_listen(const char *addr, epd_net_t **out, char *adv, size_t advlen, char *err,
                             size_t errlen) {
@@ -199,8 +202,7 @@ epd_result_t epd_net_listen(const char *addr, epd_net_t **out, char *adv, size_t
 static void peer_dead(net_peer_t *p, const char *fmt, const char *what) {
   if (atomic_exchange(&p->dead, 1)) return;
   snprintf(p->why, sizeof p->why, fmt, what);
-  if (!atomic_load(&p->net->stop))
-    EPD_LOGE(EPD_SUB_ENGINE, "data link to node %u lost: %s", p->node, p->why);
+  if (!atomic_load(&p->net->stop)) EPD_LOGE(EPD_SUB_ENGINE, "data link to node %u lost: %s", p->node, p->why);
 }
 
 static void *recv_main(void *arg) {
@@ -224,7 +226,10 @@ static void *recv_main(void *arg) {
     if (!f || !buf || read_all(p->fd, buf, len, -1)) {
       free(f);
       free(buf);
-      peer_dead(p, "%s", !f || !buf ? "out of memory" : errno ? strerror(errno) : "connection closed mid-frame");
+      peer_dead(p, "%s",
+                !f || !buf ? "out of memory"
+                : errno    ? strerror(errno)
+                           : "connection closed mid-frame");
       return NULL;
     }
     net_hdr_t *h = (net_hdr_t *)buf;
@@ -250,8 +255,8 @@ static void *recv_main(void *arg) {
 }
 
 epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
-                             const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret, uint32_t timeout_ms,
-                             char *err, size_t errlen) {
+                             const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret,
+                             uint32_t timeout_ms, char *err, size_t errlen) {
   net->nodes = nodes;
   net->node_rank = node_rank;
   uint64_t deadline = mono_ms() + timeout_ms;
@@ -272,8 +277,8 @@ epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
       if (fd >= 0) close(fd);
       fd = -1;
       if (mono_ms() >= deadline) {
-        snprintf(err, errlen, "data link to node %u at %s: %s (cluster.timeout_ms %u)", n, peers[n], strerror(e),
-                 timeout_ms);
+        snprintf(err, errlen, "data link to node %u at %s: %s (cluster.timeout_ms %u)", n, peers[n],
+                 strerror(e), timeout_ms);
         freeaddrinfo(ai);
         return EPD_ERR_TIMEOUT;
       }
@@ -298,7 +303,8 @@ epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
       char missing[128] = "";
       for (uint32_t n = node_rank + 1; n < nodes; n++)
         if (net->peer[n].fd < 0)
-          snprintf(missing + strlen(missing), sizeof missing - strlen(missing), "%s%u", *missing ? ", " : "", n);
+          snprintf(missing + strlen(missing), sizeof missing - strlen(missing), "%s%u", *missing ? ", " : "",
+                   n);
       snprintf(err, errlen, "data links from node(s) %s not made within cluster.timeout_ms %u", missing,
                timeout_ms);
       return EPD_ERR_TIMEOUT;
@@ -353,8 +359,12 @@ void epd_net_destroy(epd_net_t *net) {
   free(net);
 }
 
-uint32_t epd_net_nodes(const epd_net_t *net) { return net ? net->nodes : 1; }
-uint32_t epd_net_node_rank(const epd_net_t *net) { return net ? net->node_rank : 0; }
+uint32_t epd_net_nodes(const epd_net_t *net) {
+  return net ? net->nodes : 1;
+}
+uint32_t epd_net_node_rank(const epd_net_t *net) {
+  return net ? net->node_rank : 0;
+}
 void epd_net_counters(const epd_net_t *net, uint64_t *tx_bytes, uint64_t *rx_bytes, uint64_t *tx_frames,
                       uint64_t *rx_frames) {
   *tx_bytes = net ? atomic_load(&net->tx_bytes) : 0;
@@ -417,12 +427,12 @@ typedef struct net_group {
   uint64_t sent_step; /* UINT64_MAX: nothing sent yet */
   int lstatus, lbad;
   char lwhy[192];
-  epd_ref_plan_t lplan; /* routing of this node's tokens only (dedup, HT counts, statistics) */
-  uint16_t *x[EPD_MAX_RANKS];   /* remote ranks' received tokens, [M, H] */
-  int64_t *idx[EPD_MAX_RANKS];  /* [M, K], -1 where not received */
+  epd_ref_plan_t lplan;        /* routing of this node's tokens only (dedup, HT counts, statistics) */
+  uint16_t *x[EPD_MAX_RANKS];  /* remote ranks' received tokens, [M, H] */
+  int64_t *idx[EPD_MAX_RANKS]; /* [M, K], -1 where not received */
   float *w[EPD_MAX_RANKS];
-  uint32_t *ht_local;           /* [W] this node's HT tokens per destination rank */
-  net_frame_t *f[MAX_NODES];    /* frames of the step, taken when all are in */
+  uint32_t *ht_local;        /* [W] this node's HT tokens per destination rank */
+  net_frame_t *f[MAX_NODES]; /* frames of the step, taken when all are in */
 } net_group_t;
 
 void eng_net_group_free(eng_group_t *grp) {
@@ -469,15 +479,19 @@ static net_group_t *group_state(epd_engine_t *eng, eng_group_t *grp) {
   return ng;
 }
 
-static int op_ok(uint32_t op) { return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE; }
-static int op_dispatch(uint32_t op) { return op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH; }
+static int op_ok(uint32_t op) {
+  return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE;
+}
+static int op_dispatch(uint32_t op) {
+  return op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH;
+}
 
 static uint64_t map_hash(const epd_expert_map_t *m) {
   uint64_t h = 1469598103934665603ull;
-#define MIX(v)                                                                                                 \
-  do {                                                                                                         \
-    h ^= (uint64_t)(v);                                                                                        \
-    h *= 1099511628211ull;                                                                                     \
+#define MIX(v)             \
+  do {                     \
+    h ^= (uint64_t)(v);    \
+    h *= 1099511628211ull; \
   } while (0)
   MIX(m->version);
   for (uint32_t e = 0; e < m->num_experts; e++) {
@@ -501,8 +515,8 @@ static int goes_to(const epd_ref_plan_t *p, uint32_t L, uint32_t src, uint32_t t
 }
 
 /* acc += this node's part of OUT[src][t]: its ranks' weighted expert outputs (LL) / rows (HT). */
-static void add_partial(const epd_ref_plan_t *p, int mode, uint32_t L, uint32_t node, const uint16_t *const *y,
-                        uint32_t src, uint32_t t, float *acc) {
+static void add_partial(const epd_ref_plan_t *p, int mode, uint32_t L, uint32_t node,
+                        const uint16_t *const *y, uint32_t src, uint32_t t, float *acc) {
   const epd_ref_geom_t *g = &p->g;
   uint32_t R = g->num_ranks, M = g->max_tokens, K = g->topk, H = g->hidden;
   if (mode == EPD_MODE_LL) {
@@ -573,14 +587,22 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
     memset(in, 0, sizeof in);
     for (uint32_t r = base; r < base + L; r++) {
       eng_client_t *c = grp->client[r];
-      in[r] = (epd_ref_in_t){grp->desc[r].num_tokens, eng_buf(c, EPD_BUF_X, d0->bank),
-                             eng_buf(c, EPD_BUF_TOPK_IDX, d0->bank), eng_buf(c, EPD_BUF_TOPK_WEIGHTS, d0->bank)};
+      in[r] =
+          (epd_ref_in_t){grp->desc[r].num_tokens, eng_buf(c, EPD_BUF_X, d0->bank),
+                         eng_buf(c, EPD_BUF_TOPK_IDX, d0->bank), eng_buf(c, EPD_BUF_TOPK_WEIGHTS, d0->bank)};
     }
     ng->lstatus = epd_ref_plan_build(&ng->lplan, &grp->map, in, &ng->lbad, ng->lwhy, sizeof ng->lwhy);
     if (!ng->lstatus) memcpy(ng->ht_local, ng->lplan.ht_recv, sizeof *ng->ht_local * W);
   }
   const epd_ref_plan_t *gp = &grp->plan[d0->bank < EPD_NUM_BANKS ? d0->bank : 0];
   int combine = same && !dispatch && grp->plan_valid[d0->bank] && gp->mode == mode;
+  if (same && !dispatch && !combine) {
+    ng->lstatus = EPD_ERR_STATE;
+    snprintf(ng->lwhy, sizeof ng->lwhy,
+             "%s combine of bank %u without a successful %s dispatch of that bank "
+             "on node %u",
+             mode == EPD_MODE_LL ? "LL" : "HT", d0->bank, mode == EPD_MODE_LL ? "LL" : "HT", me);
+  }
   const uint16_t *y[EPD_MAX_RANKS] = {0};
   if (combine)
     for (uint32_t r = base; r < base + L; r++)
@@ -658,8 +680,13 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
       /* Tell the peer rather than leave it to time out. */
       b.len = 0;
       b.oom = 0;
-      net_hdr_t hh = {.magic = NET_MAGIC, .src_node = me, .status = EPD_ERR_NOMEM, .bad_rank = (int32_t)base,
-                      .step = grp->steps, .nlocal = 0, .world = W};
+      net_hdr_t hh = {.magic = NET_MAGIC,
+                      .src_node = me,
+                      .status = EPD_ERR_NOMEM,
+                      .bad_rank = (int32_t)base,
+                      .step = grp->steps,
+                      .nlocal = 0,
+                      .world = W};
       snprintf(hh.group, sizeof hh.group, "%s", grp->name);
       snprintf(hh.why, sizeof hh.why, "node %u: out of memory building the step's frame", me);
       oput(&b, &hh, sizeof hh);
@@ -719,6 +746,8 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
   epd_desc_t d[EPD_MAX_RANKS];
   const uint8_t *pay[MAX_NODES] = {0}, *end[MAX_NODES] = {0};
   const uint32_t *htc[MAX_NODES] = {0};
+  /* A node that could not build its frame (out of memory) fails the step everywhere. */
+  if (ng->lstatus == EPD_ERR_NOMEM) return fail(res, EPD_ERR_NOMEM, ng->lbad, "%s", ng->lwhy);
   for (uint32_t n = 0; n < nodes; n++) {
     if (n == me) {
       for (uint32_t r = base; r < base + L; r++) d[r] = grp->desc[r];
@@ -727,16 +756,19 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
     }
     net_frame_t *f = ng->f[n];
     const net_hdr_t *h = (const net_hdr_t *)f->buf;
-    if (h->status == EPD_OK && (h->num_experts != g->num_experts || h->hidden != H || h->topk != K ||
-                                h->max_tokens != M))
-      return fail(res, EPD_ERR_MISMATCH, (int)(n * L), "group %s has num_experts %u, hidden %u, topk %u, max_tokens %u "
-                  "on node %u but %u, %u, %u, %u on node %u (the first attach on each node fixes it)", grp->name,
-                  h->num_experts, h->hidden, h->topk, h->max_tokens, n, g->num_experts, H, K, M, me);
-    if (h->status == EPD_OK && (h->nlocal != L || h->world != W ||
-                                f->len < sizeof *h + (size_t)L * sizeof(net_desc_t) + (size_t)W * 4))
-      return fail(res, EPD_ERR_MISMATCH, (int)(n * L), "node %u sent a frame for %u ranks of %u, this node expects %u of %u "
-                  "(the groups' geometries differ?)", n, h->nlocal, h->world, L, W);
-    if (h->status != EPD_OK) continue;
+    if (h->nlocal == 0) return fail(res, h->status ? h->status : EPD_ERR_PEER, h->bad_rank, "%s", h->why);
+    if (h->num_experts != g->num_experts || h->hidden != H || h->topk != K || h->max_tokens != M)
+      return fail(res, EPD_ERR_MISMATCH, (int)(n * L),
+                  "group %s has num_experts %u, hidden %u, topk %u, max_tokens %u "
+                  "on node %u but %u, %u, %u, %u on node %u (the first attach on each node fixes it)",
+                  grp->name, h->num_experts, h->hidden, h->topk, h->max_tokens, n, g->num_experts, H, K, M,
+                  me);
+    if (h->nlocal != L || h->world != W ||
+        f->len < sizeof *h + (size_t)L * sizeof(net_desc_t) + (size_t)W * 4)
+      return fail(res, EPD_ERR_MISMATCH, (int)(n * L),
+                  "node %u sent a frame for %u ranks of %u, this node expects %u of %u "
+                  "(engine.num_ranks differs?)",
+                  n, h->nlocal, h->world, L, W);
     const net_desc_t *nd = (const net_desc_t *)(h + 1);
     for (uint32_t i = 0; i < L; i++) {
       memset(&d[n * L + i], 0, sizeof d[0]);
@@ -749,26 +781,23 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
     pay[n] = (const uint8_t *)(htc[n] + W);
     end[n] = f->buf + f->len;
   }
-  /* A node that could not build its frame (out of memory) fails the step everywhere. */
-  for (uint32_t n = 0; n < nodes; n++) {
-    if (n == me) continue;
-    const net_hdr_t *h = (const net_hdr_t *)ng->f[n]->buf;
-    if (h->status == EPD_ERR_NOMEM) return fail(res, EPD_ERR_NOMEM, h->bad_rank, "%s", h->why);
-  }
   /* Descriptor checks of engine_host.c's execute_step, over the world. */
   for (uint32_t r = 0; r < W; r++) {
     if (!op_ok(d[r].op))
-      return fail(res, EPD_ERR_INVALID, (int)r, "rank %u: op %u out of range [1, %u]", r, d[r].op, EPD_OP_MAX - 1);
+      return fail(res, EPD_ERR_INVALID, (int)r, "rank %u: op %u out of range [1, %u]", r, d[r].op,
+                  EPD_OP_MAX - 1);
     if (d[r].bank >= EPD_NUM_BANKS)
-      return fail(res, EPD_ERR_INVALID, (int)r, "rank %u: bank %u out of range [0, %u)", r, d[r].bank, EPD_NUM_BANKS);
+      return fail(res, EPD_ERR_INVALID, (int)r, "rank %u: bank %u out of range [0, %u)", r, d[r].bank,
+                  EPD_NUM_BANKS);
     if (op_dispatch(d[r].op) && (d[r].flags & ~(uint32_t)EPD_DESC_FP8))
       return fail(res, EPD_ERR_INVALID, (int)r, "rank %u: unknown flags 0x%x", r, d[r].flags);
   }
   for (uint32_t r = 1; r < W; r++)
     if (d[r].op != d[0].op || d[r].bank != d[0].bank ||
         (op_dispatch(d[r].op) && (d[r].flags & EPD_DESC_FP8) != (d[0].flags & EPD_DESC_FP8)))
-      return fail(res, EPD_ERR_MISMATCH, (int)r, "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x",
-                  r, d[r].op, d[r].bank, d[r].flags, d[0].op, d[0].bank, d[0].flags);
+      return fail(res, EPD_ERR_MISMATCH, (int)r,
+                  "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x", r, d[r].op,
+                  d[r].bank, d[r].flags, d[0].op, d[0].bank, d[0].flags);
   uint32_t op = d[0].op, bank = d[0].bank;
   int fp8 = (d[0].flags & EPD_DESC_FP8) != 0, mode = op <= EPD_OP_LL_COMBINE ? EPD_MODE_LL : EPD_MODE_HT;
   epd_ref_plan_t *plan = &grp->plan[bank];
@@ -780,10 +809,12 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
     for (uint32_t n = 0; n < nodes; n++) {
       const net_hdr_t *h = n == me ? NULL : (const net_hdr_t *)ng->f[n]->buf;
       if (h && (h->map_version != grp->map.version || h->map_hash != mh))
-        return fail(res, EPD_ERR_MISMATCH, (int)(n * L),
-                    "node %u dispatches with expert map version %u, node %u with version %u%s (set the same map on "
-                    "every node)", n, h->map_version, me, grp->map.version,
-                    h->map_version == grp->map.version ? " but different placements" : "");
+        return fail(
+            res, EPD_ERR_MISMATCH, (int)(n * L),
+            "node %u dispatches with expert map version %u, node %u with version %u%s (set the same map on "
+            "every node)",
+            n, h->map_version, me, grp->map.version,
+            h->map_version == grp->map.version ? " but different placements" : "");
     }
     /* Input errors, the lowest node's first (every node reports the same). */
     for (uint32_t n = 0; n < nodes; n++) {
@@ -808,8 +839,8 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
       out[r] = NULL;
       if (r / L == me) {
         eng_client_t *c = grp->client[r];
-        in[r] = (epd_ref_in_t){d[r].num_tokens, eng_buf(c, EPD_BUF_X, bank), eng_buf(c, EPD_BUF_TOPK_IDX, bank),
-                               eng_buf(c, EPD_BUF_TOPK_WEIGHTS, bank)};
+        in[r] = (epd_ref_in_t){d[r].num_tokens, eng_buf(c, EPD_BUF_X, bank),
+                               eng_buf(c, EPD_BUF_TOPK_IDX, bank), eng_buf(c, EPD_BUF_TOPK_WEIGHTS, bank)};
         out[r] = &outs[r];
         if (mode == EPD_MODE_LL) {
           outs[r].recv_x = eng_buf(c, EPD_BUF_LL_RECV_X, bank);
@@ -836,7 +867,8 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
       size_t ent = 4 + (size_t)H * 2 + (size_t)K * 12;
       for (uint32_t r = n * L; r < (n + 1) * L; r++) {
         uint32_t cnt;
-        if (p + 4 > end[n]) return fail(res, EPD_ERR_PEER, (int)r, "node %u sent a truncated dispatch frame", n);
+        if (p + 4 > end[n])
+          return fail(res, EPD_ERR_PEER, (int)r, "node %u sent a truncated dispatch frame", n);
         memcpy(&cnt, p, 4);
         p += 4;
         if (cnt > in[r].num_tokens || (size_t)(end[n] - p) < cnt * ent)
@@ -844,7 +876,8 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
         for (uint32_t i = 0; i < cnt; i++, p += ent) {
           uint32_t t;
           memcpy(&t, p, 4);
-          if (t >= in[r].num_tokens) return fail(res, EPD_ERR_PEER, (int)r, "node %u sent token %u of %u", n, t, in[r].num_tokens);
+          if (t >= in[r].num_tokens)
+            return fail(res, EPD_ERR_PEER, (int)r, "node %u sent token %u of %u", n, t, in[r].num_tokens);
           memcpy(ng->x[r] + (size_t)t * H, p + 4, (size_t)H * 2);
           memcpy(ng->idx[r] + (size_t)t * K, p + 4 + (size_t)H * 2, (size_t)K * 8);
           memcpy(ng->w[r] + (size_t)t * K, p + 4 + (size_t)H * 2 + (size_t)K * 8, (size_t)K * 4);
@@ -856,7 +889,8 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
     grp->plan_valid[bank] = 0;
     epd_result_t rc = epd_ref_plan_build(plan, &grp->map, in, &bad, why, sizeof why);
     if (rc) return fail(res, rc, bad, "%s", why);
-    rc = mode == EPD_MODE_LL ? epd_ref_ll_dispatch(plan, in, fp8, out) : epd_ref_ht_dispatch(plan, in, fp8, out, &bad);
+    rc = mode == EPD_MODE_LL ? epd_ref_ll_dispatch(plan, in, fp8, out)
+                             : epd_ref_ht_dispatch(plan, in, fp8, out, &bad);
     if (rc) return fail(res, rc, bad, "dispatch failed (rank %d)", bad);
     grp->plan_valid[bank] = 1;
     res->map_version = plan->map_version;
@@ -870,11 +904,18 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
     }
     /* Statistics count the tokens of this node's ranks (each node counts its own). */
     for (uint32_t e = 0; e < g->num_experts; e++) grp->expert_tokens[e] += ng->lplan.expert_tokens[e];
-    for (size_t i = 0; i < (size_t)W * g->slots_per_rank; i++) grp->slot_tokens[i] += ng->lplan.slot_tokens[i];
+    for (size_t i = 0; i < (size_t)W * g->slots_per_rank; i++)
+      grp->slot_tokens[i] += ng->lplan.slot_tokens[i];
     res->status = EPD_OK;
     return 1;
   }
-  /* Combine: own partials plus every other node's, added in node order, rounded once. */
+  /* Combine: own partials plus every other node's, added in node order, rounded once. A node that
+   * could not combine (no valid dispatch of the bank there) says so in its frame. */
+  for (uint32_t n = 0; n < nodes; n++) {
+    if (n == me && ng->lstatus) return fail(res, ng->lstatus, ng->lbad, "%s", ng->lwhy);
+    const net_hdr_t *h = n == me ? NULL : (const net_hdr_t *)ng->f[n]->buf;
+    if (h && h->status) return fail(res, h->status, h->bad_rank, "%s", h->why);
+  }
   if (!grp->plan_valid[bank] || plan->mode != mode)
     return fail(res, EPD_ERR_STATE, -1, "%s combine of bank %u without a successful %s dispatch of that bank",
                 mode == EPD_MODE_LL ? "LL" : "HT", bank, mode == EPD_MODE_LL ? "LL" : "HT");
@@ -906,8 +947,10 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
       for (uint32_t i = 0; i < cnt && bad_frame < 0; i++, p += ent) {
         uint32_t t;
         memcpy(&t, p, 4);
-        if (t >= M) bad_frame = (int)n;
-        else part[((size_t)n * L + (r - base)) * M + t] = (const float *)(p + 4);
+        if (t >= M)
+          bad_frame = (int)n;
+        else
+          part[((size_t)n * L + (r - base)) * M + t] = (const float *)(p + 4);
       }
     }
   }
@@ -961,8 +1004,8 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
     net_peer_t *p = &net->peer[n];
     if (atomic_load(&p->dead)) {
       drop_frames(ng);
-      return fail(res, EPD_ERR_PEER, (int)(n * L), "the data link to node %u (ranks %u..%u) is down: %s", n, n * L,
-                  n * L + L - 1, p->why);
+      return fail(res, EPD_ERR_PEER, (int)(n * L), "the data link to node %u (ranks %u..%u) is down: %s", n,
+                  n * L, n * L + L - 1, p->why);
     }
     return 0;
   }

@@ -19,8 +19,8 @@
 #include "ref.h"
 #include "test.h"
 
-#define L 2 /* ranks per node */
-#define W 4 /* world ranks */
+#define L 2           /* ranks per node */
+#define W 4           /* world ranks */
 #define HDR_BYTES 320 /* sizeof(net_hdr_t) in engine_net.c, plus the 8-byte length in front of a frame */
 
 typedef struct cl_client {
@@ -38,7 +38,8 @@ static uint64_t ms_now(void) {
 
 static void *cbuf(cl_client_t *c, uint32_t kind, uint32_t bank) {
   for (uint32_t i = 0; i < c->info.nbuffers; i++)
-    if (c->info.buffers[i].kind == kind && c->info.buffers[i].bank == bank) return c->arena + c->info.buffers[i].offset;
+    if (c->info.buffers[i].kind == kind && c->info.buffers[i].bank == bank)
+      return c->arena + c->info.buffers[i].offset;
   epd_test_fail(__FILE__, __LINE__, "buffer kind %u bank %u missing", kind, bank);
 }
 
@@ -149,8 +150,8 @@ static void cluster_up(cluster_t *cl, uint32_t E, uint32_t H, uint32_t K, uint32
     ASSERT_EQ(c->info.num_ranks, W);
   }
   epd_attach_info_t *i = &cl->c[0].info;
-  cl->g = (epd_ref_geom_t){i->num_ranks, i->num_experts, i->hidden, i->topk, i->max_tokens, i->slots_per_rank,
-                           i->ht_capacity};
+  cl->g = (epd_ref_geom_t){i->num_ranks,  i->num_experts,    i->hidden,     i->topk,
+                           i->max_tokens, i->slots_per_rank, i->ht_capacity};
 }
 
 static void cluster_down(cluster_t *cl) {
@@ -188,8 +189,9 @@ EPD_TEST(cluster_two_nodes_equal_ref) {
     xs[r] = calloc((size_t)M * H, 2);
     is[r] = calloc((size_t)M * K, 8);
     ws[r] = calloc((size_t)M * K, 4);
-    want[r] = (epd_ref_out_t){calloc(rows, (size_t)H * 2), calloc(rows, (size_t)nb * 4), calloc(S, 4),
-                              calloc(rows, 4), calloc(C, (size_t)K * 8), calloc(C, (size_t)K * 4)};
+    want[r] = (epd_ref_out_t){
+        calloc(rows, (size_t)H * 2), calloc(rows, (size_t)nb * 4), calloc(S, 4), calloc(rows, 4),
+        calloc(C, (size_t)K * 8),    calloc(C, (size_t)K * 4)};
     outs[r] = &want[r];
   }
   uint16_t *wout[W];
@@ -231,7 +233,8 @@ EPD_TEST(cluster_two_nodes_equal_ref) {
     deduped |= pairs > ntok;
     uint64_t tx0 = tx_of(cl.net[0]);
     for (int r = 0; r < W; r++)
-      csubmit(&cl.c[r], ht ? EPD_OP_HT_DISPATCH : EPD_OP_LL_DISPATCH, in[r].num_tokens, fp8 ? EPD_DESC_FP8 : 0, bank);
+      csubmit(&cl.c[r], ht ? EPD_OP_HT_DISPATCH : EPD_OP_LL_DISPATCH, in[r].num_tokens,
+              fp8 ? EPD_DESC_FP8 : 0, bank);
     for (int r = 0; r < W; r++) {
       epd_comp_t comp = cwait(&cl.c[r]);
       ASSERT_EQ(comp.status, EPD_OK);
@@ -256,8 +259,8 @@ EPD_TEST(cluster_two_nodes_equal_ref) {
         ASSERT(!memcmp(rx + row * rowb, (uint8_t *)want[r].recv_x + row * rowb, cmpb));
         if (fp8) ASSERT(!memcmp(rsc + row * nb, want[r].recv_scales + row * nb, (size_t)nb * 4));
         if (ht) {
-          ASSERT(!memcmp((int64_t *)cbuf(c, EPD_BUF_HT_RECV_TOPK_IDX, bank) + row * K, want[r].recv_topk_idx + row * K,
-                         (size_t)K * 8));
+          ASSERT(!memcmp((int64_t *)cbuf(c, EPD_BUF_HT_RECV_TOPK_IDX, bank) + row * K,
+                         want[r].recv_topk_idx + row * K, (size_t)K * 8));
           ASSERT(!memcmp((float *)cbuf(c, EPD_BUF_HT_RECV_TOPK_WEIGHTS, bank) + row * K,
                          want[r].recv_topk_weights + row * K, (size_t)K * 4));
         }
@@ -275,7 +278,8 @@ EPD_TEST(cluster_two_nodes_equal_ref) {
       ASSERT_EQ(comp.status, EPD_OK);
       const uint16_t *o = cbuf(&cl.c[r], EPD_BUF_OUT, bank);
       for (size_t i = 0; i < (size_t)in[r].num_tokens * H; i++) {
-        /* Partials are added per node: the f32 sum may round differently, never by more than BF16 rounding. */
+        /* Partials are added per node: the f32 sum may round differently, never by more than BF16 rounding.
+         */
         float a = epd_bf16_to_f32(o[i]), b = epd_bf16_to_f32(wout[r][i]);
         if (!(fabsf(a - b) <= fabsf(b) / 128 + 1e-3f))
           epd_test_fail(__FILE__, __LINE__, "step %d rank %d out[%zu] = %g, reference %g", step, r, i, a, b);
@@ -332,7 +336,7 @@ EPD_TEST(cluster_ht_overflow_decided_over_the_world) {
     int64_t *idx = cbuf(&cl.c[r], EPD_BUF_TOPK_IDX, 0);
     float *w = cbuf(&cl.c[r], EPD_BUF_TOPK_WEIGHTS, 0);
     for (uint32_t t = 0; t < T; t++) {
-      idx[t * K] = 0;      /* expert 0: rank 0 */
+      idx[t * K] = 0; /* expert 0: rank 0 */
       idx[t * K + 1] = -1;
       w[t * K] = 1.0f;
     }
@@ -349,6 +353,44 @@ EPD_TEST(cluster_ht_overflow_decided_over_the_world) {
     epd_comp_t comp = cwait(&cl.c[r]);
     ASSERT_EQ(comp.status, EPD_OK);
     ASSERT_EQ(comp.num_recv, r == 0 ? 12u : 0u);
+  }
+  cluster_down(&cl);
+}
+
+/* A bad input on one node fails the step on every rank of both nodes with the same error and peer; a
+ * combine of that bank then fails everywhere with EPD_ERR_STATE; the group then runs again. */
+EPD_TEST(cluster_bad_input_fails_every_rank) {
+  cluster_t cl;
+  const uint32_t E = 8, H = 64, K = 2, M = 12;
+  cluster_up(&cl, E, H, K, M, 0);
+  for (int r = 0; r < W; r++) {
+    int64_t *idx = cbuf(&cl.c[r], EPD_BUF_TOPK_IDX, 1);
+    for (uint32_t t = 0; t < M; t++) {
+      idx[t * K] = (int64_t)((t + (uint32_t)r) % E);
+      idx[t * K + 1] = -1;
+    }
+  }
+  int64_t *bad = cbuf(&cl.c[3], EPD_BUF_TOPK_IDX, 1);
+  bad[2 * K + 1] = E; /* rank 3 (node 1), token 2: expert out of range */
+  for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 4, 0, 1);
+  for (int r = 0; r < W; r++) {
+    epd_comp_t comp = cwait(&cl.c[r]);
+    ASSERT_EQ(comp.status, EPD_ERR_BAD_EXPERT);
+    ASSERT_EQ(comp.peer, 3);
+  }
+  for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_COMBINE, 0, 0, 1);
+  for (int r = 0; r < W; r++) ASSERT_EQ(cwait(&cl.c[r]).status, EPD_ERR_STATE);
+  bad[2 * K + 1] = -1;
+  for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 4, 0, 1);
+  for (int r = 0; r < W; r++) ASSERT_EQ(cwait(&cl.c[r]).status, EPD_OK);
+  for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_COMBINE, 0, 0, 1);
+  for (int r = 0; r < W; r++) ASSERT_EQ(cwait(&cl.c[r]).status, EPD_OK);
+  /* Ranks that disagree on the op, across nodes: EPD_ERR_MISMATCH everywhere. */
+  for (int r = 0; r < W; r++) csubmit(&cl.c[r], r == 2 ? EPD_OP_HT_DISPATCH : EPD_OP_LL_DISPATCH, 4, 0, 1);
+  for (int r = 0; r < W; r++) {
+    epd_comp_t comp = cwait(&cl.c[r]);
+    ASSERT_EQ(comp.status, EPD_ERR_MISMATCH);
+    ASSERT_EQ(comp.peer, 2);
   }
   cluster_down(&cl);
 }
