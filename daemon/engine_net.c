@@ -424,6 +424,7 @@ static int net_has(epd_net_t *net, const char *group, uint64_t step, uint32_t no
 
 /* Per group: what this node sent for the step being collected, and the remote ranks' inputs. */
 typedef struct net_group {
+  epd_net_t *net;
   uint64_t sent_step; /* UINT64_MAX: nothing sent yet */
   int lstatus, lbad;
   char lwhy[192];
@@ -438,6 +439,20 @@ typedef struct net_group {
 void eng_net_group_free(eng_group_t *grp) {
   net_group_t *ng = grp->net;
   if (!ng) return;
+  /* The group's queued frames belong to this incarnation: a group of the same name created later
+   * starts again at step 0 and must not take them. */
+  pthread_mutex_lock(&ng->net->mu);
+  for (net_frame_t **pp = &ng->net->frames; *pp;) {
+    net_frame_t *f = *pp;
+    if (!strcmp(f->group, grp->name)) {
+      *pp = f->next;
+      free(f->buf);
+      free(f);
+      continue;
+    }
+    pp = &f->next;
+  }
+  pthread_mutex_unlock(&ng->net->mu);
   epd_ref_plan_free(&ng->lplan);
   for (int r = 0; r < EPD_MAX_RANKS; r++) {
     free(ng->x[r]);
@@ -459,6 +474,7 @@ static net_group_t *group_state(epd_engine_t *eng, eng_group_t *grp) {
   net_group_t *ng = calloc(1, sizeof *ng);
   if (!ng) return NULL;
   ng->sent_step = UINT64_MAX;
+  ng->net = eng->o.net;
   const epd_ref_geom_t *g = &grp->g;
   uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank;
   int ok = epd_ref_plan_init(&ng->lplan, g) == EPD_OK;
