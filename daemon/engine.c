@@ -12,6 +12,8 @@
 #include <string.h>
 #include <time.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include "engine_internal.h"
@@ -43,6 +45,62 @@ int eng_make_memfd(const char *name, uint64_t bytes, void **map, char *err, size
   }
   *map = p;
   return fd;
+}
+
+int eng_client_memfd(const eng_client_t *c, const char *what, uint64_t bytes, void **map, char *err,
+                     size_t errlen) {
+  char name[64];
+  snprintf(name, sizeof name, "epd-%s-%llu", what, (unsigned long long)c->id);
+  return eng_make_memfd(name, bytes, map, err, errlen);
+}
+
+void eng_queue_init(eng_client_t *c, epd_queue_t *q) {
+  q->magic = EPD_QUEUE_MAGIC;
+  q->abi_version = EPD_ABI_VERSION;
+  q->nslots = EPD_QUEUE_SLOTS;
+  q->rank = (uint32_t)c->rank;
+  q->client_id = c->id;
+  q->map_version = c->grp->map.version;
+  c->next_slot = 0;
+  c->in_step = 0;
+}
+
+void eng_slot_complete(epd_queue_t *q, epd_slot_t *s, const epd_comp_t *comp, uint32_t map_version) {
+  s->comp = *comp;
+  if (comp->status && !q->sticky_error) q->sticky_error = comp->status;
+  q->map_version = map_version;
+  q->steps_done++;
+  atomic_store_explicit((_Atomic uint32_t *)&s->state, EPD_SLOT_DONE, memory_order_release);
+}
+
+int eng_lost_rank(const eng_group_t *grp, char *why, size_t len) {
+  for (uint32_t p = 0; p < grp->g.num_ranks; p++)
+    if (grp->lost[p] && !grp->client[p]) {
+      snprintf(why, len, "the client of rank %u died and has not been replaced", p);
+      return (int)p;
+    }
+  return -1;
+}
+
+int eng_timeout_rank(const epd_engine_t *eng, const int *arrived, uint32_t num_ranks, char *why, size_t len) {
+  int missing = -1;
+  for (uint32_t r = 0; r < num_ranks && missing < 0; r++)
+    if (!arrived[r]) missing = (int)r;
+  snprintf(why, len, "waited %u ms for rank %d", eng->o.step_timeout_ms, missing);
+  return missing;
+}
+
+void eng_rank_thread_init(const char *prefix, int rank) {
+  char name[16];
+  snprintf(name, sizeof name, "%s%d", prefix, rank);
+  pthread_setname_np(pthread_self(), name);
+  /* Few-microsecond sleeps need a small timer slack (the default 50 us would make every sleep long). */
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+}
+
+void eng_sleep_ns(long ns) {
+  struct timespec ts = {0, ns};
+  nanosleep(&ts, NULL);
 }
 
 uint64_t eng_now_ns(void) {

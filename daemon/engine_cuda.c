@@ -30,7 +30,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/prctl.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -175,12 +174,6 @@ static epd_result_t cu_err(CUresult r, const char *what, char *err, size_t errle
   if (cu.cuGetErrorString) cu.cuGetErrorString(r, &s);
   snprintf(err, errlen, "%s: %s (%d)", what, s ? s : "CUDA driver error", (int)r);
   return r == CUDA_ERROR_OUT_OF_MEMORY ? EPD_ERR_NOMEM : EPD_ERR_CUDA;
-}
-static uint32_t load_state(epd_slot_t *s) {
-  return atomic_load_explicit((_Atomic uint32_t *)&s->state, memory_order_acquire);
-}
-static void store_state(epd_slot_t *s, uint32_t v) {
-  atomic_store_explicit((_Atomic uint32_t *)&s->state, v, memory_order_release);
 }
 
 static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
@@ -418,11 +411,7 @@ static void complete_rank(epd_engine_t *eng, cuda_grp_t *cg, int r, const epd_co
     c.step = cg->step;
     c.user_tag = cg->desc[r].user_tag;
     c.latency_ns = lat;
-    s->comp = c;
-    cc->queue->steps_done++;
-    cc->queue->map_version = cg->map_version;
-    if (c.status && !cc->queue->sticky_error) cc->queue->sticky_error = c.status;
-    store_state(s, EPD_SLOT_DONE);
+    eng_slot_complete(cc->queue, s, &c, cg->map_version);
     cc->next_slot = (cc->next_slot + 1) % EPD_QUEUE_SLOTS;
     if (cg->grp && cg->grp->client[r]) cg->grp->client[r]->ops++;
     eng_record_op(eng, r, cg->desc[r].op, c.status, 0, lat);
@@ -548,11 +537,11 @@ static int collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int r, uint
      * (one stream submits one op at a time: it waits for DONE before the next). */
     uint32_t k = 0;
     while (k < EPD_QUEUE_SLOTS &&
-           load_state(&cc->queue->slot[(cc->next_slot + k) % EPD_QUEUE_SLOTS]) != EPD_SLOT_SUBMITTED)
+           eng_slot_state(&cc->queue->slot[(cc->next_slot + k) % EPD_QUEUE_SLOTS]) != EPD_SLOT_SUBMITTED)
       k++;
     if (k > 0 && k < EPD_QUEUE_SLOTS) cc->next_slot = (cc->next_slot + k) % EPD_QUEUE_SLOTS;
     epd_slot_t *s = &cc->queue->slot[cc->next_slot];
-    if (load_state(s) == EPD_SLOT_SUBMITTED) {
+    if (eng_slot_state(s) == EPD_SLOT_SUBMITTED) {
       cg->desc[r] = s->desc;
       cg->arrived[r] = 1;
       cg->cc[r] = cc;
@@ -570,20 +559,15 @@ static int collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int r, uint
   }
   if (!cg->narrived || r != 0) return cg->arrived[r];
   /* Rank 0's thread watches the collection for lost peers and the timeout. */
-  for (uint32_t p = 0; p < cg->g.num_ranks; p++)
-    if (grp->lost[p] && !grp->client[p]) {
-      char why[128];
-      snprintf(why, sizeof why, "the client of rank %u died and has not been replaced", p);
-      fail_collect(eng, be, cg, EPD_ERR_PEER, (int)p, why);
-      return 1;
-    }
+  char why[128];
+  int lost = eng_lost_rank(grp, why, sizeof why);
+  if (lost >= 0) {
+    fail_collect(eng, be, cg, EPD_ERR_PEER, lost, why);
+    return 1;
+  }
   /* now was read before mu: another rank thread may have stamped a later first arrival. */
   if (now > cg->first_arrive_ns && now - cg->first_arrive_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
-    int missing = -1;
-    for (uint32_t p = 0; p < cg->g.num_ranks && missing < 0; p++)
-      if (!cg->arrived[p]) missing = (int)p;
-    char why[128];
-    snprintf(why, sizeof why, "waited %u ms for rank %d", eng->o.step_timeout_ms, missing);
+    int missing = eng_timeout_rank(eng, cg->arrived, cg->g.num_ranks, why, sizeof why);
     fail_collect(eng, be, cg, EPD_ERR_TIMEOUT, missing, why);
     return 1;
   }
@@ -639,11 +623,6 @@ static cuda_grp_t *next_to_launch(cuda_be_t *be, int r) {
   return best;
 }
 
-static void sleep_ns(long ns) {
-  struct timespec ts = {0, ns};
-  nanosleep(&ts, NULL);
-}
-
 /* (mu) Free the group entries nobody uses any more, and clients waiting for their step to end. */
 static void reap(epd_engine_t *eng, cuda_be_t *be, cuda_rank_t *rk) {
   for (cuda_client_t **p = &rk->dead; *p;) {
@@ -676,10 +655,8 @@ static void *rank_main(void *arg) {
   epd_engine_t *eng = rk->eng;
   cuda_be_t *be = eng->be;
   int r = rk->rank;
-  char name[16], err[256];
-  snprintf(name, sizeof name, "epd-gpu%d", r);
-  pthread_setname_np(pthread_self(), name);
-  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+  char err[256];
+  eng_rank_thread_init("epd-gpu", r);
   cudaSetDevice(rk->device);
   unsigned idle_polls = 0;
   uint64_t idle_since = eng_now_ns();
@@ -770,7 +747,7 @@ static void *rank_main(void *arg) {
     /* $EPD_CUDA_SPIN_NS: keep spinning (no sleep) this long after the last activity, so the next op
      * of a busy client is seen at once (a core per GPU while clients are active). */
     if (now - idle_since < be->spin_ns) continue;
-    sleep_ns(now - idle_since > IDLE_AFTER_NS ? LONG_SLEEP_NS : SHORT_SLEEP_NS);
+    eng_sleep_ns(now - idle_since > IDLE_AFTER_NS ? LONG_SLEEP_NS : SHORT_SLEEP_NS);
   }
   return NULL;
 }
@@ -957,10 +934,8 @@ static epd_result_t cuda_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
   cc->device = be->rank[c->rank].device;
   cc->queue_bytes = c->queue_bytes;
   epd_result_t rc;
-  char name[64];
   void *q = NULL;
-  snprintf(name, sizeof name, "epd-queue-%llu", (unsigned long long)c->id);
-  cc->queue_fd = eng_make_memfd(name, c->queue_bytes, &q, err, errlen);
+  cc->queue_fd = eng_client_memfd(c, "queue", c->queue_bytes, &q, err, errlen);
   if (cc->queue_fd < 0) {
     rc = EPD_ERR_SYSTEM;
     goto fail;
@@ -980,21 +955,13 @@ static epd_result_t cuda_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
   }
   cc->queue_dev = (uint64_t)(uintptr_t)qd;
   if ((rc = arena_alloc(cc, c->arena_bytes, cc->device, err, errlen))) goto fail;
-  epd_queue_t *qu = q; /* fresh memfd pages are zero: every slot FREE */
-  qu->magic = EPD_QUEUE_MAGIC;
-  qu->abi_version = EPD_ABI_VERSION;
-  qu->nslots = EPD_QUEUE_SLOTS;
-  qu->rank = (uint32_t)c->rank;
-  qu->client_id = c->id;
-  qu->map_version = c->grp->map.version;
+  eng_queue_init(c, q); /* fresh memfd pages are zero: every slot FREE */
   c->be = cc;
   c->queue = q;
   c->arena = NULL; /* GPU memory: not CPU-visible */
   c->queue_fd = cc->queue_fd;
   c->arena_fd = cc->arena_fd;
   c->arena_bytes = cc->arena_size;
-  c->next_slot = 0;
-  c->in_step = 0;
   EPD_LOGD(EPD_SUB_CUDA, "client %llu: queue %llu bytes (host, mapped), arena %zu bytes on GPU %d",
            (unsigned long long)c->id, (unsigned long long)c->queue_bytes, cc->arena_size, cc->device);
   return EPD_OK;

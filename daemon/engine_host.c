@@ -16,7 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/prctl.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -53,13 +52,6 @@ static uint64_t host_rank_bytes(const epd_engine_t *eng, int rank) { return 0; }
 
 /* ---- step completion ---------------------------------------------------------------------------- */
 
-static uint32_t load_state(epd_slot_t *s) {
-  return atomic_load_explicit((_Atomic uint32_t *)&s->state, memory_order_acquire);
-}
-static void store_state(epd_slot_t *s, uint32_t v) {
-  atomic_store_explicit((_Atomic uint32_t *)&s->state, v, memory_order_release);
-}
-
 /* Complete the slot a client submitted for the current step. */
 static void complete_slot(epd_engine_t *eng, eng_client_t *c, const epd_desc_t *d, int status, int peer,
                           uint32_t map_version, uint32_t num_recv, uint64_t step, uint64_t latency_ns,
@@ -75,14 +67,10 @@ static void complete_slot(epd_engine_t *eng, eng_client_t *c, const epd_desc_t *
   comp.step = step;
   comp.user_tag = d->user_tag;
   comp.latency_ns = latency_ns;
-  s->comp = comp;
-  if (status && !q->sticky_error) q->sticky_error = status;
-  q->map_version = c->grp->map.version;
-  q->steps_done++;
   c->ops++;
   c->next_slot = (c->next_slot + 1) % EPD_QUEUE_SLOTS;
   c->in_step = 0;
-  store_state(s, EPD_SLOT_DONE);
+  eng_slot_complete(q, s, &comp, c->grp->map.version);
   eng_record_op(eng, c->rank, d->op, status, bytes, latency_ns);
 }
 
@@ -282,17 +270,14 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
   if (c->in_step) {
     if (eng->o.nodes > 1 && net_progress(eng, grp)) return 1;
     if (now - grp->first_arrive_ns <= (uint64_t)eng->o.step_timeout_ms * 1000000ull) return 0;
-    int missing = -1;
-    for (uint32_t r = 0; r < grp->g.num_ranks && missing < 0; r++)
-      if (!grp->arrived[r]) missing = (int)r;
     char why[256];
-    snprintf(why, sizeof why, "waited %u ms for rank %d", eng->o.step_timeout_ms, missing);
+    int missing = eng_timeout_rank(eng, grp->arrived, grp->g.num_ranks, why, sizeof why);
     if (eng->o.nodes > 1) missing = eng_net_missing_rank(eng, grp, why, sizeof why);
     fail_step(eng, grp, EPD_ERR_TIMEOUT, missing, why);
     return 1;
   }
   epd_slot_t *s = &c->queue->slot[c->next_slot];
-  if (load_state(s) != EPD_SLOT_SUBMITTED) return 0;
+  if (eng_slot_state(s) != EPD_SLOT_SUBMITTED) return 0;
   epd_desc_t d = s->desc;
   if (grp->narrived == 0 && eng->draining) {
     c->in_step = 1;
@@ -305,13 +290,12 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
   grp->arrive_ns[r] = now;
   if (grp->narrived++ == 0) grp->first_arrive_ns = now;
   c->in_step = 1;
-  for (uint32_t p = 0; p < grp->g.num_ranks; p++)
-    if (grp->lost[p] && !grp->client[p]) {
-      char why[128];
-      snprintf(why, sizeof why, "the client of rank %u died and has not been replaced", p);
-      fail_step(eng, grp, EPD_ERR_PEER, (int)p, why);
-      return 1;
-    }
+  char why[128];
+  int lost = eng_lost_rank(grp, why, sizeof why);
+  if (lost >= 0) {
+    fail_step(eng, grp, EPD_ERR_PEER, lost, why);
+    return 1;
+  }
   if (eng->o.nodes > 1)
     net_progress(eng, grp);
   else if (grp->narrived == grp->g.num_ranks)
@@ -319,20 +303,11 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
   return 1;
 }
 
-static void sleep_ns(long ns) {
-  struct timespec ts = {0, ns};
-  nanosleep(&ts, NULL);
-}
-
 static void *rank_main(void *arg) {
   host_rank_t *hr = arg;
   epd_engine_t *eng = hr->eng;
   host_be_t *be = eng->be;
-  char name[16];
-  snprintf(name, sizeof name, "epd-rank%d", hr->rank);
-  pthread_setname_np(pthread_self(), name);
-  /* Few-microsecond sleeps need a small timer slack (the default 50 us would make every sleep long). */
-  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+  eng_rank_thread_init("epd-rank", hr->rank);
   unsigned idle_polls = 0;
   uint64_t idle_since = eng_now_ns();
   while (!atomic_load(&be->stop)) {
@@ -367,7 +342,7 @@ static void *rank_main(void *arg) {
     }
     if (++idle_polls < SPIN_POLLS) continue;
     uint64_t idle = now - idle_since;
-    sleep_ns(idle > COLD_NS ? LONG_SLEEP_NS : idle > WARM_NS ? MID_SLEEP_NS : SHORT_SLEEP_NS);
+    eng_sleep_ns(idle > COLD_NS ? LONG_SLEEP_NS : idle > WARM_NS ? MID_SLEEP_NS : SHORT_SLEEP_NS);
   }
   return NULL;
 }
@@ -414,12 +389,9 @@ static void host_destroy(epd_engine_t *eng) {
 
 static epd_result_t host_client_alloc(epd_engine_t *eng, eng_client_t *c, char *err, size_t errlen) {
   void *q = NULL, *a = NULL;
-  char name[64];
-  snprintf(name, sizeof name, "epd-queue-%llu", (unsigned long long)c->id);
-  c->queue_fd = eng_make_memfd(name, c->queue_bytes, &q, err, errlen);
+  c->queue_fd = eng_client_memfd(c, "queue", c->queue_bytes, &q, err, errlen);
   if (c->queue_fd < 0) return EPD_ERR_SYSTEM;
-  snprintf(name, sizeof name, "epd-arena-%llu", (unsigned long long)c->id);
-  c->arena_fd = eng_make_memfd(name, c->arena_bytes, &a, err, errlen);
+  c->arena_fd = eng_client_memfd(c, "arena", c->arena_bytes, &a, err, errlen);
   if (c->arena_fd < 0) {
     munmap(q, c->queue_bytes);
     close(c->queue_fd);
@@ -428,15 +400,7 @@ static epd_result_t host_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
   }
   c->queue = q;
   c->arena = a;
-  epd_queue_t *qu = q; /* fresh memfd pages are zero: every slot FREE */
-  qu->magic = EPD_QUEUE_MAGIC;
-  qu->abi_version = EPD_ABI_VERSION;
-  qu->nslots = EPD_QUEUE_SLOTS;
-  qu->rank = (uint32_t)c->rank;
-  qu->client_id = c->id;
-  qu->map_version = c->grp->map.version;
-  c->next_slot = 0;
-  c->in_step = 0;
+  eng_queue_init(c, q); /* fresh memfd pages are zero: every slot FREE */
   pthread_cond_broadcast(&((host_be_t *)eng->be)->attached);
   return EPD_OK;
 }

@@ -12,6 +12,7 @@
 
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdint.h>
 
 #include "engine.h"
@@ -157,6 +158,32 @@ void eng_record_op(epd_engine_t *eng, int rank, uint32_t op, int status, uint64_
 const char *eng_result_name(int result);
 /* Address of buffer (kind, bank) in a client's CPU-visible arena. */
 void *eng_buf(const eng_client_t *c, uint32_t kind, uint32_t bank);
+
+/* Queues and slots, shared by the backends. */
+/* A memfd "epd-<what>-<client id>" of `bytes` for client c, mapped in *map; fd or -1 (err). */
+int eng_client_memfd(const eng_client_t *c, const char *what, uint64_t bytes, void **map, char *err,
+                     size_t errlen);
+/* (mu) Write the header of c's fresh (zeroed: every slot FREE) queue q and start c's ring at slot 0. */
+void eng_queue_init(eng_client_t *c, epd_queue_t *q);
+/* A slot's state word (acquire: the descriptor written before SUBMITTED is visible after). */
+static inline uint32_t eng_slot_state(epd_slot_t *s) {
+  return atomic_load_explicit((_Atomic uint32_t *)&s->state, memory_order_acquire);
+}
+/* (mu) Write comp into slot s of queue q, account it in q's header (sticky error, map version, steps
+ * done), then mark the slot DONE (release: the client sees all of it once it sees DONE). */
+void eng_slot_complete(epd_queue_t *q, epd_slot_t *s, const epd_comp_t *comp, uint32_t map_version);
+
+/* Step bookkeeping, shared by the backends. */
+/* (mu) The first rank of grp whose client died and has not been replaced (why gets the message), or -1. */
+int eng_lost_rank(const eng_group_t *grp, char *why, size_t len);
+/* The first rank of num_ranks not in arrived[] (-1: none); why gets the step timeout message. */
+int eng_timeout_rank(const epd_engine_t *eng, const int *arrived, uint32_t num_ranks, char *why, size_t len);
+
+/* Rank threads. */
+/* Name the calling thread "<prefix><rank>" and give it a small timer slack for short sleeps. */
+void eng_rank_thread_init(const char *prefix, int rank);
+/* Sleep ns nanoseconds (less than a second). */
+void eng_sleep_ns(long ns);
 
 /* Scale-out hooks of the host backend (engine_net.c), used when eng->o.nodes > 1. The outcome of a
  * step that ran (or failed) across nodes: */
