@@ -59,6 +59,7 @@ static struct {
   pthread_mutex_t lock;
   epd_conf_t conf;
   int drain_requested, drain_exit_requested;
+  int drain_announced; /* loop thread: the drain event, health and notify were done */
 } d = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static void usage(FILE *f) {
@@ -160,6 +161,10 @@ static void hook_drain(void *arg, int exit_when_idle) {
   d.drain_requested = 1;
   d.drain_exit_requested |= exit_when_idle != 0;
   pthread_mutex_unlock(&d.lock);
+  /* Visible before the RPC returns (a GetStatus right after a Drain says "draining" and no step starts);
+   * the loop does the rest (event, health, notify, exit timer). */
+  epd_engine_set_draining(d.eng, 1);
+  atomic_store(&d.state, ST_DRAINING);
   uv_async_send(&d.wake);
 }
 
@@ -203,7 +208,8 @@ static void drain_tick(uv_timer_t *t) {
 }
 
 static void begin_drain(int exit_when_idle, const char *why) {
-  if (atomic_load(&d.state) != ST_DRAINING) {
+  if (!d.drain_announced) {
+    d.drain_announced = 1;
     atomic_store(&d.state, ST_DRAINING);
     epd_engine_set_draining(d.eng, 1);
     epd_rpc_set_serving(0);
