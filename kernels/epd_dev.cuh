@@ -1,12 +1,19 @@
 /*
  * epd_dev.cuh - small device helpers shared by the epd kernels (timers, system-scope flag accesses,
- * BF16 packing). Header-only, internal linkage: include it from kernels/*.cu only.
+ * BF16 packing), and the host-side pieces their launchers share (error text, device communicator and
+ * LSA team checks, the geometry part of a kernel's parameters). Header-only: include it from
+ * kernels/*.cu only.
  */
 #ifndef EPD_DEV_CUH
 #define EPD_DEV_CUH
 
 #include <cuda_bf16.h>
+#include <nccl.h>
+#include <nccl_device.h>
 #include <stdint.h>
+#include <stdio.h>
+
+#include "epd_kernels.h"
 
 namespace epd_dev {
 
@@ -38,6 +45,55 @@ __device__ __forceinline__ float bf16_to_f(uint32_t v16) { return __uint_as_floa
 __device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
   __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
   return *(uint32_t *)&h;
+}
+
+/* ---- host side of the launchers ---------------------------------------------------------------- */
+
+/* err gets fmt formatted with (what, a, b) where the caller gave room for it; returns r. */
+static inline epd_result_t set_err(char *err, size_t errlen, epd_result_t r, const char *fmt,
+                                   const char *what, long a, long b) {
+  if (err && errlen) snprintf(err, errlen, fmt, what, a, b);
+  return r;
+}
+
+/* ncclDevCommCreate of a kernel context; EPD_ERR_NCCL (err says why) when it fails. */
+static inline epd_result_t dev_comm_create(ncclComm_t comm, const ncclDevCommRequirements_t *req,
+                                           ncclDevComm_t *dev, char *err, size_t errlen) {
+  ncclResult_t nr = ncclDevCommCreate(comm, req, dev);
+  if (nr == ncclSuccess) return EPD_OK;
+  if (err && errlen)
+    snprintf(err, errlen, "ncclDevCommCreate failed: %s (the communicator may lack device API support)",
+             ncclGetErrorString(nr));
+  return EPD_ERR_NCCL;
+}
+
+/* EPD_OK if the LSA team of dev is the geometry's (num_ranks ranks, this one at rank), else
+ * EPD_ERR_INVALID (err says both). */
+static inline epd_result_t check_lsa_team(const ncclDevComm_t *dev, uint32_t num_ranks, uint32_t rank,
+                                          char *err, size_t errlen) {
+  if ((uint32_t)dev->lsaSize == num_ranks && (uint32_t)dev->lsaRank == rank) return EPD_OK;
+  if (err && errlen)
+    snprintf(err, errlen, "LSA team is %d ranks with this one at %d, geometry says %u ranks, rank %u",
+             dev->lsaSize, dev->lsaRank, num_ranks, rank);
+  return EPD_ERR_INVALID;
+}
+
+/* The parts of a kernel's parameters that come from its context: window, layout and geometry (LL and HT
+ * alike; HT's capacity is its own). */
+template <typename Params, typename Ctx>
+static inline void params_from_ctx(Params &p, const Ctx *k) {
+  p.win = k->win;
+  p.win_off = k->win_off;
+  p.local = k->local;
+  p.lay = k->lay;
+  p.R = k->g.num_ranks;
+  p.rank = k->g.rank;
+  p.E = k->g.num_experts;
+  p.H = k->g.hidden;
+  p.K = k->g.topk;
+  p.M = k->g.max_tokens;
+  p.S = k->g.slots_per_rank;
+  p.G = k->g.blocks;
 }
 
 } /* namespace epd_dev */

@@ -731,31 +731,25 @@ struct epd_k_ht {
 
 static uint32_t ht_blocks(const epd_k_ht_geom_t *g) { return g->blocks ? g->blocks : EPD_K_HT_BLOCKS; }
 
-static epd_result_t ht_err(char *err, size_t errlen, epd_result_t r, const char *fmt, const char *what, long a,
-                           long b) {
-  if (err && errlen) snprintf(err, errlen, fmt, what, a, b);
-  return r;
-}
-
 static epd_result_t ht_check_geom(const epd_k_ht_geom_t *g, char *err, size_t errlen) {
   const char *f = "%s = %ld out of range (max %ld)";
   if (g->num_ranks < 1 || g->num_ranks > EPD_K_MAX_RANKS)
-    return ht_err(err, errlen, EPD_ERR_INVALID, f, "num_ranks", g->num_ranks, EPD_K_MAX_RANKS);
-  if (g->rank >= g->num_ranks) return ht_err(err, errlen, EPD_ERR_INVALID, f, "rank", g->rank, g->num_ranks - 1);
+    return set_err(err, errlen, EPD_ERR_INVALID, f, "num_ranks", g->num_ranks, EPD_K_MAX_RANKS);
+  if (g->rank >= g->num_ranks) return set_err(err, errlen, EPD_ERR_INVALID, f, "rank", g->rank, g->num_ranks - 1);
   if (g->hidden == 0 || g->hidden % 128 || g->hidden > EPD_K_MAX_HIDDEN)
-    return ht_err(err, errlen, EPD_ERR_INVALID, "%s = %ld must be a multiple of 128 up to %ld", "hidden", g->hidden,
-                  EPD_K_MAX_HIDDEN);
+    return set_err(err, errlen, EPD_ERR_INVALID, "%s = %ld must be a multiple of 128 up to %ld", "hidden", g->hidden,
+                   EPD_K_MAX_HIDDEN);
   if (g->topk < 1 || g->topk > EPD_K_MAX_TOPK)
-    return ht_err(err, errlen, EPD_ERR_INVALID, f, "topk", g->topk, EPD_K_MAX_TOPK);
+    return set_err(err, errlen, EPD_ERR_INVALID, f, "topk", g->topk, EPD_K_MAX_TOPK);
   if (g->max_tokens < 1 || g->max_tokens > EPD_K_HT_MAX_TOKENS)
-    return ht_err(err, errlen, EPD_ERR_INVALID, f, "max_tokens", g->max_tokens, EPD_K_HT_MAX_TOKENS);
+    return set_err(err, errlen, EPD_ERR_INVALID, f, "max_tokens", g->max_tokens, EPD_K_HT_MAX_TOKENS);
   if (g->capacity < 1 || g->capacity > EPD_K_HT_MAX_TOKENS * EPD_K_MAX_RANKS)
-    return ht_err(err, errlen, EPD_ERR_INVALID, f, "capacity", g->capacity, EPD_K_HT_MAX_TOKENS * EPD_K_MAX_RANKS);
-  if (g->num_experts < 1) return ht_err(err, errlen, EPD_ERR_INVALID, f, "num_experts", 0, 1 << 30);
+    return set_err(err, errlen, EPD_ERR_INVALID, f, "capacity", g->capacity, EPD_K_HT_MAX_TOKENS * EPD_K_MAX_RANKS);
+  if (g->num_experts < 1) return set_err(err, errlen, EPD_ERR_INVALID, f, "num_experts", 0, 1 << 30);
   if (g->slots_per_rank < 1 || g->slots_per_rank > 0x7fff)
-    return ht_err(err, errlen, EPD_ERR_INVALID, f, "slots_per_rank", g->slots_per_rank, 0x7fff);
+    return set_err(err, errlen, EPD_ERR_INVALID, f, "slots_per_rank", g->slots_per_rank, 0x7fff);
   if (ht_blocks(g) > EPD_K_HT_MAX_BLOCKS)
-    return ht_err(err, errlen, EPD_ERR_INVALID, f, "blocks", ht_blocks(g), EPD_K_HT_MAX_BLOCKS);
+    return set_err(err, errlen, EPD_ERR_INVALID, f, "blocks", ht_blocks(g), EPD_K_HT_MAX_BLOCKS);
   return EPD_OK;
 }
 
@@ -771,8 +765,8 @@ epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm
   epd_result_t r = ht_check_geom(g, err, errlen);
   if (r) return r;
   if (!lsa_comm || !window || !window_local || (window_offset % 4096))
-    return ht_err(err, errlen, EPD_ERR_INVALID, "%s: NULL handle or unaligned offset %ld (%ld)", "epd_k_ht_create",
-                  (long)window_offset, 4096);
+    return set_err(err, errlen, EPD_ERR_INVALID, "%s: NULL handle or unaligned offset %ld (%ld)", "epd_k_ht_create",
+                   (long)window_offset, 4096);
   epd_k_ht_t *k = (epd_k_ht_t *)calloc(1, sizeof(*k));
   if (!k) return EPD_ERR_NOMEM;
   k->g = *g;
@@ -785,22 +779,15 @@ epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm
   /* The device communicator only checks that the LSA team is what the geometry says. */
   ncclDevCommRequirements_t req;
   memset(&req, 0, sizeof(req));
-  ncclResult_t nr = ncclDevCommCreate(lsa_comm, &req, &k->dev);
-  if (nr != ncclSuccess) {
+  if ((r = dev_comm_create(lsa_comm, &req, &k->dev, err, errlen))) {
     free(k);
-    if (err && errlen)
-      snprintf(err, errlen, "ncclDevCommCreate failed: %s (the communicator may lack device API support)",
-               ncclGetErrorString(nr));
-    return EPD_ERR_NCCL;
+    return r;
   }
   k->have_dev = 1;
-  if ((uint32_t)k->dev.lsaSize != g->num_ranks || (uint32_t)k->dev.lsaRank != g->rank) {
-    if (err && errlen)
-      snprintf(err, errlen, "LSA team is %d ranks with this one at %d, geometry says %u ranks, rank %u",
-               k->dev.lsaSize, k->dev.lsaRank, g->num_ranks, g->rank);
+  if ((r = check_lsa_team(&k->dev, g->num_ranks, g->rank, err, errlen))) {
     ncclDevCommDestroy(lsa_comm, &k->dev);
     free(k);
-    return EPD_ERR_INVALID;
+    return r;
   }
   cudaError_t ce = cudaSuccess;
   for (int b = 0; b < EPD_NUM_BANKS && ce == cudaSuccess; b++)
@@ -835,28 +822,17 @@ const epd_k_ht_geom_t *epd_k_ht_geom(const epd_k_ht_t *k) { return &k->g; }
 epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const epd_k_ht_op_t *op, void *stream,
                              char *err, size_t errlen) {
   if (!k || !arena || !op)
-    return ht_err(err, errlen, EPD_ERR_INVALID, "%s: NULL argument (%ld %ld)", "epd_k_ht_launch", 0, 0);
+    return set_err(err, errlen, EPD_ERR_INVALID, "%s: NULL argument (%ld %ld)", "epd_k_ht_launch", 0, 0);
   if (op->bank >= EPD_NUM_BANKS)
-    return ht_err(err, errlen, EPD_ERR_INVALID, "%s = %ld out of range (max %ld)", "bank", op->bank, EPD_NUM_BANKS - 1);
+    return set_err(err, errlen, EPD_ERR_INVALID, "%s = %ld out of range (max %ld)", "bank", op->bank, EPD_NUM_BANKS - 1);
   if (op->op != EPD_OP_HT_DISPATCH && op->op != EPD_OP_HT_COMBINE)
-    return ht_err(err, errlen, EPD_ERR_INVALID, "%s = %ld is not an HT op (%ld)", "op", op->op, 0);
+    return set_err(err, errlen, EPD_ERR_INVALID, "%s = %ld is not an HT op (%ld)", "op", op->op, 0);
   if (op->op == EPD_OP_HT_DISPATCH && !op->map)
-    return ht_err(err, errlen, EPD_ERR_INVALID, "%s: no expert map (%ld %ld)", "dispatch", 0, 0);
+    return set_err(err, errlen, EPD_ERR_INVALID, "%s: no expert map (%ld %ld)", "dispatch", 0, 0);
   HTParams p;
   memset(&p, 0, sizeof(p));
-  p.win = k->win;
-  p.win_off = k->win_off;
-  p.local = k->local;
-  p.lay = k->lay;
-  p.R = k->g.num_ranks;
-  p.rank = k->g.rank;
-  p.E = k->g.num_experts;
-  p.H = k->g.hidden;
-  p.K = k->g.topk;
-  p.M = k->g.max_tokens;
-  p.S = k->g.slots_per_rank;
+  params_from_ctx(p, k);
   p.C = k->g.capacity;
-  p.G = k->g.blocks;
   p.flags = op->flags;
   p.T = op->num_tokens > 0xffffffu ? 0xffffffu : op->num_tokens; /* > M: reported on every rank */
   p.bank = op->bank;

@@ -30,7 +30,10 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "epd_dev.cuh"
 #include "epd_kernels.h"
+
+using namespace epd_dev;
 
 namespace {
 
@@ -81,25 +84,10 @@ struct LLParams {
   epd_k_arena_t arena;
 };
 
-__host__ __device__ inline uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
-
-__device__ __forceinline__ uint64_t gtimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t *p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
 #define TRACE(i)                                                              \
   do {                                                                        \
     if (p.trace && blockIdx.x == 0 && threadIdx.x == 0) p.trace[i] = gtimer(); \
   } while (0)
-__device__ __forceinline__ void st_relaxed_sys(uint64_t *p, uint64_t v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
 
 /* Base of bank b of rank `peer`'s LL area (peer == rank gives the local address). */
 __device__ __forceinline__ char *peer_bank(const LLParams &p, int peer) {
@@ -109,12 +97,6 @@ __device__ __forceinline__ char *local_bank(const LLParams &p) { return p.local 
 template <typename T>
 __device__ __forceinline__ T *arena_buf(const LLParams &p, int kind) {
   return (T *)(uintptr_t)(p.arena.base + p.arena.off[p.bank][kind]);
-}
-
-__device__ __forceinline__ float bf16_to_f(uint16_t v) { return __uint_as_float((uint32_t)v << 16); }
-__device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *(uint32_t *)&h;
 }
 
 /* Shared state of one block's wait. */
@@ -721,12 +703,6 @@ struct epd_k_ll {
   int device;
 };
 
-static epd_result_t set_err(char *err, size_t errlen, epd_result_t r, const char *fmt, const char *what,
-                            long a, long b) {
-  if (err && errlen) snprintf(err, errlen, fmt, what, a, b);
-  return r;
-}
-
 static uint32_t geom_blocks(const epd_k_ll_geom_t *g) { return g->blocks ? g->blocks : EPD_K_LL_BLOCKS; }
 
 static epd_result_t check_geom(const epd_k_ll_geom_t *g, char *err, size_t errlen) {
@@ -827,13 +803,9 @@ epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm
   ncclDevCommRequirements_t req;
   memset(&req, 0, sizeof(req));
   req.lsaBarrierCount = 1;
-  ncclResult_t nr = ncclDevCommCreate(lsa_comm, &req, &k->dev);
-  if (nr != ncclSuccess) {
+  if ((r = dev_comm_create(lsa_comm, &req, &k->dev, err, errlen))) {
     free(k);
-    if (err && errlen)
-      snprintf(err, errlen, "ncclDevCommCreate failed: %s (the communicator may lack device API support)",
-               ncclGetErrorString(nr));
-    return EPD_ERR_NCCL;
+    return r;
   }
   k->have_dev = 1;
   {
@@ -849,13 +821,10 @@ epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm
       return EPD_ERR_INVALID;
     }
   }
-  if ((uint32_t)k->dev.lsaSize != g->num_ranks || (uint32_t)k->dev.lsaRank != g->rank) {
-    if (err && errlen)
-      snprintf(err, errlen, "LSA team is %d ranks with this one at %d, geometry says %u ranks, rank %u",
-               k->dev.lsaSize, k->dev.lsaRank, g->num_ranks, g->rank);
+  if ((r = check_lsa_team(&k->dev, g->num_ranks, g->rank, err, errlen))) {
     ncclDevCommDestroy(lsa_comm, &k->dev);
     free(k);
-    return EPD_ERR_INVALID;
+    return r;
   }
   cudaError_t ce = cudaMemset(k->local, 0, k->lay.bank_bytes * EPD_NUM_BANKS);
   if (ce == cudaSuccess) ce = cudaDeviceSynchronize();
@@ -893,18 +862,7 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
     return set_err(err, errlen, EPD_ERR_INVALID, "%s: no expert map (%ld %ld)", "dispatch", 0, 0);
   LLParams p;
   memset(&p, 0, sizeof(p));
-  p.win = k->win;
-  p.win_off = k->win_off;
-  p.local = k->local;
-  p.lay = k->lay;
-  p.R = k->g.num_ranks;
-  p.rank = k->g.rank;
-  p.E = k->g.num_experts;
-  p.H = k->g.hidden;
-  p.K = k->g.topk;
-  p.M = k->g.max_tokens;
-  p.S = k->g.slots_per_rank;
-  p.G = k->g.blocks;
+  params_from_ctx(p, k);
   p.flags = op->flags;
   p.T = op->num_tokens; /* > M is reported on every rank by the kernel */
   p.bank = op->bank;
@@ -933,18 +891,7 @@ epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *aren
   if (!k || !arena || !map || !queue || !stop) return EPD_ERR_INVALID;
   LLParams p;
   memset(&p, 0, sizeof(p));
-  p.win = k->win;
-  p.win_off = k->win_off;
-  p.local = k->local;
-  p.lay = k->lay;
-  p.R = k->g.num_ranks;
-  p.rank = k->g.rank;
-  p.E = k->g.num_experts;
-  p.H = k->g.hidden;
-  p.K = k->g.topk;
-  p.M = k->g.max_tokens;
-  p.S = k->g.slots_per_rank;
-  p.G = k->g.blocks;
+  params_from_ctx(p, k);
   p.timeout_ns = timeout_ns ? timeout_ns : EPD_K_DEFAULT_TIMEOUT_NS;
   p.map = (const uint32_t *)map;
   p.arena = *arena;
