@@ -118,7 +118,7 @@ static void make_inputs(void) {
         for (int d = 0; d < NR; d++)
           if ((mask >> d) & 1) per_dest[set][r][d]++;
       }
-      CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+      CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
       CU(cudaMemcpy(llh_buf(&H, r, set, EPD_BUF_X), x, (size_t)M_ * H_ * 2, cudaMemcpyHostToDevice));
       CU(cudaMemcpy(llh_buf(&H, r, set, EPD_BUF_TOPK_IDX), topk_h[set][r], M_ * K_ * 8, cudaMemcpyHostToDevice));
       CU(cudaMemcpy(llh_buf(&H, r, set, EPD_BUF_TOPK_WEIGHTS), w, M_ * K_ * 4, cudaMemcpyHostToDevice));
@@ -138,8 +138,8 @@ static void make_inputs(void) {
 static void gate_all(void) {
   gate_val++;
   for (int r = 0; r < NR; r++) {
-    CU(cudaSetDevice(epd_cc_device(H.cc, r)));
-    if (epd_k_gate(gate_host, gate_val, 2000000000ull, H.st[r])) DIE("gate launch");
+    CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+    if (epd_k_gate(gate_host, gate_val, 2000000000ull, H.kh.st[r])) DIE("gate launch");
   }
 }
 static void gate_open(void) { __atomic_store_n(gate_host, gate_val, __ATOMIC_SEQ_CST); }
@@ -157,7 +157,7 @@ static void kernel_times(uint32_t T, uint32_t flags, stat3_t *ds, stat3_t *cs) {
   static double dv[ITERS], cv[ITERS];
   cudaEvent_t ev[NR][3];
   for (int r = 0; r < NR; r++) {
-    CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+    CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
     for (int i = 0; i < 3; i++) CU(cudaEventCreate(&ev[r][i]));
   }
   uint32_t nt[NR];
@@ -166,21 +166,21 @@ static void kernel_times(uint32_t T, uint32_t flags, stat3_t *ds, stat3_t *cs) {
     uint32_t bank = (uint32_t)(it + WARM) & 1;
     gate_all();
     for (int r = 0; r < NR; r++) {
-      CU(cudaSetDevice(epd_cc_device(H.cc, r)));
-      CU(cudaEventRecord(ev[r][0], H.st[r]));
+      CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+      CU(cudaEventRecord(ev[r][0], H.kh.st[r]));
     }
-    if (llh_launch(&H, 3, EPD_OP_LL_DISPATCH, bank, nt, flags, 1000000000ull)) DIE("%s", H.err);
+    if (llh_launch(&H, 3, EPD_OP_LL_DISPATCH, bank, nt, flags, 1000000000ull)) DIE("%s", H.kh.err);
     for (int r = 0; r < NR; r++) {
-      CU(cudaSetDevice(epd_cc_device(H.cc, r)));
-      CU(cudaEventRecord(ev[r][1], H.st[r]));
+      CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+      CU(cudaEventRecord(ev[r][1], H.kh.st[r]));
     }
-    if (llh_launch(&H, 3, EPD_OP_LL_COMBINE, bank, NULL, 0, 1000000000ull)) DIE("%s", H.err);
+    if (llh_launch(&H, 3, EPD_OP_LL_COMBINE, bank, NULL, 0, 1000000000ull)) DIE("%s", H.kh.err);
     for (int r = 0; r < NR; r++) {
-      CU(cudaSetDevice(epd_cc_device(H.cc, r)));
-      CU(cudaEventRecord(ev[r][2], H.st[r]));
+      CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+      CU(cudaEventRecord(ev[r][2], H.kh.st[r]));
     }
     gate_open();
-    if (llh_sync(&H, 3)) DIE("%s", H.err);
+    if (llh_sync(&H, 3)) DIE("%s", H.kh.err);
     if (it < 0) continue;
     double dmax = 0, cmax = 0;
     for (int r = 0; r < NR; r++) {
@@ -208,9 +208,9 @@ static stat3_t e2e_times(uint32_t T, uint32_t flags) {
   for (int it = -WARM; it < ITERS; it++) {
     uint32_t bank = (uint32_t)(it + WARM) & 1;
     double t0 = now_us();
-    if (llh_launch(&H, 3, EPD_OP_LL_DISPATCH, bank, nt, flags, 1000000000ull)) DIE("%s", H.err);
-    if (llh_launch(&H, 3, EPD_OP_LL_COMBINE, bank, NULL, 0, 1000000000ull)) DIE("%s", H.err);
-    if (llh_sync(&H, 3)) DIE("%s", H.err);
+    if (llh_launch(&H, 3, EPD_OP_LL_DISPATCH, bank, nt, flags, 1000000000ull)) DIE("%s", H.kh.err);
+    if (llh_launch(&H, 3, EPD_OP_LL_COMBINE, bank, NULL, 0, 1000000000ull)) DIE("%s", H.kh.err);
+    if (llh_sync(&H, 3)) DIE("%s", H.kh.err);
     if (it >= 0) v[it] = now_us() - t0;
   }
   return stats(v, ITERS);
@@ -224,7 +224,7 @@ static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_
   size_t maxrow = disp_row > comb_row ? disp_row : comb_row;
   cudaEvent_t ev[NR][3];
   for (int r = 0; r < NR; r++) {
-    CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+    CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
     CU(cudaMalloc(&sbuf[r], (size_t)NR * M_ * maxrow));
     CU(cudaMalloc(&rbuf[r], (size_t)NR * M_ * maxrow));
     CU(cudaMalloc(&agbuf[r], (size_t)NR * M_ * H_ * 2));
@@ -238,8 +238,8 @@ static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_
     for (int it = -WARM; it < ITERS; it++) {
       gate_all();
       for (int r = 0; r < NR; r++) {
-        CU(cudaSetDevice(epd_cc_device(H.cc, r)));
-        CU(cudaEventRecord(ev[r][0], H.st[r]));
+        CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+        CU(cudaEventRecord(ev[r][0], H.kh.st[r]));
       }
       if (pass == 0) {
         /* dispatch: each token once per remote destination rank; combine: one partial back */
@@ -251,37 +251,37 @@ static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_
               if (d == r) continue;
               size_t ns = (ph == 0 ? per_dest[set][r][d] : per_dest[set][d][r]) * row;
               size_t nr = (ph == 0 ? per_dest[set][d][r] : per_dest[set][r][d]) * row;
-              NC(ncclSend((char *)sbuf[r] + (size_t)d * M_ * maxrow, ns, ncclUint8, d, epd_cc_world(H.cc, r), H.st[r]));
-              NC(ncclRecv((char *)rbuf[r] + (size_t)d * M_ * maxrow, nr, ncclUint8, d, epd_cc_world(H.cc, r), H.st[r]));
+              NC(ncclSend((char *)sbuf[r] + (size_t)d * M_ * maxrow, ns, ncclUint8, d, epd_cc_world(H.kh.cc, r), H.kh.st[r]));
+              NC(ncclRecv((char *)rbuf[r] + (size_t)d * M_ * maxrow, nr, ncclUint8, d, epd_cc_world(H.kh.cc, r), H.kh.st[r]));
             }
           NC(ncclGroupEnd());
           for (int r = 0; r < NR; r++) {
-            CU(cudaSetDevice(epd_cc_device(H.cc, r)));
-            CU(cudaEventRecord(ev[r][1 + ph], H.st[r]));
+            CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+            CU(cudaEventRecord(ev[r][1 + ph], H.kh.st[r]));
           }
         }
       } else {
         NC(ncclGroupStart());
         for (int r = 0; r < NR; r++)
           NC(ncclAllGather((char *)agbuf[r] + (size_t)r * M_ * H_ * 2, agbuf[r], (size_t)M_ * H_, ncclBfloat16,
-                           epd_cc_world(H.cc, r), H.st[r]));
+                           epd_cc_world(H.kh.cc, r), H.kh.st[r]));
         NC(ncclGroupEnd());
         for (int r = 0; r < NR; r++) {
-          CU(cudaSetDevice(epd_cc_device(H.cc, r)));
-          CU(cudaEventRecord(ev[r][1], H.st[r]));
+          CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+          CU(cudaEventRecord(ev[r][1], H.kh.st[r]));
         }
         NC(ncclGroupStart());
         for (int r = 0; r < NR; r++)
           NC(ncclReduceScatter(rsbuf[r], (char *)agbuf[r] + (size_t)r * M_ * H_ * 2, (size_t)M_ * H_, ncclBfloat16,
-                               ncclSum, epd_cc_world(H.cc, r), H.st[r]));
+                               ncclSum, epd_cc_world(H.kh.cc, r), H.kh.st[r]));
         NC(ncclGroupEnd());
         for (int r = 0; r < NR; r++) {
-          CU(cudaSetDevice(epd_cc_device(H.cc, r)));
-          CU(cudaEventRecord(ev[r][2], H.st[r]));
+          CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+          CU(cudaEventRecord(ev[r][2], H.kh.st[r]));
         }
       }
       gate_open();
-      if (llh_sync(&H, 3)) DIE("%s", H.err);
+      if (llh_sync(&H, 3)) DIE("%s", H.kh.err);
       if (it < 0) continue;
       double a = 0, b = 0;
       for (int r = 0; r < NR; r++) {
@@ -305,7 +305,7 @@ static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_
   *ag = stats(v3, ITERS);
   *rsc = stats(v4, ITERS);
   for (int r = 0; r < NR; r++) {
-    CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+    CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
     cudaFree(sbuf[r]);
     cudaFree(rbuf[r]);
     cudaFree(agbuf[r]);
@@ -320,7 +320,7 @@ static void trace_run(uint32_t T, uint32_t flags, FILE *out) {
   static double ph[2][8][NI];
   uint64_t *tr[NR];
   for (int r = 0; r < NR; r++) {
-    CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+    CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
     CU(cudaMalloc((void **)&tr[r], 2 * 8 * sizeof(uint64_t)));
   }
   for (int it = -10; it < NI; it++) {
@@ -328,7 +328,7 @@ static void trace_run(uint32_t T, uint32_t flags, FILE *out) {
     gate_all();
     for (int opi = 0; opi < 2; opi++)
       for (int r = 0; r < NR; r++) {
-        CU(cudaSetDevice(epd_cc_device(H.cc, r)));
+        CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
         epd_k_ll_op_t op;
         memset(&op, 0, sizeof op);
         op.op = opi ? EPD_OP_LL_COMBINE : EPD_OP_LL_DISPATCH;
@@ -336,16 +336,16 @@ static void trace_run(uint32_t T, uint32_t flags, FILE *out) {
         op.num_tokens = T;
         op.bank = bank;
         op.timeout_ns = 1000000000ull;
-        op.map = H.map_dev[r];
-        op.comp = H.comp[r] + opi;
+        op.map = H.kh.map_dev[r];
+        op.comp = H.kh.comp[r] + opi;
         op.trace = tr[r] + 8 * opi;
-        if (epd_k_ll_launch(H.k[r], &H.ar[r], &op, H.st[r], H.err, sizeof H.err)) DIE("%s", H.err);
+        if (epd_k_ll_launch(H.k[r], &H.kh.ar[r], &op, H.kh.st[r], H.kh.err, sizeof H.kh.err)) DIE("%s", H.kh.err);
       }
     gate_open();
-    if (llh_sync(&H, 3)) DIE("%s", H.err);
+    if (llh_sync(&H, 3)) DIE("%s", H.kh.err);
     if (it < 0) continue;
     uint64_t h[16];
-    CU(cudaSetDevice(epd_cc_device(H.cc, 0)));
+    CU(cudaSetDevice(epd_cc_device(H.kh.cc, 0)));
     CU(cudaMemcpy(h, tr[0], sizeof h, cudaMemcpyDeviceToHost));
     for (int opi = 0; opi < 2; opi++)
       for (int i = 1; i < 8; i++) ph[opi][i][it] = (double)(h[8 * opi + i] - h[8 * opi + (i == 7 ? 0 : i - 1)]) / 1e3;
@@ -367,7 +367,7 @@ int main(int argc, char **argv) {
   }
   epd_k_ll_geom_t g = {NR, 0, E_, H_, K_, M_, S_, 0};
   if (getenv("EPD_BENCH_BLOCKS")) g.blocks = (uint32_t)atoi(getenv("EPD_BENCH_BLOCKS"));
-  if (llh_create(&H, NR, &g)) DIE("set-up: %s", H.err);
+  if (llh_create(&H, NR, &g)) DIE("set-up: %s", H.kh.err);
   void *img = malloc(epd_k_map_bytes(E_));
   epd_k_map_default(img, 1, E_, NR);
   if (llh_set_map(&H, img)) DIE("map");

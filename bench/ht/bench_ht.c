@@ -32,7 +32,7 @@
   do {                                                                                          \
     int r_ = (int)(e);                                                                          \
     if (r_) {                                                                                   \
-      fprintf(stderr, "%s:%d %s = %d: %s\n", __FILE__, __LINE__, #e, r_, h.err);                \
+      fprintf(stderr, "%s:%d %s = %d: %s\n", __FILE__, __LINE__, #e, r_, h.kh.err);                \
       exit(1);                                                                                  \
     }                                                                                           \
   } while (0)
@@ -153,7 +153,7 @@ int main(int argc, char **argv) {
     CK(hth_create(&h, 2, &g));
     CK(hth_set_map(&h, img));
     for (int r = 0; r < 2; r++) {
-      cudaSetDevice(epd_cc_device(h.cc, r));
+      cudaSetDevice(epd_cc_device(h.kh.cc, r));
       CUCK(cudaMemcpy(hth_buf(&h, r, 0, EPD_BUF_X), x[r], (size_t)T * H * 2, cudaMemcpyHostToDevice));
       CUCK(cudaMemcpy(hth_buf(&h, r, 0, EPD_BUF_TOPK_IDX), topk[r], (size_t)T * K * 8, cudaMemcpyHostToDevice));
       CUCK(cudaMemcpy(hth_buf(&h, r, 0, EPD_BUF_TOPK_WEIGHTS), w[r], (size_t)T * K * 4, cudaMemcpyHostToDevice));
@@ -161,19 +161,19 @@ int main(int argc, char **argv) {
       CUCK(cudaDeviceSynchronize());
     }
     timer_t_ tm;
-    timer_init(h.cc, &tm);
+    timer_init(h.kh.cc, &tm);
     uint32_t ntok[2] = {T, T};
     double sum[3] = {0, 0, 0};
     for (uint32_t it = 0; it < iters + 3; it++) {
       for (int fp8 = 0; fp8 < 2; fp8++) {
-        gate_start(h.cc, h.st, &tm);
+        gate_start(h.kh.cc, h.kh.st, &tm);
         CK(hth_launch(&h, 3, EPD_OP_HT_DISPATCH, 0, ntok, fp8 ? EPD_DESC_FP8 : 0, 2000000000ull));
-        double us = gate_end(h.cc, h.st, &tm, 3);
+        double us = gate_end(h.kh.cc, h.kh.st, &tm, 3);
         if (it >= 3) sum[fp8] += us;
       }
-      gate_start(h.cc, h.st, &tm);
+      gate_start(h.kh.cc, h.kh.st, &tm);
       CK(hth_launch(&h, 3, EPD_OP_HT_COMBINE, 0, ntok, 0, 2000000000ull));
-      double us = gate_end(h.cc, h.st, &tm, 3);
+      double us = gate_end(h.kh.cc, h.kh.st, &tm, 3);
       if (it >= 3) sum[2] += us;
     }
     for (int r = 0; r < 2; r++) {
@@ -196,25 +196,25 @@ int main(int argc, char **argv) {
       size_t nbytes[2] = {remote[0] * 2 * H, remote[1] * 2 * H};
       void *sb[2], *rb[2];
       for (int r = 0; r < 2; r++) {
-        cudaSetDevice(epd_cc_device(h.cc, r));
+        cudaSetDevice(epd_cc_device(h.kh.cc, r));
         CUCK(cudaMalloc(&sb[r], nbytes[r] + 16));
         CUCK(cudaMalloc(&rb[r], nbytes[1 - r] + 16));
       }
       double ns = 0;
       for (uint32_t it = 0; it < iters + 3; it++) {
-        gate_start(h.cc, h.st, &tm);
+        gate_start(h.kh.cc, h.kh.st, &tm);
         ncclGroupStart();
         for (int r = 0; r < 2; r++) {
-          cudaSetDevice(epd_cc_device(h.cc, r));
-          ncclSend(sb[r], nbytes[r], ncclChar, 1 - r, epd_cc_world(h.cc, r), h.st[r]);
-          ncclRecv(rb[r], nbytes[1 - r], ncclChar, 1 - r, epd_cc_world(h.cc, r), h.st[r]);
+          cudaSetDevice(epd_cc_device(h.kh.cc, r));
+          ncclSend(sb[r], nbytes[r], ncclChar, 1 - r, epd_cc_world(h.kh.cc, r), h.kh.st[r]);
+          ncclRecv(rb[r], nbytes[1 - r], ncclChar, 1 - r, epd_cc_world(h.kh.cc, r), h.kh.st[r]);
         }
         ncclResult_t nr = ncclGroupEnd();
         if (nr != ncclSuccess) {
           fprintf(stderr, "nccl: %s\n", ncclGetErrorString(nr));
           return 1;
         }
-        double us = gate_end(h.cc, h.st, &tm, 3);
+        double us = gate_end(h.kh.cc, h.kh.st, &tm, 3);
         if (it >= 3) ns += us;
       }
       double us = ns / iters, gbs = rows * 2.0 * H / (us * 1e-6) / 1e9;
@@ -222,14 +222,14 @@ int main(int argc, char **argv) {
       printf("JSON {\"op\":\"nccl_sendrecv\",\"tokens\":%u,\"hidden\":%u,\"us\":%.1f,\"algbw_gbs\":%.1f}\n", T, H, us, gbs);
       /* plain copy kernel into the peer GPU */
       for (int r = 0; r < 2; r++) {
-        cudaSetDevice(epd_cc_device(h.cc, r));
-        cudaDeviceEnablePeerAccess(epd_cc_device(h.cc, 1 - r), 0);
+        cudaSetDevice(epd_cc_device(h.kh.cc, r));
+        cudaDeviceEnablePeerAccess(epd_cc_device(h.kh.cc, 1 - r), 0);
         cudaGetLastError();
       }
       size_t cb = (size_t)256 << 20;
       void *cs[2], *cd[2];
       for (int r = 0; r < 2; r++) {
-        cudaSetDevice(epd_cc_device(h.cc, r));
+        cudaSetDevice(epd_cc_device(h.kh.cc, r));
         CUCK(cudaMalloc(&cs[r], cb));
         CUCK(cudaMalloc(&cd[r], cb));
         CUCK(cudaMemset(cs[r], 1, cb));
@@ -239,12 +239,12 @@ int main(int argc, char **argv) {
         for (int both = 0; both < 2; both++) {
           double cs_us = 0;
           for (uint32_t it = 0; it < 8; it++) {
-            gate_start(h.cc, h.st, &tm);
+            gate_start(h.kh.cc, h.kh.st, &tm);
             for (int r = 0; r < (both ? 2 : 1); r++) {
-              cudaSetDevice(epd_cc_device(h.cc, r));
-              epd_k_copy(cd[1 - r], cs[r], cb, cbl[ci], h.st[r]);
+              cudaSetDevice(epd_cc_device(h.kh.cc, r));
+              epd_k_copy(cd[1 - r], cs[r], cb, cbl[ci], h.kh.st[r]);
             }
-            double u1 = gate_end(h.cc, h.st, &tm, both ? 3 : 1);
+            double u1 = gate_end(h.kh.cc, h.kh.st, &tm, both ? 3 : 1);
             if (it >= 2) cs_us += u1;
           }
           double cu = cs_us / 6, cg = cb / (cu * 1e-6) / 1e9;
@@ -254,7 +254,7 @@ int main(int argc, char **argv) {
                  cbl[ci], cb, cu, cg);
         }
       for (int r = 0; r < 2; r++) {
-        cudaSetDevice(epd_cc_device(h.cc, r));
+        cudaSetDevice(epd_cc_device(h.kh.cc, r));
         cudaFree(cs[r]);
         cudaFree(cd[r]);
         cudaFree(sb[r]);

@@ -14,7 +14,7 @@
 #define CK(e)                                                                                  \
   do {                                                                                         \
     int r_ = (int)(e);                                                                         \
-    if (r_ != 0) epd_test_fail(__FILE__, __LINE__, "%s returned %d: %s", #e, r_, T_.h.err);    \
+    if (r_ != 0) epd_test_fail(__FILE__, __LINE__, "%s returned %d: %s", #e, r_, T_.h.kh.err);    \
   } while (0)
 #define CUCK(e)                                                                                         \
   do {                                                                                                  \
@@ -92,7 +92,7 @@ static void upload(unsigned bank) {
   uint32_t M = T_.rg.max_tokens, H = T_.rg.hidden, K = T_.rg.topk, S = T_.rg.slots_per_rank;
   size_t Cg = (size_t)T_.rg.ht_capacity + HTH_GUARD_ROWS;
   for (int r = 0; r < 2; r++) {
-    cudaSetDevice(epd_cc_device(h->cc, r));
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
     uint32_t n = T_.ntok[r] > M ? M : T_.ntok[r];
     if (n) {
       CUCK(cudaMemcpy(hth_buf(h, r, bank, EPD_BUF_X), T_.x[r], (size_t)n * H * 2, cudaMemcpyHostToDevice));
@@ -128,7 +128,7 @@ static void check_untouched(int r, unsigned bank, size_t from) {
   uint32_t H = T_.rg.hidden;
   size_t Cg = (size_t)T_.rg.ht_capacity + HTH_GUARD_ROWS;
   if (from >= Cg) return;
-  cudaSetDevice(epd_cc_device(h->cc, r));
+  cudaSetDevice(epd_cc_device(h->kh.cc, r));
   size_t n = Cg - from;
   CUCK(cudaMemcpy(T_.gx, (char *)hth_buf(h, r, bank, EPD_BUF_HT_RECV_X) + from * H * 2, n * H * 2, cudaMemcpyDeviceToHost));
   for (size_t i = 0; i < n * H * 2; i++)
@@ -157,7 +157,7 @@ static void dispatch_check(unsigned bank, int fp8) {
     ASSERT_EQ(c.num_recv, T_.plan.ht_recv[r]);
     ASSERT_EQ(c.map_version, T_.map.version);
     size_t N = c.num_recv;
-    cudaSetDevice(epd_cc_device(h->cc, r));
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
     int32_t *cnt = malloc(S * 4);
     CUCK(cudaMemcpy(cnt, hth_buf(h, r, bank, EPD_BUF_HT_RECV_COUNT), S * 4, cudaMemcpyDeviceToHost));
     for (uint32_t s = 0; s < S; s++)
@@ -205,7 +205,7 @@ static void combine_check(unsigned bank) {
   uint32_t H = T_.rg.hidden;
   for (int r = 0; r < 2; r++) {
     size_t N = T_.plan.ht_recv[r];
-    cudaSetDevice(epd_cc_device(h->cc, r));
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
     for (size_t i = 0; i < N * H; i++)
       T_.y[r][i] = epd_f32_to_bf16((float)((epd_ref_rand(&rng) >> 40) / 16777216.0 * 4.0 - 2.0));
     if (N) CUCK(cudaMemcpy(hth_buf(h, r, bank, EPD_BUF_HT_Y), T_.y[r], N * H * 2, cudaMemcpyHostToDevice));
@@ -221,7 +221,7 @@ static void combine_check(unsigned bank) {
     if (c.status != 0) epd_test_fail(__FILE__, __LINE__, "rank %d: combine status %d peer %d", r, c.status, c.peer);
     uint32_t n = T_.ntok[r];
     if (!n) continue;
-    cudaSetDevice(epd_cc_device(h->cc, r));
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
     CUCK(cudaMemcpy(T_.out[r], hth_buf(h, r, bank, EPD_BUF_OUT), (size_t)n * H * 2, cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < (size_t)n * H; i++)
       if (T_.out[r][i] != T_.rout[r][i])
@@ -269,7 +269,7 @@ static void expect_fail(int code, int peer, unsigned bank, int check_recv) {
     if (check_recv) ASSERT_EQ(c.num_recv, T_.plan.ht_recv[r]);
     check_untouched(r, bank, 0); /* a failed dispatch writes nothing */
     int32_t cnt;
-    cudaSetDevice(epd_cc_device(T_.h.cc, r));
+    cudaSetDevice(epd_cc_device(T_.h.kh.cc, r));
     CUCK(cudaMemcpy(&cnt, hth_buf(&T_.h, r, bank, EPD_BUF_HT_RECV_COUNT), 4, cudaMemcpyDeviceToHost));
     ASSERT_EQ(cnt, -1);
   }

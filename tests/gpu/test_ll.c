@@ -14,7 +14,7 @@
 #define CK(e)                                                                                \
   do {                                                                                       \
     int r_ = (int)(e);                                                                       \
-    if (r_ != 0) epd_test_fail(__FILE__, __LINE__, "%s returned %d: %s", #e, r_, C.h.err);  \
+    if (r_ != 0) epd_test_fail(__FILE__, __LINE__, "%s returned %d: %s", #e, r_, C.h.kh.err);  \
   } while (0)
 #define CUCK(e)                                                                               \
   do {                                                                                        \
@@ -106,7 +106,7 @@ static void upload(unsigned bank) {
   uint32_t M = C.rg.max_tokens, H = C.rg.hidden, K = C.rg.topk, S = C.rg.slots_per_rank;
   size_t RM = 2 * (size_t)M;
   for (int r = 0; r < 2; r++) {
-    cudaSetDevice(epd_cc_device(h->cc, r));
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
     uint32_t T = C.ntok[r] > M ? M : C.ntok[r];
     if (T) {
       CUCK(cudaMemcpy(llh_buf(h, r, bank, EPD_BUF_X), C.x[r], (size_t)T * H * 2, cudaMemcpyHostToDevice));
@@ -139,7 +139,7 @@ static void exec_op(uint32_t opc, unsigned bank, const uint32_t *ntok, uint32_t 
   }
   uint32_t si = g_qpos++ % EPD_QUEUE_SLOTS;
   for (int r = 0; r < 2; r++) {
-    cudaSetDevice(epd_cc_device(h->cc, r));
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
     epd_desc_t d;
     memset(&d, 0, sizeof d);
     d.op = opc;
@@ -154,7 +154,7 @@ static void exec_op(uint32_t opc, unsigned bank, const uint32_t *ntok, uint32_t 
     CUCK(cudaStreamSynchronize(0));
   }
   for (int r = 0; r < 2; r++) {
-    cudaSetDevice(epd_cc_device(h->cc, r));
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
     uint32_t stv = 0;
     for (int i = 0; i < 200000 && stv != EPD_SLOT_DONE; i++)
       CUCK(cudaMemcpy(&stv, &g_q[r]->slot[si].state, 4, cudaMemcpyDeviceToHost));
@@ -204,7 +204,7 @@ static void run_dispatch_check(unsigned bank, int fp8) {
     ASSERT_EQ(comp.peer, -1);
     ASSERT_EQ(comp.num_recv, C.plan.ll_recv[r]);
     ASSERT_EQ(comp.map_version, C.map.version);
-    cudaSetDevice(epd_cc_device(h->cc, r));
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
     int32_t *cnt = malloc(S * 4), *src = malloc(RM * 4);
     float *sc = malloc(RM * (H / 128) * 4);
     CUCK(cudaMemcpy(cnt, llh_buf(h, r, bank, EPD_BUF_LL_RECV_COUNT), S * 4, cudaMemcpyDeviceToHost));
@@ -249,7 +249,7 @@ static void run_combine_check(unsigned bank) {
   uint32_t M = C.rg.max_tokens, H = C.rg.hidden, S = C.rg.slots_per_rank, K = C.rg.topk;
   size_t RM = 2 * (size_t)M;
   for (int r = 0; r < 2; r++) {
-    cudaSetDevice(epd_cc_device(h->cc, r));
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
     for (uint32_t s = 0; s < S; s++) {
       int n = C.plan.ll_count[(size_t)r * S + s];
       if (!n) continue;
@@ -270,7 +270,7 @@ static void run_combine_check(unsigned bank) {
     ASSERT_EQ(comp.status, 0);
     uint32_t T = C.ntok[r];
     if (!T) continue;
-    cudaSetDevice(epd_cc_device(h->cc, r));
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
     CUCK(cudaMemcpy(C.out[r], llh_buf(h, r, bank, EPD_BUF_OUT), (size_t)T * H * 2, cudaMemcpyDeviceToHost));
     for (uint32_t t = 0; t < T; t++) {
       /* bound: BF16 rounding of each per-rank partial and of the result */
@@ -384,7 +384,7 @@ static void expect_fail(int code, int peer, unsigned ranks) {
       epd_test_fail(__FILE__, __LINE__, "rank %d: status %d peer %d, expected %d peer %d", r, comp.status,
                     comp.peer, code, peer);
     int32_t cnt;
-    cudaSetDevice(epd_cc_device(h->cc, r));
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
     CUCK(cudaMemcpy(&cnt, llh_buf(h, r, 0, EPD_BUF_LL_RECV_COUNT), 4, cudaMemcpyDeviceToHost));
     ASSERT_EQ(cnt, -1); /* outputs untouched */
   }
@@ -437,8 +437,8 @@ EPD_TEST_T(gpu_ll_peer_timeout, 120) {
   expect_fail(EPD_ERR_TIMEOUT, 1, 1);
   /* recovery: quiesce, reset every rank, go on */
   for (int r = 0; r < 2; r++) {
-    cudaSetDevice(epd_cc_device(h->cc, r));
-    CK(epd_k_ll_reset(h->k[r], h->st[r]));
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
+    CK(epd_k_ll_reset(h->k[r], h->kh.st[r]));
   }
   CK(llh_sync(h, 3));
   steps(72, 2, 128, 128, ROUTE_RANDOM, 0);
@@ -455,12 +455,12 @@ EPD_TEST_T(gpu_ll_persistent_queue, 120) {
   *stop = 0;
   cudaStream_t ps[2];
   for (int r = 0; r < 2; r++) {
-    CUCK(cudaSetDevice(epd_cc_device(h->cc, r)));
+    CUCK(cudaSetDevice(epd_cc_device(h->kh.cc, r)));
     CUCK(cudaMalloc((void **)&g_q[r], sizeof(epd_queue_t)));
     CUCK(cudaMemset(g_q[r], 0, sizeof(epd_queue_t)));
     CUCK(cudaDeviceSynchronize());
     CUCK(cudaStreamCreateWithFlags(&ps[r], cudaStreamNonBlocking));
-    CK(epd_k_ll_persistent_launch(h->k[r], &h->ar[r], h->map_dev[r], g_q[r], stop, 0, 5000000000ull, ps[r]));
+    CK(epd_k_ll_persistent_launch(h->k[r], &h->kh.ar[r], h->kh.map_dev[r], g_q[r], stop, 0, 5000000000ull, ps[r]));
   }
   g_persistent = 1;
   for (int s = 0; s < 12; s++) {
@@ -472,7 +472,7 @@ EPD_TEST_T(gpu_ll_persistent_queue, 120) {
   }
   __atomic_store_n(stop, 1u, __ATOMIC_SEQ_CST);
   for (int r = 0; r < 2; r++) {
-    CUCK(cudaSetDevice(epd_cc_device(h->cc, r)));
+    CUCK(cudaSetDevice(epd_cc_device(h->kh.cc, r)));
     CUCK(cudaStreamSynchronize(ps[r]));
   }
   g_persistent = 0;
