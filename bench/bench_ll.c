@@ -152,6 +152,26 @@ static void check_comp(int which) {
   }
 }
 
+/* Record event i of every rank on the rank's stream. */
+static void record_all(cudaEvent_t ev[NR][3], int i) {
+  for (int r = 0; r < NR; r++) {
+    CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+    CU(cudaEventRecord(ev[r][i], H.kh.st[r]));
+  }
+}
+
+/* The slowest rank's time from event 0 to 1 (*a) and from event 1 to 2 (*b), in microseconds. */
+static void slowest_us(cudaEvent_t ev[NR][3], double *a, double *b) {
+  *a = *b = 0;
+  for (int r = 0; r < NR; r++) {
+    float x, y;
+    CU(cudaEventElapsedTime(&x, ev[r][0], ev[r][1]));
+    CU(cudaEventElapsedTime(&y, ev[r][1], ev[r][2]));
+    if (x * 1e3 > *a) *a = x * 1e3;
+    if (y * 1e3 > *b) *b = y * 1e3;
+  }
+}
+
 /* (a) kernel times for T tokens; returns medians in d[], c[] (max over ranks per iteration). */
 static void kernel_times(uint32_t T, uint32_t flags, stat3_t *ds, stat3_t *cs) {
   static double dv[ITERS], cv[ITERS];
@@ -165,31 +185,16 @@ static void kernel_times(uint32_t T, uint32_t flags, stat3_t *ds, stat3_t *cs) {
   for (int it = -WARM; it < ITERS; it++) {
     uint32_t bank = (uint32_t)(it + WARM) & 1;
     gate_all();
-    for (int r = 0; r < NR; r++) {
-      CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
-      CU(cudaEventRecord(ev[r][0], H.kh.st[r]));
-    }
+    record_all(ev, 0);
     if (llh_launch(&H, 3, EPD_OP_LL_DISPATCH, bank, nt, flags, 1000000000ull)) DIE("%s", H.kh.err);
-    for (int r = 0; r < NR; r++) {
-      CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
-      CU(cudaEventRecord(ev[r][1], H.kh.st[r]));
-    }
+    record_all(ev, 1);
     if (llh_launch(&H, 3, EPD_OP_LL_COMBINE, bank, NULL, 0, 1000000000ull)) DIE("%s", H.kh.err);
-    for (int r = 0; r < NR; r++) {
-      CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
-      CU(cudaEventRecord(ev[r][2], H.kh.st[r]));
-    }
+    record_all(ev, 2);
     gate_open();
     if (llh_sync(&H, 3)) DIE("%s", H.kh.err);
     if (it < 0) continue;
-    double dmax = 0, cmax = 0;
-    for (int r = 0; r < NR; r++) {
-      float a, b;
-      CU(cudaEventElapsedTime(&a, ev[r][0], ev[r][1]));
-      CU(cudaEventElapsedTime(&b, ev[r][1], ev[r][2]));
-      if (a * 1e3 > dmax) dmax = a * 1e3;
-      if (b * 1e3 > cmax) cmax = b * 1e3;
-    }
+    double dmax, cmax;
+    slowest_us(ev, &dmax, &cmax);
     dv[it] = dmax;
     cv[it] = cmax;
   }
@@ -237,10 +242,7 @@ static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_
   for (int pass = 0; pass < 2; pass++) {
     for (int it = -WARM; it < ITERS; it++) {
       gate_all();
-      for (int r = 0; r < NR; r++) {
-        CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
-        CU(cudaEventRecord(ev[r][0], H.kh.st[r]));
-      }
+      record_all(ev, 0);
       if (pass == 0) {
         /* dispatch: each token once per remote destination rank; combine: one partial back */
         for (int ph = 0; ph < 2; ph++) {
@@ -255,10 +257,7 @@ static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_
               NC(ncclRecv((char *)rbuf[r] + (size_t)d * M_ * maxrow, nr, ncclUint8, d, epd_cc_world(H.kh.cc, r), H.kh.st[r]));
             }
           NC(ncclGroupEnd());
-          for (int r = 0; r < NR; r++) {
-            CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
-            CU(cudaEventRecord(ev[r][1 + ph], H.kh.st[r]));
-          }
+          record_all(ev, 1 + ph);
         }
       } else {
         NC(ncclGroupStart());
@@ -266,31 +265,19 @@ static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_
           NC(ncclAllGather((char *)agbuf[r] + (size_t)r * M_ * H_ * 2, agbuf[r], (size_t)M_ * H_, ncclBfloat16,
                            epd_cc_world(H.kh.cc, r), H.kh.st[r]));
         NC(ncclGroupEnd());
-        for (int r = 0; r < NR; r++) {
-          CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
-          CU(cudaEventRecord(ev[r][1], H.kh.st[r]));
-        }
+        record_all(ev, 1);
         NC(ncclGroupStart());
         for (int r = 0; r < NR; r++)
           NC(ncclReduceScatter(rsbuf[r], (char *)agbuf[r] + (size_t)r * M_ * H_ * 2, (size_t)M_ * H_, ncclBfloat16,
                                ncclSum, epd_cc_world(H.kh.cc, r), H.kh.st[r]));
         NC(ncclGroupEnd());
-        for (int r = 0; r < NR; r++) {
-          CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
-          CU(cudaEventRecord(ev[r][2], H.kh.st[r]));
-        }
+        record_all(ev, 2);
       }
       gate_open();
       if (llh_sync(&H, 3)) DIE("%s", H.kh.err);
       if (it < 0) continue;
-      double a = 0, b = 0;
-      for (int r = 0; r < NR; r++) {
-        float x, y;
-        CU(cudaEventElapsedTime(&x, ev[r][0], ev[r][1]));
-        CU(cudaEventElapsedTime(&y, ev[r][1], ev[r][2]));
-        if (x * 1e3 > a) a = x * 1e3;
-        if (y * 1e3 > b) b = y * 1e3;
-      }
+      double a, b;
+      slowest_us(ev, &a, &b);
       if (pass == 0) {
         v1[it] = a;
         v2[it] = b;
