@@ -91,7 +91,8 @@ $(B)/obj/%.o: %.cu
 	$(call msg,NVCC,$<)
 	$(Q)mkdir -p $(@D) && $(NVCC) $(NVCCFLAGS) -c $< -o $@
 
-$(ENGINE_LIB): $(DAEMON_OBJS) $(KERNEL_OBJS) $(GEN_OBJS)
+# The daemon also speaks to other daemons as a gRPC client (cluster rendezvous): rpc_client is shared.
+$(ENGINE_LIB): $(DAEMON_OBJS) $(call obj,client/rpc_client.c) $(KERNEL_OBJS) $(GEN_OBJS)
 	$(call msg,AR,$@)
 	$(Q)mkdir -p $(@D) && rm -f $@ && ar rcs $@ $^
 $(LIBEPD_A): $(CLIENT_OBJS) $(GEN_OBJS)

@@ -39,6 +39,31 @@ const char *epd_default_socket_path(char *buf, size_t len) {
   return epd_paths_control_default(buf, len);
 }
 
+/* Create rpc's channel to target and hand rpc out (freed on failure). private_pool: a subchannel pool of
+ * the channel's own with a 100 ms first reconnect back-off, so that a peer that starts a little later is
+ * found at the next call instead of after gRPC's shared back-off of seconds. */
+static epd_result_t channel_open(epd_rpc_t *rpc, const char *target, int timeout_ms, int private_pool,
+                                 epd_rpc_t **out, char *err, size_t errlen) {
+  rpc->timeout_ms = timeout_ms ? timeout_ms : 10000;
+  grpc_init();
+  grpc_arg args[3] = {
+      {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, .value.integer = EPD_RPC_MAX_RECV},
+      {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, .value.integer = 1},
+      {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, .value.integer = 100}};
+  grpc_channel_args cargs = {.num_args = private_pool ? 3 : 1, .args = args};
+  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+  rpc->chan = grpc_channel_create(target, creds, &cargs);
+  grpc_channel_credentials_release(creds);
+  if (!rpc->chan) {
+    snprintf(err, errlen, "cannot create a gRPC channel to %s", target);
+    grpc_shutdown();
+    free(rpc);
+    return EPD_ERR_RPC;
+  }
+  *out = rpc;
+  return EPD_OK;
+}
+
 epd_result_t epd_rpc_open(const char *socket_path, int timeout_ms, epd_rpc_t **out, char *err, size_t errlen) {
   char def[256];
   *out = NULL;
@@ -65,24 +90,25 @@ epd_result_t epd_rpc_open(const char *socket_path, int timeout_ms, epd_rpc_t **o
     return EPD_ERR_NOMEM;
   }
   snprintf(rpc->path, sizeof rpc->path, "%s", socket_path);
-  rpc->timeout_ms = timeout_ms ? timeout_ms : 10000;
-  grpc_init();
   char target[300];
   snprintf(target, sizeof target, "unix:%s", rpc->path);
-  grpc_arg arg = {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
-                  .value.integer = EPD_RPC_MAX_RECV};
-  grpc_channel_args args = {.num_args = 1, .args = &arg};
-  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-  rpc->chan = grpc_channel_create(target, creds, &args);
-  grpc_channel_credentials_release(creds);
-  if (!rpc->chan) {
-    snprintf(err, errlen, "cannot create a gRPC channel to %s", target);
-    grpc_shutdown();
-    free(rpc);
-    return EPD_ERR_RPC;
+  return channel_open(rpc, target, timeout_ms, 0, out, err, errlen);
+}
+
+epd_result_t epd_rpc_open_target(const char *target, int timeout_ms, epd_rpc_t **out, char *err,
+                                 size_t errlen) {
+  *out = NULL;
+  if (!target || !*target || strlen(target) >= sizeof((epd_rpc_t *)0)->path) {
+    snprintf(err, errlen, "target: empty or longer than %zu bytes", sizeof((epd_rpc_t *)0)->path - 1);
+    return EPD_ERR_INVALID;
   }
-  *out = rpc;
-  return EPD_OK;
+  epd_rpc_t *rpc = calloc(1, sizeof *rpc);
+  if (!rpc) {
+    snprintf(err, errlen, "out of memory");
+    return EPD_ERR_NOMEM;
+  }
+  snprintf(rpc->path, sizeof rpc->path, "%s", target);
+  return channel_open(rpc, target, timeout_ms, 1, out, err, errlen);
 }
 
 void epd_rpc_close(epd_rpc_t *rpc) {

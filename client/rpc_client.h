@@ -18,6 +18,10 @@ const char *epd_default_socket_path(char *buf, size_t len);
 /* Open a channel to the Unix socket path (no "unix:" prefix needed). */
 epd_result_t epd_rpc_open(const char *socket_path, int timeout_ms, epd_rpc_t **out, char *err,
                           size_t errlen);
+/* Open a channel to a gRPC target of another kind (e.g. "ipv4:10.0.0.1:7070" or "host:port" over TCP),
+ * with a private subchannel pool so that a peer starting later is found quickly. */
+epd_result_t epd_rpc_open_target(const char *target, int timeout_ms, epd_rpc_t **out, char *err,
+                                 size_t errlen);
 void epd_rpc_close(epd_rpc_t *rpc);
 /* Unary call of method (e.g. "/epd.v1.Control/Attach"). On success *reply is a message of reply_desc
  * (free with protobuf_c_message_free_unpacked). gRPC errors map to epd codes; err gets the details. */

@@ -25,6 +25,7 @@
 #include <grpc/support/time.h>
 
 #include "cluster.h"
+#include "rpc_client.h"
 #include "engine.h"
 #include "epd.pb-c.h"
 #include "log.h"
@@ -378,23 +379,11 @@ static int coordinator(const epd_conf_t *conf, world_t *w, const char *agreed, c
 
 /* ---- the other nodes -------------------------------------------------------------------------------- */
 
-/* A channel of its own (local subchannel pool): gRPC backs a refused connection off for seconds, and a
+/* Ask the coordinator until every node has joined (or a final refusal, or cluster.timeout_ms). The
+ * channel is reopened after UNAVAILABLE: gRPC backs a refused connection off for seconds, and a
  * coordinator that starts a little after this node must be found at the next poll. */
-static grpc_channel *open_channel(const char *target) {
-  grpc_channel_credentials *cr = grpc_insecure_credentials_create();
-  grpc_arg args[2] = {
-      {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, .value.integer = 1},
-      {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, .value.integer = 100}};
-  grpc_channel_args cargs = {.num_args = 2, .args = args};
-  grpc_channel *ch = grpc_channel_create(target, cr, &cargs);
-  grpc_channel_credentials_release(cr);
-  return ch;
-}
-
 static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const char *data_addr, char *err,
                   size_t errlen) {
-  grpc_init();
-  grpc_channel *ch = open_channel(conf->cluster_coordinator);
   Epd__V1__RendezvousRequest rq = EPD__V1__RENDEZVOUS_REQUEST__INIT;
   rq.protocol_version = EPD_PROTOCOL_VERSION;
   rq.node_rank = w->node_rank;
@@ -403,119 +392,51 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
   rq.config_hash = epd_cluster_hash(agreed);
   rq.data_addr = (char *)data_addr;
   rq.agreed_config = (char *)agreed;
-  size_t len = epd__v1__rendezvous_request__get_packed_size(&rq);
-  uint8_t *buf = malloc(len ? len : 1);
-  if (!buf) {
-    snprintf(err, errlen, "out of memory");
-    grpc_channel_destroy(ch);
-    grpc_shutdown();
-    return -1;
-  }
-  epd__v1__rendezvous_request__pack(&rq, buf);
   uint64_t deadline = now_ms() + conf->cluster_timeout_ms;
-  char last[512] = "never reached";
+  char last[512] = "never reached", why[320];
   int rc = -1, reached = 0;
+  epd_rpc_t *rpc = NULL;
+  grpc_init(); /* held across the channel reopenings, so gRPC is not torn down between polls */
   EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u of %u joining the coordinator at %s", w->node_rank, w->nodes,
            conf->cluster_coordinator);
   while (rc < 0) {
-    if (!ch) ch = open_channel(conf->cluster_coordinator);
-    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
-    grpc_slice m = grpc_slice_from_static_string(METHOD);
-    gpr_timespec dl = gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_millis(2000, GPR_TIMESPAN));
-    grpc_call *call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, m, NULL, dl, NULL);
-    grpc_slice s = grpc_slice_from_copied_buffer((const char *)buf, len);
-    grpc_byte_buffer *send = grpc_raw_byte_buffer_create(&s, 1), *recv = NULL;
-    grpc_slice_unref(s);
-    grpc_metadata_array init_md, trailing;
-    grpc_metadata_array_init(&init_md);
-    grpc_metadata_array_init(&trailing);
-    grpc_status_code st = GRPC_STATUS_UNKNOWN;
-    grpc_slice details = grpc_empty_slice();
-    grpc_op ops[6];
-    memset(ops, 0, sizeof ops);
-    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[1].op = GRPC_OP_SEND_MESSAGE;
-    ops[1].data.send_message.send_message = send;
-    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-    ops[3].data.recv_initial_metadata.recv_initial_metadata = &init_md;
-    ops[4].op = GRPC_OP_RECV_MESSAGE;
-    ops[4].data.recv_message.recv_message = &recv;
-    ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-    ops[5].data.recv_status_on_client.trailing_metadata = &trailing;
-    ops[5].data.recv_status_on_client.status = &st;
-    ops[5].data.recv_status_on_client.status_details = &details;
-    static int tag;
-    int final = 0, reopen = 0;
-    if (call && grpc_call_start_batch(call, ops, 6, &tag, NULL) == GRPC_CALL_OK) {
-      grpc_completion_queue_pluck(cq, &tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-      char *d = grpc_slice_to_c_string(details);
-      if (st == GRPC_STATUS_OK) {
-        reached = 1;
-        Epd__V1__RendezvousReply *rep = NULL;
-        if (recv) {
-          grpc_byte_buffer_reader r;
-          if (grpc_byte_buffer_reader_init(&r, recv)) {
-            grpc_slice all = grpc_byte_buffer_reader_readall(&r);
-            grpc_byte_buffer_reader_destroy(&r);
-            rep = epd__v1__rendezvous_reply__unpack(NULL, GRPC_SLICE_LENGTH(all), GRPC_SLICE_START_PTR(all));
-            grpc_slice_unref(all);
-          }
+    ProtobufCMessage *m = NULL;
+    epd_result_t r = rpc ? EPD_OK : epd_rpc_open_target(conf->cluster_coordinator, 2000, &rpc, why, sizeof why);
+    if (r == EPD_OK) r = epd_rpc_call(rpc, METHOD, &rq.base, &epd__v1__rendezvous_reply__descriptor, &m, why,
+                                      sizeof why);
+    if (r == EPD_OK) {
+      Epd__V1__RendezvousReply *rep = (Epd__V1__RendezvousReply *)m;
+      reached = 1;
+      if (rep->complete) {
+        if (rep->n_peers != w->nodes || rep->unique_id.len != ID_BYTES) {
+          snprintf(err, errlen, "coordinator %s: reply with %zu peers and a %zu-byte id (want %u, %d)",
+                   conf->cluster_coordinator, rep->n_peers, rep->unique_id.len, w->nodes, ID_BYTES);
+          protobuf_c_message_free_unpacked(m, NULL);
+          break;
         }
-        if (!rep) {
-          snprintf(err, errlen, "coordinator %s: malformed RendezvousReply", conf->cluster_coordinator);
-          final = 1;
-        } else if (rep->complete) {
-          if (rep->n_peers != w->nodes || rep->unique_id.len != ID_BYTES) {
-            snprintf(err, errlen, "coordinator %s: reply with %zu peers and a %zu-byte id (want %u, %d)",
-                     conf->cluster_coordinator, rep->n_peers, rep->unique_id.len, w->nodes, ID_BYTES);
-            final = 1;
-          } else {
-            for (size_t i = 0; i < rep->n_peers; i++)
-              if (rep->peers[i]->node_rank < w->nodes)
-                snprintf(w->addr[rep->peers[i]->node_rank], EPD_NET_ADDR_MAX, "%s",
-                         rep->peers[i]->data_addr ? rep->peers[i]->data_addr : "");
-            memcpy(w->id, rep->unique_id.data, ID_BYTES);
-            rc = 0;
-          }
-        } else {
-          size_t l = (size_t)snprintf(last, sizeof last, "node(s) ");
-          for (size_t i = 0; i < rep->n_missing && l < sizeof last; i++)
-            l += (size_t)snprintf(last + l, sizeof last - l, "%s%u", i ? ", " : "", rep->missing[i]);
-          if (l < sizeof last) snprintf(last + l, sizeof last - l, " did not join");
-        }
-        if (rep) epd__v1__rendezvous_reply__free_unpacked(rep, NULL);
-      } else if (st == GRPC_STATUS_UNAVAILABLE || st == GRPC_STATUS_DEADLINE_EXCEEDED) {
-        if (!reached)
-          snprintf(last, sizeof last, "coordinator (node 0) at %s not reachable: %s",
-                   conf->cluster_coordinator, d ? d : "");
-        reopen = 1;
+        for (size_t i = 0; i < rep->n_peers; i++)
+          if (rep->peers[i]->node_rank < w->nodes)
+            snprintf(w->addr[rep->peers[i]->node_rank], EPD_NET_ADDR_MAX, "%s",
+                     rep->peers[i]->data_addr ? rep->peers[i]->data_addr : "");
+        memcpy(w->id, rep->unique_id.data, ID_BYTES);
+        rc = 0;
       } else {
-        snprintf(err, errlen, "rendezvous with the coordinator at %s refused: %s", conf->cluster_coordinator,
-                 d ? d : "");
-        final = 1;
+        size_t l = (size_t)snprintf(last, sizeof last, "node(s) ");
+        for (size_t i = 0; i < rep->n_missing && l < sizeof last; i++)
+          l += (size_t)snprintf(last + l, sizeof last - l, "%s%u", i ? ", " : "", rep->missing[i]);
+        if (l < sizeof last) snprintf(last + l, sizeof last - l, " did not join");
       }
-      gpr_free(d);
+      protobuf_c_message_free_unpacked(m, NULL);
+    } else if (r == EPD_ERR_CLOSED || r == EPD_ERR_TIMEOUT) {
+      if (!reached)
+        snprintf(last, sizeof last, "coordinator (node 0) at %s not reachable: %s", conf->cluster_coordinator,
+                 why);
+      epd_rpc_close(rpc);
+      rpc = NULL;
     } else {
-      snprintf(err, errlen, "cannot start a gRPC call to %s", conf->cluster_coordinator);
-      final = 1;
+      snprintf(err, errlen, "rendezvous with the coordinator at %s refused: %s", conf->cluster_coordinator, why);
+      break;
     }
-    grpc_byte_buffer_destroy(send);
-    if (recv) grpc_byte_buffer_destroy(recv);
-    grpc_slice_unref(details);
-    grpc_metadata_array_destroy(&init_md);
-    grpc_metadata_array_destroy(&trailing);
-    if (call) grpc_call_unref(call);
-    grpc_completion_queue_shutdown(cq);
-    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
-           GRPC_QUEUE_SHUTDOWN) {
-    }
-    grpc_completion_queue_destroy(cq);
-    if (reopen) {
-      grpc_channel_destroy(ch);
-      ch = NULL;
-    }
-    if (final) break;
     if (rc < 0 && now_ms() >= deadline) {
       snprintf(err, errlen, "rendezvous incomplete after cluster.timeout_ms %u: %s", conf->cluster_timeout_ms,
                last);
@@ -523,8 +444,7 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
     }
     if (rc < 0) usleep(100000);
   }
-  free(buf);
-  if (ch) grpc_channel_destroy(ch);
+  epd_rpc_close(rpc);
   grpc_shutdown();
   return rc;
 }
