@@ -3,6 +3,8 @@
 # Switches: DEBUG=1 (-O0 -g), ASAN=1 (address+undefined sanitizers), WERROR=1, V=1 (show commands),
 # WITH_CUDA=0/1 (default: 1 when nvcc and NCCL headers are found), CUDA_HOME, NCCL_HOME, PREFIX, DESTDIR.
 
+.DEFAULT_GOAL := all
+
 PREFIX ?= /usr/local
 DESTDIR ?=
 DEBUG ?= 0

@@ -462,6 +462,12 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
   eng_group_t *grp = cg->grp;
   const epd_desc_t *d0 = &cg->desc[0];
   char why[160];
+  /* After a sticky fault nothing more runs on this context: say why instead of launching. */
+  if (epd_engine_failure(eng)) {
+    snprintf(why, sizeof why, "the engine failed: %s", epd_engine_failure(eng));
+    fail_collect(eng, be, cg, EPD_ERR_INTERNAL, -1, why);
+    return;
+  }
   for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
     const epd_desc_t *d = &cg->desc[r];
     const int is_ht = d->op == EPD_OP_HT_DISPATCH || d->op == EPD_OP_HT_COMBINE;
