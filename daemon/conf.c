@@ -195,10 +195,11 @@ static void fmt_value(const epd_conf_t *c, const conf_key_t *k, char *buf, size_
   case CT_STRING:
   case CT_IDLIST:
   case CT_ENUM: {
-    /* Quoted where the parser would otherwise change it (outer quotes or blanks are stripped). */
+    /* Quoted where the parser would otherwise change it: outer quotes or blanks are stripped, and a
+     * ';' after the blank of "key = " starts an inline comment (found by fuzz_conf). */
     size_t n = strnlen(p, k->size);
     int q = n && (p[0] == '"' || p[n - 1] == '"' || p[0] == ' ' || p[0] == '\t' || p[n - 1] == ' ' ||
-                  p[n - 1] == '\t');
+                  p[n - 1] == '\t' || p[0] == ';');
     snprintf(buf, len, q ? "\"%.*s\"" : "%.*s", (int)n, p);
     break;
   }
