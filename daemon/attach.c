@@ -378,6 +378,14 @@ static void sweep(uv_timer_t *t) {
     if (c->state == CONN_WAIT_REQUEST && c->deadline_ns <= now) {
       send_reply(c->fd, EPD_ERR_TIMEOUT, -1, -1, "no redeem request within %d ms", REQUEST_TIMEOUT_MS);
       conn_close(c);
+    } else if (c->state == CONN_ATTACHED) {
+      /* The engine let go of this client (replaced after it hung): hang up, so that its process sees
+       * EPD_ERR_CLOSED at its next wait instead of waiting out its own timeout. */
+      int qfd, afd;
+      if (epd_engine_client_fds(engine, c->client_id, &qfd, &afd) == EPD_ERR_NOT_FOUND) {
+        epd_log_msg(EPD_LOG_INFO, EPD_SUB_ATTACH, -1, c->client_id, "attachment gone from the engine: hanging up");
+        conn_close(c);
+      }
     }
   }
 }

@@ -371,6 +371,8 @@ static eng_group_t *find_group(epd_engine_t *eng, const char *name) {
   return NULL;
 }
 
+static void detach_locked(epd_engine_t *eng, eng_client_t *c, int lost, int replaced);
+
 static eng_client_t *find_client(epd_engine_t *eng, uint64_t id) {
   for (eng_client_t *c = eng->clients; c; c = c->next)
     if (c->id == id) return c;
@@ -576,6 +578,14 @@ epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, e
     if ((rc = group_create(eng, name, req, &grp, errbuf, errlen))) goto out;
     created = 1;
   }
+  if (grp->client[req->rank] && grp->client[req->rank]->hung) {
+    /* The rank made its peers time out and has not submitted since: the new client takes its place
+     * (its queue and memory are released; the old process, if it wakes up, finds its attachment gone). */
+    eng_client_t *old = grp->client[req->rank];
+    EPD_LOGW(EPD_SUB_ENGINE, "group %s rank %d: client %llu (pid %u) hung since a step timed out waiting for it: "
+             "replaced by a new attach", name, req->rank, (unsigned long long)old->id, old->pid);
+    detach_locked(eng, old, 1, 1);
+  }
   if (grp->client[req->rank]) {
     snprintf(errbuf, errlen, "rank %d of group \"%s\" is already attached (client %llu)", req->rank, name,
              (unsigned long long)grp->client[req->rank]->id);
@@ -660,19 +670,16 @@ epd_result_t epd_engine_client_fds(epd_engine_t *eng, uint64_t client_id, int *q
   return c ? EPD_OK : EPD_ERR_NOT_FOUND;
 }
 
-epd_result_t epd_engine_detach(epd_engine_t *eng, uint64_t client_id, int lost) {
-  pthread_mutex_lock(&eng->mu);
-  eng_client_t *c = find_client(eng, client_id);
-  if (!c) {
-    pthread_mutex_unlock(&eng->mu);
-    return EPD_ERR_NOT_FOUND;
-  }
+/* (mu) Detach c: backend leave, event, unlink, free; the group goes with its last client. replaced: a
+ * hung client that a new attach of its rank takes over; it is in no step (arriving clears "hung"), so the
+ * step its peers are collecting goes on with the new client, and the group stays for it. */
+static void detach_locked(epd_engine_t *eng, eng_client_t *c, int lost, int replaced) {
   eng_group_t *grp = c->grp;
-  eng->ops->client_leave(eng, c, lost);
+  if (!replaced || c->in_step) eng->ops->client_leave(eng, c, replaced ? 0 : lost);
   if (lost)
     eng_emit(eng, "client_lost", grp, c->rank, c->id, 0, 0, grp->steps,
-             "client %llu (%s, pid %u) of group %s rank %d lost", (unsigned long long)c->id, c->name, c->pid,
-             grp->name, c->rank);
+             "client %llu (%s, pid %u) of group %s rank %d %s", (unsigned long long)c->id, c->name, c->pid,
+             grp->name, c->rank, replaced ? "hung: replaced by a new attach" : "lost");
   EPD_LOGI(EPD_SUB_ENGINE, "client %llu detached from group %s rank %d%s", (unsigned long long)c->id,
            grp->name, c->rank, lost ? " (lost)" : "");
   for (eng_client_t **p = &eng->clients; *p; p = &(*p)->next)
@@ -688,13 +695,27 @@ epd_result_t epd_engine_detach(epd_engine_t *eng, uint64_t client_id, int lost) 
   int empty = 1;
   for (uint32_t r = 0; r < grp->g.num_ranks; r++)
     if (grp->client[r]) empty = 0;
-  if (empty) {
+  if (empty && !replaced) {
     EPD_LOGI(EPD_SUB_ENGINE, "group %s has no clients left: removed", grp->name);
     group_unlink(eng, grp);
     group_free(grp);
   }
+}
+
+epd_result_t epd_engine_detach(epd_engine_t *eng, uint64_t client_id, int lost) {
+  pthread_mutex_lock(&eng->mu);
+  eng_client_t *c = find_client(eng, client_id);
+  if (!c) {
+    pthread_mutex_unlock(&eng->mu);
+    return EPD_ERR_NOT_FOUND;
+  }
+  detach_locked(eng, c, lost, 0);
   pthread_mutex_unlock(&eng->mu);
   return EPD_OK;
+}
+
+void eng_mark_hung(eng_group_t *grp, int rank) {
+  if (rank >= 0 && rank < EPD_MAX_RANKS && grp->client[rank]) grp->client[rank]->hung = 1;
 }
 
 void epd_engine_set_draining(epd_engine_t *eng, int drain) {

@@ -550,6 +550,7 @@ static int collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int r, uint
     if (eng_slot_state(s) == EPD_SLOT_SUBMITTED) {
       cg->desc[r] = s->desc;
       cg->arrived[r] = 1;
+      c->hung = 0;
       cg->cc[r] = cc;
       cc->busy = 1;
       if (cg->narrived++ == 0) cg->first_arrive_ns = now;
@@ -574,6 +575,7 @@ static int collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int r, uint
   /* now was read before mu: another rank thread may have stamped a later first arrival. */
   if (now > cg->first_arrive_ns && now - cg->first_arrive_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
     int missing = eng_timeout_rank(eng, cg->arrived, cg->g.num_ranks, why, sizeof why);
+    eng_mark_hung(grp, missing);
     fail_collect(eng, be, cg, EPD_ERR_TIMEOUT, missing, why);
     return 1;
   }

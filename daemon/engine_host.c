@@ -273,6 +273,7 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
     char why[256];
     int missing = eng_timeout_rank(eng, grp->arrived, grp->g.num_ranks, why, sizeof why);
     if (eng->o.nodes > 1) missing = eng_net_missing_rank(eng, grp, why, sizeof why);
+    eng_mark_hung(grp, missing);
     fail_step(eng, grp, EPD_ERR_TIMEOUT, missing, why);
     return 1;
   }
@@ -285,6 +286,7 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
     return 1;
   }
   int r = c->rank;
+  c->hung = 0;
   grp->arrived[r] = 1;
   grp->desc[r] = d;
   grp->arrive_ns[r] = now;

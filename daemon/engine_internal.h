@@ -41,6 +41,9 @@ struct eng_client {
    * step being collected. */
   uint32_t next_slot;
   int in_step;
+  /* Its rank made a step time out and it has not submitted since (hung, or very slow): a new attach of
+   * the same (group, rank) replaces it instead of failing with EPD_ERR_BUSY. */
+  int hung;
 };
 
 struct eng_group {
@@ -144,6 +147,9 @@ uint64_t eng_now_ns(void); /* CLOCK_MONOTONIC */
 int eng_make_memfd(const char *name, uint64_t bytes, void **map, char *err, size_t errlen);
 /* (mu) Mark the engine failed for good (first message wins); emits an "error" event and logs it. */
 void eng_fail(epd_engine_t *eng, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* (mu) Mark the client of `rank` hung after a step timed out waiting for it (no-op for a remote or
+ * unattached rank). */
+void eng_mark_hung(eng_group_t *grp, int rank);
 /* Emit an event to the engine's sink (message formatted). */
 void eng_emit(epd_engine_t *eng, const char *kind, const eng_group_t *grp, int rank, uint64_t client_id,
               uint32_t old_version, uint32_t new_version, uint64_t step, const char *fmt, ...)

@@ -60,6 +60,32 @@ for how in CONT KILL; do
   wait $B1 || fail "new rank 1 worker failed"
   echo "group continues with new attaches: $(grep -h 'steps ok' "$T/b0.out")"
 done
+echo "== rank 1 stopped mid-run and left stopped: a new attach of rank 1 replaces it"
+"$WORKER" -s "$SOCK" -g hung -r 0 -n 2 --steps 100000 --seed 7 > "$T/c0.out" 2>&1 & W0=$!
+"$WORKER" -s "$SOCK" -g hung -r 1 -n 2 --steps 100000 --seed 7 > "$T/c1.out" 2>&1 & W1=$!
+( sleep 60; kill -KILL $W0 $W1 ) 2>/dev/null & WD=$!
+sleep 0.5
+kill -STOP $W1
+wait $W0; rc=$?
+[ $rc -eq 2 ] || fail "peer of the stopped worker exited $rc, want 2"
+# Rank 0's old client died (its peer error), so until rank 0 is attached again every step of the group
+# fails at once with EPD_ERR_PEER (no waiting on a dead peer): attach the new rank 0 first.
+n0=$(grep -c "attached to group hung rank 0" "$LOG")
+timeout 30 "$WORKER" -s "$SOCK" -g hung -r 0 -n 2 --steps 6 --seed 9 > "$T/d0.out" 2>&1 & D0=$!
+wait_for 10 sh -c "[ \$(grep -c 'attached to group hung rank 0' '$LOG') -gt $n0 ]" || fail "new rank 0 did not attach"
+timeout 30 "$WORKER" -s "$SOCK" -g hung -r 1 -n 2 --steps 6 --seed 9 > "$T/d1.out" 2>&1 & D1=$!
+wait $D0 || fail "new rank 0 worker failed: $(tail -3 "$T/d0.out")"
+wait $D1 || fail "new rank 1 worker (replacing the stopped one) failed: $(tail -3 "$T/d1.out")"
+grep -q "hung since a step timed out waiting for it: replaced by a new attach" "$LOG" ||
+  fail "the log does not say the hung client was replaced"
+echo "replacement of the still-stopped rank 1 ran: $(grep -h 'steps ok' "$T/d1.out")"
+kill -CONT $W1; wait $W1; rc=$?
+[ $rc -ne 0 ] || fail "the replaced worker exited 0 after waking up"
+grep -q "daemon connection dropped" "$T/c1.out" || fail "the replaced worker was not told its attachment is gone: $(tail -2 "$T/c1.out")"
+echo "the replaced worker, woken up, exited $rc: $(tail -1 "$T/c1.out")"
+kill $WD 2>/dev/null; wait $WD 2>/dev/null
+kill -0 "$PID" || fail "daemon died"
+
 grep -q "timeout" "$LOG" || fail "no timeout event in the log"
 kill -TERM "$PID"; wait "$PID"; rc=$?; PID=
 [ $rc -eq 0 ] || fail "daemon exit $rc on SIGTERM"
