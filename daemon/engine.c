@@ -26,7 +26,7 @@
 #define MAX_TOKENS_PACK 0xffffffu /* tokens of a rank must fit EPD_SRC_PACK's 24 bits */
 
 /* memfd_create + ftruncate + mmap shared; returns the fd (the mapping in *map) or -1 with err set. */
-int eng_make_memfd(const char *name, uint64_t bytes, void **map, char *err, size_t errlen) {
+static int make_memfd(const char *name, uint64_t bytes, void **map, char *err, size_t errlen) {
   int fd = memfd_create(name, MFD_CLOEXEC);
   if (fd < 0) {
     snprintf(err, errlen, "memfd_create(%s): %s", name, strerror(errno));
@@ -51,7 +51,7 @@ int eng_client_memfd(const eng_client_t *c, const char *what, uint64_t bytes, vo
                      size_t errlen) {
   char name[64];
   snprintf(name, sizeof name, "epd-%s-%llu", what, (unsigned long long)c->id);
-  return eng_make_memfd(name, bytes, map, err, errlen);
+  return make_memfd(name, bytes, map, err, errlen);
 }
 
 void eng_queue_init(eng_client_t *c, epd_queue_t *q) {

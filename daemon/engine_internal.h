@@ -143,8 +143,6 @@ extern const eng_backend_ops_t eng_cuda_ops __attribute__((weak));
 
 /* Core helpers for backends, all (mu). */
 uint64_t eng_now_ns(void); /* CLOCK_MONOTONIC */
-/* A shared memory region for a queue or arena: memfd of `bytes`, mapped here in *map; fd or -1 (err). */
-int eng_make_memfd(const char *name, uint64_t bytes, void **map, char *err, size_t errlen);
 /* (mu) Mark the engine failed for good (first message wins); emits an "error" event and logs it. */
 void eng_fail(epd_engine_t *eng, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* (mu) Mark the client of `rank` hung after a step timed out waiting for it (no-op for a remote or
