@@ -171,6 +171,7 @@ static void map_table_write(eng_client_t *c) {
 /* The host backend's weight copies: memcpy between the clients' weights regions (every rank of the group
  * is attached: a step is being executed). Returns bytes copied. */
 static uint64_t do_weight_copies(epd_engine_t *eng, eng_group_t *grp) {
+  if (eng->ops->copy_weights) return grp->nstaged_copies ? eng->ops->copy_weights(eng, grp) : 0;
   uint64_t bytes = 0, wb = grp->weight_bytes_per_slot;
   for (uint32_t i = 0; i < grp->nstaged_copies; i++) {
     const epd_weight_copy_t *cp = &grp->staged_copies[i];
@@ -749,9 +750,8 @@ static epd_result_t check_copies(epd_engine_t *eng, const eng_group_t *grp, cons
              "weight_bytes_per_slot > 0)", grp->name);
     return EPD_ERR_INVALID;
   }
-  if (n && strcmp(eng->ops->name, "host")) {
-    snprintf(err, errlen, "copies: weight migration is implemented for the host backend only (backend %s)",
-             eng->ops->name);
+  if (n && strcmp(eng->ops->name, "host") && !eng->ops->copy_weights) {
+    snprintf(err, errlen, "copies: backend %s cannot copy expert weights", eng->ops->name);
     return EPD_ERR_UNSUPPORTED;
   }
   if (n > g->num_ranks * g->slots_per_rank) {

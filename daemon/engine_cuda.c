@@ -85,6 +85,7 @@ typedef struct cuda_client {
   size_t arena_size; /* rounded to the allocation granularity */
   int queue_fd, arena_fd;
   uint32_t next_slot;
+  int peer_access; /* every GPU of the daemon may access the arena (weight copies) */
   int busy; /* joined a step that has not finished on this rank */
   int dead; /* its eng_client_t is gone: free when no longer busy */
   struct cuda_client *next_dead;
@@ -141,6 +142,7 @@ typedef struct cuda_rank {
   pthread_t th;
   int started;
   cudaStream_t stream;
+  cudaStream_t copy_stream; /* expert-weight copies into this rank's arenas */
   /* The op in flight on this rank (one at a time: run order is what prevents cross-GPU deadlock). */
   cuda_grp_t *inflight;
   uint64_t launch_ns;
@@ -823,7 +825,8 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
   for (int r = 0; r < be->ndev; r++) {
     cuda_rank_t *rk = &be->rank[r];
     cudaSetDevice(rk->device);
-    if ((e = cudaStreamCreateWithFlags(&rk->stream, cudaStreamNonBlocking))) {
+    if ((e = cudaStreamCreateWithFlags(&rk->stream, cudaStreamNonBlocking)) ||
+        (e = cudaStreamCreateWithFlags(&rk->copy_stream, cudaStreamNonBlocking))) {
       cuda_err(e, "cudaStreamCreate", err, errlen);
       cuda_destroy(eng);
       return EPD_ERR_CUDA;
@@ -870,6 +873,7 @@ static void cuda_destroy(epd_engine_t *eng) {
     if (be->rank[r].stream) {
       cudaSetDevice(be->rank[r].device);
       cudaStreamDestroy(be->rank[r].stream);
+      if (be->rank[r].copy_stream) cudaStreamDestroy(be->rank[r].copy_stream);
     }
   }
   epd_cc_destroy(be->cc);
@@ -879,7 +883,8 @@ static void cuda_destroy(epd_engine_t *eng) {
 }
 
 /* (mu) Allocate the arena on the rank's GPU, map it here, export it as an fd. */
-static epd_result_t arena_alloc(cuda_client_t *cc, uint64_t bytes, int device, char *err, size_t errlen) {
+static epd_result_t arena_alloc(cuda_be_t *be, cuda_client_t *cc, uint64_t bytes, int device, char *err,
+                                size_t errlen) {
   CUmemAllocationProp prop;
   memset(&prop, 0, sizeof prop);
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -904,11 +909,26 @@ static epd_result_t arena_alloc(cuda_client_t *cc, uint64_t bytes, int device, c
     cc->arena_dev = 0;
     return cu_err(r, "cuMemMap", err, errlen);
   }
-  CUmemAccessDesc acc;
-  memset(&acc, 0, sizeof acc);
-  acc.location = prop.location;
-  acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  if ((r = cu.cuMemSetAccess(cc->arena_dev, cc->arena_size, &acc, 1)))
+  /* Every GPU of the daemon may read and write the arena (weight migration copies slots between
+   * ranks' arenas over NVLink); where peer access is missing, only the owning GPU. */
+  CUmemAccessDesc acc[EPD_MAX_RANKS];
+  memset(acc, 0, sizeof acc);
+  int nacc = 0;
+  acc[nacc].location = prop.location;
+  acc[nacc++].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  for (int d = 0; d < be->ndev; d++) {
+    int ok = 0;
+    if (be->rank[d].device == device || cudaDeviceCanAccessPeer(&ok, be->rank[d].device, device) || !ok) continue;
+    acc[nacc].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    acc[nacc].location.id = be->rank[d].device;
+    acc[nacc++].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  cc->peer_access = nacc == be->ndev;
+  if (nacc > 1 && cu.cuMemSetAccess(cc->arena_dev, cc->arena_size, acc, (size_t)nacc)) {
+    nacc = 1;
+    cc->peer_access = be->ndev == 1;
+  }
+  if (nacc == 1 && (r = cu.cuMemSetAccess(cc->arena_dev, cc->arena_size, acc, 1)))
     return cu_err(r, "cuMemSetAccess", err, errlen);
   int fd = -1;
   if ((r = cu.cuMemExportToShareableHandle(&fd, cc->arena_h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)))
@@ -962,7 +982,7 @@ static epd_result_t cuda_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
     goto fail;
   }
   cc->queue_dev = (uint64_t)(uintptr_t)qd;
-  if ((rc = arena_alloc(cc, c->arena_bytes, cc->device, err, errlen))) goto fail;
+  if ((rc = arena_alloc(be, cc, c->arena_bytes, cc->device, err, errlen))) goto fail;
   eng_queue_init(c, q); /* fresh memfd pages are zero: every slot FREE */
   c->be = cc;
   c->queue = q;
@@ -1036,6 +1056,51 @@ static void cuda_client_free(epd_engine_t *eng, eng_client_t *c) {
   cuda_client_release(cc);
 }
 
+/* (mu) The staged map's weight copies: device-to-device between the clients' arenas (peer access over
+ * NVLink), issued on the destination rank's copy stream; returns once every copy is done, so the step
+ * that switches to the map starts after its weights moved. A copy that cannot run is reported as an
+ * event and skipped (as on the host backend). */
+static uint64_t cuda_copy_weights(epd_engine_t *eng, eng_group_t *grp) {
+  cuda_be_t *be = eng->be;
+  uint64_t wb = grp->weight_bytes_per_slot, woff = UINT64_MAX, bytes = 0;
+  for (uint32_t i = 0; i < grp->nbufs; i++)
+    if (grp->bufs[i].kind == EPD_BUF_EXPERT_WEIGHTS) woff = grp->bufs[i].offset;
+  int used[EPD_MAX_RANKS] = {0}, dev0 = 0;
+  cudaGetDevice(&dev0); /* a rank thread calls this: give it its device back */
+  for (uint32_t i = 0; i < grp->nstaged_copies && woff != UINT64_MAX; i++) {
+    const epd_weight_copy_t *cp = &grp->staged_copies[i];
+    eng_client_t *src = grp->client[cp->src_rank], *dst = grp->client[cp->dst_rank];
+    cuda_client_t *sc = src ? src->be : NULL, *dc = dst ? dst->be : NULL;
+    const char *why = !sc || !dc ? "has no attached client" : !sc->peer_access || !dc->peer_access
+                                                                 ? "has no peer access to the other GPU"
+                                                                 : NULL;
+    cudaError_t e = cudaSuccess;
+    if (!why) {
+      cudaSetDevice(dc->device);
+      e = cudaMemcpyAsync((void *)(uintptr_t)(dc->arena_dev + woff + cp->dst_slot * wb),
+                          (const void *)(uintptr_t)(sc->arena_dev + woff + cp->src_slot * wb), wb,
+                          cudaMemcpyDeviceToDevice, be->rank[cp->dst_rank].copy_stream);
+      if (e) why = cudaGetErrorString(e);
+    }
+    if (why) {
+      eng_emit(eng, "error", grp, (int)cp->dst_rank, 0, 0, 0, grp->steps,
+               "group %s: weight copy (%u,%u) -> (%u,%u) skipped: rank %u %s", grp->name, cp->src_rank,
+               cp->src_slot, cp->dst_rank, cp->dst_slot, sc ? cp->dst_rank : cp->src_rank, why);
+      continue;
+    }
+    used[cp->dst_rank] = 1;
+    bytes += wb;
+  }
+  for (int r = 0; r < be->ndev; r++) {
+    if (!used[r]) continue;
+    cudaSetDevice(be->rank[r].device);
+    cudaError_t e = cudaStreamSynchronize(be->rank[r].copy_stream);
+    if (e) eng_fail(eng, "rank %d: expert-weight copy failed: %s", r, cudaGetErrorString(e));
+  }
+  cudaSetDevice(dev0);
+  return bytes;
+}
+
 /* A strong reference to this object: engine.c refers to eng_cuda_ops weakly, which does not pull
  * engine_cuda.o out of the static engine library; a program that wants the CUDA backend calls this. */
 int epd_engine_cuda_linked(void);
@@ -1052,6 +1117,7 @@ const eng_backend_ops_t eng_cuda_ops = {
     .client_alloc = cuda_client_alloc,
     .client_leave = cuda_client_leave,
     .client_free = cuda_client_free,
+    .copy_weights = cuda_copy_weights,
 };
 
 #endif /* EPD_WITH_CUDA */

@@ -107,6 +107,10 @@ typedef struct eng_backend_ops {
   void (*client_leave)(epd_engine_t *eng, eng_client_t *c, int lost);
   /* (mu) Release the client's memory and fds. */
   void (*client_free)(epd_engine_t *eng, eng_client_t *c);
+  /* (mu) Optional: run the staged map's weight copies (grp->staged_copies) between the clients'
+   * EPD_BUF_EXPERT_WEIGHTS regions and return when they are done; returns bytes copied. NULL: the
+   * regions are CPU-visible (c->arena) and the core copies them with memmove. */
+  uint64_t (*copy_weights)(epd_engine_t *eng, eng_group_t *grp);
 } eng_backend_ops_t;
 
 struct epd_engine {
