@@ -143,8 +143,10 @@ const epd_k_ll_geom_t *epd_k_ll_geom(const epd_k_ll_t *k);
 /* ---- HT (high-throughput) data path: docs/SEMANTICS.md "HT dispatch"/"HT combine" ----
  * Per rank of a node-local (LSA) team: an HT staging window (epd_k_ht_window_bytes: capacity rows of
  * incoming tokens per bank, plus max_tokens combine rows per peer) registered like the LL one; the
- * client arena as for LL (kinds X, TOPK_IDX, TOPK_WEIGHTS, HT_RECV_*, HT_Y, OUT). A dispatch is three
- * stream-ordered kernels (route, plan with the count exchange, data on `blocks` SMs); a combine one.
+ * client arena as for LL (kinds X, TOPK_IDX, TOPK_WEIGHTS, HT_RECV_*, HT_Y, OUT). A dispatch is two
+ * stream-ordered kernels (route; then count exchange and data on `blocks` SMs); a combine one. With the
+ * peers' arenas (epd_k_ht_op_t.peer_arena) rows go straight to their final place in the receiver's arena
+ * and combine pulls the partials; without, they pass through the staging window.
  * Timeouts, sequence numbers and recovery (epd_k_ht_reset on every quiescent rank) are as for LL. */
 typedef struct epd_k_ht_geom {
   uint32_t num_ranks;      /* R: ranks of the team (= LSA team), 1..EPD_K_MAX_RANKS */
@@ -183,7 +185,15 @@ typedef struct epd_k_ht_op {
   const void *map;     /* dispatch: device expert-map table */
   uint64_t *slot_tokens; /* dispatch, optional: per local slot [S], += (j, k) entries received */
   epd_comp_t *comp;    /* device completion record */
+  /* Optional: the UVA base of every rank's client arena of this step (same offsets as `arena`; the entry
+   * of this rank is ignored), each readable and writable from this GPU. All non-zero: dispatch writes
+   * rows straight into the receivers' arenas and combine reads the partials from them (no staging copy).
+   * Any zero: rows pass through the peers' staging windows (the path without peer access). */
+  uint64_t peer_arena[EPD_K_MAX_RANKS];
+  uint32_t copy; /* EPD_K_HT_COPY_TMA (0: bulk-copy engine for BF16 rows) or EPD_K_HT_COPY_REG */
 } epd_k_ht_op_t;
+#define EPD_K_HT_COPY_TMA 0u /* BF16 rows move with cp.async.bulk (TMA) through shared memory */
+#define EPD_K_HT_COPY_REG 1u /* 16-byte register loads and stores (comparison, fallback) */
 
 /* Launch one HT op on `stream`: host checks return EPD_ERR_INVALID, launch failures EPD_ERR_CUDA;
  * device outcomes land in op->comp. */
