@@ -191,6 +191,11 @@ typedef struct epd_k_ht_op {
    * Any zero: rows pass through the peers' staging windows (the path without peer access). */
   uint64_t peer_arena[EPD_K_MAX_RANKS];
   uint32_t copy; /* EPD_K_HT_COPY_TMA (0: bulk-copy engine for BF16 rows) or EPD_K_HT_COPY_REG */
+  uint64_t *trace; /* optional (NULL), zeroed by the caller: %globaltimer stamps (profiling). Dispatch:
+                    * [0] route start, [1] data kernel start, [2] counts, [3] plan messages read, [4] first
+                    * tile's metadata, [5] rows issued and [6] rows complete (latest block), [7] peers'
+                    * flags, [8] receive pass, [9] completion. Combine: [0] start, [1] peers' HT_Y ready,
+                    * [2] pulled and reduced (latest block), [3] peers done, [4] completion. */
 } epd_k_ht_op_t;
 #define EPD_K_HT_COPY_TMA 0u /* BF16 rows move with cp.async.bulk (TMA) through shared memory */
 #define EPD_K_HT_COPY_REG 1u /* 16-byte register loads and stores (comparison, fallback) */

@@ -137,7 +137,18 @@ struct HTParams {
   uint32_t ns;                          /* stages of the TMA ring */
   uint32_t lag;                         /* dispatch: bulk-store groups left reading (1, 2 or 4) */
   uint32_t cw, nch;                     /* combine: bytes per column chunk, chunks per row */
+  uint64_t *trace;                      /* epd_k_ht_op_t.trace */
 };
+
+/* Profiling stamps: block 0's, or the latest block's. */
+#define TR(i)                                                                              \
+  do {                                                                                     \
+    if (p.trace && blockIdx.x == 0 && threadIdx.x == 0) p.trace[i] = gtimer();             \
+  } while (0)
+#define TR_LATEST(i)                                                                       \
+  do {                                                                                     \
+    if (p.trace) atomicMax((unsigned long long *)&p.trace[i], (unsigned long long)gtimer()); \
+  } while (0)
 
 __device__ __forceinline__ char *peer_bank(const HTParams &p, int peer) {
   return (char *)ncclGetLsaPointer(p.win, p.win_off + p.bank * p.lay.bank_bytes, peer);
@@ -226,6 +237,7 @@ __device__ __forceinline__ float div_by_scale(float x, float scale, float inv) {
  * ------------------------------------------------------------------------------------------------- */
 __global__ void __launch_bounds__(NTHR) ht_route_kernel(const HTParams p) {
   grid_dep_launch(); /* the data kernel may start its prologue; it waits for this grid's completion */
+  TR(0);
   const uint32_t lane = threadIdx.x & 31;
   const uint32_t t = blockIdx.x * NWARP + (threadIdx.x >> 5);
   if (blockIdx.x == 0) {
@@ -532,6 +544,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
   __shared__ int sh_timeout, sh_code, sh_peer, sh_last, sh_abort;
 
   grid_dep_wait(); /* the route kernel's results */
+  TR(1);
   const uint32_t R = p.R, H = p.H, K = p.K, me = p.rank, G = p.G, S = p.S;
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool fp8 = (p.flags & EPD_DESC_FP8) != 0;
@@ -609,6 +622,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
     }
     __syncthreads();
   }
+  TR(2);
   /* ---- plan message (block 0) to every rank, self included; every block reads all of them ---- */
   if (blockIdx.x == 0 && tid < R) {
     uint64_t *msg = (uint64_t *)(peer_bank(p, (int)tid) + p.lay.cmsg + (uint64_t)me * 128);
@@ -685,6 +699,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
     }
   }
   __syncthreads();
+  TR(3);
   int code = sh_code, peer = sh_peer;
   const uint32_t N = sh_N;
 
@@ -737,6 +752,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       }
       if (m) send_meta(p, t, m, jr, sh_sendbase, hist, slotc);
       __syncthreads(); /* s_tl, sh_n */
+      if (tb == t0) TR(4);
       const uint32_t n = sh_n;
       if (use_tma) {
         if (tid == 0) {
@@ -783,7 +799,9 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
         }
       }
     }
+    if (tid == 0) TR_LATEST(5);
     if (use_tma && tid == 0) tma_wait_all();
+    if (tid == 0) TR_LATEST(6);
   }
   signal_peers(p, p.lay.dflag, seq);
   {
@@ -793,6 +811,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       peer = to;
     }
   }
+  TR(7);
   if (code == 0 && !sh_abort) {
     /* ---- receive: count the entries per local slot of the rows the peers wrote ---- */
     const uint32_t own0 = sh_recvbase[me], own1 = sh_recvbase[me + 1];
@@ -856,6 +875,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
   }
   /* ---- completion: the last block writes counts and the record ---- */
   __syncthreads();
+  TR(8);
   if (tid == 0) {
     if (code != 0 && atomicCAS(&st->err[0], 0, code) == 0) atomicExch(&st->errpeer[0], peer);
     __threadfence();
@@ -888,6 +908,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       comp->num_recv = (c == 0 || c == EPD_ERR_OVERFLOW) ? N : 0u;
       comp->map_version = p.map[0];
     }
+    if (p.trace) p.trace[9] = gtimer();
     __threadfence_system();
   }
 }
@@ -913,6 +934,7 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
   const uint32_t *pos = (const uint32_t *)(lb + p.lay.pos);
   char *out = arena_buf<char>(p, EPD_BUF_OUT);
   int code = 0, peer = -1;
+  TR(0);
 
   if (!p.direct) {
     /* ---- staging: each expert rank pushes every remote row's partial to its source ---- */
@@ -987,6 +1009,7 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
       mbar_init_fence();
     }
     __syncthreads();
+    TR(1);
     if (sh_to != NO_TIMEOUT) {
       code = EPD_ERR_TIMEOUT;
       peer = sh_to;
@@ -1094,6 +1117,7 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
       }
     }
     __syncthreads();
+    if (tid == 0) TR_LATEST(2);
     if (sh_abort && code == 0) { /* a consumer warp's wait expired */
       code = EPD_ERR_TIMEOUT;
       peer = (int)me;
@@ -1105,6 +1129,7 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
       code = EPD_ERR_TIMEOUT;
       peer = to;
     }
+    TR(3);
   }
   __syncthreads();
   if (tid == 0) {
@@ -1128,6 +1153,7 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
     comp->num_recv = N;
     comp->map_version = st->map_version;
   }
+  if (p.trace) p.trace[4] = gtimer();
   __threadfence_system();
 }
 
@@ -1357,6 +1383,7 @@ epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const ep
     if (!p.peer_arena[r]) p.direct = 0;
   }
   p.tma = op->copy == EPD_K_HT_COPY_TMA;
+  p.trace = op->trace;
   cudaStream_t s = (cudaStream_t)stream;
   if (op->op == EPD_OP_HT_DISPATCH) {
     uint32_t T = p.T > p.M ? 0 : p.T;

@@ -15,6 +15,7 @@ typedef struct hth {
   epd_k_ht_t *k[EPD_K_MAX_RANKS];
   int staging;   /* 1: no peer arenas in the ops (rows through the staging windows) */
   uint32_t copy; /* epd_k_ht_op_t.copy */
+  uint64_t *trace[EPD_K_MAX_RANKS]; /* epd_k_ht_op_t.trace of each rank (device, optional) */
 } hth_t;
 
 #define HTH_GUARD_ROWS 4 /* poisoned rows after the C rows of each HT receive buffer */
@@ -95,6 +96,7 @@ static int hth_launch(hth_t *h, unsigned rank_mask, uint32_t opc, uint32_t bank,
     op.comp = h->kh.comp[r] + (opc == EPD_OP_HT_DISPATCH ? 0 : 1);
     for (int q = 0; q < h->kh.R && !h->staging; q++) op.peer_arena[q] = (uint64_t)(uintptr_t)h->kh.arena[q];
     op.copy = h->copy;
+    op.trace = h->trace[r];
     int res = epd_k_ht_launch(h->k[r], &h->kh.ar[r], &op, h->kh.st[r], h->kh.err, sizeof h->kh.err);
     if (res) return res;
   }

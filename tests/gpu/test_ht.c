@@ -232,6 +232,8 @@ static void combine_check(unsigned bank) {
 }
 
 static void step(uint64_t seed, uint64_t s, uint32_t t0, uint32_t t1, int skew, int fp8) {
+  fprintf(stderr, "step seed %llu s %llu tokens %u/%u skew %d fp8 %d staging %d copy %u\n", (unsigned long long)seed,
+          (unsigned long long)s, t0, t1, skew, fp8, T_.h.staging, T_.h.copy);
   gen(seed, s, t0, t1, skew);
   unsigned bank = (unsigned)s % 2;
   upload(bank);
