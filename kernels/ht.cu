@@ -444,7 +444,7 @@ __device__ void send_meta(const HTParams &p, uint32_t t, uint32_t m, const uint3
 }
 
 /* FP8 rows of one token by a warp: quantised once (a half-warp per 128-channel group, 8 channels per
- * lane), written to every dest of mask m at rows jr. */
+ * lane, 8 loads in flight), written to every dest of mask m at rows jr. */
 __device__ __forceinline__ void send_row_fp8(const HTParams &p, const char *xrow, uint32_t m, const uint32_t *jr,
                                              const DestRows &dr, uint32_t lane) {
   const uint32_t H = p.H, R = p.R, nsc = H / 128;
@@ -457,15 +457,15 @@ __device__ __forceinline__ void send_row_fp8(const HTParams &p, const char *xrow
     xd[r] = on ? dr.xb[r] + (uint64_t)jr[r] * rowb : nullptr;
     sd[r] = on ? dr.sb[r] + (uint64_t)jr[r] * dr.ss[r] : nullptr;
   }
-  for (uint32_t g0 = 0; g0 < nsc; g0 += 2 * 4) {
-    int4 v[4];
+  for (uint32_t g0 = 0; g0 < nsc; g0 += 2 * 8) {
+    int4 v[8];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 8; i++) {
       uint32_t g = g0 + 2 * i + (lane >> 4);
       if (g < nsc) v[i] = ld_nc_v4(xrow + g * 256 + (lane & 15) * 16);
     }
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 8; i++) {
       const uint32_t g = g0 + 2 * i + (lane >> 4);
       const uint32_t *u = (const uint32_t *)&v[i];
       float f[8];
@@ -750,11 +750,12 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
         for (int w = 0; w < NWARP; w++) a += sh_w[w][2 * EPD_K_MAX_RANKS];
         sh_n = a;
       }
-      if (m) send_meta(p, t, m, jr, sh_sendbase, hist, slotc);
       __syncthreads(); /* s_tl, sh_n */
-      if (tb == t0) TR(4);
       const uint32_t n = sh_n;
       if (use_tma) {
+        /* the metadata of the tile's tokens goes out while thread 0 drives the rows */
+        if (tid != 0 && m) send_meta(p, t, m, jr, sh_sendbase, hist, slotc);
+        if (tb == t0) TR(4);
         if (tid == 0) {
           /* one thread drives the ring: row loads run ns - lag ahead, `lag` rows of stores may still read */
           const uint32_t ns = p.ns, lag = p.lag, ahead = ns - lag;
@@ -784,8 +785,11 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
           }
           tma_wait_read_all(); /* the stages are free for the next tile */
           gload += n;
+          if (m) send_meta(p, t, m, jr, sh_sendbase, hist, slotc);
         }
       } else {
+        if (m) send_meta(p, t, m, jr, sh_sendbase, hist, slotc);
+        if (tb == t0) TR(4);
         for (uint32_t i = warp; i < n; i += NWARP) {
           const uint32_t ti = s_tl[i], mm = s_tm[ti];
           uint32_t jj[EPD_K_MAX_RANKS];
@@ -1208,6 +1212,9 @@ SmemLayout dispatch_smem(uint32_t R, uint32_t S, uint64_t stage_bytes, uint32_t 
 void plan_kernel_smem(HTParams &p, bool dispatch, bool fp8) {
   const uint64_t rowb = 2ull * p.H;
   p.ns = p.lag = p.cw = p.nch = 0;
+  /* The TMA rings run where every block's chunk of tokens is one tile (the multi-tile ring failed on
+   * 2x H200 with 8192 tokens on 5 blocks, not yet understood: register copies there). */
+  if (p.tma && (dispatch ? p.T : p.M) > (uint64_t)TILE * p.G) p.tma = 0;
   if (dispatch) {
     SmemLayout m0 = dispatch_smem(p.R, p.S, 0, 0);
     if (p.tma && !fp8) {

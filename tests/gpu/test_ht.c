@@ -268,13 +268,21 @@ EPD_TEST_T(gpu_ht_h7168_4096_bf16_fp8_skew_empty_one, 300) {
 }
 
 EPD_TEST_T(gpu_ht_h4096_8192_tokens, 300) {
-  setup(256, 4096, 8, 8192, 128, 16384, 5); /* 5 blocks: several tiles per block, the TMA ring wraps */
+  setup(256, 4096, 8, 8192, 128, 16384, 5); /* 5 blocks: several tiles of tokens per block */
   step(11, 0, 8192, 8192, 0, 0);
   step(11, 1, 8192, 8192, 1, 1);
   step(12, 2, 8192, 17, 0, 1);
   T_.h.staging = 1;
   step(13, 3, 8192, 8000, 1, 0);
   T_.h.staging = 0;
+  hth_destroy(&T_.h);
+}
+
+EPD_TEST_T(gpu_ht_h4096_8192_tokens_16_blocks, 300) {
+  setup(256, 4096, 8, 8192, 128, 16384, 16); /* 512 tokens per block: the bulk-copy rings */
+  step(14, 0, 8192, 8192, 0, 0);
+  step(14, 1, 8192, 6000, 1, 1);
+  step(15, 2, 5000, 8192, 1, 0);
   hth_destroy(&T_.h);
 }
 
