@@ -190,15 +190,20 @@ typedef struct epd_k_ht_op {
    * rows straight into the receivers' arenas and combine reads the partials from them (no staging copy).
    * Any zero: rows pass through the peers' staging windows (the path without peer access). */
   uint64_t peer_arena[EPD_K_MAX_RANKS];
-  uint32_t copy; /* EPD_K_HT_COPY_TMA (0: bulk-copy engine for BF16 rows) or EPD_K_HT_COPY_REG */
+  uint32_t copy; /* EPD_K_HT_COPY_REG (0, default) or EPD_K_HT_COPY_TMA */
   uint64_t *trace; /* optional (NULL), zeroed by the caller: %globaltimer stamps (profiling). Dispatch:
                     * [0] route start, [1] data kernel start, [2] counts, [3] plan messages read, [4] first
                     * tile's metadata, [5] rows issued and [6] rows complete (latest block), [7] peers'
                     * flags, [8] receive pass, [9] completion. Combine: [0] start, [1] peers' HT_Y ready,
                     * [2] pulled and reduced (latest block), [3] peers done, [4] completion. */
 } epd_k_ht_op_t;
-#define EPD_K_HT_COPY_TMA 0u /* BF16 rows move with cp.async.bulk (TMA) through shared memory */
-#define EPD_K_HT_COPY_REG 1u /* 16-byte register loads and stores (comparison, fallback) */
+#define EPD_K_HT_COPY_REG 0u /* 16-byte register loads and stores (the default) */
+/* Opt-in: BF16 dispatch rows and combine partials move with cp.async.bulk (TMA) through shared memory,
+ * where every block's chunk of tokens is one tile (max_tokens <= 512 * blocks; else register copies).
+ * Known failure on 2x H200: dispatch with hidden 4096, 8192 tokens, 16 blocks faults (unspecified launch
+ * failure), not understood yet; correct in the tested hidden 7168 / 4096 tokens / 24 blocks and hidden
+ * 1024 cases; no faster than register copies at these sizes (bench/results/bench_ht_h200x2.md). */
+#define EPD_K_HT_COPY_TMA 1u
 
 /* Launch one HT op on `stream`: host checks return EPD_ERR_INVALID, launch failures EPD_ERR_CUDA;
  * device outcomes land in op->comp. */

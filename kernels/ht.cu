@@ -12,16 +12,18 @@
  *                              overflow past C). Then each block sends its contiguous chunk of tokens,
  *                              each once per dest rank, straight to its final row:
  *                                direct (peer arenas given): into the receiver's client arena
- *                                  (HT_RECV_*), BF16 rows with the bulk-copy engine (TMA: global ->
- *                                  shared -> local and remote rows), FP8 rows quantised once by a warp;
+ *                                  (HT_RECV_*), a warp per token with 16-byte register copies (or,
+ *                                  opt-in, BF16 rows with the bulk-copy engine: TMA global -> shared
+ *                                  -> local and remote rows), FP8 rows quantised once by a warp;
  *                                staging (no peer arenas): into the receiver's staging rows, which the
  *                                  receiver copies into its arena after the flags.
  *                              flags; the receiver counts the rows per local slot.
  * Combine is one kernel (G blocks):
- *   direct: every block tells the peers its arena's HT_Y is ready, then pulls, per token of its chunk and
- *           column chunk, the partials of every rank that received the token (TMA loads of the peers'
- *           and its own HT_Y rows into a ring of shared-memory stages, one producer thread, consumer
- *           warps sum in rank order in f32 and write OUT); flags say the peers are done reading.
+ *   direct: every block tells the peers its arena's HT_Y is ready, then pulls, per token of its chunk,
+ *           the partials of every rank that received the token and sums them in rank order in f32
+ *           into OUT (a warp per token with register loads; or, opt-in, TMA loads of the rows' column
+ *           chunks into a ring of shared-memory stages, one producer thread, consumer warps summing);
+ *           flags say the peers are done reading.
  *   staging: each expert rank pushes HT_Y of every received remote row into the source's combine
  *           staging (cstg[expert rank][t]); flags; the source sums the partials in rank order.
  *
@@ -1212,8 +1214,7 @@ SmemLayout dispatch_smem(uint32_t R, uint32_t S, uint64_t stage_bytes, uint32_t 
 void plan_kernel_smem(HTParams &p, bool dispatch, bool fp8) {
   const uint64_t rowb = 2ull * p.H;
   p.ns = p.lag = p.cw = p.nch = 0;
-  /* The TMA rings run where every block's chunk of tokens is one tile (the multi-tile ring failed on
-   * 2x H200 with 8192 tokens on 5 blocks, not yet understood: register copies there). */
+  /* The TMA rings (opt-in) only where every block's chunk of tokens is one tile: the tested cases. */
   if (p.tma && (dispatch ? p.T : p.M) > (uint64_t)TILE * p.G) p.tma = 0;
   if (dispatch) {
     SmemLayout m0 = dispatch_smem(p.R, p.S, 0, 0);

@@ -6,13 +6,14 @@
  * (a gate kernel released from the host); an op's time is the slower rank's, averaged over iterations.
  * Prints a table and one JSON object per line (prefix "JSON ").
  *
- * Modes (--modes): tma = rows straight into/out of the peers' arenas with the bulk-copy engine (the
- * default path), reg = the same with 16-byte register copies, staging = rows through the staging windows
- * (the path without peer access). Baselines: copy kernel pushing to the peer (one direction, both) and
- * pulling from it (one direction).
+ * Modes (--modes): reg = rows straight into/out of the peers' arenas with 16-byte register copies (the
+ * default path), tma = the same with the bulk-copy engine (opt-in EPD_K_HT_COPY_TMA), staging = rows
+ * through the staging windows (the path without peer access). Baselines: the copy kernel pushing to
+ * the peer (one direction, both; 256 MiB and the op's bytes) and pulling from it. --trace 1 prints
+ * rank 0's phase stamps (epd_k_ht_op_t.trace).
  *
  *   epd-bench-ht [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256] [--iters 20] [--blocks 24,48]
- *                [--modes tma,reg,staging] [--trace 1]
+ *                [--modes reg,tma,staging] [--trace 1]
  */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wstrict-prototypes"
@@ -98,7 +99,7 @@ static int parse_list(const char *s, uint32_t *out, int max) {
 int main(int argc, char **argv) {
   uint32_t T = 4096, H = 7168, K = 8, E = 256, iters = 20, blist[8] = {24, 48};
   int nb = 2, nmodes = 3, do_trace = 0;
-  const char *modes[3] = {"tma", "reg", "staging"};
+  const char *modes[3] = {"reg", "tma", "staging"};
   char modes_buf[64] = "";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--tokens")) T = (uint32_t)atoi(argv[i + 1]);

@@ -2,8 +2,8 @@
  * test_ht.c - HT dispatch/combine kernels on 2 GPUs in one process, against the host reference
  * (daemon/ref.h): random and skewed routing with -1 and duplicate entries, empty ranks, 1 token, 4096 and
  * 8192 tokens, hidden 7168 and 4096, top-8, BF16 and FP8, poisoned outputs, overflow past the receive
- * capacity (nothing written), bad expert ids, too many tokens; rows straight into the peers' arenas (bulk-copy
- * engine or register copies) and through the staging windows. Skips without 2 GPUs.
+ * capacity (nothing written), bad expert ids, too many tokens; rows straight into the peers' arenas (register
+ * copies, or the opt-in bulk-copy engine) and through the staging windows. Skips without 2 GPUs.
  */
 #if EPD_WITH_CUDA
 #include <math.h>
@@ -258,11 +258,11 @@ EPD_TEST_T(gpu_ht_h7168_4096_bf16_fp8_skew_empty_one, 300) {
   step(6, 10, 3000, 4096, 1, 1);
   step(6, 11, 0, 7, 0, 1);
   T_.h.staging = 0;
-  /* register copies instead of the bulk-copy engine */
-  T_.h.copy = EPD_K_HT_COPY_REG;
+  /* the bulk-copy engine (opt-in) */
+  T_.h.copy = EPD_K_HT_COPY_TMA;
   step(7, 12, 4096, 4096, 0, 0);
   step(7, 13, 4096, 2000, 1, 1);
-  T_.h.copy = EPD_K_HT_COPY_TMA;
+  T_.h.copy = EPD_K_HT_COPY_REG;
   step(8, 14, 4096, 4096, 1, 0);
   hth_destroy(&T_.h);
 }
@@ -279,7 +279,7 @@ EPD_TEST_T(gpu_ht_h4096_8192_tokens, 300) {
 }
 
 EPD_TEST_T(gpu_ht_h4096_8192_tokens_16_blocks, 300) {
-  setup(256, 4096, 8, 8192, 128, 16384, 16); /* 512 tokens per block: the bulk-copy rings */
+  setup(256, 4096, 8, 8192, 128, 16384, 16); /* 512 tokens per block, one tile each */
   step(14, 0, 8192, 8192, 0, 0);
   step(14, 1, 8192, 6000, 1, 1);
   step(15, 2, 5000, 8192, 1, 0);
