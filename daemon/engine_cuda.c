@@ -611,6 +611,9 @@ static epd_result_t launch(cuda_be_t *be, cuda_grp_t *cg, int r, char *err, size
     epd_k_ht_op_t hop = {.op = d->op, .flags = d->flags, .num_tokens = d->num_tokens, .bank = d->bank,
                          .timeout_ns = be->timeout_ns, .map = gr->map_dev, .slot_tokens = NULL,
                          .comp = gr->comp_dev};
+    /* rows straight into / out of the peers' arenas where every GPU may access every one */
+    for (uint32_t q = 0; q < cg->g.num_ranks && q < EPD_K_MAX_RANKS; q++)
+      hop.peer_arena[q] = cg->cc[q] && cg->cc[q]->peer_access ? (uint64_t)cg->cc[q]->arena_dev : 0;
     if ((rc = epd_k_ht_launch(gr->kh, &a, &hop, rk->stream, err, errlen))) return rc;
   } else {
     epd_k_ll_op_t op = {.op = d->op, .flags = d->flags, .num_tokens = d->num_tokens, .bank = d->bank,

@@ -143,8 +143,10 @@ const epd_k_ll_geom_t *epd_k_ll_geom(const epd_k_ll_t *k);
 /* ---- HT (high-throughput) data path: docs/SEMANTICS.md "HT dispatch"/"HT combine" ----
  * Per rank of a node-local (LSA) team: an HT staging window (epd_k_ht_window_bytes: capacity rows of
  * incoming tokens per bank, plus max_tokens combine rows per peer) registered like the LL one; the
- * client arena as for LL (kinds X, TOPK_IDX, TOPK_WEIGHTS, HT_RECV_*, HT_Y, OUT). A dispatch is three
- * stream-ordered kernels (route, plan with the count exchange, data on `blocks` SMs); a combine one.
+ * client arena as for LL (kinds X, TOPK_IDX, TOPK_WEIGHTS, HT_RECV_*, HT_Y, OUT). A dispatch is two
+ * stream-ordered kernels (route; then count exchange and data on `blocks` SMs); a combine one. With the
+ * peers' arenas (epd_k_ht_op_t.peer_arena) rows go straight to their final place in the receiver's arena
+ * and combine pulls the partials; without, they pass through the staging window.
  * Timeouts, sequence numbers and recovery (epd_k_ht_reset on every quiescent rank) are as for LL. */
 typedef struct epd_k_ht_geom {
   uint32_t num_ranks;      /* R: ranks of the team (= LSA team), 1..EPD_K_MAX_RANKS */
@@ -183,7 +185,25 @@ typedef struct epd_k_ht_op {
   const void *map;     /* dispatch: device expert-map table */
   uint64_t *slot_tokens; /* dispatch, optional: per local slot [S], += (j, k) entries received */
   epd_comp_t *comp;    /* device completion record */
+  /* Optional: the UVA base of every rank's client arena of this step (same offsets as `arena`; the entry
+   * of this rank is ignored), each readable and writable from this GPU. All non-zero: dispatch writes
+   * rows straight into the receivers' arenas and combine reads the partials from them (no staging copy).
+   * Any zero: rows pass through the peers' staging windows (the path without peer access). */
+  uint64_t peer_arena[EPD_K_MAX_RANKS];
+  uint32_t copy; /* EPD_K_HT_COPY_REG (0, default) or EPD_K_HT_COPY_TMA */
+  uint64_t *trace; /* optional (NULL), zeroed by the caller: %globaltimer stamps (profiling). Dispatch:
+                    * [0] route start, [1] data kernel start, [2] counts, [3] plan messages read, [4] first
+                    * tile's metadata, [5] rows issued and [6] rows complete (latest block), [7] peers'
+                    * flags, [8] receive pass, [9] completion. Combine: [0] start, [1] peers' HT_Y ready,
+                    * [2] pulled and reduced (latest block), [3] peers done, [4] completion. */
 } epd_k_ht_op_t;
+#define EPD_K_HT_COPY_REG 0u /* 16-byte register loads and stores (the default) */
+/* Opt-in: BF16 dispatch rows and combine partials move with cp.async.bulk (TMA) through shared memory,
+ * where every block's chunk of tokens is one tile (max_tokens <= 512 * blocks; else register copies).
+ * Known failure on 2x H200: dispatch with hidden 4096, 8192 tokens, 16 blocks faults (unspecified launch
+ * failure), not understood yet; correct in the tested hidden 7168 / 4096 tokens / 24 blocks and hidden
+ * 1024 cases; no faster than register copies at these sizes (bench/results/bench_ht_h200x2.md). */
+#define EPD_K_HT_COPY_TMA 1u
 
 /* Launch one HT op on `stream`: host checks return EPD_ERR_INVALID, launch failures EPD_ERR_CUDA;
  * device outcomes land in op->comp. */

@@ -3,39 +3,55 @@
  *
  * Semantics: docs/SEMANTICS.md ("HT dispatch", "HT combine"). Launchers: epd_kernels.h.
  *
- * One HT dispatch is three stream-ordered kernels on each rank:
+ * One HT dispatch is two stream-ordered kernels on each rank:
  *   route  (a warp per token)  validate top-k ids, pick each entry's replica, dest-rank mask per token;
- *   plan   (one block)         prefix over tokens: the token's row in its segment on every dest rank;
- *                              exchange the per-dest counts (and input errors) with every rank, so each
- *                              rank knows the whole R x R count matrix: the segment bases, the receive
- *                              total, and the same status everywhere (bad input, overflow past C);
- *   data   (G blocks)          each token once per dest rank, straight to its final row: into the
- *                              receiver's staging rows over LSA (remote) or the own arena (local);
- *                              flags; then the receiver copies its staging rows into the client arena.
- * Combine is one kernel (G blocks): each expert rank pushes HT_Y of every received remote row into the
- * source's combine staging (cstg[expert rank][t]); flags; the source sums the partials of each token in
- * rank order in f32 (its own partial straight from its arena) and writes OUT.
+ *   data   (G blocks)          every block reads all masks (counts per dest rank, its chunk's offset);
+ *                              block 0 sends the per-dest counts (and input errors) to every rank, every
+ *                              block reads every rank's message: the R x R count matrix gives the segment
+ *                              bases, the receive total and the same status everywhere (bad input,
+ *                              overflow past C). Then each block sends its contiguous chunk of tokens,
+ *                              each once per dest rank, straight to its final row:
+ *                                direct (peer arenas given): into the receiver's client arena
+ *                                  (HT_RECV_*), a warp per token with 16-byte register copies (or,
+ *                                  opt-in, BF16 rows with the bulk-copy engine: TMA global -> shared
+ *                                  -> local and remote rows), FP8 rows quantised once by a warp;
+ *                                staging (no peer arenas): into the receiver's staging rows, which the
+ *                                  receiver copies into its arena after the flags.
+ *                              flags; the receiver counts the rows per local slot.
+ * Combine is one kernel (G blocks):
+ *   direct: every block tells the peers its arena's HT_Y is ready, then pulls, per token of its chunk,
+ *           the partials of every rank that received the token and sums them in rank order in f32
+ *           into OUT (a warp per token with register loads; or, opt-in, TMA loads of the rows' column
+ *           chunks into a ring of shared-memory stages, one producer thread, consumer warps summing);
+ *           flags say the peers are done reading.
+ *   staging: each expert rank pushes HT_Y of every received remote row into the source's combine
+ *           staging (cstg[expert rank][t]); flags; the source sums the partials in rank order.
  *
  * HT area of a rank's staging window, per bank (HTLayout, all offsets 256-byte aligned):
  *   --- written by peers ---
  *   cmsg  [R] 128 B       plan message of src: w[0] = seq << 32 | errbits << 24 | T, w[1+r] = count to r
  *   dflag [R][G] u64      dispatch data landed from (src, block): seq << 32
- *   cflag [R][G] u64      combine partials landed from (expert rank, block): seq << 32
+ *   cflag [R][G] u64      combine: partials landed (staging) / done reading my HT_Y (direct): seq << 32
+ *   rflag [R][G] u64      combine (direct): HT_Y of (rank, block) ready to be read: seq << 32
  *   --- private to this rank ---
  *   route [M] TokRoute    dest mask, per-k dest rank and slot of my token t
+ *   tmask [M] u32         dest mask | error bits << 24 of my token t (compact copy for the counts)
  *   pos   [M][R] u32      row of my token t within my segment on dest rank r
- *   rsrc  [C] i32         EPD_SRC_PACK of each received row (for combine)
+ *   rsrc  [C] i32         EPD_SRC_PACK of each received row (for the staging combine)
  *   slotc [S] u32         (j, k) entries per local slot, accumulated by the dispatch
  *   st    HTState         sequence numbers, tickets, plan results (bases, totals, status)
- *   --- staging written by peers (never zeroed by reset) ---
+ *   --- staging written by peers (never zeroed by reset; used without peer arenas) ---
  *   xstg  [C][2H]         received token rows at their final index (BF16, or FP8 H bytes + scales)
  *   mstg  [C] RowMeta     their routing (src, local slot per k or -1, weight per k)
  *   cstg  [R][M][2H]      combine partial of my token t from expert rank r (BF16)
  *
  * Ordering: one system fence per block after a bar.sync (cumulativity, as in ll.cu) before the relaxed
- * flag stores; the reader's acquire loads pair with it. Sequence numbers live on the device (graph
- * replay needs no host counter). A step's staging is written only after every rank published its plan
- * message of that step, so no rank writes into staging that a rank still reads for an earlier step.
+ * flag stores; the reader's acquire loads pair with it; bulk (async-proxy) stores are waited for and
+ * fenced to the generic proxy first. Sequence numbers live on the device (graph replay needs no host
+ * counter). A step's rows are written only after every rank published its plan message of that step (so
+ * the receiver launched this step: its client released the bank), and a combine reads a peer's HT_Y only
+ * after that peer's combine started, and completes only after every peer is done reading its HT_Y.
+ * Every wait has a deadline: on expiry the op reports EPD_ERR_TIMEOUT and the rank waited for.
  */
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -55,7 +71,11 @@ namespace {
 constexpr int KMAX = EPD_K_MAX_TOPK;
 constexpr int NTHR = EPD_K_HT_THREADS;
 constexpr int NWARP = NTHR / 32;
-constexpr int PLAN_THREADS = 1024;
+constexpr uint32_t TILE = NTHR;                /* tokens per tile of the data kernels (one per thread) */
+constexpr uint32_t SMEM_MAX = 223u * 1024u;    /* dynamic shared memory per block (sm_90: 227 KiB with the static) */
+constexpr uint32_t HIST_MAX = 4096;            /* slots counted in shared memory (more: global atomics) */
+constexpr uint32_t MAX_STAGES = 16;
+constexpr int NO_TIMEOUT = 0x7fffffff;
 
 enum : uint32_t { ERRB_BAD_EXPERT = 1u, ERRB_TOO_MANY = 2u, ERRB_BAD_MAP = 4u };
 
@@ -77,10 +97,10 @@ struct __align__(16) RowMeta {
 static_assert(sizeof(RowMeta) == 128, "RowMeta is 128 bytes");
 
 struct HTState {
-  uint32_t dseq;                           /* dispatch sequence (plan kernel) */
+  uint32_t dseq;                           /* dispatch sequence (written by the last data block) */
   uint32_t cseq[EPD_K_HT_MAX_BLOCKS];      /* combine sequence per block */
   uint32_t dticket, cticket;
-  int32_t err[2], errpeer[2];              /* data-kernel errors (timeouts) of [dispatch, combine] */
+  int32_t err[2], errpeer[2];              /* data-kernel errors of [dispatch, combine] */
   int32_t code, peer;                      /* plan result of the last dispatch */
   int32_t derr;                            /* final status of the last dispatch */
   uint32_t T;                              /* my tokens in the last dispatch */
@@ -92,7 +112,12 @@ struct HTState {
 
 struct HTLayout {
   uint64_t bank_bytes, ctrl_bytes;
-  uint64_t cmsg, dflag, cflag, route, pos, rsrc, slotc, st, xstg, mstg, cstg;
+  uint64_t cmsg, dflag, cflag, rflag, route, tmask, pos, rsrc, slotc, st, xstg, mstg, cstg;
+};
+
+/* Dynamic shared memory of a data kernel (byte offsets; 0 bytes where unused). */
+struct SmemLayout {
+  uint32_t bar, tj, tmask, tlist, hist, stage, total;
 };
 
 struct HTParams {
@@ -107,7 +132,25 @@ struct HTParams {
   uint64_t *slot_tokens;
   epd_comp_t *comp;
   epd_k_arena_t arena;
+  uint64_t peer_arena[EPD_K_MAX_RANKS]; /* [rank]: arena base of that rank (own included) */
+  uint32_t direct;                      /* rows to/from the peers' arenas (else staging) */
+  uint32_t tma;                         /* BF16 rows with the bulk-copy engine */
+  SmemLayout sm;
+  uint32_t ns;                          /* stages of the TMA ring */
+  uint32_t lag;                         /* dispatch: bulk-store groups left reading (1, 2 or 4) */
+  uint32_t cw, nch;                     /* combine: bytes per column chunk, chunks per row */
+  uint64_t *trace;                      /* epd_k_ht_op_t.trace */
 };
+
+/* Profiling stamps: block 0's, or the latest block's. */
+#define TR(i)                                                                              \
+  do {                                                                                     \
+    if (p.trace && blockIdx.x == 0 && threadIdx.x == 0) p.trace[i] = gtimer();             \
+  } while (0)
+#define TR_LATEST(i)                                                                       \
+  do {                                                                                     \
+    if (p.trace) atomicMax((unsigned long long *)&p.trace[i], (unsigned long long)gtimer()); \
+  } while (0)
 
 __device__ __forceinline__ char *peer_bank(const HTParams &p, int peer) {
   return (char *)ncclGetLsaPointer(p.win, p.win_off + p.bank * p.lay.bank_bytes, peer);
@@ -117,13 +160,92 @@ template <typename T>
 __device__ __forceinline__ T *arena_buf(const HTParams &p, int kind) {
   return (T *)(uintptr_t)(p.arena.base + p.arena.off[p.bank][kind]);
 }
+/* Buffer `kind` of rank r's arena (direct mode, or r == me). */
+template <typename T>
+__device__ __forceinline__ T *rank_buf(const HTParams &p, uint32_t r, int kind) {
+  return (T *)(uintptr_t)(p.peer_arena[r] + p.arena.off[p.bank][kind]);
+}
+
+/* ---- bulk-copy engine (TMA) and mbarrier helpers (sm_90) ---- */
+__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint64_t *bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint64_t *bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n}"
+      : "=r"(ok)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+/* Wait for the phase of `parity` to complete, or the deadline (false). */
+__device__ __forceinline__ bool mbar_wait(uint64_t *bar, uint32_t parity, uint64_t deadline) {
+  while (!mbar_try_wait(bar, parity))
+    if (gtimer() > deadline) return false;
+  return true;
+}
+__device__ __forceinline__ void tma_load(void *sdst, const void *gsrc, uint32_t bytes, uint64_t *bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(sdst)),
+               "l"(gsrc), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+__device__ __forceinline__ void tma_store(void *gdst, const void *ssrc, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gdst), "r"(smem_u32(ssrc)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void tma_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+/* Wait until at most n (1, 2 or 4) bulk groups still read shared memory. */
+__device__ __forceinline__ void tma_wait_read(uint32_t n) {
+  if (n >= 4)
+    asm volatile("cp.async.bulk.wait_group.read 4;" ::: "memory");
+  else if (n >= 2)
+    asm volatile("cp.async.bulk.wait_group.read 2;" ::: "memory");
+  else
+    asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+}
+__device__ __forceinline__ void tma_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+/* Every bulk store of this thread complete, and ordered before its later generic-proxy accesses. */
+__device__ __forceinline__ void tma_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+__device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+/* x / scale rounded to nearest even, as IEEE division (the reference's __fdiv_rn), from inv = 1/scale
+ * (rounded): q0 = x * inv is within an ulp, the FMA residual corrects it (Markstein); exact for every
+ * quotient above 2^-100 (checked exhaustively over BF16 inputs), smaller ones are 0 in e4m3 either way. */
+__device__ __forceinline__ float div_by_scale(float x, float scale, float inv) {
+  const float q0 = __fmul_rn(x, inv);
+  const float r = __fmaf_rn(-q0, scale, x);
+  return q0 == 0.f ? q0 : __fmaf_rn(r, inv, q0);
+}
 
 /* ---------------------------------------------------------------------------------------------------
- * route: a warp per token (lanes = top-k columns).
+ * route: a warp per token (lanes = top-k columns). Block 0 also zeroes the slot counters.
  * ------------------------------------------------------------------------------------------------- */
 __global__ void __launch_bounds__(NTHR) ht_route_kernel(const HTParams p) {
+  grid_dep_launch(); /* the data kernel may start its prologue; it waits for this grid's completion */
+  TR(0);
   const uint32_t lane = threadIdx.x & 31;
   const uint32_t t = blockIdx.x * NWARP + (threadIdx.x >> 5);
+  if (blockIdx.x == 0) {
+    uint32_t *slotc = (uint32_t *)(local_bank(p) + p.lay.slotc);
+    for (uint32_t s = threadIdx.x; s < p.S; s += NTHR) slotc[s] = 0;
+  }
   if (p.T > p.M || t >= p.T) return;
   const uint32_t K = p.K, R = p.R, S = p.S;
   const int64_t *topk = arena_buf<int64_t>(p, EPD_BUF_TOPK_IDX);
@@ -173,160 +295,16 @@ __global__ void __launch_bounds__(NTHR) ht_route_kernel(const HTParams p) {
     rt->rank[lane] = (uint8_t)d;
     rt->slot[lane] = (uint16_t)s;
   }
-  if (lane == 0) rt->mask = mask | (errb << 24);
-}
-
-/* ---------------------------------------------------------------------------------------------------
- * plan: one block. Segment rows of my tokens, count exchange, status.
- * ------------------------------------------------------------------------------------------------- */
-__global__ void __launch_bounds__(PLAN_THREADS) ht_plan_kernel(const HTParams p) {
-  __shared__ uint32_t sh_wsum[EPD_K_MAX_RANKS][PLAN_THREADS / 32];
-  __shared__ uint32_t sh_err, sh_seq;
-  __shared__ uint32_t sh_mat[EPD_K_MAX_RANKS][EPD_K_MAX_RANKS]; /* [src][dest] */
-  __shared__ uint32_t sh_srcerr[EPD_K_MAX_RANKS];
-  __shared__ int sh_timeout;
-
-  const uint32_t R = p.R, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  char *lb = local_bank(p);
-  HTState *st = (HTState *)(lb + p.lay.st);
-  const uint64_t deadline = gtimer() + p.timeout_ns;
-  uint32_t T = p.T;
-  if (tid == 0) {
-    sh_err = 0;
-    sh_timeout = 0x7fffffff;
-    sh_seq = st->dseq + 1;
-    st->dseq = sh_seq;
-  }
-  uint32_t *slotc = (uint32_t *)(lb + p.lay.slotc);
-  for (uint32_t s = tid; s < p.S; s += PLAN_THREADS) slotc[s] = 0;
-  __syncthreads();
-  if (T > p.M) {
-    T = 0;
-    if (tid == 0) sh_err |= ERRB_TOO_MANY;
-  }
-  const TokRoute *route = (const TokRoute *)(lb + p.lay.route);
-  uint32_t *pos = (uint32_t *)(lb + p.lay.pos);
-  const uint32_t per = (T + PLAN_THREADS - 1) / PLAN_THREADS;
-  const uint32_t t0 = min(tid * per, T), t1 = min(t0 + per, T);
-  uint32_t c[EPD_K_MAX_RANKS];
-#pragma unroll
-  for (int r = 0; r < EPD_K_MAX_RANKS; r++) c[r] = 0;
-  uint32_t errb = 0;
-  for (uint32_t t = t0; t < t1; t++) {
-    uint32_t m = route[t].mask;
-    errb |= m >> 24;
-#pragma unroll
-    for (int r = 0; r < EPD_K_MAX_RANKS; r++) c[r] += (m >> r) & 1u;
-  }
-  if (errb) atomicOr(&sh_err, errb);
-  /* exclusive prefix of c[r] over threads: warp scan, then warp sums */
-  uint32_t excl[EPD_K_MAX_RANKS];
-#pragma unroll
-  for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
-    uint32_t v = c[r];
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      uint32_t u = __shfl_up_sync(0xffffffffu, v, o);
-      if ((int)lane >= o) v += u;
-    }
-    excl[r] = v - c[r];
-    if (lane == 31) sh_wsum[r][warp] = v;
-  }
-  __syncthreads();
-  uint32_t tot[EPD_K_MAX_RANKS];
-#pragma unroll
-  for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
-    uint32_t a = 0, all = 0;
-    for (uint32_t w = 0; w < PLAN_THREADS / 32; w++) {
-      if (w < warp) a += sh_wsum[r][w];
-      all += sh_wsum[r][w];
-    }
-    excl[r] += a;
-    tot[r] = all;
-  }
-  for (uint32_t t = t0; t < t1; t++) {
-    uint32_t m = route[t].mask;
-    for (uint32_t r = 0; r < R; r++) {
-      if ((m >> r) & 1u) pos[(uint64_t)t * R + r] = excl[r]++;
-    }
-  }
-  __syncthreads();
-  /* plan message to every rank (self included) */
-  const uint32_t seq = sh_seq;
-  if (tid < R) {
-    uint64_t *msg = (uint64_t *)(peer_bank(p, (int)tid) + p.lay.cmsg + (uint64_t)p.rank * 128);
-    for (uint32_t r = 0; r < R; r++) msg[1 + r] = tot[r];
-    __threadfence_system();
-    st_relaxed_sys(msg, ((uint64_t)seq << 32) | ((uint64_t)(sh_err & 0xffu) << 24) | (uint64_t)T);
-  }
-  /* wait for every rank's message */
-  if (tid < R) {
-    const uint64_t *msg = (const uint64_t *)(lb + p.lay.cmsg + (uint64_t)tid * 128);
-    uint64_t v = 0;
-    bool ok = false;
-    for (;;) {
-      v = ld_acquire_sys(msg);
-      if ((uint32_t)(v >> 32) == seq) { ok = true; break; }
-      if (gtimer() > deadline) break;
-    }
-    if (!ok) {
-      atomicMin(&sh_timeout, (int)tid);
-      sh_srcerr[tid] = 0;
-      for (uint32_t r = 0; r < R; r++) sh_mat[tid][r] = 0;
-    } else {
-      sh_srcerr[tid] = (uint32_t)(v >> 24) & 0xffu;
-      for (uint32_t r = 0; r < R; r++) sh_mat[tid][r] = (uint32_t)__ldcg((const unsigned long long *)msg + 1 + r);
-    }
-  }
-  __syncthreads();
-  if (tid == 0) {
-    int code = 0, peer = -1;
-    for (uint32_t s = 0; s < R && !code; s++) {
-      uint32_t eb = sh_srcerr[s];
-      if (eb) {
-        code = (eb & ERRB_TOO_MANY) ? EPD_ERR_TOO_MANY_TOKENS : (eb & ERRB_BAD_EXPERT) ? EPD_ERR_BAD_EXPERT
-                                                                                      : EPD_ERR_INVALID;
-        peer = (int)s;
-      }
-    }
-    if (!code && sh_timeout != 0x7fffffff) {
-      code = EPD_ERR_TIMEOUT;
-      peer = sh_timeout;
-    }
-    uint32_t N = 0;
-    for (uint32_t s = 0; s < R; s++) {
-      st->recvbase[s] = N;
-      N += sh_mat[s][p.rank];
-    }
-    st->recvbase[R] = N;
-    if (!code) {
-      for (uint32_t r = 0; r < R && !code; r++) {
-        uint32_t tr = 0;
-        for (uint32_t s = 0; s < R; s++) tr += sh_mat[s][r];
-        if (tr > p.C) {
-          code = EPD_ERR_OVERFLOW;
-          peer = (int)r;
-        }
-      }
-    }
-    for (uint32_t r = 0; r < R; r++) {
-      uint32_t b = 0;
-      for (uint32_t s = 0; s < p.rank; s++) b += sh_mat[s][r];
-      st->sendbase[r] = b;
-    }
-    st->code = code;
-    st->peer = peer;
-    st->N = N;
-    st->T = T;
-    st->map_version = p.map[0];
-    st->derr = code ? code : EPD_ERR_STATE; /* the data kernel sets the final status */
+  if (lane == 0) {
+    rt->mask = mask | (errb << 24);
+    ((uint32_t *)(local_bank(p) + p.lay.tmask))[t] = mask | (errb << 24);
   }
 }
 
-/* Wait (whole block) for flags[src][g] == seq of every src != me; lowest missing src or INT_MAX. */
+/* Wait (whole block) for flags[src][g] == seq of every src != me; lowest missing src or NO_TIMEOUT. */
 __device__ int wait_peers(const HTParams &p, const uint64_t *flags, uint32_t seq, uint64_t deadline) {
   __shared__ int sh_to;
-  if (threadIdx.x == 0) sh_to = 0x7fffffff;
+  if (threadIdx.x == 0) sh_to = NO_TIMEOUT;
   __syncthreads();
   for (uint32_t i = threadIdx.x; i < p.R * p.G; i += blockDim.x) {
     uint32_t src = i / p.G;
@@ -367,172 +345,543 @@ __device__ __forceinline__ void warp_copy_row(int4 *dst, const int4 *src, uint32
   }
 }
 
-/* ---------------------------------------------------------------------------------------------------
- * dispatch data: G blocks, a warp per (token) on the send side and per row on the receive side.
- * ------------------------------------------------------------------------------------------------- */
-__global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
-  __shared__ RowMeta sh_rm[NWARP];
-  __shared__ int sh_last;
-  const uint32_t R = p.R, H = p.H, K = p.K, me = p.rank, G = p.G;
-  const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const bool fp8 = (p.flags & EPD_DESC_FP8) != 0;
-  char *lb = local_bank(p);
-  HTState *st = (HTState *)(lb + p.lay.st);
-  const uint64_t deadline = gtimer() + p.timeout_ns;
-  const uint32_t seq = st->dseq;
-  int code = st->code, peer = st->peer;
-  const uint32_t T = st->T, N = st->N;
-  const uint32_t nsc = H / 128;
-  const uint64_t rowb = 2ull * H;
-  uint32_t *slotc = (uint32_t *)(lb + p.lay.slotc);
-  int32_t *rsrc = (int32_t *)(lb + p.lay.rsrc);
-  char *recv_x = arena_buf<char>(p, EPD_BUF_HT_RECV_X);
-  float *recv_sc = fp8 ? arena_buf<float>(p, EPD_BUF_HT_RECV_SCALES) : nullptr;
-  int64_t *recv_idx = arena_buf<int64_t>(p, EPD_BUF_HT_RECV_TOPK_IDX);
-  float *recv_w = arena_buf<float>(p, EPD_BUF_HT_RECV_TOPK_WEIGHTS);
-  int32_t *recv_src = arena_buf<int32_t>(p, EPD_BUF_HT_RECV_SRC);
-
-  if (code == 0) {
-    /* ---- send: each token once per dest rank, to its final row ---- */
-    const char *x = arena_buf<char>(p, EPD_BUF_X);
-    const float *topw = arena_buf<float>(p, EPD_BUF_TOPK_WEIGHTS);
-    const TokRoute *route = (const TokRoute *)(lb + p.lay.route);
-    const uint32_t *pos = (const uint32_t *)(lb + p.lay.pos);
-    uint32_t sendbase[EPD_K_MAX_RANKS];
+/* Sum one output row chunk of n16 16-byte vectors (BF16) over the rows given (rank order), f32. */
+__device__ __forceinline__ void warp_reduce_rows(int4 *orow, const int4 *const *rows, uint32_t R, uint32_t n16,
+                                                 uint32_t lane) {
+  for (uint32_t v0 = lane; v0 < n16; v0 += 32 * 4) {
+    float acc[4][8];
 #pragma unroll
-    for (int r = 0; r < EPD_K_MAX_RANKS; r++) sendbase[r] = r < (int)R ? st->sendbase[r] : 0;
-    char *peer_base[EPD_K_MAX_RANKS];
+    for (int i = 0; i < 4; i++)
 #pragma unroll
-    for (int r = 0; r < EPD_K_MAX_RANKS; r++) peer_base[r] = r < (int)R ? peer_bank(p, r) : nullptr;
-    RowMeta *rm = &sh_rm[warp];
-    for (uint32_t t = blockIdx.x * NWARP + warp; t < T; t += G * NWARP) {
-      const TokRoute *rt = route + t;
-      const uint32_t mask = rt->mask & 0xffu;
-      uint32_t rk = 0xff, sl = 0;
-      float w = 0.f;
-      if (lane < K) {
-        rk = rt->rank[lane];
-        sl = rt->slot[lane];
-        w = __ldg(topw + (uint64_t)t * K + lane);
-      }
-      const char *xrow = x + (uint64_t)t * H * 2;
-      for (uint32_t r = 0; r < R; r++) {
-        if (!((mask >> r) & 1u)) continue;
-        const uint32_t j = sendbase[r] + pos[(uint64_t)t * R + r];
-        const bool loc = r == me;
-        const int16_t ls = rk == r ? (int16_t)sl : (int16_t)-1;
-        const float lw = rk == r ? w : 0.f;
-        char *drow = loc ? recv_x + (uint64_t)j * rowb /* FP8: the first H bytes */ : peer_base[r] + p.lay.xstg + (uint64_t)j * rowb;
-        float *dsc = loc ? (fp8 ? recv_sc + (uint64_t)j * nsc : nullptr) : (float *)(drow + H);
-        if (fp8) {
-          /* a half-warp per 128-channel group: 8 channels per lane */
-          for (uint32_t g0 = 0; g0 < nsc; g0 += 2 * 4) {
-            int4 v[4];
+      for (int q = 0; q < 8; q++) acc[i][q] = 0.f;
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-              uint32_t g = g0 + 2 * i + (lane >> 4);
-              if (g < nsc) v[i] = ld_nc_v4(xrow + g * 256 + (lane & 15) * 16);
-            }
+    for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
+      if (r >= (int)R || !rows[r]) continue;
+      int4 b[4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-              uint32_t g = g0 + 2 * i + (lane >> 4);
-              const uint32_t *u = (const uint32_t *)&v[i];
-              float f[8];
+      for (int i = 0; i < 4; i++)
+        if (v0 + i * 32 < n16) b[i] = __ldcg(rows[r] + v0 + i * 32);
 #pragma unroll
-              for (int q = 0; q < 4; q++) {
-                f[2 * q] = bf16_to_f(u[q] & 0xffffu);
-                f[2 * q + 1] = bf16_to_f(u[q] >> 16);
-              }
-              float amax = 0.f;
+      for (int i = 0; i < 4; i++) {
+        const uint32_t *u = (const uint32_t *)&b[i];
 #pragma unroll
-              for (int q = 0; q < 8; q++) amax = fmaxf(amax, fabsf(f[q]));
-#pragma unroll
-              for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-              if (g >= nsc) continue;
-              float scale = fmaxf(amax, EPD_K_FP8_AMAX_MIN) / EPD_K_FP8_MAX;
-              uint32_t qw[2];
-#pragma unroll
-              for (int q = 0; q < 2; q++) {
-                __nv_fp8x2_storage_t a = __nv_cvt_float2_to_fp8x2(
-                    make_float2(__fdiv_rn(f[4 * q], scale), __fdiv_rn(f[4 * q + 1], scale)), __NV_SATFINITE, __NV_E4M3);
-                __nv_fp8x2_storage_t b = __nv_cvt_float2_to_fp8x2(
-                    make_float2(__fdiv_rn(f[4 * q + 2], scale), __fdiv_rn(f[4 * q + 3], scale)), __NV_SATFINITE, __NV_E4M3);
-                qw[q] = (uint32_t)a | ((uint32_t)b << 16);
-              }
-              *(uint2 *)(drow + g * 128 + (lane & 15) * 8) = make_uint2(qw[0], qw[1]);
-              if ((lane & 15) == 0) dsc[g] = scale;
-            }
-          }
-        } else {
-          const uint32_t n16 = H / 8;
-          for (uint32_t v0 = lane; v0 < n16; v0 += 32 * 8) {
-            int4 b[8];
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-              if (v0 + i * 32 < n16) b[i] = ld_nc_v4((const int4 *)xrow + v0 + i * 32);
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-              if (v0 + i * 32 < n16) ((int4 *)drow)[v0 + i * 32] = b[i];
-          }
-        }
-        if (loc) {
-          if (lane < K) {
-            recv_idx[(uint64_t)j * K + lane] = ls;
-            recv_w[(uint64_t)j * K + lane] = lw;
-            if (ls >= 0) atomicAdd(&slotc[ls], 1u);
-          }
-          if (lane == 0) {
-            recv_src[j] = EPD_SRC_PACK(me, t);
-            rsrc[j] = EPD_SRC_PACK(me, t);
-          }
-        } else {
-          if (lane < KMAX) {
-            rm->slot[lane] = lane < K ? ls : (int16_t)-1;
-            rm->w[lane] = lane < K ? lw : 0.f;
-          }
-          if (lane == 0) rm->src = EPD_SRC_PACK(me, t);
-          __syncwarp();
-          if (lane < 8) ((int4 *)(peer_base[r] + p.lay.mstg + (uint64_t)j * sizeof(RowMeta)))[lane] = ((const int4 *)rm)[lane];
-          __syncwarp();
+        for (int q = 0; q < 4; q++) {
+          acc[i][2 * q] += bf16_to_f(u[q] & 0xffffu);
+          acc[i][2 * q + 1] += bf16_to_f(u[q] >> 16);
         }
       }
     }
-    signal_peers(p, p.lay.dflag, seq);
-    int to = wait_peers(p, (const uint64_t *)(lb + p.lay.dflag), seq, deadline);
-    if (to != 0x7fffffff) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      if (v0 + i * 32 >= n16) continue;
+      int4 o;
+      o.x = (int)pack_bf16x2(acc[i][0], acc[i][1]);
+      o.y = (int)pack_bf16x2(acc[i][2], acc[i][3]);
+      o.z = (int)pack_bf16x2(acc[i][4], acc[i][5]);
+      o.w = (int)pack_bf16x2(acc[i][6], acc[i][7]);
+      orow[v0 + i * 32] = o;
+    }
+  }
+}
+
+/* Where the rows of dest rank r go: row j at xb[r] + j * 2H (BF16 row, or FP8 bytes in its first H
+ * bytes), its scales at sb[r] + j * ss[r] (floats). */
+struct DestRows {
+  char *xb[EPD_K_MAX_RANKS];
+  float *sb[EPD_K_MAX_RANKS];
+  uint32_t ss[EPD_K_MAX_RANKS];
+};
+
+/* Metadata of my token t (dest mask m, absolute rows jr[r]) on every dest rank; counts the own entries. */
+__device__ void send_meta(const HTParams &p, uint32_t t, uint32_t m, const uint32_t *jr, const uint32_t *sendbase,
+                          uint32_t *hist, uint32_t *slotc) {
+  const uint32_t K = p.K, R = p.R, me = p.rank;
+  char *lb = local_bank(p);
+  const TokRoute rt = ((const TokRoute *)(lb + p.lay.route))[t];
+  const float *topw = arena_buf<float>(p, EPD_BUF_TOPK_WEIGHTS) + (uint64_t)t * K;
+  uint32_t *pos = (uint32_t *)(lb + p.lay.pos) + (uint64_t)t * R;
+  float w[KMAX];
+#pragma unroll
+  for (int k = 0; k < KMAX; k++) w[k] = k < (int)K ? __ldg(topw + k) : 0.f;
+  const int32_t src = EPD_SRC_PACK(me, t);
+  for (uint32_t r = 0; r < R; r++) {
+    if (!((m >> r) & 1u)) continue;
+    const uint32_t j = jr[r];
+    pos[r] = j - sendbase[r];
+    if (r == me || p.direct) {
+      int64_t *idx = rank_buf<int64_t>(p, r, EPD_BUF_HT_RECV_TOPK_IDX) + (uint64_t)j * K;
+      float *wd = rank_buf<float>(p, r, EPD_BUF_HT_RECV_TOPK_WEIGHTS) + (uint64_t)j * K;
+#pragma unroll
+      for (int k = 0; k < KMAX; k++) {
+        if (k >= (int)K) break;
+        const bool mine = rt.rank[k] == r;
+        idx[k] = mine ? (int64_t)rt.slot[k] : (int64_t)-1;
+        wd[k] = mine ? w[k] : 0.f;
+        if (mine && r == me) {
+          if (hist)
+            atomicAdd(&hist[rt.slot[k]], 1u);
+          else
+            atomicAdd(&slotc[rt.slot[k]], 1u);
+        }
+      }
+      rank_buf<int32_t>(p, r, EPD_BUF_HT_RECV_SRC)[j] = src;
+      if (r == me) ((int32_t *)(lb + p.lay.rsrc))[j] = src;
+    } else {
+      RowMeta rm;
+      rm.src = src;
+      rm.pad0 = 0;
+#pragma unroll
+      for (int k = 0; k < KMAX; k++) {
+        const bool mine = k < (int)K && rt.rank[k] == r;
+        rm.slot[k] = mine ? (int16_t)rt.slot[k] : (int16_t)-1;
+        rm.w[k] = mine ? w[k] : 0.f;
+      }
+#pragma unroll
+      for (int q = 0; q < 6; q++) rm.pad1[q] = 0;
+      int4 *d = (int4 *)(peer_bank(p, (int)r) + p.lay.mstg + (uint64_t)j * sizeof(RowMeta));
+#pragma unroll
+      for (int q = 0; q < 8; q++) d[q] = ((const int4 *)&rm)[q];
+    }
+  }
+}
+
+/* FP8 rows of one token by a warp: quantised once (a half-warp per 128-channel group, 8 channels per
+ * lane, 8 loads in flight), written to every dest of mask m at rows jr. */
+__device__ __forceinline__ void send_row_fp8(const HTParams &p, const char *xrow, uint32_t m, const uint32_t *jr,
+                                             const DestRows &dr, uint32_t lane) {
+  const uint32_t H = p.H, R = p.R, nsc = H / 128;
+  const uint64_t rowb = 2ull * H;
+  char *xd[EPD_K_MAX_RANKS];
+  float *sd[EPD_K_MAX_RANKS];
+#pragma unroll
+  for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
+    const bool on = r < (int)R && ((m >> r) & 1u);
+    xd[r] = on ? dr.xb[r] + (uint64_t)jr[r] * rowb : nullptr;
+    sd[r] = on ? dr.sb[r] + (uint64_t)jr[r] * dr.ss[r] : nullptr;
+  }
+  for (uint32_t g0 = 0; g0 < nsc; g0 += 2 * 8) {
+    int4 v[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+      uint32_t g = g0 + 2 * i + (lane >> 4);
+      if (g < nsc) v[i] = ld_nc_v4(xrow + g * 256 + (lane & 15) * 16);
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+      const uint32_t g = g0 + 2 * i + (lane >> 4);
+      const uint32_t *u = (const uint32_t *)&v[i];
+      float f[8];
+#pragma unroll
+      for (int q = 0; q < 4; q++) {
+        f[2 * q] = bf16_to_f(u[q] & 0xffffu);
+        f[2 * q + 1] = bf16_to_f(u[q] >> 16);
+      }
+      float amax = 0.f;
+#pragma unroll
+      for (int q = 0; q < 8; q++) amax = fmaxf(amax, fabsf(f[q]));
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      if (g >= nsc) continue;
+      const float scale = __fdiv_rn(fmaxf(amax, EPD_K_FP8_AMAX_MIN), EPD_K_FP8_MAX);
+      const float inv = __frcp_rn(scale);
+      uint32_t qw[2];
+#pragma unroll
+      for (int q = 0; q < 2; q++) {
+        __nv_fp8x2_storage_t a = __nv_cvt_float2_to_fp8x2(
+            make_float2(div_by_scale(f[4 * q], scale, inv), div_by_scale(f[4 * q + 1], scale, inv)), __NV_SATFINITE,
+            __NV_E4M3);
+        __nv_fp8x2_storage_t b = __nv_cvt_float2_to_fp8x2(
+            make_float2(div_by_scale(f[4 * q + 2], scale, inv), div_by_scale(f[4 * q + 3], scale, inv)),
+            __NV_SATFINITE, __NV_E4M3);
+        qw[q] = (uint32_t)a | ((uint32_t)b << 16);
+      }
+      const uint2 qv = make_uint2(qw[0], qw[1]);
+#pragma unroll
+      for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
+        if (!xd[r]) continue;
+        *(uint2 *)(xd[r] + g * 128 + (lane & 15) * 8) = qv;
+        if ((lane & 15) == 0) sd[r][g] = scale;
+      }
+    }
+  }
+}
+
+/* BF16 row of one token by a warp with 16-byte register copies, to every dest of mask m. */
+__device__ __forceinline__ void send_row_bf16(const HTParams &p, const char *xrow, uint32_t m, const uint32_t *jr,
+                                              const DestRows &dr, uint32_t lane) {
+  const uint32_t R = p.R, n16 = p.H / 8;
+  const uint64_t rowb = 2ull * p.H;
+  int4 *xd[EPD_K_MAX_RANKS];
+#pragma unroll
+  for (int r = 0; r < EPD_K_MAX_RANKS; r++)
+    xd[r] = r < (int)R && ((m >> r) & 1u) ? (int4 *)(dr.xb[r] + (uint64_t)jr[r] * rowb) : nullptr;
+  const int4 *src = (const int4 *)xrow;
+  for (uint32_t v0 = lane; v0 < n16; v0 += 32 * 8) {
+    int4 b[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+      if (v0 + i * 32 < n16) b[i] = ld_nc_v4(src + v0 + i * 32);
+#pragma unroll
+    for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
+      if (!xd[r]) continue;
+#pragma unroll
+      for (int i = 0; i < 8; i++)
+        if (v0 + i * 32 < n16) xd[r][v0 + i * 32] = b[i];
+    }
+  }
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * dispatch data: G blocks; block b owns a contiguous chunk of my tokens, in tiles of TILE tokens.
+ * ------------------------------------------------------------------------------------------------- */
+__global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
+  extern __shared__ __align__(128) unsigned char dsm[];
+  __shared__ uint32_t sh_w[NWARP][2 * EPD_K_MAX_RANKS + 1];
+  __shared__ uint32_t sh_tot[EPD_K_MAX_RANKS], sh_before[EPD_K_MAX_RANKS], sh_run[EPD_K_MAX_RANKS];
+  __shared__ uint32_t sh_mat[EPD_K_MAX_RANKS][EPD_K_MAX_RANKS]; /* [src][dest] */
+  __shared__ uint32_t sh_srcerr[EPD_K_MAX_RANKS];
+  __shared__ uint32_t sh_sendbase[EPD_K_MAX_RANKS], sh_recvbase[EPD_K_MAX_RANKS + 1];
+  __shared__ DestRows sh_dr;
+  __shared__ uint32_t sh_err, sh_N, sh_n;
+  __shared__ int sh_timeout, sh_code, sh_peer, sh_last, sh_abort;
+
+  grid_dep_wait(); /* the route kernel's results */
+  TR(1);
+  const uint32_t R = p.R, H = p.H, K = p.K, me = p.rank, G = p.G, S = p.S;
+  const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const bool fp8 = (p.flags & EPD_DESC_FP8) != 0;
+  const bool use_tma = !fp8 && p.tma;
+  char *lb = local_bank(p);
+  HTState *st = (HTState *)(lb + p.lay.st);
+  const uint64_t deadline = gtimer() + p.timeout_ns;
+  const uint32_t seq = st->dseq + 1;
+  const bool too_many = p.T > p.M;
+  const uint32_t T = too_many ? 0 : p.T;
+  const uint64_t rowb = 2ull * H;
+  const uint32_t *tmask = (const uint32_t *)(lb + p.lay.tmask);
+  uint32_t *slotc = (uint32_t *)(lb + p.lay.slotc);
+  int32_t *rsrc = (int32_t *)(lb + p.lay.rsrc);
+  uint32_t *hist = S <= HIST_MAX ? (uint32_t *)(dsm + p.sm.hist) : nullptr;
+  uint64_t *full = (uint64_t *)(dsm + p.sm.bar);
+  if (hist)
+    for (uint32_t s = tid; s < S; s += NTHR) hist[s] = 0;
+  if (tid == 0) {
+    sh_err = too_many ? ERRB_TOO_MANY : 0u;
+    sh_timeout = NO_TIMEOUT;
+    sh_abort = 0;
+    if (use_tma) {
+      for (uint32_t s = 0; s < p.ns; s++) mbar_init(&full[s], 1);
+      mbar_init_fence();
+    }
+  }
+  if (tid < R) {
+    const bool own = tid == me || p.direct;
+    char *pb = own ? nullptr : peer_bank(p, (int)tid);
+    sh_dr.xb[tid] = own ? rank_buf<char>(p, tid, EPD_BUF_HT_RECV_X) : pb + p.lay.xstg;
+    sh_dr.sb[tid] = own ? rank_buf<float>(p, tid, EPD_BUF_HT_RECV_SCALES) : (float *)(pb + p.lay.xstg + H);
+    sh_dr.ss[tid] = own ? H / 128 : (uint32_t)(rowb / 4);
+  }
+  /* ---- counts: per dest over all my tokens and over those before my chunk; input errors ---- */
+  const uint32_t per = (T + G - 1) / G;
+  const uint32_t t0 = min(blockIdx.x * per, T), t1 = min(t0 + per, T);
+  {
+    uint32_t ctot[EPD_K_MAX_RANKS], cbef[EPD_K_MAX_RANKS], errb = 0;
+#pragma unroll
+    for (int r = 0; r < EPD_K_MAX_RANKS; r++) ctot[r] = cbef[r] = 0;
+    for (uint32_t t = tid; t < T; t += NTHR) {
+      const uint32_t m = __ldcg(tmask + t);
+      errb |= m >> 24;
+#pragma unroll
+      for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
+        const uint32_t b = (m >> r) & 1u;
+        ctot[r] += b;
+        cbef[r] += t < t0 ? b : 0u;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
+      ctot[r] = __reduce_add_sync(0xffffffffu, ctot[r]);
+      cbef[r] = __reduce_add_sync(0xffffffffu, cbef[r]);
+    }
+    errb = __reduce_or_sync(0xffffffffu, errb);
+    __syncthreads(); /* sh_err initialised */
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
+        sh_w[warp][r] = ctot[r];
+        sh_w[warp][EPD_K_MAX_RANKS + r] = cbef[r];
+      }
+      if (errb) atomicOr(&sh_err, errb);
+    }
+    __syncthreads();
+    if (tid < 2 * EPD_K_MAX_RANKS) {
+      uint32_t a = 0;
+      for (int w = 0; w < NWARP; w++) a += sh_w[w][tid];
+      if (tid < EPD_K_MAX_RANKS)
+        sh_tot[tid] = a;
+      else
+        sh_before[tid - EPD_K_MAX_RANKS] = a;
+    }
+    __syncthreads();
+  }
+  TR(2);
+  /* ---- plan message (block 0) to every rank, self included; every block reads all of them ---- */
+  if (blockIdx.x == 0 && tid < R) {
+    uint64_t *msg = (uint64_t *)(peer_bank(p, (int)tid) + p.lay.cmsg + (uint64_t)me * 128);
+    for (uint32_t r = 0; r < R; r++) msg[1 + r] = sh_tot[r];
+    __threadfence_system();
+    st_relaxed_sys(msg, ((uint64_t)seq << 32) | ((uint64_t)(sh_err & 0xffu) << 24) | (uint64_t)T);
+  }
+  if (tid < R) {
+    const uint64_t *msg = (const uint64_t *)(lb + p.lay.cmsg + (uint64_t)tid * 128);
+    uint64_t v = 0;
+    bool ok = false;
+    for (;;) {
+      v = ld_acquire_sys(msg);
+      if ((uint32_t)(v >> 32) == seq) { ok = true; break; }
+      if (gtimer() > deadline) break;
+    }
+    if (!ok) {
+      atomicMin(&sh_timeout, (int)tid);
+      sh_srcerr[tid] = 0;
+      for (uint32_t r = 0; r < R; r++) sh_mat[tid][r] = 0;
+    } else {
+      sh_srcerr[tid] = (uint32_t)(v >> 24) & 0xffu;
+      for (uint32_t r = 0; r < R; r++) sh_mat[tid][r] = (uint32_t)__ldcg((const unsigned long long *)msg + 1 + r);
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int code = 0, peer = -1;
+    for (uint32_t s = 0; s < R && !code; s++) {
+      uint32_t eb = sh_srcerr[s];
+      if (eb) {
+        code = (eb & ERRB_TOO_MANY) ? EPD_ERR_TOO_MANY_TOKENS : (eb & ERRB_BAD_EXPERT) ? EPD_ERR_BAD_EXPERT
+                                                                                      : EPD_ERR_INVALID;
+        peer = (int)s;
+      }
+    }
+    if (!code && sh_timeout != NO_TIMEOUT) {
+      code = EPD_ERR_TIMEOUT;
+      peer = sh_timeout;
+    }
+    uint32_t N = 0;
+    for (uint32_t s = 0; s < R; s++) {
+      sh_recvbase[s] = N;
+      N += sh_mat[s][me];
+    }
+    sh_recvbase[R] = N;
+    if (!code) {
+      for (uint32_t r = 0; r < R && !code; r++) {
+        uint32_t tr = 0;
+        for (uint32_t s = 0; s < R; s++) tr += sh_mat[s][r];
+        if (tr > p.C) {
+          code = EPD_ERR_OVERFLOW;
+          peer = (int)r;
+        }
+      }
+    }
+    for (uint32_t r = 0; r < R; r++) {
+      uint32_t b = 0;
+      for (uint32_t s = 0; s < me; s++) b += sh_mat[s][r];
+      sh_sendbase[r] = b;
+      sh_run[r] = b + sh_before[r];
+    }
+    sh_code = code;
+    sh_peer = peer;
+    sh_N = N;
+    if (blockIdx.x == 0) {
+      st->code = code;
+      st->peer = peer;
+      st->N = N;
+      st->T = T;
+      st->map_version = p.map[0];
+      for (uint32_t r = 0; r < R; r++) st->sendbase[r] = sh_sendbase[r];
+      for (uint32_t r = 0; r <= R; r++) st->recvbase[r] = sh_recvbase[r];
+    }
+  }
+  __syncthreads();
+  TR(3);
+  int code = sh_code, peer = sh_peer;
+  const uint32_t N = sh_N;
+
+  if (code == 0) {
+    /* ---- send my chunk, tile by tile: metadata by the token's thread, rows by warps or TMA ---- */
+    uint32_t *s_tj = (uint32_t *)(dsm + p.sm.tj);    /* [TILE][R] absolute row on each dest */
+    uint32_t *s_tm = (uint32_t *)(dsm + p.sm.tmask); /* [TILE] dest mask */
+    uint32_t *s_tl = (uint32_t *)(dsm + p.sm.tlist); /* tile indices of the tokens sent anywhere */
+    unsigned char *stage = dsm + p.sm.stage;
+    const char *x = arena_buf<char>(p, EPD_BUF_X);
+    const uint32_t lt = (1u << lane) - 1u;
+    uint32_t gload = 0; /* TMA: loads issued so far (thread 0) */
+    for (uint32_t tb = t0; tb < t1; tb += TILE) {
+      __syncthreads(); /* the previous tile's arrays are consumed, sh_run is current */
+      if (sh_abort) break;
+      const uint32_t t = tb + tid;
+      const uint32_t m = t < t1 ? (__ldcg(tmask + t) & 0xffu) : 0u;
+      uint32_t jr[EPD_K_MAX_RANKS];
+#pragma unroll
+      for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
+        const uint32_t bal = __ballot_sync(0xffffffffu, (m >> r) & 1u);
+        jr[r] = __popc(bal & lt);
+        if (lane == 0) sh_w[warp][r] = __popc(bal);
+      }
+      const uint32_t anyb = __ballot_sync(0xffffffffu, m != 0);
+      uint32_t li = __popc(anyb & lt);
+      if (lane == 0) sh_w[warp][2 * EPD_K_MAX_RANKS] = __popc(anyb);
+      __syncthreads();
+#pragma unroll
+      for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
+        if (r >= (int)R) break;
+        uint32_t a = sh_run[r];
+        for (uint32_t w = 0; w < warp; w++) a += sh_w[w][r];
+        jr[r] += a;
+        s_tj[tid * R + r] = jr[r];
+      }
+      for (uint32_t w = 0; w < warp; w++) li += sh_w[w][2 * EPD_K_MAX_RANKS];
+      s_tm[tid] = m;
+      if (m) s_tl[li] = tid;
+      __syncthreads(); /* sh_w and sh_run read by everyone */
+      if (tid < R) {
+        uint32_t a = 0;
+        for (int w = 0; w < NWARP; w++) a += sh_w[w][tid];
+        sh_run[tid] += a;
+      }
+      if (tid == 0) {
+        uint32_t a = 0;
+        for (int w = 0; w < NWARP; w++) a += sh_w[w][2 * EPD_K_MAX_RANKS];
+        sh_n = a;
+      }
+      __syncthreads(); /* s_tl, sh_n */
+      const uint32_t n = sh_n;
+      if (use_tma) {
+        /* the metadata of the tile's tokens goes out while thread 0 drives the rows */
+        if (tid != 0 && m) send_meta(p, t, m, jr, sh_sendbase, hist, slotc);
+        if (tb == t0) TR(4);
+        if (tid == 0) {
+          /* one thread drives the ring: row loads run ns - lag ahead, `lag` rows of stores may still read */
+          const uint32_t ns = p.ns, lag = p.lag, ahead = ns - lag;
+          auto load = [&](uint32_t k) {
+            const uint32_t g = gload + k, s = g % ns;
+            mbar_expect_tx(&full[s], (uint32_t)rowb);
+            tma_load(stage + (uint64_t)s * rowb, x + (uint64_t)(tb + s_tl[k]) * rowb, (uint32_t)rowb, &full[s]);
+          };
+          for (uint32_t k = 0; k < n && k < ahead; k++) load(k);
+          for (uint32_t i = 0; i < n; i++) {
+            const uint32_t g = gload + i, s = g % ns;
+            if (!mbar_wait(&full[s], (g / ns) & 1u, deadline)) {
+              sh_abort = 1;
+              code = EPD_ERR_TIMEOUT;
+              peer = (int)me;
+              break;
+            }
+            const uint32_t ti = s_tl[i], mm = s_tm[ti];
+            for (uint32_t r = 0; r < R; r++)
+              if ((mm >> r) & 1u)
+                tma_store(sh_dr.xb[r] + (uint64_t)s_tj[ti * R + r] * rowb, stage + (uint64_t)s * rowb, (uint32_t)rowb);
+            tma_commit();
+            if (i + ahead < n) {
+              tma_wait_read(lag);
+              load(i + ahead);
+            }
+          }
+          tma_wait_read_all(); /* the stages are free for the next tile */
+          gload += n;
+          if (m) send_meta(p, t, m, jr, sh_sendbase, hist, slotc);
+        }
+      } else {
+        if (m) send_meta(p, t, m, jr, sh_sendbase, hist, slotc);
+        if (tb == t0) TR(4);
+        for (uint32_t i = warp; i < n; i += NWARP) {
+          const uint32_t ti = s_tl[i], mm = s_tm[ti];
+          uint32_t jj[EPD_K_MAX_RANKS];
+#pragma unroll
+          for (int r = 0; r < EPD_K_MAX_RANKS; r++) jj[r] = r < (int)R ? s_tj[ti * R + r] : 0u;
+          const char *xrow = x + (uint64_t)(tb + ti) * rowb;
+          if (fp8)
+            send_row_fp8(p, xrow, mm, jj, sh_dr, lane);
+          else
+            send_row_bf16(p, xrow, mm, jj, sh_dr, lane);
+        }
+      }
+    }
+    if (tid == 0) TR_LATEST(5);
+    if (use_tma && tid == 0) tma_wait_all();
+    if (tid == 0) TR_LATEST(6);
+  }
+  signal_peers(p, p.lay.dflag, seq);
+  {
+    const int to = wait_peers(p, (const uint64_t *)(lb + p.lay.dflag), seq, deadline);
+    if (to != NO_TIMEOUT && code == 0) {
       code = EPD_ERR_TIMEOUT;
       peer = to;
+    }
+  }
+  TR(7);
+  if (code == 0 && !sh_abort) {
+    /* ---- receive: count the entries per local slot of the rows the peers wrote ---- */
+    const uint32_t own0 = sh_recvbase[me], own1 = sh_recvbase[me + 1];
+    int64_t *recv_idx = arena_buf<int64_t>(p, EPD_BUF_HT_RECV_TOPK_IDX);
+    int32_t *recv_src = arena_buf<int32_t>(p, EPD_BUF_HT_RECV_SRC);
+    if (p.direct) {
+      for (uint32_t j = blockIdx.x * NTHR + tid; j < N; j += G * NTHR) {
+        if (j >= own0 && j < own1) continue;
+        for (uint32_t k = 0; k < K; k++) {
+          const int64_t ls = __ldcg(recv_idx + (uint64_t)j * K + k);
+          if (ls >= 0) {
+            if (hist)
+              atomicAdd(&hist[ls], 1u);
+            else
+              atomicAdd(&slotc[ls], 1u);
+          }
+        }
+        rsrc[j] = __ldcg(recv_src + j);
+      }
     } else {
-      /* ---- receive: remote rows from staging into the arena ---- */
-      const uint32_t own0 = st->recvbase[me], own1 = st->recvbase[me + 1];
+      /* staging: copy the remote rows into the arena */
+      const bool f8 = fp8;
+      const uint32_t nsc = H / 128;
+      char *recv_x = arena_buf<char>(p, EPD_BUF_HT_RECV_X);
+      float *recv_sc = arena_buf<float>(p, EPD_BUF_HT_RECV_SCALES);
+      float *recv_w = arena_buf<float>(p, EPD_BUF_HT_RECV_TOPK_WEIGHTS);
       const RowMeta *mstg = (const RowMeta *)(lb + p.lay.mstg);
       const char *xstg = lb + p.lay.xstg;
       for (uint32_t j = blockIdx.x * NWARP + warp; j < N; j += G * NWARP) {
         if (j >= own0 && j < own1) continue;
         const char *srow = xstg + (uint64_t)j * rowb;
-        if (fp8) {
+        if (f8) {
           warp_copy_row((int4 *)(recv_x + (uint64_t)j * rowb), (const int4 *)srow, H / 16, lane);
           for (uint32_t g = lane; g < nsc; g += 32) recv_sc[(uint64_t)j * nsc + g] = __ldcg((const float *)(srow + H) + g);
         } else {
           warp_copy_row((int4 *)(recv_x + (uint64_t)j * rowb), (const int4 *)srow, H / 8, lane);
         }
-        const RowMeta *m = mstg + j;
+        const RowMeta *mr = mstg + j;
         if (lane < K) {
-          int16_t ls = __ldcg(&m->slot[lane]);
+          const int16_t ls = __ldcg(&mr->slot[lane]);
           recv_idx[(uint64_t)j * K + lane] = ls;
-          recv_w[(uint64_t)j * K + lane] = __ldcg(&m->w[lane]);
-          if (ls >= 0) atomicAdd(&slotc[ls], 1u);
+          recv_w[(uint64_t)j * K + lane] = __ldcg(&mr->w[lane]);
+          if (ls >= 0) {
+            if (hist)
+              atomicAdd(&hist[ls], 1u);
+            else
+              atomicAdd(&slotc[ls], 1u);
+          }
         }
         if (lane == 0) {
-          int32_t s = __ldcg(&m->src);
+          const int32_t s = __ldcg(&mr->src);
           recv_src[j] = s;
           rsrc[j] = s;
         }
       }
     }
+    __syncthreads();
+    if (hist)
+      for (uint32_t s = tid; s < S; s += NTHR)
+        if (hist[s]) atomicAdd(&slotc[s], hist[s]);
   }
   /* ---- completion: the last block writes counts and the record ---- */
   __syncthreads();
+  TR(8);
   if (tid == 0) {
     if (code != 0 && atomicCAS(&st->err[0], 0, code) == 0) atomicExch(&st->errpeer[0], peer);
     __threadfence();
@@ -545,7 +894,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
   const int pe = atomicAdd(&st->errpeer[0], 0);
   if (c == 0) {
     int32_t *cnt = arena_buf<int32_t>(p, EPD_BUF_HT_RECV_COUNT);
-    for (uint32_t s = tid; s < p.S; s += NTHR) {
+    for (uint32_t s = tid; s < S; s += NTHR) {
       uint32_t v = __ldcg(&slotc[s]);
       cnt[s] = (int32_t)v;
       if (p.slot_tokens) p.slot_tokens[s] += v;
@@ -553,6 +902,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
   }
   __syncthreads();
   if (tid == 0) {
+    st->dseq = seq;
     st->derr = c;
     st->err[0] = 0;
     st->errpeer[0] = -1;
@@ -562,8 +912,9 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       comp->status = c;
       comp->peer = c ? pe : -1;
       comp->num_recv = (c == 0 || c == EPD_ERR_OVERFLOW) ? N : 0u;
-      comp->map_version = st->map_version;
+      comp->map_version = p.map[0];
     }
+    if (p.trace) p.trace[9] = gtimer();
     __threadfence_system();
   }
 }
@@ -572,7 +923,8 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
  * combine: G blocks.
  * ------------------------------------------------------------------------------------------------- */
 __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
-  __shared__ int sh_last;
+  extern __shared__ __align__(128) unsigned char dsm[];
+  __shared__ int sh_last, sh_to, sh_abort;
   const uint32_t R = p.R, H = p.H, me = p.rank, G = p.G, M = p.M;
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   char *lb = local_bank(p);
@@ -584,88 +936,206 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
   const uint64_t rowb = 2ull * H;
   const uint32_t n16 = H / 8;
   const char *y = arena_buf<char>(p, EPD_BUF_HT_Y);
-  const int32_t *rsrc = (const int32_t *)(lb + p.lay.rsrc);
+  const TokRoute *route = (const TokRoute *)(lb + p.lay.route);
+  const uint32_t *pos = (const uint32_t *)(lb + p.lay.pos);
+  char *out = arena_buf<char>(p, EPD_BUF_OUT);
   int code = 0, peer = -1;
+  TR(0);
 
-  if (derr == 0) {
-    /* ---- expert side: push every remote row's partial to its source ---- */
-    for (uint32_t j = blockIdx.x * NWARP + warp; j < N; j += G * NWARP) {
-      int32_t sp = __ldcg(rsrc + j);
-      uint32_t src = (uint32_t)sp >> 24, t = (uint32_t)sp & 0xffffffu;
-      if (src == me || src >= R) continue;
-      char *drow = peer_bank(p, (int)src) + p.lay.cstg + ((uint64_t)me * M + t) * rowb;
-      const int4 *srow = (const int4 *)(y + (uint64_t)j * rowb);
-      for (uint32_t v0 = lane; v0 < n16; v0 += 32 * 8) {
-        int4 b[8];
+  if (!p.direct) {
+    /* ---- staging: each expert rank pushes every remote row's partial to its source ---- */
+    const int32_t *rsrc = (const int32_t *)(lb + p.lay.rsrc);
+    if (derr == 0) {
+      for (uint32_t j = blockIdx.x * NWARP + warp; j < N; j += G * NWARP) {
+        int32_t sp = __ldcg(rsrc + j);
+        uint32_t src = (uint32_t)sp >> 24, t = (uint32_t)sp & 0xffffffu;
+        if (src == me || src >= R) continue;
+        char *drow = peer_bank(p, (int)src) + p.lay.cstg + ((uint64_t)me * M + t) * rowb;
+        const int4 *srow = (const int4 *)(y + (uint64_t)j * rowb);
+        for (uint32_t v0 = lane; v0 < n16; v0 += 32 * 8) {
+          int4 b[8];
 #pragma unroll
-        for (int i = 0; i < 8; i++)
-          if (v0 + i * 32 < n16) b[i] = ld_nc_v4(srow + v0 + i * 32);
+          for (int i = 0; i < 8; i++)
+            if (v0 + i * 32 < n16) b[i] = ld_nc_v4(srow + v0 + i * 32);
 #pragma unroll
-        for (int i = 0; i < 8; i++)
-          if (v0 + i * 32 < n16) ((int4 *)drow)[v0 + i * 32] = b[i];
+          for (int i = 0; i < 8; i++)
+            if (v0 + i * 32 < n16) ((int4 *)drow)[v0 + i * 32] = b[i];
+        }
       }
     }
-  }
-  signal_peers(p, p.lay.cflag, seq);
-  int to = wait_peers(p, (const uint64_t *)(lb + p.lay.cflag), seq, deadline);
-  if (to != 0x7fffffff) {
-    code = EPD_ERR_TIMEOUT;
-    peer = to;
-  } else if (derr != 0) {
-    code = EPD_ERR_STATE;
-  } else {
-    /* ---- source side: OUT[t] = sum over dest ranks in rank order, f32 ---- */
-    const TokRoute *route = (const TokRoute *)(lb + p.lay.route);
-    const uint32_t *pos = (const uint32_t *)(lb + p.lay.pos);
-    const char *cstg = lb + p.lay.cstg;
-    const uint32_t own = st->sendbase[me];
-    char *out = arena_buf<char>(p, EPD_BUF_OUT);
-    for (uint32_t t = blockIdx.x * NWARP + warp; t < T; t += G * NWARP) {
-      const uint32_t mask = route[t].mask & 0xffu;
-      const int4 *rows[EPD_K_MAX_RANKS];
-#pragma unroll
-      for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
-        rows[r] = nullptr;
-        if (r < (int)R && ((mask >> r) & 1u))
-          rows[r] = (uint32_t)r == me ? (const int4 *)(y + (uint64_t)(own + pos[(uint64_t)t * R + r]) * rowb)
-                                      : (const int4 *)(cstg + ((uint64_t)r * M + t) * rowb);
-      }
-      int4 *orow = (int4 *)(out + (uint64_t)t * rowb);
-      for (uint32_t v0 = lane; v0 < n16; v0 += 32 * 4) {
-        float acc[4][8];
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-#pragma unroll
-          for (int q = 0; q < 8; q++) acc[i][q] = 0.f;
+    signal_peers(p, p.lay.cflag, seq);
+    int to = wait_peers(p, (const uint64_t *)(lb + p.lay.cflag), seq, deadline);
+    if (to != NO_TIMEOUT) {
+      code = EPD_ERR_TIMEOUT;
+      peer = to;
+    } else if (derr != 0) {
+      code = EPD_ERR_STATE;
+    } else {
+      /* ---- source side: OUT[t] = sum over dest ranks in rank order, f32 ---- */
+      const char *cstg = lb + p.lay.cstg;
+      const uint32_t own = st->sendbase[me];
+      for (uint32_t t = blockIdx.x * NWARP + warp; t < T; t += G * NWARP) {
+        const uint32_t mask = route[t].mask & 0xffu;
+        const int4 *rows[EPD_K_MAX_RANKS];
 #pragma unroll
         for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
-          if (!rows[r]) continue;
-          int4 b[4];
+          rows[r] = nullptr;
+          if (r < (int)R && ((mask >> r) & 1u))
+            rows[r] = (uint32_t)r == me ? (const int4 *)(y + (uint64_t)(own + pos[(uint64_t)t * R + r]) * rowb)
+                                        : (const int4 *)(cstg + ((uint64_t)r * M + t) * rowb);
+        }
+        warp_reduce_rows((int4 *)(out + (uint64_t)t * rowb), rows, R, n16, lane);
+      }
+    }
+  } else {
+    /* ---- direct: my HT_Y is ready for the peers; wait until theirs is ---- */
+    if (tid == 0) {
+      sh_to = NO_TIMEOUT;
+      sh_abort = 0;
+    }
+    __syncthreads();
+    if (tid < R && tid != me) {
+      __threadfence_system();
+      st_relaxed_sys((uint64_t *)(peer_bank(p, (int)tid) + p.lay.rflag) + (uint64_t)me * G + blockIdx.x,
+                     (uint64_t)seq << 32);
+      const uint64_t *f = (const uint64_t *)(lb + p.lay.rflag) + (uint64_t)tid * G + blockIdx.x;
+      bool ok = false;
+      for (;;) {
+        if ((uint32_t)(ld_acquire_sys(f) >> 32) == seq) { ok = true; break; }
+        if (gtimer() > deadline) break;
+      }
+      if (!ok) atomicMin(&sh_to, (int)tid);
+    }
+    uint64_t *full = (uint64_t *)(dsm + p.sm.bar), *empty = full + MAX_STAGES;
+    if (tid == 0 && p.tma) {
+      for (uint32_t s = 0; s < p.ns; s++) {
+        mbar_init(&full[s], 1);
+        mbar_init(&empty[s], 1);
+      }
+      mbar_init_fence();
+    }
+    __syncthreads();
+    TR(1);
+    if (sh_to != NO_TIMEOUT) {
+      code = EPD_ERR_TIMEOUT;
+      peer = sh_to;
+    } else if (derr != 0) {
+      code = EPD_ERR_STATE;
+    } else {
+      /* ---- pull: OUT[t] = sum over the ranks that received t, in rank order, f32 ---- */
+      uint32_t *s_tj = (uint32_t *)(dsm + p.sm.tj);
+      uint32_t *s_tm = (uint32_t *)(dsm + p.sm.tmask);
+      unsigned char *stage = dsm + p.sm.stage;
+      const uint32_t per = (T + G - 1) / G;
+      const uint32_t t0 = min(blockIdx.x * per, T), t1 = min(t0 + per, T);
+      const uint32_t ns = p.ns, cw = p.cw, nch = p.nch;
+      const uint64_t stb = (uint64_t)R * cw; /* bytes per stage: one column chunk of every rank's row */
+      uint32_t gu = 0;                        /* units (token, chunk) of the earlier tiles */
+      for (uint32_t tb = t0; tb < t1; tb += TILE) {
+        __syncthreads();
+        if (sh_abort) break;
+        const uint32_t nt = min(TILE, t1 - tb);
+        if (tid < nt) {
+          const uint32_t t = tb + tid;
+          const uint32_t m = route[t].mask & 0xffu;
+          s_tm[tid] = m;
+          for (uint32_t r = 0; r < R; r++)
+            if ((m >> r) & 1u) s_tj[tid * R + r] = st->sendbase[r] + pos[(uint64_t)t * R + r];
+        }
+        __syncthreads();
+        if (p.tma) {
+          const uint32_t nu = nt * nch;
+          if (tid == 0) {
+            /* producer: the rows' chunks of unit u into stage u % ns (rank r's at r * cw) */
+            for (uint32_t u = 0; u < nu; u++) {
+              const uint32_t g = gu + u, s = g % ns;
+              if (g >= ns && !mbar_wait(&empty[s], ((g / ns) - 1u) & 1u, deadline)) {
+                sh_abort = 1;
+                code = EPD_ERR_TIMEOUT;
+                peer = (int)me;
+                break;
+              }
+              const uint32_t i = u / nch, c = u % nch, m = s_tm[i];
+              const uint32_t off = c * cw, bytes = min(cw, (uint32_t)rowb - off);
+              mbar_expect_tx(&full[s], (uint32_t)__popc(m) * bytes);
+              for (uint32_t r = 0; r < R; r++)
+                if ((m >> r) & 1u)
+                  tma_load(stage + s * stb + (uint64_t)r * cw,
+                           rank_buf<char>(p, r, EPD_BUF_HT_Y) + (uint64_t)s_tj[i * R + r] * rowb + off, bytes,
+                           &full[s]);
+            }
+          } else if (warp > 0) {
+            /* consumers: a warp per unit */
+            for (uint32_t u = warp - 1; u < nu; u += NWARP - 1) {
+              const uint32_t g = gu + u, s = g % ns;
+              if (!mbar_wait(&full[s], (g / ns) & 1u, deadline)) {
+                if (lane == 0) {
+                  sh_abort = 1;
+                  code = EPD_ERR_TIMEOUT;
+                  peer = (int)me;
+                }
+                break;
+              }
+              const uint32_t i = u / nch, c = u % nch, m = s_tm[i];
+              const uint32_t off = c * cw, bytes = min(cw, (uint32_t)rowb - off);
+              const int4 *sb = (const int4 *)(stage + s * stb);
+              int4 *orow = (int4 *)(out + (uint64_t)(tb + i) * rowb + off);
+              const uint32_t v16 = bytes / 16, c16 = cw / 16;
+              for (uint32_t v = lane; v < v16; v += 32) {
+                float acc[8];
 #pragma unroll
-          for (int i = 0; i < 4; i++)
-            if (v0 + i * 32 < n16) b[i] = __ldcg(rows[r] + v0 + i * 32);
+                for (int q = 0; q < 8; q++) acc[q] = 0.f;
 #pragma unroll
-          for (int i = 0; i < 4; i++) {
-            const uint32_t *u = (const uint32_t *)&b[i];
+                for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
+                  if (r >= (int)R || !((m >> r) & 1u)) continue;
+                  const int4 b = sb[r * c16 + v];
+                  const uint32_t *w = (const uint32_t *)&b;
 #pragma unroll
-            for (int q = 0; q < 4; q++) {
-              acc[i][2 * q] += bf16_to_f(u[q] & 0xffffu);
-              acc[i][2 * q + 1] += bf16_to_f(u[q] >> 16);
+                  for (int q = 0; q < 4; q++) {
+                    acc[2 * q] += bf16_to_f(w[q] & 0xffffu);
+                    acc[2 * q + 1] += bf16_to_f(w[q] >> 16);
+                  }
+                }
+                int4 o;
+                o.x = (int)pack_bf16x2(acc[0], acc[1]);
+                o.y = (int)pack_bf16x2(acc[2], acc[3]);
+                o.z = (int)pack_bf16x2(acc[4], acc[5]);
+                o.w = (int)pack_bf16x2(acc[6], acc[7]);
+                orow[v] = o;
+              }
+              __syncwarp();
+              if (lane == 0) mbar_arrive(&empty[s]);
             }
           }
-        }
+          gu += nu;
+        } else {
+          for (uint32_t i = warp; i < nt; i += NWARP) {
+            const uint32_t m = s_tm[i];
+            const int4 *rows[EPD_K_MAX_RANKS];
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-          if (v0 + i * 32 >= n16) continue;
-          int4 o;
-          o.x = (int)pack_bf16x2(acc[i][0], acc[i][1]);
-          o.y = (int)pack_bf16x2(acc[i][2], acc[i][3]);
-          o.z = (int)pack_bf16x2(acc[i][4], acc[i][5]);
-          o.w = (int)pack_bf16x2(acc[i][6], acc[i][7]);
-          orow[v0 + i * 32] = o;
+            for (int r = 0; r < EPD_K_MAX_RANKS; r++)
+              rows[r] = r < (int)R && ((m >> r) & 1u)
+                            ? (const int4 *)(rank_buf<char>(p, r, EPD_BUF_HT_Y) + (uint64_t)s_tj[i * R + r] * rowb)
+                            : nullptr;
+            warp_reduce_rows((int4 *)(out + (uint64_t)(tb + i) * rowb), rows, R, n16, lane);
+          }
         }
       }
     }
+    __syncthreads();
+    if (tid == 0) TR_LATEST(2);
+    if (sh_abort && code == 0) { /* a consumer warp's wait expired */
+      code = EPD_ERR_TIMEOUT;
+      peer = (int)me;
+    }
+    /* done reading the peers' HT_Y; mine may be reused once every peer is */
+    signal_peers(p, p.lay.cflag, seq);
+    int to = wait_peers(p, (const uint64_t *)(lb + p.lay.cflag), seq, deadline);
+    if (to != NO_TIMEOUT && code == 0) {
+      code = EPD_ERR_TIMEOUT;
+      peer = to;
+    }
+    TR(3);
   }
   __syncthreads();
   if (tid == 0) {
@@ -689,6 +1159,7 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
     comp->num_recv = N;
     comp->map_version = st->map_version;
   }
+  if (p.trace) p.trace[4] = gtimer();
   __threadfence_system();
 }
 
@@ -703,7 +1174,9 @@ HTLayout make_layout(const epd_k_ht_geom_t *g, uint32_t G) {
   l.cmsg = take(R * 128);
   l.dflag = take(R * G * 8);
   l.cflag = take(R * G * 8);
+  l.rflag = take(R * G * 8);
   l.route = take(M * sizeof(TokRoute));
+  l.tmask = take(M * 4);
   l.pos = take(M * R * 4);
   l.rsrc = take(C * 4);
   l.slotc = take(S * 4);
@@ -714,6 +1187,75 @@ HTLayout make_layout(const epd_k_ht_geom_t *g, uint32_t G) {
   l.cstg = take(R * M * 2 * H);
   l.bank_bytes = align_up(o, 4096);
   return l;
+}
+
+/* Shared memory of the dispatch kernel: TMA ring of ns row stages when ns > 0. */
+SmemLayout dispatch_smem(uint32_t R, uint32_t S, uint64_t stage_bytes, uint32_t ns) {
+  SmemLayout m;
+  uint32_t o = 0;
+  m.bar = o;
+  o += MAX_STAGES * 8 * 2;
+  m.tj = o;
+  o += TILE * R * 4;
+  m.tmask = o;
+  o += TILE * 4;
+  m.tlist = o;
+  o += TILE * 4;
+  m.hist = o;
+  o += S <= HIST_MAX ? S * 4 : 0;
+  o = (uint32_t)align_up(o, 128);
+  m.stage = o;
+  o += (uint32_t)(stage_bytes * ns);
+  m.total = o;
+  return m;
+}
+
+/* The parameters of the data kernels that depend on the op: path, copy engine, shared memory. */
+void plan_kernel_smem(HTParams &p, bool dispatch, bool fp8) {
+  const uint64_t rowb = 2ull * p.H;
+  p.ns = p.lag = p.cw = p.nch = 0;
+  /* The TMA rings (opt-in) only where every block's chunk of tokens is one tile: the tested cases. */
+  if (p.tma && (dispatch ? p.T : p.M) > (uint64_t)TILE * p.G) p.tma = 0;
+  if (dispatch) {
+    SmemLayout m0 = dispatch_smem(p.R, p.S, 0, 0);
+    if (p.tma && !fp8) {
+      uint32_t ns = (uint32_t)((SMEM_MAX - m0.total) / rowb);
+      if (ns > MAX_STAGES) ns = MAX_STAGES;
+      if (ns >= 3) {
+        p.ns = ns;
+        p.lag = ns >= 8 ? 4 : ns >= 4 ? 2 : 1;
+        p.sm = dispatch_smem(p.R, p.S, rowb, ns);
+        return;
+      }
+    }
+    p.tma = 0;
+    p.sm = m0;
+    return;
+  }
+  /* combine (direct): stages of one column chunk of every rank's row, >= 8 of them where possible */
+  SmemLayout m = dispatch_smem(p.R, 0, 0, 0); /* barriers, tile rows and masks */
+  p.sm = m;
+  if (!p.direct || !p.tma) {
+    p.tma = 0;
+    return;
+  }
+  const uint64_t avail = SMEM_MAX - m.stage;
+  uint32_t nch = 1, cw = 0;
+  for (;; nch++) {
+    cw = (uint32_t)align_up((rowb + nch - 1) / nch, 256);
+    if ((uint64_t)p.R * cw * 8 <= avail || cw <= 256) break;
+  }
+  nch = (uint32_t)((rowb + cw - 1) / cw);
+  uint32_t ns = (uint32_t)(avail / ((uint64_t)p.R * cw));
+  if (ns > MAX_STAGES) ns = MAX_STAGES;
+  if (ns < 2) {
+    p.tma = 0;
+    return;
+  }
+  p.ns = ns;
+  p.cw = cw;
+  p.nch = nch;
+  p.sm.total = m.stage + (uint32_t)((uint64_t)ns * p.R * cw);
 }
 
 } /* namespace */
@@ -789,12 +1331,14 @@ epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm
     free(k);
     return r;
   }
-  cudaError_t ce = cudaSuccess;
+  cudaError_t ce = cudaFuncSetAttribute(ht_dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_MAX);
+  if (ce == cudaSuccess)
+    ce = cudaFuncSetAttribute(ht_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_MAX);
   for (int b = 0; b < EPD_NUM_BANKS && ce == cudaSuccess; b++)
     ce = cudaMemset(k->local + b * k->lay.bank_bytes, 0, k->lay.ctrl_bytes);
   if (ce == cudaSuccess) ce = cudaDeviceSynchronize();
   if (ce != cudaSuccess) {
-    if (err && errlen) snprintf(err, errlen, "zeroing the HT area: %s", cudaGetErrorString(ce));
+    if (err && errlen) snprintf(err, errlen, "setting up the HT area: %s", cudaGetErrorString(ce));
     ncclDevCommDestroy(lsa_comm, &k->dev);
     free(k);
     return EPD_ERR_CUDA;
@@ -841,14 +1385,37 @@ epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const ep
   p.slot_tokens = op->slot_tokens;
   p.comp = op->comp;
   p.arena = *arena;
+  p.direct = 1;
+  for (uint32_t r = 0; r < p.R; r++) {
+    p.peer_arena[r] = r == p.rank ? arena->base : op->peer_arena[r];
+    if (!p.peer_arena[r]) p.direct = 0;
+  }
+  p.tma = op->copy == EPD_K_HT_COPY_TMA;
+  p.trace = op->trace;
   cudaStream_t s = (cudaStream_t)stream;
   if (op->op == EPD_OP_HT_DISPATCH) {
     uint32_t T = p.T > p.M ? 0 : p.T;
+    plan_kernel_smem(p, true, (p.flags & EPD_DESC_FP8) != 0);
     ht_route_kernel<<<T ? (T + NWARP - 1) / NWARP : 1, NTHR, 0, s>>>(p);
-    ht_plan_kernel<<<1, PLAN_THREADS, 0, s>>>(p);
-    ht_dispatch_kernel<<<p.G, NTHR, 0, s>>>(p);
+    /* programmatic dependent launch: the data kernel's launch overlaps the route kernel */
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDim = dim3(p.G);
+    cfg.blockDim = dim3(NTHR);
+    cfg.dynamicSmemBytes = p.sm.total;
+    cfg.stream = s;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, ht_dispatch_kernel, p) != cudaSuccess) {
+      cudaGetLastError();
+      ht_dispatch_kernel<<<p.G, NTHR, p.sm.total, s>>>(p);
+    }
   } else {
-    ht_combine_kernel<<<p.G, NTHR, 0, s>>>(p);
+    plan_kernel_smem(p, false, false);
+    ht_combine_kernel<<<p.G, NTHR, p.direct ? p.sm.total : 0, s>>>(p);
   }
   cudaError_t ce = cudaGetLastError();
   if (ce != cudaSuccess) {

@@ -6,7 +6,14 @@
  * (a gate kernel released from the host); an op's time is the slower rank's, averaged over iterations.
  * Prints a table and one JSON object per line (prefix "JSON ").
  *
+ * Modes (--modes): reg = rows straight into/out of the peers' arenas with 16-byte register copies (the
+ * default path), tma = the same with the bulk-copy engine (opt-in EPD_K_HT_COPY_TMA), staging = rows
+ * through the staging windows (the path without peer access). Baselines: the copy kernel pushing to
+ * the peer (one direction, both; 256 MiB and the op's bytes) and pulling from it. --trace 1 prints
+ * rank 0's phase stamps (epd_k_ht_op_t.trace).
+ *
  *   epd-bench-ht [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256] [--iters 20] [--blocks 24,48]
+ *                [--modes reg,tma,staging] [--trace 1]
  */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wstrict-prototypes"
@@ -91,7 +98,9 @@ static int parse_list(const char *s, uint32_t *out, int max) {
 
 int main(int argc, char **argv) {
   uint32_t T = 4096, H = 7168, K = 8, E = 256, iters = 20, blist[8] = {24, 48};
-  int nb = 2;
+  int nb = 2, nmodes = 3, do_trace = 0;
+  const char *modes[3] = {"reg", "tma", "staging"};
+  char modes_buf[64] = "";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--tokens")) T = (uint32_t)atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--hidden")) H = (uint32_t)atoi(argv[i + 1]);
@@ -99,6 +108,13 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--experts")) E = (uint32_t)atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--iters")) iters = (uint32_t)atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--blocks")) nb = parse_list(argv[i + 1], blist, 8);
+    else if (!strcmp(argv[i], "--trace")) do_trace = atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "--modes")) {
+      snprintf(modes_buf, sizeof modes_buf, "%s", argv[i + 1]);
+      nmodes = 0;
+      for (char *tok = strtok(modes_buf, ","); tok && nmodes < 3; tok = strtok(NULL, ","))
+        if (!strcmp(tok, "tma") || !strcmp(tok, "reg") || !strcmp(tok, "staging")) modes[nmodes++] = tok;
+    }
   }
   if (hth_gpus() < 2) {
     printf("needs 2 GPUs\n");
@@ -163,32 +179,80 @@ int main(int argc, char **argv) {
     timer_t_ tm;
     timer_init(h.kh.cc, &tm);
     uint32_t ntok[2] = {T, T};
-    double sum[3] = {0, 0, 0};
-    for (uint32_t it = 0; it < iters + 3; it++) {
-      for (int fp8 = 0; fp8 < 2; fp8++) {
+    for (int mi = 0; mi < nmodes; mi++) {
+      h.staging = !strcmp(modes[mi], "staging");
+      h.copy = !strcmp(modes[mi], "tma") ? EPD_K_HT_COPY_TMA : EPD_K_HT_COPY_REG;
+      double sum[3] = {0, 0, 0};
+      for (uint32_t it = 0; it < iters + 3; it++) {
+        for (int fp8 = 0; fp8 < 2; fp8++) {
+          gate_start(h.kh.cc, h.kh.st, &tm);
+          CK(hth_launch(&h, 3, EPD_OP_HT_DISPATCH, 0, ntok, fp8 ? EPD_DESC_FP8 : 0, 2000000000ull));
+          double us = gate_end(h.kh.cc, h.kh.st, &tm, 3);
+          if (it >= 3) sum[fp8] += us;
+        }
         gate_start(h.kh.cc, h.kh.st, &tm);
-        CK(hth_launch(&h, 3, EPD_OP_HT_DISPATCH, 0, ntok, fp8 ? EPD_DESC_FP8 : 0, 2000000000ull));
+        CK(hth_launch(&h, 3, EPD_OP_HT_COMBINE, 0, ntok, 0, 2000000000ull));
         double us = gate_end(h.kh.cc, h.kh.st, &tm, 3);
-        if (it >= 3) sum[fp8] += us;
+        if (it >= 3) sum[2] += us;
       }
-      gate_start(h.kh.cc, h.kh.st, &tm);
-      CK(hth_launch(&h, 3, EPD_OP_HT_COMBINE, 0, ntok, 0, 2000000000ull));
-      double us = gate_end(h.kh.cc, h.kh.st, &tm, 3);
-      if (it >= 3) sum[2] += us;
-    }
-    for (int r = 0; r < 2; r++) {
-      epd_comp_t c0, c1;
-      hth_comp(&h, r, 0, &c0);
-      hth_comp(&h, r, 1, &c1);
-      if (c0.status || c1.status) printf("rank %d: status dispatch %d combine %d\n", r, c0.status, c1.status);
-    }
-    const char *names[3] = {"dispatch_bf16", "dispatch_fp8", "combine_bf16"};
-    double rowb[3] = {2.0 * H, H + H / 128 * 4.0, 2.0 * H};
-    for (int o = 0; o < 3; o++) {
-      double us = sum[o] / iters, gbs = rows * rowb[o] / (us * 1e-6) / 1e9;
-      printf("%-14s SMs %3u: %8.1f us  %6.1f GB/s per direction\n", names[o], blist[bi], us, gbs);
-      printf("JSON {\"op\":\"ht_%s\",\"sms\":%u,\"tokens\":%u,\"hidden\":%u,\"us\":%.1f,\"algbw_gbs\":%.1f}\n", names[o],
-             blist[bi], T, H, us, gbs);
+      for (int r = 0; r < 2; r++) {
+        epd_comp_t c0, c1;
+        hth_comp(&h, r, 0, &c0);
+        hth_comp(&h, r, 1, &c1);
+        if (c0.status || c1.status) printf("rank %d: status dispatch %d combine %d\n", r, c0.status, c1.status);
+      }
+      const char *names[3] = {"dispatch_bf16", "dispatch_fp8", "combine_bf16"};
+      double rowb[3] = {2.0 * H, H + H / 128 * 4.0, 2.0 * H};
+      if (do_trace) {
+        /* where the time goes: rank 0's %globaltimer stamps, mean of 5 untimed runs */
+        uint64_t *tr[2];
+        for (int r = 0; r < 2; r++) {
+          cudaSetDevice(epd_cc_device(h.kh.cc, r));
+          CUCK(cudaMalloc((void **)&tr[r], 16 * 8));
+          h.trace[r] = tr[r];
+        }
+        for (int o = 0; o < 3; o++) {
+          double acc[16] = {0};
+          const int nst = o < 2 ? 10 : 5;
+          for (int it = 0; it < 5; it++) {
+            if (o == 2) { /* a dispatch first (untraced), then the traced combine */
+              h.trace[0] = h.trace[1] = NULL;
+              CK(hth_launch(&h, 3, EPD_OP_HT_DISPATCH, 0, ntok, 0, 2000000000ull));
+              CK(hth_sync(&h, 3));
+              h.trace[0] = tr[0];
+              h.trace[1] = tr[1];
+            }
+            for (int r = 0; r < 2; r++) {
+              cudaSetDevice(epd_cc_device(h.kh.cc, r));
+              CUCK(cudaMemset(tr[r], 0, 16 * 8));
+              CUCK(cudaDeviceSynchronize());
+            }
+            gate_start(h.kh.cc, h.kh.st, &tm);
+            CK(hth_launch(&h, 3, o < 2 ? EPD_OP_HT_DISPATCH : EPD_OP_HT_COMBINE, 0, ntok, o == 1 ? EPD_DESC_FP8 : 0,
+                          2000000000ull));
+            gate_end(h.kh.cc, h.kh.st, &tm, 3);
+            uint64_t hv[16];
+            cudaSetDevice(epd_cc_device(h.kh.cc, 0));
+            CUCK(cudaMemcpy(hv, tr[0], 16 * 8, cudaMemcpyDeviceToHost));
+            for (int i = 1; i < nst; i++) acc[i] += hv[i] ? (double)(hv[i] - hv[0]) / 1000.0 : -1.0;
+          }
+          printf("trace %-14s %-7s SMs %3u (us from %s):", names[o], modes[mi], blist[bi], o < 2 ? "route start" : "start");
+          for (int i = 1; i < nst; i++) printf(" [%d] %.1f", i, acc[i] / 5);
+          printf("\n");
+        }
+        for (int r = 0; r < 2; r++) {
+          cudaSetDevice(epd_cc_device(h.kh.cc, r));
+          cudaFree(tr[r]);
+          h.trace[r] = NULL;
+        }
+      }
+      for (int o = 0; o < 3; o++) {
+        double us = sum[o] / iters, gbs = rows * rowb[o] / (us * 1e-6) / 1e9;
+        printf("%-14s %-7s SMs %3u: %8.1f us  %6.1f GB/s per direction\n", names[o], modes[mi], blist[bi], us, gbs);
+        printf("JSON {\"op\":\"ht_%s\",\"mode\":\"%s\",\"sms\":%u,\"tokens\":%u,\"hidden\":%u,\"us\":%.1f,"
+               "\"algbw_gbs\":%.1f}\n",
+               names[o], modes[mi], blist[bi], T, H, us, gbs);
+      }
     }
     /* baselines once, on the first context's communicators */
     if (bi == 0) {
@@ -253,6 +317,43 @@ int main(int argc, char **argv) {
           printf("JSON {\"op\":\"copy_%s\",\"blocks\":%u,\"bytes\":%zu,\"us\":%.1f,\"gbs\":%.1f}\n", both ? "both" : "one",
                  cbl[ci], cb, cu, cg);
         }
+      /* the copy kernel moving the op's bytes (rows crossing NVLink x 2H) both ways at once: push (what
+       * dispatch does) and pull (what combine does), on the SM counts of the HT runs */
+      for (int bi2 = 0; bi2 < nb; bi2++)
+        for (int pull = 0; pull < 2; pull++) {
+          double cs_us = 0;
+          for (uint32_t it = 0; it < iters + 3; it++) {
+            gate_start(h.kh.cc, h.kh.st, &tm);
+            for (int r = 0; r < 2; r++) {
+              cudaSetDevice(epd_cc_device(h.kh.cc, r));
+              if (pull)
+                epd_k_copy(cd[r], cs[1 - r], nbytes[1 - r] / 16 * 16, blist[bi2], h.kh.st[r]);
+              else
+                epd_k_copy(cd[1 - r], cs[r], nbytes[r] / 16 * 16, blist[bi2], h.kh.st[r]);
+            }
+            double u1 = gate_end(h.kh.cc, h.kh.st, &tm, 3);
+            if (it >= 3) cs_us += u1;
+          }
+          double cu = cs_us / iters, cg = rows * 2.0 * H / (cu * 1e-6) / 1e9;
+          printf("copy_kernel %s both, op bytes, blocks %3u: %8.1f us  %6.1f GB/s per direction\n", pull ? "pull" : "push",
+                 blist[bi2], cu, cg);
+          printf("JSON {\"op\":\"copy_%s_both_opbytes\",\"blocks\":%u,\"us\":%.1f,\"gbs\":%.1f}\n", pull ? "pull" : "push",
+                 blist[bi2], cu, cg);
+        }
+      /* the copy kernel reading the peer's memory (what the combine's pull does), one direction */
+      for (int ci = 0; ci < 3; ci++) {
+        double cs_us = 0;
+        for (uint32_t it = 0; it < 8; it++) {
+          gate_start(h.kh.cc, h.kh.st, &tm);
+          cudaSetDevice(epd_cc_device(h.kh.cc, 0));
+          epd_k_copy(cd[0], cs[1], cb, cbl[ci], h.kh.st[0]);
+          double u1 = gate_end(h.kh.cc, h.kh.st, &tm, 1);
+          if (it >= 2) cs_us += u1;
+        }
+        double cu = cs_us / 6, cg = cb / (cu * 1e-6) / 1e9;
+        printf("copy_kernel pull blocks %3u: %8.1f us  %6.1f GB/s per direction (256 MiB)\n", cbl[ci], cu, cg);
+        printf("JSON {\"op\":\"copy_pull\",\"blocks\":%u,\"bytes\":%zu,\"us\":%.1f,\"gbs\":%.1f}\n", cbl[ci], cb, cu, cg);
+      }
       for (int r = 0; r < 2; r++) {
         cudaSetDevice(epd_cc_device(h.kh.cc, r));
         cudaFree(cs[r]);

@@ -86,6 +86,21 @@ static inline int kh_create(kh_t *h, int R, uint32_t num_experts, size_t window_
   if (r) return r;
   r = epd_cc_window_alloc(h->cc, window_bytes, &h->win, h->err, sizeof h->err);
   if (r) return r;
+  /* Peer access between every pair of GPUs: the HT kernels write to and read from the peers' arenas
+   * (plain cudaMalloc memory) as the daemon's kernels do with its clients' arenas. */
+  for (int i = 0; i < R; i++) {
+    cudaSetDevice(epd_cc_device(h->cc, i));
+    for (int j = 0; j < R; j++) {
+      int ok = 0;
+      if (j == i || cudaDeviceCanAccessPeer(&ok, epd_cc_device(h->cc, i), epd_cc_device(h->cc, j)) || !ok) continue;
+      cudaError_t ce = cudaDeviceEnablePeerAccess(epd_cc_device(h->cc, j), 0);
+      if (ce != cudaSuccess && ce != cudaErrorPeerAccessAlreadyEnabled) {
+        snprintf(h->err, sizeof h->err, "cudaDeviceEnablePeerAccess(%d -> %d): %s", i, j, cudaGetErrorString(ce));
+        return EPD_ERR_CUDA;
+      }
+      cudaGetLastError();
+    }
+  }
   h->arena_bytes = arena_bytes;
   for (int i = 0; i < R; i++) h->ar[i] = *a;
   kh_create_arg_t *arg = calloc(1, sizeof(*arg));

@@ -13,6 +13,9 @@ typedef struct hth {
   kh_t kh;           /* communicators, window, arenas, maps, completions, streams */
   epd_k_ht_geom_t g; /* rank field unused here */
   epd_k_ht_t *k[EPD_K_MAX_RANKS];
+  int staging;   /* 1: no peer arenas in the ops (rows through the staging windows) */
+  uint32_t copy; /* epd_k_ht_op_t.copy */
+  uint64_t *trace[EPD_K_MAX_RANKS]; /* epd_k_ht_op_t.trace of each rank (device, optional) */
 } hth_t;
 
 #define HTH_GUARD_ROWS 4 /* poisoned rows after the C rows of each HT receive buffer */
@@ -91,6 +94,9 @@ static int hth_launch(hth_t *h, unsigned rank_mask, uint32_t opc, uint32_t bank,
     op.timeout_ns = timeout_ns;
     op.map = h->kh.map_dev[r];
     op.comp = h->kh.comp[r] + (opc == EPD_OP_HT_DISPATCH ? 0 : 1);
+    for (int q = 0; q < h->kh.R && !h->staging; q++) op.peer_arena[q] = (uint64_t)(uintptr_t)h->kh.arena[q];
+    op.copy = h->copy;
+    op.trace = h->trace[r];
     int res = epd_k_ht_launch(h->k[r], &h->kh.ar[r], &op, h->kh.st[r], h->kh.err, sizeof h->kh.err);
     if (res) return res;
   }

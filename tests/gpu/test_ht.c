@@ -2,7 +2,8 @@
  * test_ht.c - HT dispatch/combine kernels on 2 GPUs in one process, against the host reference
  * (daemon/ref.h): random and skewed routing with -1 and duplicate entries, empty ranks, 1 token, 4096 and
  * 8192 tokens, hidden 7168 and 4096, top-8, BF16 and FP8, poisoned outputs, overflow past the receive
- * capacity (nothing written), bad expert ids, too many tokens. Skips without 2 GPUs.
+ * capacity (nothing written), bad expert ids, too many tokens; rows straight into the peers' arenas (register
+ * copies, or the opt-in bulk-copy engine) and through the staging windows. Skips without 2 GPUs.
  */
 #if EPD_WITH_CUDA
 #include <math.h>
@@ -231,6 +232,8 @@ static void combine_check(unsigned bank) {
 }
 
 static void step(uint64_t seed, uint64_t s, uint32_t t0, uint32_t t1, int skew, int fp8) {
+  fprintf(stderr, "step seed %llu s %llu tokens %u/%u skew %d fp8 %d staging %d copy %u\n", (unsigned long long)seed,
+          (unsigned long long)s, t0, t1, skew, fp8, T_.h.staging, T_.h.copy);
   gen(seed, s, t0, t1, skew);
   unsigned bank = (unsigned)s % 2;
   upload(bank);
@@ -249,14 +252,37 @@ EPD_TEST_T(gpu_ht_h7168_4096_bf16_fp8_skew_empty_one, 300) {
   step(4, 6, 1, 1, 0, 1);
   step(4, 7, 1, 0, 0, 0);
   step(5, 8, 0, 0, 0, 0);
+  /* without peer arenas: rows through the staging windows, partials pushed back */
+  T_.h.staging = 1;
+  step(6, 9, 4096, 4000, 0, 0);
+  step(6, 10, 3000, 4096, 1, 1);
+  step(6, 11, 0, 7, 0, 1);
+  T_.h.staging = 0;
+  /* the bulk-copy engine (opt-in) */
+  T_.h.copy = EPD_K_HT_COPY_TMA;
+  step(7, 12, 4096, 4096, 0, 0);
+  step(7, 13, 4096, 2000, 1, 1);
+  T_.h.copy = EPD_K_HT_COPY_REG;
+  step(8, 14, 4096, 4096, 1, 0);
   hth_destroy(&T_.h);
 }
 
 EPD_TEST_T(gpu_ht_h4096_8192_tokens, 300) {
-  setup(256, 4096, 8, 8192, 128, 16384, 16);
+  setup(256, 4096, 8, 8192, 128, 16384, 5); /* 5 blocks: several tiles of tokens per block */
   step(11, 0, 8192, 8192, 0, 0);
   step(11, 1, 8192, 8192, 1, 1);
   step(12, 2, 8192, 17, 0, 1);
+  T_.h.staging = 1;
+  step(13, 3, 8192, 8000, 1, 0);
+  T_.h.staging = 0;
+  hth_destroy(&T_.h);
+}
+
+EPD_TEST_T(gpu_ht_h4096_8192_tokens_16_blocks, 300) {
+  setup(256, 4096, 8, 8192, 128, 16384, 16); /* 512 tokens per block, one tile each */
+  step(14, 0, 8192, 8192, 0, 0);
+  step(14, 1, 8192, 6000, 1, 1);
+  step(15, 2, 5000, 8192, 1, 0);
   hth_destroy(&T_.h);
 }
 
