@@ -233,13 +233,17 @@ static const char *cuda_mode(const epd_engine_t *eng) {
   const cuda_be_t *be = eng->be;
   return be && be->mode == MODE_PERSISTENT ? "persistent" : "launch";
 }
+static int local_rank(const epd_engine_t *eng, int rank);
 static int cuda_device(const epd_engine_t *eng, int rank) {
   const cuda_be_t *be = eng->be;
-  return be ? be->rank[rank].device : rank;
+  int l = local_rank(eng, rank); /* a world rank across nodes */
+  if (l < 0 || l >= eng->o.num_ranks) l = rank;
+  return be ? be->rank[l].device : l;
 }
 static uint64_t cuda_rank_bytes(const epd_engine_t *eng, int rank) {
   const cuda_be_t *be = eng->be;
-  return be ? be->rank[rank].bytes : 0;
+  int l = local_rank(eng, rank);
+  return be && l >= 0 && l < eng->o.num_ranks ? be->rank[l].bytes : 0;
 }
 
 /* ---- group state -------------------------------------------------------------------------------- */

@@ -80,7 +80,11 @@ struct cnet {
   uint32_t op, bank, fp8, mode, op_version;
   cnet_addr_t addr[EPD_MAX_RANKS];
   cnet_prog_t prog;
-  uint64_t tx_rows;
+  /* Where a step's time goes (logged when the group goes away), per dispatch [0] / combine [1]: last
+   * local arrival -> frame sent, -> every frame in, -> work issued (plan, tables, launches), -> GPUs
+   * done. */
+  uint64_t t_sent, t_in, t_issued;
+  uint64_t prof_n[2], prof_ns[2][4];
 };
 
 static uint64_t map_hash(const epd_expert_map_t *m) {
@@ -172,6 +176,16 @@ static int grp_alive(cnet_t *cn) {
 
 /* (mu) Forget the group (it was removed): plans, buffers, its queued frames. */
 static void group_reset(cnet_t *cn) {
+  for (int o = 0; o < 2; o++)
+    if (cn->prof_n[o]) {
+      double n = (double)cn->prof_n[o] * 1000.0;
+      EPD_LOGI(EPD_SUB_CUDA,
+               "group %s: %llu %s steps, mean us: frame sent %.1f, frames in %.1f, plan+issue %.1f, GPU+NCCL %.1f",
+               cn->gname, (unsigned long long)cn->prof_n[o], o ? "combine" : "dispatch", cn->prof_ns[o][0] / n,
+               cn->prof_ns[o][1] / n, cn->prof_ns[o][2] / n, cn->prof_ns[o][3] / n);
+    }
+  memset(cn->prof_n, 0, sizeof cn->prof_n);
+  memset(cn->prof_ns, 0, sizeof cn->prof_ns);
   for (uint32_t l = 0; l < cn->L; l++)
     if (cn->arrived[l]) eng_cuda_client_unhold(cn->hold[l]);
   if (cn->plan_init)
@@ -194,11 +208,19 @@ static void group_reset(cnet_t *cn) {
 void eng_cuda_net_destroy(cnet_t *cn) {
   if (!cn) return;
   epd_engine_t *eng = cn->eng;
-  for (uint32_t l = 0; l < cn->L; l++)
-    if (cn->d[l].stream) {
-      cudaSetDevice(cn->d[l].device);
-      cudaStreamSynchronize(cn->d[l].stream);
+  /* A step still exchanging gets a short grace; a peer that never answers must not hang the exit. */
+  uint64_t t0 = eng_now_ns();
+  for (uint32_t l = 0; l < cn->L; l++) {
+    if (!cn->d[l].stream) continue;
+    cudaSetDevice(cn->d[l].device);
+    while (cudaStreamQuery(cn->d[l].stream) == cudaErrorNotReady && eng_now_ns() - t0 < 2000000000ull)
+      eng_sleep_ns(1000000);
+    if (cudaStreamQuery(cn->d[l].stream) == cudaErrorNotReady) {
+      EPD_LOGW(EPD_SUB_CUDA, "stopping with an inter-node exchange in flight: aborting the world communicator");
+      epd_cc_abort(cn->cc);
     }
+    cudaStreamSynchronize(cn->d[l].stream);
+  }
   pthread_mutex_lock(&eng->mu);
   if (cn->narrived) complete_all(cn, EPD_ERR_CLOSED, -1, "the daemon is stopping");
   group_reset(cn);
@@ -387,6 +409,7 @@ static int collect(cnet_t *cn, uint64_t now) {
     if (k > 0 && k < EPD_QUEUE_SLOTS) c->next_slot = (c->next_slot + k) % EPD_QUEUE_SLOTS;
     epd_slot_t *s = &c->queue->slot[c->next_slot];
     if (eng_slot_state(s) != EPD_SLOT_SUBMITTED) continue;
+    if (!cn->narrived) cn->step = grp->steps;
     cn->ldesc[l] = s->desc;
     cn->arrived[l] = 1;
     cn->cl[l] = c;
@@ -400,6 +423,7 @@ static int collect(cnet_t *cn, uint64_t now) {
   if (cn->narrived == cn->L) {
     cn->step = grp->steps;
     send_frame(cn);
+    cn->t_sent = eng_now_ns();
     cn->phase = PH_WAIT;
     return 1;
   }
@@ -715,6 +739,7 @@ static void start_run(cnet_t *cn) {
   cn->run_ns = eng_now_ns();
   pthread_mutex_unlock(&eng->mu);
   rc = issue(cn, err, sizeof err);
+  cn->t_issued = eng_now_ns();
   pthread_mutex_lock(&eng->mu);
   if (rc) {
     EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cn->gname, (unsigned long long)cn->step, err);
@@ -765,6 +790,13 @@ static int poll_run(cnet_t *cn, uint64_t now) {
       }
       cn->plan_valid[cn->bank] = 1;
     }
+    int o = !op_dispatch(cn->op);
+    uint64_t t_done = eng_now_ns();
+    cn->prof_n[o]++;
+    cn->prof_ns[o][0] += cn->t_sent - cn->last_ns;
+    cn->prof_ns[o][1] += cn->t_in - cn->t_sent;
+    cn->prof_ns[o][2] += cn->t_issued - cn->t_in;
+    cn->prof_ns[o][3] += t_done - cn->t_issued;
     complete_all(cn, EPD_OK, -1, NULL);
     return 1;
   }
@@ -808,6 +840,7 @@ static int wait_frames(cnet_t *cn, uint64_t now) {
     }
     return 0;
   }
+  cn->t_in = eng_now_ns();
   start_run(cn);
   return 1;
 }
