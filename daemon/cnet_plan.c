@@ -52,7 +52,7 @@ static int goes_to(const epd_ref_plan_t *p, uint32_t L, uint32_t src, uint32_t t
 /* Common part: geometry checks, reset, the exchange lists (sidx: own tokens per node, ridx: rail peers'
  * tokens that come here). */
 static epd_result_t prog_begin(cnet_prog_t *pg, const epd_ref_plan_t *p, uint32_t nodes, uint32_t node, uint32_t L,
-                               int combine) {
+                               int combine, int fp8) {
   const epd_ref_geom_t *g = &p->g;
   if (!L || nodes < 2 || node >= nodes || nodes > CNET_MAX_NODES || (uint64_t)nodes * L != g->num_ranks ||
       L > EPD_MAX_RANKS || g->hidden % 128)
@@ -70,7 +70,8 @@ static epd_result_t prog_begin(cnet_prog_t *pg, const epd_ref_plan_t *p, uint32_
   pg->L = L;
   pg->H = g->hidden;
   pg->combine = combine;
-  pg->row_bytes = (size_t)g->hidden * (combine ? 4 : 2);
+  pg->fp8 = fp8;
+  pg->row_bytes = combine ? (size_t)g->hidden * 4 : fp8 ? cnet_fp8_row_bytes(g->hidden) : (size_t)g->hidden * 2;
   uint32_t M = g->max_tokens;
   for (uint32_t l = 0; l < L; l++) {
     cnet_side_t *s = &pg->side[l];
@@ -92,13 +93,16 @@ static epd_result_t prog_begin(cnet_prog_t *pg, const epd_ref_plan_t *p, uint32_
   return EPD_OK;
 }
 
-/* Address of token t of world rank src's BF16 row, as seen on this node. */
+/* Token t of world rank src as seen on this node: its BF16 row in the own arena, or its received row
+ * (FP8 dispatch: FP8 bytes, *scales their scales; else BF16, *scales 0). */
 static uint64_t xrow(const cnet_prog_t *pg, const epd_ref_plan_t *p, const cnet_addr_t *addr, uint32_t src,
-                     uint32_t t) {
+                     uint32_t t, uint64_t *scales) {
   uint32_t L = pg->L, n = src / L, l = src % L, M = p->g.max_tokens;
-  uint64_t rb = (uint64_t)p->g.hidden * 2;
-  if (n == pg->node) return addr[l].buf[EPD_BUF_X] + t * rb;
-  return addr[l].xrecv[n] + (uint64_t)pg->ridx[((size_t)l * pg->nodes + n) * M + t] * rb;
+  *scales = 0;
+  if (n == pg->node) return addr[l].buf[EPD_BUF_X] + t * (uint64_t)p->g.hidden * 2;
+  uint64_t row = addr[l].xrecv[n] + (uint64_t)pg->ridx[((size_t)l * pg->nodes + n) * M + t] * pg->row_bytes;
+  if (pg->fp8) *scales = row + p->g.hidden;
+  return row;
 }
 
 static int put32(cnet_side_t *s, uint64_t dst, uint32_t v) {
@@ -108,21 +112,23 @@ static int put32(cnet_side_t *s, uint64_t dst, uint32_t v) {
 
 epd_result_t cnet_build_dispatch(cnet_prog_t *pg, const epd_ref_plan_t *p, uint32_t nodes, uint32_t node,
                                  uint32_t L, int mode, int fp8, const cnet_addr_t *addr) {
-  epd_result_t rc = prog_begin(pg, p, nodes, node, L, 0);
+  epd_result_t rc = prog_begin(pg, p, nodes, node, L, 0, fp8);
   if (rc) return rc;
-  pg->fp8 = fp8;
   const epd_ref_geom_t *g = &p->g;
   uint32_t W = g->num_ranks, M = g->max_tokens, K = g->topk, S = g->slots_per_rank, H = g->hidden;
   uint64_t rb = (uint64_t)H * 2, nb = epd_ref_scale_blocks(H);
   int oom = 0;
-  /* pre: own tokens into the exchange rows, once per node */
+  /* pre: own tokens into the exchange rows, once per node (FP8 dispatch: quantised here, so half the
+   * bytes cross; the expansion copies them) */
+  uint64_t xb = pg->row_bytes;
   for (uint32_t l = 0; l < L; l++)
     for (uint32_t n = 0; n < nodes; n++) {
       if (n == node) continue;
       const int32_t *si = &pg->sidx[((size_t)l * nodes + n) * M];
       for (uint32_t t = 0; t < p->num_tokens[node * L + l]; t++) {
         if (si[t] < 0) continue;
-        epd_k_net_row_t r = {addr[l].buf[EPD_BUF_X] + t * rb, addr[l].xsend[n] + (uint64_t)si[t] * rb, 0};
+        uint64_t dst = addr[l].xsend[n] + (uint64_t)si[t] * xb;
+        epd_k_net_row_t r = {addr[l].buf[EPD_BUF_X] + t * rb, dst, fp8 ? dst + H : 0, 0};
         oom |= vpush(&pg->side[l].pre_rows, &r, sizeof r);
       }
     }
@@ -130,16 +136,16 @@ epd_result_t cnet_build_dispatch(cnet_prog_t *pg, const epd_ref_plan_t *p, uint3
   for (uint32_t src = 0; src < W; src++)
     for (uint32_t t = 0; t < p->num_tokens[src]; t++) {
       size_t row = ((size_t)src * M + t) * K;
-      uint64_t x = 0;
+      uint64_t x = 0, xs = 0;
       if (mode == EPD_MODE_LL) {
         for (uint32_t k = 0; k < K; k++) {
           int32_t d = p->dst_rank[row + k];
           if (d < 0 || (uint32_t)d / L != node) continue;
           uint32_t l = (uint32_t)d % L;
           uint64_t j = (uint64_t)p->dst_slot[row + k] * W * M + (uint64_t)p->dst_pos[row + k];
-          if (!x) x = xrow(pg, p, addr, src, t);
+          if (!x) x = xrow(pg, p, addr, src, t, &xs);
           epd_k_net_row_t r = {x, addr[l].buf[EPD_BUF_LL_RECV_X] + j * rb,
-                               fp8 ? addr[l].buf[EPD_BUF_LL_RECV_SCALES] + j * nb * 4 : 0};
+                               fp8 ? addr[l].buf[EPD_BUF_LL_RECV_SCALES] + j * nb * 4 : 0, xs};
           oom |= vpush(&pg->side[l].post_rows, &r, sizeof r);
           oom |= put32(&pg->side[l], addr[l].buf[EPD_BUF_LL_RECV_SRC] + j * 4, (uint32_t)EPD_SRC_PACK(src, t));
         }
@@ -149,9 +155,9 @@ epd_result_t cnet_build_dispatch(cnet_prog_t *pg, const epd_ref_plan_t *p, uint3
           uint32_t r = node * L + l;
           if (hp[r] < 0) continue;
           uint64_t j = (uint64_t)hp[r];
-          if (!x) x = xrow(pg, p, addr, src, t);
+          if (!x) x = xrow(pg, p, addr, src, t, &xs);
           epd_k_net_row_t e = {x, addr[l].buf[EPD_BUF_HT_RECV_X] + j * rb,
-                               fp8 ? addr[l].buf[EPD_BUF_HT_RECV_SCALES] + j * nb * 4 : 0};
+                               fp8 ? addr[l].buf[EPD_BUF_HT_RECV_SCALES] + j * nb * 4 : 0, xs};
           cnet_side_t *s = &pg->side[l];
           oom |= vpush(&s->post_rows, &e, sizeof e);
           oom |= put32(s, addr[l].buf[EPD_BUF_HT_RECV_SRC] + j * 4, (uint32_t)EPD_SRC_PACK(src, t));
@@ -216,7 +222,7 @@ static int close_row(cnet_vec_t *off, const cnet_vec_t *terms, cnet_vec_t *out, 
 
 epd_result_t cnet_build_combine(cnet_prog_t *pg, const epd_ref_plan_t *p, uint32_t nodes, uint32_t node,
                                 uint32_t L, int mode, const cnet_addr_t *addr) {
-  epd_result_t rc = prog_begin(pg, p, nodes, node, L, 1);
+  epd_result_t rc = prog_begin(pg, p, nodes, node, L, 1, 0);
   if (rc) return rc;
   const epd_ref_geom_t *g = &p->g;
   uint32_t M = g->max_tokens, H = g->hidden;
@@ -265,6 +271,11 @@ void cnet_exec_rows(const cnet_vec_t *rows, uint32_t hidden, int fp8) {
   const epd_k_net_row_t *r = (const epd_k_net_row_t *)rows->p;
   for (uint32_t i = 0; i < n; i++) {
     const uint16_t *x = (const uint16_t *)(uintptr_t)r[i].src;
+    if (r[i].src_scales) {
+      memcpy((void *)(uintptr_t)r[i].dst, x, hidden);
+      memcpy((void *)(uintptr_t)r[i].scales, (const void *)(uintptr_t)r[i].src_scales, (size_t)nb * 4);
+      continue;
+    }
     if (!fp8) {
       memcpy((void *)(uintptr_t)r[i].dst, x, (size_t)hidden * 2);
       continue;

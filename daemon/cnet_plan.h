@@ -7,7 +7,8 @@
  * (kernels/epd_kernels_net.h) around one grouped ncclSend/ncclRecv per step. For local rank l of node
  * `me` (world rank me*L + l), whose rail peer on node n is world rank n*L + l:
  *
- * dispatch  pre:  rows - each own token that has an entry on node n, once, into xsend[n] (token order);
+ * dispatch  pre:  rows - each own token that has an entry on node n, once, into xsend[n] (token order;
+ *                 FP8 dispatch: quantised here, FP8 bytes + scales, about half the bytes of BF16);
  *           exchange: xsend[n] -> rail peer on n; xrecv[n] <- the rail peer's tokens that have an entry
  *                 on this node, once;
  *           post: rows - every (src, t, k) routed to this rank, from the own arena, a sibling's arena
@@ -60,7 +61,7 @@ typedef struct cnet_side {
 typedef struct cnet_prog {
   uint32_t nodes, node, L, H;
   int combine, fp8;
-  size_t row_bytes; /* bytes of one exchanged row: H*2 (dispatch) or H*4 (combine) */
+  size_t row_bytes; /* bytes of one exchanged row: H*2 (dispatch), cnet_fp8_row_bytes (FP8), H*4 (combine) */
   cnet_side_t side[EPD_MAX_RANKS];
   int32_t *sidx, *ridx; /* [L][nodes][M]: index of (own / rail peer's) token t in the exchange, -1 */
   size_t idx_cap;
@@ -75,6 +76,8 @@ epd_result_t cnet_build_dispatch(cnet_prog_t *pg, const epd_ref_plan_t *p, uint3
 epd_result_t cnet_build_combine(cnet_prog_t *pg, const epd_ref_plan_t *p, uint32_t nodes, uint32_t node,
                                 uint32_t L, int mode, const cnet_addr_t *addr);
 void cnet_prog_free(cnet_prog_t *pg);
+/* An FP8 dispatch row on the wire: H e4m3 bytes then H/128 float scales, 16-byte aligned. */
+static inline size_t cnet_fp8_row_bytes(uint32_t hidden) { return ((size_t)hidden + epd_ref_scale_blocks(hidden) * 4 + 15) / 16 * 16; }
 /* Entries of a table. */
 static inline uint32_t cnet_count(const cnet_vec_t *v, size_t esz) { return (uint32_t)(v->len / esz); }
 

@@ -644,7 +644,7 @@ static epd_result_t issue(cnet_t *cn, char *err, size_t errlen) {
     rc = combine ? epd_k_net_wsum(TAB(d, 3, uint32_t), TAB(d, 4, epd_k_net_term_t), TAB(d, 5, uint64_t),
                                   cnet_count(&s->pre_out, 8), H, 1, d->stream)
                  : epd_k_net_rows(TAB(d, 0, epd_k_net_row_t), cnet_count(&s->pre_rows, sizeof(epd_k_net_row_t)), H,
-                                  0, d->stream);
+                                  (int)cn->fp8, d->stream);
     if (rc) {
       snprintf(err, errlen, "launching the %s kernel on GPU %d failed", combine ? "partial-sum" : "pack", d->device);
       return rc;

@@ -25,6 +25,14 @@ __global__ void __launch_bounds__(NET_THREADS) rows_kernel(const epd_k_net_row_t
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (uint32_t i = blockIdx.x; i < n; i += gridDim.x) {
     const epd_k_net_row_t r = rows[i];
+    if (r.src_scales) { /* FP8 row and scales, as they are */
+      const int4 *s = (const int4 *)r.src;
+      int4 *d = (int4 *)r.dst;
+      for (uint32_t v = tid; v < H / 16; v += NET_THREADS) d[v] = s[v];
+      for (uint32_t g = tid; g < H / EPD_K_FP8_BLOCK; g += NET_THREADS)
+        ((float *)r.scales)[g] = ((const float *)r.src_scales)[g];
+      continue;
+    }
     if (!fp8) {
       const int4 *s = (const int4 *)r.src;
       int4 *d = (int4 *)r.dst;

@@ -3,8 +3,8 @@
  * kernels emulated over host memory, ncclSend/ncclRecv emulated by copies between the rail peers of
  * every node pair. For 2 and 3 nodes of 1 and 2 ranks, LL and HT, BF16 and FP8, skewed routing, an
  * empty rank: every receive buffer must equal the single-world reference byte for byte, OUT within
- * BF16 rounding of it, and each token must cross to a node exactly once however many of its ranks
- * it goes to.
+ * BF16 rounding of it, each token must cross to a node exactly once however many of its ranks it
+ * goes to, and an FP8 dispatch must cross as FP8 (quantised before the exchange).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -142,7 +142,7 @@ static void run_case(uint32_t nodes, uint32_t L, int mode, int fp8, int skew, ui
   /* ---- dispatch ---- */
   for (uint32_t n = 0; n < nodes; n++) {
     ASSERT_OK(cnet_build_dispatch(&pg[n], &plan, nodes, n, L, mode, fp8, addr[n]));
-    for (uint32_t l = 0; l < L; l++) cnet_exec_rows(&pg[n].side[l].pre_rows, H, 0);
+    for (uint32_t l = 0; l < L; l++) cnet_exec_rows(&pg[n].side[l].pre_rows, H, fp8);
   }
   /* once per (token, remote node): count the distinct pairs independently */
   uint64_t pairs = 0, sent = 0;
@@ -167,6 +167,9 @@ static void run_case(uint32_t nodes, uint32_t L, int mode, int fp8, int skew, ui
         sent += cnt;
       }
   ASSERT_EQ(sent, pairs);
+  /* FP8 crosses as FP8: H bytes and H/128 scales per row instead of 2H bytes */
+  ASSERT_EQ(pg[0].row_bytes, fp8 ? cnet_fp8_row_bytes(H) : (size_t)H * 2);
+  if (fp8) ASSERT_LT(pg[0].row_bytes * 10, (size_t)H * 2 * 6);
   ASSERT_GT(pairs, 0);
   for (uint32_t n = 0; n < nodes; n++)
     for (uint32_t l = 0; l < L; l++) {
