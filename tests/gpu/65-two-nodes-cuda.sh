@@ -6,8 +6,10 @@
 # rendezvous over 127.0.0.1. One epd-worker per node checks every step against the reference:
 #   LL BF16 and FP8 (H 7168, 256 experts, top-8, 128 tokens, skewed and uniform), HT BF16 and FP8
 #   (256 tokens; BF16 also 4096 tokens with 16 experts); status shows transport nccl-p2p, the NCCL log shows
-#   NET/Socket; node 1 silent -> EPD_ERR_TIMEOUT naming rank 1; a second group is refused meanwhile.
+#   NET/Socket; node 1 silent -> EPD_ERR_TIMEOUT naming rank 1; a second group is refused meanwhile;
+#   node 1 gone -> EPD_ERR_PEER naming rank 1 within 3 s.
 # Then (TWO_NODES_BASELINE=1, default) the same LL steps on ONE daemon driving both GPUs over NVLink.
+# TWO_NODES_QUICK=1: the LL cases only; TWO_NODES_NCCL_ENV: extra NCCL variables for the daemons.
 # Usage (repository root, GPU machine): bash tests/gpu/65-two-nodes-cuda.sh [build-dir]; logs go to
 # $TWO_NODES_OUT if set.
 set -u
@@ -42,8 +44,8 @@ node() {
   local n=$1 where="-o cluster.coordinator=127.0.0.1:$PORT"
   [ "$n" = 0 ] && where="-o cluster.listen=127.0.0.1:$PORT"
   mkdir -p "$T/n$n"
-  CUDA_VISIBLE_DEVICES=$n NCCL_HOSTID=node$n NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 \
-    NCCL_SOCKET_IFNAME=lo NCCL_DEBUG=INFO \
+  env ${TWO_NODES_NCCL_ENV:-} CUDA_VISIBLE_DEVICES=$n NCCL_HOSTID=node$n NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 \
+    NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_DEBUG=INFO \
     timeout 280 "$EPD" -s "$T/n$n/control.sock" -f -o daemon.attach_socket="$T/n$n/attach.sock" \
     -o engine.backend=cuda -o engine.num_ranks=1 -o engine.step_timeout_ms=5000 -o engine.max_tokens=4096 \
     -o cluster.nodes=2 -o cluster.node_rank="$n" -o cluster.data_listen=127.0.0.1:0 \
@@ -89,6 +91,7 @@ expect_ok llb0 llb1
 echo "== LL FP8, uniform routing, 128 tokens, 20 steps"
 pair llf --steps 20 --seed 7 --fp8 $COMMON --tokens 128 --bench 200
 expect_ok llf0 llf1
+if [ "${TWO_NODES_QUICK:-0}" != 1 ]; then
 echo "== HT FP8 skewed and HT BF16 (256 tokens, 8 steps), HT BF16 4096 tokens (16 experts, top-4, 2 steps)"
 pair htf --steps 8 --seed 4 --mode ht --fp8 --skew $COMMON --tokens 256 --bench 50
 expect_ok htf0 htf1
@@ -113,14 +116,32 @@ wait "$W_TO"; RC=$?
 grep -q "EPD_ERR_TIMEOUT.*peer rank 1" "$T/to.out" || fail "timeout does not name rank 1: $(cat "$T/to.out")"
 grep -q "node 1 (ranks 1..1) did not send" "$T/node0.log" || fail "the log does not say node 1 was silent"
 echo "   ok: $(grep -h EPD_ERR_TIMEOUT "$T/to.out" | head -1)"
+fi
 "$EPDCTL" -s "$T/n0/control.sock" metrics > "$T/metrics.out" || fail "metrics"
 grep -q '^epd_cluster_info{transport="nccl-p2p"} 1$' "$T/metrics.out" || fail "metrics: transport"
-kill -TERM "$P_0" "$P_1"
+R1=0
+if [ "${TWO_NODES_QUICK:-0}" != 1 ]; then
+  echo "== node 1 stops: EPD_ERR_PEER naming rank 1, promptly; node 0 keeps serving and stops cleanly"
+  kill -TERM "$P_1"; wait "$P_1"; R1=$? # its NCCL log lines reach the file; then it is gone for good
+  wait_for 5 grep -q "data link to node 1 lost" "$T/node0.log" || fail "node 0 did not notice the lost link"
+  S=$(date +%s%N)
+  CUDA_VISIBLE_DEVICES=0 timeout 30 "$WORKER" -s "$T/n0/control.sock" -g pe -r 0 -n 2 --steps 1 --hidden 256 > "$T/pe.out" 2>&1
+  RC=$?
+  MS=$(( ($(date +%s%N) - S) / 1000000 ))
+  [ $RC -eq 2 ] || fail "lost node: worker exited $RC"
+  grep -q "EPD_ERR_PEER.*peer rank 1" "$T/pe.out" || fail "lost node: no EPD_ERR_PEER naming rank 1: $(cat "$T/pe.out")"
+  [ $MS -lt 3000 ] || fail "lost node: the step failed only after $MS ms"
+  echo "   ok in $MS ms: $(grep -h EPD_ERR_PEER "$T/pe.out" | head -1)"
+  "$EPDCTL" -s "$T/n0/control.sock" status > /dev/null || fail "node 0 stopped serving after losing node 1"
+  kill -TERM "$P_0"
+else
+  kill -TERM "$P_0" "$P_1"
+  wait "$P_1"; R1=$?
+fi
 wait "$P_0"; R0=$?
-wait "$P_1"; R1=$?
 [ $R0 -eq 0 ] && [ $R1 -eq 0 ] || fail "daemons exited $R0 $R1 on SIGTERM"
 # NCCL's INFO lines reach the (block-buffered) log file at exit.
-grep -h " via " "$T/node0.log" | head -4 | sed 's/^.*NCCL INFO/   NCCL INFO/'
+grep -h " via " "$T/node0.log" "$T/node1.log" | head -4 | sed 's/^.*NCCL INFO/   NCCL INFO/'
 grep -q "via NET/Socket" "$T/node0.log" || fail "NCCL did not use its socket transport (no 'via NET/Socket' in the log)"
 grep -q "via P2P\|via SHM" "$T/node0.log" && fail "NCCL used P2P or SHM between the two nodes"
 save_logs
