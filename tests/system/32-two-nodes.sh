@@ -9,7 +9,8 @@
 #   submits fails with EPD_ERR_TIMEOUT naming a rank of that node; a killed node fails steps with
 #   EPD_ERR_PEER promptly; a group with another geometry on each node fails with EPD_ERR_MISMATCH;
 # - start-up refusals: a node that never joins (both sides name it, within cluster.timeout_ms),
-#   disagreeing configurations (the key that differs is named), a duplicate node rank, backend cuda.
+#   disagreeing configurations (the key that differs is named), a duplicate node rank, backend cuda
+#   (no GPU here: refused before the rendezvous; with GPUs node 1 never joins).
 set -u
 B=${EPD_BUILD:-build}
 EPD=$B/bin/epd
