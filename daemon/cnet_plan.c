@@ -21,8 +21,8 @@ static int vpush(cnet_vec_t *v, const void *e, size_t n) {
 }
 
 static void side_reset(cnet_side_t *s) {
-  cnet_vec_t *v[] = {&s->pre_rows, &s->post_rows, &s->puts, &s->pre_off, &s->pre_terms,
-                     &s->pre_out, &s->post_off, &s->post_terms, &s->post_out};
+  cnet_vec_t *v[] = {&s->pre_rows, &s->post_rows, &s->puts,       &s->pre_off, &s->pre_terms,
+                     &s->pre_out,  &s->post_off,  &s->post_terms, &s->post_out};
   for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) v[i]->len = 0;
   memset(s->send_rows, 0, sizeof s->send_rows);
   memset(s->recv_rows, 0, sizeof s->recv_rows);
@@ -32,8 +32,8 @@ static void side_reset(cnet_side_t *s) {
 void cnet_prog_free(cnet_prog_t *pg) {
   for (int l = 0; l < EPD_MAX_RANKS; l++) {
     cnet_side_t *s = &pg->side[l];
-    cnet_vec_t *v[] = {&s->pre_rows, &s->post_rows, &s->puts, &s->pre_off, &s->pre_terms,
-                       &s->pre_out, &s->post_off, &s->post_terms, &s->post_out};
+    cnet_vec_t *v[] = {&s->pre_rows, &s->post_rows, &s->puts,       &s->pre_off, &s->pre_terms,
+                       &s->pre_out,  &s->post_off,  &s->post_terms, &s->post_out};
     for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) free(v[i]->p);
   }
   free(pg->sidx);
@@ -51,8 +51,8 @@ static int goes_to(const epd_ref_plan_t *p, uint32_t L, uint32_t src, uint32_t t
 
 /* Common part: geometry checks, reset, the exchange lists (sidx: own tokens per node, ridx: rail peers'
  * tokens that come here). */
-static epd_result_t prog_begin(cnet_prog_t *pg, const epd_ref_plan_t *p, uint32_t nodes, uint32_t node, uint32_t L,
-                               int combine, int fp8) {
+static epd_result_t prog_begin(cnet_prog_t *pg, const epd_ref_plan_t *p, uint32_t nodes, uint32_t node,
+                               uint32_t L, int combine, int fp8) {
   const epd_ref_geom_t *g = &p->g;
   if (!L || nodes < 2 || node >= nodes || nodes > CNET_MAX_NODES || (uint64_t)nodes * L != g->num_ranks ||
       L > EPD_MAX_RANKS || g->hidden % 128)
@@ -71,7 +71,9 @@ static epd_result_t prog_begin(cnet_prog_t *pg, const epd_ref_plan_t *p, uint32_
   pg->H = g->hidden;
   pg->combine = combine;
   pg->fp8 = fp8;
-  pg->row_bytes = combine ? (size_t)g->hidden * 4 : fp8 ? cnet_fp8_row_bytes(g->hidden) : (size_t)g->hidden * 2;
+  pg->row_bytes = combine ? (size_t)g->hidden * 4
+                  : fp8   ? cnet_fp8_row_bytes(g->hidden)
+                          : (size_t)g->hidden * 2;
   uint32_t M = g->max_tokens;
   for (uint32_t l = 0; l < L; l++) {
     cnet_side_t *s = &pg->side[l];
@@ -147,7 +149,8 @@ epd_result_t cnet_build_dispatch(cnet_prog_t *pg, const epd_ref_plan_t *p, uint3
           epd_k_net_row_t r = {x, addr[l].buf[EPD_BUF_LL_RECV_X] + j * rb,
                                fp8 ? addr[l].buf[EPD_BUF_LL_RECV_SCALES] + j * nb * 4 : 0, xs};
           oom |= vpush(&pg->side[l].post_rows, &r, sizeof r);
-          oom |= put32(&pg->side[l], addr[l].buf[EPD_BUF_LL_RECV_SRC] + j * 4, (uint32_t)EPD_SRC_PACK(src, t));
+          oom |=
+              put32(&pg->side[l], addr[l].buf[EPD_BUF_LL_RECV_SRC] + j * 4, (uint32_t)EPD_SRC_PACK(src, t));
         }
       } else {
         const int32_t *hp = &p->ht_pos[((size_t)src * M + t) * W];

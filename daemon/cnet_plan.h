@@ -36,11 +36,11 @@
 
 /* The addresses one local rank's step uses. */
 typedef struct cnet_addr {
-  uint64_t buf[EPD_BUF_KINDS];       /* the op's bank buffers of the rank's client arena */
-  uint64_t xsend[CNET_MAX_NODES];    /* per node: max_tokens BF16 rows out */
-  uint64_t xrecv[CNET_MAX_NODES];    /* per node: max_tokens BF16 rows in */
-  uint64_t psend[CNET_MAX_NODES];    /* per node: max_tokens float32 rows out */
-  uint64_t precv[CNET_MAX_NODES];    /* per node: max_tokens float32 rows in */
+  uint64_t buf[EPD_BUF_KINDS];    /* the op's bank buffers of the rank's client arena */
+  uint64_t xsend[CNET_MAX_NODES]; /* per node: max_tokens BF16 rows out */
+  uint64_t xrecv[CNET_MAX_NODES]; /* per node: max_tokens BF16 rows in */
+  uint64_t psend[CNET_MAX_NODES]; /* per node: max_tokens float32 rows out */
+  uint64_t precv[CNET_MAX_NODES]; /* per node: max_tokens float32 rows in */
 } cnet_addr_t;
 
 /* A growable array. */
@@ -51,7 +51,7 @@ typedef struct cnet_vec {
 
 /* One local rank's program for a step. */
 typedef struct cnet_side {
-  cnet_vec_t pre_rows, post_rows, puts;  /* epd_k_net_row_t, epd_k_net_row_t, epd_k_net_put_t */
+  cnet_vec_t pre_rows, post_rows, puts;   /* epd_k_net_row_t, epd_k_net_row_t, epd_k_net_put_t */
   cnet_vec_t pre_off, pre_terms, pre_out; /* wsum tables (uint32_t n+1, epd_k_net_term_t, uint64_t n) */
   cnet_vec_t post_off, post_terms, post_out;
   uint32_t send_rows[CNET_MAX_NODES], recv_rows[CNET_MAX_NODES]; /* exchange with the rail peer of node n */
@@ -77,9 +77,13 @@ epd_result_t cnet_build_combine(cnet_prog_t *pg, const epd_ref_plan_t *p, uint32
                                 uint32_t L, int mode, const cnet_addr_t *addr);
 void cnet_prog_free(cnet_prog_t *pg);
 /* An FP8 dispatch row on the wire: H e4m3 bytes then H/128 float scales, 16-byte aligned. */
-static inline size_t cnet_fp8_row_bytes(uint32_t hidden) { return ((size_t)hidden + epd_ref_scale_blocks(hidden) * 4 + 15) / 16 * 16; }
+static inline size_t cnet_fp8_row_bytes(uint32_t hidden) {
+  return ((size_t)hidden + epd_ref_scale_blocks(hidden) * 4 + 15) / 16 * 16;
+}
 /* Entries of a table. */
-static inline uint32_t cnet_count(const cnet_vec_t *v, size_t esz) { return (uint32_t)(v->len / esz); }
+static inline uint32_t cnet_count(const cnet_vec_t *v, size_t esz) {
+  return (uint32_t)(v->len / esz);
+}
 
 /* Host emulation of the kernels over host pointers (CPU tests). */
 void cnet_exec_rows(const cnet_vec_t *rows, uint32_t hidden, int fp8);

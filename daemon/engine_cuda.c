@@ -168,7 +168,9 @@ typedef struct cuda_be {
 } cuda_be_t;
 
 /* Index of a world rank among this node's GPUs (the rank itself on one node). */
-static int local_rank(const epd_engine_t *eng, int rank) { return rank - (int)(eng->o.node_rank * (uint32_t)eng->o.num_ranks); }
+static int local_rank(const epd_engine_t *eng, int rank) {
+  return rank - (int)(eng->o.node_rank * (uint32_t)eng->o.num_ranks);
+}
 
 /* ---- helpers ------------------------------------------------------------------------------------ */
 
@@ -233,7 +235,6 @@ static const char *cuda_mode(const epd_engine_t *eng) {
   const cuda_be_t *be = eng->be;
   return be && be->mode == MODE_PERSISTENT ? "persistent" : "launch";
 }
-static int local_rank(const epd_engine_t *eng, int rank);
 static int cuda_device(const epd_engine_t *eng, int rank) {
   const cuda_be_t *be = eng->be;
   int l = local_rank(eng, rank); /* a world rank across nodes */

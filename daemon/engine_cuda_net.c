@@ -102,8 +102,12 @@ static uint64_t map_hash(const epd_expert_map_t *m) {
   return h;
 }
 
-static int op_ok(uint32_t op) { return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE; }
-static int op_dispatch(uint32_t op) { return op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH; }
+static int op_ok(uint32_t op) {
+  return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE;
+}
+static int op_dispatch(uint32_t op) {
+  return op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH;
+}
 
 /* ---- create / destroy ----------------------------------------------------------------------------- */
 
@@ -114,7 +118,8 @@ static const char *gin_reason(void) {
   for (struct dirent *e; dir && (e = readdir(dir));) devs += e->d_name[0] != '.';
   if (dir) closedir(dir);
   return devs ? "not implemented in this build (an InfiniBand/RoCE device is present)"
-              : "no InfiniBand/RoCE device (/sys/class/infiniband is empty), and not implemented in this build";
+              : "no InfiniBand/RoCE device (/sys/class/infiniband is empty), and not implemented in this "
+                "build";
 }
 
 epd_result_t eng_cuda_net_create(epd_engine_t *eng, epd_cc_t *cc, const int *devices, cnet_t **out, char *err,
@@ -179,10 +184,11 @@ static void group_reset(cnet_t *cn) {
   for (int o = 0; o < 2; o++)
     if (cn->prof_n[o]) {
       double n = (double)cn->prof_n[o] * 1000.0;
-      EPD_LOGI(EPD_SUB_CUDA,
-               "group %s: %llu %s steps, mean us: frame sent %.1f, frames in %.1f, plan+issue %.1f, GPU+NCCL %.1f",
-               cn->gname, (unsigned long long)cn->prof_n[o], o ? "combine" : "dispatch", cn->prof_ns[o][0] / n,
-               cn->prof_ns[o][1] / n, cn->prof_ns[o][2] / n, cn->prof_ns[o][3] / n);
+      EPD_LOGI(
+          EPD_SUB_CUDA,
+          "group %s: %llu %s steps, mean us: frame sent %.1f, frames in %.1f, plan+issue %.1f, GPU+NCCL %.1f",
+          cn->gname, (unsigned long long)cn->prof_n[o], o ? "combine" : "dispatch", cn->prof_ns[o][0] / n,
+          cn->prof_ns[o][1] / n, cn->prof_ns[o][2] / n, cn->prof_ns[o][3] / n);
     }
   memset(cn->prof_n, 0, sizeof cn->prof_n);
   memset(cn->prof_ns, 0, sizeof cn->prof_ns);
@@ -216,7 +222,8 @@ void eng_cuda_net_destroy(cnet_t *cn) {
     while (cudaStreamQuery(cn->d[l].stream) == cudaErrorNotReady && eng_now_ns() - t0 < 2000000000ull)
       eng_sleep_ns(1000000);
     if (cudaStreamQuery(cn->d[l].stream) == cudaErrorNotReady) {
-      EPD_LOGW(EPD_SUB_CUDA, "stopping with an inter-node exchange in flight: aborting the world communicator");
+      EPD_LOGW(EPD_SUB_CUDA,
+               "stopping with an inter-node exchange in flight: aborting the world communicator");
       epd_cc_abort(cn->cc);
     }
     cudaStreamSynchronize(cn->d[l].stream);
@@ -304,7 +311,8 @@ static void complete_all(cnet_t *cn, int status, int peer, const char *why) {
       c->ops++;
       uint64_t bytes = 0;
       if (!status)
-        for (uint32_t n = 0; n < cn->nodes; n++) bytes += (uint64_t)cn->prog.side[l].send_rows[n] * cn->prog.row_bytes;
+        for (uint32_t n = 0; n < cn->nodes; n++)
+          bytes += (uint64_t)cn->prog.side[l].send_rows[n] * cn->prog.row_bytes;
       eng_record_op(eng, (int)r, cn->ldesc[l].op, status, bytes, comp.latency_ns);
     }
     eng_cuda_client_unhold(cn->hold[l]);
@@ -337,8 +345,14 @@ static void send_frame(cnet_t *cn) {
   int same = 1;
   for (uint32_t l = 0; l < L; l++) same &= cn->ldesc[l].op == d0->op && cn->ldesc[l].bank == d0->bank;
   int dispatch = same && op_dispatch(d0->op) && d0->bank < EPD_NUM_BANKS;
-  cnet_fhdr_t h = {.magic = FRAME_MAGIC, .bad_rank = -1, .nlocal = L, .world = cn->W,
-                   .num_experts = cn->g.num_experts, .hidden = cn->g.hidden, .topk = K, .max_tokens = M};
+  cnet_fhdr_t h = {.magic = FRAME_MAGIC,
+                   .bad_rank = -1,
+                   .nlocal = L,
+                   .world = cn->W,
+                   .num_experts = cn->g.num_experts,
+                   .hidden = cn->g.hidden,
+                   .topk = K,
+                   .max_tokens = M};
   if (epd_engine_failure(eng)) {
     h.status = EPD_ERR_INTERNAL;
     snprintf(h.why, sizeof h.why, "node %u: the engine failed: %s", cn->node, epd_engine_failure(eng));
@@ -372,11 +386,13 @@ static void send_frame(cnet_t *cn) {
     uint64_t arena = eng_cuda_client_arena(cn->hold[l]);
     uint64_t oi = buf_off(grp, EPD_BUF_TOPK_IDX, d0->bank), ow = buf_off(grp, EPD_BUF_TOPK_WEIGHTS, d0->bank);
     cudaSetDevice(cn->d[l].device);
-    cudaError_t e = oi == UINT64_MAX || ow == UINT64_MAX
-                        ? cudaErrorInvalidValue
-                        : cudaMemcpy(p, (const void *)(uintptr_t)(arena + oi), rows[l] * K * 8, cudaMemcpyDeviceToHost);
-    if (!e) e = cudaMemcpy(p + rows[l] * K * 8, (const void *)(uintptr_t)(arena + ow), rows[l] * K * 4,
-                           cudaMemcpyDeviceToHost);
+    cudaError_t e =
+        oi == UINT64_MAX || ow == UINT64_MAX
+            ? cudaErrorInvalidValue
+            : cudaMemcpy(p, (const void *)(uintptr_t)(arena + oi), rows[l] * K * 8, cudaMemcpyDeviceToHost);
+    if (!e)
+      e = cudaMemcpy(p + rows[l] * K * 8, (const void *)(uintptr_t)(arena + ow), rows[l] * K * 4,
+                     cudaMemcpyDeviceToHost);
     if (e && !h.status) {
       h.status = EPD_ERR_CUDA;
       h.bad_rank = (int32_t)(cn->node * L + l);
@@ -449,11 +465,11 @@ static int collect(cnet_t *cn, uint64_t now) {
 
 /* ---- the verdict ---------------------------------------------------------------------------------- */
 
-#define FAIL(st, pr, ...)                     \
-  do {                                        \
-    *peer = (pr);                             \
-    snprintf(why, wl, __VA_ARGS__);           \
-    return (st);                              \
+#define FAIL(st, pr, ...)           \
+  do {                              \
+    *peer = (pr);                   \
+    snprintf(why, wl, __VA_ARGS__); \
+    return (st);                    \
   } while (0)
 
 /* (mu) Every node's frame is in: the same verdict on every node. EPD_OK: run the step. */
@@ -481,8 +497,8 @@ static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
            cn->g.hidden, K, M, cn->node);
     if (h[n]->nlocal != L || h[n]->world != W || cn->flen[n] < sizeof(cnet_fhdr_t) + L * sizeof(cnet_desc_t))
       FAIL(EPD_ERR_MISMATCH, (int)(n * L),
-           "node %u sent a frame for %u ranks of %u, this node expects %u of %u (engine.num_ranks differs?)", n,
-           h[n]->nlocal, h[n]->world, L, W);
+           "node %u sent a frame for %u ranks of %u, this node expects %u of %u (engine.num_ranks differs?)",
+           n, h[n]->nlocal, h[n]->world, L, W);
     dd[n] = (const cnet_desc_t *)(h[n] + 1);
     for (uint32_t i = 0; i < L; i++) {
       memset(&d[n * L + i], 0, sizeof d[0]);
@@ -493,7 +509,8 @@ static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
     }
   }
   for (uint32_t r = 0; r < W; r++) {
-    if (!op_ok(d[r].op)) FAIL(EPD_ERR_INVALID, (int)r, "rank %u: op %u out of range [1, %u]", r, d[r].op, EPD_OP_MAX - 1);
+    if (!op_ok(d[r].op))
+      FAIL(EPD_ERR_INVALID, (int)r, "rank %u: op %u out of range [1, %u]", r, d[r].op, EPD_OP_MAX - 1);
     if (d[r].bank >= EPD_NUM_BANKS)
       FAIL(EPD_ERR_INVALID, (int)r, "rank %u: bank %u out of range [0, %u)", r, d[r].bank, EPD_NUM_BANKS);
     if (op_dispatch(d[r].op) && (d[r].flags & ~(uint32_t)EPD_DESC_FP8))
@@ -502,8 +519,9 @@ static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
   for (uint32_t r = 1; r < W; r++)
     if (d[r].op != d[0].op || d[r].bank != d[0].bank ||
         (op_dispatch(d[r].op) && (d[r].flags & EPD_DESC_FP8) != (d[0].flags & EPD_DESC_FP8)))
-      FAIL(EPD_ERR_MISMATCH, (int)r, "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x", r,
-           d[r].op, d[r].bank, d[r].flags, d[0].op, d[0].bank, d[0].flags);
+      FAIL(EPD_ERR_MISMATCH, (int)r,
+           "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x", r, d[r].op,
+           d[r].bank, d[r].flags, d[0].op, d[0].bank, d[0].flags);
   cn->op = d[0].op;
   cn->bank = d[0].bank;
   cn->fp8 = op_dispatch(cn->op) && (d[0].flags & EPD_DESC_FP8);
@@ -512,14 +530,16 @@ static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
   epd_ref_plan_t *plan = &cn->plan[cn->bank];
   if (!op_dispatch(cn->op)) {
     if (!cn->plan_valid[cn->bank] || plan->mode != (int)cn->mode)
-      FAIL(EPD_ERR_STATE, -1, "%s combine of bank %u without a successful %s dispatch of that bank", mn, cn->bank, mn);
+      FAIL(EPD_ERR_STATE, -1, "%s combine of bank %u without a successful %s dispatch of that bank", mn,
+           cn->bank, mn);
     cn->op_version = plan->map_version;
     return EPD_OK;
   }
   for (uint32_t n = 0; n < nodes; n++)
     if (h[n]->map_version != h[cn->node]->map_version || h[n]->map_hash != h[cn->node]->map_hash)
       FAIL(EPD_ERR_MISMATCH, (int)(n * L),
-           "node %u dispatches with expert map version %u, node %u with version %u%s (set the same map on every node)",
+           "node %u dispatches with expert map version %u, node %u with version %u%s (set the same map on "
+           "every node)",
            n, h[n]->map_version, cn->node, h[cn->node]->map_version,
            h[n]->map_version == h[cn->node]->map_version ? " but different placements" : "");
   epd_ref_in_t in[EPD_MAX_RANKS];
@@ -529,7 +549,8 @@ static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
       uint32_t r = n * L + i, rows = d[r].num_tokens < M ? d[r].num_tokens : M;
       if ((size_t)(end - p) < (size_t)rows * K * 12)
         FAIL(EPD_ERR_PEER, (int)r, "node %u sent a truncated dispatch frame", n);
-      in[r] = (epd_ref_in_t){d[r].num_tokens, NULL, (const int64_t *)p, (const float *)(p + (size_t)rows * K * 8)};
+      in[r] = (epd_ref_in_t){d[r].num_tokens, NULL, (const int64_t *)p,
+                             (const float *)(p + (size_t)rows * K * 8)};
       p += (size_t)rows * K * 12;
     }
   }
@@ -598,8 +619,8 @@ static epd_result_t dev_alloc(cnet_t *cn, char *err, size_t errlen) {
 
 /* Copy the side's 9 tables into the staging buffer and to the GPU (stream-ordered). */
 static epd_result_t upload(cnet_dev_t *d, const cnet_side_t *s, char *err, size_t errlen) {
-  const cnet_vec_t *v[9] = {&s->pre_rows, &s->post_rows, &s->puts, &s->pre_off, &s->pre_terms,
-                            &s->pre_out, &s->post_off, &s->post_terms, &s->post_out};
+  const cnet_vec_t *v[9] = {&s->pre_rows, &s->post_rows, &s->puts,       &s->pre_off, &s->pre_terms,
+                            &s->pre_out,  &s->post_off,  &s->post_terms, &s->post_out};
   size_t total = 0;
   for (int i = 0; i < 9; i++) {
     d->off[i] = total;
@@ -641,12 +662,14 @@ static epd_result_t issue(cnet_t *cn, char *err, size_t errlen) {
     const cnet_side_t *s = &pg->side[l];
     cudaSetDevice(d->device);
     if ((rc = upload(d, s, err, errlen))) return rc;
-    rc = combine ? epd_k_net_wsum(TAB(d, 3, uint32_t), TAB(d, 4, epd_k_net_term_t), TAB(d, 5, uint64_t),
-                                  cnet_count(&s->pre_out, 8), H, 1, d->stream)
-                 : epd_k_net_rows(TAB(d, 0, epd_k_net_row_t), cnet_count(&s->pre_rows, sizeof(epd_k_net_row_t)), H,
-                                  (int)cn->fp8, d->stream);
+    rc = combine
+             ? epd_k_net_wsum(TAB(d, 3, uint32_t), TAB(d, 4, epd_k_net_term_t), TAB(d, 5, uint64_t),
+                              cnet_count(&s->pre_out, 8), H, 1, d->stream)
+             : epd_k_net_rows(TAB(d, 0, epd_k_net_row_t), cnet_count(&s->pre_rows, sizeof(epd_k_net_row_t)),
+                              H, (int)cn->fp8, d->stream);
     if (rc) {
-      snprintf(err, errlen, "launching the %s kernel on GPU %d failed", combine ? "partial-sum" : "pack", d->device);
+      snprintf(err, errlen, "launching the %s kernel on GPU %d failed", combine ? "partial-sum" : "pack",
+               d->device);
       return rc;
     }
   }
@@ -694,10 +717,13 @@ static epd_result_t issue(cnet_t *cn, char *err, size_t errlen) {
     } else {
       rc = epd_k_net_rows(TAB(d, 1, epd_k_net_row_t), cnet_count(&s->post_rows, sizeof(epd_k_net_row_t)), H,
                           (int)cn->fp8, d->stream);
-      if (!rc) rc = epd_k_net_put(TAB(d, 2, epd_k_net_put_t), cnet_count(&s->puts, sizeof(epd_k_net_put_t)), d->stream);
+      if (!rc)
+        rc = epd_k_net_put(TAB(d, 2, epd_k_net_put_t), cnet_count(&s->puts, sizeof(epd_k_net_put_t)),
+                           d->stream);
     }
     if (rc) {
-      snprintf(err, errlen, "launching the %s kernel on GPU %d failed", combine ? "combine" : "expand", d->device);
+      snprintf(err, errlen, "launching the %s kernel on GPU %d failed", combine ? "combine" : "expand",
+               d->device);
       return rc;
     }
     cudaError_t e = cudaEventRecord(d->done, d->stream);
@@ -725,7 +751,8 @@ static void start_run(cnet_t *cn) {
     fill_addr(cn);
     const epd_ref_plan_t *plan = &cn->plan[cn->bank];
     rc = op_dispatch(cn->op)
-             ? cnet_build_dispatch(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cn->mode, (int)cn->fp8, cn->addr)
+             ? cnet_build_dispatch(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cn->mode, (int)cn->fp8,
+                                   cn->addr)
              : cnet_build_combine(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cn->mode, cn->addr);
     if (rc) snprintf(err, sizeof err, "building the step program failed (%d)", rc);
   }
@@ -826,12 +853,14 @@ static int wait_frames(cnet_t *cn, uint64_t now) {
     if (cn->frame[n]) continue;
     char why[256], lw[160];
     if (epd_net_node_dead(net, n, lw, sizeof lw)) {
-      snprintf(why, sizeof why, "the data link to node %u (ranks %u..%u) is down: %s", n, n * L, n * L + L - 1, lw);
+      snprintf(why, sizeof why, "the data link to node %u (ranks %u..%u) is down: %s", n, n * L,
+               n * L + L - 1, lw);
       complete_all(cn, EPD_ERR_PEER, (int)(n * L), why);
       return 1;
     }
     if (now > cn->first_ns && now - cn->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
-      snprintf(why, sizeof why, "waited %u ms for rank %u: node %u (ranks %u..%u) did not send its part of the step",
+      snprintf(why, sizeof why,
+               "waited %u ms for rank %u: node %u (ranks %u..%u) did not send its part of the step",
                eng->o.step_timeout_ms, n * L, n, n * L, n * L + L - 1);
       EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cn->gname, (unsigned long long)cn->step, why);
       eng->rank[n * L].timeouts++;
@@ -860,7 +889,8 @@ int eng_cuda_net_poll(cnet_t *cn) {
           snprintf(cn->gname, sizeof cn->gname, "%s", g->name);
           cn->phase = PH_COLLECT;
           int ok = 1;
-          for (unsigned b = 0; b < EPD_NUM_BANKS; b++) ok &= epd_ref_plan_init(&cn->plan[b], &cn->g) == EPD_OK;
+          for (unsigned b = 0; b < EPD_NUM_BANKS; b++)
+            ok &= epd_ref_plan_init(&cn->plan[b], &cn->g) == EPD_OK;
           cn->plan_init = 1;
           if (!ok) eng_fail(eng, "out of memory for the routing plans of group %s", g->name);
           break;

@@ -44,8 +44,8 @@ typedef struct epd_k_net_put {
  * quantised (FP8 sources are always copied as FP8). */
 epd_result_t epd_k_net_rows(const epd_k_net_row_t *rows, uint32_t n, uint32_t hidden, int fp8, void *stream);
 /* Output row i (address out[i]) = sum of terms[off[i] .. off[i+1]) (device tables); no term: zeros. */
-epd_result_t epd_k_net_wsum(const uint32_t *off, const epd_k_net_term_t *terms, const uint64_t *out, uint32_t n,
-                            uint32_t hidden, int out_f32, void *stream);
+epd_result_t epd_k_net_wsum(const uint32_t *off, const epd_k_net_term_t *terms, const uint64_t *out,
+                            uint32_t n, uint32_t hidden, int out_f32, void *stream);
 /* n scattered 32-bit stores (device table). */
 epd_result_t epd_k_net_put(const epd_k_net_put_t *puts, uint32_t n, void *stream);
 

@@ -16,12 +16,14 @@ namespace {
 constexpr int NET_THREADS = 256;
 constexpr uint32_t NET_MAX_GRID = 4096;
 
-__device__ __forceinline__ float bf(uint32_t v16) { return __uint_as_float(v16 << 16); }
+__device__ __forceinline__ float bf(uint32_t v16) {
+  return __uint_as_float(v16 << 16);
+}
 
 /* One block per row entry (grid-stride). BF16: 16-byte copies. FP8: one warp per 128-channel block,
  * each lane 4 channels; scale = max(amax, 1e-4) / 448, q = e4m3_satfinite(x / scale) (as ll.cu). */
-__global__ void __launch_bounds__(NET_THREADS) rows_kernel(const epd_k_net_row_t *rows, uint32_t n, uint32_t H,
-                                                           int fp8) {
+__global__ void __launch_bounds__(NET_THREADS)
+    rows_kernel(const epd_k_net_row_t *rows, uint32_t n, uint32_t H, int fp8) {
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (uint32_t i = blockIdx.x; i < n; i += gridDim.x) {
     const epd_k_net_row_t r = rows[i];
@@ -47,10 +49,10 @@ __global__ void __launch_bounds__(NET_THREADS) rows_kernel(const epd_k_net_row_t
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
       float scale = fmaxf(amax, EPD_K_FP8_AMAX_MIN) / EPD_K_FP8_MAX;
-      __nv_fp8x2_storage_t q01 = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v0, scale), __fdiv_rn(v1, scale)),
-                                                          __NV_SATFINITE, __NV_E4M3);
-      __nv_fp8x2_storage_t q23 = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v2, scale), __fdiv_rn(v3, scale)),
-                                                          __NV_SATFINITE, __NV_E4M3);
+      __nv_fp8x2_storage_t q01 = __nv_cvt_float2_to_fp8x2(
+          make_float2(__fdiv_rn(v0, scale), __fdiv_rn(v1, scale)), __NV_SATFINITE, __NV_E4M3);
+      __nv_fp8x2_storage_t q23 = __nv_cvt_float2_to_fp8x2(
+          make_float2(__fdiv_rn(v2, scale), __fdiv_rn(v3, scale)), __NV_SATFINITE, __NV_E4M3);
       *(uint32_t *)((char *)r.dst + g * EPD_K_FP8_BLOCK + lane * 4) = (uint32_t)q01 | ((uint32_t)q23 << 16);
       if (lane == 0) ((float *)r.scales)[g] = scale;
     }
@@ -58,8 +60,9 @@ __global__ void __launch_bounds__(NET_THREADS) rows_kernel(const epd_k_net_row_t
 }
 
 /* One block per output row (grid-stride); each thread 4 channels per pass. */
-__global__ void __launch_bounds__(NET_THREADS) wsum_kernel(const uint32_t *off, const epd_k_net_term_t *terms,
-                                                           const uint64_t *out, uint32_t n, uint32_t H, int out_f32) {
+__global__ void __launch_bounds__(NET_THREADS)
+    wsum_kernel(const uint32_t *off, const epd_k_net_term_t *terms, const uint64_t *out, uint32_t n,
+                uint32_t H, int out_f32) {
   for (uint32_t i = blockIdx.x; i < n; i += gridDim.x) {
     const uint32_t t0 = off[i], t1 = off[i + 1];
     for (uint32_t h = threadIdx.x * 4; h < H; h += NET_THREADS * 4) {
@@ -97,7 +100,9 @@ __global__ void put_kernel(const epd_k_net_put_t *puts, uint32_t n) {
     *(uint32_t *)puts[i].dst = puts[i].value;
 }
 
-uint32_t grid_for(uint32_t n) { return n < NET_MAX_GRID ? n : NET_MAX_GRID; }
+uint32_t grid_for(uint32_t n) {
+  return n < NET_MAX_GRID ? n : NET_MAX_GRID;
+}
 
 } /* namespace */
 
@@ -109,8 +114,9 @@ extern "C" epd_result_t epd_k_net_rows(const epd_k_net_row_t *rows, uint32_t n, 
   return cudaGetLastError() == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
 }
 
-extern "C" epd_result_t epd_k_net_wsum(const uint32_t *off, const epd_k_net_term_t *terms, const uint64_t *out,
-                                       uint32_t n, uint32_t hidden, int out_f32, void *stream) {
+extern "C" epd_result_t epd_k_net_wsum(const uint32_t *off, const epd_k_net_term_t *terms,
+                                       const uint64_t *out, uint32_t n, uint32_t hidden, int out_f32,
+                                       void *stream) {
   if (!n) return EPD_OK;
   if (!off || !out || hidden % 4) return EPD_ERR_INVALID;
   wsum_kernel<<<grid_for(n), NET_THREADS, 0, (cudaStream_t)stream>>>(off, terms, out, n, hidden, out_f32);

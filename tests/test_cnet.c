@@ -56,8 +56,13 @@ static void free_out(epd_ref_out_t *o) {
 static void run_case(uint32_t nodes, uint32_t L, int mode, int fp8, int skew, uint64_t seed) {
   uint32_t W = nodes * L;
   ASSERT(W <= MAXW);
-  epd_ref_geom_t g = {.num_ranks = W, .num_experts = 16, .hidden = 256, .topk = 4, .max_tokens = 24,
-                      .slots_per_rank = (16 + W - 1) / W, .ht_capacity = W * 24};
+  epd_ref_geom_t g = {.num_ranks = W,
+                      .num_experts = 16,
+                      .hidden = 256,
+                      .topk = 4,
+                      .max_tokens = 24,
+                      .slots_per_rank = (16 + W - 1) / W,
+                      .ht_capacity = W * 24};
   uint32_t M = g.max_tokens, H = g.hidden, K = g.topk, S = g.slots_per_rank, nb = epd_ref_scale_blocks(H);
   epd_expert_map_t map;
   ASSERT_OK(epd_ref_map_default(&map, g.num_experts, W, S));
@@ -242,7 +247,8 @@ static void run_case(uint32_t nodes, uint32_t L, int mode, int fp8, int skew, ui
     free(m[r].x), free(m[r].idx), free(m[r].w), free(m[r].y), free(m[r].out), free(m[r].ref_out);
     free_out(&m[r].got);
     free_out(&m[r].want);
-    for (uint32_t n = 0; n < nodes; n++) free(m[r].xsend[n]), free(m[r].xrecv[n]), free(m[r].psend[n]), free(m[r].precv[n]);
+    for (uint32_t n = 0; n < nodes; n++)
+      free(m[r].xsend[n]), free(m[r].xrecv[n]), free(m[r].psend[n]), free(m[r].precv[n]);
   }
   epd_ref_plan_free(&plan);
   epd_ref_plan_free(&rplan);
@@ -267,8 +273,13 @@ EPD_TEST(cnet_ht_nodes) {
   run_case(3, 2, EPD_MODE_HT, 0, 1, 9);
 }
 EPD_TEST(cnet_refuses_bad_geometry) {
-  epd_ref_geom_t g = {.num_ranks = 4, .num_experts = 8, .hidden = 256, .topk = 2, .max_tokens = 4,
-                      .slots_per_rank = 2, .ht_capacity = 16};
+  epd_ref_geom_t g = {.num_ranks = 4,
+                      .num_experts = 8,
+                      .hidden = 256,
+                      .topk = 2,
+                      .max_tokens = 4,
+                      .slots_per_rank = 2,
+                      .ht_capacity = 16};
   epd_ref_plan_t p;
   ASSERT_OK(epd_ref_plan_init(&p, &g));
   cnet_prog_t pg;
@@ -276,8 +287,9 @@ EPD_TEST(cnet_refuses_bad_geometry) {
   cnet_addr_t a[4];
   memset(a, 0, sizeof a);
   ASSERT_EQ(cnet_build_dispatch(&pg, &p, 3, 0, 1, EPD_MODE_LL, 0, a), EPD_ERR_INVALID); /* 3 x 1 != 4 ranks */
-  ASSERT_EQ(cnet_build_dispatch(&pg, &p, 2, 2, 2, EPD_MODE_LL, 0, a), EPD_ERR_INVALID); /* node out of range */
-  ASSERT_EQ(cnet_build_combine(&pg, &p, 1, 0, 4, EPD_MODE_LL, a), EPD_ERR_INVALID);     /* one node */
+  ASSERT_EQ(cnet_build_dispatch(&pg, &p, 2, 2, 2, EPD_MODE_LL, 0, a),
+            EPD_ERR_INVALID);                                                       /* node out of range */
+  ASSERT_EQ(cnet_build_combine(&pg, &p, 1, 0, 4, EPD_MODE_LL, a), EPD_ERR_INVALID); /* one node */
   cnet_prog_free(&pg);
   epd_ref_plan_free(&p);
 }
