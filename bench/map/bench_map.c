@@ -6,11 +6,12 @@
  * combine continuously, a map staged every 4th step from another thread:
  *   - SetExpertMap -> first completed dispatch on the new version (median, p99);
  *   - dispatch latency of steps that switch vs steps that do not (median, p99);
- * Host backend only: weight migration of 64 MiB (8 slots x 8 MiB copied from rank 0 to rank 1 at the
- * switch), bandwidth from the switching dispatch's extra time over a normal one.
+ * Weight migration of 64 MiB (8 slots x 8 MiB copied from rank 0 to rank 1 at the switch) on the host
+ * backend and, with --cuda, on the CUDA backend (GPU to GPU over NVLink): bandwidth from the switching
+ * dispatch's extra time over a normal one.
  * With --cuda, what users pay today instead: destroy and re-create the NCCL communicators of 2 GPUs and
  * the EP buffers (a symmetric window of --window-mib, registered), through daemon/cuda_comm.c; and
- * cudaMemcpyPeer bandwidth for 64 MiB (a reference for GPU migration, which epd does not do yet).
+ * cudaMemcpyPeer bandwidth for 64 MiB (the reference for the CUDA backend's migration).
  *
  * Usage: epd-bench-map [OUTDIR] [--cuda] [--window-mib N]; writes OUTDIR/map-<backend...>.json and .md.
  */
@@ -251,7 +252,7 @@ out:
   return res;
 }
 
-/* ---- migration (host) ---------------------------------------------------------------------------- */
+/* ---- migration ----------------------------------------------------------------------------------- */
 
 typedef struct mig_result {
   int ok;
@@ -275,13 +276,13 @@ static void *mig_rank1(void *arg) {
   return NULL;
 }
 
-static mig_result_t run_migration(void) {
+static mig_result_t run_migration(const char *backend) {
   mig_result_t res;
   memset(&res, 0, sizeof res);
   const uint64_t WB = 8ull << 20; /* 8 slots x 8 MiB = 64 MiB per migration */
   epd_engine_opts_t o;
   memset(&o, 0, sizeof o);
-  o.backend = "host";
+  o.backend = backend;
   o.num_ranks = 2;
   o.slots_factor_pct = 400;
   o.max_arena_bytes = 8ull << 30;
@@ -293,7 +294,8 @@ static mig_result_t run_migration(void) {
   for (int r = 0; r < 2; r++)
     if (battach(eng, "m", r, E, 128, 4, 16, WB, &c[r])) goto out;
   uint32_t S = c[0].info.slots_per_rank; /* 32: experts 0..7 on rank 0 slots 0..7 */
-  for (int r = 0; r < 2; r++) memset(bbuf(&c[r], EPD_BUF_EXPERT_WEIGHTS, 0), 0x11 * (r + 1), S * WB); /* prefault */
+  for (int r = 0; r < 2; r++) /* prefault (GPU arenas are backed at allocation) */
+    if (c[r].arena) memset(bbuf(&c[r], EPD_BUF_EXPERT_WEIGHTS, 0), 0x11 * (r + 1), S * WB);
   enum { ROUNDS = 9, NORMAL = 8 };
   double copy_ms[ROUNDS], normal[ROUNDS * NORMAL];
   int nn = 0;
@@ -435,8 +437,10 @@ int main(int argc, char **argv) {
   printf("host: %d switches; SetExpertMap -> first step on it: median %.1f us, p99 %.1f us; dispatch: switching "
          "%.1f/%.1f us, normal %.1f/%.1f us (median/p99)\n", hs.switches, hs.lat_med, hs.lat_p99, hs.sw_med, hs.sw_p99,
          hs.norm_med, hs.norm_p99);
-  mig_result_t mg = run_migration();
+  mig_result_t mg = run_migration("host");
   printf("host migration of 64 MiB: %.2f ms (%.2f GB/s)\n", mg.copy_ms_med, mg.gbps_med);
+  mig_result_t mc;
+  memset(&mc, 0, sizeof mc);
   sw_result_t cs;
   memset(&cs, 0, sizeof cs);
   gpu_result_t gr;
@@ -447,6 +451,8 @@ int main(int argc, char **argv) {
       printf("today: NCCL comm create %.1f ms + %zu MiB window register %.1f ms + teardown %.1f ms = %.1f ms; "
              "cudaMemcpyPeer 64 MiB %.1f GB/s\n", gr.create_ms, window_mib, gr.window_ms, gr.teardown_ms, gr.total_ms,
              gr.peer_gbps);
+    mc = run_migration("cuda");
+    if (mc.ok) printf("cuda migration of 64 MiB: %.3f ms (%.1f GB/s)\n", mc.copy_ms_med, mc.gbps_med);
     cs = run_switching("cuda", 0);
     if (cs.ok)
       printf("cuda: %d switches; SetExpertMap -> first step: median %.1f us, p99 %.1f us; dispatch: switching "
@@ -479,9 +485,10 @@ int main(int argc, char **argv) {
             "{\"median\": %.2f, \"p99\": %.2f}, \"dispatch_switching_us\": {\"median\": %.2f, \"p99\": %.2f}, "
             "\"dispatch_normal_us\": {\"median\": %.2f, \"p99\": %.2f}},\n  \"today\": {\"ok\": %d, \"comm_create_ms\": "
             "%.2f, \"window_mib\": %zu, \"window_register_ms\": %.2f, \"teardown_ms\": %.2f, \"total_ms\": %.2f, "
-            "\"memcpy_peer_64mib_gbps\": %.2f},\n", gr.gpu, gr.nccl, cs.ok, cs.switches, cs.lat_med, cs.lat_p99, cs.sw_med,
+            "\"memcpy_peer_64mib_gbps\": %.2f},\n  \"cuda_migration\": {\"ok\": %d, \"migration_64mib_ms\": %.3f, "
+            "\"migration_gbps\": %.2f},\n", gr.gpu, gr.nccl, cs.ok, cs.switches, cs.lat_med, cs.lat_p99, cs.sw_med,
             cs.sw_p99, cs.norm_med, cs.norm_p99, gr.ok, gr.create_ms, window_mib, gr.window_ms, gr.teardown_ms,
-            gr.total_ms, gr.peer_gbps);
+            gr.total_ms, gr.peer_gbps, mc.ok, mc.copy_ms_med, mc.gbps_med);
   fprintf(f, "  \"ok\": %d\n}\n", hs.ok && mg.ok);
   fclose(f);
   snprintf(path, sizeof path, "%s/map-%s.md", outdir, cuda ? "gpu" : "host");
@@ -501,12 +508,16 @@ int main(int argc, char **argv) {
   fprintf(f, "\nWeight migration, host backend (memcpy between the ranks' memfd arenas at the switch): 64 MiB "
           "(8 slots x 8 MiB) in %.2f ms = %.2f GB/s (median of 9, extra time of the switching dispatch over a "
           "normal one).\n", mg.copy_ms_med, mg.gbps_med);
+  if (cuda && mc.ok)
+    fprintf(f, "\nWeight migration, CUDA backend (device-to-device copies between the ranks' GPU arenas over NVLink at "
+            "the switch, the switch waits for them): 64 MiB (8 slots x 8 MiB) in %.3f ms = %.1f GB/s (median of 9, "
+            "same method).\n", mc.copy_ms_med, mc.gbps_med);
   if (cuda && gr.ok)
     fprintf(f, "\nWhat users pay today on %s x2 (NCCL %s): create the communicators %.1f ms + allocate and register a "
             "%zu MiB symmetric window %.1f ms + tear both down %.1f ms = %.1f ms per re-initialisation (median of 3, "
-            "daemon/cuda_comm.c). For comparison, cudaMemcpyPeer of 64 MiB GPU0 -> GPU1: %.1f GB/s (GPU weight "
-            "migration is not implemented in epd yet).\n", gr.gpu, gr.nccl, gr.create_ms, window_mib, gr.window_ms,
+            "daemon/cuda_comm.c). For comparison, cudaMemcpyPeer of 64 MiB GPU0 -> GPU1 (the NVLink copy "
+            "ceiling for the migration above): %.1f GB/s.\n", gr.gpu, gr.nccl, gr.create_ms, window_mib, gr.window_ms,
             gr.teardown_ms, gr.total_ms, gr.peer_gbps);
   fclose(f);
-  return hs.ok && mg.ok ? 0 : 1;
+  return hs.ok && mg.ok && (!cuda || mc.ok) ? 0 : 1;
 }

@@ -2,8 +2,11 @@
 # 55-expert-maps-cuda.sh - the daemon with engine.backend=cuda on 2 GPUs (redundant slots) and two
 # epd-worker processes stepping while rank 0 stages a new random expert map every 3 steps through
 # SetExpertMap: every step is checked against the reference with the map version its completion carries,
-# read from libepd's mapped map table (BF16, then FP8 with skewed routing). Weight copies are refused on
-# this backend with UNIMPLEMENTED (EPD_ERR_UNSUPPORTED) - not exercised here.
+# read from libepd's mapped map table (BF16, then FP8 with skewed routing); then with expert-weights
+# regions (64 KiB per slot) and maps that move replicas with weight copies (GPU to GPU over NVLink at the
+# switch: every slot must hold its expert's weights word for word, and the toy expert of each slot runs
+# on the weights it holds); then the same with every dispatch and combine replayed from CUDA graphs
+# captured once (the graphs keep replaying across the switches).
 # Usage (repository root, on the GPU machine): bash tests/gpu/55-expert-maps-cuda.sh [build-dir]
 set -u
 B=${1:-${EPD_BUILD:-build}}
@@ -53,6 +56,14 @@ echo "== LL BF16, 120 steps, a new map every 3 steps (hidden 256, 32 experts, to
 run2 bf 120 --seed 21 --hidden 256 --experts 32 --topk 4 --tokens 64
 echo "== LL FP8 + skew, 60 steps, a new map every 3 steps (hidden 512)"
 run2 f8 60 --seed 22 --hidden 512 --experts 32 --topk 4 --tokens 64 --fp8 --skew
+echo "== LL + weight migration (64 KiB per slot), 90 steps, a new map with copies every 3 steps"
+run2 mw 90 --seed 23 --hidden 256 --experts 32 --topk 4 --tokens 64 --weights 65536
+copies=$(sed -n 's/.*, \([0-9]*\) weight copies asked.*/\1/p' "$T/wmw0.out")
+[ "${copies:-0}" -ge 30 ] || fail "rank 0 asked for only ${copies:-0} weight copies"
+grep -Eq "switched expert map .* \([1-9][0-9]* weight bytes copied\)" "$LOG" || fail "no switch copied weights"
+echo "== LL FP8 from CUDA graphs captured once, with weight migration, 90 steps, a new map every 3 steps"
+run2 gw 90 --seed 24 --hidden 512 --experts 32 --topk 4 --tokens 64 --fp8 --weights 65536 --graph
+grep -q "graph replays" "$T/wgw0.out" || fail "the graph run did not say so"
 grep -c "event map_switch" "$LOG"
 kill -TERM "$PID"; wait "$PID"
 echo "ok"

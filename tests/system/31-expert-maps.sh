@@ -2,7 +2,8 @@
 # 31-expert-maps: the real daemon (host backend, redundant slots) with 4 epd-worker processes stepping
 # continuously while rank 0 stages a new random expert map through SetExpertMap every 3 steps. Every
 # worker reads each step's map from libepd's mapped map table (no round trip) and checks the step's
-# routing and combine against the reference with it (LL, then HT + FP8). Afterwards the metrics show the
+# routing and combine against the reference with it (LL, then HT + FP8, then LL with expert weights that
+# move with the maps: weight copies at every switch, each slot's toy expert runs on the weights it holds). Afterwards the metrics show the
 # switches and per-replica counters while the workers run.
 set -u
 B=${EPD_BUILD:-build}
@@ -68,6 +69,13 @@ wait4 ll 300
 echo "== HT + FP8 + skew, 120 steps, a new map every 3 steps"
 start4 ht 120 --seed 12 --experts 10 --topk 3 --tokens 24 --hidden 128 --mode ht --fp8 --skew
 wait4 ht 120
+echo "== LL + weight migration: maps move replicas into free slots with copies every 3 steps, 150 steps"
+start4 mw 150 --seed 13 --experts 10 --topk 3 --tokens 24 --hidden 64 --weights 4096
+wait4 mw 150
+grep -h "weight copies asked" "$T/wmw0.out"
+copies=$(sed -n 's/.*, \([0-9]*\) weight copies asked.*/\1/p' "$T/wmw0.out")
+[ "${copies:-0}" -ge 50 ] || fail "rank 0 asked for only ${copies:-0} weight copies"
+grep -Eq "switched expert map .* \([1-9][0-9]* weight bytes copied\)" "$LOG" || fail "no switch copied weights"
 grep -q "event map_switch" "$LOG" || fail "no map_switch event in the log"
 kill -TERM "$PID"; wait "$PID"
 echo "ok"

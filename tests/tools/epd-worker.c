@@ -13,6 +13,15 @@
  * SetExpertMap after every N-th step; every rank reads the map of each step from libepd's mapped map
  * table (epd_expert_slots, no round trip) and checks the step against the reference with it.
  * --bench N: then N unchecked steps (dispatch + combine of the last step's inputs), timed back to back.
+ * --weights W: attach with an expert-weights region of W bytes per slot; every slot holds its logical
+ * expert's weights (a pattern of the expert id, the expert's output scale in word 0), the toy expert of a
+ * slot takes its scale from the slot's weights, and with --map-every rank 0 stages maps that move
+ * replicas into free slots with weight copies (SetExpertMap copies): after each switch every slot the
+ * map places an expert in must hold exactly that expert's weights, and every combine must match the
+ * reference computed with each logical expert's own scale (stale or missing copies fail the step).
+ * --graph: (LL, CUDA backend) each bank's dispatch and combine are captured once into CUDA graphs
+ * (libepd stream submission: stream memory operations) and every step replays them, num_tokens fixed
+ * at max_tokens; with --map-every the same graphs keep replaying across the map switches.
  * Exit: 0 all steps matched; 1 a result differed; 2 an op or the attach failed; 3 --die-at-step.
  */
 #define _GNU_SOURCE
@@ -36,9 +45,11 @@ typedef struct args {
   int rank, nranks, steps, ht, fp8, skew, die_at, verbose, map_every, bench;
   uint64_t seed;
   uint32_t experts, hidden, topk, tokens;
+  uint64_t weights;
+  int graph;
 } args_t;
 
-static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64};
+static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0};
 
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
@@ -57,16 +68,85 @@ static int on_gpu;
 static int (*cu_htod)(uint64_t, const void *, size_t);
 static int (*cu_dtoh)(void *, uint64_t, size_t);
 
+/* --graph: driver entry points (CUstream, CUgraph, CUgraphExec as void *). */
+static struct {
+  int (*stream_create)(void **, unsigned);
+  int (*begin)(void *, int);
+  int (*end)(void *, void **);
+  int (*inst)(void **, void *, unsigned long long);
+  int (*launch)(void *, void *);
+  int (*query)(void *);
+} cug;
+
 static void gpu_copy_init(void) {
   void *h = dlopen("libcuda.so.1", RTLD_NOW);
   if (h) {
     cu_htod = (int (*)(uint64_t, const void *, size_t))dlsym(h, "cuMemcpyHtoD_v2");
     cu_dtoh = (int (*)(void *, uint64_t, size_t))dlsym(h, "cuMemcpyDtoH_v2");
+    cug.stream_create = (int (*)(void **, unsigned))dlsym(h, "cuStreamCreate");
+    cug.begin = (int (*)(void *, int))dlsym(h, "cuStreamBeginCapture_v2");
+    cug.end = (int (*)(void *, void **))dlsym(h, "cuStreamEndCapture");
+    cug.inst = (int (*)(void **, void *, unsigned long long))dlsym(h, "cuGraphInstantiateWithFlags");
+    cug.launch = (int (*)(void *, void *))dlsym(h, "cuGraphLaunch");
+    cug.query = (int (*)(void *))dlsym(h, "cuStreamQuery");
   }
   if (!cu_htod || !cu_dtoh) {
     fprintf(stderr, "epd-worker: GPU arena but no libcuda.so.1 copy functions\n");
     exit(2);
   }
+}
+
+static void rd(void *dst, const void *src, size_t n);
+
+/* --graph: the captured ops of each bank, their queue slots, the stream they replay on. */
+static void *g_stream, *g_exec[2][EPD_NUM_BANKS];
+static unsigned g_slot[2][EPD_NUM_BANKS];
+
+static void graph_capture(epd_ep_t *ep, uint32_t T, uint32_t flags) {
+  if (!cug.stream_create || !cug.begin || !cug.end || !cug.inst || !cug.launch || !cug.query) {
+    fprintf(stderr, "epd-worker: --graph: libcuda.so.1 lacks the graph entry points\n");
+    exit(2);
+  }
+  if (cug.stream_create(&g_stream, 1 /* CU_STREAM_NON_BLOCKING */)) {
+    fprintf(stderr, "epd-worker: --graph: cuStreamCreate failed\n");
+    exit(2);
+  }
+  for (unsigned b = 0; b < EPD_NUM_BANKS; b++)
+    for (int op = 0; op < 2; op++) {
+      void *graph = NULL;
+      g_slot[op][b] = (unsigned)epd_info(ep, EPD_INFO_NEXT_SLOT);
+      int e1 = cug.begin(g_stream, 1 /* CU_STREAM_CAPTURE_MODE_THREAD_LOCAL */);
+      epd_result_t rc = op == 0 ? epd_dispatch(ep, EPD_MODE_LL, T, flags, b, g_stream) : epd_combine(ep, EPD_MODE_LL, b, g_stream);
+      int e2 = cug.end(g_stream, &graph);
+      if (e1 || rc || e2 || cug.inst(&g_exec[op][b], graph, 0)) {
+        fprintf(stderr, "rank %d: --graph: capturing %s bank %u failed (%d, %s, %d)\n", A.rank, op ? "combine" : "dispatch",
+                b, e1, rc ? epd_last_error(ep) : "ok", e2);
+        exit(2);
+      }
+    }
+}
+
+/* Replay one captured op and return its completion status (the record read from its slot). */
+static epd_result_t graph_run(epd_ep_t *ep, int op, unsigned bank, epd_comp_t *comp) {
+  if (cug.launch(g_exec[op][bank], g_stream)) {
+    fprintf(stderr, "rank %d: cuGraphLaunch failed\n", A.rank);
+    exit(2);
+  }
+  double dl = now_us() + 60e6;
+  int q;
+  while ((q = cug.query(g_stream)) == 600 /* CUDA_ERROR_NOT_READY */)
+    if (now_us() > dl) {
+      fprintf(stderr, "rank %d: graph replay (%s bank %u) not done after 60 s\n", A.rank, op ? "combine" : "dispatch", bank);
+      exit(2);
+    }
+  if (q) {
+    fprintf(stderr, "rank %d: graph replay: CUDA error %d\n", A.rank, q);
+    exit(2);
+  }
+  /* The stream waited for DONE and freed the slot; the record stays in the (host-mapped) slot. */
+  const epd_slot_t *sl = epd_slot_device_ptr(ep, g_slot[op][bank]);
+  rd(comp, &sl->comp, sizeof *comp);
+  return comp->status;
 }
 
 static void wr(void *dst, const void *src, size_t n) {
@@ -185,6 +265,33 @@ static int table_map(epd_ep_t *ep, epd_expert_map_t *m, uint32_t E, uint32_t R, 
   return 0;
 }
 
+/* SetExpertMap over the control RPC: the map in `pl`, plus weight copies; its version or 0. */
+static uint32_t send_map(Epd__V1__ExpertPlacement **plp, uint32_t E, Epd__V1__WeightCopy **wcp, size_t ncp,
+                         int step) {
+  Epd__V1__ExpertMap m = EPD__V1__EXPERT_MAP__INIT;
+  m.group = (char *)A.group;
+  m.n_experts = E;
+  m.experts = plp;
+  Epd__V1__SetExpertMapRequest q = EPD__V1__SET_EXPERT_MAP_REQUEST__INIT;
+  q.protocol_version = EPD_PROTOCOL_VERSION;
+  q.map = &m;
+  q.n_copies = ncp;
+  q.copies = wcp;
+  char err[512];
+  uint32_t v = 0;
+  epd_rpc_t *rpc = NULL;
+  ProtobufCMessage *rep = NULL;
+  if (epd_rpc_open(A.sock, 10000, &rpc, err, sizeof err) ||
+      epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &q.base, &epd__v1__set_expert_map_reply__descriptor, &rep, err,
+                   sizeof err))
+    fprintf(stderr, "rank %d step %d: SetExpertMap: %s\n", A.rank, step, err);
+  else
+    v = ((Epd__V1__SetExpertMapReply *)rep)->version;
+  if (rep) protobuf_c_message_free_unpacked(rep, NULL);
+  if (rpc) epd_rpc_close(rpc);
+  return v;
+}
+
 /* --map-every: stage a random valid map (seeded by the step) with SetExpertMap; its version or 0. */
 static uint32_t stage_random_map(uint32_t E, uint32_t R, uint32_t S, int step) {
   uint64_t st = A.seed * 7919 + (uint64_t)step;
@@ -213,26 +320,139 @@ static uint32_t stage_random_map(uint32_t E, uint32_t R, uint32_t S, int step) {
       pl[e].n_replicas++;
     }
   }
-  Epd__V1__ExpertMap m = EPD__V1__EXPERT_MAP__INIT;
-  m.group = (char *)A.group;
-  m.n_experts = E;
-  m.experts = plp;
-  Epd__V1__SetExpertMapRequest q = EPD__V1__SET_EXPERT_MAP_REQUEST__INIT;
-  q.protocol_version = EPD_PROTOCOL_VERSION;
-  q.map = &m;
-  char err[512];
-  uint32_t v = 0;
-  epd_rpc_t *rpc = NULL;
-  ProtobufCMessage *rep = NULL;
-  if (epd_rpc_open(A.sock, 10000, &rpc, err, sizeof err) ||
-      epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &q.base, &epd__v1__set_expert_map_reply__descriptor, &rep, err,
-                   sizeof err))
-    fprintf(stderr, "rank %d step %d: SetExpertMap: %s\n", A.rank, step, err);
-  else
-    v = ((Epd__V1__SetExpertMapReply *)rep)->version;
-  if (rep) protobuf_c_message_free_unpacked(rep, NULL);
-  if (rpc) epd_rpc_close(rpc);
+  uint32_t v = send_map(plp, E, NULL, 0, step);
   free(perm);
+  free(pl);
+  free(plp);
+  free(rp);
+  free(rpp);
+  return v;
+}
+
+/* ---- expert weights (--weights) ------------------------------------------------------------------- */
+
+/* Word i of logical expert e's weights; word 0 is the expert's output scale (toy expert). */
+static float logical_scale(uint32_t e) { return 0.5f + 0.0625f * (float)(e % 24); }
+static uint32_t wword(uint32_t e, uint64_t i) {
+  if (i == 0) {
+    float f = logical_scale(e);
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+  }
+  return (e + 1u) * 0x01000193u ^ (uint32_t)(i * 2654435761u);
+}
+
+/* Write the weights of every local slot the map places an expert in. */
+static void weights_fill(uint8_t *wbuf, const epd_expert_map_t *m, uint32_t E, uint32_t S) {
+  uint64_t nw = A.weights / 4;
+  uint32_t *tmp = malloc(A.weights);
+  for (uint32_t e = 0; e < E; e++)
+    for (uint32_t i = 0; i < m->nrep[e]; i++) {
+      if (m->rep[e][i].rank != (uint32_t)A.rank || m->rep[e][i].slot >= S) continue;
+      for (uint64_t w = 0; w < nw; w++) tmp[w] = wword(e, w);
+      wr(wbuf + (size_t)m->rep[e][i].slot * A.weights, tmp, A.weights);
+    }
+  free(tmp);
+}
+
+/* Every local slot of the map must hold its expert's weights, word for word; returns slots wrong. */
+static int weights_check(uint8_t *wbuf, const epd_expert_map_t *m, uint32_t E, uint32_t S, int step) {
+  uint64_t nw = A.weights / 4;
+  uint32_t *got = malloc((size_t)S * A.weights);
+  rd(got, wbuf, (size_t)S * A.weights);
+  int bad = 0;
+  for (uint32_t e = 0; e < E; e++)
+    for (uint32_t i = 0; i < m->nrep[e]; i++) {
+      if (m->rep[e][i].rank != (uint32_t)A.rank || m->rep[e][i].slot >= S) continue;
+      const uint32_t *sw = got + (size_t)m->rep[e][i].slot * nw;
+      for (uint64_t w = 0; w < nw; w++)
+        if (sw[w] != wword(e, w)) {
+          if (bad++ < 5)
+            fprintf(stderr, "rank %d step %d (map v%u): slot %u word %llu is 0x%08x, expert %u's weights say 0x%08x\n",
+                    A.rank, step, m->version, m->rep[e][i].slot, (unsigned long long)w, sw[w], e, wword(e, w));
+          break;
+        }
+    }
+  free(got);
+  return bad;
+}
+
+/* --weights with --map-every: from the active map, move 1-3 experts' replicas into free slots, copying
+ * the weights from a replica the active map has (copies never chain: sources hold an expert now,
+ * destinations are free now); half the time the expert's old replica is dropped (a move). */
+static uint32_t stage_migration_map(const epd_expert_map_t *cur, uint32_t E, uint32_t R, uint32_t S, int step,
+                                    uint32_t *ncopies) {
+  uint64_t st = A.seed * 104729 + (uint64_t)step;
+  epd_expert_map_t m = *cur;
+  uint8_t *held = calloc((size_t)R * S, 1);
+  for (uint32_t e = 0; e < E; e++)
+    for (uint32_t i = 0; i < cur->nrep[e]; i++) held[cur->rep[e][i].rank * S + cur->rep[e][i].slot] = 1;
+  uint8_t nrep[4096];
+  epd_replica_t rep[4096][EPD_MAX_REPLICAS];
+  if (E > 4096) return 0;
+  for (uint32_t e = 0; e < E; e++) {
+    nrep[e] = cur->nrep[e];
+    memcpy(rep[e], cur->rep[e], sizeof rep[e]);
+  }
+  /* Keep a quarter of the slots free: drop the first replica of experts that have several. */
+  uint32_t nfree0 = 0;
+  for (uint32_t i = 0; i < R * S; i++) nfree0 += !held[i];
+  for (uint32_t e0 = (uint32_t)(epd_ref_rand(&st) % E), n = 0; n < E && nfree0 < R * S / 4; n++) {
+    uint32_t e = (e0 + n) % E;
+    if (nrep[e] < 2) continue;
+    memmove(&rep[e][0], &rep[e][1], sizeof(epd_replica_t) * (nrep[e] - 1u));
+    nrep[e]--;
+    nfree0++; /* free in the new map; not a copy destination in this one (it holds weights now) */
+  }
+  Epd__V1__WeightCopy wc[8], *wcp[8];
+  size_t ncp = 0;
+  uint32_t moves = 1 + (uint32_t)(epd_ref_rand(&st) % 3);
+  for (uint32_t k = 0; k < moves && ncp < 8; k++) {
+    uint32_t e = (uint32_t)(epd_ref_rand(&st) % E);
+    if (nrep[e] >= EPD_MAX_REPLICAS || !cur->nrep[e]) continue;
+    uint32_t nfree = 0, pick;
+    for (uint32_t i = 0; i < R * S; i++) nfree += !held[i];
+    if (!nfree) break;
+    pick = (uint32_t)(epd_ref_rand(&st) % nfree);
+    uint32_t f = 0;
+    for (uint32_t i = 0; i < R * S; i++)
+      if (!held[i] && pick-- == 0) { f = i; break; }
+    held[f] = 1; /* not a destination twice */
+    const epd_replica_t src = cur->rep[e][epd_ref_rand(&st) % cur->nrep[e]];
+    rep[e][nrep[e]++] = (epd_replica_t){f / S, f % S};
+    epd__v1__weight_copy__init(&wc[ncp]);
+    wc[ncp].src_rank = src.rank;
+    wc[ncp].src_slot = src.slot;
+    wc[ncp].dst_rank = f / S;
+    wc[ncp].dst_slot = f % S;
+    wcp[ncp] = &wc[ncp];
+    ncp++;
+    if (nrep[e] >= 2 && epd_ref_rand(&st) % 2) { /* drop the first replica: the expert moved */
+      memmove(&rep[e][0], &rep[e][1], sizeof(epd_replica_t) * (nrep[e] - 1u));
+      nrep[e]--;
+    }
+  }
+  Epd__V1__ExpertPlacement *pl = calloc(E, sizeof *pl), **plp = calloc(E, sizeof *plp);
+  Epd__V1__Replica *rp = calloc((size_t)E * EPD_MAX_REPLICAS, sizeof *rp), **rpp = calloc((size_t)E * EPD_MAX_REPLICAS, sizeof *rpp);
+  for (uint32_t e = 0; e < E; e++) {
+    epd__v1__expert_placement__init(&pl[e]);
+    pl[e].expert = e;
+    pl[e].replicas = &rpp[e * EPD_MAX_REPLICAS];
+    for (uint32_t i = 0; i < nrep[e]; i++) {
+      Epd__V1__Replica *r = &rp[e * EPD_MAX_REPLICAS + i];
+      epd__v1__replica__init(r);
+      r->rank = rep[e][i].rank;
+      r->slot = rep[e][i].slot;
+      rpp[e * EPD_MAX_REPLICAS + i] = r;
+    }
+    pl[e].n_replicas = nrep[e];
+    plp[e] = &pl[e];
+  }
+  uint32_t v = send_map(plp, E, wcp, ncp, step);
+  *ncopies = (uint32_t)ncp;
+  (void)m;
+  free(held);
   free(pl);
   free(plp);
   free(rp);
@@ -258,8 +478,15 @@ static void *dispatch_thread(void *arg) {
 
 static float expert_scale(uint32_t rank, uint32_t slot) { return 0.5f + 0.125f * (float)((rank * 7 + slot) % 8); }
 
+/* The toy expert's scale for a local slot: from the slot's weights with --weights (a slot whose weights
+ * are no expert's gives NaN, so the step fails), else fixed per (rank, slot). */
+static float slot_scale(uint32_t rank, uint32_t slot, const void *wbuf, const int32_t *slot_e) {
+  if (!wbuf) return expert_scale(rank, slot);
+  return slot_e[slot] >= 0 ? logical_scale((uint32_t)slot_e[slot]) : NAN;
+}
+
 static uint32_t tokens_of(uint64_t step, uint32_t rank, uint32_t M) {
-  if (step == 0) return M; /* a full batch once */
+  if (step == 0 || A.graph) return M; /* a full batch once; graphs captured num_tokens */
   uint64_t st = A.seed ^ (step * 0x9e37u) ^ ((uint64_t)rank << 32);
   uint64_t r = epd_ref_rand(&st);
   if (r % 16 == 0) return 0; /* an empty batch now and then */
@@ -269,7 +496,7 @@ static uint32_t tokens_of(uint64_t step, uint32_t rank, uint32_t M) {
 static void usage(void) {
   fprintf(stderr, "usage: epd-worker -s SOCKET -g GROUP -r RANK -n NRANKS --steps N --seed S [--experts E "
                   "--hidden H --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] "
-                  "[--map-every N] [--bench N] [-v]\n");
+                  "[--map-every N] [--weights BYTES] [--graph] [--bench N] [-v]\n");
   exit(2);
 }
 
@@ -279,7 +506,8 @@ static void parse(int argc, char **argv) {
       {"steps", 1, 0, 'S'},    {"seed", 1, 0, 'e'},   {"experts", 1, 0, 'E'}, {"hidden", 1, 0, 'H'},
       {"topk", 1, 0, 'K'},     {"tokens", 1, 0, 'T'}, {"mode", 1, 0, 'm'},   {"fp8", 0, 0, 'f'},
       {"skew", 0, 0, 'k'},     {"die-at-step", 1, 0, 'd'}, {"verbose", 0, 0, 'v'}, {"map-every", 1, 0, 'M'},
-      {"bench", 1, 0, 'B'},    {0, 0, 0, 0}};
+      {"weights", 1, 0, 'W'},  {"graph", 0, 0, 'G'},  {"bench", 1, 0, 'B'},
+      {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "s:g:r:n:v", lo, NULL)) != -1) {
     switch (c) {
@@ -303,11 +531,21 @@ static void parse(int argc, char **argv) {
     case 'd': A.die_at = atoi(optarg); break;
     case 'v': A.verbose = 1; break;
     case 'M': A.map_every = atoi(optarg); break;
+    case 'W': A.weights = strtoull(optarg, NULL, 0); break;
+    case 'G': A.graph = 1; break;
     case 'B': A.bench = atoi(optarg); break;
     default: usage();
     }
   }
   if (A.rank < 0 || A.nranks < 1 || A.rank >= A.nranks || A.steps < 0) usage();
+  if (A.graph && (A.ht || A.die_at >= 0 || A.bench)) {
+    fprintf(stderr, "epd-worker: --graph runs LL steps (no --mode ht, no --die-at-step, no --bench)\n");
+    exit(2);
+  }
+  if (A.weights % 4 || (A.weights && A.weights < 4)) {
+    fprintf(stderr, "epd-worker: --weights must be a positive multiple of 4\n");
+    exit(2);
+  }
   if (A.fp8 && A.hidden % 128) {
     fprintf(stderr, "epd-worker: --fp8 needs --hidden a multiple of 128\n");
     exit(2);
@@ -335,6 +573,7 @@ int main(int argc, char **argv) {
   char name[64];
   snprintf(name, sizeof name, "epd-worker:r%d", A.rank);
   ao.client_name = name;
+  ao.weight_bytes_per_slot = A.weights;
   epd_ep_t *ep = NULL;
   /* A replaced rank's dead client may still be being detached: retry BUSY for a few seconds. */
   double t_end = now_us() + 5e6;
@@ -345,6 +584,10 @@ int main(int argc, char **argv) {
   }
   on_gpu = (int)epd_info(ep, EPD_INFO_ON_GPU);
   if (on_gpu) gpu_copy_init();
+  if (A.graph && !on_gpu) {
+    fprintf(stderr, "rank %d: --graph needs the cuda backend (stream-ordered submission)\n", A.rank);
+    return 2;
+  }
   epd_ref_geom_t g = {(uint32_t)epd_info(ep, EPD_INFO_NUM_RANKS), (uint32_t)epd_info(ep, EPD_INFO_NUM_EXPERTS),
                       (uint32_t)epd_info(ep, EPD_INFO_HIDDEN), (uint32_t)epd_info(ep, EPD_INFO_TOPK),
                       (uint32_t)epd_info(ep, EPD_INFO_MAX_TOKENS), (uint32_t)epd_info(ep, EPD_INFO_SLOTS_PER_RANK),
@@ -359,6 +602,13 @@ int main(int argc, char **argv) {
   memset(&map, 0, sizeof map);
   epd_ref_map_default(&map, g.num_experts, R, S);
   if (epd_info(ep, EPD_INFO_MAP_VERSION) != 1 && fetch_map(&map, g.num_experts, R, S)) return 2;
+  /* --weights: this rank's slots get their experts' weights before its first dispatch (a copy at a
+   * switch needs every rank's dispatch, so no copy can read a slot before it is filled). */
+  uint8_t *wbuf = A.weights ? bufp(ep, EPD_BUF_EXPERT_WEIGHTS, 0, (size_t)S * A.weights) : NULL;
+  int32_t *slot_e = calloc(S, sizeof *slot_e);
+  uint32_t total_copies = 0;
+  int weight_checks = 0;
+  if (wbuf) weights_fill(wbuf, &map, g.num_experts, S);
   /* Every rank's inputs, and this rank's expected outputs. */
   uint16_t *xs[EPD_MAX_RANKS];
   int64_t *is[EPD_MAX_RANKS];
@@ -401,6 +651,8 @@ int main(int argc, char **argv) {
   unsigned last_bank = 0;
   uint32_t flags = A.fp8 ? EPD_DESC_FP8 : 0;
   epd_mode_t mode = A.ht ? EPD_MODE_HT : EPD_MODE_LL;
+  if (A.graph) graph_capture(ep, M, flags);
+  epd_comp_t comp;
   for (int step = 0; step < A.steps; step++) {
     unsigned bank = (unsigned)step % EPD_NUM_BANKS;
     for (uint32_t r = 0; r < R; r++) {
@@ -428,14 +680,13 @@ int main(int argc, char **argv) {
       _exit(3);
     }
     double t0 = now_us();
-    rc = epd_dispatch(ep, mode, T, flags, bank, NULL);
+    rc = A.graph ? graph_run(ep, 0, bank, &comp) : epd_dispatch(ep, mode, T, flags, bank, NULL);
     double t1 = now_us();
     if (rc) {
-      fprintf(stderr, "rank %d step %d: dispatch failed: %s\n", A.rank, step, epd_last_error(ep));
+      fprintf(stderr, "rank %d step %d: dispatch failed: %s\n", A.rank, step, A.graph ? epd_strerror(rc) : epd_last_error(ep));
       return 2;
     }
-    epd_comp_t comp;
-    epd_op_status(ep, &comp);
+    if (!A.graph) epd_op_status(ep, &comp);
     if (comp.map_version != map.version) {
       int t = table_map(ep, &map, g.num_experts, R, S);
       if (t == -2 || (t == -1 && fetch_map(&map, g.num_experts, R, S))) return 2;
@@ -445,6 +696,23 @@ int main(int argc, char **argv) {
       fprintf(stderr, "rank %d step %d: dispatch used map %u, the daemon reports %u\n", A.rank, step,
               comp.map_version, map.version);
       return 2;
+    }
+    if (wbuf) {
+      /* The toy expert of each slot runs the weights the slot holds: its scale is word 0. */
+      for (uint32_t s = 0; s < S; s++) {
+        float f;
+        rd(&f, wbuf + (size_t)s * A.weights, 4);
+        slot_e[s] = -1;
+        for (uint32_t e = 0; e < g.num_experts && e < 24; e++)
+          if (f == logical_scale(e)) slot_e[s] = (int32_t)e;
+      }
+      if (step == 0 || nswitch != weight_checks) {
+        weight_checks = nswitch;
+        if (weights_check(wbuf, &map, g.num_experts, S, step)) {
+          fprintf(stderr, "rank %d step %d: expert weights do not follow map v%u\n", A.rank, step, map.version);
+          bad_steps++;
+        }
+      }
     }
     int bad = -1;
     char err[256];
@@ -505,9 +773,9 @@ int main(int argc, char **argv) {
       float f = 0;
       if (A.ht) {
         for (uint32_t k = 0; k < K; k++)
-          if (got_ti[(size_t)row * K + k] >= 0) f += got_tw[(size_t)row * K + k] * expert_scale(me, (uint32_t)got_ti[(size_t)row * K + k]);
+          if (got_ti[(size_t)row * K + k] >= 0) f += got_tw[(size_t)row * K + k] * slot_scale(me, (uint32_t)got_ti[(size_t)row * K + k], wbuf, slot_e);
       } else {
-        f = expert_scale(me, s);
+        f = slot_scale(me, s, wbuf, slot_e);
       }
       for (uint32_t h = 0; h < H; h++) y[(size_t)row * H + h] = epd_f32_to_bf16(f * xq[h]);
     }
@@ -520,10 +788,10 @@ int main(int argc, char **argv) {
       wr(dy + r0 * H, y + r0 * H, (size_t)seg_n[sg] * H * 2);
     }
     double t2 = now_us();
-    rc = epd_combine(ep, mode, bank, NULL);
+    rc = A.graph ? graph_run(ep, 1, bank, &comp) : epd_combine(ep, mode, bank, NULL);
     t_ops += (t1 - t0) + (now_us() - t2);
     if (rc) {
-      fprintf(stderr, "rank %d step %d: combine failed: %s\n", A.rank, step, epd_last_error(ep));
+      fprintf(stderr, "rank %d step %d: combine failed: %s\n", A.rank, step, A.graph ? epd_strerror(rc) : epd_last_error(ep));
       return 2;
     }
     /* OUT[t] = sum over valid entries of w * scale(dest) * x, x as the destination received it. */
@@ -542,7 +810,9 @@ int main(int argc, char **argv) {
         for (uint32_t k = 0; k < K; k++) {
           size_t e = ((size_t)me * M + t) * K + k;
           if (plan.dst_rank[e] < 0) continue;
-          float term = plan.weight[e] * expert_scale((uint32_t)plan.dst_rank[e], (uint32_t)plan.dst_slot[e]) * xv;
+          float esc = wbuf ? logical_scale((uint32_t)is[me][(size_t)t * K + k])
+                          : expert_scale((uint32_t)plan.dst_rank[e], (uint32_t)plan.dst_slot[e]);
+          float term = plan.weight[e] * esc * xv;
           wantv += term;
           mag += fabsf(term);
         }
@@ -559,12 +829,16 @@ int main(int argc, char **argv) {
       printf("rank %d step %d: %s%s T=%u recv=%u map v%u %s\n", A.rank, step, A.ht ? "HT" : "LL", A.fp8 ? " fp8" : "",
              T, nrecv, comp.map_version, errs || oerrs ? "MISMATCH" : "ok");
     if (A.map_every > 0 && A.rank == 0 && (step + 1) % A.map_every == 0) {
-      if (!stage_random_map(g.num_experts, R, S, step)) return 2;
+      uint32_t nc = 0;
+      if (!(wbuf ? stage_migration_map(&map, g.num_experts, R, S, step, &nc) : stage_random_map(g.num_experts, R, S, step)))
+        return 2;
+      total_copies += nc;
       nstaged++;
     }
   }
   if (A.map_every > 0)
-    printf("rank %d: %d map switches seen, %d maps staged\n", A.rank, nswitch, nstaged);
+    printf("rank %d: %d map switches seen, %d maps staged, %u weight copies asked\n", A.rank, nswitch, nstaged,
+           total_copies);
   /* --bench N: N more steps of the last bank's inputs, unchecked, back to back: no reference work between
    * ops, so the time is the ops' own (every rank waits for the slowest), not the workers' skew. */
   if (A.bench > 0 && !bad_steps) {
@@ -615,13 +889,15 @@ int main(int argc, char **argv) {
   free(out);
   free(xq);
   free(seg_n);
+  free(slot_e);
   epd_ref_plan_free(&plan);
   epd_expert_map_free(&map);
   if (bad_steps) {
     printf("rank %d: %d of %d steps differ from the reference\n", A.rank, bad_steps, A.steps);
     return 1;
   }
-  printf("rank %d: %d steps ok, %.1f us/step (%s%s%s)\n", A.rank, A.steps, A.steps ? t_ops / A.steps : 0.0,
-         A.ht ? "HT" : "LL", A.fp8 ? ", fp8" : "", A.skew ? ", skew" : "");
+  printf("rank %d: %d steps ok, %.1f us/step (%s%s%s%s%s)\n", A.rank, A.steps, A.steps ? t_ops / A.steps : 0.0,
+         A.ht ? "HT" : "LL", A.fp8 ? ", fp8" : "", A.skew ? ", skew" : "", A.graph ? ", graph replays" : "",
+         A.weights ? ", weights" : "");
   return rc ? 2 : 0;
 }
