@@ -817,6 +817,13 @@ static int poll_run(cnet_t *cn, uint64_t now) {
       }
       cn->plan_valid[cn->bank] = 1;
     }
+    uint64_t tx = 0, rx = 0; /* the exchange's payload counts with the control frames (metrics) */
+    for (uint32_t l = 0; l < cn->L; l++)
+      for (uint32_t n = 0; n < cn->nodes; n++) {
+        tx += (uint64_t)cn->prog.side[l].send_rows[n] * cn->prog.row_bytes;
+        rx += (uint64_t)cn->prog.side[l].recv_rows[n] * cn->prog.row_bytes;
+      }
+    epd_net_add_bytes(eng->o.net, tx, rx);
     int o = !op_dispatch(cn->op);
     uint64_t t_done = eng_now_ns();
     cn->prof_n[o]++;

@@ -445,6 +445,11 @@ uint8_t *epd_net_take_payload(epd_net_t *net, const char *group, uint64_t step, 
   return b;
 }
 
+void epd_net_add_bytes(epd_net_t *net, uint64_t tx, uint64_t rx) {
+  atomic_fetch_add(&net->tx_bytes, tx);
+  atomic_fetch_add(&net->rx_bytes, rx);
+}
+
 int epd_net_node_dead(epd_net_t *net, uint32_t node, char *why, size_t len) {
   net_peer_t *p = &net->peer[node];
   if (!atomic_load(&p->dead)) return 0;

@@ -47,6 +47,8 @@ void epd_net_counters(const epd_net_t *net, uint64_t *tx_bytes, uint64_t *rx_byt
 int epd_net_send_payload(epd_net_t *net, uint32_t node, const char *group, uint64_t step, const void *payload,
                          size_t len);
 uint8_t *epd_net_take_payload(epd_net_t *net, const char *group, uint64_t step, uint32_t node, size_t *len);
+/* Count bytes another transport moved between the nodes (the NCCL exchange) in the link counters. */
+void epd_net_add_bytes(epd_net_t *net, uint64_t tx, uint64_t rx);
 /* 1 (why set) if the link to node is down. */
 int epd_net_node_dead(epd_net_t *net, uint32_t node, char *why, size_t len);
 /* Drop every queued frame of a group (it was removed). */
