@@ -35,10 +35,13 @@
 #define MAX_NODES EPD_MAX_RANKS
 #define FATAL_GRACE_MS 1500
 
+/* The world id: ID_BYTES random bytes (they authenticate the data links), followed with backend cuda by
+ * the world communicator's ncclUniqueId (EPD_CLUSTER_COMM_ID_BYTES). */
 typedef struct world {
   uint32_t nodes, node_rank, ranks_per_node;
   char addr[MAX_NODES][EPD_NET_ADDR_MAX];
-  uint8_t id[ID_BYTES];
+  uint8_t id[ID_BYTES + EPD_CLUSTER_COMM_ID_BYTES];
+  size_t id_len;
 } world_t;
 
 static uint64_t now_ms(void) {
@@ -314,7 +317,7 @@ static int coordinator(const epd_conf_t *conf, world_t *w, const char *agreed, c
           rep.n_peers = w->nodes;
           rep.peers = pp;
           rep.unique_id.data = w->id;
-          rep.unique_id.len = ID_BYTES;
+          rep.unique_id.len = w->id_len;
           c->node_complete = (int)n;
         }
         rv_reply(c, GRPC_STATUS_OK, "", &rep.base);
@@ -408,9 +411,9 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
       Epd__V1__RendezvousReply *rep = (Epd__V1__RendezvousReply *)m;
       reached = 1;
       if (rep->complete) {
-        if (rep->n_peers != w->nodes || rep->unique_id.len != ID_BYTES) {
-          snprintf(err, errlen, "coordinator %s: reply with %zu peers and a %zu-byte id (want %u, %d)",
-                   conf->cluster_coordinator, rep->n_peers, rep->unique_id.len, w->nodes, ID_BYTES);
+        if (rep->n_peers != w->nodes || rep->unique_id.len != w->id_len) {
+          snprintf(err, errlen, "coordinator %s: reply with %zu peers and a %zu-byte id (want %u, %zu)",
+                   conf->cluster_coordinator, rep->n_peers, rep->unique_id.len, w->nodes, w->id_len);
           protobuf_c_message_free_unpacked(m, NULL);
           break;
         }
@@ -418,7 +421,7 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
           if (rep->peers[i]->node_rank < w->nodes)
             snprintf(w->addr[rep->peers[i]->node_rank], EPD_NET_ADDR_MAX, "%s",
                      rep->peers[i]->data_addr ? rep->peers[i]->data_addr : "");
-        memcpy(w->id, rep->unique_id.data, ID_BYTES);
+        memcpy(w->id, rep->unique_id.data, w->id_len);
         rc = 0;
       } else {
         size_t l = (size_t)snprintf(last, sizeof last, "node(s) ");
@@ -449,7 +452,8 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
   return rc;
 }
 
-int epd_cluster_init(const epd_conf_t *conf, epd_net_t **net, char *err, size_t errlen) {
+int epd_cluster_init(const epd_conf_t *conf, epd_cluster_comm_id_fn make_comm_id, epd_net_t **net,
+                     uint8_t *comm_id, char *err, size_t errlen) {
   *net = NULL;
   if (conf->nodes <= 1) return 0;
   if (conf->node_rank >= conf->nodes) {
@@ -462,10 +466,11 @@ int epd_cluster_init(const epd_conf_t *conf, epd_net_t **net, char *err, size_t 
              conf->num_ranks, conf->nodes * conf->num_ranks, EPD_MAX_RANKS);
     return -1;
   }
-  if (!strcmp(conf->backend, "cuda")) {
+  int cuda = !strcmp(conf->backend, "cuda");
+  if (cuda && !make_comm_id) {
     snprintf(err, errlen,
-             "cluster.nodes %u with engine.backend cuda: the CUDA inter-node stage (NCCL send/recv or "
-             "GIN) is not implemented; only the host backend runs across nodes",
+             "cluster.nodes %u with engine.backend cuda: this daemon was built without CUDA (no NCCL world "
+             "communicator); use engine.backend = host",
              conf->nodes);
     return -1;
   }
@@ -490,12 +495,15 @@ int epd_cluster_init(const epd_conf_t *conf, epd_net_t **net, char *err, size_t 
   w->nodes = conf->nodes;
   w->node_rank = conf->node_rank;
   w->ranks_per_node = conf->num_ranks;
+  w->id_len = ID_BYTES + (cuda ? EPD_CLUSTER_COMM_ID_BYTES : 0);
   snprintf(w->addr[conf->node_rank], EPD_NET_ADDR_MAX, "%s", adv);
   if (conf->node_rank == 0) {
     if (getrandom(w->id, ID_BYTES, 0) != ID_BYTES) {
       snprintf(err, errlen, "getrandom: %s", strerror(errno));
       goto fail;
     }
+    /* backend cuda: the world communicator's id is made here, once, and handed to every node. */
+    if (cuda && make_comm_id(w->id + ID_BYTES, err, errlen)) goto fail;
     if (coordinator(conf, w, agreed, err, errlen)) goto fail;
   } else if (joiner(conf, w, agreed, adv, err, errlen)) {
     goto fail;
@@ -504,8 +512,11 @@ int epd_cluster_init(const epd_conf_t *conf, epd_net_t **net, char *err, size_t 
   if (epd_net_connect(*net, w->nodes, w->node_rank, (const char(*)[EPD_NET_ADDR_MAX])w->addr, w->id,
                       (uint32_t)left, err, errlen))
     goto fail;
-  EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u of %u, %u world ranks, inter-node transport host-tcp",
-           w->node_rank, w->nodes, w->nodes * w->ranks_per_node);
+  if (cuda && comm_id) memcpy(comm_id, w->id + ID_BYTES, EPD_CLUSTER_COMM_ID_BYTES);
+  EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u of %u, %u world ranks, %s", w->node_rank, w->nodes,
+           w->nodes * w->ranks_per_node,
+           cuda ? "NCCL world communicator id received; inter-node transport nccl-p2p (control over the data links)"
+                : "inter-node transport host-tcp");
   free(w);
   return 0;
 fail:

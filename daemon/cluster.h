@@ -9,14 +9,23 @@
 #define EPD_CLUSTER_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "conf.h"
 #include "engine_net.h"
 
+#define EPD_CLUSTER_COMM_ID_BYTES 128 /* sizeof(ncclUniqueId) */
+
+/* Makes the id of the world's NCCL communicator (ncclGetUniqueId); 0, or -1 with a message in err. */
+typedef int (*epd_cluster_comm_id_fn)(uint8_t *id, char *err, size_t errlen);
+
 /* With conf->nodes > 1: validate the cluster keys, listen for data, rendezvous, connect the data links.
- * *net gets the links (NULL with one node). 0, or -1 with a message in err (a missing node, keys that
- * differ, a duplicate node rank, a bad address, the cuda backend). */
-int epd_cluster_init(const epd_conf_t *conf, epd_net_t **net, char *err, size_t errlen);
+ * *net gets the links (NULL with one node). With engine.backend cuda the coordinator calls
+ * make_comm_id once and every node receives the id in comm_id (EPD_CLUSTER_COMM_ID_BYTES); NULL
+ * make_comm_id refuses backend cuda (built without CUDA). 0, or -1 with a message in err (a missing
+ * node, keys that differ, a duplicate node rank, a bad address). */
+int epd_cluster_init(const epd_conf_t *conf, epd_cluster_comm_id_fn make_comm_id, epd_net_t **net,
+                     uint8_t *comm_id, char *err, size_t errlen);
 /* Close the data links (after the engine is destroyed). */
 void epd_cluster_fini(epd_net_t *net);
 /* The keys that must agree across nodes as "key = value" lines, and their FNV-1a hash. */

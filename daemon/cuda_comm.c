@@ -18,6 +18,7 @@
 
 struct epd_cc {
   int n;
+  int world_n, base; /* world ranks, and the world rank of local rank 0 (scale-out: node * n) */
   int dev[EPD_CC_MAX_RANKS];
   ncclComm_t world[EPD_CC_MAX_RANKS];
   ncclComm_t lsa[EPD_CC_MAX_RANKS];
@@ -65,14 +66,14 @@ typedef struct init_arg {
 
 static epd_result_t cc_init_rank(epd_cc_t *cc, int r, void *argp) {
   init_arg_t *a = argp;
-  ncclResult_t nr = ncclCommInitRank(&cc->world[r], cc->n, cc->id, r);
+  ncclResult_t nr = ncclCommInitRank(&cc->world[r], cc->world_n, cc->id, cc->base + r);
   if (nr != ncclSuccess) {
     snprintf(a->err[r], sizeof a->err[r], "rank %d: ncclCommInitRank: %s", r, ncclGetErrorString(nr));
     return EPD_ERR_NCCL;
   }
-  /* One node for now: every rank of this process is on it (color 0), keyed by rank so that LSA
-   * ranks equal world ranks. */
-  nr = ncclCommSplit(cc->world[r], 0, r, &cc->lsa[r], NULL);
+  /* Every rank of this process is on this node (color: the node), keyed by local rank so that LSA
+   * ranks equal local ranks. */
+  nr = ncclCommSplit(cc->world[r], cc->base / cc->n, r, &cc->lsa[r], NULL);
   if (nr != ncclSuccess) {
     snprintf(a->err[r], sizeof a->err[r], "rank %d: ncclCommSplit: %s", r, ncclGetErrorString(nr));
     return EPD_ERR_NCCL;
@@ -80,7 +81,24 @@ static epd_result_t cc_init_rank(epd_cc_t *cc, int r, void *argp) {
   return EPD_OK;
 }
 
+epd_result_t epd_cc_unique_id(uint8_t *id, char *err, size_t errlen) {
+  _Static_assert(sizeof(ncclUniqueId) == EPD_CC_UNIQUE_ID_BYTES, "ncclUniqueId size");
+  ncclUniqueId u;
+  ncclResult_t nr = ncclGetUniqueId(&u);
+  if (nr != ncclSuccess) {
+    snprintf(err, errlen, "ncclGetUniqueId: %s", ncclGetErrorString(nr));
+    return EPD_ERR_NCCL;
+  }
+  memcpy(id, &u, sizeof u);
+  return EPD_OK;
+}
+
 epd_result_t epd_cc_create(int n, const int *devices, epd_cc_t **out, char *err, size_t errlen) {
+  return epd_cc_create_world(n, devices, 1, 0, NULL, out, err, errlen);
+}
+
+epd_result_t epd_cc_create_world(int n, const int *devices, uint32_t nodes, uint32_t node, const uint8_t *world_id,
+                                 epd_cc_t **out, char *err, size_t errlen) {
   *out = NULL;
   epd_result_t res = epd_k_check_nccl_version(err, errlen);
   if (res != EPD_OK) return res;
@@ -97,8 +115,14 @@ epd_result_t epd_cc_create(int n, const int *devices, epd_cc_t **out, char *err,
   epd_cc_t *cc = calloc(1, sizeof(*cc));
   if (!cc) return EPD_ERR_NOMEM;
   cc->n = n;
+  cc->world_n = n * (int)(nodes ? nodes : 1);
+  cc->base = n * (int)node;
   for (int r = 0; r < n; r++) cc->dev[r] = devices ? devices[r] : r;
-  ncclResult_t nr = ncclGetUniqueId(&cc->id);
+  ncclResult_t nr = ncclSuccess;
+  if (world_id)
+    memcpy(&cc->id, world_id, sizeof cc->id);
+  else
+    nr = ncclGetUniqueId(&cc->id);
   if (nr != ncclSuccess) {
     snprintf(err, errlen, "ncclGetUniqueId: %s", ncclGetErrorString(nr));
     free(cc);
@@ -128,7 +152,10 @@ epd_result_t epd_cc_create(int n, const int *devices, epd_cc_t **out, char *err,
 static epd_result_t cc_fini_rank(epd_cc_t *cc, int r, void *arg) {
   (void)arg;
   if (cc->lsa[r]) ncclCommDestroy(cc->lsa[r]);
-  if (cc->world[r]) {
+  if (cc->world[r] && cc->world_n > cc->n) {
+    /* Across nodes a peer may be gone: abort instead of a finalize that could wait for it. */
+    ncclCommAbort(cc->world[r]);
+  } else if (cc->world[r]) {
     ncclCommFinalize(cc->world[r]);
     ncclCommDestroy(cc->world[r]);
   }
@@ -143,6 +170,14 @@ void epd_cc_destroy(epd_cc_t *cc) {
 }
 
 int epd_cc_num_ranks(const epd_cc_t *cc) { return cc->n; }
+int epd_cc_world_ranks(const epd_cc_t *cc) { return cc->world_n; }
+void epd_cc_abort(epd_cc_t *cc) {
+  for (int r = 0; r < cc->n; r++)
+    if (cc->world[r]) {
+      ncclCommAbort(cc->world[r]);
+      cc->world[r] = NULL;
+    }
+}
 int epd_cc_device(const epd_cc_t *cc, int rank) { return cc->dev[rank]; }
 struct ncclComm *epd_cc_world(const epd_cc_t *cc, int rank) { return cc->world[rank]; }
 struct ncclComm *epd_cc_lsa(const epd_cc_t *cc, int rank) { return cc->lsa[rank]; }

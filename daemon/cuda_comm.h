@@ -29,8 +29,20 @@ typedef struct epd_cc_win {
   struct ncclWindow_vidmem *win[EPD_CC_MAX_RANKS]; /* ncclWindow_t of each rank */
 } epd_cc_win_t;
 
+#define EPD_CC_UNIQUE_ID_BYTES 128
+
 /* Create communicators for GPUs devices[0..n-1] (NULL: 0..n-1), rank i on devices[i]. */
 epd_result_t epd_cc_create(int n, const int *devices, epd_cc_t **out, char *err, size_t errlen);
+/* Scale-out: the same as one node of `nodes`: world ranks node*n + i over the id world_id (made by one
+ * node with epd_cc_unique_id and handed to all); the node-local split keeps the LSA team to this node.
+ * Blocks until every node's ranks joined (NCCL's bootstrap). */
+epd_result_t epd_cc_create_world(int n, const int *devices, uint32_t nodes, uint32_t node, const uint8_t *world_id,
+                                 epd_cc_t **out, char *err, size_t errlen);
+/* A fresh ncclUniqueId (EPD_CC_UNIQUE_ID_BYTES) for epd_cc_create_world. */
+epd_result_t epd_cc_unique_id(uint8_t *id, char *err, size_t errlen);
+int epd_cc_world_ranks(const epd_cc_t *cc);
+/* Abort the world communicators (a peer node hangs an exchange); they are unusable after. */
+void epd_cc_abort(epd_cc_t *cc);
 /* Destroy communicators (windows must have been freed). */
 void epd_cc_destroy(epd_cc_t *cc);
 int epd_cc_num_ranks(const epd_cc_t *cc);

@@ -281,11 +281,10 @@ epd_result_t epd_engine_create(const epd_engine_opts_t *opts, epd_engine_event_f
     snprintf(errbuf, errlen, "backend \"%s\" unknown; allowed: auto, host, cuda", bname);
     return EPD_ERR_INVALID;
   }
-  if (opts->nodes > 1 && (ops != &eng_host_ops || !opts->net ||
+  if (opts->nodes > 1 && ((ops != &eng_host_ops && !opts->comm_id) || !opts->net ||
                           opts->nodes * (uint32_t)opts->num_ranks > EPD_MAX_RANKS || opts->node_rank >= opts->nodes)) {
-    snprintf(errbuf, errlen, ops != &eng_host_ops
-                                 ? "%u nodes: the CUDA inter-node stage is not implemented; only the host backend "
-                                   "runs across nodes"
+    snprintf(errbuf, errlen, ops != &eng_host_ops && !opts->comm_id
+                                 ? "%u nodes: the cuda backend needs the world communicator's id from the rendezvous"
                                  : "%u nodes: needs connected data links, node_rank < nodes and nodes * num_ranks <= 64",
              opts->nodes);
     return EPD_ERR_UNSUPPORTED;
@@ -317,6 +316,7 @@ epd_result_t epd_engine_create(const epd_engine_opts_t *opts, epd_engine_event_f
   eng->next_client_id = 1;
   pthread_mutex_init(&eng->mu, NULL);
   epd_result_t rc = ops->create(eng, errbuf, errlen);
+  eng->o.comm_id = NULL; /* the caller's: create used it */
   if (rc) {
     pthread_mutex_destroy(&eng->mu);
     free(eng);
@@ -979,7 +979,7 @@ epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out) {
   out->nodes = eng->o.nodes;
   out->node_rank = eng->o.node_rank;
   out->world_ranks = eng->o.nodes * (uint32_t)eng->o.num_ranks;
-  out->inter_node_transport = eng->o.nodes > 1 ? "host-tcp" : "none";
+  out->inter_node_transport = eng->o.nodes <= 1 ? "none" : eng->ops == &eng_host_ops ? "host-tcp" : "nccl-p2p";
   epd_net_counters(eng->o.net, &out->net_tx_bytes, &out->net_rx_bytes, &out->net_tx_frames, &out->net_rx_frames);
   for (int li = 0; li < eng->o.num_ranks; li++) {
     epd_rank_snap_t *s = &out->ranks[li];

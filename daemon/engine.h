@@ -37,9 +37,11 @@ typedef struct epd_engine_opts {
   uint32_t ranks_per_node; /* node of a rank = rank / ranks_per_node (replica choice); 0: one node */
   uint64_t max_weight_bytes_per_slot; /* limit of an attach's weight_bytes_per_slot; 0: 1 GiB */
   /* Scale-out (engine_net.h): nodes > 1 makes every group span nodes * num_ranks world ranks, this
-   * node owning world ranks node_rank * num_ranks ..; needs the host backend and connected links. */
+   * node owning world ranks node_rank * num_ranks ..; needs connected links (and comm_id for cuda). */
   uint32_t nodes, node_rank;
   struct epd_net *net;
+  /* backend cuda across nodes: the world communicator's ncclUniqueId (128 bytes, from the rendezvous) */
+  const uint8_t *comm_id;
 } epd_engine_opts_t;
 
 /* Event sink: called from engine threads; must not call back into the engine. */

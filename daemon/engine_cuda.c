@@ -36,6 +36,7 @@
 #include "engine_internal.h"
 #include "log.h"
 #include "cuda_comm.h"
+#include "engine_cuda_net.h"
 
 #if EPD_WITH_CUDA
 #include <cuda.h>
@@ -163,7 +164,13 @@ typedef struct cuda_be {
   uint64_t next_run_seq;
   uint32_t ngrp;
   cuda_grp_t *grp; /* [max_groups * 2]: a gone group's entry may linger while kernels finish */
+  cnet_t *net;     /* scale-out (engine_cuda_net.c): it runs every step; NULL on one node */
 } cuda_be_t;
+
+/* Index of a world rank among this node's GPUs (the rank itself on one node). */
+static int local_rank(const epd_engine_t *eng, int rank) {
+  return rank - (int)(eng->o.node_rank * (uint32_t)eng->o.num_ranks);
+}
 
 /* ---- helpers ------------------------------------------------------------------------------------ */
 
@@ -230,11 +237,14 @@ static const char *cuda_mode(const epd_engine_t *eng) {
 }
 static int cuda_device(const epd_engine_t *eng, int rank) {
   const cuda_be_t *be = eng->be;
-  return be ? be->rank[rank].device : rank;
+  int l = local_rank(eng, rank); /* a world rank across nodes */
+  if (l < 0 || l >= eng->o.num_ranks) l = rank;
+  return be ? be->rank[l].device : l;
 }
 static uint64_t cuda_rank_bytes(const epd_engine_t *eng, int rank) {
   const cuda_be_t *be = eng->be;
-  return be ? be->rank[rank].bytes : 0;
+  int l = local_rank(eng, rank);
+  return be && l >= 0 && l < eng->o.num_ranks ? be->rank[l].bytes : 0;
 }
 
 /* ---- group state -------------------------------------------------------------------------------- */
@@ -676,6 +686,19 @@ static void *rank_main(void *arg) {
   while (!atomic_load(&be->stop)) {
     int busy = 0;
     uint64_t now = eng_now_ns();
+    if (be->net) { /* scale-out: engine_cuda_net.c runs every step, on rank thread 0 */
+      int moved = r == 0 && eng_cuda_net_poll(be->net);
+      pthread_mutex_lock(&eng->mu);
+      reap(eng, be, rk);
+      pthread_mutex_unlock(&eng->mu);
+      if (moved) {
+        idle_polls = 0;
+        idle_since = now;
+      } else if (++idle_polls >= SPIN_POLLS && now - idle_since >= be->spin_ns) {
+        eng_sleep_ns(now - idle_since > IDLE_AFTER_NS ? LONG_SLEEP_NS : SHORT_SLEEP_NS);
+      }
+      continue;
+    }
     pthread_mutex_lock(&eng->mu);
     /* 1. collect arrivals */
     for (uint32_t i = 0; i < be->ngrp; i++)
@@ -817,10 +840,20 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
     be->rank[r].eng = eng;
   }
   uint64_t t0 = eng_now_ns();
-  epd_result_t rc = epd_cc_create(be->ndev, NULL, &be->cc, err, errlen);
+  epd_result_t rc = eng->o.nodes > 1 ? epd_cc_create_world(be->ndev, NULL, eng->o.nodes, eng->o.node_rank,
+                                                           eng->o.comm_id, &be->cc, err, errlen)
+                                     : epd_cc_create(be->ndev, NULL, &be->cc, err, errlen);
   if (rc) {
     cuda_destroy(eng);
     return rc;
+  }
+  if (eng->o.nodes > 1) { /* scale-out: the inter-node stage (engine_cuda_net.c) */
+    int devs[EPD_MAX_RANKS];
+    for (int r = 0; r < be->ndev; r++) devs[r] = be->rank[r].device;
+    if ((rc = eng_cuda_net_create(eng, be->cc, devs, &be->net, err, errlen))) {
+      cuda_destroy(eng);
+      return rc;
+    }
   }
   EPD_LOGI(EPD_SUB_CUDA, "NCCL communicators of %d GPUs up in %.1f ms; MPS %s, mode %s, idle spin %llu ns",
            be->ndev, (eng_now_ns() - t0) / 1e6, be->mps ? "on" : "off", cuda_mode(eng),
@@ -851,6 +884,8 @@ static void cuda_destroy(epd_engine_t *eng) {
   atomic_store(&be->stop, 1);
   for (int r = 0; r < EPD_MAX_RANKS; r++)
     if (be->rank[r].started) pthread_join(be->rank[r].th, NULL);
+  eng_cuda_net_destroy(be->net);
+  be->net = NULL;
   for (int r = 0; r < be->ndev; r++)
     if (be->rank[r].stream) {
       cudaSetDevice(be->rank[r].device);
@@ -946,9 +981,13 @@ static epd_result_t cuda_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
     snprintf(err, errlen, "hidden %u: the cuda backend needs a multiple of 128", c->grp->g.hidden);
     return EPD_ERR_INVALID;
   }
-  cuda_grp_t *cg = cuda_grp_find(be, c->grp, 0);
-  int new_grp = !cg;
-  if (!cg) {
+  if (be->net) { /* scale-out: no LSA window or kernels (engine_cuda_net.c runs the steps) */
+    epd_result_t nrc = eng_cuda_net_attach(be->net, c->grp, err, errlen);
+    if (nrc) return nrc;
+  }
+  cuda_grp_t *cg = be->net ? NULL : cuda_grp_find(be, c->grp, 0);
+  int new_grp = !cg && !be->net;
+  if (new_grp) {
     if (!(cg = cuda_grp_find(be, c->grp, 1))) {
       snprintf(err, errlen, "too many groups on the cuda backend (max_groups %u)", eng->o.max_groups);
       return EPD_ERR_BUSY;
@@ -962,7 +1001,7 @@ static epd_result_t cuda_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
   cuda_client_t *cc = calloc(1, sizeof *cc);
   if (!cc) return EPD_ERR_NOMEM;
   cc->queue_fd = cc->arena_fd = -1;
-  cc->device = be->rank[c->rank].device;
+  cc->device = be->rank[local_rank(eng, c->rank)].device;
   cc->queue_bytes = c->queue_bytes;
   epd_result_t rc;
   void *q = NULL;
@@ -1012,6 +1051,10 @@ static void cuda_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
   cuda_client_t *cc = c->be;
   int r = c->rank;
   if (lost) grp->lost[r] = 1;
+  if (be->net) {
+    eng_cuda_net_client_leave(be->net, c, lost);
+    return;
+  }
   cuda_grp_t *cg = cuda_grp_find(be, grp, 0);
   if (!cg || !cc) return;
   if (cg->phase == PH_COLLECT && cg->arrived[r]) {
@@ -1052,8 +1095,8 @@ static void cuda_client_free(epd_engine_t *eng, eng_client_t *c) {
   if (!cc) return;
   if (cc->busy && be) {
     cc->dead = 1;
-    cc->next_dead = be->rank[c->rank].dead;
-    be->rank[c->rank].dead = cc;
+    cc->next_dead = be->rank[local_rank(eng, c->rank)].dead;
+    be->rank[local_rank(eng, c->rank)].dead = cc;
     return;
   }
   cuda_client_release(cc);
@@ -1069,6 +1112,12 @@ static uint64_t cuda_copy_weights(epd_engine_t *eng, eng_group_t *grp) {
   for (uint32_t i = 0; i < grp->nbufs; i++)
     if (grp->bufs[i].kind == EPD_BUF_EXPERT_WEIGHTS) woff = grp->bufs[i].offset;
   int used[EPD_MAX_RANKS] = {0}, dev0 = 0;
+  if (be->net) { /* scale-out: the ranks of a copy may be on two nodes */
+    eng_emit(eng, "error", grp, -1, 0, 0, 0, grp->steps,
+             "group %s: %u expert-weight copies skipped: not supported across nodes on the cuda backend",
+             grp->name, grp->nstaged_copies);
+    return 0;
+  }
   cudaGetDevice(&dev0); /* a rank thread calls this: give it its device back */
   for (uint32_t i = 0; i < grp->nstaged_copies && woff != UINT64_MAX; i++) {
     const epd_weight_copy_t *cp = &grp->staged_copies[i];
@@ -1108,6 +1157,18 @@ static uint64_t cuda_copy_weights(epd_engine_t *eng, eng_group_t *grp) {
  * engine_cuda.o out of the static engine library; a program that wants the CUDA backend calls this. */
 int epd_engine_cuda_linked(void);
 int epd_engine_cuda_linked(void) { return 1; }
+
+/* ---- for engine_cuda_net.c (scale-out) ------------------------------------------------------------ */
+
+void *eng_cuda_client_hold(eng_client_t *c) {
+  cuda_client_t *cc = c->be;
+  if (cc) cc->busy = 1;
+  return cc;
+}
+void eng_cuda_client_unhold(void *h) {
+  if (h) ((cuda_client_t *)h)->busy = 0;
+}
+uint64_t eng_cuda_client_arena(void *h) { return h ? (uint64_t)((cuda_client_t *)h)->arena_dev : 0; }
 
 const eng_backend_ops_t eng_cuda_ops = {
     .name = "cuda",

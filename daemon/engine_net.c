@@ -420,6 +420,58 @@ static int net_has(epd_net_t *net, const char *group, uint64_t step, uint32_t no
   return has;
 }
 
+/* ---- frames for another backend's step protocol (engine_cuda_net.c) ------------------------------- */
+
+int epd_net_send_payload(epd_net_t *net, uint32_t node, const char *group, uint64_t step, const void *payload,
+                         size_t len) {
+  uint8_t *b = malloc(sizeof(net_hdr_t) + len);
+  if (!b) return -1;
+  net_hdr_t h = {.magic = NET_MAGIC, .src_node = net->node_rank, .step = step};
+  snprintf(h.group, sizeof h.group, "%s", group);
+  memcpy(b, &h, sizeof h);
+  if (len) memcpy(b + sizeof h, payload, len);
+  int rc = net_send(net, node, b, sizeof h + len);
+  free(b);
+  return rc;
+}
+
+uint8_t *epd_net_take_payload(epd_net_t *net, const char *group, uint64_t step, uint32_t node, size_t *len) {
+  net_frame_t *f = net_take(net, group, step, node);
+  if (!f) return NULL;
+  uint8_t *b = f->buf;
+  *len = f->len - sizeof(net_hdr_t);
+  memmove(b, b + sizeof(net_hdr_t), *len);
+  free(f);
+  return b;
+}
+
+void epd_net_add_bytes(epd_net_t *net, uint64_t tx, uint64_t rx) {
+  atomic_fetch_add(&net->tx_bytes, tx);
+  atomic_fetch_add(&net->rx_bytes, rx);
+}
+
+int epd_net_node_dead(epd_net_t *net, uint32_t node, char *why, size_t len) {
+  net_peer_t *p = &net->peer[node];
+  if (!atomic_load(&p->dead)) return 0;
+  snprintf(why, len, "%s", p->why);
+  return 1;
+}
+
+void epd_net_drop_group(epd_net_t *net, const char *group) {
+  pthread_mutex_lock(&net->mu);
+  for (net_frame_t **pp = &net->frames; *pp;) {
+    net_frame_t *f = *pp;
+    if (!strcmp(f->group, group)) {
+      *pp = f->next;
+      free(f->buf);
+      free(f);
+      continue;
+    }
+    pp = &f->next;
+  }
+  pthread_mutex_unlock(&net->mu);
+}
+
 /* ---- the two-level step ------------------------------------------------------------------------- */
 
 /* Per group: what this node sent for the step being collected, and the remote ranks' inputs. */

@@ -41,4 +41,17 @@ uint32_t epd_net_node_rank(const epd_net_t *net);
 void epd_net_counters(const epd_net_t *net, uint64_t *tx_bytes, uint64_t *rx_bytes, uint64_t *tx_frames,
                       uint64_t *rx_frames);
 
+/* Frames of another backend's step protocol (engine_cuda_net.c) over the same links: send `payload` as
+ * the frame of (group, step) to node (0, or -1: link down); take node's frame of (group, step), dropping
+ * its older ones of the group (NULL while absent; *len its payload bytes; free() it). */
+int epd_net_send_payload(epd_net_t *net, uint32_t node, const char *group, uint64_t step, const void *payload,
+                         size_t len);
+uint8_t *epd_net_take_payload(epd_net_t *net, const char *group, uint64_t step, uint32_t node, size_t *len);
+/* Count bytes another transport moved between the nodes (the NCCL exchange) in the link counters. */
+void epd_net_add_bytes(epd_net_t *net, uint64_t tx, uint64_t rx);
+/* 1 (why set) if the link to node is down. */
+int epd_net_node_dead(epd_net_t *net, uint32_t node, char *why, size_t len);
+/* Drop every queued frame of a group (it was removed). */
+void epd_net_drop_group(epd_net_t *net, const char *group);
+
 #endif /* EPD_ENGINE_NET_H */

@@ -21,6 +21,8 @@
 #include "access.h"
 #include "attach.h"
 #include "cluster.h"
+#include "cuda_comm.h"
+#include "engine_internal.h"
 #include "state.h"
 #include "conf.h"
 #include "engine.h"
@@ -320,6 +322,16 @@ static int make_socket_dir(const char *sock, char *err, size_t errlen) {
 }
 
 static epd_net_t *cluster_net; /* scale-out data links (cluster.h), NULL on one node */
+#if EPD_WITH_CUDA
+static int make_comm_id(uint8_t *id, char *err, size_t errlen) {
+  /* Fail before the rendezvous where backend cuda cannot start anyway. */
+  if (!eng_cuda_ops.available(err, errlen)) return -1;
+  return epd_cc_unique_id(id, err, errlen) == EPD_OK ? 0 : -1;
+}
+static epd_cluster_comm_id_fn cluster_comm_id_fn(void) { return make_comm_id; }
+#else
+static epd_cluster_comm_id_fn cluster_comm_id_fn(void) { return NULL; }
+#endif
 
 int main(int argc, char **argv) {
   char err[1024];
@@ -360,7 +372,8 @@ int main(int argc, char **argv) {
       .max_arena_bytes = d.conf.max_arena_bytes, .step_timeout_ms = d.conf.step_timeout_ms};
   char eerr[512] = "";
   /* Scale-out: rendezvous and data links before the engine, so that READY means the world is formed. */
-  if (epd_cluster_init(&d.conf, &cluster_net, eerr, sizeof eerr) != 0) {
+  static uint8_t comm_id[EPD_CLUSTER_COMM_ID_BYTES];
+  if (epd_cluster_init(&d.conf, cluster_comm_id_fn(), &cluster_net, comm_id, eerr, sizeof eerr) != 0) {
     snprintf(err, sizeof err, "cluster (node %u of %u): %s", d.conf.node_rank, d.conf.nodes, eerr);
     goto fail;
   }
@@ -369,7 +382,9 @@ int main(int argc, char **argv) {
     eo.node_rank = d.conf.node_rank;
     eo.net = cluster_net;
     eo.ranks_per_node = d.conf.num_ranks; /* replicas on the source's node are preferred */
-    if (!strcmp(eo.backend, "auto")) eo.backend = "host"; /* the only backend that runs across nodes */
+    /* auto stays host across nodes: every node must pick the same backend (it is an agreed key). */
+    if (!strcmp(eo.backend, "auto")) eo.backend = "host";
+    if (!strcmp(eo.backend, "cuda")) eo.comm_id = comm_id;
   }
   if (epd_engine_create(&eo, epd_events_from_engine, NULL, &d.eng, eerr, sizeof eerr) != EPD_OK) {
     snprintf(err, sizeof err, "engine (backend %s, %u ranks): %s", d.conf.backend, d.conf.num_ranks, eerr);

@@ -112,7 +112,7 @@ epd_result_t epd_metrics_text(const epd_engine_snap_t *snap, const epd_daemon_in
   sb_printf(&sb, "epd_cluster_info{transport=\"");
   sb_label(&sb, snap->inter_node_transport ? snap->inter_node_transport : "none");
   sb_printf(&sb, "\"} 1\n");
-  sb_head(&sb, "epd_cluster_bytes_total", "counter", "Data-plane bytes to and from the other nodes.");
+  sb_head(&sb, "epd_cluster_bytes_total", "counter", "Data-plane bytes to and from the other nodes (cuda: the NCCL exchange plus the control frames).");
   sb_printf(&sb, "epd_cluster_bytes_total{direction=\"tx\"} %llu\n", (unsigned long long)snap->net_tx_bytes);
   sb_printf(&sb, "epd_cluster_bytes_total{direction=\"rx\"} %llu\n", (unsigned long long)snap->net_rx_bytes);
   sb_head(&sb, "epd_cluster_frames_total", "counter", "Data-plane frames (one per group, step and node pair).");

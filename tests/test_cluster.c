@@ -394,3 +394,92 @@ EPD_TEST(cluster_bad_input_fails_every_rank) {
   }
   cluster_down(&cl);
 }
+
+/* ---- rendezvous with backend cuda: the world communicator's id -------------------------------------- */
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include "cluster.h"
+#include "conf.h"
+
+static atomic_int id_calls;
+static int fake_comm_id(uint8_t *id, char *err, size_t errlen) {
+  (void)err, (void)errlen;
+  atomic_fetch_add(&id_calls, 1);
+  for (int i = 0; i < EPD_CLUSTER_COMM_ID_BYTES; i++) id[i] = (uint8_t)(i * 7 + 3);
+  return 0;
+}
+static int failing_comm_id(uint8_t *id, char *err, size_t errlen) {
+  (void)id;
+  snprintf(err, errlen, "no usable CUDA device (test)");
+  return -1;
+}
+
+typedef struct rv_arg {
+  epd_conf_t conf;
+  epd_cluster_comm_id_fn fn;
+  epd_net_t *net;
+  uint8_t id[EPD_CLUSTER_COMM_ID_BYTES];
+  int rc;
+  char err[512];
+} rv_arg_t;
+
+static void *rv_main(void *p) {
+  rv_arg_t *a = p;
+  a->rc = epd_cluster_init(&a->conf, a->fn, &a->net, a->id, a->err, sizeof a->err);
+  return NULL;
+}
+
+static int free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t sl = sizeof sa;
+  ASSERT(fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 && getsockname(fd, (struct sockaddr *)&sa, &sl) == 0);
+  close(fd);
+  return ntohs(sa.sin_port);
+}
+
+static void rv_conf(rv_arg_t *a, uint32_t node, int port, epd_cluster_comm_id_fn fn) {
+  memset(a, 0, sizeof *a);
+  epd_conf_defaults(&a->conf);
+  snprintf(a->conf.backend, sizeof a->conf.backend, "cuda");
+  a->conf.num_ranks = 1;
+  a->conf.nodes = 2;
+  a->conf.node_rank = node;
+  a->conf.cluster_timeout_ms = 5000;
+  snprintf(a->conf.cluster_data_listen, sizeof a->conf.cluster_data_listen, "127.0.0.1:0");
+  if (node == 0)
+    snprintf(a->conf.cluster_listen, sizeof a->conf.cluster_listen, "127.0.0.1:%d", port);
+  else
+    snprintf(a->conf.cluster_coordinator, sizeof a->conf.cluster_coordinator, "127.0.0.1:%d", port);
+  a->fn = fn;
+}
+
+/* The coordinator makes the communicator id once; every node receives the same 128 bytes; a daemon
+ * without CUDA refuses backend cuda by name; a coordinator that cannot make the id fails saying why. */
+EPD_TEST(cluster_cuda_rendezvous_hands_out_comm_id) {
+  static rv_arg_t a[2];
+  int port = free_port();
+  rv_conf(&a[0], 0, port, fake_comm_id);
+  rv_conf(&a[1], 1, port, fake_comm_id);
+  pthread_t th[2];
+  for (int n = 0; n < 2; n++) pthread_create(&th[n], NULL, rv_main, &a[n]);
+  for (int n = 0; n < 2; n++) pthread_join(th[n], NULL);
+  for (int n = 0; n < 2; n++)
+    if (a[n].rc) epd_test_fail(__FILE__, __LINE__, "node %d: %s", n, a[n].err);
+  ASSERT_EQ(atomic_load(&id_calls), 1);
+  for (int i = 0; i < EPD_CLUSTER_COMM_ID_BYTES; i++) {
+    ASSERT_EQ(a[0].id[i], (uint8_t)(i * 7 + 3));
+    ASSERT_EQ(a[1].id[i], a[0].id[i]);
+  }
+  for (int n = 0; n < 2; n++) epd_cluster_fini(a[n].net);
+
+  rv_conf(&a[0], 0, free_port(), NULL);
+  ASSERT_EQ(epd_cluster_init(&a[0].conf, NULL, &a[0].net, a[0].id, a[0].err, sizeof a[0].err), -1);
+  ASSERT_STR_CONTAINS(a[0].err, "built without CUDA");
+  rv_conf(&a[0], 0, free_port(), failing_comm_id);
+  ASSERT_EQ(epd_cluster_init(&a[0].conf, failing_comm_id, &a[0].net, a[0].id, a[0].err, sizeof a[0].err), -1);
+  ASSERT_STR_CONTAINS(a[0].err, "no usable CUDA device (test)");
+  ASSERT(a[0].net == NULL);
+}

@@ -9,7 +9,8 @@
 #   submits fails with EPD_ERR_TIMEOUT naming a rank of that node; a killed node fails steps with
 #   EPD_ERR_PEER promptly; a group with another geometry on each node fails with EPD_ERR_MISMATCH;
 # - start-up refusals: a node that never joins (both sides name it, within cluster.timeout_ms),
-#   disagreeing configurations (the key that differs is named), a duplicate node rank, backend cuda.
+#   disagreeing configurations (the key that differs is named), a duplicate node rank, backend cuda
+#   (no GPU here: refused before the rendezvous; with GPUs node 1 never joins).
 set -u
 B=${EPD_BUILD:-build}
 EPD=$B/bin/epd
@@ -163,7 +164,7 @@ node dup0 0 3 "$P4" -o cluster.timeout_ms=2500            # two daemons claim no
 node dup1 1 3 "$P4" -o cluster.timeout_ms=2500
 wait_for 3 grep -q "node 1 joined" "$T/dup0.log" || fail "dup1 did not join"
 node dup1b 1 3 "$P4" -o cluster.timeout_ms=2500
-node cuda 0 2 "$P5" -o engine.backend=cuda
+node cuda 0 2 "$P5" -o engine.backend=cuda -o cluster.timeout_ms=1500
 S=$(date +%s%N)
 for n in lone0 lone1 cfg0 cfg1 dup0 dup1 dup1b cuda; do
   eval "pid=\$P_$n"
@@ -180,5 +181,6 @@ expect_log cfg1 "refused: .*node 1's configuration disagrees with the coordinato
 expect_log cfg1 "must be equal on every node"
 expect_log dup0 "node(s) 2 did not join"
 expect_log dup1b "refused: .*duplicate node_rank 1: already joined with data address"
-expect_log cuda "the CUDA inter-node stage (NCCL send/recv or GIN) is not implemented"
+# backend cuda: without GPUs node 0 fails before the rendezvous; with GPUs node 1 never joins.
+expect_log cuda "no usable CUDA device\|node(s) 1 did not join"
 echo "32-two-nodes: all checks passed"

@@ -8,10 +8,11 @@
  * FP8), within BF16 rounding.
  *
  * Usage: epd-worker -s SOCKET -g GROUP -r RANK -n NRANKS --steps N --seed S [--experts E --hidden H
- *        --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] [--map-every N] [-v]
+ *        --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] [--map-every N] [--bench N] [-v]
  * --map-every N: rank 0 stages a new random expert map (redundant replicas included) through
  * SetExpertMap after every N-th step; every rank reads the map of each step from libepd's mapped map
  * table (epd_expert_slots, no round trip) and checks the step against the reference with it.
+ * --bench N: then N unchecked steps (dispatch + combine of the last step's inputs), timed back to back.
  * --weights W: attach with an expert-weights region of W bytes per slot; every slot holds its logical
  * expert's weights (a pattern of the expert id, the expert's output scale in word 0), the toy expert of a
  * slot takes its scale from the slot's weights, and with --map-every rank 0 stages maps that move
@@ -41,14 +42,19 @@
 
 typedef struct args {
   const char *sock, *group;
-  int rank, nranks, steps, ht, fp8, skew, die_at, verbose, map_every;
+  int rank, nranks, steps, ht, fp8, skew, die_at, verbose, map_every, bench;
   uint64_t seed;
   uint32_t experts, hidden, topk, tokens;
   uint64_t weights;
   int graph;
 } args_t;
 
-static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 1, 16, 256, 4, 64, 0, 0};
+static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0};
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
 
 static double now_us(void) {
   struct timespec ts;
@@ -490,7 +496,7 @@ static uint32_t tokens_of(uint64_t step, uint32_t rank, uint32_t M) {
 static void usage(void) {
   fprintf(stderr, "usage: epd-worker -s SOCKET -g GROUP -r RANK -n NRANKS --steps N --seed S [--experts E "
                   "--hidden H --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] "
-                  "[--map-every N] [--weights BYTES] [--graph] [-v]\n");
+                  "[--map-every N] [--weights BYTES] [--graph] [--bench N] [-v]\n");
   exit(2);
 }
 
@@ -500,7 +506,8 @@ static void parse(int argc, char **argv) {
       {"steps", 1, 0, 'S'},    {"seed", 1, 0, 'e'},   {"experts", 1, 0, 'E'}, {"hidden", 1, 0, 'H'},
       {"topk", 1, 0, 'K'},     {"tokens", 1, 0, 'T'}, {"mode", 1, 0, 'm'},   {"fp8", 0, 0, 'f'},
       {"skew", 0, 0, 'k'},     {"die-at-step", 1, 0, 'd'}, {"verbose", 0, 0, 'v'}, {"map-every", 1, 0, 'M'},
-      {"weights", 1, 0, 'W'},  {"graph", 0, 0, 'G'},  {0, 0, 0, 0}};
+      {"weights", 1, 0, 'W'},  {"graph", 0, 0, 'G'},  {"bench", 1, 0, 'B'},
+      {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "s:g:r:n:v", lo, NULL)) != -1) {
     switch (c) {
@@ -526,12 +533,13 @@ static void parse(int argc, char **argv) {
     case 'M': A.map_every = atoi(optarg); break;
     case 'W': A.weights = strtoull(optarg, NULL, 0); break;
     case 'G': A.graph = 1; break;
+    case 'B': A.bench = atoi(optarg); break;
     default: usage();
     }
   }
   if (A.rank < 0 || A.nranks < 1 || A.rank >= A.nranks || A.steps < 0) usage();
-  if (A.graph && (A.ht || A.die_at >= 0)) {
-    fprintf(stderr, "epd-worker: --graph runs LL steps (no --mode ht, no --die-at-step)\n");
+  if (A.graph && (A.ht || A.die_at >= 0 || A.bench)) {
+    fprintf(stderr, "epd-worker: --graph runs LL steps (no --mode ht, no --die-at-step, no --bench)\n");
     exit(2);
   }
   if (A.weights % 4 || (A.weights && A.weights < 4)) {
@@ -639,6 +647,8 @@ int main(int argc, char **argv) {
   epd_ref_plan_init(&plan, &g);
   int bad_steps = 0, nswitch = 0, nstaged = 0;
   double t_ops = 0;
+  uint32_t last_T = 0;
+  unsigned last_bank = 0;
   uint32_t flags = A.fp8 ? EPD_DESC_FP8 : 0;
   epd_mode_t mode = A.ht ? EPD_MODE_HT : EPD_MODE_LL;
   if (A.graph) graph_capture(ep, M, flags);
@@ -651,6 +661,8 @@ int main(int argc, char **argv) {
       in[r] = (epd_ref_in_t){T, xs[r], is[r], ws[r]};
     }
     uint32_t T = in[me].num_tokens;
+    last_T = T;
+    last_bank = bank;
     wr(bufp(ep, EPD_BUF_X, bank, (size_t)M * H * 2), xs[me], (size_t)T * H * 2);
     wr(bufp(ep, EPD_BUF_TOPK_IDX, bank, (size_t)M * K * 8), is[me], (size_t)T * K * 8);
     wr(bufp(ep, EPD_BUF_TOPK_WEIGHTS, bank, (size_t)M * K * 4), ws[me], (size_t)T * K * 4);
@@ -827,6 +839,32 @@ int main(int argc, char **argv) {
   if (A.map_every > 0)
     printf("rank %d: %d map switches seen, %d maps staged, %u weight copies asked\n", A.rank, nswitch, nstaged,
            total_copies);
+  /* --bench N: N more steps of the last bank's inputs, unchecked, back to back: no reference work between
+   * ops, so the time is the ops' own (every rank waits for the slowest), not the workers' skew. */
+  if (A.bench > 0 && !bad_steps) {
+    double *dt = calloc((size_t)A.bench * 2, sizeof *dt), sd = 0, sc = 0;
+    for (int i = 0; i < A.bench && dt && !rc; i++) {
+      double b0 = now_us();
+      rc = epd_dispatch(ep, mode, last_T, flags, last_bank, NULL);
+      double b1 = now_us();
+      if (!rc) rc = epd_combine(ep, mode, last_bank, NULL);
+      dt[i] = b1 - b0;
+      dt[A.bench + i] = now_us() - b1;
+      sd += dt[i];
+      sc += dt[A.bench + i];
+    }
+    if (rc || !dt) {
+      fprintf(stderr, "rank %d: bench step failed: %s\n", A.rank, dt ? epd_last_error(ep) : "out of memory");
+      free(dt);
+      return 2;
+    }
+    qsort(dt, (size_t)A.bench, sizeof *dt, cmp_double);
+    qsort(dt + A.bench, (size_t)A.bench, sizeof *dt, cmp_double);
+    printf("rank %d: bench %d steps of %u tokens: dispatch mean %.1f us (median %.1f), combine mean %.1f us "
+           "(median %.1f)\n",
+           A.rank, A.bench, last_T, sd / A.bench, dt[A.bench / 2], sc / A.bench, dt[A.bench + A.bench / 2]);
+    free(dt);
+  }
   rc = epd_detach(ep);
   if (rc) fprintf(stderr, "rank %d: detach: %s: %s\n", A.rank, epd_strerror(rc), epd_conn_last_error(conn));
   epd_disconnect(conn);

@@ -1,0 +1,914 @@
+/*
+ * engine_cuda_net.c - the CUDA backend across nodes (see engine_cuda_net.h): control frames over the
+ * daemon links, the world plan, and the NCCL point-to-point exchange around the cnet_plan.c kernels.
+ */
+#define _GNU_SOURCE
+#include "engine_cuda_net.h"
+
+#include <dirent.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cnet_plan.h"
+#include "engine_net.h"
+#include "log.h"
+
+#if EPD_WITH_CUDA
+#include <cuda_runtime_api.h>
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wstrict-prototypes"
+#include <nccl.h>
+#pragma GCC diagnostic pop
+
+#include "epd_kernels_net.h"
+
+#define FRAME_MAGIC 0x54454e43u /* "CNET" */
+enum { PH_COLLECT = 0, PH_WAIT = 1, PH_RUN = 2 };
+
+typedef struct cnet_desc {
+  uint32_t op, bank, flags, num_tokens;
+} cnet_desc_t;
+
+/* A node's control frame of a step: this header, nlocal descriptors, then (dispatch, status 0) for each
+ * local rank min(num_tokens, max_tokens) rows of top-k ids (int64) followed by as many rows of weights. */
+typedef struct cnet_fhdr {
+  uint32_t magic;
+  int32_t status, bad_rank;
+  uint32_t nlocal, world, map_version;
+  uint32_t num_experts, hidden, topk, max_tokens;
+  uint64_t map_hash;
+  char why[192];
+} cnet_fhdr_t;
+_Static_assert(sizeof(cnet_fhdr_t) % 16 == 0, "frame parts stay 8-byte aligned");
+
+/* One local GPU. */
+typedef struct cnet_dev {
+  int device;
+  cudaStream_t stream;
+  cudaEvent_t done, xdone;
+  uint8_t *xsend, *xrecv; /* nodes x max_tokens rows of H floats (BF16 rows use the first half) */
+  size_t xbytes;
+  uint8_t *tab_dev, *tab_host; /* the step's tables (device copy, pinned staging) */
+  size_t tab_cap;
+  size_t off[9]; /* offsets of the 9 tables in the staging buffer */
+} cnet_dev_t;
+
+struct cnet {
+  epd_engine_t *eng;
+  epd_cc_t *cc;
+  uint32_t L, nodes, node, W;
+  cnet_dev_t d[EPD_MAX_RANKS];
+  /* the group served (one at a time) */
+  eng_group_t *grp;
+  char gname[EPD_GROUP_NAME_MAX];
+  epd_ref_geom_t g;
+  int phase;
+  uint64_t step;
+  int arrived[EPD_MAX_RANKS];
+  void *hold[EPD_MAX_RANKS];
+  eng_client_t *cl[EPD_MAX_RANKS];
+  uint64_t cid[EPD_MAX_RANKS];
+  epd_desc_t ldesc[EPD_MAX_RANKS]; /* local ranks' descriptors */
+  uint32_t narrived;
+  uint64_t first_ns, last_ns, run_ns;
+  uint8_t *frame[CNET_MAX_NODES]; /* every node's payload of the step (own included) */
+  size_t flen[CNET_MAX_NODES];
+  int plan_init;
+  epd_ref_plan_t plan[EPD_NUM_BANKS];
+  int plan_valid[EPD_NUM_BANKS];
+  uint32_t op, bank, fp8, mode, op_version;
+  cnet_addr_t addr[EPD_MAX_RANKS];
+  cnet_prog_t prog;
+  /* Where a step's time goes (logged when the group goes away), per dispatch [0] / combine [1]: last
+   * local arrival -> frame sent, -> every frame in, -> work issued (plan, tables, launches), -> GPUs
+   * done. */
+  uint64_t t_sent, t_in, t_issued;
+  uint64_t prof_n[2], prof_ns[2][4];
+};
+
+static uint64_t map_hash(const epd_expert_map_t *m) {
+  uint64_t h = 1469598103934665603ull;
+#define MIX(v) (h ^= (uint64_t)(v), h *= 1099511628211ull)
+  MIX(m->version);
+  for (uint32_t e = 0; e < m->num_experts; e++) {
+    MIX(m->nrep[e]);
+    for (uint32_t i = 0; i < m->nrep[e]; i++) {
+      MIX(m->rep[e][i].rank);
+      MIX(m->rep[e][i].slot);
+    }
+  }
+#undef MIX
+  return h;
+}
+
+static int op_ok(uint32_t op) {
+  return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE;
+}
+static int op_dispatch(uint32_t op) {
+  return op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH;
+}
+
+/* ---- create / destroy ----------------------------------------------------------------------------- */
+
+/* Why GIN (the NCCL device API's network path) is not used here. */
+static const char *gin_reason(void) {
+  DIR *dir = opendir("/sys/class/infiniband");
+  int devs = 0;
+  for (struct dirent *e; dir && (e = readdir(dir));) devs += e->d_name[0] != '.';
+  if (dir) closedir(dir);
+  return devs ? "not implemented in this build (an InfiniBand/RoCE device is present)"
+              : "no InfiniBand/RoCE device (/sys/class/infiniband is empty), and not implemented in this "
+                "build";
+}
+
+epd_result_t eng_cuda_net_create(epd_engine_t *eng, epd_cc_t *cc, const int *devices, cnet_t **out, char *err,
+                                 size_t errlen) {
+  cnet_t *cn = calloc(1, sizeof *cn);
+  if (!cn) return EPD_ERR_NOMEM;
+  cn->eng = eng;
+  cn->cc = cc;
+  cn->L = (uint32_t)eng->o.num_ranks;
+  cn->nodes = eng->o.nodes;
+  cn->node = eng->o.node_rank;
+  cn->W = cn->L * cn->nodes;
+  for (uint32_t l = 0; l < cn->L; l++) {
+    cnet_dev_t *d = &cn->d[l];
+    d->device = devices[l];
+    cudaSetDevice(d->device);
+    cudaError_t e = cudaStreamCreateWithFlags(&d->stream, cudaStreamNonBlocking);
+    if (!e) e = cudaEventCreateWithFlags(&d->done, cudaEventDisableTiming);
+    if (!e) e = cudaEventCreateWithFlags(&d->xdone, cudaEventDisableTiming);
+    if (e) {
+      snprintf(err, errlen, "cudaEventCreate: %s", cudaGetErrorString(e));
+      eng_cuda_net_destroy(cn);
+      return EPD_ERR_CUDA;
+    }
+    /* Expansion reads a sibling GPU's receive rows and arenas (peer access over NVLink). */
+    for (uint32_t p = 0; p < cn->L; p++) {
+      int ok = 0;
+      if (p == l || cudaDeviceCanAccessPeer(&ok, devices[l], devices[p]) || !ok) continue;
+      if (cudaDeviceEnablePeerAccess(devices[p], 0) != cudaSuccess) cudaGetLastError();
+    }
+  }
+  EPD_LOGI(EPD_SUB_CUDA,
+           "scale-out: node %u of %u, world ranks %u..%u of %u; inter-node transport nccl-p2p (grouped "
+           "ncclSend/ncclRecv on the world communicator, control over the daemon links); GIN: %s",
+           cn->node, cn->nodes, cn->node * cn->L, cn->node * cn->L + cn->L - 1, cn->W, gin_reason());
+  *out = cn;
+  return EPD_OK;
+}
+
+static void dev_free(cnet_t *cn) {
+  for (uint32_t l = 0; l < cn->L; l++) {
+    cnet_dev_t *d = &cn->d[l];
+    cudaSetDevice(d->device);
+    if (d->xsend) cudaFree(d->xsend);
+    if (d->xrecv) cudaFree(d->xrecv);
+    d->xsend = d->xrecv = NULL;
+    d->xbytes = 0;
+  }
+}
+
+/* (mu) Answer the step's slots and start collecting the next one. */
+static void complete_all(cnet_t *cn, int status, int peer, const char *why);
+
+static int grp_alive(cnet_t *cn) {
+  for (eng_group_t *g = cn->eng->groups; g; g = g->next)
+    if (g == cn->grp) return 1;
+  return 0;
+}
+
+/* (mu) Forget the group (it was removed): plans, buffers, its queued frames. */
+static void group_reset(cnet_t *cn) {
+  for (int o = 0; o < 2; o++)
+    if (cn->prof_n[o]) {
+      double n = (double)cn->prof_n[o] * 1000.0;
+      EPD_LOGI(
+          EPD_SUB_CUDA,
+          "group %s: %llu %s steps, mean us: frame sent %.1f, frames in %.1f, plan+issue %.1f, GPU+NCCL %.1f",
+          cn->gname, (unsigned long long)cn->prof_n[o], o ? "combine" : "dispatch", cn->prof_ns[o][0] / n,
+          cn->prof_ns[o][1] / n, cn->prof_ns[o][2] / n, cn->prof_ns[o][3] / n);
+    }
+  memset(cn->prof_n, 0, sizeof cn->prof_n);
+  memset(cn->prof_ns, 0, sizeof cn->prof_ns);
+  for (uint32_t l = 0; l < cn->L; l++)
+    if (cn->arrived[l]) eng_cuda_client_unhold(cn->hold[l]);
+  if (cn->plan_init)
+    for (unsigned b = 0; b < EPD_NUM_BANKS; b++) epd_ref_plan_free(&cn->plan[b]);
+  cn->plan_init = 0;
+  memset(cn->plan_valid, 0, sizeof cn->plan_valid);
+  for (uint32_t n = 0; n < cn->nodes; n++) {
+    free(cn->frame[n]);
+    cn->frame[n] = NULL;
+  }
+  if (cn->gname[0]) epd_net_drop_group(cn->eng->o.net, cn->gname);
+  dev_free(cn);
+  cn->grp = NULL;
+  cn->gname[0] = 0;
+  cn->phase = PH_COLLECT;
+  cn->narrived = 0;
+  memset(cn->arrived, 0, sizeof cn->arrived);
+}
+
+void eng_cuda_net_destroy(cnet_t *cn) {
+  if (!cn) return;
+  epd_engine_t *eng = cn->eng;
+  /* A step still exchanging gets a short grace; a peer that never answers must not hang the exit. */
+  uint64_t t0 = eng_now_ns();
+  for (uint32_t l = 0; l < cn->L; l++) {
+    if (!cn->d[l].stream) continue;
+    cudaSetDevice(cn->d[l].device);
+    while (cudaStreamQuery(cn->d[l].stream) == cudaErrorNotReady && eng_now_ns() - t0 < 2000000000ull)
+      eng_sleep_ns(1000000);
+    if (cudaStreamQuery(cn->d[l].stream) == cudaErrorNotReady) {
+      EPD_LOGW(EPD_SUB_CUDA,
+               "stopping with an inter-node exchange in flight: aborting the world communicator");
+      epd_cc_abort(cn->cc);
+    }
+    cudaStreamSynchronize(cn->d[l].stream);
+  }
+  pthread_mutex_lock(&eng->mu);
+  if (cn->narrived) complete_all(cn, EPD_ERR_CLOSED, -1, "the daemon is stopping");
+  group_reset(cn);
+  pthread_mutex_unlock(&eng->mu);
+  for (uint32_t l = 0; l < cn->L; l++) {
+    cnet_dev_t *d = &cn->d[l];
+    cudaSetDevice(d->device);
+    if (d->stream) cudaStreamDestroy(d->stream);
+    if (d->done) cudaEventDestroy(d->done);
+    if (d->xdone) cudaEventDestroy(d->xdone);
+    if (d->tab_dev) cudaFree(d->tab_dev);
+    if (d->tab_host) cudaFreeHost(d->tab_host);
+  }
+  cnet_prog_free(&cn->prog);
+  free(cn);
+}
+
+/* ---- attach / leave ------------------------------------------------------------------------------- */
+
+epd_result_t eng_cuda_net_attach(cnet_t *cn, eng_group_t *grp, char *err, size_t errlen) {
+  for (eng_group_t *g = cn->eng->groups; g; g = g->next) {
+    if (g == grp) continue;
+    for (uint32_t r = 0; r < g->g.num_ranks; r++)
+      if (g->client[r]) {
+        snprintf(err, errlen,
+                 "engine.backend cuda across nodes serves one group at a time (group %s is attached): the "
+                 "inter-node exchanges of two groups could be ordered differently on two nodes",
+                 g->name);
+        return EPD_ERR_UNSUPPORTED;
+      }
+  }
+  if (grp->g.num_ranks != cn->W) {
+    snprintf(err, errlen, "group %s has %u ranks, the world %u", grp->name, grp->g.num_ranks, cn->W);
+    return EPD_ERR_INVALID;
+  }
+  return EPD_OK;
+}
+
+void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost) {
+  if (c->grp != cn->grp || cn->phase != PH_COLLECT) return; /* later phases: the step goes on (memory held) */
+  uint32_t l = (uint32_t)c->rank - cn->node * cn->L;
+  if (l >= cn->L || !cn->arrived[l] || cn->cl[l] != c) return;
+  cn->arrived[l] = 0;
+  eng_cuda_client_unhold(cn->hold[l]);
+  cn->narrived--;
+  if (cn->narrived) {
+    char why[160];
+    snprintf(why, sizeof why, "client %llu of rank %d %s mid-step", (unsigned long long)c->id, c->rank,
+             lost ? "died" : "detached");
+    complete_all(cn, EPD_ERR_PEER, c->rank, why);
+  }
+}
+
+/* ---- completion ----------------------------------------------------------------------------------- */
+
+static void complete_all(cnet_t *cn, int status, int peer, const char *why) {
+  epd_engine_t *eng = cn->eng;
+  int alive = grp_alive(cn);
+  eng_group_t *grp = alive ? cn->grp : NULL;
+  uint64_t now = eng_now_ns();
+  if (status && grp)
+    eng_emit(eng, status == EPD_ERR_TIMEOUT ? "timeout" : "error", grp, peer, 0, 0, 0, cn->step,
+             "group %s step %llu: %s", grp->name, (unsigned long long)cn->step, why ? why : "");
+  for (uint32_t l = 0; l < cn->L; l++) {
+    if (!cn->arrived[l]) continue;
+    uint32_t r = cn->node * cn->L + l;
+    eng_client_t *c = cn->cl[l];
+    if (grp && grp->client[r] == c && c->id == cn->cid[l] && c->queue) {
+      epd_slot_t *s = &c->queue->slot[c->next_slot];
+      epd_comp_t comp;
+      memset(&comp, 0, sizeof comp);
+      comp.status = status;
+      comp.peer = status ? peer : -1;
+      comp.map_version = cn->op_version ? cn->op_version : grp->map.version;
+      comp.num_recv = status ? 0 : cn->prog.side[l].num_recv;
+      comp.step = cn->step;
+      comp.user_tag = cn->ldesc[l].user_tag;
+      comp.latency_ns = now > cn->last_ns ? now - cn->last_ns : 0;
+      eng_slot_complete(c->queue, s, &comp, grp->map.version);
+      c->next_slot = (c->next_slot + 1) % EPD_QUEUE_SLOTS;
+      c->ops++;
+      uint64_t bytes = 0;
+      if (!status)
+        for (uint32_t n = 0; n < cn->nodes; n++)
+          bytes += (uint64_t)cn->prog.side[l].send_rows[n] * cn->prog.row_bytes;
+      eng_record_op(eng, (int)r, cn->ldesc[l].op, status, bytes, comp.latency_ns);
+    }
+    eng_cuda_client_unhold(cn->hold[l]);
+    cn->arrived[l] = 0;
+  }
+  if (grp) grp->steps++;
+  cn->narrived = 0;
+  cn->op_version = 0;
+  cn->phase = PH_COLLECT;
+  for (uint32_t n = 0; n < cn->nodes; n++) {
+    free(cn->frame[n]);
+    cn->frame[n] = NULL;
+  }
+}
+
+/* ---- collect -------------------------------------------------------------------------------------- */
+
+static uint64_t buf_off(const eng_group_t *grp, uint32_t kind, uint32_t bank) {
+  for (uint32_t i = 0; i < grp->nbufs; i++)
+    if (grp->bufs[i].kind == kind && grp->bufs[i].bank == bank) return grp->bufs[i].offset;
+  return UINT64_MAX;
+}
+
+/* (mu) Every local rank submitted: build this node's frame (own copy kept) and send it to every node. */
+static void send_frame(cnet_t *cn) {
+  epd_engine_t *eng = cn->eng;
+  eng_group_t *grp = cn->grp;
+  uint32_t L = cn->L, K = cn->g.topk, M = cn->g.max_tokens;
+  const epd_desc_t *d0 = &cn->ldesc[0];
+  int same = 1;
+  for (uint32_t l = 0; l < L; l++) same &= cn->ldesc[l].op == d0->op && cn->ldesc[l].bank == d0->bank;
+  int dispatch = same && op_dispatch(d0->op) && d0->bank < EPD_NUM_BANKS;
+  cnet_fhdr_t h = {.magic = FRAME_MAGIC,
+                   .bad_rank = -1,
+                   .nlocal = L,
+                   .world = cn->W,
+                   .num_experts = cn->g.num_experts,
+                   .hidden = cn->g.hidden,
+                   .topk = K,
+                   .max_tokens = M};
+  if (epd_engine_failure(eng)) {
+    h.status = EPD_ERR_INTERNAL;
+    snprintf(h.why, sizeof h.why, "node %u: the engine failed: %s", cn->node, epd_engine_failure(eng));
+  } else if (eng->draining && op_dispatch(d0->op)) {
+    h.status = EPD_ERR_DRAINING;
+    snprintf(h.why, sizeof h.why, "node %u is draining", cn->node);
+  }
+  if (dispatch && !h.status) eng_apply_staged_map(eng, grp);
+  h.map_version = grp->map.version;
+  h.map_hash = map_hash(&grp->map);
+  size_t len = sizeof h + L * sizeof(cnet_desc_t), rows[EPD_MAX_RANKS] = {0};
+  if (dispatch && !h.status)
+    for (uint32_t l = 0; l < L; l++) {
+      rows[l] = cn->ldesc[l].num_tokens < M ? cn->ldesc[l].num_tokens : M;
+      len += rows[l] * K * 12;
+    }
+  uint8_t *b = calloc(1, len);
+  if (!b) {
+    h.status = EPD_ERR_NOMEM;
+    snprintf(h.why, sizeof h.why, "node %u: out of memory for the step's frame", cn->node);
+    len = sizeof h + L * sizeof(cnet_desc_t);
+    b = calloc(1, len);
+    if (!b) return; /* the other nodes time out on this step */
+    memset(rows, 0, sizeof rows);
+  }
+  cnet_desc_t *dd = (cnet_desc_t *)(b + sizeof h);
+  uint8_t *p = (uint8_t *)(dd + L);
+  for (uint32_t l = 0; l < L; l++) {
+    dd[l] = (cnet_desc_t){cn->ldesc[l].op, cn->ldesc[l].bank, cn->ldesc[l].flags, cn->ldesc[l].num_tokens};
+    if (!rows[l]) continue;
+    uint64_t arena = eng_cuda_client_arena(cn->hold[l]);
+    uint64_t oi = buf_off(grp, EPD_BUF_TOPK_IDX, d0->bank), ow = buf_off(grp, EPD_BUF_TOPK_WEIGHTS, d0->bank);
+    cudaSetDevice(cn->d[l].device);
+    cudaError_t e =
+        oi == UINT64_MAX || ow == UINT64_MAX
+            ? cudaErrorInvalidValue
+            : cudaMemcpy(p, (const void *)(uintptr_t)(arena + oi), rows[l] * K * 8, cudaMemcpyDeviceToHost);
+    if (!e)
+      e = cudaMemcpy(p + rows[l] * K * 8, (const void *)(uintptr_t)(arena + ow), rows[l] * K * 4,
+                     cudaMemcpyDeviceToHost);
+    if (e && !h.status) {
+      h.status = EPD_ERR_CUDA;
+      h.bad_rank = (int32_t)(cn->node * L + l);
+      snprintf(h.why, sizeof h.why, "node %u rank %u: reading top-k from the arena: %s", cn->node,
+               cn->node * L + l, cudaGetErrorString(e));
+    }
+    p += rows[l] * K * 12;
+  }
+  memcpy(b, &h, sizeof h);
+  for (uint32_t n = 0; n < cn->nodes; n++)
+    if (n != cn->node) epd_net_send_payload(eng->o.net, n, grp->name, cn->step, b, len);
+  free(cn->frame[cn->node]);
+  cn->frame[cn->node] = b;
+  cn->flen[cn->node] = len;
+}
+
+/* (mu) Poll the local clients' slots; 1 if something moved. */
+static int collect(cnet_t *cn, uint64_t now) {
+  epd_engine_t *eng = cn->eng;
+  eng_group_t *grp = cn->grp;
+  int moved = 0;
+  for (uint32_t l = 0; l < cn->L; l++) {
+    uint32_t r = cn->node * cn->L + l;
+    eng_client_t *c = grp->client[r];
+    if (!c || cn->arrived[l] || !c->queue || !c->be) continue;
+    uint32_t k = 0;
+    while (k < EPD_QUEUE_SLOTS &&
+           eng_slot_state(&c->queue->slot[(c->next_slot + k) % EPD_QUEUE_SLOTS]) != EPD_SLOT_SUBMITTED)
+      k++;
+    if (k > 0 && k < EPD_QUEUE_SLOTS) c->next_slot = (c->next_slot + k) % EPD_QUEUE_SLOTS;
+    epd_slot_t *s = &c->queue->slot[c->next_slot];
+    if (eng_slot_state(s) != EPD_SLOT_SUBMITTED) continue;
+    if (!cn->narrived) cn->step = grp->steps;
+    cn->ldesc[l] = s->desc;
+    cn->arrived[l] = 1;
+    cn->cl[l] = c;
+    cn->cid[l] = c->id;
+    cn->hold[l] = eng_cuda_client_hold(c);
+    c->hung = 0;
+    if (cn->narrived++ == 0) cn->first_ns = now;
+    cn->last_ns = now;
+    moved = 1;
+  }
+  if (cn->narrived == cn->L) {
+    cn->step = grp->steps;
+    send_frame(cn);
+    cn->t_sent = eng_now_ns();
+    cn->phase = PH_WAIT;
+    return 1;
+  }
+  if (!cn->narrived) return moved;
+  char why[160];
+  int lost = eng_lost_rank(grp, why, sizeof why);
+  if (lost >= 0) {
+    complete_all(cn, EPD_ERR_PEER, lost, why);
+    return 1;
+  }
+  if (now > cn->first_ns && now - cn->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
+    int missing = -1;
+    for (uint32_t l = 0; l < cn->L && missing < 0; l++)
+      if (!cn->arrived[l]) missing = (int)(cn->node * cn->L + l);
+    snprintf(why, sizeof why, "waited %u ms for rank %d", eng->o.step_timeout_ms, missing);
+    eng_mark_hung(grp, missing);
+    if (missing >= 0) eng->rank[missing].timeouts++;
+    complete_all(cn, EPD_ERR_TIMEOUT, missing, why);
+    return 1;
+  }
+  return moved;
+}
+
+/* ---- the verdict ---------------------------------------------------------------------------------- */
+
+#define FAIL(st, pr, ...)           \
+  do {                              \
+    *peer = (pr);                   \
+    snprintf(why, wl, __VA_ARGS__); \
+    return (st);                    \
+  } while (0)
+
+/* (mu) Every node's frame is in: the same verdict on every node. EPD_OK: run the step. */
+static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
+  eng_group_t *grp = cn->grp;
+  uint32_t L = cn->L, W = cn->W, nodes = cn->nodes, M = cn->g.max_tokens, K = cn->g.topk;
+  const cnet_fhdr_t *h[CNET_MAX_NODES];
+  const cnet_desc_t *dd[CNET_MAX_NODES];
+  epd_desc_t d[EPD_MAX_RANKS];
+  *peer = -1;
+  for (uint32_t n = 0; n < nodes; n++) {
+    h[n] = (const cnet_fhdr_t *)cn->frame[n];
+    if (cn->flen[n] < sizeof(cnet_fhdr_t) || h[n]->magic != FRAME_MAGIC)
+      FAIL(EPD_ERR_PEER, (int)(n * L), "node %u sent a malformed control frame", n);
+  }
+  for (uint32_t n = 0; n < nodes; n++)
+    if (h[n]->status) FAIL(h[n]->status, h[n]->bad_rank, "%.*s", (int)sizeof h[n]->why, h[n]->why);
+  for (uint32_t n = 0; n < nodes; n++) {
+    if (h[n]->num_experts != cn->g.num_experts || h[n]->hidden != cn->g.hidden || h[n]->topk != K ||
+        h[n]->max_tokens != M)
+      FAIL(EPD_ERR_MISMATCH, (int)(n * L),
+           "group %s has num_experts %u, hidden %u, topk %u, max_tokens %u on node %u but %u, %u, %u, %u on "
+           "node %u (the first attach on each node fixes it)",
+           grp->name, h[n]->num_experts, h[n]->hidden, h[n]->topk, h[n]->max_tokens, n, cn->g.num_experts,
+           cn->g.hidden, K, M, cn->node);
+    if (h[n]->nlocal != L || h[n]->world != W || cn->flen[n] < sizeof(cnet_fhdr_t) + L * sizeof(cnet_desc_t))
+      FAIL(EPD_ERR_MISMATCH, (int)(n * L),
+           "node %u sent a frame for %u ranks of %u, this node expects %u of %u (engine.num_ranks differs?)",
+           n, h[n]->nlocal, h[n]->world, L, W);
+    dd[n] = (const cnet_desc_t *)(h[n] + 1);
+    for (uint32_t i = 0; i < L; i++) {
+      memset(&d[n * L + i], 0, sizeof d[0]);
+      d[n * L + i].op = dd[n][i].op;
+      d[n * L + i].bank = dd[n][i].bank;
+      d[n * L + i].flags = dd[n][i].flags;
+      d[n * L + i].num_tokens = dd[n][i].num_tokens;
+    }
+  }
+  for (uint32_t r = 0; r < W; r++) {
+    if (!op_ok(d[r].op))
+      FAIL(EPD_ERR_INVALID, (int)r, "rank %u: op %u out of range [1, %u]", r, d[r].op, EPD_OP_MAX - 1);
+    if (d[r].bank >= EPD_NUM_BANKS)
+      FAIL(EPD_ERR_INVALID, (int)r, "rank %u: bank %u out of range [0, %u)", r, d[r].bank, EPD_NUM_BANKS);
+    if (op_dispatch(d[r].op) && (d[r].flags & ~(uint32_t)EPD_DESC_FP8))
+      FAIL(EPD_ERR_INVALID, (int)r, "rank %u: unknown flags 0x%x", r, d[r].flags);
+  }
+  for (uint32_t r = 1; r < W; r++)
+    if (d[r].op != d[0].op || d[r].bank != d[0].bank ||
+        (op_dispatch(d[r].op) && (d[r].flags & EPD_DESC_FP8) != (d[0].flags & EPD_DESC_FP8)))
+      FAIL(EPD_ERR_MISMATCH, (int)r,
+           "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x", r, d[r].op,
+           d[r].bank, d[r].flags, d[0].op, d[0].bank, d[0].flags);
+  cn->op = d[0].op;
+  cn->bank = d[0].bank;
+  cn->fp8 = op_dispatch(cn->op) && (d[0].flags & EPD_DESC_FP8);
+  cn->mode = cn->op <= EPD_OP_LL_COMBINE ? EPD_MODE_LL : EPD_MODE_HT;
+  const char *mn = cn->mode == EPD_MODE_LL ? "LL" : "HT";
+  epd_ref_plan_t *plan = &cn->plan[cn->bank];
+  if (!op_dispatch(cn->op)) {
+    if (!cn->plan_valid[cn->bank] || plan->mode != (int)cn->mode)
+      FAIL(EPD_ERR_STATE, -1, "%s combine of bank %u without a successful %s dispatch of that bank", mn,
+           cn->bank, mn);
+    cn->op_version = plan->map_version;
+    return EPD_OK;
+  }
+  for (uint32_t n = 0; n < nodes; n++)
+    if (h[n]->map_version != h[cn->node]->map_version || h[n]->map_hash != h[cn->node]->map_hash)
+      FAIL(EPD_ERR_MISMATCH, (int)(n * L),
+           "node %u dispatches with expert map version %u, node %u with version %u%s (set the same map on "
+           "every node)",
+           n, h[n]->map_version, cn->node, h[cn->node]->map_version,
+           h[n]->map_version == h[cn->node]->map_version ? " but different placements" : "");
+  epd_ref_in_t in[EPD_MAX_RANKS];
+  for (uint32_t n = 0; n < nodes; n++) {
+    const uint8_t *p = (const uint8_t *)(dd[n] + L), *end = cn->frame[n] + cn->flen[n];
+    for (uint32_t i = 0; i < L; i++) {
+      uint32_t r = n * L + i, rows = d[r].num_tokens < M ? d[r].num_tokens : M;
+      if ((size_t)(end - p) < (size_t)rows * K * 12)
+        FAIL(EPD_ERR_PEER, (int)r, "node %u sent a truncated dispatch frame", n);
+      in[r] = (epd_ref_in_t){d[r].num_tokens, NULL, (const int64_t *)p,
+                             (const float *)(p + (size_t)rows * K * 8)};
+      p += (size_t)rows * K * 12;
+    }
+  }
+  cn->plan_valid[cn->bank] = 0;
+  int bad = -1;
+  epd_result_t rc = epd_ref_plan_build(plan, &grp->map, in, &bad, why, wl);
+  if (rc) {
+    *peer = bad;
+    return rc;
+  }
+  plan->mode = (int)cn->mode;
+  if (cn->mode == EPD_MODE_HT)
+    for (uint32_t r = 0; r < W; r++)
+      if (plan->ht_recv[r] > cn->g.ht_capacity)
+        FAIL(EPD_ERR_OVERFLOW, (int)r, "rank %u would receive %u tokens, HT capacity %u", r, plan->ht_recv[r],
+             cn->g.ht_capacity);
+  cn->op_version = plan->map_version;
+  return EPD_OK;
+}
+#undef FAIL
+
+/* ---- running -------------------------------------------------------------------------------------- */
+
+/* (mu) Addresses of the step's buffers on every local rank; 0 or -1 (a buffer is missing). */
+static int fill_addr(cnet_t *cn) {
+  eng_group_t *grp = cn->grp;
+  uint32_t M = cn->g.max_tokens, H = cn->g.hidden;
+  for (uint32_t l = 0; l < cn->L; l++) {
+    cnet_addr_t *a = &cn->addr[l];
+    memset(a, 0, sizeof *a);
+    uint64_t base = eng_cuda_client_arena(cn->hold[l]);
+    for (uint32_t i = 0; i < grp->nbufs; i++)
+      if (grp->bufs[i].bank == cn->bank && grp->bufs[i].kind < EPD_BUF_KINDS)
+        a->buf[grp->bufs[i].kind] = base + grp->bufs[i].offset;
+    for (uint32_t n = 0; n < cn->nodes; n++) {
+      uint64_t o = (uint64_t)n * M * H * 4;
+      a->xsend[n] = a->psend[n] = (uint64_t)(uintptr_t)cn->d[l].xsend + o;
+      a->xrecv[n] = a->precv[n] = (uint64_t)(uintptr_t)cn->d[l].xrecv + o;
+    }
+  }
+  return 0;
+}
+
+/* (mu) Exchange buffers for the group's geometry. */
+static epd_result_t dev_alloc(cnet_t *cn, char *err, size_t errlen) {
+  size_t need = (size_t)cn->nodes * cn->g.max_tokens * cn->g.hidden * 4;
+  for (uint32_t l = 0; l < cn->L; l++) {
+    cnet_dev_t *d = &cn->d[l];
+    if (d->xbytes >= need) continue;
+    cudaSetDevice(d->device);
+    if (d->xsend) cudaFree(d->xsend);
+    if (d->xrecv) cudaFree(d->xrecv);
+    d->xsend = d->xrecv = NULL;
+    d->xbytes = 0;
+    cudaError_t e = cudaMalloc((void **)&d->xsend, need);
+    if (!e) e = cudaMalloc((void **)&d->xrecv, need);
+    if (e) {
+      snprintf(err, errlen, "cudaMalloc of %zu bytes of exchange buffers on GPU %d: %s", need, d->device,
+               cudaGetErrorString(e));
+      return EPD_ERR_NOMEM;
+    }
+    d->xbytes = need;
+  }
+  return EPD_OK;
+}
+
+/* Copy the side's 9 tables into the staging buffer and to the GPU (stream-ordered). */
+static epd_result_t upload(cnet_dev_t *d, const cnet_side_t *s, char *err, size_t errlen) {
+  const cnet_vec_t *v[9] = {&s->pre_rows, &s->post_rows, &s->puts,       &s->pre_off, &s->pre_terms,
+                            &s->pre_out,  &s->post_off,  &s->post_terms, &s->post_out};
+  size_t total = 0;
+  for (int i = 0; i < 9; i++) {
+    d->off[i] = total;
+    total += (v[i]->len + 255) / 256 * 256;
+  }
+  if (!total) return EPD_OK;
+  cudaError_t e;
+  if (total > d->tab_cap) {
+    size_t cap = total * 2;
+    if (d->tab_dev) cudaFree(d->tab_dev);
+    if (d->tab_host) cudaFreeHost(d->tab_host);
+    d->tab_dev = d->tab_host = NULL;
+    d->tab_cap = 0;
+    if ((e = cudaMalloc((void **)&d->tab_dev, cap)) || (e = cudaHostAlloc((void **)&d->tab_host, cap, 0))) {
+      snprintf(err, errlen, "allocating %zu bytes of step tables: %s", cap, cudaGetErrorString(e));
+      return EPD_ERR_NOMEM;
+    }
+    d->tab_cap = cap;
+  }
+  for (int i = 0; i < 9; i++)
+    if (v[i]->len) memcpy(d->tab_host + d->off[i], v[i]->p, v[i]->len);
+  if ((e = cudaMemcpyAsync(d->tab_dev, d->tab_host, total, cudaMemcpyHostToDevice, d->stream))) {
+    snprintf(err, errlen, "cudaMemcpyAsync (step tables): %s", cudaGetErrorString(e));
+    return EPD_ERR_CUDA;
+  }
+  return EPD_OK;
+}
+
+#define TAB(d, i, type) ((const type *)((d)->tab_dev + (d)->off[i]))
+
+/* Issue the step on every local GPU (no mu: the clients' memory is held, the program is ours). */
+static epd_result_t issue(cnet_t *cn, char *err, size_t errlen) {
+  cnet_prog_t *pg = &cn->prog;
+  uint32_t L = cn->L, H = cn->g.hidden;
+  int combine = pg->combine;
+  epd_result_t rc;
+  for (uint32_t l = 0; l < L; l++) {
+    cnet_dev_t *d = &cn->d[l];
+    const cnet_side_t *s = &pg->side[l];
+    cudaSetDevice(d->device);
+    if ((rc = upload(d, s, err, errlen))) return rc;
+    rc = combine
+             ? epd_k_net_wsum(TAB(d, 3, uint32_t), TAB(d, 4, epd_k_net_term_t), TAB(d, 5, uint64_t),
+                              cnet_count(&s->pre_out, 8), H, 1, d->stream)
+             : epd_k_net_rows(TAB(d, 0, epd_k_net_row_t), cnet_count(&s->pre_rows, sizeof(epd_k_net_row_t)),
+                              H, (int)cn->fp8, d->stream);
+    if (rc) {
+      snprintf(err, errlen, "launching the %s kernel on GPU %d failed", combine ? "partial-sum" : "pack",
+               d->device);
+      return rc;
+    }
+  }
+  /* The exchange: one grouped send/recv per rail peer of every other node. */
+  ncclResult_t nr = ncclGroupStart();
+  for (uint32_t l = 0; l < L && nr == ncclSuccess; l++) {
+    cnet_dev_t *d = &cn->d[l];
+    const cnet_side_t *s = &pg->side[l];
+    ncclComm_t comm = epd_cc_world(cn->cc, (int)l);
+    for (uint32_t n = 0; n < cn->nodes && nr == ncclSuccess; n++) {
+      if (n == cn->node) continue;
+      size_t o = (size_t)n * cn->g.max_tokens * H * 4;
+      int peer = (int)(n * L + l);
+      if (s->send_rows[n])
+        nr = ncclSend(d->xsend + o, s->send_rows[n] * pg->row_bytes, ncclUint8, peer, comm, d->stream);
+      if (nr == ncclSuccess && s->recv_rows[n])
+        nr = ncclRecv(d->xrecv + o, s->recv_rows[n] * pg->row_bytes, ncclUint8, peer, comm, d->stream);
+    }
+  }
+  ncclResult_t ne = ncclGroupEnd();
+  if (nr == ncclSuccess) nr = ne;
+  if (nr != ncclSuccess) {
+    snprintf(err, errlen, "ncclSend/ncclRecv: %s (%s)", ncclGetErrorString(nr), ncclGetLastError(NULL));
+    return EPD_ERR_NCCL;
+  }
+  /* Expansion reads the siblings' received rows: every GPU's exchange first. */
+  if (!combine && L > 1) {
+    for (uint32_t l = 0; l < L; l++) {
+      cudaSetDevice(cn->d[l].device);
+      cudaEventRecord(cn->d[l].xdone, cn->d[l].stream);
+    }
+    for (uint32_t l = 0; l < L; l++) {
+      cudaSetDevice(cn->d[l].device);
+      for (uint32_t p = 0; p < L; p++)
+        if (p != l) cudaStreamWaitEvent(cn->d[l].stream, cn->d[p].xdone, 0);
+    }
+  }
+  for (uint32_t l = 0; l < L; l++) {
+    cnet_dev_t *d = &cn->d[l];
+    const cnet_side_t *s = &pg->side[l];
+    cudaSetDevice(d->device);
+    if (combine) {
+      rc = epd_k_net_wsum(TAB(d, 6, uint32_t), TAB(d, 7, epd_k_net_term_t), TAB(d, 8, uint64_t),
+                          cnet_count(&s->post_out, 8), H, 0, d->stream);
+    } else {
+      rc = epd_k_net_rows(TAB(d, 1, epd_k_net_row_t), cnet_count(&s->post_rows, sizeof(epd_k_net_row_t)), H,
+                          (int)cn->fp8, d->stream);
+      if (!rc)
+        rc = epd_k_net_put(TAB(d, 2, epd_k_net_put_t), cnet_count(&s->puts, sizeof(epd_k_net_put_t)),
+                           d->stream);
+    }
+    if (rc) {
+      snprintf(err, errlen, "launching the %s kernel on GPU %d failed", combine ? "combine" : "expand",
+               d->device);
+      return rc;
+    }
+    cudaError_t e = cudaEventRecord(d->done, d->stream);
+    if (e) {
+      snprintf(err, errlen, "cudaEventRecord: %s", cudaGetErrorString(e));
+      return EPD_ERR_CUDA;
+    }
+  }
+  return EPD_OK;
+}
+
+/* (mu) Frames complete: decide, and run the step (mu released while issuing). */
+static void start_run(cnet_t *cn) {
+  epd_engine_t *eng = cn->eng;
+  char why[256] = "";
+  int peer = -1;
+  int st = decide(cn, &peer, why, sizeof why);
+  if (st) {
+    complete_all(cn, st, peer, why);
+    return;
+  }
+  char err[256] = "";
+  epd_result_t rc = dev_alloc(cn, err, sizeof err);
+  if (!rc) {
+    fill_addr(cn);
+    const epd_ref_plan_t *plan = &cn->plan[cn->bank];
+    rc = op_dispatch(cn->op)
+             ? cnet_build_dispatch(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cn->mode, (int)cn->fp8,
+                                   cn->addr)
+             : cnet_build_combine(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cn->mode, cn->addr);
+    if (rc) snprintf(err, sizeof err, "building the step program failed (%d)", rc);
+  }
+  if (rc) {
+    /* Every node decided to run: a node that cannot makes the others' exchange hang, so fail for good. */
+    eng_fail(eng, "group %s step %llu: %s", cn->gname, (unsigned long long)cn->step, err);
+    complete_all(cn, rc, -1, err);
+    return;
+  }
+  cn->phase = PH_RUN;
+  cn->run_ns = eng_now_ns();
+  pthread_mutex_unlock(&eng->mu);
+  rc = issue(cn, err, sizeof err);
+  cn->t_issued = eng_now_ns();
+  pthread_mutex_lock(&eng->mu);
+  if (rc) {
+    EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cn->gname, (unsigned long long)cn->step, err);
+    eng_fail(eng, "group %s step %llu: inter-node stage: %s", cn->gname, (unsigned long long)cn->step, err);
+    epd_cc_abort(cn->cc);
+    complete_all(cn, rc, -1, err);
+  }
+}
+
+/* (mu) The step's GPU work: done, failed, or past the timeout. */
+static int poll_run(cnet_t *cn, uint64_t now) {
+  epd_engine_t *eng = cn->eng;
+  int ready = 1;
+  for (uint32_t l = 0; l < cn->L; l++) {
+    cudaSetDevice(cn->d[l].device);
+    cudaError_t e = cudaEventQuery(cn->d[l].done);
+    if (e == cudaErrorNotReady) {
+      ready = 0;
+      continue;
+    }
+    if (e != cudaSuccess) {
+      EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: GPU %d failed: %s", cn->gname, (unsigned long long)cn->step,
+               cn->d[l].device, cudaGetErrorString(e));
+      eng_fail(eng, "GPU %d: inter-node stage failed: %s", cn->d[l].device, cudaGetErrorString(e));
+      complete_all(cn, EPD_ERR_CUDA, -1, cudaGetErrorString(e));
+      return 1;
+    }
+  }
+  if (ready) {
+    eng_group_t *grp = grp_alive(cn) ? cn->grp : NULL;
+    if (grp && op_dispatch(cn->op)) {
+      /* Statistics count this node's ranks' tokens (as the host backend's scale-out does). */
+      const epd_ref_plan_t *p = &cn->plan[cn->bank];
+      uint32_t M = cn->g.max_tokens, K = cn->g.topk, S = cn->g.slots_per_rank;
+      const uint8_t *f = cn->frame[cn->node] + sizeof(cnet_fhdr_t) + cn->L * sizeof(cnet_desc_t);
+      for (uint32_t l = 0; l < cn->L; l++) {
+        uint32_t src = cn->node * cn->L + l;
+        const int64_t *idx = (const int64_t *)f;
+        f += (size_t)p->num_tokens[src] * K * 12;
+        for (uint32_t t = 0; t < p->num_tokens[src]; t++)
+          for (uint32_t k = 0; k < K; k++) {
+            size_t row = ((size_t)src * M + t) * K + k;
+            if (p->dst_rank[row] < 0) continue;
+            int64_t e = idx[(size_t)t * K + k];
+            if (e >= 0 && e < (int64_t)cn->g.num_experts) grp->expert_tokens[e]++;
+            grp->slot_tokens[(size_t)p->dst_rank[row] * S + (size_t)p->dst_slot[row]]++;
+          }
+      }
+      cn->plan_valid[cn->bank] = 1;
+    }
+    uint64_t tx = 0, rx = 0; /* the exchange's payload counts with the control frames (metrics) */
+    for (uint32_t l = 0; l < cn->L; l++)
+      for (uint32_t n = 0; n < cn->nodes; n++) {
+        tx += (uint64_t)cn->prog.side[l].send_rows[n] * cn->prog.row_bytes;
+        rx += (uint64_t)cn->prog.side[l].recv_rows[n] * cn->prog.row_bytes;
+      }
+    epd_net_add_bytes(eng->o.net, tx, rx);
+    int o = !op_dispatch(cn->op);
+    uint64_t t_done = eng_now_ns();
+    cn->prof_n[o]++;
+    cn->prof_ns[o][0] += cn->t_sent - cn->last_ns;
+    cn->prof_ns[o][1] += cn->t_in - cn->t_sent;
+    cn->prof_ns[o][2] += cn->t_issued - cn->t_in;
+    cn->prof_ns[o][3] += t_done - cn->t_issued;
+    complete_all(cn, EPD_OK, -1, NULL);
+    return 1;
+  }
+  if (now > cn->run_ns && now - cn->run_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
+    char why[200];
+    snprintf(why, sizeof why,
+             "the inter-node exchange did not finish within %u ms (a node stopped mid-step?): world "
+             "communicator aborted",
+             eng->o.step_timeout_ms);
+    EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cn->gname, (unsigned long long)cn->step, why);
+    epd_cc_abort(cn->cc);
+    eng_fail(eng, "group %s step %llu: %s", cn->gname, (unsigned long long)cn->step, why);
+    complete_all(cn, EPD_ERR_TIMEOUT, -1, why);
+    return 1;
+  }
+  return 0;
+}
+
+/* (mu) Wait for every node's frame of the step. */
+static int wait_frames(cnet_t *cn, uint64_t now) {
+  epd_engine_t *eng = cn->eng;
+  epd_net_t *net = eng->o.net;
+  uint32_t L = cn->L;
+  for (uint32_t n = 0; n < cn->nodes; n++) {
+    if (n == cn->node || cn->frame[n]) continue;
+    cn->frame[n] = epd_net_take_payload(net, cn->gname, cn->step, n, &cn->flen[n]);
+    if (cn->frame[n]) continue;
+    char why[256], lw[160];
+    if (epd_net_node_dead(net, n, lw, sizeof lw)) {
+      snprintf(why, sizeof why, "the data link to node %u (ranks %u..%u) is down: %s", n, n * L,
+               n * L + L - 1, lw);
+      complete_all(cn, EPD_ERR_PEER, (int)(n * L), why);
+      return 1;
+    }
+    if (now > cn->first_ns && now - cn->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
+      snprintf(why, sizeof why,
+               "waited %u ms for rank %u: node %u (ranks %u..%u) did not send its part of the step",
+               eng->o.step_timeout_ms, n * L, n, n * L, n * L + L - 1);
+      EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cn->gname, (unsigned long long)cn->step, why);
+      eng->rank[n * L].timeouts++;
+      complete_all(cn, EPD_ERR_TIMEOUT, (int)(n * L), why);
+      return 1;
+    }
+    return 0;
+  }
+  cn->t_in = eng_now_ns();
+  start_run(cn);
+  return 1;
+}
+
+int eng_cuda_net_poll(cnet_t *cn) {
+  epd_engine_t *eng = cn->eng;
+  int moved = 0;
+  pthread_mutex_lock(&eng->mu);
+  uint64_t now = eng_now_ns();
+  if (cn->grp && cn->phase != PH_RUN && !grp_alive(cn)) group_reset(cn);
+  if (!cn->grp)
+    for (eng_group_t *g = eng->groups; g && !cn->grp; g = g->next)
+      for (uint32_t l = 0; l < cn->L; l++)
+        if (g->g.num_ranks == cn->W && g->client[cn->node * cn->L + l]) {
+          cn->grp = g;
+          cn->g = g->g;
+          snprintf(cn->gname, sizeof cn->gname, "%s", g->name);
+          cn->phase = PH_COLLECT;
+          int ok = 1;
+          for (unsigned b = 0; b < EPD_NUM_BANKS; b++)
+            ok &= epd_ref_plan_init(&cn->plan[b], &cn->g) == EPD_OK;
+          cn->plan_init = 1;
+          if (!ok) eng_fail(eng, "out of memory for the routing plans of group %s", g->name);
+          break;
+        }
+  if (cn->grp) {
+    if (cn->phase == PH_COLLECT && grp_alive(cn)) moved = collect(cn, now);
+    if (cn->phase == PH_WAIT) moved |= wait_frames(cn, now);
+    if (cn->phase == PH_RUN) moved |= poll_run(cn, now);
+  }
+  pthread_mutex_unlock(&eng->mu);
+  return moved;
+}
+
+#endif /* EPD_WITH_CUDA */

@@ -1,0 +1,169 @@
+#!/bin/bash
+# 65-two-nodes-cuda.sh - two nodes simulated on one host with GPUs: two daemons with engine.backend=cuda,
+# each owning one GPU (CUDA_VISIBLE_DEVICES 0 / 1), told they are different hosts (NCCL_HOSTID node0 /
+# node1) with NCCL's P2P and SHM transports off, so the inter-node stage (grouped ncclSend/ncclRecv on
+# the world communicator) really runs over NCCL's network transport (sockets on lo). cluster.nodes=2,
+# rendezvous over 127.0.0.1. One epd-worker per node checks every step against the reference:
+#   LL BF16 and FP8 (H 7168, 256 experts, top-8, 128 tokens, skewed and uniform), HT BF16 and FP8
+#   (256 tokens; BF16 also 4096 tokens with 16 experts); status shows transport nccl-p2p, the NCCL log shows
+#   NET/Socket; node 1 silent -> EPD_ERR_TIMEOUT naming rank 1; a second group is refused meanwhile;
+#   node 1 gone -> EPD_ERR_PEER naming rank 1 within 3 s.
+# Then (TWO_NODES_BASELINE=1, default) the same LL steps on ONE daemon driving both GPUs over NVLink.
+# TWO_NODES_QUICK=1: the LL cases only; TWO_NODES_NCCL_ENV: extra NCCL variables for the daemons.
+# Usage (repository root, GPU machine): bash tests/gpu/65-two-nodes-cuda.sh [build-dir]; logs go to
+# $TWO_NODES_OUT if set.
+set -u
+B=${1:-${EPD_BUILD:-build}}
+EPD=$B/bin/epd
+WORKER=$B/bin/epd-worker
+EPDCTL=$B/bin/epdctl
+for x in "$EPD" "$WORKER" "$EPDCTL"; do [ -x "$x" ] || { echo "skip: $x is not built"; exit 77; }; done
+[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] || { echo "skip: needs 2 GPUs"; exit 77; }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
+[ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
+T=$(mktemp -d)
+PIDS=()
+save_logs() { [ -n "${TWO_NODES_OUT:-}" ] && cp "$T"/*.log "$TWO_NODES_OUT"/ 2>/dev/null; }
+fail() {
+  echo "FAIL: $*"
+  for f in "$T"/*.out; do [ -f "$f" ] && sed "s/^/  $(basename "$f"): /" "$f" | tail -6; done
+  for f in "$T"/*.log; do [ -f "$f" ] && grep -v ' NCCL INFO ' "$f" | sed "s/^/  $(basename "$f")| /" | tail -25; done
+  save_logs
+  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  exit 1
+}
+cleanup() { save_logs; for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done; }
+trap cleanup EXIT
+trap 'exit 143' TERM INT
+wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
+PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+
+# node N: daemon of node N on GPU N.
+node() {
+  local n=$1 where="-o cluster.coordinator=127.0.0.1:$PORT"
+  [ "$n" = 0 ] && where="-o cluster.listen=127.0.0.1:$PORT"
+  mkdir -p "$T/n$n"
+  env ${TWO_NODES_NCCL_ENV:-} CUDA_VISIBLE_DEVICES=$n NCCL_HOSTID=node$n NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 \
+    NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_DEBUG=INFO \
+    timeout 280 "$EPD" -s "$T/n$n/control.sock" -f -o daemon.attach_socket="$T/n$n/attach.sock" \
+    -o engine.backend=cuda -o engine.num_ranks=1 -o engine.step_timeout_ms=5000 -o engine.max_tokens=4096 \
+    -o cluster.nodes=2 -o cluster.node_rank="$n" -o cluster.data_listen=127.0.0.1:0 \
+    -o cluster.timeout_ms=60000 -o daemon.drain_timeout_ms=1000 $where > "$T/node$n.log" 2>&1 &
+  PIDS+=($!)
+  eval "P_$n=$!"
+}
+# pair NAME ARGS...: the two world ranks of a group, rank r at node r (on GPU r).
+pair() {
+  local g=$1; shift
+  for r in 0 1; do
+    CUDA_VISIBLE_DEVICES=$r timeout 200 "$WORKER" -s "$T/n$r/control.sock" -g "$g" -r $r -n 2 "$@" \
+      > "$T/$g$r.out" 2>&1 &
+    eval "W_$g$r=$!"
+  done
+}
+expect_ok() {
+  local n pid rc
+  for n in "$@"; do
+    eval "pid=\$W_$n"
+    wait "$pid"; rc=$?
+    [ $rc -eq 0 ] || fail "worker $n exited $rc"
+    grep -q "steps ok" "$T/$n.out" || fail "worker $n printed no summary"
+    grep -h "steps ok\|bench" "$T/$n.out" | sed "s/^/   $n: /"
+  done
+}
+
+S0=$(date +%s%N)
+node 0
+node 1
+wait_for 120 test -S "$T/n0/attach.sock" || fail "node 0 did not come up"
+wait_for 60 test -S "$T/n1/attach.sock" || fail "node 1 did not come up"
+echo "== both nodes up in $(( ($(date +%s%N) - S0) / 1000000 )) ms (rendezvous + NCCL world communicator)"
+"$EPDCTL" -s "$T/n1/control.sock" status > "$T/status.out" || fail "epdctl status"
+grep -q "node 1 of 2, 2 world ranks, inter-node transport nccl-p2p" "$T/status.out" || fail "status: $(cat "$T/status.out")"
+grep -h "inter-node transport nccl-p2p" "$T/node0.log" | sed 's/^.*scale-out/   scale-out/' | head -1
+grep -q "GIN: " "$T/node0.log" || fail "the log does not say why GIN is not used"
+
+COMMON="--experts 256 --hidden 7168 --topk 8"
+echo "== LL BF16, skewed routing, 128 tokens, 20 steps"
+pair llb --steps 20 --seed 5 --skew $COMMON --tokens 128 --bench 200
+expect_ok llb0 llb1
+echo "== LL FP8, uniform routing, 128 tokens, 20 steps"
+pair llf --steps 20 --seed 7 --fp8 $COMMON --tokens 128 --bench 200
+expect_ok llf0 llf1
+if [ "${TWO_NODES_QUICK:-0}" != 1 ]; then
+echo "== HT FP8 skewed and HT BF16 (256 tokens, 8 steps), HT BF16 4096 tokens (16 experts, top-4, 2 steps)"
+pair htf --steps 8 --seed 4 --mode ht --fp8 --skew $COMMON --tokens 256 --bench 50
+expect_ok htf0 htf1
+pair htb --steps 8 --seed 8 --mode ht $COMMON --tokens 256 --bench 50
+expect_ok htb0 htb1
+pair htl --steps 2 --seed 6 --mode ht --experts 16 --hidden 7168 --topk 4 --tokens 4096 --bench 5
+expect_ok htl0 htl1
+echo "== LL small (hidden 256, 16 experts, top-4, 64 tokens), 40 steps"
+pair lls --steps 40 --seed 3 --hidden 256
+expect_ok lls0 lls1
+
+echo "== node 1 never submits: EPD_ERR_TIMEOUT naming rank 1; meanwhile a second group is refused"
+CUDA_VISIBLE_DEVICES=0 timeout 30 "$WORKER" -s "$T/n0/control.sock" -g to -r 0 -n 2 --steps 1 --hidden 256 > "$T/to.out" 2>&1 &
+W_TO=$!
+sleep 1
+CUDA_VISIBLE_DEVICES=0 timeout 30 "$WORKER" -s "$T/n0/control.sock" -g two -r 0 -n 2 --steps 1 --hidden 256 > "$T/two.out" 2>&1
+RC=$?
+[ $RC -eq 2 ] || fail "second group: worker exited $RC"
+grep -q "one group at a time" "$T/two.out" || fail "second group: $(cat "$T/two.out")"
+wait "$W_TO"; RC=$?
+[ $RC -eq 2 ] || fail "timeout case: worker exited $RC"
+grep -q "EPD_ERR_TIMEOUT.*peer rank 1" "$T/to.out" || fail "timeout does not name rank 1: $(cat "$T/to.out")"
+grep -q "node 1 (ranks 1..1) did not send" "$T/node0.log" || fail "the log does not say node 1 was silent"
+echo "   ok: $(grep -h EPD_ERR_TIMEOUT "$T/to.out" | head -1)"
+fi
+"$EPDCTL" -s "$T/n0/control.sock" metrics > "$T/metrics.out" || fail "metrics"
+grep -q '^epd_cluster_info{transport="nccl-p2p"} 1$' "$T/metrics.out" || fail "metrics: transport"
+R1=0
+if [ "${TWO_NODES_QUICK:-0}" != 1 ]; then
+  echo "== node 1 stops: EPD_ERR_PEER naming rank 1, promptly; node 0 keeps serving and stops cleanly"
+  kill -TERM "$P_1"; wait "$P_1"; R1=$? # its NCCL log lines reach the file; then it is gone for good
+  wait_for 5 grep -q "data link to node 1 lost" "$T/node0.log" || fail "node 0 did not notice the lost link"
+  S=$(date +%s%N)
+  CUDA_VISIBLE_DEVICES=0 timeout 30 "$WORKER" -s "$T/n0/control.sock" -g pe -r 0 -n 2 --steps 1 --hidden 256 > "$T/pe.out" 2>&1
+  RC=$?
+  MS=$(( ($(date +%s%N) - S) / 1000000 ))
+  [ $RC -eq 2 ] || fail "lost node: worker exited $RC"
+  grep -q "EPD_ERR_PEER.*peer rank 1" "$T/pe.out" || fail "lost node: no EPD_ERR_PEER naming rank 1: $(cat "$T/pe.out")"
+  [ $MS -lt 3000 ] || fail "lost node: the step failed only after $MS ms"
+  echo "   ok in $MS ms: $(grep -h EPD_ERR_PEER "$T/pe.out" | head -1)"
+  "$EPDCTL" -s "$T/n0/control.sock" status > /dev/null || fail "node 0 stopped serving after losing node 1"
+  kill -TERM "$P_0"
+else
+  kill -TERM "$P_0" "$P_1"
+  wait "$P_1"; R1=$?
+fi
+wait "$P_0"; R0=$?
+[ $R0 -eq 0 ] && [ $R1 -eq 0 ] || fail "daemons exited $R0 $R1 on SIGTERM"
+# NCCL's INFO lines reach the (block-buffered) log file at exit.
+grep -h " via " "$T/node0.log" "$T/node1.log" | head -4 | sed 's/^.*NCCL INFO/   NCCL INFO/'
+grep -q "via NET/Socket" "$T/node0.log" || fail "NCCL did not use its socket transport (no 'via NET/Socket' in the log)"
+grep -q "via P2P\|via SHM" "$T/node0.log" && fail "NCCL used P2P or SHM between the two nodes"
+save_logs
+
+if [ "${TWO_NODES_BASELINE:-1}" = 1 ]; then
+  echo "== baseline: the same LL steps on one daemon driving both GPUs (NVLink, LSA kernels)"
+  mkdir -p "$T/one"
+  timeout 120 "$EPD" -s "$T/one/control.sock" -f -o daemon.attach_socket="$T/one/attach.sock" -o engine.backend=cuda \
+    -o engine.num_ranks=2 -o engine.step_timeout_ms=5000 2> "$T/one.log" &
+  PO=$!
+  PIDS+=($PO)
+  wait_for 60 test -S "$T/one/attach.sock" || fail "single-node daemon did not come up"
+  for r in 0 1; do
+    timeout 100 "$WORKER" -s "$T/one/control.sock" -g b -r $r -n 2 --steps 20 --seed 5 --skew $COMMON --tokens 128 --bench 200 > "$T/b$r.out" 2>&1 &
+    eval "W_b$r=$!"
+  done
+  expect_ok b0 b1
+  for r in 0 1; do
+    timeout 100 "$WORKER" -s "$T/one/control.sock" -g f -r $r -n 2 --steps 20 --seed 7 --fp8 $COMMON --tokens 128 --bench 200 > "$T/f$r.out" 2>&1 &
+    eval "W_f$r=$!"
+  done
+  expect_ok f0 f1
+  kill -TERM "$PO"; wait "$PO"
+fi
+echo "65-two-nodes-cuda: all checks passed"
