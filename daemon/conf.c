@@ -5,6 +5,7 @@
 #define _GNU_SOURCE
 #include "conf.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <grp.h>
 #include <pwd.h>
@@ -260,6 +261,16 @@ static int parse_value(epd_conf_t *c, const conf_key_t *k, const char *value, ch
   }
   memcpy(v, value, vlen);
   v[vlen] = '\0';
+  /* A ';' after a blank starts an inline comment wherever the INI parser reads a key line, quotes or
+   * not: such a value (reachable through a continuation line or -o) could not be written back to a
+   * config file (found by fuzz_conf). */
+  if (k->type == CT_STRING || k->type == CT_IDLIST || k->type == CT_ENUM)
+    for (size_t i = 1; i < vlen; i++)
+      if (v[i] == ';' && isspace((unsigned char)v[i - 1])) {
+        seterr(err, errlen, "%s: a ';' after a blank (offset %zu) would be read as a comment in a config file; "
+               "remove the blank", k->name, i);
+        return -1;
+      }
   switch (k->type) {
   case CT_STRING:
     if (vlen >= k->size) {
