@@ -64,7 +64,26 @@ struct BankState {
 struct LLLayout {
   uint64_t bank_bytes;
   uint64_t dflag, cflag, meta, xstg, cstg, cpos, rtok, rmask, st;
+  uint64_t ann;       /* after both banks: persistent-mode announcement word of each rank [R] u64 */
+  uint64_t area_bytes; /* whole LL area: both banks and the announcement area */
 };
+
+/* Device scratch of a persistent kernel (zeroed before each launch): the leader's decision for each
+ * index and the op it publishes to the other blocks of its rank, and the last op's outcome. */
+struct PBuf {
+  epd_desc_t desc;
+  uint32_t slot, repver;
+  uint64_t t0;
+  uint32_t pad[12];
+};
+struct PDev {
+  uint64_t go;       /* (index + 1) << 1 | run */
+  uint64_t done_ops; /* ops whose completion (slot DONE) is written */
+  int32_t last_err;
+  uint32_t pad0[11];
+  PBuf b[2];
+};
+static_assert(sizeof(PDev) <= 512, "PDev fits the scratch");
 
 struct LLParams {
   ncclWindow_t win;
@@ -82,6 +101,13 @@ struct LLParams {
   uint32_t *done_state; /* persistent mode: the slot state word set to EPD_SLOT_DONE by the last block */
   uint64_t user_tag;
   epd_k_arena_t arena;
+  /* persistent mode (pdev != NULL) */
+  PDev *pdev;
+  const epd_k_pctl_t *ctl; /* abort word of the flag waits (also set by itself for nothing else) */
+  epd_k_pprog_t *prog;
+  epd_queue_t *pq;
+  uint64_t popn, pstep, pt0, psteps0;
+  uint32_t prepver;
 };
 
 #define TRACE(i)                                                              \
@@ -104,6 +130,7 @@ struct WaitResult {
   uint32_t T[EPD_K_MAX_RANKS];
   uint32_t errbits[EPD_K_MAX_RANKS];
   int timeout_src; /* lowest rank whose flag did not arrive, or INT_MAX */
+  int abort_peer;  /* persistent mode: the host's abort word (1 + rank) seen while waiting, or 0 */
 };
 
 /* Wait (whole block) for the R*G flags `flags[src][g]` of sequence `seq`, until `deadline`. */
@@ -113,16 +140,26 @@ __device__ void wait_flags(const LLParams &p, const uint64_t *flags, uint32_t se
     wr->T[threadIdx.x] = 0;
     wr->errbits[threadIdx.x] = 0;
   }
-  if (threadIdx.x == 0) wr->timeout_src = 0x7fffffff;
+  if (threadIdx.x == 0) {
+    wr->timeout_src = 0x7fffffff;
+    wr->abort_peer = 0;
+  }
   __syncthreads();
   for (uint32_t i = threadIdx.x; i < p.R * p.G; i += blockDim.x) {
     uint32_t src = i / p.G, g = i % p.G;
     uint64_t v;
     bool ok = false;
-    for (;;) {
+    for (uint32_t n = 1;; n++) {
       v = ld_acquire_sys(flags + i);
       if ((uint32_t)(v >> 32) == seq) { ok = true; break; }
       if (gtimer() > deadline) break;
+      if (p.ctl && (n & 255) == 0) { /* host-mapped: a PCIe read, so only now and then */
+        uint32_t ab = *(volatile const uint32_t *)&p.ctl->abort;
+        if (ab) {
+          atomicCAS(&wr->abort_peer, 0, (int)ab);
+          break;
+        }
+      }
     }
     if (!ok) {
       atomicMin(&wr->timeout_src, (int)src);
@@ -148,7 +185,10 @@ __device__ void wait_status(const LLParams &p, const WaitResult *wr, int *code, 
       return;
     }
   }
-  if (wr->timeout_src != 0x7fffffff) {
+  if (wr->abort_peer) {
+    *code = EPD_ERR_PEER;
+    *peer = wr->abort_peer - 1;
+  } else if (wr->timeout_src != 0x7fffffff) {
     *code = EPD_ERR_TIMEOUT;
     *peer = wr->timeout_src;
   }
@@ -185,10 +225,35 @@ __device__ void finish_block(const LLParams &p, BankState *st, int opi, uint32_t
     if (is_dispatch) comp->num_recv = c ? 0u : total;
     if (is_dispatch && p.map) comp->map_version = __ldcg(p.map);
     if (p.done_state) comp->user_tag = p.user_tag;
+    if (p.pdev) {
+      comp->map_version = p.prepver; /* a combine reports its bank's dispatch version */
+      comp->step = p.pstep;
+      comp->latency_ns = gtimer() - p.pt0;
+      comp->num_recv = is_dispatch && !c ? total : 0u;
+    }
+  }
+  if (p.pdev) {
+    volatile epd_queue_t *q = p.pq;
+    if (c && q->sticky_error == 0) q->sticky_error = c;
+    q->map_version = __ldcg(p.map);
+    q->steps_done = p.psteps0 + p.popn + 1;
+    volatile epd_k_prec_t *rec = &p.prog->rec[p.popn % EPD_K_PREC];
+    rec->op = is_dispatch ? EPD_OP_LL_DISPATCH : EPD_OP_LL_COMBINE;
+    rec->status = c;
+    rec->peer = c ? pe : -1;
+    rec->num_recv = is_dispatch && !c ? total : 0u;
+    rec->latency_ns = comp ? comp->latency_ns : 0;
+    rec->seq = p.popn + 1;
   }
   __threadfence_system();
   if (p.done_state) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p.done_state), "r"((uint32_t)EPD_SLOT_DONE) : "memory");
+  }
+  if (p.pdev) {
+    *(volatile uint64_t *)&p.prog->ops = p.popn + 1;
+    *(volatile int32_t *)&p.pdev->last_err = c;
+    __threadfence();
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(&p.pdev->done_ops), "l"(p.popn + 1) : "memory");
   }
 }
 
@@ -619,29 +684,178 @@ __device__ void ll_combine_body(const LLParams &p) {
 
 __global__ void __launch_bounds__(NTHR) ll_dispatch_kernel(const LLParams p) { ll_dispatch_body(p); }
 
-/* Persistent LL kernel: every block walks the queue's ring on its own (same order on every block), waits
- * for a SUBMITTED slot, runs the op body; the op's last block writes the completion and sets the slot
- * DONE, so no block can fall a slot behind. Returns when *stop != 0 while idle. */
-__global__ void __launch_bounds__(NTHR)
-    ll_persistent_kernel(LLParams base, epd_queue_t *q, const volatile uint32_t *stop, uint32_t first_slot) {
+/* Arguments of the persistent kernel besides the LL parameters. */
+struct PArgs {
+  epd_queue_t *q;
+  const epd_k_pctl_t *ctl;
+  epd_k_pprog_t *prog;
+  PDev *pd;
+  uint32_t first_slot, bv0, bv1;
+  uint64_t index0, step0, steps0;
+};
+
+__device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t ld_acquire_gpu_u64(const uint64_t *p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu_u64(uint64_t *p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+/* This rank's announcement word in rank `peer`'s window. */
+__device__ __forceinline__ uint64_t *ann_word(const LLParams &p, uint32_t peer, uint32_t src) {
+  return (uint64_t *)ncclGetLsaPointer(p.win, p.win_off + p.lay.ann, (int)peer) + src;
+}
+
+/* Persistent LL kernel (epd_kernels.h "Persistent mode"). Block 0's first warp decides each op with the
+ * peers and publishes it in PDev; the other blocks follow. Every block runs the op body; the op's last
+ * block completes the slot. */
+__global__ void __launch_bounds__(NTHR) ll_persistent_kernel(LLParams base, PArgs a) {
   __shared__ int sh_go;
   __shared__ epd_desc_t sh_desc;
-  uint32_t pos = first_slot;
+  __shared__ uint32_t sh_slot, sh_repver;
+  __shared__ uint64_t sh_t0;
+  const uint32_t tid = threadIdx.x, lane = tid & 31;
+  const uint32_t FULL = 0xffffffffu;
+  PDev *pd = a.pd;
+  epd_queue_t *q = a.q;
+  uint64_t idx = a.index0, opn = 0;
+  /* leader state (warp 0 of block 0, the same value in every lane) */
+  uint32_t pos = a.first_slot % EPD_QUEUE_SLOTS, bv0 = a.bv0, bv1 = a.bv1;
+  const uint32_t mapver = __ldcg(base.map);
   for (;;) {
-    epd_slot_t *sl = &q->slot[pos % EPD_QUEUE_SLOTS];
-    if (threadIdx.x == 0) {
-      int go = 0;
-      for (;;) {
-        uint32_t stv;
-        asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(stv) : "l"(&sl->state) : "memory");
-        if (stv == EPD_SLOT_SUBMITTED) { go = 1; break; }
-        if (*stop) break;
+    if (blockIdx.x == 0 && tid < 32) {
+      /* the previous op's slot must be DONE before the ring is scanned again */
+      if (opn > 0) {
+        if (lane == 0)
+          while (ld_acquire_gpu_u64(&pd->done_ops) < opn) {
+          }
+        __syncwarp();
       }
-      sh_go = go;
-      if (go) {
-        const volatile uint32_t *d = (const volatile uint32_t *)&sl->desc;
-        uint32_t *o = (uint32_t *)&sh_desc;
-        for (int i = 0; i < (int)(sizeof(epd_desc_t) / 4); i++) o[i] = d[i];
+      const int lasterr = opn ? *(volatile int32_t *)&pd->last_err : 0;
+      int run = 0, rpeer = -1;
+      uint32_t reason = 0, s = pos, op = 0, bank = 0;
+      uint64_t t0 = 0;
+      if (lasterr == EPD_ERR_TIMEOUT || lasterr == EPD_ERR_PEER) {
+        reason = EPD_K_PEXIT_ERROR;
+      } else {
+        for (;;) {
+          const uint64_t lim = *(volatile const uint64_t *)&a.ctl->limit;
+          const uint32_t ab = *(volatile const uint32_t *)&a.ctl->abort;
+          if (idx >= lim || ab) {
+            reason = EPD_K_PEXIT_LIMIT;
+            break;
+          }
+          uint32_t stv = lane < EPD_QUEUE_SLOTS ? ld_acquire_sys_u32(&q->slot[(pos + lane) % EPD_QUEUE_SLOTS].state) : 0u;
+          uint32_t m = __ballot_sync(FULL, lane < EPD_QUEUE_SLOTS && stv == EPD_SLOT_SUBMITTED);
+          if (m) {
+            s = (pos + (uint32_t)__ffs(m) - 1) % EPD_QUEUE_SLOTS;
+            __syncwarp(); /* the acquiring lane's load is ordered before every lane's descriptor load */
+            uint32_t w = lane < 16 ? ((volatile const uint32_t *)&q->slot[s].desc)[lane] : 0u;
+            if (lane < 16) ((uint32_t *)&sh_desc)[lane] = w;
+            op = __shfl_sync(FULL, w, 0);
+            bank = __shfl_sync(FULL, w, 3);
+            t0 = gtimer();
+            if ((op == EPD_OP_LL_DISPATCH || op == EPD_OP_LL_COMBINE) && bank < EPD_NUM_BANKS) run = 1;
+            else reason = EPD_K_PEXIT_OP;
+            break;
+          }
+        }
+      }
+      /* announce to every rank (this rank's word in each window), then agree */
+      const uint64_t word = ((idx + 1) << 16) | (run ? 0u : 0x100u) | ((op & 0xfu) << 4) | (bank & 0xfu);
+      if (lane < base.R) st_relaxed_sys(ann_word(base, lane, base.rank), word);
+      if (lane == 0) *(volatile uint64_t *)&a.prog->announced = idx + 1;
+      if (run) {
+        const uint64_t tmo = base.timeout_ns * 4, deadline = gtimer() + tmo;
+        uint64_t v = 0;
+        if (lane < base.R) {
+          const uint64_t *mine = (const uint64_t *)(base.local + base.lay.ann) + lane;
+          for (;;) {
+            v = ld_acquire_sys(mine);
+            if ((v >> 16) >= idx + 1) break;
+            if (gtimer() > deadline) {
+              v = 0;
+              break;
+            }
+          }
+        }
+        const bool in = lane < base.R;
+        const uint32_t bex = __ballot_sync(FULL, in && v && ((v & 0x100u) || (v >> 16) != idx + 1));
+        const uint32_t bmm = __ballot_sync(FULL, in && v && (v & 0xffu) != (word & 0xffu));
+        const uint32_t bto = __ballot_sync(FULL, in && !v);
+        if (bex) {
+          run = 0;
+          reason = EPD_K_PEXIT_PEER;
+          rpeer = __ffs(bex) - 1;
+        } else if (bmm) {
+          run = 0;
+          reason = EPD_K_PEXIT_MISMATCH;
+          rpeer = __ffs(bmm) - 1;
+        } else if (bto) {
+          run = 0;
+          reason = EPD_K_PEXIT_SYNC_TIMEOUT;
+          rpeer = __ffs(bto) - 1;
+        }
+      }
+      uint32_t repver = 0;
+      if (run) {
+        if (op == EPD_OP_LL_DISPATCH) {
+          repver = mapver;
+          if (bank == 0) bv0 = repver;
+          else bv1 = repver;
+        } else {
+          repver = bank == 0 ? bv0 : bv1;
+          if (!repver) repver = mapver;
+        }
+        pos = (s + 1) % EPD_QUEUE_SLOTS;
+        PBuf *pb = &pd->b[idx & 1];
+        if (lane < 16) ((volatile uint32_t *)&pb->desc)[lane] = ((uint32_t *)&sh_desc)[lane];
+        if (lane == 0) {
+          pb->slot = s;
+          pb->repver = repver;
+          pb->t0 = t0;
+          volatile epd_k_pprog_t *pr = a.prog;
+          pr->bank_ver[0] = bv0;
+          pr->bank_ver[1] = bv1;
+          pr->taken = idx + 1;
+        }
+      } else if (lane == 0) {
+        volatile epd_k_pprog_t *pr = a.prog;
+        pr->exit_index = idx;
+        pr->slot = pos;
+        pr->reason = reason;
+        pr->exit_peer = rpeer;
+        pr->bank_ver[0] = bv0;
+        pr->bank_ver[1] = bv1;
+        __threadfence_system();
+        pr->exited = 1;
+      }
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence();
+        st_release_gpu_u64(&pd->go, ((idx + 1) << 1) | (uint64_t)run);
+        sh_go = run;
+        sh_slot = s;
+        sh_repver = repver;
+        sh_t0 = t0;
+      }
+    } else if (blockIdx.x != 0 && tid == 0) {
+      uint64_t g;
+      while (((g = ld_acquire_gpu_u64(&pd->go)) >> 1) != idx + 1) {
+      }
+      sh_go = (int)(g & 1);
+      if (sh_go) {
+        const PBuf *pb = &pd->b[idx & 1];
+        for (int i = 0; i < 16; i++) ((uint32_t *)&sh_desc)[i] = ((volatile const uint32_t *)&pb->desc)[i];
+        sh_slot = *(volatile const uint32_t *)&pb->slot;
+        sh_repver = *(volatile const uint32_t *)&pb->repver;
+        sh_t0 = *(volatile const uint64_t *)&pb->t0;
       }
     }
     __syncthreads();
@@ -650,20 +864,23 @@ __global__ void __launch_bounds__(NTHR)
     p.flags = sh_desc.flags;
     p.T = sh_desc.num_tokens > 0xffffffu ? 0xffffffu : sh_desc.num_tokens;
     p.bank = sh_desc.bank;
-    p.comp = &sl->comp;
-    p.done_state = &sl->state;
+    p.comp = &q->slot[sh_slot].comp;
+    p.done_state = &q->slot[sh_slot].state;
     p.user_tag = sh_desc.user_tag;
-    BankState *st = (BankState *)(p.local + (p.bank < EPD_NUM_BANKS ? p.bank : 0) * p.lay.bank_bytes + p.lay.st);
-    if (sh_desc.bank >= EPD_NUM_BANKS || (sh_desc.op != EPD_OP_LL_DISPATCH && sh_desc.op != EPD_OP_LL_COMBINE)) {
-      p.bank = 0;
-      finish_block(p, st, 0, __ldcg(&st->seq[0][blockIdx.x]), EPD_ERR_INVALID, -1, 0, 0);
-    } else if (sh_desc.op == EPD_OP_LL_DISPATCH) {
-      ll_dispatch_body(p);
-    } else {
-      ll_combine_body(p);
-    }
+    p.pdev = pd;
+    p.ctl = a.ctl;
+    p.prog = a.prog;
+    p.pq = q;
+    p.popn = opn;
+    p.pstep = a.step0 + opn;
+    p.pt0 = sh_t0;
+    p.psteps0 = a.steps0;
+    p.prepver = sh_repver;
+    if (sh_desc.op == EPD_OP_LL_DISPATCH) ll_dispatch_body(p);
+    else ll_combine_body(p);
     __syncthreads();
-    pos++;
+    idx++;
+    opn++;
   }
 }
 __global__ void __launch_bounds__(NTHR) ll_combine_kernel(const LLParams p) { ll_combine_body(p); }
@@ -686,6 +903,8 @@ LLLayout make_layout(const epd_k_ll_geom_t *g, uint32_t G) {
   l.rmask = take(M * 8);
   l.st = take(sizeof(BankState));
   l.bank_bytes = align_up(o, 4096);
+  l.ann = l.bank_bytes * EPD_NUM_BANKS;
+  l.area_bytes = l.ann + align_up(R * 8, 4096);
   return l;
 }
 
@@ -701,6 +920,8 @@ struct epd_k_ll {
   size_t win_off;
   LLLayout lay;
   int device;
+  PDev *pdev; /* persistent-mode scratch */
+  long resident; /* persistent kernel blocks resident at once on this GPU */
 };
 
 static uint32_t geom_blocks(const epd_k_ll_geom_t *g) { return g->blocks ? g->blocks : EPD_K_LL_BLOCKS; }
@@ -728,7 +949,7 @@ static epd_result_t check_geom(const epd_k_ll_geom_t *g, char *err, size_t errle
 extern "C" {
 
 size_t epd_k_ll_window_bytes(const epd_k_ll_geom_t *g) {
-  return (size_t)(make_layout(g, geom_blocks(g)).bank_bytes * EPD_NUM_BANKS);
+  return (size_t)make_layout(g, geom_blocks(g)).area_bytes;
 }
 
 size_t epd_k_map_bytes(uint32_t num_experts) {
@@ -813,6 +1034,7 @@ epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm
     int nsm = 0, per_sm = 0;
     cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, k->device);
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ll_persistent_kernel, NTHR, 0);
+    k->resident = (long)nsm * per_sm;
     if ((long)nsm * per_sm < (long)k->g.blocks) {
       if (err && errlen)
         snprintf(err, errlen, "blocks = %u exceeds the %d x %d blocks this GPU keeps resident", k->g.blocks, nsm, per_sm);
@@ -826,10 +1048,12 @@ epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm
     free(k);
     return r;
   }
-  cudaError_t ce = cudaMemset(k->local, 0, k->lay.bank_bytes * EPD_NUM_BANKS);
+  cudaError_t ce = cudaMalloc((void **)&k->pdev, 512);
+  if (ce == cudaSuccess) ce = cudaMemset(k->local, 0, k->lay.area_bytes);
   if (ce == cudaSuccess) ce = cudaDeviceSynchronize();
   if (ce != cudaSuccess) {
     if (err && errlen) snprintf(err, errlen, "zeroing the LL area: %s", cudaGetErrorString(ce));
+    if (k->pdev) cudaFree(k->pdev);
     ncclDevCommDestroy(lsa_comm, &k->dev);
     free(k);
     return EPD_ERR_CUDA;
@@ -841,11 +1065,12 @@ epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm
 void epd_k_ll_destroy(epd_k_ll_t *k) {
   if (!k) return;
   if (k->have_dev) ncclDevCommDestroy(k->comm, &k->dev);
+  if (k->pdev) cudaFree(k->pdev);
   free(k);
 }
 
 epd_result_t epd_k_ll_reset(epd_k_ll_t *k, void *stream) {
-  cudaError_t ce = cudaMemsetAsync(k->local, 0, k->lay.bank_bytes * EPD_NUM_BANKS, (cudaStream_t)stream);
+  cudaError_t ce = cudaMemsetAsync(k->local, 0, k->lay.area_bytes, (cudaStream_t)stream);
   return ce == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
 }
 
@@ -886,18 +1111,32 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
 }
 
 epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map,
-                                        epd_queue_t *queue, const uint32_t *stop, uint32_t first_slot,
-                                        uint64_t timeout_ns, void *stream) {
-  if (!k || !arena || !map || !queue || !stop) return EPD_ERR_INVALID;
+                                        const epd_k_persist_t *ps, void *stream) {
+  if (!k || !arena || !map || !ps || !ps->queue || !ps->ctl || !ps->prog) return EPD_ERR_INVALID;
   LLParams p;
   memset(&p, 0, sizeof(p));
   params_from_ctx(p, k);
-  p.timeout_ns = timeout_ns ? timeout_ns : EPD_K_DEFAULT_TIMEOUT_NS;
+  p.timeout_ns = ps->timeout_ns ? ps->timeout_ns : EPD_K_DEFAULT_TIMEOUT_NS;
   p.map = (const uint32_t *)map;
   p.arena = *arena;
-  ll_persistent_kernel<<<p.G, NTHR, 0, (cudaStream_t)stream>>>(p, queue, (const volatile uint32_t *)stop, first_slot);
+  PArgs a;
+  memset(&a, 0, sizeof(a));
+  a.q = ps->queue;
+  a.ctl = ps->ctl;
+  a.prog = ps->prog;
+  a.pd = k->pdev;
+  a.first_slot = ps->first_slot;
+  a.bv0 = ps->bank_ver[0];
+  a.bv1 = ps->bank_ver[1];
+  a.index0 = ps->index0;
+  a.step0 = ps->step0;
+  a.steps0 = ps->steps_done0;
+  if (cudaMemsetAsync(k->pdev, 0, sizeof(PDev), (cudaStream_t)stream) != cudaSuccess) return EPD_ERR_CUDA;
+  ll_persistent_kernel<<<p.G, NTHR, 0, (cudaStream_t)stream>>>(p, a);
   return cudaGetLastError() == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
 }
+
+long epd_k_ll_resident_blocks(const epd_k_ll_t *k) { return k ? k->resident : 0; }
 
 epd_result_t epd_k_ll_dispatch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map,
                                uint32_t bank, uint32_t num_tokens, uint32_t flags, epd_comp_t *comp,
