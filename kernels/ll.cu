@@ -776,10 +776,10 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(LLParams base, PArg
         uint64_t v = 0;
         if (lane < base.R) {
           const uint64_t *mine = (const uint64_t *)(base.local + base.lay.ann) + lane;
-          for (;;) {
+          for (uint32_t n = 1;; n++) {
             v = ld_acquire_sys(mine);
             if ((v >> 16) >= idx + 1) break;
-            if (gtimer() > deadline) {
+            if (gtimer() > deadline || ((n & 255) == 0 && *(volatile const uint32_t *)&a.ctl->abort)) {
               v = 0;
               break;
             }
@@ -847,8 +847,7 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(LLParams base, PArg
       }
     } else if (blockIdx.x != 0 && tid == 0) {
       uint64_t g;
-      while (((g = ld_acquire_gpu_u64(&pd->go)) >> 1) != idx + 1) {
-      }
+      while (((g = ld_acquire_gpu_u64(&pd->go)) >> 1) != idx + 1) __nanosleep(64);
       sh_go = (int)(g & 1);
       if (sh_go) {
         const PBuf *pb = &pd->b[idx & 1];
