@@ -721,7 +721,8 @@ static int pers_eligible(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
   eng_group_t *grp = cg->grp;
   if (be->mode != MODE_PERSISTENT || cg->pfail || !grp || cg->setup_failed || !cg->have_win) return 0;
   /* a carried first arrival is used by the next collection; it lapses if nobody arrives */
-  if (cg->pcarry_ns && eng_now_ns() - cg->pcarry_ns > 2 * be->timeout_ns) cg->pcarry_ns = 0;
+  uint64_t t = eng_now_ns();
+  if (cg->pcarry_ns && t > cg->pcarry_ns && t - cg->pcarry_ns > 2 * be->timeout_ns) cg->pcarry_ns = 0;
   if (cg->phase != PH_COLLECT || cg->narrived || cg->need_reset || cg->pcarry_ns) return 0;
   if (eng->draining || epd_engine_failure(eng) || grp->has_staged) return 0;
   for (int r = 0; r < be->ndev; r++)
@@ -931,7 +932,7 @@ static const char *pers_stop_reason(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t
   } else if (cg->pwait_ann != wait_ann) {
     cg->pwait_ann = wait_ann;
     cg->pwait_ns = now;
-  } else if (now - cg->pwait_ns > be->timeout_ns) {
+  } else if (now > cg->pwait_ns && now - cg->pwait_ns > be->timeout_ns) {
     cg->pcarry_ns = cg->pwait_ns;
     return "a peer's client does not submit";
   }
@@ -979,13 +980,15 @@ static int pers_poll(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self_
     return 1;
   }
   /* Every wait of the kernels is bounded; past the step timeout, make the flag waits give up. */
-  if (!cg->pabort && now - cg->pstop_ns > be->timeout_ns + 1000000000ull) {
+  /* (now was read before the lock: another thread may have stamped the stop later) */
+  uint64_t since = now > cg->pstop_ns ? now - cg->pstop_ns : 0;
+  if (!cg->pabort && since > be->timeout_ns + 1000000000ull) {
     EPD_LOGW(EPD_SUB_CUDA, "group %s: persistent kernels still running %.1f s after the stop: aborting their waits",
-             cg->name, (now - cg->pstop_ns) / 1e9);
+             cg->name, since / 1e9);
     for (uint32_t r = 0; r < cg->g.num_ranks; r++)
       if (cg->rk[r].pctl) __atomic_store_n(&cg->rk[r].pctl->abort, r + 1, __ATOMIC_SEQ_CST);
     cg->pabort = 1;
-  } else if (cg->pabort == 1 && now - cg->pstop_ns > 5 * be->timeout_ns + 5000000000ull) {
+  } else if (cg->pabort == 1 && since > 5 * be->timeout_ns + 5000000000ull) {
     eng_fail(eng, "group %s: persistent kernels do not stop", cg->name);
     cg->pabort = 2;
   }

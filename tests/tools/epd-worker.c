@@ -399,6 +399,7 @@ int main(int argc, char **argv) {
   double t_ops = 0;
   uint32_t flags = A.fp8 ? EPD_DESC_FP8 : 0;
   int nht = 0;
+  uint64_t step0 = 0; /* group step of the first dispatch: every op is one group step */
   for (int step = 0; step < A.steps; step++) {
     /* --ht-every N: every N-th step is an HT step in an LL group (same buffers, other kinds) */
     const int ht = A.ht || (A.ht_every > 0 && step % A.ht_every == A.ht_every - 1);
@@ -437,6 +438,12 @@ int main(int argc, char **argv) {
     }
     epd_comp_t comp;
     epd_op_status(ep, &comp);
+    if (step == 0) step0 = comp.step;
+    if (comp.step != step0 + 2 * (uint64_t)step) {
+      fprintf(stderr, "rank %d step %d: dispatch ran as group step %llu, want %llu\n", A.rank, step,
+              (unsigned long long)comp.step, (unsigned long long)(step0 + 2 * (uint64_t)step));
+      bad_steps++;
+    }
     if (comp.map_version != map.version) {
       int t = table_map(ep, &map, g.num_experts, R, S);
       if (t == -2 || (t == -1 && fetch_map(&map, g.num_experts, R, S))) return 2;
@@ -526,6 +533,13 @@ int main(int argc, char **argv) {
     if (rc) {
       fprintf(stderr, "rank %d step %d: combine failed: %s\n", A.rank, step, epd_last_error(ep));
       return 2;
+    }
+    epd_comp_t ccomp;
+    epd_op_status(ep, &ccomp);
+    if (ccomp.step != comp.step + 1 || ccomp.map_version != comp.map_version) {
+      fprintf(stderr, "rank %d step %d: combine ran as group step %llu map %u, want %llu map %u\n", A.rank, step,
+              (unsigned long long)ccomp.step, ccomp.map_version, (unsigned long long)comp.step + 1, comp.map_version);
+      bad_steps++;
     }
     /* OUT[t] = sum over valid entries of w * scale(dest) * x, x as the destination received it. */
     rd(out, bufp(ep, EPD_BUF_OUT, bank, (size_t)M * H * 2), (size_t)T * H * 2);
