@@ -2,7 +2,9 @@
 """Merge one run of bench/e2e/run_gpu.sh (unpacked e2e-results.tgz) into bench/results/:
 bench_e2e_h200x2.json and bench_e2e_h200x2.md.
 
-    python3 bench/e2e/report.py RUN_DIR [OUT_DIR] [--command TEXT]
+    python3 bench/e2e/report.py RUN_DIR [OUT_DIR] [--command=TEXT] [--name=BASENAME]
+
+A run with PERSIST=1 (cases mps-launch and mps-persist) also gets a side-by-side table of the two modes.
 
 Per-iteration arrays of the two ranks are merged by taking, per iteration, the slower rank (ranks run
 each step together); per-op arrays of the pipelined modes likewise. Figures are medians with p10-p90.
@@ -46,11 +48,14 @@ def merge(pair):
 
 
 def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--command")]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    name = "bench_e2e_h200x2"
     cmd = "bash bench/e2e/run_gpu.sh build-e2e/bundle (run tool, nvidia-h200-x2)"
     for a in sys.argv[1:]:
         if a.startswith("--command="):
             cmd = a.split("=", 1)[1]
+        if a.startswith("--name="):
+            name = a.split("=", 1)[1]
     run = args[0]
     outdir = args[1] if len(args) > 1 else "bench/results"
     with open(os.path.join(run, "inproc", "bench_ll.json")) as f:
@@ -66,7 +71,7 @@ def main():
                       "inproc" in k or "e2e" in k},
            "configs": {}}
     res["inproc_raw"] = inproc
-    for cfg in ("nomps", "nomps-spin", "mps-spin"):
+    for cfg in ("nomps", "nomps-spin", "mps-spin", "mps-launch", "mps-persist"):
         c = {}
         pair = load_pair(os.path.join(run, cfg, "e2e"))
         if pair:
@@ -81,9 +86,10 @@ def main():
             pass
         res["configs"][cfg] = c
     os.makedirs(outdir, exist_ok=True)
-    with open(os.path.join(outdir, "bench_e2e_h200x2.json"), "w") as f:
+    res["configs"] = {k: v for k, v in res["configs"].items() if v}
+    with open(os.path.join(outdir, name + ".json"), "w") as f:
         json.dump(res, f, indent=1)
-    write_md(res, inproc, os.path.join(outdir, "bench_e2e_h200x2.md"))
+    write_md(res, inproc, os.path.join(outdir, name + ".md"))
 
 
 def find(d, *names):
@@ -128,7 +134,10 @@ def write_md(res, inproc, path):
                                                    kern("bf16", "c"), inproc_step("fp8"), inproc_step("bf16")))
     for cfg, title in (("nomps", "no MPS, default poll loop (spin 256 polls, then 2 µs sleeps)"),
                        ("nomps-spin", "no MPS, EPD_CUDA_SPIN_NS=20000000 (rank threads do not sleep while busy)"),
-                       ("mps-spin", "CUDA MPS on, EPD_CUDA_SPIN_NS=20000000")):
+                       ("mps-spin", "CUDA MPS on, EPD_CUDA_SPIN_NS=20000000"),
+                       ("mps-launch", "CUDA MPS on, EPD_CUDA_MODE=launch (a kernel launch per op), EPD_CUDA_SPIN_NS=20000000"),
+                       ("mps-persist", "CUDA MPS on, EPD_CUDA_MODE=persistent (persistent kernels serve the queues), "
+                                       "EPD_CUDA_SPIN_NS=20000000")):
         c = res["configs"].get(cfg, {}).get("c")
         if not c:
             continue
@@ -196,6 +205,52 @@ def write_md(res, inproc, path):
                     cells += ["—" if a is None else "%.2f" % a, "—" if b is None else "%.2f" % b,
                               "—" if a is None or b is None else "%+.2f" % (b - a)]
                 L.append("| %s | %s |" % (name, " | ".join(cells)))
+    la, pe = res["configs"].get("mps-launch", {}).get("c"), res["configs"].get("mps-persist", {}).get("c")
+    if la and pe:
+        L.append("\n## Side by side: launch vs persistent mode (both under MPS), and in-process\n")
+        L.append("| what | FP8: in-process | FP8: launch | FP8: persistent | BF16: in-process | BF16: launch | "
+                 "BF16: persistent |\n| --- | --- | --- | --- | --- | --- | --- |")
+        for nm, key, ipk in (("memop sync: step, host", "memop.sync.step_host_us", "c"),
+                             ("memop pipe: step period", "memop.pipe.period_host_us", None),
+                             ("graph sync: per step, host", "graph.sync.step_host_us", "c"),
+                             ("graph pipe: step period", "graph.pipe.period_host_us", None),
+                             ("device-side sync: step, host", "device.sync.step_host_us", "c"),
+                             ("device-side pipe: step period, GPU timer", "device.pipe.step_gpu_us", None),
+                             ("device-side pipe: dispatch, GPU timer", "device.pipe.dispatch_gpu_us", "kd"),
+                             ("device-side pipe: combine, GPU timer", "device.pipe.combine_gpu_us", "kc")):
+            cells = []
+            for dt in ("fp8", "bf16"):
+                ip = inproc_step(dt) if ipk == "c" else kern(dt, "d") if ipk == "kd" else kern(dt, "c") if ipk == "kc" else None
+                cells.append("—" if ip is None else "%.2f" % ip)
+                for c in (la, pe):
+                    v = c.get(dt + "." + key)
+                    cells.append("—" if v is None else "%.2f" % (v["p50_us"] if isinstance(v, dict) else v))
+            L.append("| %s | %s |" % (nm, " | ".join(cells)))
+        L.append("\nIn-process columns: step rows are bench_ll's in-process end to end (c); dispatch/combine rows "
+                 "are the kernel times (a).\n")
+        L.append("Daemon overhead over in-process (step, sync, p50):\n")
+        L.append("| path | FP8 launch | FP8 persistent | BF16 launch | BF16 persistent | target |\n"
+                 "| --- | --- | --- | --- | --- | --- |")
+        for nm, key, tgt in (("memop sync step − in-process (c)", "memop.sync.step_host_us", "≤ 8"),
+                             ("graph sync step − in-process (c)", "graph.sync.step_host_us", "≤ 8"),
+                             ("device-side sync step − in-process (c)", "device.sync.step_host_us", "≤ 3")):
+            cells = []
+            for dt in ("fp8", "bf16"):
+                ip = inproc_step(dt)
+                for c in (la, pe):
+                    v = c.get(dt + "." + key)
+                    cells.append("—" if v is None or ip is None else "%+.2f" % (v["p50_us"] - ip))
+            L.append("| %s | %s | %s |" % (nm, " | ".join(cells), tgt))
+        L.append("")
+        L.append("| path (GPU timer, pipelined) | FP8 launch | FP8 persistent | BF16 launch | BF16 persistent | target |\n"
+                 "| --- | --- | --- | --- | --- | --- |")
+        cells = []
+        for dt in ("fp8", "bf16"):
+            for c in (la, pe):
+                d, cc = c.get(dt + ".device.pipe.dispatch_gpu_us"), c.get(dt + ".device.pipe.combine_gpu_us")
+                kd, kc = kern(dt, "d"), kern(dt, "c")
+                cells.append("—" if not d or not cc or kd is None else "%+.2f" % (d["p50_us"] + cc["p50_us"] - kd - kc))
+        L.append("| device-side: (dispatch + combine) − kernel times | %s | ≤ 3 |" % " | ".join(cells))
     with open(path, "w") as f:
         f.write("\n".join(L) + "\n")
 

@@ -7,6 +7,7 @@
 # daemon recovers, a new client of the rank runs). Asserts the daemon reports "persistent" and that the
 # groups did run in persistent kernels, resumed after every fallback. Skips without 2 GPUs or MPS.
 # Usage (repository root, on the GPU machine): bash tests/gpu/56-persistent-cuda.sh [build-dir]
+# (EPD_KEEP_LOG=FILE: copy the daemon's debug log there)
 set -u
 B=${1:-${EPD_BUILD:-build}}
 EPD=$B/bin/epd
@@ -28,14 +29,17 @@ export CUDA_MPS_PIPE_DIRECTORY=$T/mps-pipe CUDA_MPS_LOG_DIRECTORY=$T/mps-log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 nvidia-cuda-mps-control -d || { echo "skip: CUDA MPS did not start"; exit 77; }
 stop_mps() { echo quit | nvidia-cuda-mps-control; }
+keep_log() { [ -n "${EPD_KEEP_LOG:-}" ] && cp "$LOG" "$EPD_KEEP_LOG"; }
 fail() {
   echo "FAIL: $*"
+  keep_log
   for f in "$T"/w*.out; do [ -f "$f" ] && sed "s/^/  $(basename "$f"): /" "$f" | tail -8; done
   [ -f "$LOG" ] && grep -v "DEBUG" "$LOG" | sed 's/^/  log| /' | tail -30
   [ -n "$PID" ] && kill -KILL "$PID" 2>/dev/null
   stop_mps
   exit 1
 }
+trap 'fail "killed (timeout?)"' TERM INT
 wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
 
 EPD_CUDA_MODE=persistent "$EPD" -s "$SOCK" -f -o engine.backend=cuda -o engine.num_ranks=2 \
@@ -126,5 +130,6 @@ if [ -x "$CTL" ]; then timeout 20 "$CTL" -s "$SOCK" metrics | grep -E "^epd_ops_
 kill -TERM "$PID"
 wait_for 10 sh -c "! kill -0 $PID" || fail "daemon did not exit on SIGTERM"
 grep -c "persistent kernels resumed" "$LOG" | sed 's/^/persistent kernel resumes in all: /'
+keep_log
 stop_mps
 echo "persistent_cuda: all passed"
