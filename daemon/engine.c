@@ -722,6 +722,7 @@ void eng_mark_hung(eng_group_t *grp, int rank) {
 void epd_engine_set_draining(epd_engine_t *eng, int drain) {
   pthread_mutex_lock(&eng->mu);
   eng->draining = drain != 0;
+  if (eng->draining && eng->ops->sync_steps) eng->ops->sync_steps(eng, NULL); /* no step runs past it */
   pthread_mutex_unlock(&eng->mu);
 }
 
@@ -869,6 +870,9 @@ epd_result_t epd_engine_set_map_copies(epd_engine_t *eng, const char *group, con
   grp->staged_copies = all;
   grp->nstaged_copies = nall;
   if (version_out) *version_out = m.version;
+  /* A backend that runs steps without the engine thread (CUDA persistent kernels) must stop before the
+   * call returns: the first dispatch executing after it uses the staged map. */
+  if (eng->ops->sync_steps) eng->ops->sync_steps(eng, grp);
   EPD_LOGD(EPD_SUB_ENGINE, "group %s: expert map version %u staged (%u weight copies pending)", name, m.version,
            nall);
 out:

@@ -59,6 +59,7 @@
 #define SHORT_SLEEP_NS 2000
 #define LONG_SLEEP_NS 200000
 #define IDLE_AFTER_NS 100000000ull
+#define EPD_CUDA_PERSIST_BLOCKS 64u /* LL blocks per group in persistent mode ($EPD_CUDA_LL_BLOCKS overrides) */
 
 enum { MODE_LAUNCH = 0, MODE_PERSISTENT = 1 };
 enum { PH_COLLECT = 0, PH_RUN = 1 };
@@ -737,14 +738,18 @@ static int pers_eligible(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
       return 0;
   }
   if (map_img_update(cg, grp)) return 0;
+  /* Every block of a persistent kernel stays resident, and so must every block of the one launch-mode
+   * kernel a GPU runs at a time (LL: G blocks, HT: its data kernel) next to them. */
   uint32_t G = grp_blocks(cg);
+  long reserve = G > EPD_K_HT_BLOCKS ? (long)G : (long)EPD_K_HT_BLOCKS;
   for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
     const cuda_rank_t *rk = &be->rank[r];
-    if (rk->pblocks + (long)G > rk->president / 2) {
+    if (rk->pblocks + (long)G + reserve > rk->president) {
       if (!cg->pnofit_logged++)
         EPD_LOGW(EPD_SUB_CUDA, "group %s stays in launch mode: its persistent kernel (%u blocks) would not fit "
-                 "on GPU %d next to the others (%ld of %ld resident blocks in use, half is the limit)",
-                 cg->name, G, rk->device, rk->pblocks, rk->president);
+                 "on GPU %d next to the others (%ld blocks of persistent kernels + %ld for a launched kernel; "
+                 "the GPU keeps %ld resident; EPD_CUDA_LL_BLOCKS sets the blocks)",
+                 cg->name, G, rk->device, rk->pblocks, reserve, rk->president);
       return 0;
     }
   }
@@ -995,9 +1000,10 @@ static int pers_poll(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self_
   return busy;
 }
 
-/* (mu) Stop every persistent kernel and wait until they returned (bounded): before CUDA calls that may
- * synchronise a device (allocation, registration, release), which would otherwise wait for them. */
-static void pers_quiesce_all(epd_engine_t *eng, cuda_be_t *be) {
+/* (mu) Stop the persistent kernels of `only` (NULL: every group) and wait until they returned (bounded):
+ * before CUDA calls that may synchronise a device (allocation, registration, release), which would
+ * otherwise wait for them, and when a map is staged. */
+static void pers_quiesce(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *only) {
   if (be->mode != MODE_PERSISTENT) return;
   int dev = 0;
   cudaGetDevice(&dev);
@@ -1007,8 +1013,9 @@ static void pers_quiesce_all(epd_engine_t *eng, cuda_be_t *be) {
     uint64_t now = eng_now_ns();
     for (uint32_t i = 0; i < be->ngrp; i++) {
       cuda_grp_t *cg = &be->grp[i];
-      if (!cg->used || cg->pstate == PS_OFF) continue;
-      if (cg->pstate == PS_RUN) pers_stop(cg, now, "device-wide CUDA call");
+      if (!cg->used || cg->pstate == PS_OFF || (only && cg != only)) continue;
+      if (cg->pstate == PS_RUN)
+        pers_stop(cg, now, only ? "a map is staged" : eng->draining ? "draining" : "device-wide CUDA call");
       pers_poll(eng, be, cg, dev, now);
       left |= cg->pstate != PS_OFF;
     }
@@ -1021,6 +1028,7 @@ static void pers_quiesce_all(epd_engine_t *eng, cuda_be_t *be) {
   }
   cudaSetDevice(dev);
 }
+static void pers_quiesce_all(epd_engine_t *eng, cuda_be_t *be) { pers_quiesce(eng, be, NULL); }
 
 /* (mu) Free the group entries nobody uses any more, and clients waiting for their step to end. */
 static void reap(epd_engine_t *eng, cuda_be_t *be, cuda_rank_t *rk) {
@@ -1206,6 +1214,9 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
       EPD_LOGW(EPD_SUB_CUDA, "EPD_CUDA_MODE=persistent without CUDA MPS: client kernels share the GPU with "
                "never-ending kernels only by time slicing");
   }
+  /* A persistent kernel keeps its SMs (one block per SM): by default it takes half of the launch mode's
+   * blocks, so a persistent group and a launched kernel fit together and the clients keep SMs. */
+  if (!lb && be->mode == MODE_PERSISTENT) be->ll_blocks = EPD_CUDA_PERSIST_BLOCKS;
   for (int r = 0; r < be->ndev; r++) {
     be->rank[r].device = r;
     be->rank[r].rank = r;
@@ -1217,9 +1228,9 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
     cuda_destroy(eng);
     return rc;
   }
-  EPD_LOGI(EPD_SUB_CUDA, "NCCL communicators of %d GPUs up in %.1f ms; MPS %s, mode %s, idle spin %llu ns",
-           be->ndev, (eng_now_ns() - t0) / 1e6, be->mps ? "on" : "off", cuda_mode(eng),
-           (unsigned long long)be->spin_ns);
+  EPD_LOGI(EPD_SUB_CUDA, "NCCL communicators of %d GPUs up in %.1f ms; MPS %s, mode %s, idle spin %llu ns, "
+           "LL blocks %u", be->ndev, (eng_now_ns() - t0) / 1e6, be->mps ? "on" : "off", cuda_mode(eng),
+           (unsigned long long)be->spin_ns, be->ll_blocks ? be->ll_blocks : EPD_K_LL_BLOCKS);
   for (int r = 0; r < be->ndev; r++) {
     cuda_rank_t *rk = &be->rank[r];
     cudaSetDevice(rk->device);
@@ -1507,6 +1518,19 @@ static uint64_t cuda_copy_weights(epd_engine_t *eng, eng_group_t *grp) {
   return bytes;
 }
 
+/* (mu) A map was staged (grp) or draining began (NULL): the kernels stop before the call returns, so
+ * the first dispatch that executes after it runs in launch mode (switches the map, or is refused). */
+static void cuda_sync_steps(epd_engine_t *eng, eng_group_t *grp) {
+  cuda_be_t *be = eng->be;
+  if (!be) return;
+  if (!grp) {
+    pers_quiesce(eng, be, NULL);
+    return;
+  }
+  cuda_grp_t *cg = cuda_grp_find(be, grp, 0);
+  if (cg && cg->pstate != PS_OFF) pers_quiesce(eng, be, cg);
+}
+
 /* A strong reference to this object: engine.c refers to eng_cuda_ops weakly, which does not pull
  * engine_cuda.o out of the static engine library; a program that wants the CUDA backend calls this. */
 int epd_engine_cuda_linked(void);
@@ -1524,6 +1548,7 @@ const eng_backend_ops_t eng_cuda_ops = {
     .client_leave = cuda_client_leave,
     .client_free = cuda_client_free,
     .copy_weights = cuda_copy_weights,
+    .sync_steps = cuda_sync_steps,
 };
 
 #endif /* EPD_WITH_CUDA */

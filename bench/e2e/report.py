@@ -71,6 +71,10 @@ def main():
                       "inproc" in k or "e2e" in k},
            "configs": {}}
     res["inproc_raw"] = inproc
+    pp = os.path.join(run, "inproc-p", "bench_ll.json")
+    if os.path.exists(pp):
+        with open(pp) as f:
+            res["inproc_p_raw"] = json.load(f)
     for cfg in ("nomps", "nomps-spin", "mps-spin", "mps-launch", "mps-persist"):
         c = {}
         pair = load_pair(os.path.join(run, cfg, "e2e"))
@@ -89,7 +93,7 @@ def main():
     res["configs"] = {k: v for k, v in res["configs"].items() if v}
     with open(os.path.join(outdir, name + ".json"), "w") as f:
         json.dump(res, f, indent=1)
-    write_md(res, inproc, os.path.join(outdir, name + ".md"))
+    write_md(res, inproc, os.path.join(outdir, name + ".md"), res.get("inproc_p_raw"))
 
 
 def find(d, *names):
@@ -99,16 +103,17 @@ def find(d, *names):
     return None
 
 
-def write_md(res, inproc, path):
-    def kern(dt, op):
+def write_md(res, inproc, path, inproc_p=None):
+    def kern(dt, op, src=None):
+        src = src or inproc
         k = {("fp8", "d"): "a_dispatch_fp8_kernel", ("fp8", "c"): "a_combine_kernel_after_fp8",
              ("bf16", "d"): "a_dispatch_bf16_kernel", ("bf16", "c"): "a_combine_kernel_after_bf16"}[(dt, op)]
-        if isinstance(inproc.get(k), dict):
-            return inproc[k]["p50_us"]
+        if isinstance(src.get(k), dict):
+            return src[k]["p50_us"]
         return None
 
-    def inproc_step(dt):
-        for k, v in inproc.items():
+    def inproc_step(dt, src=None):
+        for k, v in (src or inproc).items():
             if k.startswith("c_") and dt in k and isinstance(v, dict):
                 return v["p50_us"]
         return None
@@ -208,8 +213,11 @@ def write_md(res, inproc, path):
     la, pe = res["configs"].get("mps-launch", {}).get("c"), res["configs"].get("mps-persist", {}).get("c")
     if la and pe:
         L.append("\n## Side by side: launch vs persistent mode (both under MPS), and in-process\n")
-        L.append("| what | FP8: in-process | FP8: launch | FP8: persistent | BF16: in-process | BF16: launch | "
-                 "BF16: persistent |\n| --- | --- | --- | --- | --- | --- | --- |")
+        ipp = inproc_p or {}
+        pb = ipp.get("setting", {}).get("blocks", "?")
+        L.append("| what | FP8: in-process (128 blocks) | FP8: in-process (%s blocks) | FP8: launch (128) | "
+                 "FP8: persistent (%s) | BF16: in-process (128) | BF16: in-process (%s) | BF16: launch (128) | "
+                 "BF16: persistent (%s) |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |" % (pb, pb, pb, pb))
         for nm, key, ipk in (("memop sync: step, host", "memop.sync.step_host_us", "c"),
                              ("memop pipe: step period", "memop.pipe.period_host_us", None),
                              ("graph sync: per step, host", "graph.sync.step_host_us", "c"),
@@ -220,15 +228,20 @@ def write_md(res, inproc, path):
                              ("device-side pipe: combine, GPU timer", "device.pipe.combine_gpu_us", "kc")):
             cells = []
             for dt in ("fp8", "bf16"):
-                ip = inproc_step(dt) if ipk == "c" else kern(dt, "d") if ipk == "kd" else kern(dt, "c") if ipk == "kc" else None
-                cells.append("—" if ip is None else "%.2f" % ip)
+                for src in (inproc, ipp):
+                    ip = None
+                    if src:
+                        ip = (inproc_step(dt, src) if ipk == "c" else kern(dt, "d", src) if ipk == "kd"
+                              else kern(dt, "c", src) if ipk == "kc" else None)
+                    cells.append("—" if ip is None else "%.2f" % ip)
                 for c in (la, pe):
                     v = c.get(dt + "." + key)
                     cells.append("—" if v is None else "%.2f" % (v["p50_us"] if isinstance(v, dict) else v))
             L.append("| %s | %s |" % (nm, " | ".join(cells)))
         L.append("\nIn-process columns: step rows are bench_ll's in-process end to end (c); dispatch/combine rows "
                  "are the kernel times (a).\n")
-        L.append("Daemon overhead over in-process (step, sync, p50):\n")
+        L.append("Daemon overhead over in-process (step, sync, p50; launch against in-process at 128 blocks, "
+                 "persistent against in-process at the same %s blocks):\n" % pb)
         L.append("| path | FP8 launch | FP8 persistent | BF16 launch | BF16 persistent | target |\n"
                  "| --- | --- | --- | --- | --- | --- |")
         for nm, key, tgt in (("memop sync step − in-process (c)", "memop.sync.step_host_us", "≤ 8"),
@@ -236,8 +249,8 @@ def write_md(res, inproc, path):
                              ("device-side sync step − in-process (c)", "device.sync.step_host_us", "≤ 3")):
             cells = []
             for dt in ("fp8", "bf16"):
-                ip = inproc_step(dt)
-                for c in (la, pe):
+                for c, src in ((la, inproc), (pe, ipp or inproc)):
+                    ip = inproc_step(dt, src)
                     v = c.get(dt + "." + key)
                     cells.append("—" if v is None or ip is None else "%+.2f" % (v["p50_us"] - ip))
             L.append("| %s | %s | %s |" % (nm, " | ".join(cells), tgt))
@@ -246,9 +259,9 @@ def write_md(res, inproc, path):
                  "| --- | --- | --- | --- | --- | --- |")
         cells = []
         for dt in ("fp8", "bf16"):
-            for c in (la, pe):
+            for c, src in ((la, inproc), (pe, ipp or inproc)):
                 d, cc = c.get(dt + ".device.pipe.dispatch_gpu_us"), c.get(dt + ".device.pipe.combine_gpu_us")
-                kd, kc = kern(dt, "d"), kern(dt, "c")
+                kd, kc = kern(dt, "d", src), kern(dt, "c", src)
                 cells.append("—" if not d or not cc or kd is None else "%+.2f" % (d["p50_us"] + cc["p50_us"] - kd - kc))
         L.append("| device-side: (dispatch + combine) − kernel times | %s | ≤ 3 |" % " | ".join(cells))
     with open(path, "w") as f:

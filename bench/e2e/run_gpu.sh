@@ -5,8 +5,9 @@
 #   nomps-spin/    (MOE=1) the same daemon with EPD_CUDA_SPIN_NS (rank threads never sleep while busy)
 #   mps-spin/      under CUDA MPS (nvidia-cuda-mps-control -d, pipe/log dirs under /tmp), spin on: C + Python
 #   python-moe.txt (MOE=1) tests/gpu/60-python-moe.sh
-# PERSIST=1: inproc/, then under MPS mps-launch/ (EPD_CUDA_MODE=launch) and mps-persist/
-#   (EPD_CUDA_MODE=persistent), both spinning, C only (PY=1: Python too); no nomps cases.
+# PERSIST=1: inproc/, inproc-p/ (epd-bench with EPD_BENCH_BLOCKS=$PBLOCKS, default 64: the persistent
+#   mode's blocks), then under MPS mps-launch/ (EPD_CUDA_MODE=launch, 128 blocks) and mps-persist/
+#   (EPD_CUDA_MODE=persistent, EPD_CUDA_LL_BLOCKS=$PBLOCKS), both spinning, C only (PY=1: Python too).
 # Usage (repository root of the GPU machine): bash bench/e2e/run_gpu.sh BUNDLE_DIR   (OUT=... set)
 set -u
 D=${1:-dist/epd-0.1.0-linux-x86_64}
@@ -67,13 +68,23 @@ EPD_BENCH_CMD="epd-bench (bench/e2e/run_gpu.sh, same device call)" timeout 150 "
 echo "epd-bench rc $?"; tail -3 "$OUT/inproc/log.txt"
 
 if [ "${PERSIST:-0}" = 1 ]; then
+  PB=${PBLOCKS:-64}
+  echo "== in-process (epd-bench), $PB blocks"
+  mkdir -p "$OUT/inproc-p"
+  EPD_BENCH_BLOCKS=$PB EPD_BENCH_CMD="EPD_BENCH_BLOCKS=$PB epd-bench (bench/e2e/run_gpu.sh PERSIST=1)" timeout 150 \
+    "$D/bin/epd-bench" "$OUT/inproc-p" > "$OUT/inproc-p/log.txt" 2>&1
+  echo "epd-bench rc $?"; tail -2 "$OUT/inproc-p/log.txt"
   echo "== MPS: launch mode vs persistent mode"
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/e2e-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/e2e-mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   if nvidia-cuda-mps-control -d; then
     for m in launch persist; do
       mode=$m; [ $m = persist ] && mode=persistent
-      start_daemon mps-$m EPD_CUDA_MODE=$mode EPD_CUDA_SPIN_NS=20000000
+      if [ $m = persist ]; then
+        start_daemon mps-$m EPD_CUDA_MODE=$mode EPD_CUDA_SPIN_NS=20000000 EPD_CUDA_LL_BLOCKS=$PB
+      else
+        start_daemon mps-$m EPD_CUDA_MODE=$mode EPD_CUDA_SPIN_NS=20000000
+      fi
       bench_c mps-$m "$ITERS"
       if [ "${PY:-0}" = 1 ]; then
         timeout 200 python3 bench/e2e/py_overhead.py --socket "$SOCK" --iters "$ITERS" --out "$OUT/mps-$m/py" \
@@ -81,6 +92,7 @@ if [ "${PERSIST:-0}" = 1 ]; then
         echo "py_overhead rc $?"; tail -3 "$OUT/mps-$m/py.log"
       fi
       stop_daemon
+      grep -E "persistent kernels|launch mode" "$OUT/mps-$m/daemon.log" | head -3
     done
     echo quit | nvidia-cuda-mps-control
   else
