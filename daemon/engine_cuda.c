@@ -166,6 +166,12 @@ typedef struct cuda_grp {
   uint64_t pwait_ann, pwait_ns; /* a rank announced index pwait_ann - 1 and waits for peers since pwait_ns */
   uint64_t pcarry_ns;  /* first arrival carried into the launch-mode collection (host step timeout) */
   uint64_t plaunches;
+  /* back-off: kernels that stopped before running any op (an HT-only group) are retried only after
+   * 2^pzero launch-mode steps */
+  uint32_t pzero;
+  uint64_t presume_step;
+  /* timeline of the ops run in persistent kernels since the last report (diagnostics, logged at stop) */
+  uint64_t pst_n, pst_nseen, pst_seen, pst_agree, pst_run, pst_lat;
   cuda_grank_t rk[EPD_MAX_RANKS];
 } cuda_grp_t;
 
@@ -234,7 +240,11 @@ static void cu_load(void) {
 
 /* ---- availability and mode ---------------------------------------------------------------------- */
 
+/* Persistent kernels never end: a stream that shares a hardware queue with one would wait behind it. */
+static void more_connections(void) { setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0); }
+
 static int cuda_available(char *why, size_t whylen) {
+  more_connections();
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n < 1) {
@@ -725,7 +735,7 @@ static int pers_eligible(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
   uint64_t t = eng_now_ns();
   if (cg->pcarry_ns && t > cg->pcarry_ns && t - cg->pcarry_ns > 2 * be->timeout_ns) cg->pcarry_ns = 0;
   if (cg->phase != PH_COLLECT || cg->narrived || cg->need_reset || cg->pcarry_ns) return 0;
-  if (eng->draining || epd_engine_failure(eng) || grp->has_staged) return 0;
+  if (eng->draining || epd_engine_failure(eng) || grp->has_staged || grp->steps < cg->presume_step) return 0;
   for (int r = 0; r < be->ndev; r++)
     if (be->rank[r].inflight == cg) return 0;
   for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
@@ -851,6 +861,14 @@ static int pers_account(epd_engine_t *eng, cuda_grp_t *cg, int r) {
       eng_record_op(eng, r, EPD_OP_MAX, 0, 0, 0);
     } else {
       eng_record_op(eng, r, rec.op, rec.status, 0, rec.latency_ns);
+      cg->pst_n++;
+      cg->pst_agree += rec.agree_ns;
+      cg->pst_run += rec.run_ns;
+      cg->pst_lat += rec.latency_ns;
+      if (rec.seen_ns && rec.seen_ns < 1000000000u) {
+        cg->pst_nseen++;
+        cg->pst_seen += rec.seen_ns;
+      }
       if (rec.status == EPD_ERR_TIMEOUT || rec.status == EPD_ERR_PEER) {
         if (grp)
           eng_emit(eng, rec.status == EPD_ERR_TIMEOUT ? "timeout" : "error", grp, r, 0, 0, 0,
@@ -891,8 +909,25 @@ static void pers_takeover(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int 
       if (pr->bank_ver[b]) cg->bank_map_version[b] = pr->bank_ver[b];
   }
   if (minops != maxops) reset = 1; /* ranks disagree on what ran: start the team over */
+  if (cg->pst_n >= 64) {
+    EPD_LOGI(EPD_SUB_CUDA, "group %s: %llu ops in persistent kernels, mean per op and rank: seen -> all ranks agreed "
+             "%.2f us, agreed -> completion %.2f us (latency_ns %.2f us)", cg->name,
+             (unsigned long long)cg->pst_n, cg->pst_agree / 1e3 / cg->pst_n, cg->pst_run / 1e3 / cg->pst_n,
+             cg->pst_lat / 1e3 / cg->pst_n);
+    if (cg->pst_nseen)
+      EPD_LOGI(EPD_SUB_CUDA, "group %s: %llu ops stamped by the client: submit -> seen by the kernel %.2f us", cg->name,
+               (unsigned long long)cg->pst_nseen, cg->pst_seen / 1e3 / cg->pst_nseen);
+    cg->pst_n = cg->pst_nseen = cg->pst_seen = cg->pst_agree = cg->pst_run = cg->pst_lat = 0;
+  }
   cg->pidx = maxidx;
   if (cg->grp) cg->grp->steps = cg->pstep0 + maxops;
+  if (maxops == 0 && why == pexit_name[EPD_K_PEXIT_OP]) {
+    if (cg->pzero < 8) cg->pzero++;
+    cg->presume_step = (cg->grp ? cg->grp->steps : 0) + (1u << cg->pzero);
+  } else if (maxops) {
+    cg->pzero = 0;
+    cg->presume_step = 0;
+  }
   if (reset) {
     for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
       cuda_grank_t *gr = &cg->rk[r];
@@ -1169,6 +1204,7 @@ static void *rank_main(void *arg) {
 static void cuda_destroy(epd_engine_t *eng);
 
 static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
+  more_connections();
   int ndev = 0;
   cudaError_t e = cudaGetDeviceCount(&ndev);
   if (e != cudaSuccess || ndev < 1) {

@@ -153,8 +153,12 @@ typedef struct epd_k_prec {
   uint32_t op;
   int32_t status, peer;
   uint32_t num_recv;
-  uint64_t latency_ns;
+  uint64_t latency_ns; /* SUBMITTED seen -> completion */
   uint64_t seq; /* op number since the launch, + 1 */
+  /* timeline (diagnostics): submit stamp -> seen (only when the client put its %globaltimer submit
+   * time in desc.reserved[0..1], as bench_e2e's device-side client does; else 0), seen -> every rank
+   * agreed, agreed -> completion */
+  uint32_t seen_ns, agree_ns, run_ns, pad;
 } epd_k_prec_t;
 
 typedef struct epd_k_pprog {

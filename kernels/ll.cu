@@ -73,8 +73,8 @@ struct LLLayout {
 struct PBuf {
   epd_desc_t desc;
   uint32_t slot, repver;
-  uint64_t t0;
-  uint32_t pad[12];
+  uint64_t t0, t1; /* slot seen SUBMITTED, every rank agreed */
+  uint32_t pad[10];
 };
 struct PDev {
   uint64_t go;       /* (index + 1) << 1 | run */
@@ -106,7 +106,7 @@ struct LLParams {
   const epd_k_pctl_t *ctl; /* abort word of the flag waits (also set by itself for nothing else) */
   epd_k_pprog_t *prog;
   epd_queue_t *pq;
-  uint64_t popn, pstep, pt0, psteps0;
+  uint64_t popn, pstep, pt0, pt1, psub, psteps0;
   uint32_t prepver;
 };
 
@@ -242,8 +242,12 @@ __device__ void finish_block(const LLParams &p, BankState *st, int opi, uint32_t
     rec->status = c;
     rec->peer = c ? pe : -1;
     rec->num_recv = is_dispatch && !c ? total : 0u;
-    rec->latency_ns = comp ? comp->latency_ns : 0;
+    const uint64_t tn = gtimer();
+    rec->latency_ns = tn - p.pt0;
     rec->seq = p.popn + 1;
+    rec->seen_ns = p.psub && p.psub < p.pt0 ? (uint32_t)(p.pt0 - p.psub) : 0u;
+    rec->agree_ns = (uint32_t)(p.pt1 - p.pt0);
+    rec->run_ns = (uint32_t)(tn - p.pt1);
   }
   __threadfence_system();
   if (p.done_state) {
@@ -712,6 +716,12 @@ __device__ __forceinline__ uint64_t *ann_word(const LLParams &p, uint32_t peer, 
   return (uint64_t *)ncclGetLsaPointer(p.win, p.win_off + p.lay.ann, (int)peer) + src;
 }
 
+/* The op bodies of the persistent kernel are separate functions: inlined into one kernel with the
+ * agreement loop they would share one register allocation and spill (the combine body alone needs 128
+ * registers); their parameters live in shared memory (a local copy would be stack traffic). */
+__device__ __noinline__ void pers_dispatch(const LLParams &p) { ll_dispatch_body(p); }
+__device__ __noinline__ void pers_combine(const LLParams &p) { ll_combine_body(p); }
+
 /* Persistent LL kernel (epd_kernels.h "Persistent mode"). Block 0's first warp decides each op with the
  * peers and publishes it in PDev; the other blocks follow. Every block runs the op body; the op's last
  * block completes the slot. */
@@ -719,7 +729,8 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(LLParams base, PArg
   __shared__ int sh_go;
   __shared__ epd_desc_t sh_desc;
   __shared__ uint32_t sh_slot, sh_repver;
-  __shared__ uint64_t sh_t0;
+  __shared__ uint64_t sh_t0, sh_t1;
+  __shared__ LLParams sh_p;
   const uint32_t tid = threadIdx.x, lane = tid & 31;
   const uint32_t FULL = 0xffffffffu;
   PDev *pd = a.pd;
@@ -820,6 +831,7 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(LLParams base, PArg
           pb->slot = s;
           pb->repver = repver;
           pb->t0 = t0;
+          pb->t1 = gtimer();
           volatile epd_k_pprog_t *pr = a.prog;
           pr->bank_ver[0] = bv0;
           pr->bank_ver[1] = bv1;
@@ -844,6 +856,7 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(LLParams base, PArg
         sh_slot = s;
         sh_repver = repver;
         sh_t0 = t0;
+        sh_t1 = run ? pd->b[idx & 1].t1 : 0;
       }
     } else if (blockIdx.x != 0 && tid == 0) {
       uint64_t g;
@@ -855,28 +868,35 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(LLParams base, PArg
         sh_slot = *(volatile const uint32_t *)&pb->slot;
         sh_repver = *(volatile const uint32_t *)&pb->repver;
         sh_t0 = *(volatile const uint64_t *)&pb->t0;
+        sh_t1 = *(volatile const uint64_t *)&pb->t1;
       }
     }
     __syncthreads();
     if (!sh_go) return;
-    LLParams p = base;
-    p.flags = sh_desc.flags;
-    p.T = sh_desc.num_tokens > 0xffffffu ? 0xffffffu : sh_desc.num_tokens;
-    p.bank = sh_desc.bank;
-    p.comp = &q->slot[sh_slot].comp;
-    p.done_state = &q->slot[sh_slot].state;
-    p.user_tag = sh_desc.user_tag;
-    p.pdev = pd;
-    p.ctl = a.ctl;
-    p.prog = a.prog;
-    p.pq = q;
-    p.popn = opn;
-    p.pstep = a.step0 + opn;
-    p.pt0 = sh_t0;
-    p.psteps0 = a.steps0;
-    p.prepver = sh_repver;
-    if (sh_desc.op == EPD_OP_LL_DISPATCH) ll_dispatch_body(p);
-    else ll_combine_body(p);
+    if (tid == 0) {
+      LLParams &p = sh_p;
+      p = base;
+      p.flags = sh_desc.flags;
+      p.T = sh_desc.num_tokens > 0xffffffu ? 0xffffffu : sh_desc.num_tokens;
+      p.bank = sh_desc.bank;
+      p.comp = &q->slot[sh_slot].comp;
+      p.done_state = &q->slot[sh_slot].state;
+      p.user_tag = sh_desc.user_tag;
+      p.pdev = pd;
+      p.ctl = a.ctl;
+      p.prog = a.prog;
+      p.pq = q;
+      p.popn = opn;
+      p.pstep = a.step0 + opn;
+      p.pt0 = sh_t0;
+      p.pt1 = sh_t1;
+      p.psub = ((uint64_t)sh_desc.reserved[1] << 32) | sh_desc.reserved[0];
+      p.psteps0 = a.steps0;
+      p.prepver = sh_repver;
+    }
+    __syncthreads();
+    if (sh_desc.op == EPD_OP_LL_DISPATCH) pers_dispatch(sh_p);
+    else pers_combine(sh_p);
     __syncthreads();
     idx++;
     opn++;

@@ -98,7 +98,7 @@ echo "map switches seen $seen; persistent kernels stopped for a staged map $n ti
 echo "== an HT step every 4th step of an LL group, 24 steps (hidden 512, 32 experts, top-4, 64 tokens)"
 r0=$(resumes)
 worker wh0 -g mix -r 0 -n 2 --steps 24 --ht-every 4 --seed 31 --hidden 512 --experts 32 --topk 4 --tokens 64
-worker wh1 -g mix -r 1 -n 2 --steps 24 --ht-every 4 --seed 31 --hidden 512 --experts 32 --topk 4 --tokens 64 --fp8
+worker wh1 -g mix -r 1 -n 2 --steps 24 --ht-every 4 --seed 31 --hidden 512 --experts 32 --topk 4 --tokens 64
 expect_ok wh0; expect_ok wh1
 n=$(grep -c "group mix: persistent kernels stopped (an op it does not run)" "$LOG")
 r1=$(resumes)
