@@ -91,23 +91,28 @@ struct LLParams {
   char *local;      /* LL area, local address */
   LLLayout lay;
   uint32_t R, rank, E, H, K, M, S, G;
-  /* op */
-  uint32_t flags, T, bank;
   uint64_t timeout_ns;
   const uint32_t *map;
   uint64_t *slot_tokens;
-  epd_comp_t *comp;
   uint64_t *trace;
-  uint32_t *done_state; /* persistent mode: the slot state word set to EPD_SLOT_DONE by the last block */
-  uint64_t user_tag;
   epd_k_arena_t arena;
-  /* persistent mode (pdev != NULL) */
+  /* persistent mode (pdev != NULL): constant for one launch */
   PDev *pdev;
-  const epd_k_pctl_t *ctl; /* abort word of the flag waits (also set by itself for nothing else) */
+  const epd_k_pctl_t *ctl; /* abort word of the flag waits */
   epd_k_pprog_t *prog;
   epd_queue_t *pq;
-  uint64_t popn, pstep, pt0, pt1, psub, psteps0;
-  uint32_t prepver;
+  uint64_t psteps0;
+};
+
+/* What changes from op to op (a kernel parameter of its own, or registers of the persistent kernel: the
+ * constant part stays in the parameter space, which costs the op bodies no registers). */
+struct LLOp {
+  uint32_t flags, T, bank;
+  uint32_t prepver;     /* persistent: map version the completion reports */
+  epd_comp_t *comp;
+  uint32_t *done_state; /* persistent mode: the slot state word set to EPD_SLOT_DONE by the last block */
+  uint64_t user_tag;
+  uint64_t popn, pstep, pt0, pt1, psub; /* persistent: op number, group step, seen/agreed/submit times */
 };
 
 #define TRACE(i)                                                              \
@@ -116,13 +121,15 @@ struct LLParams {
   } while (0)
 
 /* Base of bank b of rank `peer`'s LL area (peer == rank gives the local address). */
-__device__ __forceinline__ char *peer_bank(const LLParams &p, int peer) {
-  return (char *)ncclGetLsaPointer(p.win, p.win_off + p.bank * p.lay.bank_bytes, peer);
+__device__ __forceinline__ char *peer_bank(const LLParams &p, const LLOp &o, int peer) {
+  return (char *)ncclGetLsaPointer(p.win, p.win_off + o.bank * p.lay.bank_bytes, peer);
 }
-__device__ __forceinline__ char *local_bank(const LLParams &p) { return p.local + p.bank * p.lay.bank_bytes; }
+__device__ __forceinline__ char *local_bank(const LLParams &p, const LLOp &o) {
+  return p.local + o.bank * p.lay.bank_bytes;
+}
 template <typename T>
-__device__ __forceinline__ T *arena_buf(const LLParams &p, int kind) {
-  return (T *)(uintptr_t)(p.arena.base + p.arena.off[p.bank][kind]);
+__device__ __forceinline__ T *arena_buf(const LLParams &p, const LLOp &o, int kind) {
+  return (T *)(uintptr_t)(p.arena.base + p.arena.off[o.bank][kind]);
 }
 
 /* Shared state of one block's wait. */
@@ -195,7 +202,7 @@ __device__ void wait_status(const LLParams &p, const WaitResult *wr, int *code, 
 }
 
 /* Block epilogue: record the block's outcome; the last block writes the completion record. */
-__device__ void finish_block(const LLParams &p, BankState *st, int opi, uint32_t seq, int code, int peer,
+__device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, int opi, uint32_t seq, int code, int peer,
                              uint32_t add_total, int is_dispatch) {
   __syncthreads();
   if (threadIdx.x != 0) return;
@@ -218,53 +225,51 @@ __device__ void finish_block(const LLParams &p, BankState *st, int opi, uint32_t
   st->errpeer[opi] = -1;
   st->done[opi] = 0;
   if (p.trace) p.trace[7] = gtimer();
-  volatile epd_comp_t *comp = p.comp;
+  volatile epd_comp_t *comp = o.comp;
   if (comp) {
     comp->status = c;
     comp->peer = c ? pe : -1;
     if (is_dispatch) comp->num_recv = c ? 0u : total;
     if (is_dispatch && p.map) comp->map_version = __ldcg(p.map);
-    if (p.done_state) comp->user_tag = p.user_tag;
+    if (o.done_state) comp->user_tag = o.user_tag;
     if (p.pdev) {
-      comp->map_version = p.prepver; /* a combine reports its bank's dispatch version */
-      comp->step = p.pstep;
-      comp->latency_ns = gtimer() - p.pt0;
+      comp->map_version = o.prepver; /* a combine reports its bank's dispatch version */
+      comp->step = o.pstep;
+      comp->latency_ns = gtimer() - o.pt0;
       comp->num_recv = is_dispatch && !c ? total : 0u;
     }
   }
-  if (p.pdev) {
-    volatile epd_queue_t *q = p.pq;
-    if (c && q->sticky_error == 0) q->sticky_error = c;
-    q->map_version = __ldcg(p.map);
-    q->steps_done = p.psteps0 + p.popn + 1;
-    volatile epd_k_prec_t *rec = &p.prog->rec[p.popn % EPD_K_PREC];
-    rec->op = is_dispatch ? EPD_OP_LL_DISPATCH : EPD_OP_LL_COMBINE;
-    rec->status = c;
-    rec->peer = c ? pe : -1;
-    rec->num_recv = is_dispatch && !c ? total : 0u;
-    const uint64_t tn = gtimer();
-    rec->latency_ns = tn - p.pt0;
-    rec->seq = p.popn + 1;
-    rec->seen_ns = p.psub && p.psub < p.pt0 ? (uint32_t)(p.pt0 - p.psub) : 0u;
-    rec->agree_ns = (uint32_t)(p.pt1 - p.pt0);
-    rec->run_ns = (uint32_t)(tn - p.pt1);
+  if (!p.pdev) {
+    __threadfence_system();
+    return;
   }
+  /* persistent: the queue header, then DONE (release: after everything above), then the books */
+  volatile epd_queue_t *q = p.pq;
+  if (c && q->sticky_error == 0) q->sticky_error = c;
+  q->map_version = __ldcg(p.map);
+  q->steps_done = p.psteps0 + o.popn + 1;
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(o.done_state), "r"((uint32_t)EPD_SLOT_DONE) : "memory");
+  *(volatile int32_t *)&p.pdev->last_err = c;
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(&p.pdev->done_ops), "l"(o.popn + 1) : "memory");
+  volatile epd_k_prec_t *rec = &p.prog->rec[o.popn % EPD_K_PREC];
+  rec->op = is_dispatch ? EPD_OP_LL_DISPATCH : EPD_OP_LL_COMBINE;
+  rec->status = c;
+  rec->peer = c ? pe : -1;
+  rec->num_recv = is_dispatch && !c ? total : 0u;
+  const uint64_t tn = gtimer();
+  rec->latency_ns = tn - o.pt0;
+  rec->seq = o.popn + 1;
+  rec->seen_ns = o.psub && o.psub < o.pt0 ? (uint32_t)(o.pt0 - o.psub) : 0u;
+  rec->agree_ns = (uint32_t)(o.pt1 - o.pt0);
+  rec->run_ns = (uint32_t)(tn - o.pt1);
   __threadfence_system();
-  if (p.done_state) {
-    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p.done_state), "r"((uint32_t)EPD_SLOT_DONE) : "memory");
-  }
-  if (p.pdev) {
-    *(volatile uint64_t *)&p.prog->ops = p.popn + 1;
-    *(volatile int32_t *)&p.pdev->last_err = c;
-    __threadfence();
-    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(&p.pdev->done_ops), "l"(p.popn + 1) : "memory");
-  }
+  *(volatile uint64_t *)&p.prog->ops = o.popn + 1;
 }
 
 /* ---------------------------------------------------------------------------------------------------
  * Dispatch body (block `blockIdx.x` of G).
  * ------------------------------------------------------------------------------------------------- */
-__device__ void ll_dispatch_body(const LLParams &p) {
+__device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
   __shared__ Meta sh_meta[EPD_K_MAX_RANKS];
   __shared__ uint32_t sh_err;
   __shared__ WaitResult wr;
@@ -273,9 +278,9 @@ __device__ void ll_dispatch_body(const LLParams &p) {
   __shared__ uint32_t sh_tstart[EPD_K_MAX_RANKS + 1];
 
   const uint32_t R = p.R, H = p.H, K = p.K, M = p.M, S = p.S, G = p.G, rank = p.rank;
-  const bool fp8 = (p.flags & EPD_DESC_FP8) != 0;
+  const bool fp8 = (o.flags & EPD_DESC_FP8) != 0;
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  char *lb = local_bank(p);
+  char *lb = local_bank(p, o);
   BankState *st = (BankState *)(lb + p.lay.st);
 
   /* seq and the deadline are per-thread registers: their loads overlap the send instead of delaying it */
@@ -284,15 +289,15 @@ __device__ void ll_dispatch_body(const LLParams &p) {
   if (tid == 0) sh_err = 0;
   __syncthreads();
   TRACE(0);
-  uint32_t T = p.T;
+  uint32_t T = o.T;
   if (T > M) {
     T = 0;
     if (tid == 0) sh_err |= ERRB_TOO_MANY;
   }
 
-  const __nv_bfloat16 *x = arena_buf<__nv_bfloat16>(p, EPD_BUF_X);
-  const int64_t *topk = arena_buf<int64_t>(p, EPD_BUF_TOPK_IDX);
-  const float *topw = arena_buf<float>(p, EPD_BUF_TOPK_WEIGHTS);
+  const __nv_bfloat16 *x = arena_buf<__nv_bfloat16>(p, o, EPD_BUF_X);
+  const int64_t *topk = arena_buf<int64_t>(p, o, EPD_BUF_TOPK_IDX);
+  const float *topw = arena_buf<float>(p, o, EPD_BUF_TOPK_WEIGHTS);
   uint64_t *rmask = (uint64_t *)(lb + p.lay.rmask);
   const uint32_t map_E = p.map[1];
   const uint32_t *map_nrep = p.map + 4;
@@ -395,7 +400,7 @@ __device__ void ll_dispatch_body(const LLParams &p) {
         uint32_t q = (uint32_t)q01 | ((uint32_t)q23 << 16);
         for (uint32_t r = 0; r < R; r++) {
           if (sh_meta[r].n == 0) continue;
-          char *row = peer_bank(p, r) + row_off;
+          char *row = peer_bank(p, o, r) + row_off;
           *(uint32_t *)(row + g * 128 + lane * 4) = q;
           if (lane == 0) *(float *)(row + H + g * 4) = scale;
         }
@@ -408,14 +413,14 @@ __device__ void ll_dispatch_body(const LLParams &p) {
         int4 val = xb[j];
         for (uint32_t r = 0; r < R; r++) {
           if (sh_meta[r].n == 0) continue;
-          ((int4 *)(peer_bank(p, r) + row_off))[v] = val;
+          ((int4 *)(peer_bank(p, o, r) + row_off))[v] = val;
         }
       }
     }
     /* routing metadata to every rank (n == 0 where the token does not go) */
     if (tid < R * 8) {
       uint32_t r = tid / 8, part = tid % 8;
-      int4 *dst = (int4 *)(peer_bank(p, r) + p.lay.meta + ((uint64_t)rank * M + t) * sizeof(Meta));
+      int4 *dst = (int4 *)(peer_bank(p, o, r) + p.lay.meta + ((uint64_t)rank * M + t) * sizeof(Meta));
       dst[part] = ((const int4 *)&sh_meta[r])[part];
     }
     __syncthreads();
@@ -431,7 +436,7 @@ __device__ void ll_dispatch_body(const LLParams &p) {
     TRACE(2);
     uint64_t v = ((uint64_t)seq << 32) | ((uint64_t)(sh_err & 0xffu) << 24) | (uint64_t)T;
     for (uint32_t r = 0; r < R; r++)
-      st_relaxed_sys((uint64_t *)(peer_bank(p, r) + p.lay.dflag) + (uint64_t)rank * G + blockIdx.x, v);
+      st_relaxed_sys((uint64_t *)(peer_bank(p, o, r) + p.lay.dflag) + (uint64_t)rank * G + blockIdx.x, v);
   }
 
   TRACE(3);
@@ -455,10 +460,10 @@ __device__ void ll_dispatch_body(const LLParams &p) {
     __syncthreads();
     const uint32_t N = sh_tstart[R];
     const uint64_t RM = (uint64_t)R * M;
-    char *recv_x = arena_buf<char>(p, EPD_BUF_LL_RECV_X);
-    float *recv_sc = fp8 ? arena_buf<float>(p, EPD_BUF_LL_RECV_SCALES) : nullptr;
-    int32_t *recv_src = arena_buf<int32_t>(p, EPD_BUF_LL_RECV_SRC);
-    int32_t *recv_cnt = arena_buf<int32_t>(p, EPD_BUF_LL_RECV_COUNT);
+    char *recv_x = arena_buf<char>(p, o, EPD_BUF_LL_RECV_X);
+    float *recv_sc = fp8 ? arena_buf<float>(p, o, EPD_BUF_LL_RECV_SCALES) : nullptr;
+    int32_t *recv_src = arena_buf<int32_t>(p, o, EPD_BUF_LL_RECV_SRC);
+    int32_t *recv_cnt = arena_buf<int32_t>(p, o, EPD_BUF_LL_RECV_COUNT);
     int32_t *cpos = (int32_t *)(lb + p.lay.cpos);
     const Meta *meta = (const Meta *)(lb + p.lay.meta);
     const char *xstg = lb + p.lay.xstg;
@@ -527,19 +532,19 @@ __device__ void ll_dispatch_body(const LLParams &p) {
     }
   }
   TRACE(5);
-  finish_block(p, st, 0, seq, code, peer, block_total, 1);
+  finish_block(p, o, st, 0, seq, code, peer, block_total, 1);
 }
 
 /* ---------------------------------------------------------------------------------------------------
  * Combine body.
  * ------------------------------------------------------------------------------------------------- */
-__device__ void ll_combine_body(const LLParams &p) {
+__device__ void ll_combine_body(const LLParams &p, const LLOp &o) {
   __shared__ WaitResult wr;
   __shared__ uint32_t sh_tstart[EPD_K_MAX_RANKS + 1];
 
   const uint32_t R = p.R, H = p.H, M = p.M, G = p.G, rank = p.rank;
   const uint32_t tid = threadIdx.x;
-  char *lb = local_bank(p);
+  char *lb = local_bank(p, o);
   BankState *st = (BankState *)(lb + p.lay.st);
   const uint32_t seq = __ldcg(&st->seq[1][blockIdx.x]) + 1;
   const uint64_t deadline = gtimer() + p.timeout_ns;
@@ -563,7 +568,7 @@ __device__ void ll_combine_body(const LLParams &p) {
   if (derr == 0) {
     const Meta *meta = (const Meta *)(lb + p.lay.meta);
     const int32_t *cpos = (const int32_t *)(lb + p.lay.cpos);
-    const char *y = arena_buf<char>(p, EPD_BUF_LL_Y);
+    const char *y = arena_buf<char>(p, o, EPD_BUF_LL_Y);
     const uint32_t N = sh_tstart[R];
     /* work items of (received token, 64-vector chunk of H), one per warp: a token's meta, rows and
      * weights are loaded by the lanes in parallel, then 2 x n rows of loads are in flight per lane */
@@ -618,7 +623,7 @@ __device__ void ll_combine_body(const LLParams &p) {
           }
         }
       }
-      int4 *dst = (int4 *)(peer_bank(p, src) + p.lay.cstg + ((uint64_t)rank * M + t) * 2 * H);
+      int4 *dst = (int4 *)(peer_bank(p, o, src) + p.lay.cstg + ((uint64_t)rank * M + t) * 2 * H);
 #pragma unroll
       for (int h = 0; h < 2; h++) {
         uint32_t v = vbeg + lane + h * 32;
@@ -639,7 +644,7 @@ __device__ void ll_combine_body(const LLParams &p) {
     __threadfence_system();
     TRACE(2);
     for (uint32_t r = 0; r < R; r++)
-      st_relaxed_sys((uint64_t *)(peer_bank(p, r) + p.lay.cflag) + (uint64_t)rank * G + blockIdx.x, (uint64_t)seq << 32);
+      st_relaxed_sys((uint64_t *)(peer_bank(p, o, r) + p.lay.cflag) + (uint64_t)rank * G + blockIdx.x, (uint64_t)seq << 32);
   }
 
   TRACE(3);
@@ -652,7 +657,7 @@ __device__ void ll_combine_body(const LLParams &p) {
   if (code == 0) {
     const uint64_t *rmask = (const uint64_t *)(lb + p.lay.rmask);
     const char *cstg = lb + p.lay.cstg;
-    __nv_bfloat16 *out = arena_buf<__nv_bfloat16>(p, EPD_BUF_OUT);
+    __nv_bfloat16 *out = arena_buf<__nv_bfloat16>(p, o, EPD_BUF_OUT);
     const uint32_t T = __ldcg(&st->ntok);
     for (uint32_t t = blockIdx.x; t < T; t += G) {
       uint64_t mask = __ldcg(rmask + t);
@@ -683,10 +688,13 @@ __device__ void ll_combine_body(const LLParams &p) {
     }
   }
   TRACE(5);
-  finish_block(p, st, 1, seq, code, peer, 0, 0);
+  finish_block(p, o, st, 1, seq, code, peer, 0, 0);
 }
 
-__global__ void __launch_bounds__(NTHR) ll_dispatch_kernel(const LLParams p) { ll_dispatch_body(p); }
+__global__ void __launch_bounds__(NTHR) ll_dispatch_kernel(const __grid_constant__ LLParams p,
+                                                           const __grid_constant__ LLOp o) {
+  ll_dispatch_body(p, o);
+}
 
 /* Arguments of the persistent kernel besides the LL parameters. */
 struct PArgs {
@@ -716,31 +724,37 @@ __device__ __forceinline__ uint64_t *ann_word(const LLParams &p, uint32_t peer, 
   return (uint64_t *)ncclGetLsaPointer(p.win, p.win_off + p.lay.ann, (int)peer) + src;
 }
 
-/* The op bodies of the persistent kernel are separate functions: inlined into one kernel with the
- * agreement loop they would share one register allocation and spill (the combine body alone needs 128
- * registers); their parameters live in shared memory (a local copy would be stack traffic). */
-__device__ __noinline__ void pers_dispatch(const LLParams &p) { ll_dispatch_body(p); }
-__device__ __noinline__ void pers_combine(const LLParams &p) { ll_combine_body(p); }
-
 /* Persistent LL kernel (epd_kernels.h "Persistent mode"). Block 0's first warp decides each op with the
  * peers and publishes it in PDev; the other blocks follow. Every block runs the op body; the op's last
  * block completes the slot. */
-__global__ void __launch_bounds__(NTHR) ll_persistent_kernel(LLParams base, PArgs a) {
+__global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_constant__ LLParams base,
+                                                             const __grid_constant__ PArgs a) {
   __shared__ int sh_go;
   __shared__ epd_desc_t sh_desc;
   __shared__ uint32_t sh_slot, sh_repver;
   __shared__ uint64_t sh_t0, sh_t1;
-  __shared__ LLParams sh_p;
+  __shared__ LLOp sh_o; /* the op's parameters: shared memory costs the op bodies no registers */
   const uint32_t tid = threadIdx.x, lane = tid & 31;
   const uint32_t FULL = 0xffffffffu;
-  PDev *pd = a.pd;
-  epd_queue_t *q = a.q;
-  uint64_t idx = a.index0, opn = 0;
-  /* leader state (warp 0 of block 0, the same value in every lane) */
-  uint32_t pos = a.first_slot % EPD_QUEUE_SLOTS, bv0 = a.bv0, bv1 = a.bv1;
-  const uint32_t mapver = __ldcg(base.map);
+  /* The loop's state lives in shared memory, not in registers held across the op bodies (the combine
+   * body alone needs all 128). pos and bv: the leader's ring position and each bank's map version. */
+  __shared__ uint64_t sh_idx, sh_opn;
+  __shared__ uint32_t sh_pos, sh_bv[EPD_NUM_BANKS];
+  if (tid == 0) {
+    sh_idx = a.index0;
+    sh_opn = 0;
+    sh_pos = a.first_slot % EPD_QUEUE_SLOTS;
+    sh_bv[0] = a.bv0;
+    sh_bv[1] = a.bv1;
+  }
+  __syncthreads();
   for (;;) {
+    PDev *pd = a.pd;
+    epd_queue_t *q = a.q;
+    const uint64_t idx = sh_idx, opn = sh_opn;
     if (blockIdx.x == 0 && tid < 32) {
+      const uint32_t mapver = __ldcg(base.map);
+      uint32_t pos = sh_pos, bv0 = sh_bv[0], bv1 = sh_bv[1];
       /* the previous op's slot must be DONE before the ring is scanned again */
       if (opn > 0) {
         if (lane == 0)
@@ -857,6 +871,9 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(LLParams base, PArg
         sh_repver = repver;
         sh_t0 = t0;
         sh_t1 = run ? pd->b[idx & 1].t1 : 0;
+        sh_pos = pos;
+        sh_bv[0] = bv0;
+        sh_bv[1] = bv1;
       }
     } else if (blockIdx.x != 0 && tid == 0) {
       uint64_t g;
@@ -874,35 +891,35 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(LLParams base, PArg
     __syncthreads();
     if (!sh_go) return;
     if (tid == 0) {
-      LLParams &p = sh_p;
-      p = base;
-      p.flags = sh_desc.flags;
-      p.T = sh_desc.num_tokens > 0xffffffu ? 0xffffffu : sh_desc.num_tokens;
-      p.bank = sh_desc.bank;
-      p.comp = &q->slot[sh_slot].comp;
-      p.done_state = &q->slot[sh_slot].state;
-      p.user_tag = sh_desc.user_tag;
-      p.pdev = pd;
-      p.ctl = a.ctl;
-      p.prog = a.prog;
-      p.pq = q;
-      p.popn = opn;
-      p.pstep = a.step0 + opn;
-      p.pt0 = sh_t0;
-      p.pt1 = sh_t1;
-      p.psub = ((uint64_t)sh_desc.reserved[1] << 32) | sh_desc.reserved[0];
-      p.psteps0 = a.steps0;
-      p.prepver = sh_repver;
+      LLOp &o = sh_o;
+      o.flags = sh_desc.flags;
+      o.T = sh_desc.num_tokens > 0xffffffu ? 0xffffffu : sh_desc.num_tokens;
+      o.bank = sh_desc.bank;
+      o.prepver = sh_repver;
+      o.comp = &q->slot[sh_slot].comp;
+      o.done_state = &q->slot[sh_slot].state;
+      o.user_tag = sh_desc.user_tag;
+      o.popn = opn;
+      o.pstep = a.step0 + opn;
+      o.pt0 = sh_t0;
+      o.pt1 = sh_t1;
+      o.psub = ((uint64_t)sh_desc.reserved[1] << 32) | sh_desc.reserved[0];
     }
     __syncthreads();
-    if (sh_desc.op == EPD_OP_LL_DISPATCH) pers_dispatch(sh_p);
-    else pers_combine(sh_p);
+    if (sh_desc.op == EPD_OP_LL_DISPATCH) ll_dispatch_body(base, sh_o);
+    else ll_combine_body(base, sh_o);
     __syncthreads();
-    idx++;
-    opn++;
+    if (tid == 0) {
+      sh_idx = idx + 1;
+      sh_opn = opn + 1;
+    }
+    __syncthreads();
   }
 }
-__global__ void __launch_bounds__(NTHR) ll_combine_kernel(const LLParams p) { ll_combine_body(p); }
+__global__ void __launch_bounds__(NTHR) ll_combine_kernel(const __grid_constant__ LLParams p,
+                                                          const __grid_constant__ LLOp o) {
+  ll_combine_body(p, o);
+}
 
 LLLayout make_layout(const epd_k_ll_geom_t *g, uint32_t G) {
   LLLayout l;
@@ -1107,20 +1124,21 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
   LLParams p;
   memset(&p, 0, sizeof(p));
   params_from_ctx(p, k);
-  p.flags = op->flags;
-  p.T = op->num_tokens; /* > M is reported on every rank by the kernel */
-  p.bank = op->bank;
   p.timeout_ns = op->timeout_ns ? op->timeout_ns : EPD_K_DEFAULT_TIMEOUT_NS;
   p.map = (const uint32_t *)op->map;
   p.slot_tokens = op->slot_tokens;
-  p.comp = op->comp;
   p.trace = op->trace;
   p.arena = *arena;
-  if (op->num_tokens > 0xffffffu) p.T = 0xffffffu;
+  LLOp o;
+  memset(&o, 0, sizeof(o));
+  o.flags = op->flags;
+  o.T = op->num_tokens > 0xffffffu ? 0xffffffu : op->num_tokens; /* > M is reported on every rank by the kernel */
+  o.bank = op->bank;
+  o.comp = op->comp;
   if (op->op == EPD_OP_LL_DISPATCH)
-    ll_dispatch_kernel<<<p.G, NTHR, 0, (cudaStream_t)stream>>>(p);
+    ll_dispatch_kernel<<<p.G, NTHR, 0, (cudaStream_t)stream>>>(p, o);
   else
-    ll_combine_kernel<<<p.G, NTHR, 0, (cudaStream_t)stream>>>(p);
+    ll_combine_kernel<<<p.G, NTHR, 0, (cudaStream_t)stream>>>(p, o);
   cudaError_t ce = cudaGetLastError();
   if (ce != cudaSuccess) {
     if (err && errlen) snprintf(err, errlen, "LL kernel launch: %s", cudaGetErrorString(ce));
@@ -1138,6 +1156,11 @@ epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *aren
   p.timeout_ns = ps->timeout_ns ? ps->timeout_ns : EPD_K_DEFAULT_TIMEOUT_NS;
   p.map = (const uint32_t *)map;
   p.arena = *arena;
+  p.pdev = k->pdev;
+  p.ctl = ps->ctl;
+  p.prog = ps->prog;
+  p.pq = ps->queue;
+  p.psteps0 = ps->steps_done0;
   PArgs a;
   memset(&a, 0, sizeof(a));
   a.q = ps->queue;
