@@ -391,7 +391,7 @@ __device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
         float v2 = bf16_to_f(raw.y & 0xffff), v3 = bf16_to_f(raw.y >> 16);
         float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        for (int sh = 16; sh > 0; sh >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, sh));
         float scale = fmaxf(amax, EPD_K_FP8_AMAX_MIN) / EPD_K_FP8_MAX;
         __nv_fp8x2_storage_t q01 =
             __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v0, scale), __fdiv_rn(v1, scale)), __NV_SATFINITE, __NV_E4M3);
