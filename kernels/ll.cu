@@ -706,11 +706,6 @@ struct PArgs {
   uint64_t index0, step0, steps0;
 };
 
-__device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t *p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 __device__ __forceinline__ uint64_t ld_acquire_gpu_u64(const uint64_t *p) {
   uint64_t v;
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -776,11 +771,14 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
             reason = EPD_K_PEXIT_LIMIT;
             break;
           }
-          uint32_t stv = lane < EPD_QUEUE_SLOTS ? ld_acquire_sys_u32(&q->slot[(pos + lane) % EPD_QUEUE_SLOTS].state) : 0u;
+          /* relaxed polls (an acquire per poll would fence every time), one fence once one is seen */
+          uint32_t stv = lane < EPD_QUEUE_SLOTS
+                             ? *(volatile const uint32_t *)&q->slot[(pos + lane) % EPD_QUEUE_SLOTS].state : 0u;
           uint32_t m = __ballot_sync(FULL, lane < EPD_QUEUE_SLOTS && stv == EPD_SLOT_SUBMITTED);
           if (m) {
             s = (pos + (uint32_t)__ffs(m) - 1) % EPD_QUEUE_SLOTS;
-            __syncwarp(); /* the acquiring lane's load is ordered before every lane's descriptor load */
+            __threadfence_system(); /* with the relaxed load that saw SUBMITTED: acquire */
+            __syncwarp();           /* ... ordered before every lane's descriptor load */
             uint32_t w = lane < 16 ? ((volatile const uint32_t *)&q->slot[s].desc)[lane] : 0u;
             if (lane < 16) ((uint32_t *)&sh_desc)[lane] = w;
             op = __shfl_sync(FULL, w, 0);
@@ -802,7 +800,7 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
         if (lane < base.R) {
           const uint64_t *mine = (const uint64_t *)(base.local + base.lay.ann) + lane;
           for (uint32_t n = 1;; n++) {
-            v = ld_acquire_sys(mine);
+            v = *(volatile const uint64_t *)mine; /* nothing is read on the strength of it: relaxed */
             if ((v >> 16) >= idx + 1) break;
             if (gtimer() > deadline || ((n & 255) == 0 && *(volatile const uint32_t *)&a.ctl->abort)) {
               v = 0;
