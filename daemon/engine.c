@@ -956,6 +956,7 @@ epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out) {
     for (uint32_t r = 0; r < g->g.num_ranks; r++) s->attached_ranks += g->client[r] != NULL;
     s->map_version = g->map.version;
     s->steps = g->steps;
+    snprintf(s->mode, sizeof s->mode, "%s", eng->ops->group_mode ? eng->ops->group_mode(eng, g) : eng->ops->mode(eng));
     s->expert_tokens = malloc(sizeof(uint64_t) * g->g.num_experts);
     if (!s->expert_tokens) goto nomem;
     memcpy(s->expert_tokens, g->expert_tokens, sizeof(uint64_t) * g->g.num_experts);

@@ -749,9 +749,18 @@ static int pers_eligible(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
   }
   if (map_img_update(cg, grp)) return 0;
   /* Every block of a persistent kernel stays resident, and so must every block of the one launch-mode
-   * kernel a GPU runs at a time (LL: G blocks, HT: its data kernel) next to them. */
+   * kernel a GPU runs at a time next to them: that of another group (LL: its blocks, HT: its data
+   * kernel's); this group's own launched kernels never run next to its persistent ones. A new group
+   * stops every persistent kernel when it is set up (attach), so this is checked again with it. */
   uint32_t G = grp_blocks(cg);
-  long reserve = G > EPD_K_HT_BLOCKS ? (long)G : (long)EPD_K_HT_BLOCKS;
+  long reserve = 0;
+  for (uint32_t i = 0; i < be->ngrp; i++) {
+    const cuda_grp_t *o = &be->grp[i];
+    if (!o->used || o == cg || !o->have_win) continue;
+    long b = grp_blocks(o);
+    if (o->have_hwin && b < EPD_K_HT_BLOCKS) b = EPD_K_HT_BLOCKS;
+    if (b > reserve) reserve = b;
+  }
   for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
     const cuda_rank_t *rk = &be->rank[r];
     if (rk->pblocks + (long)G + reserve > rk->president) {
@@ -1567,6 +1576,13 @@ static void cuda_sync_steps(epd_engine_t *eng, eng_group_t *grp) {
   if (cg && cg->pstate != PS_OFF) pers_quiesce(eng, be, cg);
 }
 
+/* (mu) How grp's steps run now: "persistent" while its kernels serve the queues, else "launch". */
+static const char *cuda_group_mode(epd_engine_t *eng, eng_group_t *grp) {
+  cuda_be_t *be = eng->be;
+  cuda_grp_t *cg = be ? cuda_grp_find(be, grp, 0) : NULL;
+  return cg && cg->pstate == PS_RUN ? "persistent" : "launch";
+}
+
 /* A strong reference to this object: engine.c refers to eng_cuda_ops weakly, which does not pull
  * engine_cuda.o out of the static engine library; a program that wants the CUDA backend calls this. */
 int epd_engine_cuda_linked(void);
@@ -1585,6 +1601,7 @@ const eng_backend_ops_t eng_cuda_ops = {
     .client_free = cuda_client_free,
     .copy_weights = cuda_copy_weights,
     .sync_steps = cuda_sync_steps,
+    .group_mode = cuda_group_mode,
 };
 
 #endif /* EPD_WITH_CUDA */

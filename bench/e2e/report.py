@@ -75,7 +75,7 @@ def main():
     if os.path.exists(pp):
         with open(pp) as f:
             res["inproc_p_raw"] = json.load(f)
-    for cfg in ("nomps", "nomps-spin", "mps-spin", "mps-launch", "mps-persist"):
+    for cfg in ("nomps", "nomps-spin", "mps-spin", "mps-launch", "mps-persist", "mps-persist128"):
         c = {}
         pair = load_pair(os.path.join(run, cfg, "e2e"))
         if pair:
@@ -141,8 +141,10 @@ def write_md(res, inproc, path, inproc_p=None):
                        ("nomps-spin", "no MPS, EPD_CUDA_SPIN_NS=20000000 (rank threads do not sleep while busy)"),
                        ("mps-spin", "CUDA MPS on, EPD_CUDA_SPIN_NS=20000000"),
                        ("mps-launch", "CUDA MPS on, EPD_CUDA_MODE=launch (a kernel launch per op), EPD_CUDA_SPIN_NS=20000000"),
-                       ("mps-persist", "CUDA MPS on, EPD_CUDA_MODE=persistent (persistent kernels serve the queues), "
-                                       "EPD_CUDA_SPIN_NS=20000000")):
+                       ("mps-persist", "CUDA MPS on, EPD_CUDA_MODE=persistent (persistent kernels serve the queues, "
+                                       "64 blocks: the mode's default), EPD_CUDA_SPIN_NS=20000000"),
+                       ("mps-persist128", "CUDA MPS on, EPD_CUDA_MODE=persistent, EPD_CUDA_LL_BLOCKS=128 (the launch "
+                                          "mode's and in-process blocks), EPD_CUDA_SPIN_NS=20000000")):
         c = res["configs"].get(cfg, {}).get("c")
         if not c:
             continue
@@ -210,14 +212,21 @@ def write_md(res, inproc, path, inproc_p=None):
                     cells += ["—" if a is None else "%.2f" % a, "—" if b is None else "%.2f" % b,
                               "—" if a is None or b is None else "%+.2f" % (b - a)]
                 L.append("| %s | %s |" % (name, " | ".join(cells)))
-    la, pe = res["configs"].get("mps-launch", {}).get("c"), res["configs"].get("mps-persist", {}).get("c")
-    if la and pe:
-        L.append("\n## Side by side: launch vs persistent mode (both under MPS), and in-process\n")
-        ipp = inproc_p or {}
-        pb = ipp.get("setting", {}).get("blocks", "?")
-        L.append("| what | FP8: in-process (128 blocks) | FP8: in-process (%s blocks) | FP8: launch (128) | "
-                 "FP8: persistent (%s) | BF16: in-process (128) | BF16: in-process (%s) | BF16: launch (128) | "
-                 "BF16: persistent (%s) |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |" % (pb, pb, pb, pb))
+    ipp = inproc_p or {}
+    pb = ipp.get("setting", {}).get("blocks", "?")
+    cols = []  # (label, config, in-process source of the same blocks)
+    for cfg, lab, src in (("mps-launch", "launch (128)", inproc), ("mps-persist", "persistent (%s)" % pb, ipp or None),
+                          ("mps-persist128", "persistent (128)", inproc)):
+        c = res["configs"].get(cfg, {}).get("c")
+        if c:
+            cols.append((lab, c, src))
+    if len(cols) >= 2:
+        L.append("\n## Side by side: launch vs persistent mode (all under MPS), and in-process\n")
+        ips = [("in-process (128)", inproc)] + ([("in-process (%s)" % pb, ipp)] if ipp else [])
+        hdr = []
+        for dt in ("FP8", "BF16"):
+            hdr += ["%s: %s" % (dt, n) for n, _ in ips] + ["%s: %s" % (dt, lab) for lab, _, _ in cols]
+        L.append("| what | %s |\n| --- | %s |" % (" | ".join(hdr), " | ".join("---" for _ in hdr)))
         for nm, key, ipk in (("memop sync: step, host", "memop.sync.step_host_us", "c"),
                              ("memop pipe: step period", "memop.pipe.period_host_us", None),
                              ("graph sync: per step, host", "graph.sync.step_host_us", "c"),
@@ -225,45 +234,43 @@ def write_md(res, inproc, path, inproc_p=None):
                              ("device-side sync: step, host", "device.sync.step_host_us", "c"),
                              ("device-side pipe: step period, GPU timer", "device.pipe.step_gpu_us", None),
                              ("device-side pipe: dispatch, GPU timer", "device.pipe.dispatch_gpu_us", "kd"),
-                             ("device-side pipe: combine, GPU timer", "device.pipe.combine_gpu_us", "kc")):
+                             ("device-side pipe: combine, GPU timer", "device.pipe.combine_gpu_us", "kc"),
+                             ("memop sync: combine comp.latency_ns", "memop.sync.combine_daemon_latency_us", None),
+                             ("device-side pipe: combine comp.latency_ns", "device.pipe.combine_daemon_latency_us", None)):
             cells = []
             for dt in ("fp8", "bf16"):
-                for src in (inproc, ipp):
-                    ip = None
-                    if src:
-                        ip = (inproc_step(dt, src) if ipk == "c" else kern(dt, "d", src) if ipk == "kd"
-                              else kern(dt, "c", src) if ipk == "kc" else None)
+                for _, src in ips:
+                    ip = (inproc_step(dt, src) if ipk == "c" else kern(dt, "d", src) if ipk == "kd"
+                          else kern(dt, "c", src) if ipk == "kc" else None)
                     cells.append("—" if ip is None else "%.2f" % ip)
-                for c in (la, pe):
+                for _, c, _ in cols:
                     v = c.get(dt + "." + key)
                     cells.append("—" if v is None else "%.2f" % (v["p50_us"] if isinstance(v, dict) else v))
             L.append("| %s | %s |" % (nm, " | ".join(cells)))
-        L.append("\nIn-process columns: step rows are bench_ll's in-process end to end (c); dispatch/combine rows "
-                 "are the kernel times (a).\n")
-        L.append("Daemon overhead over in-process (step, sync, p50; launch against in-process at 128 blocks, "
-                 "persistent against in-process at the same %s blocks):\n" % pb)
-        L.append("| path | FP8 launch | FP8 persistent | BF16 launch | BF16 persistent | target |\n"
-                 "| --- | --- | --- | --- | --- | --- |")
+        L.append("\nIn-process columns: step rows are bench_ll's in-process end to end (c) (host launch of both "
+                 "kernels to stream sync); dispatch/combine rows are the kernel times (a). comp.latency_ns: launch "
+                 "mode from the daemon seeing the last rank's submission to the completion, persistent mode from "
+                 "the kernel seeing this rank's slot to the completion (includes the wait for the other rank).\n")
+        L.append("Daemon overhead over in-process at the same blocks (step, p50):\n")
+        hdr = ["%s %s" % (dt, lab) for dt in ("FP8", "BF16") for lab, _, _ in cols]
+        L.append("| path | %s | target |\n| --- | %s | --- |" % (" | ".join(hdr), " | ".join("---" for _ in hdr)))
         for nm, key, tgt in (("memop sync step − in-process (c)", "memop.sync.step_host_us", "≤ 8"),
                              ("graph sync step − in-process (c)", "graph.sync.step_host_us", "≤ 8"),
                              ("device-side sync step − in-process (c)", "device.sync.step_host_us", "≤ 3")):
             cells = []
             for dt in ("fp8", "bf16"):
-                for c, src in ((la, inproc), (pe, ipp or inproc)):
-                    ip = inproc_step(dt, src)
+                for _, c, src in cols:
+                    ip = inproc_step(dt, src) if src else None
                     v = c.get(dt + "." + key)
                     cells.append("—" if v is None or ip is None else "%+.2f" % (v["p50_us"] - ip))
             L.append("| %s | %s | %s |" % (nm, " | ".join(cells), tgt))
-        L.append("")
-        L.append("| path (GPU timer, pipelined) | FP8 launch | FP8 persistent | BF16 launch | BF16 persistent | target |\n"
-                 "| --- | --- | --- | --- | --- | --- |")
         cells = []
         for dt in ("fp8", "bf16"):
-            for c, src in ((la, inproc), (pe, ipp or inproc)):
+            for _, c, src in cols:
                 d, cc = c.get(dt + ".device.pipe.dispatch_gpu_us"), c.get(dt + ".device.pipe.combine_gpu_us")
-                kd, kc = kern(dt, "d", src), kern(dt, "c", src)
+                kd, kc = (kern(dt, "d", src), kern(dt, "c", src)) if src else (None, None)
                 cells.append("—" if not d or not cc or kd is None else "%+.2f" % (d["p50_us"] + cc["p50_us"] - kd - kc))
-        L.append("| device-side: (dispatch + combine) − kernel times | %s | ≤ 3 |" % " | ".join(cells))
+        L.append("| device-side pipe: (dispatch + combine, GPU timer) − kernel times | %s | ≤ 3 |" % " | ".join(cells))
     with open(path, "w") as f:
         f.write("\n".join(L) + "\n")
 

@@ -7,7 +7,8 @@
 #   python-moe.txt (MOE=1) tests/gpu/60-python-moe.sh
 # PERSIST=1: inproc/, inproc-p/ (epd-bench with EPD_BENCH_BLOCKS=$PBLOCKS, default 64: the persistent
 #   mode's blocks), then under MPS mps-launch/ (EPD_CUDA_MODE=launch, 128 blocks) and mps-persist/
-#   (EPD_CUDA_MODE=persistent, EPD_CUDA_LL_BLOCKS=$PBLOCKS), both spinning, C only (PY=1: Python too).
+#   (EPD_CUDA_MODE=persistent, EPD_CUDA_LL_BLOCKS=$PBLOCKS) and mps-persist128/ (persistent, 128 blocks),
+#   all spinning, C only (PY=1: Python too).
 # Usage (repository root of the GPU machine): bash bench/e2e/run_gpu.sh BUNDLE_DIR   (OUT=... set)
 set -u
 D=${1:-dist/epd-0.1.0-linux-x86_64}
@@ -78,13 +79,12 @@ if [ "${PERSIST:-0}" = 1 ]; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/e2e-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/e2e-mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   if nvidia-cuda-mps-control -d; then
-    for m in launch persist; do
-      mode=$m; [ $m = persist ] && mode=persistent
-      if [ $m = persist ]; then
-        start_daemon mps-$m EPD_CUDA_MODE=$mode EPD_CUDA_SPIN_NS=20000000 EPD_CUDA_LL_BLOCKS=$PB
-      else
-        start_daemon mps-$m EPD_CUDA_MODE=$mode EPD_CUDA_SPIN_NS=20000000
-      fi
+    for m in launch persist persist128; do
+      case $m in
+        launch) start_daemon mps-$m EPD_CUDA_MODE=launch EPD_CUDA_SPIN_NS=20000000 ;;
+        persist) start_daemon mps-$m EPD_CUDA_MODE=persistent EPD_CUDA_SPIN_NS=20000000 EPD_CUDA_LL_BLOCKS=$PB ;;
+        persist128) start_daemon mps-$m EPD_CUDA_MODE=persistent EPD_CUDA_SPIN_NS=20000000 EPD_CUDA_LL_BLOCKS=128 ;;
+      esac
       bench_c mps-$m "$ITERS"
       if [ "${PY:-0}" = 1 ]; then
         timeout 200 python3 bench/e2e/py_overhead.py --socket "$SOCK" --iters "$ITERS" --out "$OUT/mps-$m/py" \

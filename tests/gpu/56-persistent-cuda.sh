@@ -78,6 +78,16 @@ worker wb0 -g big8 -r 0 -n 2 --steps 16 --seed 9 --fp8 --experts 256 --hidden 71
 worker wb1 -g big8 -r 1 -n 2 --steps 16 --seed 9 --fp8 --experts 256 --hidden 7168 --topk 8 --tokens 128
 worker wc0 -g big16 -r 0 -n 2 --steps 16 --seed 6 --experts 256 --hidden 7168 --topk 8 --tokens 128
 worker wc1 -g big16 -r 1 -n 2 --steps 16 --seed 6 --experts 256 --hidden 7168 --topk 8 --tokens 128
+seen=0
+if [ -x "$CTL" ]; then # the per-group mode while they run
+  for _ in $(seq 200); do
+    timeout 5 "$CTL" -s "$SOCK" status > "$T/st.txt" 2>/dev/null
+    grep -Eq "^  big(8|16) .* persistent$" "$T/st.txt" && { seen=1; grep -E "^  big|NAME" "$T/st.txt"; break; }
+    kill -0 "$W_wb0" 2>/dev/null || break
+    sleep 0.01
+  done
+  [ $seen = 1 ] || fail "epdctl status never showed a big group in persistent mode"
+fi
 expect_ok wb0; expect_ok wb1; expect_ok wc0; expect_ok wc1
 grep -Eq "group big(8|16): LL steps run in persistent kernels" "$LOG" || fail "no big group ran persistent kernels"
 grep -h "group big.*persistent kernels\|group big.*launch mode" "$LOG" | grep -v DEBUG | head -4
