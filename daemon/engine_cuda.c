@@ -59,6 +59,7 @@
 #define SHORT_SLEEP_NS 2000
 #define LONG_SLEEP_NS 200000
 #define IDLE_AFTER_NS 100000000ull
+#define LAUNCH_QUIET_NS 20000000ull /* 20 ms */
 #define EPD_CUDA_PERSIST_BLOCKS 64u /* LL blocks per group in persistent mode ($EPD_CUDA_LL_BLOCKS overrides) */
 
 enum { MODE_LAUNCH = 0, MODE_PERSISTENT = 1 };
@@ -123,6 +124,7 @@ typedef struct cuda_grank {
   int prun;                         /* launched, not yet seen returned */
   struct cuda_client *pcc;          /* the client its kernel serves (kept busy) */
   uint64_t pacct;                   /* its ops accounted */
+  uint64_t pwatch_ann, pwatch_ns;   /* watchdog: announcements seen, since when a slot waits untaken */
 } cuda_grank_t;
 
 /* Backend state of one group (eng_group_t has no backend pointer: see cuda_grp_find). */
@@ -190,6 +192,10 @@ typedef struct cuda_rank {
   void *scratch;
   long president;      /* persistent kernel blocks this GPU keeps resident */
   long pblocks;        /* blocks of the persistent kernels running on it */
+  /* Launch-mode work of a group on this GPU: when it last wanted to launch (a persistent group of
+   * another group resumes only after LAUNCH_QUIET_NS without it). */
+  uint64_t last_launch_ns;
+  const void *last_launch_grp;
 } cuda_rank_t;
 
 typedef struct cuda_be {
@@ -240,11 +246,7 @@ static void cu_load(void) {
 
 /* ---- availability and mode ---------------------------------------------------------------------- */
 
-/* Persistent kernels never end: a stream that shares a hardware queue with one would wait behind it. */
-static void more_connections(void) { setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0); }
-
 static int cuda_available(char *why, size_t whylen) {
-  more_connections();
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess || n < 1) {
@@ -748,27 +750,26 @@ static int pers_eligible(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
       return 0;
   }
   if (map_img_update(cg, grp)) return 0;
-  /* Every block of a persistent kernel stays resident, and so must every block of the one launch-mode
-   * kernel a GPU runs at a time next to them: that of another group (LL: its blocks, HT: its data
-   * kernel's); this group's own launched kernels never run next to its persistent ones. A new group
-   * stops every persistent kernel when it is set up (attach), so this is checked again with it. */
+  /* A persistent kernel has its GPUs to itself: on 2x H200 under MPS, an LL kernel launched on another
+   * stream of the daemon did not start until the persistent kernel of another group returned (measured).
+   * So one group at a time runs persistent kernels; launch-mode work of another group stops them before
+   * it launches (rank_main), and they resume once the others were quiet for LAUNCH_QUIET_NS. */
   uint32_t G = grp_blocks(cg);
-  long reserve = 0;
   for (uint32_t i = 0; i < be->ngrp; i++) {
     const cuda_grp_t *o = &be->grp[i];
-    if (!o->used || o == cg || !o->have_win) continue;
-    long b = grp_blocks(o);
-    if (o->have_hwin && b < EPD_K_HT_BLOCKS) b = EPD_K_HT_BLOCKS;
-    if (b > reserve) reserve = b;
+    if (!o->used || o == cg) continue;
+    if (o->pstate != PS_OFF || o->narrived || o->phase == PH_RUN) return 0;
   }
   for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
     const cuda_rank_t *rk = &be->rank[r];
-    if (rk->pblocks + (long)G + reserve > rk->president) {
+    if (rk->last_launch_grp && rk->last_launch_grp != cg && t > rk->last_launch_ns &&
+        t - rk->last_launch_ns < LAUNCH_QUIET_NS)
+      return 0;
+    if ((long)G > rk->president) {
       if (!cg->pnofit_logged++)
-        EPD_LOGW(EPD_SUB_CUDA, "group %s stays in launch mode: its persistent kernel (%u blocks) would not fit "
-                 "on GPU %d next to the others (%ld blocks of persistent kernels + %ld for a launched kernel; "
-                 "the GPU keeps %ld resident; EPD_CUDA_LL_BLOCKS sets the blocks)",
-                 cg->name, G, rk->device, rk->pblocks, reserve, rk->president);
+        EPD_LOGW(EPD_SUB_CUDA, "group %s stays in launch mode: its persistent kernel (%u blocks) would not be "
+                 "resident on GPU %d (%ld blocks at once; EPD_CUDA_LL_BLOCKS sets the blocks)", cg->name, G,
+                 rk->device, rk->president);
       return 0;
     }
   }
@@ -797,7 +798,9 @@ static int pers_start(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self
     cudaError_t e = cudaSuccess;
     epd_result_t rc = EPD_OK;
     if (gr->map_version != cg->map_img_version) {
-      e = cudaMemcpy(gr->map_dev, cg->map_img, epd_k_map_bytes(cg->g.num_experts), cudaMemcpyHostToDevice);
+      /* on the kernel's stream, before it (nothing here may wait for the device) */
+      e = cudaMemcpyAsync(gr->map_dev, cg->map_img, epd_k_map_bytes(cg->g.num_experts), cudaMemcpyHostToDevice,
+                          gr->pstream);
       if (!e) gr->map_version = cg->map_img_version;
     }
     memset(gr->pprog, 0, sizeof *gr->pprog);
@@ -834,6 +837,8 @@ static int pers_start(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self
     gr->prun = 1;
     gr->pcc = cc;
     gr->pacct = 0;
+    gr->pwatch_ann = 0;
+    gr->pwatch_ns = now;
     cc->busy = 1; /* its memory stays while the kernel may touch it */
     be->rank[r].pblocks += G;
   }
@@ -893,6 +898,8 @@ static int pers_account(epd_engine_t *eng, cuda_grp_t *cg, int r) {
 
 /* (mu) Every kernel of grp returned: books, ring positions, reset after a failure; launch mode owns it. */
 static void pers_takeover(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self_dev) {
+  (void)be;
+  (void)self_dev;
   uint64_t maxidx = cg->pidx, maxops = 0, minops = UINT64_MAX;
   int reset = 0;
   const char *why = NULL;
@@ -938,18 +945,11 @@ static void pers_takeover(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int 
     cg->presume_step = 0;
   }
   if (reset) {
-    for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
-      cuda_grank_t *gr = &cg->rk[r];
-      cudaSetDevice(be->rank[r].device);
-      epd_result_t rc = epd_k_ll_reset(gr->k, gr->pstream);
-      if (rc == EPD_OK && gr->kh) rc = epd_k_ht_reset(gr->kh, gr->pstream);
-      cudaError_t e = cudaStreamSynchronize(gr->pstream);
-      if (rc || e) EPD_LOGE(EPD_SUB_CUDA, "rank %u group %s: reset after persistent mode failed", r, cg->name);
-    }
-    cudaSetDevice(self_dev);
-    cg->pidx = 0; /* the announcement words are zero again */
-    EPD_LOGI(EPD_SUB_CUDA, "group %s: persistent kernels stopped after %s at step %llu; team reset", cg->name,
-             why ? why : "a failure", (unsigned long long)(cg->grp ? cg->grp->steps : 0));
+    /* the launch mode resets the team before its next step (rank threads, no lock held) */
+    cg->need_reset = 1;
+    for (int r = 0; r < EPD_MAX_RANKS; r++) cg->reset_done[r] = 0;
+    EPD_LOGI(EPD_SUB_CUDA, "group %s: persistent kernels stopped after %s at step %llu; the team is reset before "
+             "its next step", cg->name, why ? why : "a failure", (unsigned long long)(cg->grp ? cg->grp->steps : 0));
   } else {
     EPD_LOGD(EPD_SUB_CUDA, "group %s: persistent kernels stopped (%s) at step %llu", cg->name,
              why ? why : "stop asked", (unsigned long long)(cg->grp ? cg->grp->steps : 0));
@@ -984,6 +984,20 @@ static const char *pers_stop_reason(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t
   } else if (now > cg->pwait_ns && now - cg->pwait_ns > be->timeout_ns) {
     cg->pcarry_ns = cg->pwait_ns;
     return "a peer's client does not submit";
+  }
+  /* watchdog: a SUBMITTED slot no kernel announced for a step timeout (the kernel is not running) */
+  for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
+    cuda_grank_t *gr = &cg->rk[r];
+    volatile epd_k_pprog_t *pr = gr->pprog;
+    uint64_t ann = pr->announced;
+    if (!gr->pcc || ann != pr->taken || ann != gr->pwatch_ann || !head_slot(gr->pcc)) {
+      gr->pwatch_ann = ann;
+      gr->pwatch_ns = now;
+    } else if (now > gr->pwatch_ns && now - gr->pwatch_ns > be->timeout_ns) {
+      EPD_LOGW(EPD_SUB_CUDA, "group %s rank %u: a submitted slot was not taken by its persistent kernel for %u ms",
+               cg->name, r, eng->o.step_timeout_ms);
+      return "a kernel does not take its slot";
+    }
   }
   return NULL;
 }
@@ -1152,6 +1166,22 @@ static void *rank_main(void *arg) {
     }
     /* 3. launch the next step */
     cuda_grp_t *cg = rk->inflight ? NULL : next_to_launch(be, r);
+    if (cg) {
+      rk->last_launch_ns = now;
+      rk->last_launch_grp = cg;
+      /* no launched kernel runs next to a persistent one (pers_eligible): stop them, launch once they
+       * returned (rank 0's thread takes their groups over) */
+      int pers = rk->pblocks > 0;
+      for (uint32_t i = 0; i < be->ngrp; i++)
+        if (be->grp[i].used && be->grp[i].pstate != PS_OFF) {
+          pers = 1;
+          if (be->grp[i].pstate == PS_RUN) pers_stop(&be->grp[i], now, "another group's kernel is to be launched");
+        }
+      if (pers) {
+        cg = NULL;
+        busy = 1;
+      }
+    }
     int do_reset = 0;
     if (cg) {
       if (cg->need_reset && !cg->reset_done[r]) do_reset = 1;
@@ -1213,7 +1243,6 @@ static void *rank_main(void *arg) {
 static void cuda_destroy(epd_engine_t *eng);
 
 static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
-  more_connections();
   int ndev = 0;
   cudaError_t e = cudaGetDeviceCount(&ndev);
   if (e != cudaSuccess || ndev < 1) {
@@ -1528,6 +1557,7 @@ static uint64_t cuda_copy_weights(epd_engine_t *eng, eng_group_t *grp) {
   for (uint32_t i = 0; i < grp->nbufs; i++)
     if (grp->bufs[i].kind == EPD_BUF_EXPERT_WEIGHTS) woff = grp->bufs[i].offset;
   int used[EPD_MAX_RANKS] = {0}, dev0 = 0;
+  if (grp->nstaged_copies) pers_quiesce_all(eng, be); /* the copies must not wait behind persistent kernels */
   cudaGetDevice(&dev0); /* a rank thread calls this: give it its device back */
   for (uint32_t i = 0; i < grp->nstaged_copies && woff != UINT64_MAX; i++) {
     const epd_weight_copy_t *cp = &grp->staged_copies[i];

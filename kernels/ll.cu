@@ -765,15 +765,16 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
         reason = EPD_K_PEXIT_ERROR;
       } else {
         for (;;) {
+          /* relaxed polls (an acquire per poll would fence every time), one fence once one is seen; the
+           * control words and the slot states are read together (one PCIe round trip per poll) */
           const uint64_t lim = *(volatile const uint64_t *)&a.ctl->limit;
           const uint32_t ab = *(volatile const uint32_t *)&a.ctl->abort;
+          uint32_t stv = lane < EPD_QUEUE_SLOTS
+                             ? *(volatile const uint32_t *)&q->slot[(pos + lane) % EPD_QUEUE_SLOTS].state : 0u;
           if (idx >= lim || ab) {
             reason = EPD_K_PEXIT_LIMIT;
             break;
           }
-          /* relaxed polls (an acquire per poll would fence every time), one fence once one is seen */
-          uint32_t stv = lane < EPD_QUEUE_SLOTS
-                             ? *(volatile const uint32_t *)&q->slot[(pos + lane) % EPD_QUEUE_SLOTS].state : 0u;
           uint32_t m = __ballot_sync(FULL, lane < EPD_QUEUE_SLOTS && stv == EPD_SLOT_SUBMITTED);
           if (m) {
             s = (pos + (uint32_t)__ffs(m) - 1) % EPD_QUEUE_SLOTS;
