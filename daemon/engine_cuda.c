@@ -29,10 +29,11 @@
  * slot SUBMITTED, and the group is taken over by the launch-mode collection at the kernels' ring
  * positions - for an HT op or any op the kernel does not run (it stops by itself), mismatched ops, the
  * step that switches to a staged map, draining, a client leaving/dying/hung, a rank without a client, a
- * failed op (the team is reset), a host-side step timeout (a rank's client does not submit), and before
- * any CUDA call that may synchronise the device (attach, detach, group set-up/tear-down). The group
- * resumes persistent kernels when it is back in steady state. A group whose kernels would not stay
- * resident next to the other groups' (half the GPU's resident blocks) stays in launch mode.
+ * failed op (the launch mode resets the team), a host-side step timeout (a rank's client does not
+ * submit), another group's launch-mode work (a launched kernel did not start next to a persistent one on
+ * H200 under MPS: one group at a time has persistent kernels, and nothing else runs on the GPUs then),
+ * and before any CUDA call that may synchronise the device (attach, detach, group set-up/tear-down,
+ * weight copies). The group resumes persistent kernels when it is back in steady state.
  */
 #define _GNU_SOURCE
 #include <errno.h>
