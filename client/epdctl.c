@@ -166,6 +166,7 @@ static void print_status_json(const Epd__V1__StatusReply *s) {
     jkv_u("attached_ranks", gr->attached_ranks, &g);
     jkv_u("steps", gr->steps, &g);
     jkv_u("map_version", gr->map_version, &g);
+    jkv_s("mode", gr->mode, &g);
     putchar('}');
   }
   putchar(']');
@@ -207,12 +208,12 @@ static void print_status_human(const Epd__V1__StatusReply *s) {
   }
   printf("groups:   %zu\n", s->n_groups);
   if (s->n_groups)
-    printf("  %-16s %7s %6s %4s %10s %5s %10s %4s\n", "NAME", "EXPERTS", "HIDDEN", "TOPK", "MAX_TOKENS", "RANKS",
-           "STEPS", "MAP");
+    printf("  %-16s %7s %6s %4s %10s %5s %10s %4s  %s\n", "NAME", "EXPERTS", "HIDDEN", "TOPK", "MAX_TOKENS", "RANKS",
+           "STEPS", "MAP", "MODE");
   for (size_t i = 0; i < s->n_groups; i++) {
     const Epd__V1__GroupStatus *g = s->groups[i];
-    printf("  %-16s %7u %6u %4u %10u %5u %10" PRIu64 " %4u\n", g->name, g->num_experts, g->hidden, g->topk,
-           g->max_tokens, g->attached_ranks, g->steps, g->map_version);
+    printf("  %-16s %7u %6u %4u %10u %5u %10" PRIu64 " %4u  %s\n", g->name, g->num_experts, g->hidden, g->topk,
+           g->max_tokens, g->attached_ranks, g->steps, g->map_version, g->mode && *g->mode ? g->mode : "-");
   }
   printf("clients:  %zu\n", s->n_clients);
   if (s->n_clients) {

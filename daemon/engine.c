@@ -722,6 +722,7 @@ void eng_mark_hung(eng_group_t *grp, int rank) {
 void epd_engine_set_draining(epd_engine_t *eng, int drain) {
   pthread_mutex_lock(&eng->mu);
   eng->draining = drain != 0;
+  if (eng->draining && eng->ops->sync_steps) eng->ops->sync_steps(eng, NULL); /* no step runs past it */
   pthread_mutex_unlock(&eng->mu);
 }
 
@@ -869,6 +870,9 @@ epd_result_t epd_engine_set_map_copies(epd_engine_t *eng, const char *group, con
   grp->staged_copies = all;
   grp->nstaged_copies = nall;
   if (version_out) *version_out = m.version;
+  /* A backend that runs steps without the engine thread (CUDA persistent kernels) must stop before the
+   * call returns: the first dispatch executing after it uses the staged map. */
+  if (eng->ops->sync_steps) eng->ops->sync_steps(eng, grp);
   EPD_LOGD(EPD_SUB_ENGINE, "group %s: expert map version %u staged (%u weight copies pending)", name, m.version,
            nall);
 out:
@@ -952,6 +956,7 @@ epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out) {
     for (uint32_t r = 0; r < g->g.num_ranks; r++) s->attached_ranks += g->client[r] != NULL;
     s->map_version = g->map.version;
     s->steps = g->steps;
+    snprintf(s->mode, sizeof s->mode, "%s", eng->ops->group_mode ? eng->ops->group_mode(eng, g) : eng->ops->mode(eng));
     s->expert_tokens = malloc(sizeof(uint64_t) * g->g.num_experts);
     if (!s->expert_tokens) goto nomem;
     memcpy(s->expert_tokens, g->expert_tokens, sizeof(uint64_t) * g->g.num_experts);

@@ -153,6 +153,7 @@ typedef struct epd_group_snap {
   uint32_t num_ranks;
   uint64_t *slot_tokens;   /* [num_ranks * slots_per_rank] tokens routed to each physical slot (replica) */
   uint64_t map_switches, weight_bytes_copied;
+  char mode[16]; /* how its steps run now ("persistent": in the CUDA backend's persistent kernels) */
 } epd_group_snap_t;
 typedef struct epd_client_snap {
   uint64_t client_id;

@@ -19,9 +19,21 @@
  * kernel's epd_comp_t. A group's NCCL window and device communicator are created with its first client
  * (collective over the node-local communicator of cuda_comm.c, which runs a thread per GPU).
  *
- * "persistent" mode (a kernel per GPU polling the queues, under CUDA MPS) is detected and reported but
- * needs a persistent kernel from kernels/: until one exists the backend runs launch mode under MPS too
- * and says so in the log. EPD_CUDA_MODE=launch|persistent overrides the detection.
+ * "persistent" mode (under CUDA MPS, or EPD_CUDA_MODE=persistent; EPD_CUDA_MODE=launch turns it off):
+ * a group whose every rank has a live client and that is in steady state runs its LL ops in persistent
+ * kernels, one per (group, rank) on a stream of its own, each serving that rank's client queue
+ * (epd_k_ll_persistent_launch): the kernels take SUBMITTED slots, agree on each op across ranks, run it
+ * and complete the slot themselves. The rank threads only keep the books (ops, per-op metrics, steps,
+ * events) from the kernels' host-mapped progress blocks. Everything else runs in launch mode: the kernels
+ * are stopped (host-mapped control block: limit = 0), stop together at one slot boundary leaving the
+ * slot SUBMITTED, and the group is taken over by the launch-mode collection at the kernels' ring
+ * positions - for an HT op or any op the kernel does not run (it stops by itself), mismatched ops, the
+ * step that switches to a staged map, draining, a client leaving/dying/hung, a rank without a client, a
+ * failed op (the launch mode resets the team), a host-side step timeout (a rank's client does not
+ * submit), another group's launch-mode work (a launched kernel did not start next to a persistent one on
+ * H200 under MPS: one group at a time has persistent kernels, and nothing else runs on the GPUs then),
+ * and before any CUDA call that may synchronise the device (attach, detach, group set-up/tear-down,
+ * weight copies). The group resumes persistent kernels when it is back in steady state.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -49,9 +61,13 @@
 #define SHORT_SLEEP_NS 2000
 #define LONG_SLEEP_NS 200000
 #define IDLE_AFTER_NS 100000000ull
+#define LAUNCH_QUIET_NS 20000000ull /* 20 ms */
+#define EPD_CUDA_PERSIST_BLOCKS 64u /* LL blocks per group in persistent mode ($EPD_CUDA_LL_BLOCKS overrides) */
 
 enum { MODE_LAUNCH = 0, MODE_PERSISTENT = 1 };
 enum { PH_COLLECT = 0, PH_RUN = 1 };
+/* Persistent state of a group: launch mode owns it, its kernels run, or they were told to stop. */
+enum { PS_OFF = 0, PS_RUN = 1, PS_STOP = 2 };
 
 /* Driver entry points (resolved through the runtime, no libcuda link). */
 #define CU_FUNCS(X)                                                                                     \
@@ -102,6 +118,15 @@ typedef struct cuda_grank {
   epd_comp_t *comp_host; /* pinned, mapped: the kernel writes it */
   epd_comp_t *comp_dev;
   cudaEvent_t ev;
+  /* persistent mode */
+  epd_k_pctl_t *pctl, *pctl_dev;   /* host-mapped control block (host writes) */
+  epd_k_pprog_t *pprog, *pprog_dev; /* host-mapped progress block (kernel writes) */
+  cudaStream_t pstream;
+  cudaEvent_t pev;                  /* recorded after the persistent kernel */
+  int prun;                         /* launched, not yet seen returned */
+  struct cuda_client *pcc;          /* the client its kernel serves (kept busy) */
+  uint64_t pacct;                   /* its ops accounted */
+  uint64_t pwatch_ann, pwatch_ns;   /* watchdog: announcements seen, since when a slot waits untaken */
 } cuda_grank_t;
 
 /* Backend state of one group (eng_group_t has no backend pointer: see cuda_grp_find). */
@@ -134,6 +159,23 @@ typedef struct cuda_grp {
   /* Map version of each bank's last LL dispatch, and the version the current op reports: a combine
    * reports its bank's dispatch version even when a later dispatch (other bank) switched the map. */
   uint32_t bank_map_version[EPD_NUM_BANKS], op_map_version;
+  /* persistent mode */
+  int pstate;          /* PS_* */
+  int pfail;           /* a persistent launch failed: launch mode for good */
+  int pnofit_logged;
+  uint64_t pidx;       /* highest agreement index used (a launch starts above it) */
+  uint64_t pstep0;     /* grp->steps at the launch */
+  uint64_t pstop_ns;   /* when the stop was asked */
+  int pabort;          /* the abort word was set (the stop took too long) */
+  uint64_t pwait_ann, pwait_ns; /* a rank announced index pwait_ann - 1 and waits for peers since pwait_ns */
+  uint64_t pcarry_ns;  /* first arrival carried into the launch-mode collection (host step timeout) */
+  uint64_t plaunches;
+  /* back-off: kernels that stopped before running any op (an HT-only group) are retried only after
+   * 2^pzero launch-mode steps */
+  uint32_t pzero;
+  uint64_t presume_step;
+  /* timeline of the ops run in persistent kernels since the last report (diagnostics, logged at stop) */
+  uint64_t pst_n, pst_nseen, pst_seen, pst_agree, pst_run, pst_lat;
   cuda_grank_t rk[EPD_MAX_RANKS];
 } cuda_grp_t;
 
@@ -150,6 +192,12 @@ typedef struct cuda_rank {
   cuda_client_t *dead; /* clients to free once idle */
   uint64_t bytes;      /* windows of this rank */
   void *scratch;
+  long president;      /* persistent kernel blocks this GPU keeps resident */
+  long pblocks;        /* blocks of the persistent kernels running on it */
+  /* Launch-mode work of a group on this GPU: when it last wanted to launch (a persistent group of
+   * another group resumes only after LAUNCH_QUIET_NS without it). */
+  uint64_t last_launch_ns;
+  const void *last_launch_grp;
 } cuda_rank_t;
 
 typedef struct cuda_be {
@@ -160,6 +208,7 @@ typedef struct cuda_be {
   epd_cc_t *cc;
   uint64_t timeout_ns; /* per kernel wait: the engine's step timeout */
   uint64_t spin_ns;    /* rank threads spin without sleeping this long after activity ($EPD_CUDA_SPIN_NS) */
+  uint32_t ll_blocks;  /* LL kernel blocks of every group ($EPD_CUDA_LL_BLOCKS; 0: the kernels' default) */
   cuda_rank_t rank[EPD_MAX_RANKS];
   uint64_t next_run_seq;
   uint32_t ngrp;
@@ -285,7 +334,8 @@ static epd_result_t grank_setup(epd_cc_t *cc, int rank, void *argp) {
   size_t errlen = sizeof a->err[rank];
   epd_k_ll_geom_t kg = {.num_ranks = cg->g.num_ranks, .rank = (uint32_t)rank,
                         .num_experts = cg->g.num_experts, .hidden = cg->g.hidden, .topk = cg->g.topk,
-                        .max_tokens = cg->g.max_tokens, .slots_per_rank = cg->g.slots_per_rank};
+                        .max_tokens = cg->g.max_tokens, .slots_per_rank = cg->g.slots_per_rank,
+                        .blocks = a->be->ll_blocks};
   cudaError_t e;
   epd_result_t rc;
   if ((rc = epd_k_ll_create(&kg, epd_cc_lsa(cc, rank), cg->win.win[rank], cg->win.ptr[rank], 0, &gr->k, err,
@@ -307,6 +357,21 @@ static epd_result_t grank_setup(epd_cc_t *cc, int rank, void *argp) {
     return cuda_err(e, "cudaHostGetDevicePointer (completion)", err, errlen);
   if ((e = cudaEventCreateWithFlags(&gr->ev, cudaEventDisableTiming)))
     return cuda_err(e, "cudaEventCreate", err, errlen);
+  if (a->be->mode == MODE_PERSISTENT) {
+    unsigned fl = cudaHostAllocMapped | cudaHostAllocPortable;
+    if ((e = cudaHostAlloc((void **)&gr->pctl, sizeof *gr->pctl, fl)) ||
+        (e = cudaHostAlloc((void **)&gr->pprog, sizeof *gr->pprog, fl)))
+      return cuda_err(e, "cudaHostAlloc (persistent control)", err, errlen);
+    memset(gr->pctl, 0, sizeof *gr->pctl);
+    memset(gr->pprog, 0, sizeof *gr->pprog);
+    if ((e = cudaHostGetDevicePointer((void **)&gr->pctl_dev, gr->pctl, 0)) ||
+        (e = cudaHostGetDevicePointer((void **)&gr->pprog_dev, gr->pprog, 0)))
+      return cuda_err(e, "cudaHostGetDevicePointer (persistent control)", err, errlen);
+    if ((e = cudaStreamCreateWithFlags(&gr->pstream, cudaStreamNonBlocking)) ||
+        (e = cudaEventCreateWithFlags(&gr->pev, cudaEventDisableTiming)))
+      return cuda_err(e, "persistent stream", err, errlen);
+    if (!a->be->rank[rank].president) a->be->rank[rank].president = epd_k_ll_resident_blocks(gr->k);
+  }
   gr->ready = 1;
   return EPD_OK;
 }
@@ -319,6 +384,10 @@ static epd_result_t grank_teardown(epd_cc_t *cc, int rank, void *argp) {
   if (gr->map_dev) cudaFree(gr->map_dev);
   if (gr->comp_host) cudaFreeHost(gr->comp_host);
   if (gr->ev) cudaEventDestroy(gr->ev);
+  if (gr->pctl) cudaFreeHost(gr->pctl);
+  if (gr->pprog) cudaFreeHost(gr->pprog);
+  if (gr->pev) cudaEventDestroy(gr->pev);
+  if (gr->pstream) cudaStreamDestroy(gr->pstream);
   memset(gr, 0, sizeof *gr);
   return EPD_OK;
 }
@@ -351,7 +420,7 @@ static void grp_teardown(cuda_be_t *be, cuda_grp_t *cg) {
 static epd_result_t grp_setup(cuda_be_t *be, cuda_grp_t *cg, char *err, size_t errlen) {
   epd_k_ll_geom_t kg = {.num_ranks = cg->g.num_ranks, .rank = 0, .num_experts = cg->g.num_experts,
                         .hidden = cg->g.hidden, .topk = cg->g.topk, .max_tokens = cg->g.max_tokens,
-                        .slots_per_rank = cg->g.slots_per_rank};
+                        .slots_per_rank = cg->g.slots_per_rank, .blocks = be->ll_blocks};
   uint64_t t0 = eng_now_ns();
   epd_result_t rc = epd_cc_window_alloc(be->cc, epd_k_ll_window_bytes(&kg), &cg->win, err, errlen);
   if (rc) return rc;
@@ -469,6 +538,20 @@ static void fail_collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int s
     }
 }
 
+/* (mu) Build the host image of the group's active map if it is not current; 0 when it is. */
+static int map_img_update(cuda_grp_t *cg, eng_group_t *grp) {
+  if (cg->map_img_version == grp->map.version) return 0;
+  size_t mb = epd_k_map_bytes(grp->map.num_experts);
+  void *img = realloc(cg->map_img, mb);
+  if (img) {
+    cg->map_img = img;
+    if (epd_k_map_pack(img, grp->map.version, grp->map.num_experts, grp->map.nrep, (const uint32_t *)grp->map.rep,
+                       EPD_MAX_REPLICAS) == EPD_OK)
+      cg->map_img_version = grp->map.version;
+  }
+  return cg->map_img_version != grp->map.version;
+}
+
 /* (mu) All ranks arrived: check the step on the host and hand it to the rank threads. */
 static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
   eng_group_t *grp = cg->grp;
@@ -516,19 +599,9 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
   }
   if ((d0->op == EPD_OP_LL_DISPATCH || d0->op == EPD_OP_HT_DISPATCH) && grp) {
     eng_apply_staged_map(eng, grp);
-    if (cg->map_img_version != grp->map.version) {
-      size_t mb = epd_k_map_bytes(grp->map.num_experts);
-      void *img = realloc(cg->map_img, mb);
-      if (img) {
-        cg->map_img = img;
-        if (epd_k_map_pack(img, grp->map.version, grp->map.num_experts, grp->map.nrep,
-                           (const uint32_t *)grp->map.rep, EPD_MAX_REPLICAS) == EPD_OK)
-          cg->map_img_version = grp->map.version;
-      }
-      if (cg->map_img_version != grp->map.version) {
-        fail_collect(eng, be, cg, EPD_ERR_INTERNAL, -1, "could not build the device expert map");
-        return;
-      }
+    if (map_img_update(cg, grp)) {
+      fail_collect(eng, be, cg, EPD_ERR_INTERNAL, -1, "could not build the device expert map");
+      return;
     }
     cg->map_version = grp->map.version;
   }
@@ -546,7 +619,7 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
 /* (mu) Poll rank r's client of group cg; returns 1 if something moved. */
 static int collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int r, uint64_t now) {
   eng_group_t *grp = cg->grp;
-  if (!grp || cg->phase != PH_COLLECT) return 0;
+  if (!grp || cg->phase != PH_COLLECT || cg->pstate != PS_OFF) return 0;
   eng_client_t *c = grp->client[r];
   cuda_client_t *cc = c ? c->be : NULL;
   if (cc && !cg->arrived[r]) {
@@ -565,7 +638,11 @@ static int collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int r, uint
       c->hung = 0;
       cg->cc[r] = cc;
       cc->busy = 1;
-      if (cg->narrived++ == 0) cg->first_arrive_ns = now;
+      if (cg->narrived++ == 0) {
+        /* after a host-side step timeout in persistent mode, the wait goes on from when it began */
+        cg->first_arrive_ns = cg->pcarry_ns && cg->pcarry_ns < now ? cg->pcarry_ns : now;
+        cg->pcarry_ns = 0;
+      }
       cg->last_arrive_ns = now;
       cg->arrive_ns[r] = now;
       if (cg->narrived == cg->g.num_ranks) {
@@ -646,6 +723,385 @@ static cuda_grp_t *next_to_launch(cuda_be_t *be, int r) {
   return best;
 }
 
+/* ---- persistent mode ---------------------------------------------------------------------------- */
+
+static const char *const pexit_name[] = {"running", "stop asked", "an op it does not run", "a peer stopped",
+                                         "mismatched ops", "a failed op", "a peer never announced"};
+
+static uint32_t grp_blocks(const cuda_grp_t *cg) {
+  const epd_k_ll_geom_t *kg = cg->rk[0].k ? epd_k_ll_geom(cg->rk[0].k) : NULL;
+  return kg ? kg->blocks : EPD_K_LL_BLOCKS;
+}
+
+/* The first SUBMITTED slot of cc's ring from its position (launch-mode order), or NULL. */
+static epd_slot_t *head_slot(cuda_client_t *cc) {
+  for (uint32_t k = 0; k < EPD_QUEUE_SLOTS; k++) {
+    epd_slot_t *sl = &cc->queue->slot[(cc->next_slot + k) % EPD_QUEUE_SLOTS];
+    if (eng_slot_state(sl) == EPD_SLOT_SUBMITTED) return sl;
+  }
+  return NULL;
+}
+
+/* (mu) Whether grp can run in persistent kernels now: every rank has a live client, nothing of the
+ * launch mode is pending on it, no map is staged, and its kernels fit next to the others. */
+static int pers_eligible(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
+  eng_group_t *grp = cg->grp;
+  if (be->mode != MODE_PERSISTENT || cg->pfail || !grp || cg->setup_failed || !cg->have_win) return 0;
+  /* a carried first arrival is used by the next collection; it lapses if nobody arrives */
+  uint64_t t = eng_now_ns();
+  if (cg->pcarry_ns && t > cg->pcarry_ns && t - cg->pcarry_ns > 2 * be->timeout_ns) cg->pcarry_ns = 0;
+  if (cg->phase != PH_COLLECT || cg->narrived || cg->need_reset || cg->pcarry_ns) return 0;
+  if (eng->draining || epd_engine_failure(eng) || grp->has_staged || grp->steps < cg->presume_step) return 0;
+  for (int r = 0; r < be->ndev; r++)
+    if (be->rank[r].inflight == cg) return 0;
+  for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
+    eng_client_t *c = grp->client[r];
+    cuda_client_t *cc = c ? c->be : NULL;
+    if (!cc || cc->dead || cc->busy || c->hung || grp->lost[r] || !cg->rk[r].ready || !cg->rk[r].pctl) return 0;
+    /* an op the kernel would not run is the launch mode's */
+    epd_slot_t *sl = head_slot(cc);
+    if (sl && ((sl->desc.op != EPD_OP_LL_DISPATCH && sl->desc.op != EPD_OP_LL_COMBINE) || sl->desc.bank >= EPD_NUM_BANKS))
+      return 0;
+  }
+  if (map_img_update(cg, grp)) return 0;
+  /* A persistent kernel has its GPUs to itself: on 2x H200 under MPS, an LL kernel launched on another
+   * stream of the daemon did not start until the persistent kernel of another group returned (measured).
+   * So one group at a time runs persistent kernels; launch-mode work of another group stops them before
+   * it launches (rank_main), and they resume once the others were quiet for LAUNCH_QUIET_NS. */
+  uint32_t G = grp_blocks(cg);
+  for (uint32_t i = 0; i < be->ngrp; i++) {
+    const cuda_grp_t *o = &be->grp[i];
+    if (!o->used || o == cg) continue;
+    if (o->pstate != PS_OFF || o->narrived || o->phase == PH_RUN) return 0;
+  }
+  for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
+    const cuda_rank_t *rk = &be->rank[r];
+    if (rk->last_launch_grp && rk->last_launch_grp != cg && t > rk->last_launch_ns &&
+        t - rk->last_launch_ns < LAUNCH_QUIET_NS)
+      return 0;
+    if ((long)G > rk->president) {
+      if (!cg->pnofit_logged++)
+        EPD_LOGW(EPD_SUB_CUDA, "group %s stays in launch mode: its persistent kernel (%u blocks) would not be "
+                 "resident on GPU %d (%ld blocks at once; EPD_CUDA_LL_BLOCKS sets the blocks)", cg->name, G,
+                 rk->device, rk->president);
+      return 0;
+    }
+  }
+  return 1;
+}
+
+/* (mu) Tell grp's kernels to stop at their next slot boundary. */
+static void pers_stop(cuda_grp_t *cg, uint64_t now, const char *why) {
+  for (uint32_t r = 0; r < cg->g.num_ranks; r++)
+    if (cg->rk[r].pctl) __atomic_store_n(&cg->rk[r].pctl->limit, 0, __ATOMIC_SEQ_CST);
+  if (cg->pstate == PS_RUN) {
+    cg->pstate = PS_STOP;
+    cg->pstop_ns = now;
+    EPD_LOGD(EPD_SUB_CUDA, "group %s: stopping the persistent kernels (%s)", cg->name, why);
+  }
+}
+
+/* (mu) Launch grp's persistent kernel on every rank. */
+static int pers_start(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self_dev, uint64_t now) {
+  eng_group_t *grp = cg->grp;
+  uint32_t G = grp_blocks(cg);
+  for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
+    cuda_grank_t *gr = &cg->rk[r];
+    cuda_client_t *cc = grp->client[r]->be;
+    cudaSetDevice(be->rank[r].device);
+    cudaError_t e = cudaSuccess;
+    epd_result_t rc = EPD_OK;
+    if (gr->map_version != cg->map_img_version) {
+      /* on the kernel's stream, before it (nothing here may wait for the device) */
+      e = cudaMemcpyAsync(gr->map_dev, cg->map_img, epd_k_map_bytes(cg->g.num_experts), cudaMemcpyHostToDevice,
+                          gr->pstream);
+      if (!e) gr->map_version = cg->map_img_version;
+    }
+    memset(gr->pprog, 0, sizeof *gr->pprog);
+    gr->pctl->abort = 0;
+    __atomic_store_n(&gr->pctl->limit, UINT64_MAX, __ATOMIC_SEQ_CST);
+    if (!e) {
+      epd_k_arena_t a;
+      a.base = (uint64_t)cc->arena_dev;
+      memcpy(a.off, cg->off, sizeof a.off);
+      epd_k_persist_t ps;
+      memset(&ps, 0, sizeof ps);
+      ps.queue = (epd_queue_t *)(uintptr_t)cc->queue_dev;
+      ps.ctl = gr->pctl_dev;
+      ps.prog = gr->pprog_dev;
+      ps.first_slot = cc->next_slot;
+      for (unsigned b = 0; b < EPD_NUM_BANKS; b++) ps.bank_ver[b] = cg->bank_map_version[b];
+      ps.index0 = cg->pidx + 1;
+      ps.step0 = grp->steps;
+      ps.steps_done0 = cc->queue->steps_done;
+      ps.timeout_ns = be->timeout_ns;
+      rc = epd_k_ll_persistent_launch(gr->k, &a, gr->map_dev, &ps, gr->pstream);
+      if (!rc) e = cudaEventRecord(gr->pev, gr->pstream);
+    }
+    if (e || rc) {
+      EPD_LOGE(EPD_SUB_CUDA, "group %s rank %u: persistent kernel launch failed (%s): the group stays in launch mode",
+               cg->name, r, e ? cudaGetErrorString(e) : "launch");
+      cudaGetLastError();
+      cg->pfail = 1;
+      cg->pstate = PS_RUN; /* stop what did start */
+      pers_stop(cg, now, "launch failed");
+      cudaSetDevice(self_dev);
+      return 1;
+    }
+    gr->prun = 1;
+    gr->pcc = cc;
+    gr->pacct = 0;
+    gr->pwatch_ann = 0;
+    gr->pwatch_ns = now;
+    cc->busy = 1; /* its memory stays while the kernel may touch it */
+    be->rank[r].pblocks += G;
+  }
+  cudaSetDevice(self_dev);
+  cg->pstep0 = grp->steps;
+  cg->pstate = PS_RUN;
+  cg->pabort = 0;
+  cg->pwait_ann = cg->pwait_ns = 0;
+  if (cg->plaunches++ == 0)
+    EPD_LOGI(EPD_SUB_CUDA, "group %s: LL steps run in persistent kernels (%u blocks per GPU, %ld resident)", cg->name,
+             G, be->rank[0].president);
+  else
+    EPD_LOGD(EPD_SUB_CUDA, "group %s: persistent kernels resumed at step %llu", cg->name,
+             (unsigned long long)grp->steps);
+  (void)eng;
+  return 1;
+}
+
+/* (mu) Account the ops rank r's kernel completed since the last look; 1 if there were any. */
+static int pers_account(epd_engine_t *eng, cuda_grp_t *cg, int r) {
+  cuda_grank_t *gr = &cg->rk[r];
+  volatile epd_k_pprog_t *pr = gr->pprog;
+  uint64_t ops = pr->ops;
+  if (ops <= gr->pacct) return 0;
+  eng_group_t *grp = cg->grp;
+  eng_client_t *c = grp ? grp->client[r] : NULL;
+  int mine = c && c->be == gr->pcc;
+  for (; gr->pacct < ops; gr->pacct++) {
+    uint64_t n = gr->pacct;
+    epd_k_prec_t rec;
+    memcpy(&rec, (const void *)&pr->rec[n % EPD_K_PREC], sizeof rec);
+    if (ops - n > EPD_K_PREC || rec.seq != n + 1) {
+      /* overwritten before we looked (more than EPD_K_PREC ops in one poll): count it, no details */
+      eng_record_op(eng, r, EPD_OP_MAX, 0, 0, 0);
+    } else {
+      eng_record_op(eng, r, rec.op, rec.status, 0, rec.latency_ns);
+      cg->pst_n++;
+      cg->pst_agree += rec.agree_ns;
+      cg->pst_run += rec.run_ns;
+      cg->pst_lat += rec.latency_ns;
+      if (rec.seen_ns && rec.seen_ns < 1000000000u) {
+        cg->pst_nseen++;
+        cg->pst_seen += rec.seen_ns;
+      }
+      if (rec.status == EPD_ERR_TIMEOUT || rec.status == EPD_ERR_PEER) {
+        if (grp)
+          eng_emit(eng, rec.status == EPD_ERR_TIMEOUT ? "timeout" : "error", grp, r, 0, 0, 0,
+                   cg->pstep0 + n, "group %s step %llu: rank %d %s rank %d", cg->name,
+                   (unsigned long long)(cg->pstep0 + n), r,
+                   rec.status == EPD_ERR_TIMEOUT ? "timed out waiting for" : "gave up waiting for", rec.peer);
+      }
+    }
+    if (mine) c->ops++;
+  }
+  return 1;
+}
+
+/* (mu) Every kernel of grp returned: books, ring positions, reset after a failure; launch mode owns it. */
+static void pers_takeover(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self_dev) {
+  (void)be;
+  (void)self_dev;
+  uint64_t maxidx = cg->pidx, maxops = 0, minops = UINT64_MAX;
+  int reset = 0;
+  const char *why = NULL;
+  for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
+    cuda_grank_t *gr = &cg->rk[r];
+    volatile epd_k_pprog_t *pr = gr->pprog;
+    pers_account(eng, cg, r);
+    uint64_t ix = pr->exited ? pr->exit_index : 0;
+    if (pr->announced > ix) ix = pr->announced;
+    if (ix > maxidx) maxidx = ix;
+    if (!pr->exited || pr->reason == EPD_K_PEXIT_ERROR || pr->reason == EPD_K_PEXIT_SYNC_TIMEOUT) reset = 1;
+    if (pr->exited && pr->reason < sizeof pexit_name / sizeof *pexit_name && pr->reason != EPD_K_PEXIT_PEER &&
+        (!why || pr->reason != EPD_K_PEXIT_LIMIT))
+      why = pexit_name[pr->reason];
+    if (gr->pacct > maxops) maxops = gr->pacct;
+    if (gr->pacct < minops) minops = gr->pacct;
+    if (gr->pcc) {
+      if (pr->exited) gr->pcc->next_slot = pr->slot % EPD_QUEUE_SLOTS;
+      gr->pcc->busy = 0;
+      gr->pcc = NULL;
+    }
+    for (unsigned b = 0; b < EPD_NUM_BANKS; b++)
+      if (pr->bank_ver[b]) cg->bank_map_version[b] = pr->bank_ver[b];
+  }
+  if (minops != maxops) reset = 1; /* ranks disagree on what ran: start the team over */
+  if (cg->pst_n >= 64) {
+    EPD_LOGI(EPD_SUB_CUDA, "group %s: %llu ops in persistent kernels, mean per op and rank: seen -> all ranks agreed "
+             "%.2f us, agreed -> completion %.2f us (latency_ns %.2f us)", cg->name,
+             (unsigned long long)cg->pst_n, cg->pst_agree / 1e3 / cg->pst_n, cg->pst_run / 1e3 / cg->pst_n,
+             cg->pst_lat / 1e3 / cg->pst_n);
+    if (cg->pst_nseen)
+      EPD_LOGI(EPD_SUB_CUDA, "group %s: %llu ops stamped by the client: submit -> seen by the kernel %.2f us", cg->name,
+               (unsigned long long)cg->pst_nseen, cg->pst_seen / 1e3 / cg->pst_nseen);
+    cg->pst_n = cg->pst_nseen = cg->pst_seen = cg->pst_agree = cg->pst_run = cg->pst_lat = 0;
+  }
+  cg->pidx = maxidx;
+  if (cg->grp) cg->grp->steps = cg->pstep0 + maxops;
+  if (maxops == 0 && why == pexit_name[EPD_K_PEXIT_OP]) {
+    if (cg->pzero < 8) cg->pzero++;
+    cg->presume_step = (cg->grp ? cg->grp->steps : 0) + (1u << cg->pzero);
+  } else if (maxops) {
+    cg->pzero = 0;
+    cg->presume_step = 0;
+  }
+  if (reset) {
+    /* the launch mode resets the team before its next step (rank threads, no lock held) */
+    cg->need_reset = 1;
+    for (int r = 0; r < EPD_MAX_RANKS; r++) cg->reset_done[r] = 0;
+    EPD_LOGI(EPD_SUB_CUDA, "group %s: persistent kernels stopped after %s at step %llu; the team is reset before "
+             "its next step", cg->name, why ? why : "a failure", (unsigned long long)(cg->grp ? cg->grp->steps : 0));
+  } else {
+    EPD_LOGD(EPD_SUB_CUDA, "group %s: persistent kernels stopped (%s) at step %llu", cg->name,
+             why ? why : "stop asked", (unsigned long long)(cg->grp ? cg->grp->steps : 0));
+  }
+  cg->pstate = PS_OFF;
+}
+
+/* (mu) Whether a running group must leave persistent mode (the reason), or NULL. */
+static const char *pers_stop_reason(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, uint64_t now) {
+  eng_group_t *grp = cg->grp;
+  if (!grp) return "the group is gone";
+  if (eng->draining) return "draining";
+  if (epd_engine_failure(eng)) return "engine failure";
+  if (grp->has_staged) return "a map is staged";
+  uint64_t wait_ann = 0;
+  for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
+    cuda_grank_t *gr = &cg->rk[r];
+    eng_client_t *c = grp->client[r];
+    if (!c || c->be != gr->pcc || grp->lost[r] || c->hung) return "a client left";
+    volatile epd_k_pprog_t *pr = gr->pprog;
+    if (pr->exited) return "a kernel stopped";
+    uint64_t ann = pr->announced;
+    if (ann > pr->taken && ann > wait_ann) wait_ann = ann;
+  }
+  /* a rank announced an op and waits for a peer whose client does not submit: the launch mode's step
+   * timeout applies (from when the wait began) */
+  if (!wait_ann) {
+    cg->pwait_ann = 0;
+  } else if (cg->pwait_ann != wait_ann) {
+    cg->pwait_ann = wait_ann;
+    cg->pwait_ns = now;
+  } else if (now > cg->pwait_ns && now - cg->pwait_ns > be->timeout_ns) {
+    cg->pcarry_ns = cg->pwait_ns;
+    return "a peer's client does not submit";
+  }
+  /* watchdog: a SUBMITTED slot no kernel announced for a step timeout (the kernel is not running) */
+  for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
+    cuda_grank_t *gr = &cg->rk[r];
+    volatile epd_k_pprog_t *pr = gr->pprog;
+    uint64_t ann = pr->announced;
+    if (!gr->pcc || ann != pr->taken || ann != gr->pwatch_ann || !head_slot(gr->pcc)) {
+      gr->pwatch_ann = ann;
+      gr->pwatch_ns = now;
+    } else if (now > gr->pwatch_ns && now - gr->pwatch_ns > be->timeout_ns) {
+      EPD_LOGW(EPD_SUB_CUDA, "group %s rank %u: a submitted slot was not taken by its persistent kernel for %u ms",
+               cg->name, r, eng->o.step_timeout_ms);
+      return "a kernel does not take its slot";
+    }
+  }
+  return NULL;
+}
+
+/* (mu) Drive grp's persistent state; 1 if something moved. */
+static int pers_poll(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self_dev, uint64_t now) {
+  if (be->mode != MODE_PERSISTENT) return 0;
+  if (cg->pstate == PS_OFF) return pers_eligible(eng, be, cg) ? pers_start(eng, be, cg, self_dev, now) : 0;
+  int busy = 0;
+  uint64_t minops = UINT64_MAX;
+  for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
+    busy |= pers_account(eng, cg, (int)r);
+    if (cg->rk[r].pacct < minops) minops = cg->rk[r].pacct;
+  }
+  if (cg->grp && minops != UINT64_MAX) cg->grp->steps = cg->pstep0 + minops;
+  if (cg->pstate == PS_RUN) {
+    const char *why = pers_stop_reason(eng, be, cg, now);
+    if (why) {
+      pers_stop(cg, now, why);
+      busy = 1;
+    }
+  }
+  if (cg->pstate != PS_STOP) return busy;
+  int all = 1;
+  for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
+    cuda_grank_t *gr = &cg->rk[r];
+    if (!gr->prun) continue;
+    cudaError_t e = cudaEventQuery(gr->pev);
+    if (e == cudaErrorNotReady) {
+      all = 0;
+      continue;
+    }
+    gr->prun = 0;
+    be->rank[r].pblocks -= grp_blocks(cg);
+    if (e != cudaSuccess) {
+      EPD_LOGE(EPD_SUB_CUDA, "rank %u group %s: persistent kernel failed: %s", r, cg->name, cudaGetErrorString(e));
+      eng->rank[r].errors++;
+      eng_fail(eng, "rank %u: persistent kernel failed: %s", r, cudaGetErrorString(e));
+    }
+  }
+  if (all) {
+    pers_takeover(eng, be, cg, self_dev);
+    return 1;
+  }
+  /* Every wait of the kernels is bounded; past the step timeout, make the flag waits give up. */
+  /* (now was read before the lock: another thread may have stamped the stop later) */
+  uint64_t since = now > cg->pstop_ns ? now - cg->pstop_ns : 0;
+  if (!cg->pabort && since > be->timeout_ns + 1000000000ull) {
+    EPD_LOGW(EPD_SUB_CUDA, "group %s: persistent kernels still running %.1f s after the stop: aborting their waits",
+             cg->name, since / 1e9);
+    for (uint32_t r = 0; r < cg->g.num_ranks; r++)
+      if (cg->rk[r].pctl) __atomic_store_n(&cg->rk[r].pctl->abort, r + 1, __ATOMIC_SEQ_CST);
+    cg->pabort = 1;
+  } else if (cg->pabort == 1 && since > 5 * be->timeout_ns + 5000000000ull) {
+    eng_fail(eng, "group %s: persistent kernels do not stop", cg->name);
+    cg->pabort = 2;
+  }
+  return busy;
+}
+
+/* (mu) Stop the persistent kernels of `only` (NULL: every group) and wait until they returned (bounded):
+ * before CUDA calls that may synchronise a device (allocation, registration, release), which would
+ * otherwise wait for them, and when a map is staged. */
+static void pers_quiesce(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *only) {
+  if (be->mode != MODE_PERSISTENT) return;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  uint64_t t0 = eng_now_ns();
+  for (;;) {
+    int left = 0;
+    uint64_t now = eng_now_ns();
+    for (uint32_t i = 0; i < be->ngrp; i++) {
+      cuda_grp_t *cg = &be->grp[i];
+      if (!cg->used || cg->pstate == PS_OFF || (only && cg != only)) continue;
+      if (cg->pstate == PS_RUN)
+        pers_stop(cg, now, only ? "a map is staged" : eng->draining ? "draining" : "device-wide CUDA call");
+      pers_poll(eng, be, cg, dev, now);
+      left |= cg->pstate != PS_OFF;
+    }
+    if (!left) break;
+    if (now - t0 > 6 * be->timeout_ns + 6000000000ull) {
+      eng_fail(eng, "persistent kernels do not stop");
+      break;
+    }
+    eng_sleep_ns(20000);
+  }
+  cudaSetDevice(dev);
+}
+static void pers_quiesce_all(epd_engine_t *eng, cuda_be_t *be) { pers_quiesce(eng, be, NULL); }
+
 /* (mu) Free the group entries nobody uses any more, and clients waiting for their step to end. */
 static void reap(epd_engine_t *eng, cuda_be_t *be, cuda_rank_t *rk) {
   for (cuda_client_t **p = &rk->dead; *p;) {
@@ -654,23 +1110,24 @@ static void reap(epd_engine_t *eng, cuda_be_t *be, cuda_rank_t *rk) {
       p = &cc->next_dead;
       continue;
     }
+    pers_quiesce_all(eng, be); /* cudaHostUnregister and cuMem releases may wait for the device */
     *p = cc->next_dead;
     cuda_client_release(cc);
   }
   /* A group whose last client left: release its device state once no rank runs anything on it. */
   for (uint32_t i = 0; i < be->ngrp; i++) {
     cuda_grp_t *cg = &be->grp[i];
-    if (!cg->used || cg->grp || cg->phase != PH_COLLECT) continue;
+    if (!cg->used || cg->grp || cg->phase != PH_COLLECT || cg->pstate != PS_OFF) continue;
     int running = 0;
     for (int r = 0; r < be->ndev; r++) running |= be->rank[r].inflight == cg;
     if (running) continue;
+    pers_quiesce_all(eng, be);
     /* Windows are deregistered locally (no barrier): every rank is idle on this group. */
     grp_teardown(be, cg);
     free(cg->map_img);
     memset(cg, 0, sizeof *cg);
   }
   if (rk) cudaSetDevice(rk->device);
-  (void)eng;
 }
 
 static void *rank_main(void *arg) {
@@ -700,6 +1157,10 @@ static void *rank_main(void *arg) {
       continue;
     }
     pthread_mutex_lock(&eng->mu);
+    /* 0. persistent mode: rank 0's thread drives every group's kernels and keeps their books */
+    if (r == 0)
+      for (uint32_t i = 0; i < be->ngrp; i++)
+        if (be->grp[i].used) busy |= pers_poll(eng, be, &be->grp[i], rk->device, now);
     /* 1. collect arrivals */
     for (uint32_t i = 0; i < be->ngrp; i++)
       if (be->grp[i].used) busy |= collect(eng, be, &be->grp[i], r, now);
@@ -732,6 +1193,22 @@ static void *rank_main(void *arg) {
     }
     /* 3. launch the next step */
     cuda_grp_t *cg = rk->inflight ? NULL : next_to_launch(be, r);
+    if (cg) {
+      rk->last_launch_ns = now;
+      rk->last_launch_grp = cg;
+      /* no launched kernel runs next to a persistent one (pers_eligible): stop them, launch once they
+       * returned (rank 0's thread takes their groups over) */
+      int pers = rk->pblocks > 0;
+      for (uint32_t i = 0; i < be->ngrp; i++)
+        if (be->grp[i].used && be->grp[i].pstate != PS_OFF) {
+          pers = 1;
+          if (be->grp[i].pstate == PS_RUN) pers_stop(&be->grp[i], now, "another group's kernel is to be launched");
+        }
+      if (pers) {
+        cg = NULL;
+        busy = 1;
+      }
+    }
     int do_reset = 0;
     if (cg) {
       if (cg->need_reset && !cg->reset_done[r]) do_reset = 1;
@@ -826,14 +1303,25 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
   const char *spin = getenv("EPD_CUDA_SPIN_NS");
   be->spin_ns = spin ? strtoull(spin, NULL, 10) : 0;
   const char *m = getenv("EPD_CUDA_MODE");
-  be->mode = MODE_LAUNCH;
-  if (m && !strcmp(m, "persistent")) be->mode = MODE_PERSISTENT;
-  if (be->mode == MODE_PERSISTENT || be->mps) {
-    /* No persistent kernel yet: launch per op under MPS too, which is correct, only slower. */
-    EPD_LOGW(EPD_SUB_CUDA, "CUDA MPS %s; no persistent kernel in this build: launching a kernel per op",
-             be->mps ? "is active" : "not active");
+  const char *lb = getenv("EPD_CUDA_LL_BLOCKS");
+  be->ll_blocks = lb ? (uint32_t)strtoul(lb, NULL, 10) : 0;
+  /* Persistent kernels under MPS: without it, the clients' own kernels (other processes, other
+   * contexts) would only run in time slices next to kernels that never end. */
+  be->mode = be->mps ? MODE_PERSISTENT : MODE_LAUNCH;
+  if (m && !strcmp(m, "launch")) be->mode = MODE_LAUNCH;
+  if (m && !strcmp(m, "persistent")) {
+    be->mode = MODE_PERSISTENT;
+    if (!be->mps)
+      EPD_LOGW(EPD_SUB_CUDA, "EPD_CUDA_MODE=persistent without CUDA MPS: client kernels share the GPU with "
+               "never-ending kernels only by time slicing");
+  }
+  if (be->mode == MODE_PERSISTENT && eng->o.nodes > 1) { /* the inter-node stage launches per step */
+    EPD_LOGW(EPD_SUB_CUDA, "persistent mode is not used across nodes: launching per step");
     be->mode = MODE_LAUNCH;
   }
+  /* A persistent kernel keeps its SMs (one block per SM): by default it takes half of the launch mode's
+   * blocks, so a persistent group and a launched kernel fit together and the clients keep SMs. */
+  if (!lb && be->mode == MODE_PERSISTENT) be->ll_blocks = EPD_CUDA_PERSIST_BLOCKS;
   for (int r = 0; r < be->ndev; r++) {
     be->rank[r].device = r;
     be->rank[r].rank = r;
@@ -855,9 +1343,9 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
       return rc;
     }
   }
-  EPD_LOGI(EPD_SUB_CUDA, "NCCL communicators of %d GPUs up in %.1f ms; MPS %s, mode %s, idle spin %llu ns",
-           be->ndev, (eng_now_ns() - t0) / 1e6, be->mps ? "on" : "off", cuda_mode(eng),
-           (unsigned long long)be->spin_ns);
+  EPD_LOGI(EPD_SUB_CUDA, "NCCL communicators of %d GPUs up in %.1f ms; MPS %s, mode %s, idle spin %llu ns, "
+           "LL blocks %u", be->ndev, (eng_now_ns() - t0) / 1e6, be->mps ? "on" : "off", cuda_mode(eng),
+           (unsigned long long)be->spin_ns, be->ll_blocks ? be->ll_blocks : EPD_K_LL_BLOCKS);
   for (int r = 0; r < be->ndev; r++) {
     cuda_rank_t *rk = &be->rank[r];
     cudaSetDevice(rk->device);
@@ -884,6 +1372,9 @@ static void cuda_destroy(epd_engine_t *eng) {
   atomic_store(&be->stop, 1);
   for (int r = 0; r < EPD_MAX_RANKS; r++)
     if (be->rank[r].started) pthread_join(be->rank[r].th, NULL);
+  pthread_mutex_lock(&eng->mu);
+  pers_quiesce_all(eng, be);
+  pthread_mutex_unlock(&eng->mu);
   eng_cuda_net_destroy(be->net);
   be->net = NULL;
   for (int r = 0; r < be->ndev; r++)
@@ -981,6 +1472,9 @@ static epd_result_t cuda_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
     snprintf(err, errlen, "hidden %u: the cuda backend needs a multiple of 128", c->grp->g.hidden);
     return EPD_ERR_INVALID;
   }
+  /* Registration, cuMem allocation and a group's set-up may synchronise a device: no persistent
+   * kernel may run meanwhile (they resume once the group is in steady state again). */
+  pers_quiesce_all(eng, be);
   if (be->net) { /* scale-out: no LSA window or kernels (engine_cuda_net.c runs the steps) */
     epd_result_t nrc = eng_cuda_net_attach(be->net, c->grp, err, errlen);
     if (nrc) return nrc;
@@ -1057,6 +1551,7 @@ static void cuda_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
   }
   cuda_grp_t *cg = cuda_grp_find(be, grp, 0);
   if (!cg || !cc) return;
+  if (cg->pstate == PS_RUN) pers_stop(cg, eng_now_ns(), lost ? "a client died" : "a client detached");
   if (cg->phase == PH_COLLECT && cg->arrived[r]) {
     /* Withdraw its slot from the step being collected and fail the peers that wait for it. */
     cg->arrived[r] = 0;
@@ -1099,6 +1594,7 @@ static void cuda_client_free(epd_engine_t *eng, eng_client_t *c) {
     be->rank[local_rank(eng, c->rank)].dead = cc;
     return;
   }
+  if (be) pers_quiesce_all(eng, be);
   cuda_client_release(cc);
 }
 
@@ -1118,6 +1614,7 @@ static uint64_t cuda_copy_weights(epd_engine_t *eng, eng_group_t *grp) {
              grp->name, grp->nstaged_copies);
     return 0;
   }
+  if (grp->nstaged_copies) pers_quiesce_all(eng, be); /* the copies must not wait behind persistent kernels */
   cudaGetDevice(&dev0); /* a rank thread calls this: give it its device back */
   for (uint32_t i = 0; i < grp->nstaged_copies && woff != UINT64_MAX; i++) {
     const epd_weight_copy_t *cp = &grp->staged_copies[i];
@@ -1153,6 +1650,26 @@ static uint64_t cuda_copy_weights(epd_engine_t *eng, eng_group_t *grp) {
   return bytes;
 }
 
+/* (mu) A map was staged (grp) or draining began (NULL): the kernels stop before the call returns, so
+ * the first dispatch that executes after it runs in launch mode (switches the map, or is refused). */
+static void cuda_sync_steps(epd_engine_t *eng, eng_group_t *grp) {
+  cuda_be_t *be = eng->be;
+  if (!be) return;
+  if (!grp) {
+    pers_quiesce(eng, be, NULL);
+    return;
+  }
+  cuda_grp_t *cg = cuda_grp_find(be, grp, 0);
+  if (cg && cg->pstate != PS_OFF) pers_quiesce(eng, be, cg);
+}
+
+/* (mu) How grp's steps run now: "persistent" while its kernels serve the queues, else "launch". */
+static const char *cuda_group_mode(epd_engine_t *eng, eng_group_t *grp) {
+  cuda_be_t *be = eng->be;
+  cuda_grp_t *cg = be ? cuda_grp_find(be, grp, 0) : NULL;
+  return cg && cg->pstate == PS_RUN ? "persistent" : "launch";
+}
+
 /* A strong reference to this object: engine.c refers to eng_cuda_ops weakly, which does not pull
  * engine_cuda.o out of the static engine library; a program that wants the CUDA backend calls this. */
 int epd_engine_cuda_linked(void);
@@ -1182,6 +1699,8 @@ const eng_backend_ops_t eng_cuda_ops = {
     .client_leave = cuda_client_leave,
     .client_free = cuda_client_free,
     .copy_weights = cuda_copy_weights,
+    .sync_steps = cuda_sync_steps,
+    .group_mode = cuda_group_mode,
 };
 
 #endif /* EPD_WITH_CUDA */

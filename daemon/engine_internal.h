@@ -111,6 +111,12 @@ typedef struct eng_backend_ops {
    * EPD_BUF_EXPERT_WEIGHTS regions and return when they are done; returns bytes copied. NULL: the
    * regions are CPU-visible (c->arena) and the core copies them with memmove. */
   uint64_t (*copy_weights)(epd_engine_t *eng, eng_group_t *grp);
+  /* (mu) Optional: what the next step of grp (NULL: of every group) must do changed - a map was staged
+   * (it switches at the next executing dispatch), draining began (no new step); return once no step
+   * can execute without seeing it (a backend that runs steps without its threads stops doing so). */
+  void (*sync_steps)(epd_engine_t *eng, eng_group_t *grp);
+  /* (mu) Optional: how grp's steps run now (NULL: the engine's mode). */
+  const char *(*group_mode)(epd_engine_t *eng, eng_group_t *grp);
 } eng_backend_ops_t;
 
 struct epd_engine {

@@ -298,6 +298,7 @@ epd_result_t epd_metrics_status(const epd_engine_snap_t *snap, const epd_daemon_
     g->attached_ranks = s->attached_ranks;
     g->steps = s->steps;
     g->map_version = s->map_version;
+    g->mode = dup_str(s->mode, &failed);
   }
   if (snap->nclients) {
     st->clients = calloc(snap->nclients, sizeof *st->clients);

@@ -117,14 +117,85 @@ typedef struct epd_k_ll_op {
  * outcomes (bad expert id, timeout) land in op->comp. */
 epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const epd_k_ll_op_t *op,
                              void *stream, char *err, size_t errlen);
-/* Persistent mode (needs CUDA MPS when clients share the GPU): launch a kernel of `blocks` blocks that
- * serves one client queue: it runs every SUBMITTED slot in ring order from first_slot (dispatch/combine
- * with this arena and map; other ops complete with EPD_ERR_INVALID), writes the slot's completion
- * (status, peer, num_recv, map_version, user_tag) and sets the slot DONE (release, system scope). It
- * returns when *stop (device-visible memory, e.g. host-mapped) is non-zero while it is idle. */
+/* ---- Persistent mode (the daemon's CUDA backend under MPS) ----
+ * A kernel of the context's `blocks` blocks serves ONE client queue of one rank; every rank of the team
+ * runs one at the same time (one per (group, rank)). Block 0's first warp (the leader) polls the ring
+ * from first_slot for a SUBMITTED slot (the first one in ring order from its position, as the launch
+ * mode: a CUDA graph replays the same slots), then all ranks agree on the op through an announcement
+ * word per (index, rank) in the window: every rank runs it only if every rank announced the same LL op
+ * and bank for that index. Otherwise (a rank was told to stop, a slot holds an op it does not run - HT,
+ * a bad bank, an unknown op - or the ops differ) EVERY rank stops at the same boundary and leaves its
+ * slot SUBMITTED for the host (which runs it in launch mode and later relaunches the kernels with a
+ * fresh index). A rank also stops after an op that failed with EPD_ERR_TIMEOUT or EPD_ERR_PEER (the
+ * team needs epd_k_ll_reset). An op's last block writes the completion (status, peer, num_recv,
+ * map_version, step, user_tag, latency_ns = SUBMITTED seen on this rank -> completion), the queue header
+ * (sticky_error, map_version, steps_done) and a progress record, then sets the slot DONE (release,
+ * system scope). Control and progress live in host-mapped memory (device addresses passed here). */
+typedef struct epd_k_pctl {
+  uint64_t limit; /* host: no op with index >= limit is taken (the kernel stops at that boundary) */
+  uint32_t abort; /* host: non-zero (1 + rank): flag waits give up at once with EPD_ERR_PEER naming rank */
+  uint32_t pad[13];
+} epd_k_pctl_t;
+
+/* Why a persistent kernel stopped (epd_k_pprog_t.reason). */
+enum {
+  EPD_K_PEXIT_NONE = 0,
+  EPD_K_PEXIT_LIMIT = 1,    /* ctl.limit reached, or ctl.abort set */
+  EPD_K_PEXIT_OP = 2,       /* its slot holds an op the kernel does not run (HT, bad bank, unknown) */
+  EPD_K_PEXIT_PEER = 3,     /* a peer (exit_peer) stopped at this index */
+  EPD_K_PEXIT_MISMATCH = 4, /* peer exit_peer announced another op or bank */
+  EPD_K_PEXIT_ERROR = 5,    /* its last op failed with EPD_ERR_TIMEOUT/EPD_ERR_PEER */
+  EPD_K_PEXIT_SYNC_TIMEOUT = 6 /* peer exit_peer announced nothing for 4 x timeout_ns */
+};
+
+#define EPD_K_PREC 64 /* progress records kept (ring) */
+typedef struct epd_k_prec {
+  uint32_t op;
+  int32_t status, peer;
+  uint32_t num_recv;
+  uint64_t latency_ns; /* SUBMITTED seen -> completion */
+  uint64_t seq; /* op number since the launch, + 1 */
+  /* timeline (diagnostics): submit stamp -> seen (only when the client put its %globaltimer submit
+   * time in desc.reserved[0..1], as bench_e2e's device-side client does; else 0), seen -> every rank
+   * agreed, agreed -> completion */
+  uint32_t seen_ns, agree_ns, run_ns, pad;
+} epd_k_prec_t;
+
+typedef struct epd_k_pprog {
+  uint64_t ops;       /* ops completed (slot DONE) since the launch */
+  uint64_t announced; /* index + 1 of the last announcement */
+  uint64_t taken;     /* index + 1 of the last op taken */
+  uint64_t exit_index; /* at exit: the index it stopped at (not taken) */
+  uint32_t exited, reason; /* at exit: 1, EPD_K_PEXIT_* */
+  int32_t exit_peer;
+  uint32_t slot;      /* at exit: ring position to go on from */
+  uint32_t bank_ver[EPD_NUM_BANKS]; /* map version of each bank's last dispatch */
+  uint32_t pad[6];
+  epd_k_prec_t rec[EPD_K_PREC]; /* rec[n % EPD_K_PREC]: op n since the launch */
+} epd_k_pprog_t;
+
+typedef struct epd_k_persist {
+  epd_queue_t *queue;  /* device address of the client queue (e.g. host memory, registered mapped) */
+  epd_k_pctl_t *ctl;   /* device address of the control block */
+  epd_k_pprog_t *prog; /* device address of the progress block (zeroed by the caller before the launch) */
+  uint32_t first_slot; /* ring position to start from */
+  uint32_t bank_ver[EPD_NUM_BANKS]; /* map version of each bank's last dispatch (0: the map's) */
+  uint32_t pad0;
+  uint64_t index0;     /* agreement index of the first op: the same on every rank, larger than any
+                        * index of an earlier launch since the last epd_k_ll_reset/create */
+  uint64_t step0;      /* group step number of the first op (completion step = step0 + n) */
+  uint64_t steps_done0; /* queue header steps_done before the first op */
+  uint64_t timeout_ns; /* per wait; 0: EPD_K_DEFAULT_TIMEOUT_NS */
+} epd_k_persist_t;
+
+/* Launch the persistent kernel on `stream` (its own stream: it runs until told to stop). map: device
+ * expert map (not changed while it runs). Returns EPD_ERR_INVALID on NULL arguments, EPD_ERR_CUDA when
+ * the launch fails. */
 epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map,
-                                        epd_queue_t *queue, const uint32_t *stop, uint32_t first_slot,
-                                        uint64_t timeout_ns, void *stream);
+                                        const epd_k_persist_t *ps, void *stream);
+/* Blocks of the persistent kernel this GPU keeps resident at once (SMs x blocks per SM); every block of a
+ * persistent kernel must be resident, and the kernels of the other groups need theirs too. */
+long epd_k_ll_resident_blocks(const epd_k_ll_t *k);
 
 /* Conveniences around epd_k_ll_launch. */
 epd_result_t epd_k_ll_dispatch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map,

@@ -64,7 +64,26 @@ struct BankState {
 struct LLLayout {
   uint64_t bank_bytes;
   uint64_t dflag, cflag, meta, xstg, cstg, cpos, rtok, rmask, st;
+  uint64_t ann;       /* after both banks: persistent-mode announcement word of each rank [R] u64 */
+  uint64_t area_bytes; /* whole LL area: both banks and the announcement area */
 };
+
+/* Device scratch of a persistent kernel (zeroed before each launch): the leader's decision for each
+ * index and the op it publishes to the other blocks of its rank, and the last op's outcome. */
+struct PBuf {
+  epd_desc_t desc;
+  uint32_t slot, repver;
+  uint64_t t0, t1; /* slot seen SUBMITTED, every rank agreed */
+  uint32_t pad[10];
+};
+struct PDev {
+  uint64_t go;       /* (index + 1) << 1 | run */
+  uint64_t done_ops; /* ops whose completion (slot DONE) is written */
+  int32_t last_err;
+  uint32_t pad0[11];
+  PBuf b[2];
+};
+static_assert(sizeof(PDev) <= 512, "PDev fits the scratch");
 
 struct LLParams {
   ncclWindow_t win;
@@ -72,16 +91,28 @@ struct LLParams {
   char *local;      /* LL area, local address */
   LLLayout lay;
   uint32_t R, rank, E, H, K, M, S, G;
-  /* op */
-  uint32_t flags, T, bank;
   uint64_t timeout_ns;
   const uint32_t *map;
   uint64_t *slot_tokens;
-  epd_comp_t *comp;
   uint64_t *trace;
+  epd_k_arena_t arena;
+  /* persistent mode (pdev != NULL): constant for one launch */
+  PDev *pdev;
+  const epd_k_pctl_t *ctl; /* abort word of the flag waits */
+  epd_k_pprog_t *prog;
+  epd_queue_t *pq;
+  uint64_t psteps0;
+};
+
+/* What changes from op to op (a kernel parameter of its own, or registers of the persistent kernel: the
+ * constant part stays in the parameter space, which costs the op bodies no registers). */
+struct LLOp {
+  uint32_t flags, T, bank;
+  uint32_t prepver;     /* persistent: map version the completion reports */
+  epd_comp_t *comp;
   uint32_t *done_state; /* persistent mode: the slot state word set to EPD_SLOT_DONE by the last block */
   uint64_t user_tag;
-  epd_k_arena_t arena;
+  uint64_t popn, pstep, pt0, pt1, psub; /* persistent: op number, group step, seen/agreed/submit times */
 };
 
 #define TRACE(i)                                                              \
@@ -90,13 +121,15 @@ struct LLParams {
   } while (0)
 
 /* Base of bank b of rank `peer`'s LL area (peer == rank gives the local address). */
-__device__ __forceinline__ char *peer_bank(const LLParams &p, int peer) {
-  return (char *)ncclGetLsaPointer(p.win, p.win_off + p.bank * p.lay.bank_bytes, peer);
+__device__ __forceinline__ char *peer_bank(const LLParams &p, const LLOp &o, int peer) {
+  return (char *)ncclGetLsaPointer(p.win, p.win_off + o.bank * p.lay.bank_bytes, peer);
 }
-__device__ __forceinline__ char *local_bank(const LLParams &p) { return p.local + p.bank * p.lay.bank_bytes; }
+__device__ __forceinline__ char *local_bank(const LLParams &p, const LLOp &o) {
+  return p.local + o.bank * p.lay.bank_bytes;
+}
 template <typename T>
-__device__ __forceinline__ T *arena_buf(const LLParams &p, int kind) {
-  return (T *)(uintptr_t)(p.arena.base + p.arena.off[p.bank][kind]);
+__device__ __forceinline__ T *arena_buf(const LLParams &p, const LLOp &o, int kind) {
+  return (T *)(uintptr_t)(p.arena.base + p.arena.off[o.bank][kind]);
 }
 
 /* Shared state of one block's wait. */
@@ -104,6 +137,7 @@ struct WaitResult {
   uint32_t T[EPD_K_MAX_RANKS];
   uint32_t errbits[EPD_K_MAX_RANKS];
   int timeout_src; /* lowest rank whose flag did not arrive, or INT_MAX */
+  int abort_peer;  /* persistent mode: the host's abort word (1 + rank) seen while waiting, or 0 */
 };
 
 /* Wait (whole block) for the R*G flags `flags[src][g]` of sequence `seq`, until `deadline`. */
@@ -113,16 +147,26 @@ __device__ void wait_flags(const LLParams &p, const uint64_t *flags, uint32_t se
     wr->T[threadIdx.x] = 0;
     wr->errbits[threadIdx.x] = 0;
   }
-  if (threadIdx.x == 0) wr->timeout_src = 0x7fffffff;
+  if (threadIdx.x == 0) {
+    wr->timeout_src = 0x7fffffff;
+    wr->abort_peer = 0;
+  }
   __syncthreads();
   for (uint32_t i = threadIdx.x; i < p.R * p.G; i += blockDim.x) {
     uint32_t src = i / p.G, g = i % p.G;
     uint64_t v;
     bool ok = false;
-    for (;;) {
+    for (uint32_t n = 1;; n++) {
       v = ld_acquire_sys(flags + i);
       if ((uint32_t)(v >> 32) == seq) { ok = true; break; }
       if (gtimer() > deadline) break;
+      if (p.ctl && (n & 255) == 0) { /* host-mapped: a PCIe read, so only now and then */
+        uint32_t ab = *(volatile const uint32_t *)&p.ctl->abort;
+        if (ab) {
+          atomicCAS(&wr->abort_peer, 0, (int)ab);
+          break;
+        }
+      }
     }
     if (!ok) {
       atomicMin(&wr->timeout_src, (int)src);
@@ -148,14 +192,17 @@ __device__ void wait_status(const LLParams &p, const WaitResult *wr, int *code, 
       return;
     }
   }
-  if (wr->timeout_src != 0x7fffffff) {
+  if (wr->abort_peer) {
+    *code = EPD_ERR_PEER;
+    *peer = wr->abort_peer - 1;
+  } else if (wr->timeout_src != 0x7fffffff) {
     *code = EPD_ERR_TIMEOUT;
     *peer = wr->timeout_src;
   }
 }
 
 /* Block epilogue: record the block's outcome; the last block writes the completion record. */
-__device__ void finish_block(const LLParams &p, BankState *st, int opi, uint32_t seq, int code, int peer,
+__device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, int opi, uint32_t seq, int code, int peer,
                              uint32_t add_total, int is_dispatch) {
   __syncthreads();
   if (threadIdx.x != 0) return;
@@ -178,24 +225,51 @@ __device__ void finish_block(const LLParams &p, BankState *st, int opi, uint32_t
   st->errpeer[opi] = -1;
   st->done[opi] = 0;
   if (p.trace) p.trace[7] = gtimer();
-  volatile epd_comp_t *comp = p.comp;
+  volatile epd_comp_t *comp = o.comp;
   if (comp) {
     comp->status = c;
     comp->peer = c ? pe : -1;
     if (is_dispatch) comp->num_recv = c ? 0u : total;
     if (is_dispatch && p.map) comp->map_version = __ldcg(p.map);
-    if (p.done_state) comp->user_tag = p.user_tag;
+    if (o.done_state) comp->user_tag = o.user_tag;
+    if (p.pdev) {
+      comp->map_version = o.prepver; /* a combine reports its bank's dispatch version */
+      comp->step = o.pstep;
+      comp->latency_ns = gtimer() - o.pt0;
+      comp->num_recv = is_dispatch && !c ? total : 0u;
+    }
   }
+  if (!p.pdev) {
+    __threadfence_system();
+    return;
+  }
+  /* persistent: the queue header, then DONE (release: after everything above), then the books */
+  volatile epd_queue_t *q = p.pq;
+  if (c && q->sticky_error == 0) q->sticky_error = c;
+  q->map_version = __ldcg(p.map);
+  q->steps_done = p.psteps0 + o.popn + 1;
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(o.done_state), "r"((uint32_t)EPD_SLOT_DONE) : "memory");
+  *(volatile int32_t *)&p.pdev->last_err = c;
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(&p.pdev->done_ops), "l"(o.popn + 1) : "memory");
+  volatile epd_k_prec_t *rec = &p.prog->rec[o.popn % EPD_K_PREC];
+  rec->op = is_dispatch ? EPD_OP_LL_DISPATCH : EPD_OP_LL_COMBINE;
+  rec->status = c;
+  rec->peer = c ? pe : -1;
+  rec->num_recv = is_dispatch && !c ? total : 0u;
+  const uint64_t tn = gtimer();
+  rec->latency_ns = tn - o.pt0;
+  rec->seq = o.popn + 1;
+  rec->seen_ns = o.psub && o.psub < o.pt0 ? (uint32_t)(o.pt0 - o.psub) : 0u;
+  rec->agree_ns = (uint32_t)(o.pt1 - o.pt0);
+  rec->run_ns = (uint32_t)(tn - o.pt1);
   __threadfence_system();
-  if (p.done_state) {
-    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p.done_state), "r"((uint32_t)EPD_SLOT_DONE) : "memory");
-  }
+  *(volatile uint64_t *)&p.prog->ops = o.popn + 1;
 }
 
 /* ---------------------------------------------------------------------------------------------------
  * Dispatch body (block `blockIdx.x` of G).
  * ------------------------------------------------------------------------------------------------- */
-__device__ void ll_dispatch_body(const LLParams &p) {
+__device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
   __shared__ Meta sh_meta[EPD_K_MAX_RANKS];
   __shared__ uint32_t sh_err;
   __shared__ WaitResult wr;
@@ -204,9 +278,9 @@ __device__ void ll_dispatch_body(const LLParams &p) {
   __shared__ uint32_t sh_tstart[EPD_K_MAX_RANKS + 1];
 
   const uint32_t R = p.R, H = p.H, K = p.K, M = p.M, S = p.S, G = p.G, rank = p.rank;
-  const bool fp8 = (p.flags & EPD_DESC_FP8) != 0;
+  const bool fp8 = (o.flags & EPD_DESC_FP8) != 0;
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  char *lb = local_bank(p);
+  char *lb = local_bank(p, o);
   BankState *st = (BankState *)(lb + p.lay.st);
 
   /* seq and the deadline are per-thread registers: their loads overlap the send instead of delaying it */
@@ -215,15 +289,15 @@ __device__ void ll_dispatch_body(const LLParams &p) {
   if (tid == 0) sh_err = 0;
   __syncthreads();
   TRACE(0);
-  uint32_t T = p.T;
+  uint32_t T = o.T;
   if (T > M) {
     T = 0;
     if (tid == 0) sh_err |= ERRB_TOO_MANY;
   }
 
-  const __nv_bfloat16 *x = arena_buf<__nv_bfloat16>(p, EPD_BUF_X);
-  const int64_t *topk = arena_buf<int64_t>(p, EPD_BUF_TOPK_IDX);
-  const float *topw = arena_buf<float>(p, EPD_BUF_TOPK_WEIGHTS);
+  const __nv_bfloat16 *x = arena_buf<__nv_bfloat16>(p, o, EPD_BUF_X);
+  const int64_t *topk = arena_buf<int64_t>(p, o, EPD_BUF_TOPK_IDX);
+  const float *topw = arena_buf<float>(p, o, EPD_BUF_TOPK_WEIGHTS);
   uint64_t *rmask = (uint64_t *)(lb + p.lay.rmask);
   const uint32_t map_E = p.map[1];
   const uint32_t *map_nrep = p.map + 4;
@@ -317,7 +391,7 @@ __device__ void ll_dispatch_body(const LLParams &p) {
         float v2 = bf16_to_f(raw.y & 0xffff), v3 = bf16_to_f(raw.y >> 16);
         float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        for (int sh = 16; sh > 0; sh >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, sh));
         float scale = fmaxf(amax, EPD_K_FP8_AMAX_MIN) / EPD_K_FP8_MAX;
         __nv_fp8x2_storage_t q01 =
             __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v0, scale), __fdiv_rn(v1, scale)), __NV_SATFINITE, __NV_E4M3);
@@ -326,7 +400,7 @@ __device__ void ll_dispatch_body(const LLParams &p) {
         uint32_t q = (uint32_t)q01 | ((uint32_t)q23 << 16);
         for (uint32_t r = 0; r < R; r++) {
           if (sh_meta[r].n == 0) continue;
-          char *row = peer_bank(p, r) + row_off;
+          char *row = peer_bank(p, o, r) + row_off;
           *(uint32_t *)(row + g * 128 + lane * 4) = q;
           if (lane == 0) *(float *)(row + H + g * 4) = scale;
         }
@@ -339,14 +413,14 @@ __device__ void ll_dispatch_body(const LLParams &p) {
         int4 val = xb[j];
         for (uint32_t r = 0; r < R; r++) {
           if (sh_meta[r].n == 0) continue;
-          ((int4 *)(peer_bank(p, r) + row_off))[v] = val;
+          ((int4 *)(peer_bank(p, o, r) + row_off))[v] = val;
         }
       }
     }
     /* routing metadata to every rank (n == 0 where the token does not go) */
     if (tid < R * 8) {
       uint32_t r = tid / 8, part = tid % 8;
-      int4 *dst = (int4 *)(peer_bank(p, r) + p.lay.meta + ((uint64_t)rank * M + t) * sizeof(Meta));
+      int4 *dst = (int4 *)(peer_bank(p, o, r) + p.lay.meta + ((uint64_t)rank * M + t) * sizeof(Meta));
       dst[part] = ((const int4 *)&sh_meta[r])[part];
     }
     __syncthreads();
@@ -362,7 +436,7 @@ __device__ void ll_dispatch_body(const LLParams &p) {
     TRACE(2);
     uint64_t v = ((uint64_t)seq << 32) | ((uint64_t)(sh_err & 0xffu) << 24) | (uint64_t)T;
     for (uint32_t r = 0; r < R; r++)
-      st_relaxed_sys((uint64_t *)(peer_bank(p, r) + p.lay.dflag) + (uint64_t)rank * G + blockIdx.x, v);
+      st_relaxed_sys((uint64_t *)(peer_bank(p, o, r) + p.lay.dflag) + (uint64_t)rank * G + blockIdx.x, v);
   }
 
   TRACE(3);
@@ -386,10 +460,10 @@ __device__ void ll_dispatch_body(const LLParams &p) {
     __syncthreads();
     const uint32_t N = sh_tstart[R];
     const uint64_t RM = (uint64_t)R * M;
-    char *recv_x = arena_buf<char>(p, EPD_BUF_LL_RECV_X);
-    float *recv_sc = fp8 ? arena_buf<float>(p, EPD_BUF_LL_RECV_SCALES) : nullptr;
-    int32_t *recv_src = arena_buf<int32_t>(p, EPD_BUF_LL_RECV_SRC);
-    int32_t *recv_cnt = arena_buf<int32_t>(p, EPD_BUF_LL_RECV_COUNT);
+    char *recv_x = arena_buf<char>(p, o, EPD_BUF_LL_RECV_X);
+    float *recv_sc = fp8 ? arena_buf<float>(p, o, EPD_BUF_LL_RECV_SCALES) : nullptr;
+    int32_t *recv_src = arena_buf<int32_t>(p, o, EPD_BUF_LL_RECV_SRC);
+    int32_t *recv_cnt = arena_buf<int32_t>(p, o, EPD_BUF_LL_RECV_COUNT);
     int32_t *cpos = (int32_t *)(lb + p.lay.cpos);
     const Meta *meta = (const Meta *)(lb + p.lay.meta);
     const char *xstg = lb + p.lay.xstg;
@@ -458,19 +532,19 @@ __device__ void ll_dispatch_body(const LLParams &p) {
     }
   }
   TRACE(5);
-  finish_block(p, st, 0, seq, code, peer, block_total, 1);
+  finish_block(p, o, st, 0, seq, code, peer, block_total, 1);
 }
 
 /* ---------------------------------------------------------------------------------------------------
  * Combine body.
  * ------------------------------------------------------------------------------------------------- */
-__device__ void ll_combine_body(const LLParams &p) {
+__device__ void ll_combine_body(const LLParams &p, const LLOp &o) {
   __shared__ WaitResult wr;
   __shared__ uint32_t sh_tstart[EPD_K_MAX_RANKS + 1];
 
   const uint32_t R = p.R, H = p.H, M = p.M, G = p.G, rank = p.rank;
   const uint32_t tid = threadIdx.x;
-  char *lb = local_bank(p);
+  char *lb = local_bank(p, o);
   BankState *st = (BankState *)(lb + p.lay.st);
   const uint32_t seq = __ldcg(&st->seq[1][blockIdx.x]) + 1;
   const uint64_t deadline = gtimer() + p.timeout_ns;
@@ -494,7 +568,7 @@ __device__ void ll_combine_body(const LLParams &p) {
   if (derr == 0) {
     const Meta *meta = (const Meta *)(lb + p.lay.meta);
     const int32_t *cpos = (const int32_t *)(lb + p.lay.cpos);
-    const char *y = arena_buf<char>(p, EPD_BUF_LL_Y);
+    const char *y = arena_buf<char>(p, o, EPD_BUF_LL_Y);
     const uint32_t N = sh_tstart[R];
     /* work items of (received token, 64-vector chunk of H), one per warp: a token's meta, rows and
      * weights are loaded by the lanes in parallel, then 2 x n rows of loads are in flight per lane */
@@ -549,7 +623,7 @@ __device__ void ll_combine_body(const LLParams &p) {
           }
         }
       }
-      int4 *dst = (int4 *)(peer_bank(p, src) + p.lay.cstg + ((uint64_t)rank * M + t) * 2 * H);
+      int4 *dst = (int4 *)(peer_bank(p, o, src) + p.lay.cstg + ((uint64_t)rank * M + t) * 2 * H);
 #pragma unroll
       for (int h = 0; h < 2; h++) {
         uint32_t v = vbeg + lane + h * 32;
@@ -570,7 +644,7 @@ __device__ void ll_combine_body(const LLParams &p) {
     __threadfence_system();
     TRACE(2);
     for (uint32_t r = 0; r < R; r++)
-      st_relaxed_sys((uint64_t *)(peer_bank(p, r) + p.lay.cflag) + (uint64_t)rank * G + blockIdx.x, (uint64_t)seq << 32);
+      st_relaxed_sys((uint64_t *)(peer_bank(p, o, r) + p.lay.cflag) + (uint64_t)rank * G + blockIdx.x, (uint64_t)seq << 32);
   }
 
   TRACE(3);
@@ -583,7 +657,7 @@ __device__ void ll_combine_body(const LLParams &p) {
   if (code == 0) {
     const uint64_t *rmask = (const uint64_t *)(lb + p.lay.rmask);
     const char *cstg = lb + p.lay.cstg;
-    __nv_bfloat16 *out = arena_buf<__nv_bfloat16>(p, EPD_BUF_OUT);
+    __nv_bfloat16 *out = arena_buf<__nv_bfloat16>(p, o, EPD_BUF_OUT);
     const uint32_t T = __ldcg(&st->ntok);
     for (uint32_t t = blockIdx.x; t < T; t += G) {
       uint64_t mask = __ldcg(rmask + t);
@@ -614,59 +688,237 @@ __device__ void ll_combine_body(const LLParams &p) {
     }
   }
   TRACE(5);
-  finish_block(p, st, 1, seq, code, peer, 0, 0);
+  finish_block(p, o, st, 1, seq, code, peer, 0, 0);
 }
 
-__global__ void __launch_bounds__(NTHR) ll_dispatch_kernel(const LLParams p) { ll_dispatch_body(p); }
+__global__ void __launch_bounds__(NTHR) ll_dispatch_kernel(const __grid_constant__ LLParams p,
+                                                           const __grid_constant__ LLOp o) {
+  ll_dispatch_body(p, o);
+}
 
-/* Persistent LL kernel: every block walks the queue's ring on its own (same order on every block), waits
- * for a SUBMITTED slot, runs the op body; the op's last block writes the completion and sets the slot
- * DONE, so no block can fall a slot behind. Returns when *stop != 0 while idle. */
-__global__ void __launch_bounds__(NTHR)
-    ll_persistent_kernel(LLParams base, epd_queue_t *q, const volatile uint32_t *stop, uint32_t first_slot) {
+/* Arguments of the persistent kernel besides the LL parameters. */
+struct PArgs {
+  epd_queue_t *q;
+  const epd_k_pctl_t *ctl;
+  epd_k_pprog_t *prog;
+  PDev *pd;
+  uint32_t first_slot, bv0, bv1;
+  uint64_t index0, step0, steps0;
+};
+
+__device__ __forceinline__ uint64_t ld_acquire_gpu_u64(const uint64_t *p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu_u64(uint64_t *p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+/* This rank's announcement word in rank `peer`'s window. */
+__device__ __forceinline__ uint64_t *ann_word(const LLParams &p, uint32_t peer, uint32_t src) {
+  return (uint64_t *)ncclGetLsaPointer(p.win, p.win_off + p.lay.ann, (int)peer) + src;
+}
+
+/* Persistent LL kernel (epd_kernels.h "Persistent mode"). Block 0's first warp decides each op with the
+ * peers and publishes it in PDev; the other blocks follow. Every block runs the op body; the op's last
+ * block completes the slot. */
+__global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_constant__ LLParams base,
+                                                             const __grid_constant__ PArgs a) {
   __shared__ int sh_go;
   __shared__ epd_desc_t sh_desc;
-  uint32_t pos = first_slot;
+  __shared__ uint32_t sh_slot, sh_repver;
+  __shared__ uint64_t sh_t0, sh_t1;
+  __shared__ LLOp sh_o; /* the op's parameters: shared memory costs the op bodies no registers */
+  const uint32_t tid = threadIdx.x, lane = tid & 31;
+  const uint32_t FULL = 0xffffffffu;
+  /* The loop's state lives in shared memory, not in registers held across the op bodies (the combine
+   * body alone needs all 128). pos and bv: the leader's ring position and each bank's map version. */
+  __shared__ uint64_t sh_idx, sh_opn;
+  __shared__ uint32_t sh_pos, sh_bv[EPD_NUM_BANKS];
+  if (tid == 0) {
+    sh_idx = a.index0;
+    sh_opn = 0;
+    sh_pos = a.first_slot % EPD_QUEUE_SLOTS;
+    sh_bv[0] = a.bv0;
+    sh_bv[1] = a.bv1;
+  }
+  __syncthreads();
   for (;;) {
-    epd_slot_t *sl = &q->slot[pos % EPD_QUEUE_SLOTS];
-    if (threadIdx.x == 0) {
-      int go = 0;
-      for (;;) {
-        uint32_t stv;
-        asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(stv) : "l"(&sl->state) : "memory");
-        if (stv == EPD_SLOT_SUBMITTED) { go = 1; break; }
-        if (*stop) break;
+    PDev *pd = a.pd;
+    epd_queue_t *q = a.q;
+    const uint64_t idx = sh_idx, opn = sh_opn;
+    if (blockIdx.x == 0 && tid < 32) {
+      const uint32_t mapver = __ldcg(base.map);
+      uint32_t pos = sh_pos, bv0 = sh_bv[0], bv1 = sh_bv[1];
+      /* the previous op's slot must be DONE before the ring is scanned again */
+      if (opn > 0) {
+        if (lane == 0)
+          while (ld_acquire_gpu_u64(&pd->done_ops) < opn) {
+          }
+        __syncwarp();
       }
-      sh_go = go;
-      if (go) {
-        const volatile uint32_t *d = (const volatile uint32_t *)&sl->desc;
-        uint32_t *o = (uint32_t *)&sh_desc;
-        for (int i = 0; i < (int)(sizeof(epd_desc_t) / 4); i++) o[i] = d[i];
+      const int lasterr = opn ? *(volatile int32_t *)&pd->last_err : 0;
+      int run = 0, rpeer = -1;
+      uint32_t reason = 0, s = pos, op = 0, bank = 0;
+      uint64_t t0 = 0;
+      if (lasterr == EPD_ERR_TIMEOUT || lasterr == EPD_ERR_PEER) {
+        reason = EPD_K_PEXIT_ERROR;
+      } else {
+        for (;;) {
+          /* relaxed polls (an acquire per poll would fence every time), one fence once one is seen; the
+           * control words and the slot states are read together (one PCIe round trip per poll) */
+          const uint64_t lim = *(volatile const uint64_t *)&a.ctl->limit;
+          const uint32_t ab = *(volatile const uint32_t *)&a.ctl->abort;
+          uint32_t stv = lane < EPD_QUEUE_SLOTS
+                             ? *(volatile const uint32_t *)&q->slot[(pos + lane) % EPD_QUEUE_SLOTS].state : 0u;
+          if (idx >= lim || ab) {
+            reason = EPD_K_PEXIT_LIMIT;
+            break;
+          }
+          uint32_t m = __ballot_sync(FULL, lane < EPD_QUEUE_SLOTS && stv == EPD_SLOT_SUBMITTED);
+          if (m) {
+            s = (pos + (uint32_t)__ffs(m) - 1) % EPD_QUEUE_SLOTS;
+            __threadfence_system(); /* with the relaxed load that saw SUBMITTED: acquire */
+            __syncwarp();           /* ... ordered before every lane's descriptor load */
+            uint32_t w = lane < 16 ? ((volatile const uint32_t *)&q->slot[s].desc)[lane] : 0u;
+            if (lane < 16) ((uint32_t *)&sh_desc)[lane] = w;
+            op = __shfl_sync(FULL, w, 0);
+            bank = __shfl_sync(FULL, w, 3);
+            t0 = gtimer();
+            if ((op == EPD_OP_LL_DISPATCH || op == EPD_OP_LL_COMBINE) && bank < EPD_NUM_BANKS) run = 1;
+            else reason = EPD_K_PEXIT_OP;
+            break;
+          }
+        }
+      }
+      /* announce to every rank (this rank's word in each window), then agree */
+      const uint64_t word = ((idx + 1) << 16) | (run ? 0u : 0x100u) | ((op & 0xfu) << 4) | (bank & 0xfu);
+      if (lane < base.R) st_relaxed_sys(ann_word(base, lane, base.rank), word);
+      if (lane == 0) *(volatile uint64_t *)&a.prog->announced = idx + 1;
+      if (run) {
+        const uint64_t tmo = base.timeout_ns * 4, deadline = gtimer() + tmo;
+        uint64_t v = 0;
+        if (lane < base.R) {
+          const uint64_t *mine = (const uint64_t *)(base.local + base.lay.ann) + lane;
+          for (uint32_t n = 1;; n++) {
+            v = *(volatile const uint64_t *)mine; /* nothing is read on the strength of it: relaxed */
+            if ((v >> 16) >= idx + 1) break;
+            if (gtimer() > deadline || ((n & 255) == 0 && *(volatile const uint32_t *)&a.ctl->abort)) {
+              v = 0;
+              break;
+            }
+          }
+        }
+        const bool in = lane < base.R;
+        const uint32_t bex = __ballot_sync(FULL, in && v && ((v & 0x100u) || (v >> 16) != idx + 1));
+        const uint32_t bmm = __ballot_sync(FULL, in && v && (v & 0xffu) != (word & 0xffu));
+        const uint32_t bto = __ballot_sync(FULL, in && !v);
+        if (bex) {
+          run = 0;
+          reason = EPD_K_PEXIT_PEER;
+          rpeer = __ffs(bex) - 1;
+        } else if (bmm) {
+          run = 0;
+          reason = EPD_K_PEXIT_MISMATCH;
+          rpeer = __ffs(bmm) - 1;
+        } else if (bto) {
+          run = 0;
+          reason = EPD_K_PEXIT_SYNC_TIMEOUT;
+          rpeer = __ffs(bto) - 1;
+        }
+      }
+      uint32_t repver = 0;
+      if (run) {
+        if (op == EPD_OP_LL_DISPATCH) {
+          repver = mapver;
+          if (bank == 0) bv0 = repver;
+          else bv1 = repver;
+        } else {
+          repver = bank == 0 ? bv0 : bv1;
+          if (!repver) repver = mapver;
+        }
+        pos = (s + 1) % EPD_QUEUE_SLOTS;
+        PBuf *pb = &pd->b[idx & 1];
+        if (lane < 16) ((volatile uint32_t *)&pb->desc)[lane] = ((uint32_t *)&sh_desc)[lane];
+        if (lane == 0) {
+          pb->slot = s;
+          pb->repver = repver;
+          pb->t0 = t0;
+          pb->t1 = gtimer();
+          volatile epd_k_pprog_t *pr = a.prog;
+          pr->bank_ver[0] = bv0;
+          pr->bank_ver[1] = bv1;
+          pr->taken = idx + 1;
+        }
+      } else if (lane == 0) {
+        volatile epd_k_pprog_t *pr = a.prog;
+        pr->exit_index = idx;
+        pr->slot = pos;
+        pr->reason = reason;
+        pr->exit_peer = rpeer;
+        pr->bank_ver[0] = bv0;
+        pr->bank_ver[1] = bv1;
+        __threadfence_system();
+        pr->exited = 1;
+      }
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence();
+        st_release_gpu_u64(&pd->go, ((idx + 1) << 1) | (uint64_t)run);
+        sh_go = run;
+        sh_slot = s;
+        sh_repver = repver;
+        sh_t0 = t0;
+        sh_t1 = run ? pd->b[idx & 1].t1 : 0;
+        sh_pos = pos;
+        sh_bv[0] = bv0;
+        sh_bv[1] = bv1;
+      }
+    } else if (blockIdx.x != 0 && tid == 0) {
+      uint64_t g;
+      while (((g = ld_acquire_gpu_u64(&pd->go)) >> 1) != idx + 1) __nanosleep(64);
+      sh_go = (int)(g & 1);
+      if (sh_go) {
+        const PBuf *pb = &pd->b[idx & 1];
+        for (int i = 0; i < 16; i++) ((uint32_t *)&sh_desc)[i] = ((volatile const uint32_t *)&pb->desc)[i];
+        sh_slot = *(volatile const uint32_t *)&pb->slot;
+        sh_repver = *(volatile const uint32_t *)&pb->repver;
+        sh_t0 = *(volatile const uint64_t *)&pb->t0;
+        sh_t1 = *(volatile const uint64_t *)&pb->t1;
       }
     }
     __syncthreads();
     if (!sh_go) return;
-    LLParams p = base;
-    p.flags = sh_desc.flags;
-    p.T = sh_desc.num_tokens > 0xffffffu ? 0xffffffu : sh_desc.num_tokens;
-    p.bank = sh_desc.bank;
-    p.comp = &sl->comp;
-    p.done_state = &sl->state;
-    p.user_tag = sh_desc.user_tag;
-    BankState *st = (BankState *)(p.local + (p.bank < EPD_NUM_BANKS ? p.bank : 0) * p.lay.bank_bytes + p.lay.st);
-    if (sh_desc.bank >= EPD_NUM_BANKS || (sh_desc.op != EPD_OP_LL_DISPATCH && sh_desc.op != EPD_OP_LL_COMBINE)) {
-      p.bank = 0;
-      finish_block(p, st, 0, __ldcg(&st->seq[0][blockIdx.x]), EPD_ERR_INVALID, -1, 0, 0);
-    } else if (sh_desc.op == EPD_OP_LL_DISPATCH) {
-      ll_dispatch_body(p);
-    } else {
-      ll_combine_body(p);
+    if (tid == 0) {
+      LLOp &o = sh_o;
+      o.flags = sh_desc.flags;
+      o.T = sh_desc.num_tokens > 0xffffffu ? 0xffffffu : sh_desc.num_tokens;
+      o.bank = sh_desc.bank;
+      o.prepver = sh_repver;
+      o.comp = &q->slot[sh_slot].comp;
+      o.done_state = &q->slot[sh_slot].state;
+      o.user_tag = sh_desc.user_tag;
+      o.popn = opn;
+      o.pstep = a.step0 + opn;
+      o.pt0 = sh_t0;
+      o.pt1 = sh_t1;
+      o.psub = ((uint64_t)sh_desc.reserved[1] << 32) | sh_desc.reserved[0];
     }
     __syncthreads();
-    pos++;
+    if (sh_desc.op == EPD_OP_LL_DISPATCH) ll_dispatch_body(base, sh_o);
+    else ll_combine_body(base, sh_o);
+    __syncthreads();
+    if (tid == 0) {
+      sh_idx = idx + 1;
+      sh_opn = opn + 1;
+    }
+    __syncthreads();
   }
 }
-__global__ void __launch_bounds__(NTHR) ll_combine_kernel(const LLParams p) { ll_combine_body(p); }
+__global__ void __launch_bounds__(NTHR) ll_combine_kernel(const __grid_constant__ LLParams p,
+                                                          const __grid_constant__ LLOp o) {
+  ll_combine_body(p, o);
+}
 
 LLLayout make_layout(const epd_k_ll_geom_t *g, uint32_t G) {
   LLLayout l;
@@ -686,6 +938,8 @@ LLLayout make_layout(const epd_k_ll_geom_t *g, uint32_t G) {
   l.rmask = take(M * 8);
   l.st = take(sizeof(BankState));
   l.bank_bytes = align_up(o, 4096);
+  l.ann = l.bank_bytes * EPD_NUM_BANKS;
+  l.area_bytes = l.ann + align_up(R * 8, 4096);
   return l;
 }
 
@@ -701,6 +955,8 @@ struct epd_k_ll {
   size_t win_off;
   LLLayout lay;
   int device;
+  PDev *pdev; /* persistent-mode scratch */
+  long resident; /* persistent kernel blocks resident at once on this GPU */
 };
 
 static uint32_t geom_blocks(const epd_k_ll_geom_t *g) { return g->blocks ? g->blocks : EPD_K_LL_BLOCKS; }
@@ -728,7 +984,7 @@ static epd_result_t check_geom(const epd_k_ll_geom_t *g, char *err, size_t errle
 extern "C" {
 
 size_t epd_k_ll_window_bytes(const epd_k_ll_geom_t *g) {
-  return (size_t)(make_layout(g, geom_blocks(g)).bank_bytes * EPD_NUM_BANKS);
+  return (size_t)make_layout(g, geom_blocks(g)).area_bytes;
 }
 
 size_t epd_k_map_bytes(uint32_t num_experts) {
@@ -813,6 +1069,7 @@ epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm
     int nsm = 0, per_sm = 0;
     cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, k->device);
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ll_persistent_kernel, NTHR, 0);
+    k->resident = (long)nsm * per_sm;
     if ((long)nsm * per_sm < (long)k->g.blocks) {
       if (err && errlen)
         snprintf(err, errlen, "blocks = %u exceeds the %d x %d blocks this GPU keeps resident", k->g.blocks, nsm, per_sm);
@@ -826,10 +1083,12 @@ epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm
     free(k);
     return r;
   }
-  cudaError_t ce = cudaMemset(k->local, 0, k->lay.bank_bytes * EPD_NUM_BANKS);
+  cudaError_t ce = cudaMalloc((void **)&k->pdev, 512);
+  if (ce == cudaSuccess) ce = cudaMemset(k->local, 0, k->lay.area_bytes);
   if (ce == cudaSuccess) ce = cudaDeviceSynchronize();
   if (ce != cudaSuccess) {
     if (err && errlen) snprintf(err, errlen, "zeroing the LL area: %s", cudaGetErrorString(ce));
+    if (k->pdev) cudaFree(k->pdev);
     ncclDevCommDestroy(lsa_comm, &k->dev);
     free(k);
     return EPD_ERR_CUDA;
@@ -841,11 +1100,12 @@ epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm
 void epd_k_ll_destroy(epd_k_ll_t *k) {
   if (!k) return;
   if (k->have_dev) ncclDevCommDestroy(k->comm, &k->dev);
+  if (k->pdev) cudaFree(k->pdev);
   free(k);
 }
 
 epd_result_t epd_k_ll_reset(epd_k_ll_t *k, void *stream) {
-  cudaError_t ce = cudaMemsetAsync(k->local, 0, k->lay.bank_bytes * EPD_NUM_BANKS, (cudaStream_t)stream);
+  cudaError_t ce = cudaMemsetAsync(k->local, 0, k->lay.area_bytes, (cudaStream_t)stream);
   return ce == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
 }
 
@@ -863,20 +1123,21 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
   LLParams p;
   memset(&p, 0, sizeof(p));
   params_from_ctx(p, k);
-  p.flags = op->flags;
-  p.T = op->num_tokens; /* > M is reported on every rank by the kernel */
-  p.bank = op->bank;
   p.timeout_ns = op->timeout_ns ? op->timeout_ns : EPD_K_DEFAULT_TIMEOUT_NS;
   p.map = (const uint32_t *)op->map;
   p.slot_tokens = op->slot_tokens;
-  p.comp = op->comp;
   p.trace = op->trace;
   p.arena = *arena;
-  if (op->num_tokens > 0xffffffu) p.T = 0xffffffu;
+  LLOp o;
+  memset(&o, 0, sizeof(o));
+  o.flags = op->flags;
+  o.T = op->num_tokens > 0xffffffu ? 0xffffffu : op->num_tokens; /* > M is reported on every rank by the kernel */
+  o.bank = op->bank;
+  o.comp = op->comp;
   if (op->op == EPD_OP_LL_DISPATCH)
-    ll_dispatch_kernel<<<p.G, NTHR, 0, (cudaStream_t)stream>>>(p);
+    ll_dispatch_kernel<<<p.G, NTHR, 0, (cudaStream_t)stream>>>(p, o);
   else
-    ll_combine_kernel<<<p.G, NTHR, 0, (cudaStream_t)stream>>>(p);
+    ll_combine_kernel<<<p.G, NTHR, 0, (cudaStream_t)stream>>>(p, o);
   cudaError_t ce = cudaGetLastError();
   if (ce != cudaSuccess) {
     if (err && errlen) snprintf(err, errlen, "LL kernel launch: %s", cudaGetErrorString(ce));
@@ -886,18 +1147,37 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
 }
 
 epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map,
-                                        epd_queue_t *queue, const uint32_t *stop, uint32_t first_slot,
-                                        uint64_t timeout_ns, void *stream) {
-  if (!k || !arena || !map || !queue || !stop) return EPD_ERR_INVALID;
+                                        const epd_k_persist_t *ps, void *stream) {
+  if (!k || !arena || !map || !ps || !ps->queue || !ps->ctl || !ps->prog) return EPD_ERR_INVALID;
   LLParams p;
   memset(&p, 0, sizeof(p));
   params_from_ctx(p, k);
-  p.timeout_ns = timeout_ns ? timeout_ns : EPD_K_DEFAULT_TIMEOUT_NS;
+  p.timeout_ns = ps->timeout_ns ? ps->timeout_ns : EPD_K_DEFAULT_TIMEOUT_NS;
   p.map = (const uint32_t *)map;
   p.arena = *arena;
-  ll_persistent_kernel<<<p.G, NTHR, 0, (cudaStream_t)stream>>>(p, queue, (const volatile uint32_t *)stop, first_slot);
+  p.pdev = k->pdev;
+  p.ctl = ps->ctl;
+  p.prog = ps->prog;
+  p.pq = ps->queue;
+  p.psteps0 = ps->steps_done0;
+  PArgs a;
+  memset(&a, 0, sizeof(a));
+  a.q = ps->queue;
+  a.ctl = ps->ctl;
+  a.prog = ps->prog;
+  a.pd = k->pdev;
+  a.first_slot = ps->first_slot;
+  a.bv0 = ps->bank_ver[0];
+  a.bv1 = ps->bank_ver[1];
+  a.index0 = ps->index0;
+  a.step0 = ps->step0;
+  a.steps0 = ps->steps_done0;
+  if (cudaMemsetAsync(k->pdev, 0, sizeof(PDev), (cudaStream_t)stream) != cudaSuccess) return EPD_ERR_CUDA;
+  ll_persistent_kernel<<<p.G, NTHR, 0, (cudaStream_t)stream>>>(p, a);
   return cudaGetLastError() == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
 }
+
+long epd_k_ll_resident_blocks(const epd_k_ll_t *k) { return k ? k->resident : 0; }
 
 epd_result_t epd_k_ll_dispatch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map,
                                uint32_t bank, uint32_t num_tokens, uint32_t flags, epd_comp_t *comp,

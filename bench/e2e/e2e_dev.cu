@@ -29,6 +29,9 @@ __global__ void e2e_dev_loop(epd_slot_t *slots, uint32_t first, uint32_t nsteps,
       d.bank = (bank0 + i) & 1u;
       d.user_tag = i;
       const uint64_t t0 = epd_dev_now_ns();
+      /* diagnostics: the submit time, read by the persistent kernel (submit -> seen), ignored otherwise */
+      d.reserved[0] = (uint32_t)t0;
+      d.reserved[1] = (uint32_t)(t0 >> 32);
       epd_comp_t comp;
       const int st = epd_dev_run(&slots[s], &d, timeout_ns, &comp);
       const uint64_t t1 = epd_dev_now_ns();

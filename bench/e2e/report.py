@@ -2,7 +2,9 @@
 """Merge one run of bench/e2e/run_gpu.sh (unpacked e2e-results.tgz) into bench/results/:
 bench_e2e_h200x2.json and bench_e2e_h200x2.md.
 
-    python3 bench/e2e/report.py RUN_DIR [OUT_DIR] [--command TEXT]
+    python3 bench/e2e/report.py RUN_DIR [OUT_DIR] [--command=TEXT] [--name=BASENAME]
+
+A run with PERSIST=1 (cases mps-launch and mps-persist) also gets a side-by-side table of the two modes.
 
 Per-iteration arrays of the two ranks are merged by taking, per iteration, the slower rank (ranks run
 each step together); per-op arrays of the pipelined modes likewise. Figures are medians with p10-p90.
@@ -46,11 +48,14 @@ def merge(pair):
 
 
 def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--command")]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    name = "bench_e2e_h200x2"
     cmd = "bash bench/e2e/run_gpu.sh build-e2e/bundle (run tool, nvidia-h200-x2)"
     for a in sys.argv[1:]:
         if a.startswith("--command="):
             cmd = a.split("=", 1)[1]
+        if a.startswith("--name="):
+            name = a.split("=", 1)[1]
     run = args[0]
     outdir = args[1] if len(args) > 1 else "bench/results"
     with open(os.path.join(run, "inproc", "bench_ll.json")) as f:
@@ -66,7 +71,11 @@ def main():
                       "inproc" in k or "e2e" in k},
            "configs": {}}
     res["inproc_raw"] = inproc
-    for cfg in ("nomps", "nomps-spin", "mps-spin"):
+    pp = os.path.join(run, "inproc-p", "bench_ll.json")
+    if os.path.exists(pp):
+        with open(pp) as f:
+            res["inproc_p_raw"] = json.load(f)
+    for cfg in ("nomps", "nomps-spin", "mps-spin", "mps-launch", "mps-persist", "mps-persist128"):
         c = {}
         pair = load_pair(os.path.join(run, cfg, "e2e"))
         if pair:
@@ -81,9 +90,10 @@ def main():
             pass
         res["configs"][cfg] = c
     os.makedirs(outdir, exist_ok=True)
-    with open(os.path.join(outdir, "bench_e2e_h200x2.json"), "w") as f:
+    res["configs"] = {k: v for k, v in res["configs"].items() if v}
+    with open(os.path.join(outdir, name + ".json"), "w") as f:
         json.dump(res, f, indent=1)
-    write_md(res, inproc, os.path.join(outdir, "bench_e2e_h200x2.md"))
+    write_md(res, inproc, os.path.join(outdir, name + ".md"), res.get("inproc_p_raw"))
 
 
 def find(d, *names):
@@ -93,16 +103,17 @@ def find(d, *names):
     return None
 
 
-def write_md(res, inproc, path):
-    def kern(dt, op):
+def write_md(res, inproc, path, inproc_p=None):
+    def kern(dt, op, src=None):
+        src = src or inproc
         k = {("fp8", "d"): "a_dispatch_fp8_kernel", ("fp8", "c"): "a_combine_kernel_after_fp8",
              ("bf16", "d"): "a_dispatch_bf16_kernel", ("bf16", "c"): "a_combine_kernel_after_bf16"}[(dt, op)]
-        if isinstance(inproc.get(k), dict):
-            return inproc[k]["p50_us"]
+        if isinstance(src.get(k), dict):
+            return src[k]["p50_us"]
         return None
 
-    def inproc_step(dt):
-        for k, v in inproc.items():
+    def inproc_step(dt, src=None):
+        for k, v in (src or inproc).items():
             if k.startswith("c_") and dt in k and isinstance(v, dict):
                 return v["p50_us"]
         return None
@@ -128,7 +139,12 @@ def write_md(res, inproc, path):
                                                    kern("bf16", "c"), inproc_step("fp8"), inproc_step("bf16")))
     for cfg, title in (("nomps", "no MPS, default poll loop (spin 256 polls, then 2 µs sleeps)"),
                        ("nomps-spin", "no MPS, EPD_CUDA_SPIN_NS=20000000 (rank threads do not sleep while busy)"),
-                       ("mps-spin", "CUDA MPS on, EPD_CUDA_SPIN_NS=20000000")):
+                       ("mps-spin", "CUDA MPS on, EPD_CUDA_SPIN_NS=20000000"),
+                       ("mps-launch", "CUDA MPS on, EPD_CUDA_MODE=launch (a kernel launch per op), EPD_CUDA_SPIN_NS=20000000"),
+                       ("mps-persist", "CUDA MPS on, EPD_CUDA_MODE=persistent (persistent kernels serve the queues, "
+                                       "64 blocks: the mode's default), EPD_CUDA_SPIN_NS=20000000"),
+                       ("mps-persist128", "CUDA MPS on, EPD_CUDA_MODE=persistent, EPD_CUDA_LL_BLOCKS=128 (the launch "
+                                          "mode's and in-process blocks), EPD_CUDA_SPIN_NS=20000000")):
         c = res["configs"].get(cfg, {}).get("c")
         if not c:
             continue
@@ -196,6 +212,65 @@ def write_md(res, inproc, path):
                     cells += ["—" if a is None else "%.2f" % a, "—" if b is None else "%.2f" % b,
                               "—" if a is None or b is None else "%+.2f" % (b - a)]
                 L.append("| %s | %s |" % (name, " | ".join(cells)))
+    ipp = inproc_p or {}
+    pb = ipp.get("setting", {}).get("blocks", "?")
+    cols = []  # (label, config, in-process source of the same blocks)
+    for cfg, lab, src in (("mps-launch", "launch (128)", inproc), ("mps-persist", "persistent (%s)" % pb, ipp or None),
+                          ("mps-persist128", "persistent (128)", inproc)):
+        c = res["configs"].get(cfg, {}).get("c")
+        if c:
+            cols.append((lab, c, src))
+    if len(cols) >= 2:
+        L.append("\n## Side by side: launch vs persistent mode (all under MPS), and in-process\n")
+        ips = [("in-process (128)", inproc)] + ([("in-process (%s)" % pb, ipp)] if ipp else [])
+        hdr = []
+        for dt in ("FP8", "BF16"):
+            hdr += ["%s: %s" % (dt, n) for n, _ in ips] + ["%s: %s" % (dt, lab) for lab, _, _ in cols]
+        L.append("| what | %s |\n| --- | %s |" % (" | ".join(hdr), " | ".join("---" for _ in hdr)))
+        for nm, key, ipk in (("memop sync: step, host", "memop.sync.step_host_us", "c"),
+                             ("memop pipe: step period", "memop.pipe.period_host_us", None),
+                             ("graph sync: per step, host", "graph.sync.step_host_us", "c"),
+                             ("graph pipe: step period", "graph.pipe.period_host_us", None),
+                             ("device-side sync: step, host", "device.sync.step_host_us", "c"),
+                             ("device-side pipe: step period, GPU timer", "device.pipe.step_gpu_us", None),
+                             ("device-side pipe: dispatch, GPU timer", "device.pipe.dispatch_gpu_us", "kd"),
+                             ("device-side pipe: combine, GPU timer", "device.pipe.combine_gpu_us", "kc"),
+                             ("memop sync: combine comp.latency_ns", "memop.sync.combine_daemon_latency_us", None),
+                             ("device-side pipe: combine comp.latency_ns", "device.pipe.combine_daemon_latency_us", None)):
+            cells = []
+            for dt in ("fp8", "bf16"):
+                for _, src in ips:
+                    ip = (inproc_step(dt, src) if ipk == "c" else kern(dt, "d", src) if ipk == "kd"
+                          else kern(dt, "c", src) if ipk == "kc" else None)
+                    cells.append("—" if ip is None else "%.2f" % ip)
+                for _, c, _ in cols:
+                    v = c.get(dt + "." + key)
+                    cells.append("—" if v is None else "%.2f" % (v["p50_us"] if isinstance(v, dict) else v))
+            L.append("| %s | %s |" % (nm, " | ".join(cells)))
+        L.append("\nIn-process columns: step rows are bench_ll's in-process end to end (c) (host launch of both "
+                 "kernels to stream sync); dispatch/combine rows are the kernel times (a). comp.latency_ns: launch "
+                 "mode from the daemon seeing the last rank's submission to the completion, persistent mode from "
+                 "the kernel seeing this rank's slot to the completion (includes the wait for the other rank).\n")
+        L.append("Daemon overhead over in-process at the same blocks (step, p50):\n")
+        hdr = ["%s %s" % (dt, lab) for dt in ("FP8", "BF16") for lab, _, _ in cols]
+        L.append("| path | %s | target |\n| --- | %s | --- |" % (" | ".join(hdr), " | ".join("---" for _ in hdr)))
+        for nm, key, tgt in (("memop sync step − in-process (c)", "memop.sync.step_host_us", "≤ 8"),
+                             ("graph sync step − in-process (c)", "graph.sync.step_host_us", "≤ 8"),
+                             ("device-side sync step − in-process (c)", "device.sync.step_host_us", "≤ 3")):
+            cells = []
+            for dt in ("fp8", "bf16"):
+                for _, c, src in cols:
+                    ip = inproc_step(dt, src) if src else None
+                    v = c.get(dt + "." + key)
+                    cells.append("—" if v is None or ip is None else "%+.2f" % (v["p50_us"] - ip))
+            L.append("| %s | %s | %s |" % (nm, " | ".join(cells), tgt))
+        cells = []
+        for dt in ("fp8", "bf16"):
+            for _, c, src in cols:
+                d, cc = c.get(dt + ".device.pipe.dispatch_gpu_us"), c.get(dt + ".device.pipe.combine_gpu_us")
+                kd, kc = (kern(dt, "d", src), kern(dt, "c", src)) if src else (None, None)
+                cells.append("—" if not d or not cc or kd is None else "%+.2f" % (d["p50_us"] + cc["p50_us"] - kd - kc))
+        L.append("| device-side pipe: (dispatch + combine, GPU timer) − kernel times | %s | ≤ 3 |" % " | ".join(cells))
     with open(path, "w") as f:
         f.write("\n".join(L) + "\n")
 

@@ -5,6 +5,10 @@
 #   nomps-spin/    (MOE=1) the same daemon with EPD_CUDA_SPIN_NS (rank threads never sleep while busy)
 #   mps-spin/      under CUDA MPS (nvidia-cuda-mps-control -d, pipe/log dirs under /tmp), spin on: C + Python
 #   python-moe.txt (MOE=1) tests/gpu/60-python-moe.sh
+# PERSIST=1: inproc/, inproc-p/ (epd-bench with EPD_BENCH_BLOCKS=$PBLOCKS, default 64: the persistent
+#   mode's blocks), then under MPS mps-launch/ (EPD_CUDA_MODE=launch, 128 blocks) and mps-persist/
+#   (EPD_CUDA_MODE=persistent, EPD_CUDA_LL_BLOCKS=$PBLOCKS) and mps-persist128/ (persistent, 128 blocks),
+#   all spinning, C only (PY=1: Python too).
 # Usage (repository root of the GPU machine): bash bench/e2e/run_gpu.sh BUNDLE_DIR   (OUT=... set)
 set -u
 D=${1:-dist/epd-0.1.0-linux-x86_64}
@@ -63,6 +67,43 @@ mkdir -p "$OUT/inproc"
 EPD_BENCH_CMD="epd-bench (bench/e2e/run_gpu.sh, same device call)" timeout 150 "$D/bin/epd-bench" "$OUT/inproc" \
   > "$OUT/inproc/log.txt" 2>&1
 echo "epd-bench rc $?"; tail -3 "$OUT/inproc/log.txt"
+
+if [ "${PERSIST:-0}" = 1 ]; then
+  PB=${PBLOCKS:-64}
+  echo "== in-process (epd-bench), $PB blocks"
+  mkdir -p "$OUT/inproc-p"
+  EPD_BENCH_BLOCKS=$PB EPD_BENCH_CMD="EPD_BENCH_BLOCKS=$PB epd-bench (bench/e2e/run_gpu.sh PERSIST=1)" timeout 150 \
+    "$D/bin/epd-bench" "$OUT/inproc-p" > "$OUT/inproc-p/log.txt" 2>&1
+  echo "epd-bench rc $?"; tail -2 "$OUT/inproc-p/log.txt"
+  echo "== MPS: launch mode vs persistent mode"
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/e2e-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/e2e-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    for m in launch persist persist128; do
+      case $m in
+        launch) start_daemon mps-$m EPD_CUDA_MODE=launch EPD_CUDA_SPIN_NS=20000000 ;;
+        persist) start_daemon mps-$m EPD_CUDA_MODE=persistent EPD_CUDA_SPIN_NS=20000000 EPD_CUDA_LL_BLOCKS=$PB ;;
+        persist128) start_daemon mps-$m EPD_CUDA_MODE=persistent EPD_CUDA_SPIN_NS=20000000 EPD_CUDA_LL_BLOCKS=128 ;;
+      esac
+      bench_c mps-$m "$ITERS"
+      if [ "${PY:-0}" = 1 ]; then
+        timeout 200 python3 bench/e2e/py_overhead.py --socket "$SOCK" --iters "$ITERS" --out "$OUT/mps-$m/py" \
+          > "$OUT/mps-$m/py.log" 2>&1
+        echo "py_overhead rc $?"; tail -3 "$OUT/mps-$m/py.log"
+      fi
+      stop_daemon
+      grep -E "persistent kernels|launch mode" "$OUT/mps-$m/daemon.log" | head -3
+    done
+    echo quit | nvidia-cuda-mps-control
+  else
+    echo "MPS did not start"
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  rm -f /dev/shm/epd-bench-e2e-* 2>/dev/null
+  tar -C "$OUT" -czf "$FINAL/e2e-results.tgz" .
+  echo "== done"
+  exit 0
+fi
 
 echo "== no MPS, default poll loop"
 start_daemon nomps

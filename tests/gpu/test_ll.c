@@ -6,6 +6,7 @@
  */
 #if EPD_WITH_CUDA
 #include <math.h>
+#include <unistd.h>
 
 #include "../test.h"
 #include "ll_harness.h"
@@ -445,14 +446,71 @@ EPD_TEST_T(gpu_ll_peer_timeout, 120) {
   llh_destroy(&C.h);
 }
 
-/* The persistent kernel serving a device queue per rank: dispatch/combine steps in ring order, both
- * banks and dtypes, then stop. */
+/* Persistent mode: control and progress blocks (host-mapped) of each rank's kernel. */
+static epd_k_pctl_t *g_ctl[2];
+static epd_k_pprog_t *g_prog[2];
+
+static void plaunch(cudaStream_t *ps, uint64_t index0, uint64_t step0) {
+  llh_t *h = &C.h;
+  for (int r = 0; r < 2; r++) {
+    CUCK(cudaSetDevice(epd_cc_device(h->kh.cc, r)));
+    uint32_t first = g_prog[r]->slot;
+    memset(g_prog[r], 0, sizeof *g_prog[r]);
+    g_ctl[r]->abort = 0;
+    __atomic_store_n(&g_ctl[r]->limit, UINT64_MAX, __ATOMIC_SEQ_CST);
+    epd_k_persist_t a;
+    memset(&a, 0, sizeof a);
+    a.queue = g_q[r];
+    CUCK(cudaHostGetDevicePointer((void **)&a.ctl, g_ctl[r], 0));
+    CUCK(cudaHostGetDevicePointer((void **)&a.prog, g_prog[r], 0));
+    a.first_slot = first;
+    a.index0 = index0;
+    a.step0 = step0;
+    a.timeout_ns = 5000000000ull;
+    CK(epd_k_ll_persistent_launch(h->k[r], &h->kh.ar[r], h->kh.map_dev[r], &a, ps[r]));
+  }
+}
+
+/* Wait (bounded) until both kernels returned. */
+static void pwait_exit(cudaStream_t *ps) {
+  llh_t *h = &C.h;
+  for (int r = 0; r < 2; r++) {
+    CUCK(cudaSetDevice(epd_cc_device(h->kh.cc, r)));
+    cudaError_t e = cudaErrorNotReady;
+    for (int i = 0; i < 20000 && e == cudaErrorNotReady; i++) {
+      e = cudaStreamQuery(ps[r]);
+      if (e == cudaErrorNotReady) usleep(1000);
+    }
+    if (e != cudaSuccess) epd_test_fail(__FILE__, __LINE__, "rank %d: persistent kernel did not stop (%s)", r, cudaGetErrorString(e));
+    ASSERT_EQ(g_prog[r]->exited, 1u);
+  }
+}
+
+/* Submit a raw descriptor into ring slot si of rank r's device queue. */
+static void psubmit(int r, uint32_t si, uint32_t op, uint32_t bank) {
+  cudaSetDevice(epd_cc_device(C.h.kh.cc, r));
+  epd_desc_t d;
+  memset(&d, 0, sizeof d);
+  d.op = op;
+  d.bank = bank;
+  d.num_tokens = 1;
+  CUCK(cudaMemcpy(&g_q[r]->slot[si].desc, &d, sizeof d, cudaMemcpyHostToDevice));
+  uint32_t stv = EPD_SLOT_SUBMITTED;
+  CUCK(cudaMemcpy(&g_q[r]->slot[si].state, &stv, 4, cudaMemcpyHostToDevice));
+}
+static uint32_t pslot_state(int r, uint32_t si) {
+  cudaSetDevice(epd_cc_device(C.h.kh.cc, r));
+  uint32_t stv = 0;
+  CUCK(cudaMemcpy(&stv, &g_q[r]->slot[si].state, 4, cudaMemcpyDeviceToHost));
+  return stv;
+}
+
+/* The persistent kernel serving a device queue per rank: dispatch/combine steps, both banks and dtypes
+ * (completion step numbers, progress records); an HT op and a mismatched pair stop BOTH kernels at the
+ * same index with the slots left SUBMITTED; relaunched with a fresh index they go on; limit stops them. */
 EPD_TEST_T(gpu_ll_persistent_queue, 120) {
   setup(64, 2048, 8, 128, 32, 0);
   llh_t *h = &C.h;
-  uint32_t *stop;
-  CUCK(cudaHostAlloc((void **)&stop, 64, cudaHostAllocMapped | cudaHostAllocPortable));
-  *stop = 0;
   cudaStream_t ps[2];
   for (int r = 0; r < 2; r++) {
     CUCK(cudaSetDevice(epd_cc_device(h->kh.cc, r)));
@@ -460,20 +518,80 @@ EPD_TEST_T(gpu_ll_persistent_queue, 120) {
     CUCK(cudaMemset(g_q[r], 0, sizeof(epd_queue_t)));
     CUCK(cudaDeviceSynchronize());
     CUCK(cudaStreamCreateWithFlags(&ps[r], cudaStreamNonBlocking));
-    CK(epd_k_ll_persistent_launch(h->k[r], &h->kh.ar[r], h->kh.map_dev[r], g_q[r], stop, 0, 5000000000ull, ps[r]));
+    CUCK(cudaHostAlloc((void **)&g_ctl[r], sizeof(epd_k_pctl_t), cudaHostAllocMapped | cudaHostAllocPortable));
+    CUCK(cudaHostAlloc((void **)&g_prog[r], sizeof(epd_k_pprog_t), cudaHostAllocMapped | cudaHostAllocPortable));
+    memset(g_prog[r], 0, sizeof *g_prog[r]);
   }
+  g_qpos = 0;
+  plaunch(ps, 1, 100);
   g_persistent = 1;
   for (int s = 0; s < 12; s++) {
     uint32_t nt[2] = {s % 3 ? 128u : 7u, s % 4 ? 128u : 1u};
     gen(81, (uint64_t)s, nt, s % 2 ? ROUTE_SKEW : ROUTE_RANDOM);
     upload((unsigned)s % 2);
     run_dispatch_check((unsigned)s % 2, s % 2);
+    ASSERT_EQ(g_comp[0][0].step, 100u + 2 * s);
+    ASSERT_EQ(g_comp[1][0].step, 100u + 2 * s);
+    run_combine_check((unsigned)s % 2);
+    ASSERT_EQ(g_comp[1][1].step, 100u + 2 * s + 1);
+    ASSERT_EQ(g_comp[0][1].map_version, C.map.version);
+  }
+  for (int r = 0; r < 2; r++) {
+    ASSERT_EQ(g_prog[r]->ops, 24u);
+    ASSERT_EQ(g_prog[r]->rec[23 % EPD_K_PREC].op, (uint32_t)EPD_OP_LL_COMBINE);
+    ASSERT_EQ(g_prog[r]->rec[22 % EPD_K_PREC].status, 0);
+    ASSERT_EQ(g_prog[r]->rec[22 % EPD_K_PREC].num_recv, g_comp[r][0].num_recv);
+    ASSERT_EQ(g_prog[r]->exited, 0u);
+  }
+  /* an HT op on both ranks: neither kernel runs it */
+  uint32_t si = g_qpos % EPD_QUEUE_SLOTS;
+  psubmit(0, si, EPD_OP_HT_DISPATCH, 0);
+  psubmit(1, si, EPD_OP_HT_DISPATCH, 0);
+  pwait_exit(ps);
+  uint64_t ix = g_prog[0]->exit_index;
+  for (int r = 0; r < 2; r++) {
+    ASSERT_EQ(g_prog[r]->exit_index, ix);
+    ASSERT_EQ(g_prog[r]->ops, 24u);
+    ASSERT_EQ(pslot_state(r, si), (uint32_t)EPD_SLOT_SUBMITTED);
+  }
+  ASSERT_EQ(ix, 25u);
+  ASSERT(g_prog[0]->reason == EPD_K_PEXIT_OP || g_prog[0]->reason == EPD_K_PEXIT_PEER);
+  ASSERT(g_prog[0]->reason == EPD_K_PEXIT_OP || g_prog[1]->reason == EPD_K_PEXIT_OP);
+  /* the host ran it elsewhere: free the slots, relaunch; a dispatch against a combine stops both */
+  psubmit(0, si, EPD_OP_LL_DISPATCH, 0);
+  psubmit(1, si, EPD_OP_LL_COMBINE, 0);
+  plaunch(ps, ix + 1, 124);
+  pwait_exit(ps);
+  for (int r = 0; r < 2; r++) {
+    ASSERT_EQ(g_prog[r]->reason, (uint32_t)EPD_K_PEXIT_MISMATCH);
+    ASSERT_EQ(g_prog[r]->exit_peer, 1 - r);
+    ASSERT_EQ(g_prog[r]->exit_index, ix + 1);
+    ASSERT_EQ(g_prog[r]->ops, 0u);
+    ASSERT_EQ(pslot_state(r, si), (uint32_t)EPD_SLOT_SUBMITTED);
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
+    uint32_t fr = EPD_SLOT_FREE;
+    CUCK(cudaMemcpy(&g_q[r]->slot[si].state, &fr, 4, cudaMemcpyHostToDevice));
+  }
+  /* relaunched, the team's state is intact: two more checked steps, then limit stops both */
+  plaunch(ps, ix + 2, 124);
+  for (int s = 12; s < 14; s++) {
+    uint32_t nt[2] = {100u, 128u};
+    gen(81, (uint64_t)s, nt, ROUTE_RANDOM);
+    upload((unsigned)s % 2);
+    run_dispatch_check((unsigned)s % 2, 1);
     run_combine_check((unsigned)s % 2);
   }
-  __atomic_store_n(stop, 1u, __ATOMIC_SEQ_CST);
+  ASSERT_EQ(g_comp[0][1].step, 127u);
+  for (int r = 0; r < 2; r++) __atomic_store_n(&g_ctl[r]->limit, 0, __ATOMIC_SEQ_CST);
+  pwait_exit(ps);
   for (int r = 0; r < 2; r++) {
-    CUCK(cudaSetDevice(epd_cc_device(h->kh.cc, r)));
-    CUCK(cudaStreamSynchronize(ps[r]));
+    ASSERT_EQ(g_prog[r]->reason, (uint32_t)EPD_K_PEXIT_LIMIT);
+    ASSERT_EQ(g_prog[r]->ops, 4u);
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
+    cudaStreamDestroy(ps[r]);
+    cudaFree(g_q[r]);
+    cudaFreeHost(g_ctl[r]);
+    cudaFreeHost(g_prog[r]);
   }
   g_persistent = 0;
   llh_destroy(&C.h);

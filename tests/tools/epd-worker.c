@@ -8,7 +8,9 @@
  * FP8), within BF16 rounding.
  *
  * Usage: epd-worker -s SOCKET -g GROUP -r RANK -n NRANKS --steps N --seed S [--experts E --hidden H
- *        --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] [--map-every N] [--bench N] [-v]
+ *        --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] [--map-every N] [--bench N]
+ *        [--ht-every N] [-v]
+ * --ht-every N: every N-th step is an HT dispatch/combine (the rest LL) in the same group.
  * --map-every N: rank 0 stages a new random expert map (redundant replicas included) through
  * SetExpertMap after every N-th step; every rank reads the map of each step from libepd's mapped map
  * table (epd_expert_slots, no round trip) and checks the step against the reference with it.
@@ -46,10 +48,10 @@ typedef struct args {
   uint64_t seed;
   uint32_t experts, hidden, topk, tokens;
   uint64_t weights;
-  int graph;
+  int graph, ht_every;
 } args_t;
 
-static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0};
+static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0, 0};
 
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
@@ -496,7 +498,7 @@ static uint32_t tokens_of(uint64_t step, uint32_t rank, uint32_t M) {
 static void usage(void) {
   fprintf(stderr, "usage: epd-worker -s SOCKET -g GROUP -r RANK -n NRANKS --steps N --seed S [--experts E "
                   "--hidden H --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] "
-                  "[--map-every N] [--weights BYTES] [--graph] [--bench N] [-v]\n");
+                  "[--map-every N] [--weights BYTES] [--graph] [--bench N] [--ht-every N] [-v]\n");
   exit(2);
 }
 
@@ -506,7 +508,7 @@ static void parse(int argc, char **argv) {
       {"steps", 1, 0, 'S'},    {"seed", 1, 0, 'e'},   {"experts", 1, 0, 'E'}, {"hidden", 1, 0, 'H'},
       {"topk", 1, 0, 'K'},     {"tokens", 1, 0, 'T'}, {"mode", 1, 0, 'm'},   {"fp8", 0, 0, 'f'},
       {"skew", 0, 0, 'k'},     {"die-at-step", 1, 0, 'd'}, {"verbose", 0, 0, 'v'}, {"map-every", 1, 0, 'M'},
-      {"weights", 1, 0, 'W'},  {"graph", 0, 0, 'G'},  {"bench", 1, 0, 'B'},
+      {"weights", 1, 0, 'W'},  {"graph", 0, 0, 'G'},  {"bench", 1, 0, 'B'}, {"ht-every", 1, 0, 'X'},
       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "s:g:r:n:v", lo, NULL)) != -1) {
@@ -534,6 +536,7 @@ static void parse(int argc, char **argv) {
     case 'W': A.weights = strtoull(optarg, NULL, 0); break;
     case 'G': A.graph = 1; break;
     case 'B': A.bench = atoi(optarg); break;
+    case 'X': A.ht_every = atoi(optarg); break;
     default: usage();
     }
   }
@@ -619,14 +622,16 @@ int main(int argc, char **argv) {
     is[r] = calloc((size_t)M * K + 1, 8);
     ws[r] = calloc((size_t)M * K + 1, 4);
   }
+  const int any_ht = A.ht || A.ht_every > 0;
   size_t rows = A.ht ? C : (size_t)S * R * M;
+  if (A.ht_every > 0 && C > rows) rows = C;
   epd_ref_out_t want;
   memset(&want, 0, sizeof want);
   want.recv_x = calloc(rows + 1, (size_t)H * 2);
   want.recv_scales = calloc(rows + 1, (size_t)nb * 4);
   want.recv_count = calloc(S, 4);
   want.recv_src = calloc(rows + 1, 4);
-  if (A.ht) {
+  if (any_ht) {
     want.recv_topk_idx = calloc(rows + 1, (size_t)K * 8);
     want.recv_topk_weights = calloc(rows + 1, (size_t)K * 4);
   }
@@ -650,10 +655,16 @@ int main(int argc, char **argv) {
   uint32_t last_T = 0;
   unsigned last_bank = 0;
   uint32_t flags = A.fp8 ? EPD_DESC_FP8 : 0;
-  epd_mode_t mode = A.ht ? EPD_MODE_HT : EPD_MODE_LL;
   if (A.graph) graph_capture(ep, M, flags);
   epd_comp_t comp;
+  int nht = 0;
+  uint64_t step0 = 0; /* group step of the first dispatch: every op is one group step */
   for (int step = 0; step < A.steps; step++) {
+    /* --ht-every N: every N-th step is an HT step in an LL group (same buffers, other kinds) */
+    const int ht = A.ht || (A.ht_every > 0 && step % A.ht_every == A.ht_every - 1);
+    const epd_mode_t mode = ht ? EPD_MODE_HT : EPD_MODE_LL;
+    if (ht && !A.ht) nht++;
+    rows = ht ? C : (size_t)S * R * M;
     unsigned bank = (unsigned)step % EPD_NUM_BANKS;
     for (uint32_t r = 0; r < R; r++) {
       uint32_t T = tokens_of((uint64_t)step, r, M);
@@ -667,7 +678,7 @@ int main(int argc, char **argv) {
     wr(bufp(ep, EPD_BUF_TOPK_IDX, bank, (size_t)M * K * 8), is[me], (size_t)T * K * 8);
     wr(bufp(ep, EPD_BUF_TOPK_WEIGHTS, bank, (size_t)M * K * 4), ws[me], (size_t)T * K * 4);
     /* Poison what the ops must write. */
-    int kcnt = A.ht ? EPD_BUF_HT_RECV_COUNT : EPD_BUF_LL_RECV_COUNT;
+    int kcnt = ht ? EPD_BUF_HT_RECV_COUNT : EPD_BUF_LL_RECV_COUNT;
     fill(bufp(ep, kcnt, bank, (size_t)S * 4), 0xa5, (size_t)S * 4);
     fill(bufp(ep, EPD_BUF_OUT, bank, (size_t)M * H * 2), 0xa5, (size_t)M * H * 2);
     if (step == A.die_at) {
@@ -687,6 +698,12 @@ int main(int argc, char **argv) {
       return 2;
     }
     if (!A.graph) epd_op_status(ep, &comp);
+    if (step == 0) step0 = comp.step;
+    if (comp.step != step0 + 2 * (uint64_t)step) {
+      fprintf(stderr, "rank %d step %d: dispatch ran as group step %llu, want %llu\n", A.rank, step,
+              (unsigned long long)comp.step, (unsigned long long)(step0 + 2 * (uint64_t)step));
+      bad_steps++;
+    }
     if (comp.map_version != map.version) {
       int t = table_map(ep, &map, g.num_experts, R, S);
       if (t == -2 || (t == -1 && fetch_map(&map, g.num_experts, R, S))) return 2;
@@ -720,30 +737,30 @@ int main(int argc, char **argv) {
       fprintf(stderr, "rank %d step %d: reference: %s\n", A.rank, step, err);
       return 2;
     }
-    if (A.ht) epd_ref_ht_dispatch(&plan, in, A.fp8, outs, &bad);
+    if (ht) epd_ref_ht_dispatch(&plan, in, A.fp8, outs, &bad);
     else epd_ref_ll_dispatch(&plan, in, A.fp8, outs);
     /* Compare this rank's received buffers with the reference. */
     int errs = 0;
-    uint32_t nrecv = A.ht ? plan.ht_recv[me] : plan.ll_recv[me];
+    uint32_t nrecv = ht ? plan.ht_recv[me] : plan.ll_recv[me];
     if (comp.num_recv != nrecv) {
       fprintf(stderr, "rank %d step %d: num_recv %u, want %u\n", A.rank, step, comp.num_recv, nrecv);
       errs++;
     }
     rd(got_cnt, bufp(ep, kcnt, bank, (size_t)S * 4), (size_t)S * 4);
     /* Read back only the rows the daemon says it wrote (whole LL buffers are large on GPUs). */
-    uint8_t *dx = bufp(ep, A.ht ? EPD_BUF_HT_RECV_X : EPD_BUF_LL_RECV_X, bank, rows * H * 2);
-    float *dsc = bufp(ep, A.ht ? EPD_BUF_HT_RECV_SCALES : EPD_BUF_LL_RECV_SCALES, bank, rows * nb * 4);
-    int32_t *dsrc = bufp(ep, A.ht ? EPD_BUF_HT_RECV_SRC : EPD_BUF_LL_RECV_SRC, bank, rows * 4);
-    uint16_t *dy = bufp(ep, A.ht ? EPD_BUF_HT_Y : EPD_BUF_LL_Y, bank, rows * H * 2);
-    uint32_t nseg = A.ht ? 1 : S, seg_rows = A.ht ? C : R * M;
+    uint8_t *dx = bufp(ep, ht ? EPD_BUF_HT_RECV_X : EPD_BUF_LL_RECV_X, bank, rows * H * 2);
+    float *dsc = bufp(ep, ht ? EPD_BUF_HT_RECV_SCALES : EPD_BUF_LL_RECV_SCALES, bank, rows * nb * 4);
+    int32_t *dsrc = bufp(ep, ht ? EPD_BUF_HT_RECV_SRC : EPD_BUF_LL_RECV_SRC, bank, rows * 4);
+    uint16_t *dy = bufp(ep, ht ? EPD_BUF_HT_Y : EPD_BUF_LL_Y, bank, rows * H * 2);
+    uint32_t nseg = ht ? 1 : S, seg_rows = ht ? C : R * M;
     for (uint32_t sg = 0; sg < nseg; sg++) {
-      int32_t n = A.ht ? (int32_t)comp.num_recv : got_cnt[sg];
+      int32_t n = ht ? (int32_t)comp.num_recv : got_cnt[sg];
       seg_n[sg] = n < 0 ? 0 : (uint32_t)n > seg_rows ? seg_rows : (uint32_t)n;
       size_t r0 = (size_t)sg * seg_rows, n2 = seg_n[sg];
       rd(got_x + r0 * H * 2, dx + r0 * H * 2, n2 * H * 2);
       if (A.fp8) rd(got_sc + r0 * nb, dsc + r0 * nb, n2 * nb * 4);
       rd(got_src + r0, dsrc + r0, n2 * 4);
-      if (A.ht) {
+      if (ht) {
         rd(got_ti, bufp(ep, EPD_BUF_HT_RECV_TOPK_IDX, bank, rows * K * 8), n2 * K * 8);
         rd(got_tw, bufp(ep, EPD_BUF_HT_RECV_TOPK_WEIGHTS, bank, rows * K * 4), n2 * K * 4);
       }
@@ -754,13 +771,13 @@ int main(int argc, char **argv) {
                 want.recv_count[s]);
     size_t xb = A.fp8 ? H : (size_t)H * 2;
     /* Received rows, and the toy expert on them. */
-    uint32_t nrows = A.ht ? nrecv : S * R * M;
+    uint32_t nrows = ht ? nrecv : S * R * M;
     for (uint32_t row = 0; row < nrows && !errs; row++) {
-      uint32_t s = A.ht ? 0 : row / (R * M), j = A.ht ? row : row % (R * M);
-      if (!A.ht && (int32_t)j >= want.recv_count[s]) continue;
+      uint32_t s = ht ? 0 : row / (R * M), j = ht ? row : row % (R * M);
+      if (!ht && (int32_t)j >= want.recv_count[s]) continue;
       if (got_src[row] != want.recv_src[row] || memcmp(got_x + (size_t)row * H * 2, (uint8_t *)want.recv_x + (size_t)row * H * 2, xb) ||
           (A.fp8 && memcmp(got_sc + (size_t)row * nb, want.recv_scales + (size_t)row * nb, (size_t)nb * 4)) ||
-          (A.ht && (memcmp(got_ti + (size_t)row * K, want.recv_topk_idx + (size_t)row * K, (size_t)K * 8) ||
+          (ht && (memcmp(got_ti + (size_t)row * K, want.recv_topk_idx + (size_t)row * K, (size_t)K * 8) ||
                     memcmp(got_tw + (size_t)row * K, want.recv_topk_weights + (size_t)row * K, (size_t)K * 4)))) {
         if (errs++ < 5)
           fprintf(stderr, "rank %d step %d: received row %u (slot %u, src 0x%x, want 0x%x) differs from the reference\n",
@@ -771,7 +788,7 @@ int main(int argc, char **argv) {
         xq[h] = A.fp8 ? epd_e4m3_to_f32(got_x[(size_t)row * H * 2 + h]) * got_sc[(size_t)row * nb + h / 128]
                       : epd_bf16_to_f32(((uint16_t *)got_x)[(size_t)row * H + h]);
       float f = 0;
-      if (A.ht) {
+      if (ht) {
         for (uint32_t k = 0; k < K; k++)
           if (got_ti[(size_t)row * K + k] >= 0) f += got_tw[(size_t)row * K + k] * slot_scale(me, (uint32_t)got_ti[(size_t)row * K + k], wbuf, slot_e);
       } else {
@@ -793,6 +810,13 @@ int main(int argc, char **argv) {
     if (rc) {
       fprintf(stderr, "rank %d step %d: combine failed: %s\n", A.rank, step, A.graph ? epd_strerror(rc) : epd_last_error(ep));
       return 2;
+    }
+    epd_comp_t ccomp;
+    epd_op_status(ep, &ccomp);
+    if (ccomp.step != comp.step + 1 || ccomp.map_version != comp.map_version) {
+      fprintf(stderr, "rank %d step %d: combine ran as group step %llu map %u, want %llu map %u\n", A.rank, step,
+              (unsigned long long)ccomp.step, ccomp.map_version, (unsigned long long)comp.step + 1, comp.map_version);
+      bad_steps++;
     }
     /* OUT[t] = sum over valid entries of w * scale(dest) * x, x as the destination received it. */
     rd(out, bufp(ep, EPD_BUF_OUT, bank, (size_t)M * H * 2), (size_t)T * H * 2);
@@ -826,7 +850,7 @@ int main(int argc, char **argv) {
       fprintf(stderr, "rank %d step %d: combine result differs from the reference (%d errors)\n", A.rank, step, oerrs);
     }
     if (A.verbose)
-      printf("rank %d step %d: %s%s T=%u recv=%u map v%u %s\n", A.rank, step, A.ht ? "HT" : "LL", A.fp8 ? " fp8" : "",
+      printf("rank %d step %d: %s%s T=%u recv=%u map v%u %s\n", A.rank, step, ht ? "HT" : "LL", A.fp8 ? " fp8" : "",
              T, nrecv, comp.map_version, errs || oerrs ? "MISMATCH" : "ok");
     if (A.map_every > 0 && A.rank == 0 && (step + 1) % A.map_every == 0) {
       uint32_t nc = 0;
@@ -845,9 +869,9 @@ int main(int argc, char **argv) {
     double *dt = calloc((size_t)A.bench * 2, sizeof *dt), sd = 0, sc = 0;
     for (int i = 0; i < A.bench && dt && !rc; i++) {
       double b0 = now_us();
-      rc = epd_dispatch(ep, mode, last_T, flags, last_bank, NULL);
+      rc = epd_dispatch(ep, A.ht ? EPD_MODE_HT : EPD_MODE_LL, last_T, flags, last_bank, NULL);
       double b1 = now_us();
-      if (!rc) rc = epd_combine(ep, mode, last_bank, NULL);
+      if (!rc) rc = epd_combine(ep, A.ht ? EPD_MODE_HT : EPD_MODE_LL, last_bank, NULL);
       dt[i] = b1 - b0;
       dt[A.bench + i] = now_us() - b1;
       sd += dt[i];
@@ -865,6 +889,7 @@ int main(int argc, char **argv) {
            A.rank, A.bench, last_T, sd / A.bench, dt[A.bench / 2], sc / A.bench, dt[A.bench + A.bench / 2]);
     free(dt);
   }
+  if (A.ht_every > 0) printf("rank %d: %d HT steps in between\n", A.rank, nht);
   rc = epd_detach(ep);
   if (rc) fprintf(stderr, "rank %d: detach: %s: %s\n", A.rank, epd_strerror(rc), epd_conn_last_error(conn));
   epd_disconnect(conn);

@@ -1,0 +1,145 @@
+#!/bin/bash
+# 56-persistent-cuda.sh - the CUDA backend's persistent mode under CUDA MPS (EPD_CUDA_MODE=persistent) on
+# 2 GPUs, with epd-worker processes checking every step against the reference and its group step number:
+# LL BF16 (skewed) and FP8 steps, two groups at once, a new expert map every 3 steps (each switch runs in
+# launch mode, then the kernels resume), an HT step every 4th step of an LL group (the kernels stop and
+# leave it to launch mode), and a worker killed mid-step (its peer fails at once with EPD_ERR_PEER, the
+# daemon recovers, a new client of the rank runs). Asserts the daemon reports "persistent" and that the
+# groups did run in persistent kernels, resumed after every fallback. Skips without 2 GPUs or MPS.
+# Usage (repository root, on the GPU machine): bash tests/gpu/56-persistent-cuda.sh [build-dir]
+# (EPD_KEEP_LOG=FILE: copy the daemon's debug log there)
+set -u
+B=${1:-${EPD_BUILD:-build}}
+EPD=$B/bin/epd
+CTL=$B/bin/epdctl
+WORKER=$B/bin/epd-worker
+[ -x "$EPD" ] || { echo "skip: $EPD is not built"; exit 77; }
+[ -x "$WORKER" ] || { echo "skip: $WORKER is not built"; exit 77; }
+[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] || { echo "skip: needs 2 GPUs"; exit 77; }
+command -v nvidia-cuda-mps-control > /dev/null || { echo "skip: no nvidia-cuda-mps-control (CUDA MPS)"; exit 77; }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
+[ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
+T=$(mktemp -d)
+mkdir -p "$T/run"
+LOG=$T/epd.log
+SOCK=$T/run/control.sock
+PID=
+export CUDA_MPS_PIPE_DIRECTORY=$T/mps-pipe CUDA_MPS_LOG_DIRECTORY=$T/mps-log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+nvidia-cuda-mps-control -d || { echo "skip: CUDA MPS did not start"; exit 77; }
+stop_mps() { echo quit | nvidia-cuda-mps-control; }
+keep_log() { [ -n "${EPD_KEEP_LOG:-}" ] && cp "$LOG" "$EPD_KEEP_LOG"; }
+fail() {
+  echo "FAIL: $*"
+  keep_log
+  for f in "$T"/w*.out; do [ -f "$f" ] && sed "s/^/  $(basename "$f"): /" "$f" | tail -8; done
+  [ -f "$LOG" ] && grep -v "DEBUG" "$LOG" | sed 's/^/  log| /' | tail -30
+  [ -n "$PID" ] && kill -KILL "$PID" 2>/dev/null
+  stop_mps
+  exit 1
+}
+trap 'fail "killed (timeout?)"' TERM INT
+wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
+
+EPD_CUDA_MODE=persistent "$EPD" -s "$SOCK" -f -o engine.backend=cuda -o engine.num_ranks=2 \
+  -o engine.step_timeout_ms=2000 -o engine.slots_factor_pct=200 -o log.level=debug \
+  -o daemon.attach_socket="$T/run/attach.sock" -o daemon.drain_timeout_ms=2000 2> "$LOG" &
+PID=$!
+wait_for 30 test -S "$SOCK" || fail "no control socket"
+wait_for 5 test -S "$T/run/attach.sock" || fail "no attach socket"
+grep -q "MPS on, mode persistent" "$LOG" || fail "the daemon does not say 'MPS on, mode persistent'"
+if [ -x "$CTL" ]; then
+  timeout 20 "$CTL" -s "$SOCK" status | grep -E "^mode: +persistent" || fail "epdctl status does not say persistent"
+fi
+
+worker() {
+  local n=$1; shift
+  timeout 120 "$WORKER" -s "$SOCK" "$@" > "$T/$n.out" 2>&1 &
+  eval "W_$n=$!"
+}
+expect_ok() {
+  local n=$1 pid; eval "pid=\$W_$n"
+  wait "$pid"; local rc=$?
+  [ $rc -eq 0 ] || fail "worker $n exited $rc"
+  grep -q "steps ok" "$T/$n.out" || fail "worker $n printed no summary"
+  grep -h "steps ok\|seen\|in between" "$T/$n.out"
+}
+resumes() { grep -c "persistent kernels resumed" "$LOG"; }
+
+echo "== LL BF16, skewed routing, 40 steps (hidden 256)"
+worker wa0 -g ll -r 0 -n 2 --steps 40 --seed 5 --skew --hidden 256
+worker wa1 -g ll -r 1 -n 2 --steps 40 --seed 5 --skew --hidden 256
+expect_ok wa0; expect_ok wa1
+grep -q "group ll: LL steps run in persistent kernels" "$LOG" || fail "group ll never ran persistent kernels"
+
+echo "== LL FP8 and BF16, H 7168, 256 experts, top-8, 128 tokens (two groups at once)"
+worker wb0 -g big8 -r 0 -n 2 --steps 16 --seed 9 --fp8 --experts 256 --hidden 7168 --topk 8 --tokens 128
+worker wb1 -g big8 -r 1 -n 2 --steps 16 --seed 9 --fp8 --experts 256 --hidden 7168 --topk 8 --tokens 128
+worker wc0 -g big16 -r 0 -n 2 --steps 16 --seed 6 --experts 256 --hidden 7168 --topk 8 --tokens 128
+worker wc1 -g big16 -r 1 -n 2 --steps 16 --seed 6 --experts 256 --hidden 7168 --topk 8 --tokens 128
+seen=0
+if [ -x "$CTL" ]; then # the per-group mode while they run
+  for _ in $(seq 200); do
+    timeout 5 "$CTL" -s "$SOCK" status > "$T/st.txt" 2>/dev/null
+    grep -Eq "^  big(8|16) .* persistent$" "$T/st.txt" && { seen=1; grep -E "^  big|NAME" "$T/st.txt"; break; }
+    kill -0 "$W_wb0" 2>/dev/null || break
+    sleep 0.01
+  done
+  [ $seen = 1 ] || fail "epdctl status never showed a big group in persistent mode"
+fi
+expect_ok wb0; expect_ok wb1; expect_ok wc0; expect_ok wc1
+grep -Eq "group big(8|16): LL steps run in persistent kernels" "$LOG" || fail "no big group ran persistent kernels"
+grep -h "group big.*persistent kernels\|group big.*launch mode" "$LOG" | grep -v DEBUG | head -4
+
+echo "== LL FP8 + skew, 45 steps, a new map every 3 steps (hidden 512, 32 experts, top-4)"
+r0=$(resumes)
+worker wm0 -g maps -r 0 -n 2 --steps 45 --map-every 3 --seed 22 --hidden 512 --experts 32 --topk 4 --tokens 64 --fp8 --skew
+worker wm1 -g maps -r 1 -n 2 --steps 45 --map-every 3 --seed 22 --hidden 512 --experts 32 --topk 4 --tokens 64 --fp8 --skew
+expect_ok wm0; expect_ok wm1
+seen=$(sed -n 's/.*: \([0-9]*\) map switches seen.*/\1/p' "$T/wm1.out")
+[ "${seen:-0}" -ge 12 ] || fail "rank 1 saw ${seen:-0} map switches in 45 steps"
+n=$(grep -c "group maps: stopping the persistent kernels (a map is staged)" "$LOG")
+r1=$(resumes)
+echo "map switches seen $seen; persistent kernels stopped for a staged map $n times, resumed $((r1 - r0)) times"
+[ "$n" -ge 5 ] || fail "the kernels were stopped for a staged map only $n times"
+[ $((r1 - r0)) -ge 5 ] || fail "the kernels resumed only $((r1 - r0)) times after the map switches"
+
+echo "== an HT step every 4th step of an LL group, 24 steps (hidden 512, 32 experts, top-4, 64 tokens)"
+r0=$(resumes)
+worker wh0 -g mix -r 0 -n 2 --steps 24 --ht-every 4 --seed 31 --hidden 512 --experts 32 --topk 4 --tokens 64
+worker wh1 -g mix -r 1 -n 2 --steps 24 --ht-every 4 --seed 31 --hidden 512 --experts 32 --topk 4 --tokens 64
+expect_ok wh0; expect_ok wh1
+n=$(grep -c "group mix: persistent kernels stopped (an op it does not run)" "$LOG")
+r1=$(resumes)
+echo "kernels stopped for an HT op $n times, resumed $((r1 - r0)) times"
+[ "$n" -ge 5 ] || fail "the kernels were stopped for an HT op only $n times"
+
+echo "== a worker dies mid-step"
+worker wd0 -g die -r 0 -n 2 --steps 20 --seed 3 --hidden 256
+worker wd1 -g die -r 1 -n 2 --steps 20 --seed 3 --hidden 256 --die-at-step 6
+wait "$W_wd1"; rc=$?
+start=$(date +%s%N)
+[ $rc -eq 3 ] || fail "dying worker exited $rc, want 3"
+wait "$W_wd0"; rc=$?
+ms=$(( ($(date +%s%N) - start) / 1000000 ))
+[ $rc -eq 2 ] || fail "survivor exited $rc, want 2 (an op error)"
+grep -q "EPD_ERR_PEER\|died" "$T/wd0.out" || fail "survivor's error is not EPD_ERR_PEER"
+grep -h "failed" "$T/wd0.out"
+echo "survivor failed $ms ms after the dying worker exited"
+[ "$ms" -lt 1500 ] || fail "the survivor waited $ms ms (the step timeout is 2000)"
+kill -0 "$PID" 2>/dev/null || fail "the daemon died"
+
+echo "== a new client of the dead rank attaches and runs"
+worker we0 -g die -r 0 -n 2 --steps 10 --seed 4 --hidden 256
+worker we1 -g die -r 1 -n 2 --steps 10 --seed 4 --hidden 256
+expect_ok we0; expect_ok we1
+
+grep -E "error|ERROR|WARN" "$LOG" | grep -v "DEBUG" | head -5
+if [ -x "$CTL" ]; then timeout 20 "$CTL" -s "$SOCK" metrics | grep -E "^epd_ops_total|^epd_rank_ops" | head -4; fi
+kill -TERM "$PID"
+wait_for 10 sh -c "! kill -0 $PID" || fail "daemon did not exit on SIGTERM"
+grep -c "persistent kernels resumed" "$LOG" | sed 's/^/persistent kernel resumes in all: /'
+keep_log
+stop_mps
+echo "persistent_cuda: all passed"
