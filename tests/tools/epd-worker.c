@@ -805,14 +805,14 @@ int main(int argc, char **argv) {
       wr(dy + r0 * H, y + r0 * H, (size_t)seg_n[sg] * H * 2);
     }
     double t2 = now_us();
-    rc = A.graph ? graph_run(ep, 1, bank, &comp) : epd_combine(ep, mode, bank, NULL);
+    epd_comp_t ccomp;
+    rc = A.graph ? graph_run(ep, 1, bank, &ccomp) : epd_combine(ep, mode, bank, NULL);
     t_ops += (t1 - t0) + (now_us() - t2);
     if (rc) {
       fprintf(stderr, "rank %d step %d: combine failed: %s\n", A.rank, step, A.graph ? epd_strerror(rc) : epd_last_error(ep));
       return 2;
     }
-    epd_comp_t ccomp;
-    epd_op_status(ep, &ccomp);
+    if (!A.graph) epd_op_status(ep, &ccomp); /* graph replays: the record of the replayed slot */
     if (ccomp.step != comp.step + 1 || ccomp.map_version != comp.map_version) {
       fprintf(stderr, "rank %d step %d: combine ran as group step %llu map %u, want %llu map %u\n", A.rank, step,
               (unsigned long long)ccomp.step, ccomp.map_version, (unsigned long long)comp.step + 1, comp.map_version);
