@@ -497,7 +497,8 @@ static void complete_rank(epd_engine_t *eng, cuda_grp_t *cg, int r, const epd_co
     if (cg->grp && cg->grp->client[r]) cg->grp->client[r]->ops++;
     eng_record_op(eng, r, cg->desc[r].op, c.status, 0, lat);
   }
-  if (cc) cc->busy = 0;
+  /* Its memory stays until the whole step is done: the peers' kernels may still read or write its
+   * arena (HT writes rows into, and pulls partials from, the peers' arenas) after it finished. */
   cg->finished[r] = 1;
   cg->nfinished++;
   if (cg->nfinished < cg->narrived) return;
@@ -510,6 +511,7 @@ static void complete_rank(epd_engine_t *eng, cuda_grp_t *cg, int r, const epd_co
   cg->peer = -1;
   cg->first_arrive_ns = cg->last_arrive_ns = 0;
   for (int i = 0; i < EPD_MAX_RANKS; i++) {
+    if (cg->cc[i]) cg->cc[i]->busy = 0;
     cg->arrived[i] = cg->launched[i] = cg->finished[i] = cg->reset_done[i] = 0;
     cg->cc[i] = NULL;
   }
@@ -698,9 +700,12 @@ static epd_result_t launch(cuda_be_t *be, cuda_grp_t *cg, int r, char *err, size
     epd_k_ht_op_t hop = {.op = d->op, .flags = d->flags, .num_tokens = d->num_tokens, .bank = d->bank,
                          .timeout_ns = be->timeout_ns, .map = gr->map_dev, .slot_tokens = NULL,
                          .comp = gr->comp_dev};
-    /* rows straight into / out of the peers' arenas where every GPU may access every one */
+    /* Rows straight into / out of the peers' arenas where every GPU may access every arena of the step;
+     * else no rank gets any peer arena (every rank of the step decides the same: staging). */
+    int direct = 1;
+    for (uint32_t q = 0; q < cg->g.num_ranks && q < EPD_K_MAX_RANKS; q++) direct &= cg->cc[q] && cg->cc[q]->peer_access;
     for (uint32_t q = 0; q < cg->g.num_ranks && q < EPD_K_MAX_RANKS; q++)
-      hop.peer_arena[q] = cg->cc[q] && cg->cc[q]->peer_access ? (uint64_t)cg->cc[q]->arena_dev : 0;
+      hop.peer_arena[q] = direct ? (uint64_t)cg->cc[q]->arena_dev : 0;
     if ((rc = epd_k_ht_launch(gr->kh, &a, &hop, rk->stream, err, errlen))) return rc;
   } else {
     epd_k_ll_op_t op = {.op = d->op, .flags = d->flags, .num_tokens = d->num_tokens, .bank = d->bank,
@@ -1492,12 +1497,15 @@ static epd_result_t cuda_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
       return src;
     }
   }
+  epd_result_t rc;
   cuda_client_t *cc = calloc(1, sizeof *cc);
-  if (!cc) return EPD_ERR_NOMEM;
+  if (!cc) {
+    rc = EPD_ERR_NOMEM;
+    goto fail;
+  }
   cc->queue_fd = cc->arena_fd = -1;
   cc->device = be->rank[local_rank(eng, c->rank)].device;
   cc->queue_bytes = c->queue_bytes;
-  epd_result_t rc;
   void *q = NULL;
   cc->queue_fd = eng_client_memfd(c, "queue", c->queue_bytes, &q, err, errlen);
   if (cc->queue_fd < 0) {
@@ -1530,7 +1538,7 @@ static epd_result_t cuda_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
            (unsigned long long)c->id, (unsigned long long)c->queue_bytes, cc->arena_size, cc->device);
   return EPD_OK;
 fail:
-  cuda_client_release(cc);
+  if (cc) cuda_client_release(cc);
   if (new_grp) {
     /* The core drops a group its failed first attach created. */
     grp_teardown(be, cg);
@@ -1620,7 +1628,8 @@ static uint64_t cuda_copy_weights(epd_engine_t *eng, eng_group_t *grp) {
     const epd_weight_copy_t *cp = &grp->staged_copies[i];
     eng_client_t *src = grp->client[cp->src_rank], *dst = grp->client[cp->dst_rank];
     cuda_client_t *sc = src ? src->be : NULL, *dc = dst ? dst->be : NULL;
-    const char *why = !sc || !dc ? "has no attached client" : !sc->peer_access || !dc->peer_access
+    const char *why = !sc || !dc ? "has no attached client"
+                      : cp->src_rank != cp->dst_rank && (!sc->peer_access || !dc->peer_access)
                                                                  ? "has no peer access to the other GPU"
                                                                  : NULL;
     cudaError_t e = cudaSuccess;

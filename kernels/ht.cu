@@ -301,34 +301,43 @@ __global__ void __launch_bounds__(NTHR) ht_route_kernel(const HTParams p) {
   }
 }
 
-/* Wait (whole block) for flags[src][g] == seq of every src != me; lowest missing src or NO_TIMEOUT. */
-__device__ int wait_peers(const HTParams &p, const uint64_t *flags, uint32_t seq, uint64_t deadline) {
-  __shared__ int sh_to;
-  if (threadIdx.x == 0) sh_to = NO_TIMEOUT;
+/* Wait (whole block) for flags[src][g] == seq of every src != me; lowest missing src or NO_TIMEOUT.
+ * *bad: lowest src whose block signalled that it failed (its stores did not all happen: FLAG_BAD), or
+ * NO_TIMEOUT. */
+#define FLAG_BAD 1ull
+__device__ int wait_peers(const HTParams &p, const uint64_t *flags, uint32_t seq, uint64_t deadline, int *bad) {
+  __shared__ int sh_to, sh_bad;
+  if (threadIdx.x == 0) sh_to = sh_bad = NO_TIMEOUT;
   __syncthreads();
   for (uint32_t i = threadIdx.x; i < p.R * p.G; i += blockDim.x) {
     uint32_t src = i / p.G;
     if (src == p.rank) continue;
     bool ok = false;
+    uint64_t v;
     for (;;) {
-      if ((uint32_t)(ld_acquire_sys(flags + i) >> 32) == seq) { ok = true; break; }
+      v = ld_acquire_sys(flags + i);
+      if ((uint32_t)(v >> 32) == seq) { ok = true; break; }
       if (gtimer() > deadline) break;
     }
     if (!ok) atomicMin(&sh_to, (int)src);
+    else if (v & FLAG_BAD) atomicMin(&sh_bad, (int)src);
   }
   __syncthreads();
+  *bad = sh_bad;
   return sh_to;
 }
 
-/* Signal every peer that this block's stores of an op landed (one system fence after bar.sync). */
-__device__ void signal_peers(const HTParams &p, uint64_t off, uint32_t seq) {
+/* Signal every peer that this block's part of an op is done (one system fence after bar.sync); bad: it
+ * failed, so its stores for the peers did not all happen (the peers then fail with EPD_ERR_PEER instead
+ * of reading what is not there). */
+__device__ void signal_peers(const HTParams &p, uint64_t off, uint32_t seq, int bad) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
     for (uint32_t r = 0; r < p.R; r++)
       if (r != p.rank)
         st_relaxed_sys((uint64_t *)(peer_bank(p, (int)r) + off) + (uint64_t)p.rank * p.G + blockIdx.x,
-                       (uint64_t)seq << 32);
+                       ((uint64_t)seq << 32) | (bad ? FLAG_BAD : 0ull));
   }
 }
 
@@ -809,12 +818,16 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
     if (use_tma && tid == 0) tma_wait_all();
     if (tid == 0) TR_LATEST(6);
   }
-  signal_peers(p, p.lay.dflag, seq);
+  signal_peers(p, p.lay.dflag, seq, code != 0 || sh_abort);
   {
-    const int to = wait_peers(p, (const uint64_t *)(lb + p.lay.dflag), seq, deadline);
+    int bad;
+    const int to = wait_peers(p, (const uint64_t *)(lb + p.lay.dflag), seq, deadline, &bad);
     if (to != NO_TIMEOUT && code == 0) {
       code = EPD_ERR_TIMEOUT;
       peer = to;
+    } else if (bad != NO_TIMEOUT && code == 0) { /* a peer failed before all its rows were sent */
+      code = EPD_ERR_PEER;
+      peer = bad;
     }
   }
   TR(7);
@@ -924,7 +937,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
  * ------------------------------------------------------------------------------------------------- */
 __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
   extern __shared__ __align__(128) unsigned char dsm[];
-  __shared__ int sh_last, sh_to, sh_abort;
+  __shared__ int sh_last, sh_to, sh_abort, sh_bad;
   const uint32_t R = p.R, H = p.H, me = p.rank, G = p.G, M = p.M;
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   char *lb = local_bank(p);
@@ -963,13 +976,17 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
         }
       }
     }
-    signal_peers(p, p.lay.cflag, seq);
-    int to = wait_peers(p, (const uint64_t *)(lb + p.lay.cflag), seq, deadline);
+    signal_peers(p, p.lay.cflag, seq, derr != 0); /* a failed dispatch pushed no partials */
+    int bad;
+    int to = wait_peers(p, (const uint64_t *)(lb + p.lay.cflag), seq, deadline, &bad);
     if (to != NO_TIMEOUT) {
       code = EPD_ERR_TIMEOUT;
       peer = to;
     } else if (derr != 0) {
       code = EPD_ERR_STATE;
+    } else if (bad != NO_TIMEOUT) {
+      code = EPD_ERR_PEER;
+      peer = bad;
     } else {
       /* ---- source side: OUT[t] = sum over dest ranks in rank order, f32 ---- */
       const char *cstg = lb + p.lay.cstg;
@@ -990,21 +1007,25 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
   } else {
     /* ---- direct: my HT_Y is ready for the peers; wait until theirs is ---- */
     if (tid == 0) {
-      sh_to = NO_TIMEOUT;
+      sh_to = sh_bad = NO_TIMEOUT;
       sh_abort = 0;
     }
     __syncthreads();
     if (tid < R && tid != me) {
       __threadfence_system();
+      /* FLAG_BAD: my dispatch failed, my HT_Y rows are not the peers' to read */
       st_relaxed_sys((uint64_t *)(peer_bank(p, (int)tid) + p.lay.rflag) + (uint64_t)me * G + blockIdx.x,
-                     (uint64_t)seq << 32);
+                     ((uint64_t)seq << 32) | (derr != 0 ? FLAG_BAD : 0ull));
       const uint64_t *f = (const uint64_t *)(lb + p.lay.rflag) + (uint64_t)tid * G + blockIdx.x;
       bool ok = false;
+      uint64_t v;
       for (;;) {
-        if ((uint32_t)(ld_acquire_sys(f) >> 32) == seq) { ok = true; break; }
+        v = ld_acquire_sys(f);
+        if ((uint32_t)(v >> 32) == seq) { ok = true; break; }
         if (gtimer() > deadline) break;
       }
       if (!ok) atomicMin(&sh_to, (int)tid);
+      else if (v & FLAG_BAD) atomicMin(&sh_bad, (int)tid);
     }
     uint64_t *full = (uint64_t *)(dsm + p.sm.bar), *empty = full + MAX_STAGES;
     if (tid == 0 && p.tma) {
@@ -1021,6 +1042,9 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
       peer = sh_to;
     } else if (derr != 0) {
       code = EPD_ERR_STATE;
+    } else if (sh_bad != NO_TIMEOUT) {
+      code = EPD_ERR_PEER;
+      peer = sh_bad;
     } else {
       /* ---- pull: OUT[t] = sum over the ranks that received t, in rank order, f32 ---- */
       uint32_t *s_tj = (uint32_t *)(dsm + p.sm.tj);
@@ -1129,8 +1153,9 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
       peer = (int)me;
     }
     /* done reading the peers' HT_Y; mine may be reused once every peer is */
-    signal_peers(p, p.lay.cflag, seq);
-    int to = wait_peers(p, (const uint64_t *)(lb + p.lay.cflag), seq, deadline);
+    signal_peers(p, p.lay.cflag, seq, 0);
+    int bad;
+    int to = wait_peers(p, (const uint64_t *)(lb + p.lay.cflag), seq, deadline, &bad);
     if (to != NO_TIMEOUT && code == 0) {
       code = EPD_ERR_TIMEOUT;
       peer = to;
