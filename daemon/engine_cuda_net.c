@@ -61,6 +61,7 @@ struct cnet {
   cnet_dev_t d[EPD_MAX_RANKS];
   /* the group served (one at a time) */
   eng_group_t *grp;
+  uint64_t grp_serial; /* grp->serial when taken up (see grp_alive) */
   char gname[EPD_GROUP_NAME_MAX];
   epd_ref_geom_t g;
   int phase;
@@ -173,9 +174,11 @@ static void dev_free(cnet_t *cn) {
 /* (mu) Answer the step's slots and start collecting the next one. */
 static void complete_all(cnet_t *cn, int status, int peer, const char *why);
 
+/* (mu) The group is still the one the stage took up: same address and serial (a group removed and
+ * created again may get the freed memory back). */
 static int grp_alive(cnet_t *cn) {
   for (eng_group_t *g = cn->eng->groups; g; g = g->next)
-    if (g == cn->grp) return 1;
+    if (g == cn->grp && g->serial == cn->grp_serial) return 1;
   return 0;
 }
 
@@ -892,6 +895,7 @@ int eng_cuda_net_poll(cnet_t *cn) {
       for (uint32_t l = 0; l < cn->L; l++)
         if (g->g.num_ranks == cn->W && g->client[cn->node * cn->L + l]) {
           cn->grp = g;
+          cn->grp_serial = g->serial;
           cn->g = g->g;
           snprintf(cn->gname, sizeof cn->gname, "%s", g->name);
           cn->phase = PH_COLLECT;

@@ -48,6 +48,7 @@ struct eng_client {
 
 struct eng_group {
   eng_group_t *next;
+  uint64_t serial; /* unique per engine: a re-created group is a different one even at the same address */
   char name[EPD_GROUP_NAME_MAX];
   epd_ref_geom_t g;
   eng_client_t *client[EPD_MAX_RANKS]; /* the attached client of each rank, or NULL */
@@ -131,6 +132,7 @@ struct epd_engine {
   eng_client_t *clients;
   uint32_t nclients;
   uint64_t next_client_id;
+  uint64_t next_group_serial;
   int draining;
   epd_op_snap_t opstat[EPD_OP_MAX];
   eng_rank_stats_t rank[EPD_MAX_RANKS];
