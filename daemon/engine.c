@@ -175,6 +175,8 @@ static uint64_t do_weight_copies(epd_engine_t *eng, eng_group_t *grp) {
   uint64_t bytes = 0, wb = grp->weight_bytes_per_slot;
   for (uint32_t i = 0; i < grp->nstaged_copies; i++) {
     const epd_weight_copy_t *cp = &grp->staged_copies[i];
+    /* Scale-out: a node copies only into its own ranks (a copy never crosses nodes on this backend). */
+    if (eng->o.nodes > 1 && cp->dst_rank / (uint32_t)eng->o.num_ranks != eng->o.node_rank) continue;
     eng_client_t *src = grp->client[cp->src_rank], *dst = grp->client[cp->dst_rank];
     uint8_t *sw = src ? eng_buf(src, EPD_BUF_EXPERT_WEIGHTS, 0) : NULL;
     uint8_t *dw = dst ? eng_buf(dst, EPD_BUF_EXPERT_WEIGHTS, 0) : NULL;
@@ -190,24 +192,52 @@ static uint64_t do_weight_copies(epd_engine_t *eng, eng_group_t *grp) {
   return bytes;
 }
 
-void eng_apply_staged_map(epd_engine_t *eng, eng_group_t *grp) {
-  if (!grp->has_staged) return;
-  uint32_t old = grp->map.version;
+/* Make m active (taken over), after the first ncopies of the staged copies (those m carried); the rest
+ * stay staged with the newer staged map, if any (none: unstage, once the copies are done). */
+static void switch_map(epd_engine_t *eng, eng_group_t *grp, epd_expert_map_t *m, uint32_t ncopies, int unstage) {
+  uint32_t old = grp->map.version, all = grp->nstaged_copies;
+  if (ncopies > all) ncopies = all;
+  grp->nstaged_copies = ncopies;
   uint64_t copied = do_weight_copies(eng, grp);
-  free(grp->staged_copies);
-  grp->staged_copies = NULL;
-  grp->nstaged_copies = 0;
+  if (unstage) grp->has_staged = 0;
+  grp->nstaged_copies = all - ncopies;
+  if (grp->nstaged_copies)
+    memmove(grp->staged_copies, grp->staged_copies + ncopies, sizeof *grp->staged_copies * grp->nstaged_copies);
+  else {
+    free(grp->staged_copies);
+    grp->staged_copies = NULL;
+  }
   grp->weight_bytes_copied += copied;
   grp->map_switches++;
   epd_expert_map_free(&grp->map);
-  grp->map = grp->staged;
-  memset(&grp->staged, 0, sizeof grp->staged);
-  grp->has_staged = 0;
+  grp->map = *m;
+  memset(m, 0, sizeof *m);
   for (uint32_t r = 0; r < grp->g.num_ranks; r++)
     if (grp->client[r]) map_table_write(grp->client[r]);
   eng_emit(eng, "map_switch", grp, -1, 0, old, grp->map.version, grp->steps,
            "group %s switched expert map %u -> %u at step %llu (%llu weight bytes copied)", grp->name, old,
            grp->map.version, (unsigned long long)grp->steps, (unsigned long long)copied);
+}
+
+void eng_apply_staged_map(epd_engine_t *eng, eng_group_t *grp) {
+  if (!grp->has_staged) return;
+  switch_map(eng, grp, &grp->staged, grp->nstaged_copies, 1);
+}
+
+int eng_apply_staged_version(epd_engine_t *eng, eng_group_t *grp, const epd_expert_map_t *m, uint32_t ncopies) {
+  if (!grp->has_staged || grp->staged.version < m->version) return -1;
+  if (grp->staged.version == m->version) {
+    eng_apply_staged_map(eng, grp);
+    return 0;
+  }
+  epd_expert_map_t c;
+  if (epd_ref_map_copy(&c, m)) return -1;
+  c.num_ranks = m->num_ranks;
+  c.slots_per_rank = m->slots_per_rank;
+  c.ranks_per_node = m->ranks_per_node;
+  c.version = m->version;
+  switch_map(eng, grp, &c, ncopies, 0);
+  return 0;
 }
 
 void eng_record_op(epd_engine_t *eng, int rank, uint32_t op, int status, uint64_t bytes,
@@ -826,31 +856,43 @@ static epd_result_t check_copies(epd_engine_t *eng, const eng_group_t *grp, cons
   return EPD_OK;
 }
 
-/* Serialised by eng->mu: every call gets the next version; the map staged last before a dispatch step
- * boundary is the one that becomes active there (earlier staged maps are never active, their weight
- * copies are inherited). */
-epd_result_t epd_engine_set_map_copies(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
-                                       const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t *version_out,
-                                       char *errbuf, size_t errlen) {
-  const char *name = group && *group ? group : "default";
-  pthread_mutex_lock(&eng->mu);
-  epd_result_t rc = EPD_OK;
-  eng_group_t *grp = find_group(eng, name);
-  if (!grp) {
-    snprintf(errbuf, errlen, "group \"%s\" not found", name);
-    rc = EPD_ERR_NOT_FOUND;
-    goto out;
-  }
+/* Scale-out with the host backend: a copy whose ranks are on two nodes is refused (no transfer of
+ * weights between nodes). */
+static epd_result_t check_copies_nodes(const epd_engine_t *eng, const epd_weight_copy_t *cp, uint32_t n,
+                                       char *err, size_t errlen) {
+  uint32_t L = (uint32_t)eng->o.num_ranks;
+  for (uint32_t i = 0; i < n; i++)
+    if (cp[i].src_rank / L != cp[i].dst_rank / L) {
+      snprintf(err, errlen, "copies[%u]: (rank %u, slot %u) -> (rank %u, slot %u) crosses nodes (node %u -> node %u): "
+               "the host backend copies expert weights only between ranks of one node", i, cp[i].src_rank,
+               cp[i].src_slot, cp[i].dst_rank, cp[i].dst_slot, cp[i].src_rank / L, cp[i].dst_rank / L);
+      return EPD_ERR_UNSUPPORTED;
+    }
+  return EPD_OK;
+}
+
+eng_group_t *eng_find_group(epd_engine_t *eng, const char *name) {
+  return find_group(eng, name);
+}
+
+/* Serialised by eng->mu: every call gets the next version (or `version`, given by node 0 in scale-out);
+ * the map staged last before a dispatch step boundary is the one that becomes active there (earlier
+ * staged maps are never active, their weight copies are inherited). */
+epd_result_t eng_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert_map_t *map,
+                           const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t version, int check,
+                           uint32_t *version_out, char *errbuf, size_t errlen) {
+  epd_result_t rc;
   if ((rc = epd_ref_map_validate(map, grp->g.num_experts, grp->g.num_ranks, grp->g.slots_per_rank, errbuf,
                                  errlen)))
-    goto out;
-  if ((rc = check_copies(eng, grp, map, copies, ncopies, errbuf, errlen))) goto out;
+    return rc;
+  if (eng->o.nodes > 1 && eng->ops == &eng_host_ops && (rc = check_copies_nodes(eng, copies, ncopies, errbuf, errlen)))
+    return rc;
+  if (check && (rc = check_copies(eng, grp, map, copies, ncopies, errbuf, errlen))) return rc;
   uint32_t nall = grp->nstaged_copies + ncopies;
   epd_weight_copy_t *all = NULL;
   if (nall && !(all = malloc(sizeof *all * nall))) {
     snprintf(errbuf, errlen, "out of memory");
-    rc = EPD_ERR_NOMEM;
-    goto out;
+    return EPD_ERR_NOMEM;
   }
   if (grp->nstaged_copies) memcpy(all, grp->staged_copies, sizeof *all * grp->nstaged_copies);
   if (ncopies) memcpy(all + grp->nstaged_copies, copies, sizeof *all * ncopies);
@@ -858,12 +900,13 @@ epd_result_t epd_engine_set_map_copies(epd_engine_t *eng, const char *group, con
   if ((rc = epd_ref_map_copy(&m, map))) {
     free(all);
     snprintf(errbuf, errlen, "out of memory");
-    goto out;
+    return rc;
   }
   m.num_ranks = grp->g.num_ranks;
   m.slots_per_rank = grp->g.slots_per_rank;
   m.ranks_per_node = eng->o.ranks_per_node;
-  m.version = ++grp->last_version;
+  m.version = version ? version : grp->last_version + 1;
+  grp->last_version = m.version;
   if (grp->has_staged) epd_expert_map_free(&grp->staged);
   grp->staged = m;
   grp->has_staged = 1;
@@ -874,9 +917,28 @@ epd_result_t epd_engine_set_map_copies(epd_engine_t *eng, const char *group, con
   /* A backend that runs steps without the engine thread (CUDA persistent kernels) must stop before the
    * call returns: the first dispatch executing after it uses the staged map. */
   if (eng->ops->sync_steps) eng->ops->sync_steps(eng, grp);
-  EPD_LOGD(EPD_SUB_ENGINE, "group %s: expert map version %u staged (%u weight copies pending)", name, m.version,
+  EPD_LOGD(EPD_SUB_ENGINE, "group %s: expert map version %u staged (%u weight copies pending)", grp->name, m.version,
            nall);
-out:
+  return EPD_OK;
+}
+
+epd_result_t epd_engine_set_map_copies(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
+                                       const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t *version_out,
+                                       char *errbuf, size_t errlen) {
+  const char *name = group && *group ? group : "default";
+  /* Scale-out with the host backend: node 0 numbers and stages every map and sends it to every node
+   * (engine_net.c); the nodes switch to it at the same step. */
+  if (eng->o.nodes > 1 && eng->ops == &eng_host_ops)
+    return eng_net_set_map(eng, name, map, copies, ncopies, version_out, errbuf, errlen);
+  pthread_mutex_lock(&eng->mu);
+  epd_result_t rc = EPD_OK;
+  eng_group_t *grp = find_group(eng, name);
+  if (!grp) {
+    snprintf(errbuf, errlen, "group \"%s\" not found", name);
+    rc = EPD_ERR_NOT_FOUND;
+  } else {
+    rc = eng_stage_map(eng, grp, map, copies, ncopies, 0, 1, version_out, errbuf, errlen);
+  }
   pthread_mutex_unlock(&eng->mu);
   return rc;
 }

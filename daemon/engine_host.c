@@ -370,12 +370,16 @@ static epd_result_t host_create(epd_engine_t *eng, char *err, size_t errlen) {
     }
     hr->started = 1;
   }
-  return EPD_OK;
+  /* Scale-out: expert maps from the other nodes (engine_net.c). */
+  epd_result_t rc = eng->o.nodes > 1 ? eng_net_ctl_start(eng, err, errlen) : EPD_OK;
+  if (rc) host_destroy(eng);
+  return rc;
 }
 
 static void host_destroy(epd_engine_t *eng) {
   host_be_t *be = eng->be;
   if (!be) return;
+  if (eng->o.nodes > 1) eng_net_ctl_stop(eng);
   atomic_store(&be->stop, 1);
   for (int r = 0; r < EPD_MAX_RANKS; r++)
     if (be->rank[r].started) pthread_join(be->rank[r].th, NULL);

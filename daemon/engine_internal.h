@@ -167,6 +167,16 @@ void eng_emit(epd_engine_t *eng, const char *kind, const eng_group_t *grp, int r
 /* At a dispatch step boundary: do the staged map's weight copies, make it active, publish it in every
  * client's map table (emits map_switch). */
 void eng_apply_staged_map(epd_engine_t *eng, eng_group_t *grp);
+/* (mu) Scale-out: make the staged map of m's version active with the first ncopies staged weight
+ * copies (those it carried), even if a newer map was staged since (it stays staged with the remaining
+ * copies); -1 if no map of that version or newer is staged. */
+int eng_apply_staged_version(epd_engine_t *eng, eng_group_t *grp, const epd_expert_map_t *m, uint32_t ncopies);
+/* (mu) The group of that name, or NULL. */
+eng_group_t *eng_find_group(epd_engine_t *eng, const char *name);
+/* (mu) Validate map (and its copies if check) and stage it with `version` (0: the group's next one). */
+epd_result_t eng_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert_map_t *map,
+                           const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t version, int check,
+                           uint32_t *version_out, char *errbuf, size_t errlen);
 /* Account one finished op of one rank (status, bytes it sent, latency). */
 void eng_record_op(epd_engine_t *eng, int rank, uint32_t op, int status, uint64_t bytes,
                    uint64_t latency_ns);
@@ -216,6 +226,14 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res);
 /* (mu) The rank a timed-out step waits for (a local rank, or the first rank of a silent node); why
  * gets the timeout message. */
 int eng_net_missing_rank(epd_engine_t *eng, const eng_group_t *grp, char *why, size_t len);
+/* SetExpertMap across nodes (host backend; called without mu): node 0 stages the map with the next
+ * version and sends it to every other node; another node asks node 0 to and waits for its answer. */
+epd_result_t eng_net_set_map(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
+                             const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t *version_out,
+                             char *errbuf, size_t errlen);
+/* Start / stop the thread that serves map messages from the other nodes (host backend, nodes > 1). */
+epd_result_t eng_net_ctl_start(epd_engine_t *eng, char *err, size_t errlen);
+void eng_net_ctl_stop(epd_engine_t *eng);
 /* (mu) Free grp->net. */
 void eng_net_group_free(eng_group_t *grp);
 

@@ -32,6 +32,7 @@
 
 #define NET_MAGIC 0x4e445045u   /* "EPDN" */
 #define HELLO_MAGIC 0x4f4c4845u /* "EHLO" */
+#define CTL_MAGIC 0x4c435045u   /* "EPCL": a control frame (expert maps), not part of a step */
 #define MAX_NODES EPD_MAX_RANKS
 #define MAX_FRAME (1ull << 34)
 
@@ -55,6 +56,15 @@ typedef struct net_peer {
   uint32_t node;
 } net_peer_t;
 
+/* A SetExpertMap on a node other than 0 waiting for node 0's answer. */
+typedef struct ctl_wait {
+  struct ctl_wait *next;
+  uint64_t req_id;
+  int done, status;
+  uint32_t version;
+  char why[320];
+} ctl_wait_t;
+
 struct epd_net {
   int lfd;
   uint32_t nodes, node_rank;
@@ -63,6 +73,15 @@ struct epd_net {
   net_frame_t *frames;
   atomic_int stop;
   _Atomic uint64_t tx_bytes, rx_bytes, tx_frames, rx_frames;
+  /* Control frames (host backend's expert maps), served in arrival order by one thread (engine_net.c's
+   * ctl_main) that may take the engine lock: the receivers never do, so they always drain the links. */
+  pthread_cond_t ctl_cv, wait_cv;
+  net_frame_t *ctl_head, *ctl_tail;
+  int ctl_on, ctl_stop, ctl_started;
+  pthread_t ctl_th;
+  epd_engine_t *eng;
+  ctl_wait_t *waits;
+  uint64_t next_req;
 };
 
 typedef struct net_hdr {
@@ -71,8 +90,9 @@ typedef struct net_hdr {
   uint64_t step;
   char group[EPD_GROUP_NAME_MAX];
   uint32_t map_version, nlocal, world, hidden;
-  uint32_t num_experts, topk, max_tokens, pad;
-  uint64_t map_hash;
+  uint32_t num_experts, topk, max_tokens;
+  uint32_t staged_version; /* host backend: the staged map the sender reports (0: none), and its hash */
+  uint64_t map_hash, staged_hash;
   char why[192];
 } net_hdr_t;
 
@@ -189,6 +209,8 @@ epd_result_t epd_net_listen(const char *addr, epd_net_t **out, char *adv, size_t
   }
   net->lfd = fd;
   pthread_mutex_init(&net->mu, NULL);
+  pthread_cond_init(&net->ctl_cv, NULL);
+  pthread_cond_init(&net->wait_cv, NULL);
   for (int i = 0; i < MAX_NODES; i++) {
     net->peer[i].fd = -1;
     net->peer[i].net = net;
@@ -233,7 +255,7 @@ static void *recv_main(void *arg) {
       return NULL;
     }
     net_hdr_t *h = (net_hdr_t *)buf;
-    if (h->magic != NET_MAGIC || h->src_node != p->node) {
+    if ((h->magic != NET_MAGIC && h->magic != CTL_MAGIC) || h->src_node != p->node) {
       free(f);
       free(buf);
       peer_dead(p, "%s", "frame with a bad magic or source node");
@@ -248,8 +270,22 @@ static void *recv_main(void *arg) {
     atomic_fetch_add(&net->rx_bytes, len + 8);
     atomic_fetch_add(&net->rx_frames, 1);
     pthread_mutex_lock(&net->mu);
-    f->next = net->frames;
-    net->frames = f;
+    if (h->magic == CTL_MAGIC) { /* in order, to the control thread (none: nobody sends them then) */
+      if (net->ctl_on) {
+        if (net->ctl_tail)
+          net->ctl_tail->next = f;
+        else
+          net->ctl_head = f;
+        net->ctl_tail = f;
+        pthread_cond_signal(&net->ctl_cv);
+      } else {
+        free(f->buf);
+        free(f);
+      }
+    } else {
+      f->next = net->frames;
+      net->frames = f;
+    }
     pthread_mutex_unlock(&net->mu);
   }
 }
@@ -355,6 +391,14 @@ void epd_net_destroy(epd_net_t *net) {
     free(f->buf);
     free(f);
   }
+  while (net->ctl_head) {
+    net_frame_t *f = net->ctl_head;
+    net->ctl_head = f->next;
+    free(f->buf);
+    free(f);
+  }
+  pthread_cond_destroy(&net->ctl_cv);
+  pthread_cond_destroy(&net->wait_cv);
   pthread_mutex_destroy(&net->mu);
   free(net);
 }
@@ -486,6 +530,15 @@ typedef struct net_group {
   float *w[EPD_MAX_RANKS];
   uint32_t *ht_local;        /* [W] this node's HT tokens per destination rank */
   net_frame_t *f[MAX_NODES]; /* frames of the step, taken when all are in */
+  /* Map switches (host backend): the staged map this node reported in its frame of the last step it
+   * sent (version 0: none) with the number of staged weight copies it carried; and what the frames of
+   * step agree_step decided: switch to (agree_version, agree_hash) at the next dispatch (agree set). */
+  epd_expert_map_t rep;
+  uint64_t rep_hash;
+  uint32_t rep_copies;
+  int agree;
+  uint64_t agree_step, agree_hash;
+  uint32_t agree_version;
 } net_group_t;
 
 void eng_net_group_free(eng_group_t *grp) {
@@ -506,6 +559,7 @@ void eng_net_group_free(eng_group_t *grp) {
   }
   pthread_mutex_unlock(&ng->net->mu);
   epd_ref_plan_free(&ng->lplan);
+  epd_expert_map_free(&ng->rep);
   for (int r = 0; r < EPD_MAX_RANKS; r++) {
     free(ng->x[r]);
     free(ng->idx[r]);
@@ -631,6 +685,52 @@ static void *oput(obuf_t *b, const void *src, size_t n) {
   return at;
 }
 
+/* At a dispatch step: switch to the staged map that the frames of the previous step agreed on (every
+ * node sees the same frames, so every node decides the same). */
+static void net_switch(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
+  if (!ng->agree || ng->agree_step + 1 != grp->steps) return;
+  if (ng->rep.version != ng->agree_version || ng->rep_hash != ng->agree_hash) return;
+  if (eng_apply_staged_version(eng, grp, &ng->rep, ng->rep_copies))
+    EPD_LOGE(EPD_SUB_ENGINE, "group %s: staged map version %u agreed by every node is gone on node %u", grp->name,
+             ng->rep.version, eng->o.node_rank);
+  ng->agree = 0;
+}
+
+/* Remember the staged map this node reports in its frames (a newer one staged later does not replace
+ * it until the next frame, so the map every node reported is still at hand when they agree on it). */
+static void net_report(eng_group_t *grp, net_group_t *ng) {
+  uint32_t v = grp->has_staged ? grp->staged.version : 0;
+  if (v == ng->rep.version) return;
+  epd_expert_map_free(&ng->rep);
+  memset(&ng->rep, 0, sizeof ng->rep);
+  ng->rep_hash = 0;
+  ng->rep_copies = 0;
+  if (v && epd_ref_map_copy(&ng->rep, &grp->staged) == EPD_OK) {
+    ng->rep_hash = map_hash(&ng->rep);
+    ng->rep_copies = grp->nstaged_copies;
+  } else {
+    memset(&ng->rep, 0, sizeof ng->rep); /* out of memory: report none; the map switches later */
+  }
+}
+
+/* Decide from the frames of the step being run what its next dispatch switches to: the staged map
+ * that every node (this one included) reported, or, for a node left behind (a step that failed on it
+ * but not elsewhere), the map another node already runs and this one still has staged. */
+static void net_agree(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
+  uint32_t v = ng->rep.version, me = eng->o.node_rank;
+  int all = v != 0, behind = 0;
+  for (uint32_t n = 0; n < eng->o.nodes; n++) {
+    if (n == me) continue;
+    const net_hdr_t *h = (const net_hdr_t *)ng->f[n]->buf;
+    if (h->staged_version != v || h->staged_hash != ng->rep_hash) all = 0;
+    if (v && h->map_version == v && h->map_hash == ng->rep_hash) behind = 1;
+  }
+  ng->agree = all || behind;
+  ng->agree_step = grp->steps;
+  ng->agree_version = v;
+  ng->agree_hash = ng->rep_hash;
+}
+
 /* Build and send this node's frame of the step to every other node. */
 static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
   epd_net_t *net = eng->o.net;
@@ -650,7 +750,7 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
   memset(ng->ht_local, 0, sizeof *ng->ht_local * W);
   int dispatch = same && op_dispatch(d0->op), mode = d0->op <= EPD_OP_LL_COMBINE ? EPD_MODE_LL : EPD_MODE_HT;
   if (dispatch) {
-    eng_apply_staged_map(eng, grp);
+    net_switch(eng, grp, ng);
     epd_ref_in_t in[EPD_MAX_RANKS];
     memset(in, 0, sizeof in);
     for (uint32_t r = base; r < base + L; r++) {
@@ -662,6 +762,7 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
     ng->lstatus = epd_ref_plan_build(&ng->lplan, &grp->map, in, &ng->lbad, ng->lwhy, sizeof ng->lwhy);
     if (!ng->lstatus) memcpy(ng->ht_local, ng->lplan.ht_recv, sizeof *ng->ht_local * W);
   }
+  net_report(grp, ng);
   const epd_ref_plan_t *gp = &grp->plan[d0->bank < EPD_NUM_BANKS ? d0->bank : 0];
   int combine = same && !dispatch && grp->plan_valid[d0->bank] && gp->mode == mode;
   if (same && !dispatch && !combine) {
@@ -689,6 +790,8 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
       snprintf(h->group, sizeof h->group, "%s", grp->name);
       h->map_version = grp->map.version;
       h->map_hash = map_hash(&grp->map);
+      h->staged_version = ng->rep.version;
+      h->staged_hash = ng->rep_hash;
       h->nlocal = L;
       h->world = W;
       h->num_experts = g->num_experts;
@@ -754,7 +857,11 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
                       .bad_rank = (int32_t)base,
                       .step = grp->steps,
                       .nlocal = 0,
-                      .world = W};
+                      .world = W,
+                      .map_version = grp->map.version,
+                      .map_hash = map_hash(&grp->map),
+                      .staged_version = ng->rep.version,
+                      .staged_hash = ng->rep_hash};
       snprintf(hh.group, sizeof hh.group, "%s", grp->name);
       snprintf(hh.why, sizeof hh.why, "node %u: out of memory building the step's frame", me);
       oput(&b, &hh, sizeof hh);
@@ -814,6 +921,7 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
   epd_desc_t d[EPD_MAX_RANKS];
   const uint8_t *pay[MAX_NODES] = {0}, *end[MAX_NODES] = {0};
   const uint32_t *htc[MAX_NODES] = {0};
+  net_agree(eng, grp, ng);
   /* A node that could not build its frame (out of memory) fails the step everywhere. */
   if (ng->lstatus == EPD_ERR_NOMEM) return fail(res, EPD_ERR_NOMEM, ng->lbad, "%s", ng->lwhy);
   for (uint32_t n = 0; n < nodes; n++) {
@@ -1080,4 +1188,272 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
   int done = run_step(eng, grp, ng, res);
   drop_frames(ng);
   return done;
+}
+
+/* ---- expert maps across nodes (host backend) ---------------------------------------------------- */
+
+/* A control frame: net_hdr_t (CTL_MAGIC, the group), then ctl_msg_t, then for MAP_REQ and MAP_SET the
+ * map (nrep[E], rep[E][EPD_MAX_REPLICAS]) and the weight copies. Node 0 numbers and stages every map
+ * (its own SetExpertMap calls and the MAP_REQs of the other nodes, one at a time under its engine
+ * lock) and sends each staged map as MAP_SET to every other node, in version order on every link; a
+ * MAP_REQ is answered with MAP_REP after the MAP_SET to the asking node, so a SetExpertMap that
+ * returns a version has that map staged on its node. */
+enum { CTL_MAP_REQ = 1, CTL_MAP_SET = 2, CTL_MAP_REP = 3 };
+typedef struct ctl_msg {
+  uint32_t kind, version;
+  uint64_t req_id;
+  int32_t status;
+  uint32_t num_experts, ncopies, pad;
+  char why[320];
+} ctl_msg_t;
+
+static int send_ctl(epd_net_t *net, uint32_t node, const char *group, const ctl_msg_t *m,
+                    const epd_expert_map_t *map, const epd_weight_copy_t *cp) {
+  uint32_t E = map ? m->num_experts : 0, nc = map ? m->ncopies : 0;
+  size_t len = sizeof(net_hdr_t) + sizeof *m + (size_t)E * (1 + sizeof *map->rep) + (size_t)nc * sizeof *cp;
+  uint8_t *b = calloc(1, len);
+  if (!b) return -1;
+  net_hdr_t h = {.magic = CTL_MAGIC, .src_node = net->node_rank};
+  snprintf(h.group, sizeof h.group, "%s", group);
+  uint8_t *p = b;
+  memcpy(p, &h, sizeof h);
+  p += sizeof h;
+  memcpy(p, m, sizeof *m);
+  p += sizeof *m;
+  if (E) {
+    memcpy(p, map->nrep, E);
+    p += E;
+    memcpy(p, map->rep, (size_t)E * sizeof *map->rep);
+    p += (size_t)E * sizeof *map->rep;
+  }
+  if (nc) memcpy(p, cp, (size_t)nc * sizeof *cp);
+  int rc = net_send(net, node, b, len);
+  free(b);
+  return rc;
+}
+
+/* Parse a MAP_REQ / MAP_SET body into m (its arrays point into the frame; free nothing); -1 if
+ * malformed. */
+static int parse_map(const net_frame_t *f, const ctl_msg_t *c, epd_expert_map_t *m, const epd_weight_copy_t **cp) {
+  size_t E = c->num_experts, need = sizeof(net_hdr_t) + sizeof *c + E * (1 + sizeof *m->rep) +
+                                    (size_t)c->ncopies * sizeof **cp;
+  if (!E || E > (1u << 20) || c->ncopies > (1u << 16) || f->len != need) return -1;
+  memset(m, 0, sizeof *m);
+  m->num_experts = c->num_experts;
+  m->version = c->version;
+  uint8_t *p = f->buf + sizeof(net_hdr_t) + sizeof *c;
+  m->nrep = p;
+  m->rep = (epd_replica_t(*)[EPD_MAX_REPLICAS])(void *)(p + E);
+  *cp = c->ncopies ? (const epd_weight_copy_t *)(void *)(p + E + E * sizeof *m->rep) : NULL;
+  return 0;
+}
+
+/* (eng->mu, node 0) Stage a map with the next version and send it to every other node. */
+static epd_result_t stage_and_send(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
+                                   const epd_weight_copy_t *cp, uint32_t ncopies, uint32_t *version, char *err,
+                                   size_t errlen) {
+  epd_net_t *net = eng->o.net;
+  eng_group_t *grp = eng_find_group(eng, group);
+  if (!grp) {
+    snprintf(err, errlen, "group \"%s\" not found on node 0 (attach it on every node before SetExpertMap)", group);
+    return EPD_ERR_NOT_FOUND;
+  }
+  epd_result_t rc = eng_stage_map(eng, grp, map, cp, ncopies, 0, 1, version, err, errlen);
+  if (rc) return rc;
+  ctl_msg_t m = {.kind = CTL_MAP_SET, .version = *version, .num_experts = map->num_experts, .ncopies = ncopies};
+  for (uint32_t n = 1; n < net->nodes; n++)
+    if (send_ctl(net, n, group, &m, map, cp))
+      EPD_LOGE(EPD_SUB_ENGINE, "group %s: expert map version %u not sent to node %u (link down): no node "
+               "switches to it", group, *version, n);
+  EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u staged and sent to every node (%u weight copies)",
+           group, *version, ncopies);
+  return EPD_OK;
+}
+
+static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
+  epd_net_t *net = eng->o.net;
+  const net_hdr_t *h = (const net_hdr_t *)f->buf;
+  ctl_msg_t c;
+  if (f->len < sizeof *h + sizeof c) {
+    EPD_LOGW(EPD_SUB_ENGINE, "node %u sent a truncated control frame", f->src_node);
+    return;
+  }
+  memcpy(&c, f->buf + sizeof *h, sizeof c);
+  c.why[sizeof c.why - 1] = 0;
+  char group[EPD_GROUP_NAME_MAX];
+  snprintf(group, sizeof group, "%s", f->group);
+  if (c.kind == CTL_MAP_REP) {
+    pthread_mutex_lock(&net->mu);
+    for (ctl_wait_t *w = net->waits; w; w = w->next)
+      if (w->req_id == c.req_id) {
+        w->done = 1;
+        w->status = c.status;
+        w->version = c.version;
+        snprintf(w->why, sizeof w->why, "%s", c.why);
+      }
+    pthread_cond_broadcast(&net->wait_cv);
+    pthread_mutex_unlock(&net->mu);
+    return;
+  }
+  epd_expert_map_t m;
+  const epd_weight_copy_t *cp = NULL;
+  if ((c.kind != CTL_MAP_REQ && c.kind != CTL_MAP_SET) || parse_map(f, &c, &m, &cp)) {
+    EPD_LOGW(EPD_SUB_ENGINE, "node %u sent a malformed control frame (kind %u)", f->src_node, c.kind);
+    return;
+  }
+  if (c.kind == CTL_MAP_REQ) {
+    ctl_msg_t r = {.kind = CTL_MAP_REP, .req_id = c.req_id};
+    if (net->node_rank != 0) {
+      r.status = EPD_ERR_PROTOCOL;
+      snprintf(r.why, sizeof r.why, "node %u is not node 0", net->node_rank);
+    } else {
+      pthread_mutex_lock(&eng->mu);
+      r.status = stage_and_send(eng, group, &m, cp, c.ncopies, &r.version, r.why, sizeof r.why);
+      pthread_mutex_unlock(&eng->mu);
+    }
+    send_ctl(net, f->src_node, group, &r, NULL, NULL);
+    return;
+  }
+  /* MAP_SET from node 0. */
+  char err[320] = "";
+  pthread_mutex_lock(&eng->mu);
+  eng_group_t *grp = eng_find_group(eng, group);
+  epd_result_t rc = grp ? eng_stage_map(eng, grp, &m, cp, c.ncopies, c.version, 0, NULL, err, sizeof err)
+                        : EPD_ERR_NOT_FOUND;
+  pthread_mutex_unlock(&eng->mu);
+  if (rc == EPD_ERR_NOT_FOUND)
+    EPD_LOGW(EPD_SUB_ENGINE, "group %s: expert map version %u from node 0 ignored: the group does not exist on "
+             "node %u (no node switches to it; attach on every node before SetExpertMap)", group, c.version,
+             net->node_rank);
+  else if (rc)
+    EPD_LOGE(EPD_SUB_ENGINE, "group %s: expert map version %u from node 0 refused on node %u: %s (no node "
+             "switches to it)", group, c.version, net->node_rank, err);
+  else
+    EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u staged from node 0 (%u weight copies)", group,
+             c.version, c.ncopies);
+}
+
+static void *ctl_main(void *arg) {
+  epd_engine_t *eng = arg;
+  epd_net_t *net = eng->o.net;
+  pthread_setname_np(pthread_self(), "epd-netctl");
+  pthread_mutex_lock(&net->mu);
+  for (;;) {
+    while (!net->ctl_head && !net->ctl_stop) pthread_cond_wait(&net->ctl_cv, &net->mu);
+    if (net->ctl_stop) break;
+    net_frame_t *f = net->ctl_head;
+    net->ctl_head = f->next;
+    if (!net->ctl_head) net->ctl_tail = NULL;
+    pthread_mutex_unlock(&net->mu);
+    ctl_handle(eng, f);
+    free(f->buf);
+    free(f);
+    pthread_mutex_lock(&net->mu);
+  }
+  pthread_mutex_unlock(&net->mu);
+  return NULL;
+}
+
+epd_result_t eng_net_ctl_start(epd_engine_t *eng, char *err, size_t errlen) {
+  epd_net_t *net = eng->o.net;
+  if (!net) return EPD_OK;
+  pthread_mutex_lock(&net->mu);
+  net->eng = eng;
+  net->ctl_on = 1;
+  net->ctl_stop = 0;
+  pthread_mutex_unlock(&net->mu);
+  int e = pthread_create(&net->ctl_th, NULL, ctl_main, eng);
+  if (e) {
+    snprintf(err, errlen, "pthread_create for the map control thread: %s", strerror(e));
+    return EPD_ERR_SYSTEM;
+  }
+  net->ctl_started = 1;
+  return EPD_OK;
+}
+
+void eng_net_ctl_stop(epd_engine_t *eng) {
+  epd_net_t *net = eng->o.net;
+  if (!net) return;
+  pthread_mutex_lock(&net->mu);
+  net->ctl_stop = 1;
+  net->ctl_on = 0;
+  pthread_cond_broadcast(&net->ctl_cv);
+  pthread_mutex_unlock(&net->mu);
+  if (net->ctl_started) pthread_join(net->ctl_th, NULL);
+  net->ctl_started = 0;
+  pthread_mutex_lock(&net->mu);
+  while (net->ctl_head) {
+    net_frame_t *f = net->ctl_head;
+    net->ctl_head = f->next;
+    free(f->buf);
+    free(f);
+  }
+  net->ctl_tail = NULL;
+  net->eng = NULL;
+  pthread_mutex_unlock(&net->mu);
+}
+
+epd_result_t eng_net_set_map(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
+                             const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t *version_out,
+                             char *errbuf, size_t errlen) {
+  epd_net_t *net = eng->o.net;
+  uint32_t version = 0;
+  epd_result_t rc;
+  if (net->node_rank == 0) {
+    pthread_mutex_lock(&eng->mu);
+    rc = stage_and_send(eng, group, map, copies, ncopies, &version, errbuf, errlen);
+    pthread_mutex_unlock(&eng->mu);
+    if (!rc && version_out) *version_out = version;
+    return rc;
+  }
+  /* Refuse what this node can tell is wrong without asking node 0. */
+  pthread_mutex_lock(&eng->mu);
+  eng_group_t *grp = eng_find_group(eng, group);
+  if (!grp) {
+    snprintf(errbuf, errlen, "group \"%s\" not found", group);
+    rc = EPD_ERR_NOT_FOUND;
+  } else {
+    rc = epd_ref_map_validate(map, grp->g.num_experts, grp->g.num_ranks, grp->g.slots_per_rank, errbuf, errlen);
+  }
+  pthread_mutex_unlock(&eng->mu);
+  if (rc) return rc;
+  ctl_wait_t w = {.status = EPD_ERR_TIMEOUT};
+  pthread_mutex_lock(&net->mu);
+  w.req_id = ++net->next_req;
+  w.next = net->waits;
+  net->waits = &w;
+  pthread_mutex_unlock(&net->mu);
+  ctl_msg_t m = {.kind = CTL_MAP_REQ, .req_id = w.req_id, .num_experts = map->num_experts, .ncopies = ncopies};
+  int sent = send_ctl(net, 0, group, &m, map, copies) == 0;
+  uint32_t wait_ms = eng->o.step_timeout_ms > 10000 ? eng->o.step_timeout_ms : 10000;
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  dl.tv_sec += wait_ms / 1000;
+  dl.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
+  if (dl.tv_nsec >= 1000000000L) dl.tv_sec++, dl.tv_nsec -= 1000000000L;
+  pthread_mutex_lock(&net->mu);
+  while (sent && !w.done && !atomic_load(&net->peer[0].dead))
+    if (pthread_cond_timedwait(&net->wait_cv, &net->mu, &dl) == ETIMEDOUT) break;
+  for (ctl_wait_t **pp = &net->waits; *pp; pp = &(*pp)->next)
+    if (*pp == &w) {
+      *pp = w.next;
+      break;
+    }
+  pthread_mutex_unlock(&net->mu);
+  if (!w.done) {
+    char why[160] = "";
+    if (epd_net_node_dead(net, 0, why, sizeof why)) {
+      snprintf(errbuf, errlen, "SetExpertMap goes through node 0, and the data link to node 0 is down: %s", why);
+      return EPD_ERR_PEER;
+    }
+    snprintf(errbuf, errlen, "node 0 did not answer this SetExpertMap within %u ms (if it staged the map, every "
+             "node still switches to it together)", wait_ms);
+    return EPD_ERR_TIMEOUT;
+  }
+  if (w.status) {
+    snprintf(errbuf, errlen, "%s", w.why[0] ? w.why : eng_result_name(w.status));
+    return w.status;
+  }
+  if (version_out) *version_out = w.version;
+  return EPD_OK;
 }

@@ -24,6 +24,8 @@
  * --graph: (LL, CUDA backend) each bank's dispatch and combine are captured once into CUDA graphs
  * (libepd stream submission: stream memory operations) and every step replays them, num_tokens fixed
  * at max_tokens; with --map-every the same graphs keep replaying across the map switches.
+ * --node-ranks N: the world spans nodes of N ranks each (scale-out): the reference picks replicas the
+ * way the daemons do (those on the source's node first).
  * Exit: 0 all steps matched; 1 a result differed; 2 an op or the attach failed; 3 --die-at-step.
  */
 #define _GNU_SOURCE
@@ -48,10 +50,10 @@ typedef struct args {
   uint64_t seed;
   uint32_t experts, hidden, topk, tokens;
   uint64_t weights;
-  int graph, ht_every;
+  int graph, ht_every, node_ranks;
 } args_t;
 
-static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0, 0};
+static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0, 0, 0};
 
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
@@ -221,6 +223,7 @@ static int fetch_map(epd_expert_map_t *m, uint32_t E, uint32_t R, uint32_t S) {
       m->rep[p->expert][k] = (epd_replica_t){p->replicas[k]->rank, p->replicas[k]->slot};
   }
   protobuf_c_message_free_unpacked(msg, NULL);
+  m->ranks_per_node = (uint32_t)A.node_ranks;
   char verr[256];
   if (epd_ref_map_validate(m, E, R, S, verr, sizeof verr)) {
     fprintf(stderr, "rank %d: map from the daemon is invalid: %s\n", A.rank, verr);
@@ -246,6 +249,7 @@ static int table_map(epd_ep_t *ep, epd_expert_map_t *m, uint32_t E, uint32_t R, 
     for (uint32_t i = 0; i < n; i++) m->rep[e][i] = reps[i];
   }
   m->version = v0;
+  m->ranks_per_node = (uint32_t)A.node_ranks;
   /* The slot -> expert rows must agree with the replica lists. */
   int32_t se[1024];
   if (S <= 1024 && !epd_slot_experts(ep, se, S, &v) && v == v0)
@@ -498,7 +502,7 @@ static uint32_t tokens_of(uint64_t step, uint32_t rank, uint32_t M) {
 static void usage(void) {
   fprintf(stderr, "usage: epd-worker -s SOCKET -g GROUP -r RANK -n NRANKS --steps N --seed S [--experts E "
                   "--hidden H --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] "
-                  "[--map-every N] [--weights BYTES] [--graph] [--bench N] [--ht-every N] [-v]\n");
+                  "[--map-every N] [--node-ranks N] [--weights BYTES] [--graph] [--bench N] [--ht-every N] [-v]\n");
   exit(2);
 }
 
@@ -507,7 +511,7 @@ static void parse(int argc, char **argv) {
       {"socket", 1, 0, 's'},   {"group", 1, 0, 'g'},  {"rank", 1, 0, 'r'},   {"nranks", 1, 0, 'n'},
       {"steps", 1, 0, 'S'},    {"seed", 1, 0, 'e'},   {"experts", 1, 0, 'E'}, {"hidden", 1, 0, 'H'},
       {"topk", 1, 0, 'K'},     {"tokens", 1, 0, 'T'}, {"mode", 1, 0, 'm'},   {"fp8", 0, 0, 'f'},
-      {"skew", 0, 0, 'k'},     {"die-at-step", 1, 0, 'd'}, {"verbose", 0, 0, 'v'}, {"map-every", 1, 0, 'M'},
+      {"skew", 0, 0, 'k'},     {"die-at-step", 1, 0, 'd'}, {"verbose", 0, 0, 'v'}, {"map-every", 1, 0, 'M'}, {"node-ranks", 1, 0, 'N'},
       {"weights", 1, 0, 'W'},  {"graph", 0, 0, 'G'},  {"bench", 1, 0, 'B'}, {"ht-every", 1, 0, 'X'},
       {0, 0, 0, 0}};
   int c;
@@ -533,6 +537,7 @@ static void parse(int argc, char **argv) {
     case 'd': A.die_at = atoi(optarg); break;
     case 'v': A.verbose = 1; break;
     case 'M': A.map_every = atoi(optarg); break;
+    case 'N': A.node_ranks = atoi(optarg); break;
     case 'W': A.weights = strtoull(optarg, NULL, 0); break;
     case 'G': A.graph = 1; break;
     case 'B': A.bench = atoi(optarg); break;
@@ -604,6 +609,7 @@ int main(int argc, char **argv) {
   epd_expert_map_t map;
   memset(&map, 0, sizeof map);
   epd_ref_map_default(&map, g.num_experts, R, S);
+  map.ranks_per_node = (uint32_t)A.node_ranks;
   if (epd_info(ep, EPD_INFO_MAP_VERSION) != 1 && fetch_map(&map, g.num_experts, R, S)) return 2;
   /* --weights: this rank's slots get their experts' weights before its first dispatch (a copy at a
    * switch needs every rank's dispatch, so no copy can read a slot before it is filled). */

@@ -1,0 +1,173 @@
+#!/bin/bash
+# 33-two-node-maps: expert maps across nodes with the host backend. Two daemons on this host are nodes 0
+# and 1 of one EP world (2 ranks each, 4 world ranks, redundant slots). A SetExpertMap sent to either
+# node's daemon is numbered and staged by node 0, reaches every node with the same version and
+# placements, and every node switches to it at the same dispatch step:
+# - rank 0 (at node 0) stages a new random map every 3 (LL) / 4 (HT FP8) steps through its own daemon
+#   only, hundreds of steps; the workers of BOTH nodes check every step against the reference with the
+#   map version its completion carries (read from libepd's map table), and see the switches;
+# - SetExpertMap sent to node 1's daemon, and to both daemons at once (concurrent calls get distinct
+#   versions; the highest one ends active on both nodes, with the same placements); the daemons'
+#   "dispatches with expert map version" mismatch check never fires;
+# - an invalid map is refused on every node, a weight copy between ranks of two nodes is refused, and
+#   neither changes any node's map.
+set -u
+B=${EPD_BUILD:-build}
+EPD=$B/bin/epd
+WORKER=$B/bin/epd-worker
+EPDCTL=$B/bin/epdctl
+for x in "$EPD" "$WORKER" "$EPDCTL"; do [ -x "$x" ] || { echo "skip: $x is not built"; exit 77; }; done
+T=${EPD_TEST_TMPDIR:-$(mktemp -d)}
+PIDS=()
+fail() {
+  echo "FAIL: $*"
+  for f in "$T"/*.out; do [ -f "$f" ] && sed "s/^/  $(basename "$f"): /" "$f" | tail -6; done
+  for f in "$T"/*.log; do [ -f "$f" ] && sed "s/^/  $(basename "$f")| /" "$f" | tail -15; done
+  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  exit 1
+}
+wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
+free_port() {
+  /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+node() { # NAME NODE_RANK PORT
+  local n=$1 rank=$2 port=$3
+  local where="-o cluster.coordinator=127.0.0.1:$port"
+  [ "$rank" = 0 ] && where="-o cluster.listen=127.0.0.1:$port"
+  mkdir -p "$T/$n"
+  "$EPD" -s "$T/$n/control.sock" -f -o daemon.attach_socket="$T/$n/attach.sock" -o engine.backend=host \
+    -o engine.num_ranks=2 -o engine.step_timeout_ms=5000 -o daemon.drain_timeout_ms=1000 \
+    -o engine.slots_factor_pct=200 -o cluster.nodes=2 -o cluster.node_rank="$rank" \
+    -o cluster.data_listen=127.0.0.1:0 -o cluster.timeout_ms=8000 $where 2> "$T/$n.log" &
+  eval "P_$n=$!"
+  PIDS+=($!)
+}
+worker() { # NAME NODE ARGS...
+  local n=$1 nd=$2; shift 2
+  ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" timeout 90 "$WORKER" -s "$T/$nd/control.sock" "$@" \
+    > "$T/$n.out" 2>&1 &
+  eval "W_$n=$!"
+}
+world() { # GROUP STEPS ARGS...: ranks 0-1 at node a, 2-3 at node b
+  local g=$1 s=$2; shift 2
+  for r in 0 1; do worker "${g}$r" a -g "$g" -r $r -n 4 --steps "$s" --seed 21 --experts 10 --topk 3 --tokens 24 --node-ranks 2 "$@"; done
+  for r in 2 3; do worker "${g}$r" b -g "$g" -r $r -n 4 --steps "$s" --seed 21 --experts 10 --topk 3 --tokens 24 --node-ranks 2 "$@"; done
+}
+expect_ok() {
+  local n pid rc
+  for n in "$@"; do
+    eval "pid=\$W_$n"
+    wait "$pid"; rc=$?
+    [ $rc -eq 0 ] || fail "worker $n exited $rc"
+    grep -q "steps ok" "$T/$n.out" || fail "worker $n printed no summary"
+  done
+}
+ctl() { local nd=$1; shift; "$EPDCTL" -s "$T/$nd/control.sock" "$@"; }
+# mapfile GROUP SHIFT: a valid map of 10 experts over 4 ranks x 5 slots, expert e on slot (e + SHIFT) % 20
+# and, for even SHIFT, a second replica of expert 0 on slot (SHIFT + 10) % 20.
+mapfile() {
+  echo "group $1"
+  for e in $(seq 0 9); do
+    local i=$(( (e + $2) % 20 )) extra=""
+    [ $e = 0 ] && [ $(( $2 % 2 )) = 0 ] && { local j=$(( ($2 + 10) % 20 )); extra=" $((j / 5)):$((j % 5))"; }
+    echo "expert $e: $((i / 5)):$((i % 5))$extra"
+  done
+}
+# The version a set-map output reports.
+version_of() { sed -n 's/.*version \([0-9][0-9]*\).*/\1/p' "$1" | head -1; }
+# wait_same GROUP VERSION: within 10 s both nodes' active maps of GROUP are identical, at VERSION
+# (the group lives while its workers are attached).
+same_now() {
+  ctl a experts "$1" > "$T/ea.txt" && ctl b experts "$1" > "$T/eb.txt" && cmp -s "$T/ea.txt" "$T/eb.txt" &&
+    grep -q "version $2\b" "$T/ea.txt"
+}
+wait_same() {
+  wait_for 10 same_now "$1" "$2" ||
+    fail "group $1: the nodes do not both run map version $2: node 0: $(head -2 "$T/ea.txt" | tr '\n' ' ') node 1: $(head -2 "$T/eb.txt" | tr '\n' ' ')"
+}
+# switches GROUP NODE: the "switched expert map A -> B at step S" events of GROUP in NODE's log.
+switches() { grep -o "group $1 switched expert map [0-9]* -> [0-9]* at step [0-9]*" "$T/$2.log"; }
+
+PORT=$(free_port)
+node a 0 "$PORT"
+node b 1 "$PORT"
+wait_for 15 test -S "$T/a/attach.sock" || fail "node 0 did not come up"
+wait_for 15 test -S "$T/b/attach.sock" || fail "node 1 did not come up"
+
+echo "== rank 0 stages a new map on node 0's daemon only: LL 300 steps every 3, HT FP8 160 steps every 4"
+world ll 300 --skew --hidden 64 --map-every 3
+world ht 160 --skew --hidden 128 --mode ht --fp8 --map-every 4
+expect_ok ll0 ll1 ll2 ll3 ht0 ht1 ht2 ht3
+grep -h "map switches seen" "$T"/ll0.out "$T"/ll2.out "$T"/ht3.out
+for w in ll2 ll3; do
+  seen=$(sed -n 's/.*: \([0-9]*\) map switches seen.*/\1/p' "$T/$w.out")
+  [ "${seen:-0}" -ge 90 ] || fail "$w (node 1) saw ${seen:-0} map switches in 300 steps"
+done
+seen=$(sed -n 's/.*: \([0-9]*\) map switches seen.*/\1/p' "$T/ht3.out")
+[ "${seen:-0}" -ge 35 ] || fail "ht3 (node 1) saw ${seen:-0} map switches in 160 steps"
+switches ll a > "$T/swa.txt"; switches ll b > "$T/swb.txt"
+NS=$(wc -l < "$T/swa.txt")
+[ "$NS" -ge 90 ] || fail "node 0 logged $NS switches of group ll"
+cmp -s "$T/swa.txt" "$T/swb.txt" || fail "the nodes switched group ll at different steps: $(diff "$T/swa.txt" "$T/swb.txt" | head -4)"
+echo "   $NS switches of group ll, the same (version, step) on both nodes; last: $(tail -1 "$T/swa.txt")"
+grep -q "staged from node 0" "$T/b.log" || fail "node 1 did not log maps staged from node 0"
+
+echo "== SetExpertMap sent to node 1's daemon while steps run"
+world ex 1500 --hidden 64
+wait_for 10 same_now ex 1 || fail "group ex did not come up on both nodes"
+for s in 1 2 3; do
+  mapfile ex $s > "$T/m$s.txt"
+  ctl b set-map "$T/m$s.txt" > "$T/sb$s.out" 2>&1 || fail "set-map at node 1: $(cat "$T/sb$s.out")"
+done
+VB=$(version_of "$T/sb3.out")
+[ -n "$VB" ] || fail "set-map printed no version: $(cat "$T/sb3.out")"
+wait_same ex "$VB"
+grep -q "expert 0: 0:3" "$T/ea.txt" || fail "group ex: not node 1's last map: $(head -3 "$T/ea.txt")"
+echo "   node 1 staged versions $(version_of "$T/sb1.out") $(version_of "$T/sb2.out") $VB; active on both nodes: $VB"
+
+echo "== concurrent SetExpertMap on both nodes: distinct versions, the highest active on both"
+world cc 1500 --hidden 64
+wait_for 10 same_now cc 1 || fail "group cc did not come up on both nodes"
+VS=()
+for i in 1 2 3 4 5; do
+  mapfile cc $((2 * i)) > "$T/ca$i.txt"
+  mapfile cc $((2 * i + 1)) > "$T/cb$i.txt"
+  ctl a set-map "$T/ca$i.txt" > "$T/ca$i.out" 2>&1 & PA=$!
+  ctl b set-map "$T/cb$i.txt" > "$T/cb$i.out" 2>&1 & PB=$!
+  wait $PA || fail "concurrent set-map at node 0: $(cat "$T/ca$i.out")"
+  wait $PB || fail "concurrent set-map at node 1: $(cat "$T/cb$i.out")"
+  VS+=("$(version_of "$T/ca$i.out")" "$(version_of "$T/cb$i.out")")
+done
+[ "$(printf '%s\n' "${VS[@]}" | sort -u | wc -l)" = 10 ] || fail "concurrent calls got versions ${VS[*]}, want 10 distinct"
+MAX=$(printf '%s\n' "${VS[@]}" | sort -n | tail -1)
+wait_same cc "$MAX"
+echo "   versions ${VS[*]}; active on both nodes: $MAX"
+
+echo "== invalid maps are refused on every node and change nothing"
+{ echo "group cc"; for e in $(seq 0 9); do echo "expert $e: 0:0"; done; } > "$T/bad.txt"
+for nd in a b; do
+  ctl $nd set-map "$T/bad.txt" > "$T/bad$nd.out" 2>&1 && fail "an invalid map was accepted at node $nd"
+  grep -qi "slot\|twice\|invalid" "$T/bad$nd.out" || fail "invalid map at node $nd: $(cat "$T/bad$nd.out")"
+done
+echo "   refused: $(head -1 "$T/bada.out")"
+# A weight copy between ranks of two nodes (a group with a weights region).
+world wt 1000 --hidden 64 --weights 4096
+wait_for 10 same_now wt 1 || fail "group wt did not come up on both nodes"
+{ mapfile wt 0; echo "copy 0:0 -> 2:4"; } > "$T/xcopy.txt"
+for nd in a b; do
+  ctl $nd set-map "$T/xcopy.txt" > "$T/xc$nd.out" 2>&1 && fail "a copy across nodes was accepted at node $nd"
+  grep -q "crosses nodes" "$T/xc$nd.out" || fail "copy across nodes at node $nd: $(cat "$T/xc$nd.out")"
+done
+echo "   refused: $(head -1 "$T/xca.out")"
+sleep 0.5
+same_now cc "$MAX" || fail "group cc changed after refused maps"
+same_now wt 1 || fail "group wt changed after a refused copy"
+expect_ok ex0 ex1 ex2 ex3 cc0 cc1 cc2 cc3 wt0 wt1 wt2 wt3
+grep -h "steps ok" "$T"/ex2.out "$T"/cc3.out "$T"/wt2.out
+
+for n in a b; do
+  grep -q "dispatches with expert map version" "$T/$n.log" && fail "the map mismatch check fired on node $n"
+done
+kill -TERM "$P_a" "$P_b"; wait "$P_a"; RA=$?; wait "$P_b"
+[ $RA -eq 0 ] || fail "node 0 exited $RA on SIGTERM"
+echo "33-two-node-maps: all checks passed"
