@@ -93,8 +93,9 @@ typedef struct net_hdr {
   uint32_t num_experts, topk, max_tokens;
   uint32_t staged_version; /* host backend: the staged map the sender reports (0: none), and its hash */
   uint64_t map_hash, staged_hash;
-  char why[192];
+  char why[184]; /* the header keeps its size (320 bytes) */
 } net_hdr_t;
+_Static_assert(sizeof(net_hdr_t) == 320, "net_hdr_t changed size");
 
 typedef struct net_desc {
   uint32_t op, bank, flags, num_tokens;
@@ -798,7 +799,7 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
       h->hidden = H;
       h->topk = K;
       h->max_tokens = M;
-      snprintf(h->why, sizeof h->why, "%s", ng->lwhy);
+      snprintf(h->why, sizeof h->why, "%.*s", (int)sizeof h->why - 1, ng->lwhy);
     }
     for (uint32_t r = base; r < base + L; r++) {
       net_desc_t nd = {grp->desc[r].op, grp->desc[r].bank, grp->desc[r].flags, grp->desc[r].num_tokens};

@@ -3,8 +3,8 @@
  * each, 4 world ranks) over real loopback TCP links (engine_net.c). Every step's dispatch output must
  * equal the single-node reference of the 4-rank world byte for byte, combine within BF16 rounding of
  * it; the bytes node 0 sends for a dispatch must be exactly one copy of each token per destination
- * node (deduplicated across that node's ranks); an expert map set on one node only fails the dispatch
- * on every rank with EPD_ERR_MISMATCH.
+ * node (deduplicated across that node's ranks); an expert map set on either node reaches the other and
+ * becomes active on every rank at the same step; maps that cannot be are refused on every node.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -287,7 +287,9 @@ EPD_TEST(cluster_two_nodes_equal_ref) {
     }
   }
   ASSERT(deduped); /* the byte check above saw tokens that go to both ranks of node 1, sent once */
-  /* A map set on node 1 only: every rank's dispatch fails with EPD_ERR_MISMATCH. */
+  /* A map set on node 1 only reaches node 0 (node 0 numbers it): both have it staged when the call
+   * returns; the next dispatch's frames report it from both nodes, so the dispatch after it switches on
+   * every rank at once (never EPD_ERR_MISMATCH). */
   uint32_t v = 0;
   char err[256] = "";
   epd_expert_map_t m2;
@@ -296,16 +298,69 @@ EPD_TEST(cluster_two_nodes_equal_ref) {
   m2.rep[0][0] = m2.rep[E - 1][0];
   m2.rep[E - 1][0] = tmp;
   ASSERT_OK(epd_engine_set_map(cl.eng[1], "g", &m2, &v, err, sizeof err));
-  for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
-  for (int r = 0; r < W; r++) ASSERT_EQ(cwait(&cl.c[r]).status, EPD_ERR_MISMATCH);
-  /* The same map on node 0 too: the next dispatch runs again. */
-  ASSERT_OK(epd_engine_set_map(cl.eng[0], "g", &m2, &v, err, sizeof err));
-  for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
-  for (int r = 0; r < W; r++) {
-    epd_comp_t comp = cwait(&cl.c[r]);
-    ASSERT_EQ(comp.status, EPD_OK);
-    ASSERT_EQ(comp.map_version, v);
+  ASSERT_EQ(v, map.version + 1);
+  for (int i = 0; i < 2; i++) {
+    for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
+    for (int r = 0; r < W; r++) {
+      epd_comp_t comp = cwait(&cl.c[r]);
+      ASSERT_EQ(comp.status, EPD_OK);
+      ASSERT_EQ(comp.map_version, i == 0 ? map.version : v);
+    }
   }
+  for (int n = 0; n < 2; n++) { /* GetExpertMap: the same placements and version on both nodes */
+    epd_expert_map_t got;
+    ASSERT_OK(epd_engine_get_map(cl.eng[n], "g", &got));
+    ASSERT_EQ(got.version, v);
+    ASSERT(!memcmp(got.nrep, m2.nrep, E) && !memcmp(got.rep, m2.rep, sizeof *m2.rep * E));
+    epd_expert_map_free(&got);
+  }
+  /* Maps set on both nodes in turn, two before any step: versions follow each other and the last one
+   * becomes active on every rank at the same step; every step's ranks agree on the version. */
+  uint32_t v3 = 0, v4 = 0;
+  tmp = m2.rep[1][0];
+  m2.rep[1][0] = m2.rep[2][0];
+  m2.rep[2][0] = tmp;
+  ASSERT_OK(epd_engine_set_map(cl.eng[0], "g", &m2, &v3, err, sizeof err));
+  tmp = m2.rep[3][0];
+  m2.rep[3][0] = m2.rep[4][0];
+  m2.rep[4][0] = tmp;
+  ASSERT_OK(epd_engine_set_map(cl.eng[1], "g", &m2, &v4, err, sizeof err));
+  ASSERT_EQ(v3, v + 1);
+  ASSERT_EQ(v4, v + 2);
+  uint32_t last = 0;
+  for (int i = 0; i < 3; i++) {
+    for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
+    for (int r = 0; r < W; r++) {
+      epd_comp_t comp = cwait(&cl.c[r]);
+      ASSERT_EQ(comp.status, EPD_OK);
+      if (r == 0) last = comp.map_version;
+      ASSERT_EQ(comp.map_version, last);
+    }
+  }
+  ASSERT_EQ(last, v4);
+  /* Refused on every node, changing nothing: an invalid map (two experts on one slot), and a weight
+   * copy between ranks of two nodes (asked at node 1, refused by node 0 with its reason). */
+  epd_expert_map_t bad;
+  ASSERT_OK(epd_ref_map_copy(&bad, &m2));
+  bad.rep[1][0] = bad.rep[0][0];
+  for (int n = 0; n < 2; n++) {
+    ASSERT_EQ(epd_engine_set_map(cl.eng[n], "g", &bad, &v, err, sizeof err), EPD_ERR_INVALID);
+    ASSERT_STR_CONTAINS(err, "already used");
+  }
+  epd_weight_copy_t xc = {0, 0, 2, 0};
+  for (int n = 0; n < 2; n++) {
+    ASSERT_EQ(epd_engine_set_map_copies(cl.eng[n], "g", &m2, &xc, 1, &v, err, sizeof err), EPD_ERR_UNSUPPORTED);
+    ASSERT_STR_CONTAINS(err, "crosses nodes");
+  }
+  for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
+  for (int r = 0; r < W; r++) ASSERT_EQ(cwait(&cl.c[r]).map_version, v4);
+  for (int n = 0; n < 2; n++) {
+    epd_expert_map_t got;
+    ASSERT_OK(epd_engine_get_map(cl.eng[n], "g", &got));
+    ASSERT_EQ(got.version, v4);
+    epd_expert_map_free(&got);
+  }
+  epd_expert_map_free(&bad);
   epd_expert_map_free(&m2);
   epd_expert_map_free(&map);
   epd_ref_plan_free(&plan);
