@@ -81,6 +81,10 @@ typedef struct conn_arg {
   char err[256];
 } conn_arg_t;
 
+/* Options of the next cluster_up (a test sets them and resets them to 0). */
+static uint64_t cl_weight_bytes;
+static uint32_t cl_slots_pct;
+
 static void *connect_main(void *arg) {
   conn_arg_t *a = arg;
   static const uint8_t secret[EPD_NET_SECRET_BYTES] = "0123456789abcde";
@@ -120,6 +124,7 @@ static void cluster_up(cluster_t *cl, uint32_t E, uint32_t H, uint32_t K, uint32
     o.step_timeout_ms = 5000;
     o.ht_capacity_factor = ht_factor;
     o.ranks_per_node = L;
+    o.slots_factor_pct = cl_slots_pct;
     o.nodes = 2;
     o.node_rank = (uint32_t)n;
     o.net = cl->net[n];
@@ -137,6 +142,7 @@ static void cluster_up(cluster_t *cl, uint32_t E, uint32_t H, uint32_t K, uint32
     req.hidden = H;
     req.topk = K;
     req.max_tokens = M;
+    req.weight_bytes_per_slot = cl_weight_bytes;
     cl_client_t *c = &cl->c[r];
     /* A rank of the other node is refused, naming the node. */
     epd_attach_info_t dummy;
@@ -376,6 +382,55 @@ EPD_TEST(cluster_two_nodes_equal_ref) {
     free(want[r].recv_topk_idx);
     free(want[r].recv_topk_weights);
   }
+  cluster_down(&cl);
+}
+
+/* Weight copies across nodes: each node runs the copies into its own ranks when the map switches (the
+ * same step everywhere); the other slots keep their bytes. */
+EPD_TEST(cluster_map_weight_copies_same_node) {
+  cluster_t cl;
+  const uint32_t E = 8, WB = 64;
+  cl_weight_bytes = WB;
+  cl_slots_pct = 200;
+  cluster_up(&cl, E, 64, 2, 4, 0);
+  cl_weight_bytes = 0;
+  cl_slots_pct = 0;
+  uint32_t S = cl.g.slots_per_rank;
+  ASSERT_EQ(S, 4u); /* default map: expert e on (e / 2, e % 2); slots 2, 3 free */
+  for (int r = 0; r < W; r++) {
+    uint8_t *w = cbuf(&cl.c[r], EPD_BUF_EXPERT_WEIGHTS, 0);
+    for (uint32_t sl = 0; sl < S; sl++) memset(w + sl * WB, r * 16 + (int)sl, WB);
+  }
+  epd_expert_map_t m;
+  ASSERT_OK(epd_engine_get_map(cl.eng[0], "g", &m));
+  m.rep[0][1] = (epd_replica_t){1, 3}; /* expert 0 also on rank 1 (node 0) */
+  m.nrep[0] = 2;
+  m.rep[4][1] = (epd_replica_t){3, 2}; /* expert 4 also on rank 3 (node 1) */
+  m.nrep[4] = 2;
+  epd_weight_copy_t cp[2] = {{0, 0, 1, 3}, {2, 0, 3, 2}};
+  uint32_t v = 0;
+  char err[256] = "";
+  ASSERT_OK(epd_engine_set_map_copies(cl.eng[1], "g", &m, cp, 2, &v, err, sizeof err));
+  for (int i = 0; i < 2; i++) {
+    for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
+    for (int r = 0; r < W; r++) {
+      epd_comp_t comp = cwait(&cl.c[r]);
+      ASSERT_EQ(comp.status, EPD_OK);
+      ASSERT_EQ(comp.map_version, i ? v : 1u);
+    }
+  }
+  for (int r = 0; r < W; r++) {
+    const uint8_t *w = cbuf(&cl.c[r], EPD_BUF_EXPERT_WEIGHTS, 0);
+    for (uint32_t sl = 0; sl < S; sl++) {
+      int want = r * 16 + (int)sl;
+      if (r == 1 && sl == 3) want = 0;      /* copied from (0, 0) on node 0 */
+      if (r == 3 && sl == 2) want = 2 * 16; /* copied from (2, 0) on node 1 */
+      for (uint32_t b = 0; b < WB; b++)
+        if (w[sl * WB + b] != want)
+          epd_test_fail(__FILE__, __LINE__, "rank %d slot %u byte %u = %d, want %d", r, sl, b, w[sl * WB + b], want);
+    }
+  }
+  epd_expert_map_free(&m);
   cluster_down(&cl);
 }
 
