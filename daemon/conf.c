@@ -196,11 +196,12 @@ static void fmt_value(const epd_conf_t *c, const conf_key_t *k, char *buf, size_
   case CT_STRING:
   case CT_IDLIST:
   case CT_ENUM: {
-    /* Quoted where the parser would otherwise change it: outer quotes or blanks are stripped, and a
-     * ';' after the blank of "key = " starts an inline comment (found by fuzz_conf). */
+    /* Quoted where the parser would otherwise change it: outer quotes or white space (any isspace
+     * character, e.g. a form feed) are stripped, and a ';' after the blank of "key = " starts an inline
+     * comment (found by fuzz_conf). */
     size_t n = strnlen(p, k->size);
-    int q = n && (p[0] == '"' || p[n - 1] == '"' || p[0] == ' ' || p[0] == '\t' || p[n - 1] == ' ' ||
-                  p[n - 1] == '\t' || p[0] == ';');
+    int q = n && (p[0] == '"' || p[n - 1] == '"' || isspace((unsigned char)p[0]) ||
+                  isspace((unsigned char)p[n - 1]) || p[0] == ';');
     snprintf(buf, len, q ? "\"%.*s\"" : "%.*s", (int)n, p);
     break;
   }
