@@ -1,12 +1,16 @@
 #!/bin/bash
 # 61-fuzz: the libFuzzer targets of tests/fuzz (RPC request decoding + validation + handling for every
 # method, the attach socket protocol, the configuration parser), built with clang + ASan by `make fuzz`,
-# each run for a fixed time (EPD_FUZZ_SECONDS, default 15) over its seed corpus tests/fuzz/corpus/<t>.
+# each run for a fixed time (EPD_FUZZ_SECONDS, default 15) over its seed corpus tests/fuzz/corpus/<t>,
+# with a fixed random seed (EPD_FUZZ_SEED, default 20261122; 0 = a new one each run, for exploring by
+# hand): a run then follows the same sequence of inputs, so CI tests a prefix of what was run before
+# landing instead of new random inputs on every landing.
 # New inputs go to a temp dir; a crash fails the test and leaves its input in the temp dir: add it to
 # the corpus as a regression input with the fix. Skips (77) without clang or its libFuzzer runtime.
 set -u
 B=${EPD_BUILD:-build}
 SECS=${EPD_FUZZ_SECONDS:-15}
+SEED=${EPD_FUZZ_SEED:-20261122}
 T=${EPD_TEST_TMPDIR:-$(mktemp -d)}
 command -v clang > /dev/null || { echo "skip: clang is not installed (deploy/deps.sh installs it)"; exit 77; }
 printf 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { return 0; }\n' > "$T/probe.c"
@@ -18,7 +22,7 @@ for t in rpc attach conf; do
   bin=$B/fuzz/bin/fuzz_$t
   mkdir -p "$T/corpus-$t" "$T/crash-$t"
   # Seeds first (also the regression inputs of earlier crashes), then fuzz for the fixed time.
-  timeout $((SECS + 60)) "$bin" -max_total_time="$SECS" -timeout=10 -rss_limit_mb=3072 -print_final_stats=1 \
+  timeout $((SECS + 60)) "$bin" -max_total_time="$SECS" -seed="$SEED" -timeout=10 -rss_limit_mb=3072 -print_final_stats=1 \
     -artifact_prefix="$T/crash-$t/" "$T/corpus-$t" "tests/fuzz/corpus/$t" > "$T/$t.log" 2>&1
   r=$?
   runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$T/$t.log")
@@ -28,7 +32,7 @@ for t in rpc attach conf; do
     ls "$T/crash-$t"/ 2>/dev/null | sed 's/^/  crash input: /'
     rc=1
   else
-    echo "ok   fuzz_$t: ${runs:-?} inputs in ${SECS} s, $cov, seeds $(ls tests/fuzz/corpus/$t | wc -l)"
+    echo "ok   fuzz_$t: ${runs:-?} inputs in ${SECS} s (seed $SEED), $cov, seeds $(ls tests/fuzz/corpus/$t | wc -l)"
   fi
 done
 exit $rc
