@@ -12,58 +12,8 @@
 #   disagreeing configurations (the key that differs is named), a duplicate node rank, backend cuda
 #   (no GPU here: refused before the rendezvous; with GPUs node 1 never joins).
 set -u
-B=${EPD_BUILD:-build}
-EPD=$B/bin/epd
-WORKER=$B/bin/epd-worker
-EPDCTL=$B/bin/epdctl
-for x in "$EPD" "$WORKER" "$EPDCTL"; do [ -x "$x" ] || { echo "skip: $x is not built"; exit 77; }; done
-T=${EPD_TEST_TMPDIR:-$(mktemp -d)}
-PIDS=()
-fail() {
-  echo "FAIL: $*"
-  for f in "$T"/*.out; do [ -f "$f" ] && sed "s/^/  $(basename "$f"): /" "$f" | tail -6; done
-  for f in "$T"/*.log; do [ -f "$f" ] && sed "s/^/  $(basename "$f")| /" "$f" | tail -12; done
-  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
-  exit 1
-}
-wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
-# N distinct free TCP ports on 127.0.0.1 (all bound at once, then released; the daemons bind them right after).
-free_ports() {
-  /usr/bin/python3 -c 'import socket, sys
-ss = [socket.socket() for _ in range(int(sys.argv[1]))]
-for s in ss: s.bind(("127.0.0.1", 0))
-print(" ".join(str(s.getsockname()[1]) for s in ss))' "$1"
-}
-
-# node NAME NODE_RANK NODES PORT [-o k=v ...]: start a daemon in the background (pid in P_NAME).
-node() {
-  local n=$1 rank=$2 nodes=$3 port=$4; shift 4
-  local where="-o cluster.coordinator=127.0.0.1:$port"
-  [ "$rank" = 0 ] && where="-o cluster.listen=127.0.0.1:$port"
-  mkdir -p "$T/$n"
-  "$EPD" -s "$T/$n/control.sock" -f -o daemon.attach_socket="$T/$n/attach.sock" -o engine.backend=host \
-    -o engine.num_ranks=2 -o engine.step_timeout_ms=3000 -o daemon.drain_timeout_ms=1000 \
-    -o cluster.nodes="$nodes" -o cluster.node_rank="$rank" -o cluster.data_listen=127.0.0.1:0 \
-    -o cluster.timeout_ms=8000 $where "$@" 2> "$T/$n.log" &
-  eval "P_$n=$!"
-  PIDS+=($!)
-}
-# worker NAME NODE ARGS...: one epd-worker at NODE's daemon, output in $T/NAME.out, pid in W_NAME.
-worker() {
-  local n=$1 nd=$2; shift 2
-  ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" timeout 40 "$WORKER" -s "$T/$nd/control.sock" "$@" \
-    > "$T/$n.out" 2>&1 &
-  eval "W_$n=$!"
-}
-expect_ok() {
-  local n pid rc
-  for n in "$@"; do
-    eval "pid=\$W_$n"
-    wait "$pid"; rc=$?
-    [ $rc -eq 0 ] || fail "worker $n exited $rc"
-    grep -q "steps ok" "$T/$n.out" || fail "worker $n printed no summary"
-  done
-}
+STEP_TIMEOUT_MS=3000 WORKER_TIMEOUT=40
+. "$(dirname "$0")/cluster-lib.sh"
 # world GROUP STEPS ARGS...: the 4 world ranks of GROUP, ranks 0-1 at node a, 2-3 at node b.
 world() {
   local g=$1 s=$2; shift 2

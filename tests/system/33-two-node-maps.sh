@@ -12,55 +12,12 @@
 # - an invalid map is refused on every node, a weight copy between ranks of two nodes is refused, and
 #   neither changes any node's map.
 set -u
-B=${EPD_BUILD:-build}
-EPD=$B/bin/epd
-WORKER=$B/bin/epd-worker
-EPDCTL=$B/bin/epdctl
-for x in "$EPD" "$WORKER" "$EPDCTL"; do [ -x "$x" ] || { echo "skip: $x is not built"; exit 77; }; done
-T=${EPD_TEST_TMPDIR:-$(mktemp -d)}
-PIDS=()
-fail() {
-  echo "FAIL: $*"
-  for f in "$T"/*.out; do [ -f "$f" ] && sed "s/^/  $(basename "$f"): /" "$f" | tail -6; done
-  for f in "$T"/*.log; do [ -f "$f" ] && sed "s/^/  $(basename "$f")| /" "$f" | tail -15; done
-  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
-  exit 1
-}
-wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
-free_port() {
-  /usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-node() { # NAME NODE_RANK PORT
-  local n=$1 rank=$2 port=$3
-  local where="-o cluster.coordinator=127.0.0.1:$port"
-  [ "$rank" = 0 ] && where="-o cluster.listen=127.0.0.1:$port"
-  mkdir -p "$T/$n"
-  "$EPD" -s "$T/$n/control.sock" -f -o daemon.attach_socket="$T/$n/attach.sock" -o engine.backend=host \
-    -o engine.num_ranks=2 -o engine.step_timeout_ms=5000 -o daemon.drain_timeout_ms=1000 \
-    -o engine.slots_factor_pct=200 -o cluster.nodes=2 -o cluster.node_rank="$rank" \
-    -o cluster.data_listen=127.0.0.1:0 -o cluster.timeout_ms=8000 $where 2> "$T/$n.log" &
-  eval "P_$n=$!"
-  PIDS+=($!)
-}
-worker() { # NAME NODE ARGS...
-  local n=$1 nd=$2; shift 2
-  ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" timeout 90 "$WORKER" -s "$T/$nd/control.sock" "$@" \
-    > "$T/$n.out" 2>&1 &
-  eval "W_$n=$!"
-}
+STEP_TIMEOUT_MS=5000 WORKER_TIMEOUT=90
+. "$(dirname "$0")/cluster-lib.sh"
 world() { # GROUP STEPS ARGS...: ranks 0-1 at node a, 2-3 at node b
   local g=$1 s=$2; shift 2
   for r in 0 1; do worker "${g}$r" a -g "$g" -r $r -n 4 --steps "$s" --seed 21 --experts 10 --topk 3 --tokens 24 --node-ranks 2 "$@"; done
   for r in 2 3; do worker "${g}$r" b -g "$g" -r $r -n 4 --steps "$s" --seed 21 --experts 10 --topk 3 --tokens 24 --node-ranks 2 "$@"; done
-}
-expect_ok() {
-  local n pid rc
-  for n in "$@"; do
-    eval "pid=\$W_$n"
-    wait "$pid"; rc=$?
-    [ $rc -eq 0 ] || fail "worker $n exited $rc"
-    grep -q "steps ok" "$T/$n.out" || fail "worker $n printed no summary"
-  done
 }
 ctl() { local nd=$1; shift; "$EPDCTL" -s "$T/$nd/control.sock" "$@"; }
 # mapfile GROUP SHIFT: a valid map of 10 experts over 4 ranks x 5 slots, expert e on slot (e + SHIFT) % 20
@@ -88,9 +45,9 @@ wait_same() {
 # switches GROUP NODE: the "switched expert map A -> B at step S" events of GROUP in NODE's log.
 switches() { grep -o "group $1 switched expert map [0-9]* -> [0-9]* at step [0-9]*" "$T/$2.log"; }
 
-PORT=$(free_port)
-node a 0 "$PORT"
-node b 1 "$PORT"
+PORT=$(free_ports 1)
+node a 0 2 "$PORT" -o engine.slots_factor_pct=200
+node b 1 2 "$PORT" -o engine.slots_factor_pct=200
 wait_for 15 test -S "$T/a/attach.sock" || fail "node 0 did not come up"
 wait_for 15 test -S "$T/b/attach.sock" || fail "node 1 did not come up"
 
