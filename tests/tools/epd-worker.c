@@ -486,9 +486,8 @@ static float expert_scale(uint32_t rank, uint32_t slot) { return 0.5f + 0.125f *
 
 /* The toy expert's scale for a local slot: from the slot's weights with --weights (a slot whose weights
  * are no expert's gives NaN, so the step fails), else fixed per (rank, slot). */
-static float slot_scale(uint32_t rank, uint32_t slot, const void *wbuf, const int32_t *slot_e) {
-  if (!wbuf) return expert_scale(rank, slot);
-  return slot_e[slot] >= 0 ? logical_scale((uint32_t)slot_e[slot]) : NAN;
+static float slot_scale(uint32_t rank, uint32_t slot, const void *wbuf, const float *slot_f) {
+  return wbuf ? slot_f[slot] : expert_scale(rank, slot);
 }
 
 static uint32_t tokens_of(uint64_t step, uint32_t rank, uint32_t M) {
@@ -614,7 +613,7 @@ int main(int argc, char **argv) {
   /* --weights: this rank's slots get their experts' weights before its first dispatch (a copy at a
    * switch needs every rank's dispatch, so no copy can read a slot before it is filled). */
   uint8_t *wbuf = A.weights ? bufp(ep, EPD_BUF_EXPERT_WEIGHTS, 0, (size_t)S * A.weights) : NULL;
-  int32_t *slot_e = calloc(S, sizeof *slot_e);
+  float *slot_f = calloc(S, sizeof *slot_f); /* --weights: each local slot's scale, from its weights */
   uint32_t total_copies = 0;
   int weight_checks = 0;
   if (wbuf) weights_fill(wbuf, &map, g.num_experts, S);
@@ -725,9 +724,9 @@ int main(int argc, char **argv) {
       for (uint32_t s = 0; s < S; s++) {
         float f;
         rd(&f, wbuf + (size_t)s * A.weights, 4);
-        slot_e[s] = -1;
+        slot_f[s] = NAN; /* weights that are no expert's */
         for (uint32_t e = 0; e < g.num_experts && e < 24; e++)
-          if (f == logical_scale(e)) slot_e[s] = (int32_t)e;
+          if (f == logical_scale(e)) slot_f[s] = f;
       }
       if (step == 0 || nswitch != weight_checks) {
         weight_checks = nswitch;
@@ -796,9 +795,9 @@ int main(int argc, char **argv) {
       float f = 0;
       if (ht) {
         for (uint32_t k = 0; k < K; k++)
-          if (got_ti[(size_t)row * K + k] >= 0) f += got_tw[(size_t)row * K + k] * slot_scale(me, (uint32_t)got_ti[(size_t)row * K + k], wbuf, slot_e);
+          if (got_ti[(size_t)row * K + k] >= 0) f += got_tw[(size_t)row * K + k] * slot_scale(me, (uint32_t)got_ti[(size_t)row * K + k], wbuf, slot_f);
       } else {
-        f = slot_scale(me, s, wbuf, slot_e);
+        f = slot_scale(me, s, wbuf, slot_f);
       }
       for (uint32_t h = 0; h < H; h++) y[(size_t)row * H + h] = epd_f32_to_bf16(f * xq[h]);
     }
@@ -920,7 +919,7 @@ int main(int argc, char **argv) {
   free(out);
   free(xq);
   free(seg_n);
-  free(slot_e);
+  free(slot_f);
   epd_ref_plan_free(&plan);
   epd_expert_map_free(&map);
   if (bad_steps) {
