@@ -55,6 +55,17 @@ $(B)/gen/health.pb-c.c $(B)/gen/health.pb-c.h: $(HEALTH_PROTO)
 	$(call msg,PROTOC,$<)
 	$(Q)mkdir -p $(B)/gen && cp $< $(B)/gen/health.proto && protoc-c --proto_path=$(B)/gen --c_out=$(B)/gen $(B)/gen/health.proto
 
+# ---- libepd's submission kernels (client/submit.cu): a fatbin embedded as a C array --------------------
+SUBMIT_ARCH ?= -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
+  -gencode=arch=compute_90,code=compute_90
+$(B)/gen/epd_submit.fatbin: client/submit.cu client/epd_device.h client/epd_abi.h
+	$(call msg,FATBIN,$<)
+	$(Q)mkdir -p $(@D) && $(NVCC) -fatbin $(SUBMIT_ARCH) -O3 -Iclient -o $@ $<
+$(B)/gen/epd_submit_fatbin.c: $(B)/gen/epd_submit.fatbin
+	$(call msg,BIN2C,$<)
+	$(Q){ echo '#include <stdint.h>'; $(CUDA_HOME)/bin/bin2c --const --length \
+	  --name epd_submit_fatbin $< | sed "s/^const unsigned char/__attribute__((aligned(8))) const unsigned char/"; } > $@
+
 # ---- sources -----------------------------------------------------------------------------------------
 DAEMON_MAIN := daemon/main.c
 DAEMON_SRCS := $(filter-out $(DAEMON_MAIN),$(wildcard daemon/*.c))
@@ -67,7 +78,7 @@ BENCH_SRCS := $(wildcard bench/*.c)
 obj = $(patsubst %.c,$(B)/obj/%.o,$(1))
 GEN_OBJS := $(call obj,$(GEN_C:$(B)/%=%))
 DAEMON_OBJS := $(call obj,$(DAEMON_SRCS))
-CLIENT_OBJS := $(call obj,$(CLIENT_SRCS))
+CLIENT_OBJS := $(call obj,$(CLIENT_SRCS)) $(if $(filter 1,$(WITH_CUDA)),$(B)/obj/gen/epd_submit_fatbin.o)
 KERNEL_OBJS := $(patsubst %.cu,$(B)/obj/%.o,$(KERNEL_SRCS))
 
 ENGINE_LIB := $(B)/lib/libepdengine.a
@@ -133,6 +144,12 @@ BENCH_E2E := $(B)/bin/epd-bench-e2e
 $(BENCH_E2E): $(call obj,bench/e2e/bench_e2e.c) $(B)/obj/bench/e2e/e2e_dev.o $(LIBEPD_A)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
+# Signal-path microbenchmark of the queue protocol (one GPU; bench/queue/doorbell.cu).
+BENCH_DOORBELL := $(B)/bin/epd-bench-doorbell
+$(BENCH_DOORBELL): bench/queue/doorbell.cu
+	$(call msg,NVCC,$<)
+	$(Q)mkdir -p $(@D) && $(NVCC) -std=c++17 $(CUDA_ARCH) -O2 -o $@ $< -L$(CUDA_HOME)/lib64/stubs -lcuda
+
 # The HT kernel benchmark (in-process, 2 GPUs; bench/ht/bench_ht.c).
 BENCH_HT := $(B)/bin/epd-bench-ht
 $(BENCH_HT): $(call obj,bench/ht/bench_ht.c) $(ENGINE_LIB) $(LIBEPD_A)

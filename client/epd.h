@@ -102,7 +102,10 @@ typedef enum epd_info {
   EPD_INFO_MAX_TOKENS, EPD_INFO_SLOTS_PER_RANK, EPD_INFO_HT_CAPACITY, EPD_INFO_ON_GPU, EPD_INFO_DEVICE,
   EPD_INFO_MAP_VERSION, EPD_INFO_CLIENT_ID,
   EPD_INFO_NEXT_SLOT, /* the queue slot libepd's next op will use (the daemon runs slots in ring order) */
-  EPD_INFO_WEIGHT_BYTES_PER_SLOT /* bytes per slot of EPD_BUF_EXPERT_WEIGHTS, 0 if the group has none */
+  EPD_INFO_WEIGHT_BYTES_PER_SLOT, /* bytes per slot of EPD_BUF_EXPERT_WEIGHTS, 0 if the group has none */
+  EPD_INFO_KERNEL_SUBMIT /* 1: ops are submitted through the queue's device twin with libepd's kernels
+                          * (the daemon's persistent kernels serve it, or EPD_SUBMIT=kernel); 0: stream
+                          * memory operations on the host copy */
 } epd_info_t;
 /* A property of the attachment (geometry, device); -1 for an unknown key. */
 int64_t epd_info(const epd_ep_t *ep, epd_info_t key);
@@ -124,9 +127,14 @@ epd_result_t epd_combine(epd_ep_t *ep, epd_mode_t mode, unsigned bank, void *str
 /* Status of the last completed op (after the stream is synchronised) and its completion record. */
 epd_result_t epd_op_status(epd_ep_t *ep, epd_comp_t *comp_out);
 
+/* Completion record of queue slot `slot` as it stands (for ops replayed from CUDA graphs, or submitted
+ * by a client kernel: read it after the stream is synchronised); returns its status. */
+epd_result_t epd_slot_status(epd_ep_t *ep, unsigned slot, epd_comp_t *comp_out);
+
 /* Device address of submission slot `slot` (0..EPD_QUEUE_SLOTS-1) of the attachment's queue, for a
- * client kernel that submits and waits with client/epd_device.h (CUDA backend: the queue is host memory
- * registered mapped, this is its device alias). NULL on the host backend or for a slot out of range.
+ * client kernel that submits and waits with client/epd_device.h (CUDA backend: the slot's device twin
+ * in GPU memory, which also knows its host copy: client/epd_abi.h; a daemon without twins gives the
+ * host copy's device alias). NULL on the host backend or for a slot out of range.
  * The daemon runs SUBMITTED slots in ring order from the slot after the last one it ran; after attach
  * that is slot 0, after libepd's own ops it is epd_info(ep, EPD_INFO_NEXT_SLOT). A kernel that owns
  * slots must leave them FREE (completed and waited for) before libepd submits on them again; libepd's

@@ -14,13 +14,24 @@
  * All values written are constants per slot, so the same sequence captured in a CUDA graph (stream
  * memory operations) replays correctly any number of times. The daemon executes SUBMITTED slots of one
  * queue in ring order starting after the last slot it executed.
+ *
+ * Device twin (CUDA backend, queue.dq_offset != 0): a second copy of the slots in GPU memory, inside the
+ * client's IO arena at dq_offset (an epd_queue_t whose header is unused). The daemon's persistent kernels
+ * poll it (a GPU load instead of a PCIe round trip) and complete in both copies; the daemon's CPU
+ * threads read only the host copy. A client that submits through the twin (epd_device.h, libepd's
+ * kernel submission) writes the twin first and then the host copy, the same descriptor and state, and
+ * waits for DONE in either copy (the CPU completes the host copy only); then frees both. A client that
+ * writes only the host copy (host path, stream memory operations) is served too: the kernels also poll
+ * the host copy, less often. Each twin slot's twin_host (in its pad) is the device address, in the
+ * client's own process, of the host slot: written by libepd at attach.
  */
 #ifndef EPD_ABI_H
 #define EPD_ABI_H
 
+#include <stddef.h>
 #include <stdint.h>
 
-#define EPD_ABI_VERSION 1u
+#define EPD_ABI_VERSION 2u /* 2: device twin of the queue (dq_offset, qflags) */
 #define EPD_QUEUE_MAGIC 0x45504451u /* "EPDQ" */
 #define EPD_QUEUE_SLOTS 8u
 #define EPD_NUM_BANKS 2u /* LL/HT IO is double-buffered: step N+1 may dispatch while N combines */
@@ -39,6 +50,13 @@ enum {
 enum {
   EPD_DESC_FP8 = 1u << 0, /* dispatch: send FP8 e4m3 with per-128-channel f32 scales (recv_x holds
                            * fp8 bytes, recv_scales the scales); x stays BF16 */
+};
+
+/* Queue flags (epd_queue_t.qflags). */
+enum {
+  EPD_QF_TWIN = 1u << 0, /* the daemon's persistent kernels may serve this queue, and they see only the
+                          * device twin: every submission must go through it (libepd then submits with
+                          * small kernels: epd_device.h) */
 };
 
 /* Slot states (epd_slot_t.state). */
@@ -102,7 +120,9 @@ typedef struct epd_slot {
   epd_desc_t desc;
   epd_comp_t comp;
   uint32_t state; /* EPD_SLOT_* */
-  uint32_t pad[31];
+  uint32_t pad0;
+  uint64_t twin_host; /* device twin only: device address of the host copy of this slot (see above) */
+  uint32_t pad[28];
 } epd_slot_t;
 
 /* A client's queue. The header is written by the daemon at attach; heartbeat by the client. */
@@ -117,7 +137,9 @@ typedef struct epd_queue {
   uint32_t map_version;   /* daemon: active expert map version of the group */
   uint64_t steps_done;    /* daemon: ops completed on this queue */
   uint32_t map_table_offset; /* daemon: offset of the epd_map_table_t in the queue mapping, 0: none */
-  uint32_t pad0[19];
+  uint32_t qflags;           /* daemon: EPD_QF_* */
+  uint64_t dq_offset;        /* daemon: offset of the device twin in the IO arena, 0: none (host backend) */
+  uint32_t pad0[16];
   epd_slot_t slot[EPD_QUEUE_SLOTS];
 } epd_queue_t;
 
@@ -130,6 +152,8 @@ EPD_ABI_ASSERT(sizeof(epd_desc_t) == 64, "epd_desc_t is 64 bytes");
 EPD_ABI_ASSERT(sizeof(epd_comp_t) == 64, "epd_comp_t is 64 bytes");
 EPD_ABI_ASSERT(sizeof(epd_slot_t) == 256, "epd_slot_t is 256 bytes");
 EPD_ABI_ASSERT(sizeof(epd_queue_t) == 128 + 256 * EPD_QUEUE_SLOTS, "epd_queue_t layout");
+EPD_ABI_ASSERT(offsetof(epd_queue_t, dq_offset) == 56, "epd_queue_t.dq_offset at 56");
+EPD_ABI_ASSERT(offsetof(epd_slot_t, twin_host) == 136, "epd_slot_t.twin_host at 136");
 
 /* The active expert map, mapped read-only in meaning for the client: written by the daemon into the
  * queue memory (at queue.map_table_offset) at attach and at every map switch, before the first op that

@@ -3,9 +3,11 @@
  * dispatch/combine on its queue slot and waits for the completion without leaving the GPU.
  *
  * The slot pointer is the device address of an epd_slot_t of the client's queue, from
- * epd_slot_device_ptr(ep, i) (client/epd.h; the queue is host memory registered mapped: loads and
- * stores here travel over PCIe/C2C at system scope, which is what the daemon's CPU thread or persistent
- * kernel observes). Use slots in ring order starting at epd_info(ep, EPD_INFO_NEXT_SLOT).
+ * epd_slot_device_ptr(ep, i) (client/epd.h): the slot's device twin in GPU memory where the daemon made
+ * one (client/epd_abi.h "Device twin"; the functions here then also write the host copy, which the
+ * daemon's CPU threads read), else the host copy itself (host memory registered mapped: loads and stores
+ * travel over PCIe/C2C at system scope). Use slots in ring order starting at
+ * epd_info(ep, EPD_INFO_NEXT_SLOT).
  * Without CUDA MPS a client kernel spinning here is time-sliced against the daemon's kernels (about
  * 2.4 ms per op measured on 2x H200, bench/results/bench_e2e_h200x2.md): use device-side enqueue under
  * MPS only. Call both functions from ONE thread (e.g.
@@ -28,6 +30,9 @@
 #ifndef EPD_DEV_ERR_TIMEOUT
 #define EPD_DEV_ERR_TIMEOUT (-8) /* == EPD_ERR_TIMEOUT of epd.h (kept here so kernels need not include it) */
 #endif
+#ifndef EPD_DEV_ERR_CLOSED
+#define EPD_DEV_ERR_CLOSED (-19) /* == EPD_ERR_CLOSED: the client's CPU abandoned the op (detach) */
+#endif
 
 /* Nanoseconds from the GPU's global timer. */
 static __device__ __forceinline__ uint64_t epd_dev_now_ns(void) {
@@ -36,48 +41,84 @@ static __device__ __forceinline__ uint64_t epd_dev_now_ns(void) {
   return t;
 }
 
-static __device__ __forceinline__ uint32_t epd_dev_ld_acquire_sys(const uint32_t *p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 static __device__ __forceinline__ void epd_dev_st_release_sys(uint32_t *p, uint32_t v) {
   asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-/* Write the descriptor into the slot and mark it SUBMITTED. The slot must be FREE (the previous op on
- * it completed and was waited for). */
-static __device__ __forceinline__ void epd_dev_submit(epd_slot_t *slot, const epd_desc_t *desc) {
+/* The host copy of a device-twin slot (client/epd_abi.h "Device twin"), or NULL when `slot` is the host
+ * copy itself (a queue without a twin). */
+static __device__ __forceinline__ epd_slot_t *epd_dev_host_twin(const epd_slot_t *slot) {
+  return (epd_slot_t *)(uintptr_t)(*(volatile const uint64_t *)&slot->twin_host);
+}
+
+static __device__ __forceinline__ void epd_dev_put_desc(epd_slot_t *slot, const epd_desc_t *desc) {
   volatile uint64_t *dst = (volatile uint64_t *)&slot->desc;
   const uint64_t *src = (const uint64_t *)desc;
 #pragma unroll
   for (int i = 0; i < (int)(sizeof(epd_desc_t) / 8); i++) dst[i] = src[i];
-  /* The descriptor and everything this kernel wrote before (the inputs in the arena) must be visible
-   * to the daemon before it can see SUBMITTED. */
+}
+
+/* Write the descriptor into the slot and mark it SUBMITTED. The slot must be FREE (the previous op on
+ * it completed and was waited for). With a device twin: the twin first (the daemon's persistent kernel
+ * on this GPU polls it), then the host copy (its CPU threads read that one). */
+static __device__ __forceinline__ void epd_dev_submit(epd_slot_t *slot, const epd_desc_t *desc) {
+  epd_slot_t *host = epd_dev_host_twin(slot);
+  epd_dev_put_desc(slot, desc);
+  if (host) {
+    /* The descriptor and this kernel's earlier writes (the inputs in the arena) before SUBMITTED, for a
+     * reader on this GPU. */
+    __threadfence();
+    *(volatile uint32_t *)&slot->state = EPD_SLOT_SUBMITTED;
+    epd_dev_put_desc(host, desc);
+  } else {
+    host = slot;
+  }
+  /* ... and for the daemon's CPU (and the peers' kernels it launches) */
   __threadfence_system();
-  epd_dev_st_release_sys(&slot->state, EPD_SLOT_SUBMITTED);
+  *(volatile uint32_t *)&host->state = EPD_SLOT_SUBMITTED;
 }
 
 /* Wait up to timeout_ns for the slot's completion; on DONE copy the completion to *comp (if not NULL),
- * free the slot and return comp.status; on timeout return EPD_DEV_ERR_TIMEOUT (slot left as is). */
+ * free the slot and return comp.status; on timeout return EPD_DEV_ERR_TIMEOUT (slot left as is).
+ * With a device twin, DONE may come in either copy: the persistent kernels complete both (the twin is
+ * polled first: a GPU load), the daemon's CPU only the host copy (polled every 4th time). The twin is
+ * freed first, then the host copy (the persistent kernels rely on that order). A host copy found FREE
+ * while waiting means libepd abandoned the op (epd_detach): EPD_DEV_ERR_CLOSED. */
 static __device__ __forceinline__ int epd_dev_wait(epd_slot_t *slot, uint64_t timeout_ns,
                                                    epd_comp_t *comp) {
+  epd_slot_t *host = epd_dev_host_twin(slot);
   const uint64_t t0 = epd_dev_now_ns();
-  while (epd_dev_ld_acquire_sys(&slot->state) != EPD_SLOT_DONE) {
+  const epd_slot_t *src = slot;
+  for (uint32_t n = 0;; n++) {
+    if (*(volatile const uint32_t *)&slot->state == EPD_SLOT_DONE) break;
+    if (host && (n & 3) == 3) {
+      const uint32_t hs = *(volatile const uint32_t *)&host->state;
+      if (hs == EPD_SLOT_DONE) {
+        src = host;
+        break;
+      }
+      if (hs == EPD_SLOT_FREE) return EPD_DEV_ERR_CLOSED;
+    }
     if (epd_dev_now_ns() - t0 > timeout_ns) return EPD_DEV_ERR_TIMEOUT;
-    __nanosleep(64);
   }
-  const volatile uint64_t *src = (const volatile uint64_t *)&slot->comp;
+  /* acquire: the completion record after the state that announced it */
+  if (src == slot && host) __threadfence();
+  else __threadfence_system();
+  const volatile uint64_t *rec = (const volatile uint64_t *)&src->comp;
   uint64_t c[sizeof(epd_comp_t) / 8];
 #pragma unroll
-  for (int i = 0; i < (int)(sizeof(epd_comp_t) / 8); i++) c[i] = src[i];
+  for (int i = 0; i < (int)(sizeof(epd_comp_t) / 8); i++) c[i] = rec[i];
   if (comp) {
 #pragma unroll
     for (int i = 0; i < (int)(sizeof(epd_comp_t) / 8); i++) ((uint64_t *)comp)[i] = c[i];
   }
   const int status = ((const epd_comp_t *)c)->status;
-  epd_dev_st_release_sys(&slot->state, EPD_SLOT_FREE);
+  if (host) {
+    *(volatile uint32_t *)&slot->state = EPD_SLOT_FREE;
+    epd_dev_st_release_sys(&host->state, EPD_SLOT_FREE);
+  } else {
+    epd_dev_st_release_sys(&slot->state, EPD_SLOT_FREE);
+  }
   return status;
 }
 

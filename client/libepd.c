@@ -203,6 +203,17 @@ static void detach_rpc(epd_ep_t *ep, char *err, size_t errlen, epd_result_t *rc)
 }
 
 static void ep_release(epd_ep_t *ep) {
+  if (ep->ksub && ep->queue) {
+    /* Waits still spinning on this queue (our kernels, or a worker's epd_device.h) give up when they
+     * find the host copy FREE; ours are waited for before the memory goes. */
+    for (unsigned i = 0; i < EPD_QUEUE_SLOTS; i++)
+      if (__atomic_load_n(&ep->queue->slot[i].state, __ATOMIC_ACQUIRE) == EPD_SLOT_SUBMITTED)
+        __atomic_store_n(&ep->queue->slot[i].state, EPD_SLOT_FREE, __ATOMIC_RELEASE);
+    char e[64];
+    if (ep->kstream) epd_cuda_stream_sync(ep->kstream, e, sizeof e);
+  }
+  if (ep->kstream) epd_cuda_stream_destroy(ep->kstream);
+  ep->kstream = NULL;
   if (ep->queue_reg) epd_cuda_unregister_host(ep->queue_reg);
   if (ep->arena_map) epd_cuda_unimport(ep->arena_map);
   else if (ep->arena) munmap(ep->arena, ep->arena_bytes);
@@ -213,6 +224,36 @@ static void ep_release(epd_ep_t *ep) {
   ep->arena = NULL;
   ep->queue = NULL;
   ep->sock = -1;
+}
+
+/* The queue's device twin (client/epd_abi.h): each twin slot learns where its host copy is, in this
+ * process. Submission goes through the twin, with libepd's kernels, where the daemon says its
+ * persistent kernels serve the queue (they poll only the twin); EPD_SUBMIT=kernel asks for that anyway,
+ * EPD_SUBMIT=memop for stream memory operations on the host copy where the daemon allows it. */
+static epd_result_t map_twin(epd_ep_t *ep) {
+  uint64_t off = ep->queue->dq_offset;
+  if (!off) return EPD_OK;
+  if (off % 256 || off + sizeof(epd_queue_t) > ep->arena_bytes)
+    return fail(ep->err, EPD_ERR_PROTOCOL, "queue twin at %llu: past the arena's %zu bytes", (unsigned long long)off,
+                ep->arena_bytes);
+  ep->dq_dev = (uint64_t)(uintptr_t)ep->arena + off;
+  for (unsigned i = 0; i < EPD_QUEUE_SLOTS; i++) {
+    uint64_t host = ep->queue_dev + offsetof(epd_queue_t, slot) + (uint64_t)i * sizeof(epd_slot_t);
+    epd_result_t rc = epd_cuda_write(ep->dq_dev + offsetof(epd_queue_t, slot) + (uint64_t)i * sizeof(epd_slot_t) +
+                                         offsetof(epd_slot_t, twin_host),
+                                     &host, sizeof host, ep->err, sizeof ep->err);
+    if (rc) return rc;
+  }
+  const char *env = getenv("EPD_SUBMIT");
+  int twin = (ep->queue->qflags & EPD_QF_TWIN) != 0;
+  ep->ksub = twin || (env && !strcmp(env, "kernel"));
+  if (env && !strcmp(env, "memop") && twin)
+    fprintf(stderr, "libepd: EPD_SUBMIT=memop ignored: the daemon's persistent kernels serve this queue and see "
+            "only submissions through its device twin\n");
+  if (!ep->ksub) return EPD_OK;
+  epd_result_t rc = epd_cuda_ksub_load(ep->device, ep->err, sizeof ep->err);
+  if (!rc) rc = epd_cuda_stream_create(&ep->kstream, ep->err, sizeof ep->err);
+  return rc;
 }
 
 static epd_result_t map_memory(epd_ep_t *ep, const Epd__V1__AttachReply *a, int fds[2]) {
@@ -242,8 +283,10 @@ static epd_result_t map_memory(epd_ep_t *ep, const Epd__V1__AttachReply *a, int 
     if (rc) return rc;
     ep->arena = addr;
     ep->on_gpu = 1;
-    return epd_cuda_register_host(ep->queue, ep->queue_bytes, ep->device, &ep->queue_reg, &ep->queue_dev, ep->err,
-                                  sizeof ep->err);
+    if ((rc = epd_cuda_register_host(ep->queue, ep->queue_bytes, ep->device, &ep->queue_reg, &ep->queue_dev, ep->err,
+                                     sizeof ep->err)))
+      return rc;
+    return map_twin(ep);
   }
   return fail(ep->err, EPD_ERR_PROTOCOL, "memory kind \"%s\" unknown (host, cuda)", a->memory);
 }
@@ -371,11 +414,14 @@ EPD_EXPORT int64_t epd_info(const epd_ep_t *ep, epd_info_t key) {
   case EPD_INFO_CLIENT_ID: return (int64_t)ep->client_id;
   case EPD_INFO_NEXT_SLOT: return ep->next_slot;
   case EPD_INFO_WEIGHT_BYTES_PER_SLOT: return (int64_t)ep->weight_bytes_per_slot;
+  case EPD_INFO_KERNEL_SUBMIT: return ep->ksub;
   }
   return -1;
 }
 
 EPD_EXPORT void *epd_slot_device_ptr(epd_ep_t *ep, unsigned slot) {
+  if (ep && ep->dq_dev && slot < EPD_QUEUE_SLOTS)
+    return (void *)(uintptr_t)(ep->dq_dev + offsetof(epd_queue_t, slot) + (uint64_t)slot * sizeof(epd_slot_t));
   if (!ep || !ep->queue_reg || !ep->queue_dev) {
     if (ep) fail(ep->err, EPD_ERR_UNSUPPORTED, "epd_slot_device_ptr: the queue is not GPU-mapped (host backend)");
     return NULL;
@@ -518,12 +564,30 @@ static const char *op_name(uint32_t op) {
   return "op";
 }
 
+static uint64_t twin_slot(const epd_ep_t *ep, uint32_t i) {
+  return ep->dq_dev + offsetof(epd_queue_t, slot) + (uint64_t)i * sizeof(epd_slot_t);
+}
+
+/* Whether the synchronous op in slot s is over: DONE in the host copy, or (submitted through the twin
+ * by libepd's kernel on its own stream) that kernel has returned; < 0 on a CUDA error. */
+static int sync_done(epd_ep_t *ep, epd_slot_t *s) {
+  if (!ep->ksub) return load_state(s) == EPD_SLOT_DONE;
+  return epd_cuda_stream_done(ep->kstream, ep->err, sizeof ep->err);
+}
+
 static epd_result_t submit_sync(epd_ep_t *ep, const epd_desc_t *d) {
   epd_slot_t *s = &ep->queue->slot[ep->next_slot];
   if (load_state(s) != EPD_SLOT_FREE)
     return fail(ep->err, EPD_ERR_STATE, "slot %u is still in use (a stream op not yet synchronised?)", ep->next_slot);
-  s->desc = *d;
-  store_state(s, EPD_SLOT_SUBMITTED);
+  if (ep->ksub) {
+    /* through the twin: the kernel submits, waits and frees; the CPU waits for the kernel */
+    epd_result_t rc = epd_cuda_ksubmit(ep->kstream, twin_slot(ep, ep->next_slot), d, EPD_KSUB_RUN,
+                                       (uint64_t)ep->op_timeout_ms * 1000000ull, ep->err, sizeof ep->err);
+    if (rc) return rc;
+  } else {
+    s->desc = *d;
+    store_state(s, EPD_SLOT_SUBMITTED);
+  }
   ep->last_slot = (int)ep->next_slot;
   ep->last_async = 0;
   struct timespec t0;
@@ -533,7 +597,8 @@ static epd_result_t submit_sync(epd_ep_t *ep, const epd_desc_t *d) {
   unsigned polls = 0;
   long sleep_ns = 1000;
   int last_check = 0;
-  while (load_state(s) != EPD_SLOT_DONE) {
+  int done;
+  while ((done = sync_done(ep, s)) == 0) {
     if (++polls < 2000) continue;
     struct timespec ts = {0, sleep_ns};
     nanosleep(&ts, NULL);
@@ -541,7 +606,7 @@ static epd_result_t submit_sync(epd_ep_t *ep, const epd_desc_t *d) {
     int el = now_ms_since(&t0);
     if (el - last_check >= 1) {
       last_check = el;
-      if (load_state(s) == EPD_SLOT_DONE) break;
+      if ((done = sync_done(ep, s)) != 0) break;
       if (daemon_gone(ep)) {
         ep->closed = 1;
         return fail(ep->err, EPD_ERR_CLOSED, "%s: the daemon connection dropped while waiting for slot %u",
@@ -554,8 +619,17 @@ static epd_result_t submit_sync(epd_ep_t *ep, const epd_desc_t *d) {
       }
     }
   }
+  if (done < 0) {
+    ep->stuck = 1;
+    return EPD_ERR_CUDA;
+  }
+  if (ep->ksub && load_state(s) != EPD_SLOT_FREE) {
+    ep->stuck = 1;
+    return fail(ep->err, EPD_ERR_TIMEOUT, "%s: no completion after %d ms (EPD_OP_TIMEOUT_MS)", op_name(d->op),
+                ep->op_timeout_ms);
+  }
   ep->last_comp = s->comp;
-  store_state(s, EPD_SLOT_FREE);
+  if (!ep->ksub) store_state(s, EPD_SLOT_FREE);
   ep->next_slot = (ep->next_slot + 1) % EPD_QUEUE_SLOTS;
   const epd_comp_t *c = &ep->last_comp;
   if (c->status) {
@@ -576,8 +650,14 @@ static epd_result_t submit(epd_ep_t *ep, const epd_desc_t *d, void *stream) {
   if (!ep->queue_reg)
     return fail(ep->err, EPD_ERR_UNSUPPORTED, "stream: stream-ordered ops need the CUDA backend (this attachment "
                 "has host memory); pass stream = NULL");
-  uint64_t slot_dev = ep->queue_dev + offsetof(epd_queue_t, slot) + (uint64_t)ep->next_slot * sizeof(epd_slot_t);
-  epd_result_t rc = epd_cuda_submit(stream, slot_dev, d, ep->err, sizeof ep->err);
+  epd_result_t rc;
+  if (ep->ksub) {
+    rc = epd_cuda_ksubmit(stream, twin_slot(ep, ep->next_slot), d, EPD_KSUB_RUN, (uint64_t)ep->op_timeout_ms * 1000000ull,
+                          ep->err, sizeof ep->err);
+  } else {
+    uint64_t slot_dev = ep->queue_dev + offsetof(epd_queue_t, slot) + (uint64_t)ep->next_slot * sizeof(epd_slot_t);
+    rc = epd_cuda_submit(stream, slot_dev, d, ep->err, sizeof ep->err);
+  }
   if (rc) return rc;
   ep->last_slot = (int)ep->next_slot;
   ep->last_async = 1;
@@ -627,6 +707,17 @@ EPD_EXPORT epd_result_t epd_combine(epd_ep_t *ep, epd_mode_t mode, unsigned bank
   return submit(ep, &d, stream);
 }
 
+EPD_EXPORT epd_result_t epd_slot_status(epd_ep_t *ep, unsigned slot, epd_comp_t *comp_out) {
+  if (!ep) return EPD_ERR_INVALID;
+  if (slot >= EPD_QUEUE_SLOTS) return fail(ep->err, EPD_ERR_INVALID, "slot %u: out of range [0, %u)", slot, EPD_QUEUE_SLOTS);
+  /* Host memory on both backends, written by every completer (the twin only by the persistent kernels). */
+  epd_slot_t *s = &ep->queue->slot[slot];
+  atomic_thread_fence(memory_order_acquire);
+  epd_comp_t c = s->comp;
+  if (comp_out) *comp_out = c;
+  return c.status;
+}
+
 EPD_EXPORT epd_result_t epd_op_status(epd_ep_t *ep, epd_comp_t *comp_out) {
   if (!ep) return EPD_ERR_INVALID;
   if (ep->last_slot < 0) return fail(ep->err, EPD_ERR_STATE, "no op submitted yet");
@@ -634,6 +725,9 @@ EPD_EXPORT epd_result_t epd_op_status(epd_ep_t *ep, epd_comp_t *comp_out) {
   if (ep->last_async) {
     /* The queue is host memory on both backends: after the stream is synchronised the record is here. */
     epd_slot_t *s = &ep->queue->slot[ep->last_slot];
+    if (ep->ksub && load_state(s) == EPD_SLOT_SUBMITTED)
+      return fail(ep->err, EPD_ERR_TIMEOUT, "slot %d: no completion (its stream's wait gave up after "
+                  "EPD_OP_TIMEOUT_MS = %d ms, or the stream was not synchronised)", ep->last_slot, ep->op_timeout_ms);
     atomic_thread_fence(memory_order_acquire);
     c = s->comp;
     ep->last_comp = c;

@@ -46,7 +46,15 @@
   X(cuStreamWriteValue32, (CUstream, CUdeviceptr, cuuint32_t, unsigned int))                        \
   X(cuStreamWriteValue64, (CUstream, CUdeviceptr, cuuint64_t, unsigned int))                        \
   X(cuStreamWaitValue32, (CUstream, CUdeviceptr, cuuint32_t, unsigned int))                         \
-  X(cuMemcpyDtoH, (void *, CUdeviceptr, size_t))
+  X(cuMemcpyDtoH, (void *, CUdeviceptr, size_t))                                                   \
+  X(cuMemcpyHtoD, (CUdeviceptr, const void *, size_t))                                             \
+  X(cuModuleLoadData, (CUmodule *, const void *))                                                  \
+  X(cuModuleGetFunction, (CUfunction *, CUmodule, const char *))                                   \
+  X(cuLaunchKernel, (CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int, \
+                     unsigned int, unsigned int, CUstream, void **, void **))                      \
+  X(cuStreamCreate, (CUstream *, unsigned int))                                                    \
+  X(cuStreamDestroy, (CUstream))                                                                   \
+  X(cuStreamQuery, (CUstream))
 
 typedef CUresult (*epd_cuGetProcAddress_fn)(const char *, void **, int, cuuint64_t,
                                             CUdriverProcAddressQueryResult *);
@@ -383,6 +391,105 @@ epd_result_t epd_cuda_wait_async(void *stream, uint64_t slot_dev, char *err, siz
   return batch(stream, ops, put_wait(ops, slot_dev), err, errlen);
 }
 
+/* ---- kernel submission (client/submit.cu, embedded as a fatbin) ---- */
+extern const unsigned char epd_submit_fatbin[];
+
+/* The submission kernels of each context that used them (a module belongs to one context). Loaded
+ * before any of them runs: with lazy loading, the first launch of a kernel would wait for the kernels
+ * running in the context, among them a spinning wait of an earlier op. */
+#define KSUB_CTXS 32
+static struct ksub {
+  CUcontext ctx;
+  CUfunction fsub, fwait, frun;
+} ksubs[KSUB_CTXS];
+static pthread_mutex_t ksub_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static epd_result_t ksub_get(struct ksub *out, char *err, size_t errlen) {
+  CUcontext ctx = NULL;
+  CU_TRY(cu.cuCtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  pthread_mutex_lock(&ksub_mu);
+  epd_result_t rc = EPD_OK;
+  int i = 0;
+  while (i < KSUB_CTXS && ksubs[i].ctx && ksubs[i].ctx != ctx) i++;
+  if (i == KSUB_CTXS) {
+    snprintf(err, errlen, "more than %d CUDA contexts used libepd's submission kernels", KSUB_CTXS);
+    rc = EPD_ERR_NOMEM;
+  } else if (!ksubs[i].ctx) {
+    CUmodule mod = NULL;
+    struct ksub k = {ctx, NULL, NULL, NULL};
+    CUresult r = cu.cuModuleLoadData(&mod, epd_submit_fatbin);
+    if (!r) r = cu.cuModuleGetFunction(&k.fsub, mod, "epd_ksub_submit");
+    if (!r) r = cu.cuModuleGetFunction(&k.fwait, mod, "epd_ksub_wait");
+    if (!r) r = cu.cuModuleGetFunction(&k.frun, mod, "epd_ksub_run");
+    if (r) rc = cu_fail(r, "loading libepd's submission kernels", err, errlen);
+    else ksubs[i] = k; /* the module stays loaded for the life of the process */
+  }
+  if (!rc) *out = ksubs[i];
+  pthread_mutex_unlock(&ksub_mu);
+  return rc;
+}
+
+epd_result_t epd_cuda_ksub_load(int device, char *err, size_t errlen) {
+  epd_result_t rc = epd_cuda_load(err, errlen);
+  if (rc) return rc;
+  if ((rc = ensure_ctx(device, err, errlen))) return rc;
+  struct ksub k;
+  return ksub_get(&k, err, errlen);
+}
+
+epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *desc, int what, uint64_t timeout_ns,
+                              char *err, size_t errlen) {
+  epd_result_t rc = epd_cuda_load(err, errlen);
+  if (rc) return rc;
+  if ((rc = ensure_ctx(-1, err, errlen))) return rc;
+  if (!dslot || (what != EPD_KSUB_WAIT && !desc)) {
+    snprintf(err, errlen, "epd_cuda_ksubmit: slot address and descriptor are required");
+    return EPD_ERR_INVALID;
+  }
+  struct ksub k;
+  if ((rc = ksub_get(&k, err, errlen))) return rc;
+  epd_slot_t *slot = (epd_slot_t *)(uintptr_t)dslot;
+  epd_desc_t d;
+  memset(&d, 0, sizeof d);
+  if (desc) d = *desc;
+  void *a_sub[] = {&slot, &d};
+  void *a_wait[] = {&slot, &timeout_ns};
+  void *a_run[] = {&slot, &d, &timeout_ns};
+  CUfunction f = what == EPD_KSUB_SUBMIT ? k.fsub : what == EPD_KSUB_WAIT ? k.fwait : k.frun;
+  void **args = what == EPD_KSUB_SUBMIT ? a_sub : what == EPD_KSUB_WAIT ? a_wait : a_run;
+  CU_TRY(cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, (CUstream)stream, args, NULL), "cuLaunchKernel (submission)");
+  return EPD_OK;
+}
+
+epd_result_t epd_cuda_write(uint64_t dst, const void *src, size_t bytes, char *err, size_t errlen) {
+  epd_result_t rc = epd_cuda_load(err, errlen);
+  if (rc) return rc;
+  if ((rc = ensure_ctx(-1, err, errlen))) return rc;
+  CU_TRY(cu.cuMemcpyHtoD((CUdeviceptr)dst, src, bytes), "cuMemcpyHtoD");
+  return EPD_OK;
+}
+
+epd_result_t epd_cuda_stream_create(void **out, char *err, size_t errlen) {
+  epd_result_t rc = epd_cuda_load(err, errlen);
+  if (rc) return rc;
+  if ((rc = ensure_ctx(-1, err, errlen))) return rc;
+  CUstream st = NULL;
+  CU_TRY(cu.cuStreamCreate(&st, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  *out = st;
+  return EPD_OK;
+}
+
+void epd_cuda_stream_destroy(void *stream) {
+  if (stream) cu.cuStreamDestroy((CUstream)stream);
+}
+
+int epd_cuda_stream_done(void *stream, char *err, size_t errlen) {
+  CUresult r = cu.cuStreamQuery((CUstream)stream);
+  if (r == CUDA_SUCCESS) return 1;
+  if (r == CUDA_ERROR_NOT_READY) return 0;
+  return cu_fail(r, "cuStreamQuery", err, errlen);
+}
+
 epd_result_t epd_cuda_read(void *dst, uint64_t src, size_t bytes, char *err, size_t errlen) {
   epd_result_t rc = epd_cuda_load(err, errlen);
   if (rc) return rc;
@@ -416,6 +523,17 @@ epd_result_t epd_cuda_register_host(void *host, size_t bytes, int device, epd_cu
   return no_cuda(err, errlen);
 }
 void epd_cuda_unregister_host(epd_cuda_hostreg_t *r) { (void)r; }
+epd_result_t epd_cuda_ksub_load(int device, char *err, size_t errlen) { return no_cuda(err, errlen); }
+epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *desc, int what, uint64_t timeout_ns,
+                              char *err, size_t errlen) {
+  return no_cuda(err, errlen);
+}
+epd_result_t epd_cuda_write(uint64_t dst, const void *src, size_t bytes, char *err, size_t errlen) {
+  return no_cuda(err, errlen);
+}
+epd_result_t epd_cuda_stream_create(void **out, char *err, size_t errlen) { return no_cuda(err, errlen); }
+void epd_cuda_stream_destroy(void *stream) { (void)stream; }
+int epd_cuda_stream_done(void *stream, char *err, size_t errlen) { return no_cuda(err, errlen); }
 epd_result_t epd_cuda_submit(void *stream, uint64_t slot_dev, const epd_desc_t *desc, char *err,
                              size_t errlen) {
   return no_cuda(err, errlen);

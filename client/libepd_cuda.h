@@ -7,7 +7,9 @@
  * the daemon registers it mapped (cudaHostRegister) and the client registers its own mmap with
  * epd_cuda_register_host(), so the client's stream memory operations and kernels (epd_device.h) write
  * the slot through a device address while the daemon's CPU thread (launch mode) or its persistent
- * kernel (MPS mode) sees the same bytes. Only the IO arena is GPU memory (epd_cuda_import).
+ * kernel (MPS mode) sees the same bytes. The IO arena is GPU memory (epd_cuda_import); at its end the
+ * daemon keeps the queue's device twin (client/epd_abi.h), which the persistent kernels poll and which
+ * libepd's submission kernels (epd_cuda_ksubmit) write besides the host copy.
  */
 #ifndef EPD_LIBEPD_CUDA_H
 #define EPD_LIBEPD_CUDA_H
@@ -46,6 +48,21 @@ epd_result_t epd_cuda_submit(void *stream, uint64_t slot_dev, const epd_desc_t *
 epd_result_t epd_cuda_submit_async(void *stream, uint64_t slot_dev, const epd_desc_t *desc, char *err,
                                    size_t errlen);
 epd_result_t epd_cuda_wait_async(void *stream, uint64_t slot_dev, char *err, size_t errlen);
+/* Kernel submission (client/submit.cu) for a slot's device twin `dslot` (client/epd_abi.h): a one-warp
+ * kernel on `stream` submits (EPD_KSUB_SUBMIT), waits up to timeout_ns for DONE and frees the slot
+ * (EPD_KSUB_WAIT), or both (EPD_KSUB_RUN). Capturable in a CUDA graph (constant arguments). A wait that
+ * times out leaves the host copy SUBMITTED, which the host side reports. epd_cuda_ksub_load loads the
+ * kernels into the current (else `device`'s primary) context ahead of the first use. */
+enum { EPD_KSUB_SUBMIT = 1, EPD_KSUB_WAIT = 2, EPD_KSUB_RUN = 3 };
+epd_result_t epd_cuda_ksub_load(int device, char *err, size_t errlen);
+epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *desc, int what, uint64_t timeout_ns,
+                              char *err, size_t errlen);
+/* Copy `bytes` from host src to device address dst (synchronous). */
+epd_result_t epd_cuda_write(uint64_t dst, const void *src, size_t bytes, char *err, size_t errlen);
+/* A non-blocking stream of the current context; destroy; 1 when its work is done, 0 if not, <0 error. */
+epd_result_t epd_cuda_stream_create(void **out, char *err, size_t errlen);
+void epd_cuda_stream_destroy(void *stream);
+int epd_cuda_stream_done(void *stream, char *err, size_t errlen);
 /* Copy `bytes` from device address src to host dst (synchronous; for reading completion records). */
 epd_result_t epd_cuda_read(void *dst, uint64_t src, size_t bytes, char *err, size_t errlen);
 /* How stream memory operations are issued, decided on first use: "batch" (one cuStreamBatchMemOp),

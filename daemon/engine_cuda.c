@@ -81,6 +81,7 @@ enum { PS_OFF = 0, PS_RUN = 1, PS_STOP = 2 };
   X(cuMemUnmap, (CUdeviceptr, size_t))                                                                  \
   X(cuMemRelease, (CUmemGenericAllocationHandle))                                                       \
   X(cuMemAddressFree, (CUdeviceptr, size_t))                                                            \
+  X(cuStreamWriteValue64, (CUstream, CUdeviceptr, cuuint64_t, unsigned int))                            \
   X(cuGetErrorString, (CUresult, const char **))
 
 static struct {
@@ -103,6 +104,7 @@ typedef struct cuda_client {
   int queue_fd, arena_fd;
   uint32_t next_slot;
   int peer_access; /* every GPU of the daemon may access the arena (weight copies) */
+  uint64_t dq_offset; /* the queue's device twin in the arena (client/epd_abi.h) */
   int busy; /* joined a step that has not finished on this rank */
   int dead; /* its eng_client_t is gone: free when no longer busy */
   struct cuda_client *next_dead;
@@ -120,6 +122,9 @@ typedef struct cuda_grank {
   cudaEvent_t ev;
   /* persistent mode */
   epd_k_pctl_t *pctl, *pctl_dev;   /* host-mapped control block (host writes) */
+  uint64_t *dlimit;                 /* device word: the kernel's stop index (stream memory operations) */
+  cudaStream_t cstream;             /* carries the stop writes (never blocked behind the kernel) */
+  int device;
   epd_k_pprog_t *pprog, *pprog_dev; /* host-mapped progress block (kernel writes) */
   cudaStream_t pstream;
   cudaEvent_t pev;                  /* recorded after the persistent kernel */
@@ -368,8 +373,12 @@ static epd_result_t grank_setup(epd_cc_t *cc, int rank, void *argp) {
         (e = cudaHostGetDevicePointer((void **)&gr->pprog_dev, gr->pprog, 0)))
       return cuda_err(e, "cudaHostGetDevicePointer (persistent control)", err, errlen);
     if ((e = cudaStreamCreateWithFlags(&gr->pstream, cudaStreamNonBlocking)) ||
+        (e = cudaStreamCreateWithFlags(&gr->cstream, cudaStreamNonBlocking)) ||
         (e = cudaEventCreateWithFlags(&gr->pev, cudaEventDisableTiming)))
       return cuda_err(e, "persistent stream", err, errlen);
+    if ((e = cudaMalloc((void **)&gr->dlimit, sizeof *gr->dlimit)) || (e = cudaMemset(gr->dlimit, 0, sizeof *gr->dlimit)))
+      return cuda_err(e, "cudaMalloc (persistent stop word)", err, errlen);
+    gr->device = a->be->rank[rank].device;
     if (!a->be->rank[rank].president) a->be->rank[rank].president = epd_k_ll_resident_blocks(gr->k);
   }
   gr->ready = 1;
@@ -388,6 +397,8 @@ static epd_result_t grank_teardown(epd_cc_t *cc, int rank, void *argp) {
   if (gr->pprog) cudaFreeHost(gr->pprog);
   if (gr->pev) cudaEventDestroy(gr->pev);
   if (gr->pstream) cudaStreamDestroy(gr->pstream);
+  if (gr->cstream) cudaStreamDestroy(gr->cstream);
+  if (gr->dlimit) cudaFree(gr->dlimit);
   memset(gr, 0, sizeof *gr);
   return EPD_OK;
 }
@@ -795,10 +806,21 @@ static int pers_eligible(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
   return 1;
 }
 
-/* (mu) Tell grp's kernels to stop at their next slot boundary. */
+/* (mu) Tell grp's kernels to stop at their next slot boundary: a stream memory operation writes the
+ * device stop word (it runs beside the kernel; nothing here waits for the device). */
 static void pers_stop(cuda_grp_t *cg, uint64_t now, const char *why) {
-  for (uint32_t r = 0; r < cg->g.num_ranks; r++)
-    if (cg->rk[r].pctl) __atomic_store_n(&cg->rk[r].pctl->limit, 0, __ATOMIC_SEQ_CST);
+  if (cg->pstate == PS_RUN) {
+    int dev = -1;
+    cudaGetDevice(&dev);
+    for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
+      cuda_grank_t *gr = &cg->rk[r];
+      if (!gr->dlimit) continue;
+      cudaSetDevice(gr->device);
+      CUresult e = cu.cuStreamWriteValue64((CUstream)gr->cstream, (CUdeviceptr)(uintptr_t)gr->dlimit, 0, 0);
+      if (e) EPD_LOGE(EPD_SUB_CUDA, "group %s rank %u: writing the stop word failed (%d)", cg->name, r, (int)e);
+    }
+    if (dev >= 0) cudaSetDevice(dev);
+  }
   if (cg->pstate == PS_RUN) {
     cg->pstate = PS_STOP;
     cg->pstop_ns = now;
@@ -824,7 +846,9 @@ static int pers_start(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self
     }
     memset(gr->pprog, 0, sizeof *gr->pprog);
     gr->pctl->abort = 0;
-    __atomic_store_n(&gr->pctl->limit, UINT64_MAX, __ATOMIC_SEQ_CST);
+    /* on the kernel's stream, before it: no stop yet */
+    if (!e && cu.cuStreamWriteValue64((CUstream)gr->pstream, (CUdeviceptr)(uintptr_t)gr->dlimit, UINT64_MAX, 0))
+      e = cudaErrorUnknown;
     if (!e) {
       epd_k_arena_t a;
       a.base = (uint64_t)cc->arena_dev;
@@ -832,6 +856,8 @@ static int pers_start(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self
       epd_k_persist_t ps;
       memset(&ps, 0, sizeof ps);
       ps.queue = (epd_queue_t *)(uintptr_t)cc->queue_dev;
+      ps.dqueue = (epd_queue_t *)(uintptr_t)(cc->arena_dev + cc->dq_offset);
+      ps.dlimit = gr->dlimit;
       ps.ctl = gr->pctl_dev;
       ps.prog = gr->pprog_dev;
       ps.first_slot = cc->next_slot;
@@ -1526,8 +1552,18 @@ static epd_result_t cuda_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
     goto fail;
   }
   cc->queue_dev = (uint64_t)(uintptr_t)qd;
-  if ((rc = arena_alloc(be, cc, c->arena_bytes, cc->device, err, errlen))) goto fail;
+  /* the IO buffers, then the queue's device twin (zeroed: every slot FREE) */
+  cc->dq_offset = (c->arena_bytes + 255) / 256 * 256;
+  if ((rc = arena_alloc(be, cc, cc->dq_offset + sizeof(epd_queue_t), cc->device, err, errlen))) goto fail;
+  cudaStream_t zs = be->rank[local_rank(eng, c->rank)].copy_stream;
+  if ((e = cudaMemsetAsync((void *)(uintptr_t)(cc->arena_dev + cc->dq_offset), 0, sizeof(epd_queue_t), zs)) ||
+      (e = cudaStreamSynchronize(zs))) {
+    rc = cuda_err(e, "cudaMemset (queue twin)", err, errlen);
+    goto fail;
+  }
   eng_queue_init(c, q); /* fresh memfd pages are zero: every slot FREE */
+  cc->queue->dq_offset = cc->dq_offset;
+  cc->queue->qflags = be->mode == MODE_PERSISTENT ? EPD_QF_TWIN : 0;
   c->be = cc;
   c->queue = q;
   c->arena = NULL; /* GPU memory: not CPU-visible */

@@ -120,19 +120,21 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
 /* ---- Persistent mode (the daemon's CUDA backend under MPS) ----
  * A kernel of the context's `blocks` blocks serves ONE client queue of one rank; every rank of the team
  * runs one at the same time (one per (group, rank)). Block 0's first warp (the leader) polls the ring
- * from first_slot for a SUBMITTED slot (the first one in ring order from its position, as the launch
- * mode: a CUDA graph replays the same slots), then all ranks agree on the op through an announcement
+ * from first_slot for a SUBMITTED slot in the queue's device twin (client/epd_abi.h; the first one in
+ * ring order from its position, as the launch mode: a CUDA graph replays the same slots), then all ranks agree on the op through an announcement
  * word per (index, rank) in the window: every rank runs it only if every rank announced the same LL op
  * and bank for that index. Otherwise (a rank was told to stop, a slot holds an op it does not run - HT,
  * a bad bank, an unknown op - or the ops differ) EVERY rank stops at the same boundary and leaves its
  * slot SUBMITTED for the host (which runs it in launch mode and later relaunches the kernels with a
  * fresh index). A rank also stops after an op that failed with EPD_ERR_TIMEOUT or EPD_ERR_PEER (the
  * team needs epd_k_ll_reset). An op's last block writes the completion (status, peer, num_recv,
- * map_version, step, user_tag, latency_ns = SUBMITTED seen on this rank -> completion), the queue header
- * (sticky_error, map_version, steps_done) and a progress record, then sets the slot DONE (release,
- * system scope). Control and progress live in host-mapped memory (device addresses passed here). */
+ * map_version, step, user_tag, latency_ns = SUBMITTED seen on this rank -> completion) in both copies of
+ * the slot, the queue header (sticky_error, map_version, steps_done) and a progress record, then sets
+ * the slot DONE in both copies (after a system-scope fence). The stop word (`dlimit`) is device memory
+ * (the host writes it with a stream memory operation: polled on every turn); the abort word and the
+ * progress block are host-mapped memory (device addresses passed here). */
 typedef struct epd_k_pctl {
-  uint64_t limit; /* host: no op with index >= limit is taken (the kernel stops at that boundary) */
+  uint64_t pad0;
   uint32_t abort; /* host: non-zero (1 + rank): flag waits give up at once with EPD_ERR_PEER naming rank */
   uint32_t pad[13];
 } epd_k_pctl_t;
@@ -140,7 +142,7 @@ typedef struct epd_k_pctl {
 /* Why a persistent kernel stopped (epd_k_pprog_t.reason). */
 enum {
   EPD_K_PEXIT_NONE = 0,
-  EPD_K_PEXIT_LIMIT = 1,    /* ctl.limit reached, or ctl.abort set */
+  EPD_K_PEXIT_LIMIT = 1,    /* *dlimit reached, or ctl.abort set */
   EPD_K_PEXIT_OP = 2,       /* its slot holds an op the kernel does not run (HT, bad bank, unknown) */
   EPD_K_PEXIT_PEER = 3,     /* a peer (exit_peer) stopped at this index */
   EPD_K_PEXIT_MISMATCH = 4, /* peer exit_peer announced another op or bank */
@@ -176,6 +178,8 @@ typedef struct epd_k_pprog {
 
 typedef struct epd_k_persist {
   epd_queue_t *queue;  /* device address of the client queue (e.g. host memory, registered mapped) */
+  epd_queue_t *dqueue; /* device address of its device twin (polled) */
+  uint64_t *dlimit;    /* device word: no op with index >= *dlimit is taken (stops at that boundary) */
   epd_k_pctl_t *ctl;   /* device address of the control block */
   epd_k_pprog_t *prog; /* device address of the progress block (zeroed by the caller before the launch) */
   uint32_t first_slot; /* ring position to start from */

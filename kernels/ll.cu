@@ -111,6 +111,7 @@ struct LLOp {
   uint32_t prepver;     /* persistent: map version the completion reports */
   epd_comp_t *comp;
   uint32_t *done_state; /* persistent mode: the slot state word set to EPD_SLOT_DONE by the last block */
+  epd_slot_t *dslot;    /* persistent mode: the slot's device twin, completed as well */
   uint64_t user_tag;
   uint64_t popn, pstep, pt0, pt1, psub; /* persistent: op number, group step, seen/agreed/submit times */
 };
@@ -226,29 +227,39 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
   st->done[opi] = 0;
   if (p.trace) p.trace[7] = gtimer();
   volatile epd_comp_t *comp = o.comp;
-  if (comp) {
-    comp->status = c;
-    comp->peer = c ? pe : -1;
-    if (is_dispatch) comp->num_recv = c ? 0u : total;
-    if (is_dispatch && p.map) comp->map_version = __ldcg(p.map);
-    if (o.done_state) comp->user_tag = o.user_tag;
-    if (p.pdev) {
-      comp->map_version = o.prepver; /* a combine reports its bank's dispatch version */
-      comp->step = o.pstep;
-      comp->latency_ns = gtimer() - o.pt0;
-      comp->num_recv = is_dispatch && !c ? total : 0u;
-    }
-  }
   if (!p.pdev) {
+    if (comp) {
+      comp->status = c;
+      comp->peer = c ? pe : -1;
+      if (is_dispatch) comp->num_recv = c ? 0u : total;
+      if (is_dispatch && p.map) comp->map_version = __ldcg(p.map);
+    }
     __threadfence_system();
     return;
   }
-  /* persistent: the queue header, then DONE (release: after everything above), then the books */
+  /* persistent: the whole record in both copies of the slot (the client reads it from the copy whose
+   * DONE it saw), the queue header, then DONE in both copies after one system fence */
+  epd_comp_t cv;
+  memset(&cv, 0, sizeof cv);
+  cv.status = c;
+  cv.peer = c ? pe : -1;
+  cv.map_version = o.prepver; /* a combine reports its bank's dispatch version */
+  cv.num_recv = is_dispatch && !c ? total : 0u;
+  cv.step = o.pstep;
+  cv.user_tag = o.user_tag;
+  cv.latency_ns = gtimer() - o.pt0;
+  for (int i = 0; i < (int)(sizeof(epd_comp_t) / 8); i++) {
+    const uint64_t w = ((const uint64_t *)&cv)[i];
+    ((volatile uint64_t *)comp)[i] = w;
+    if (o.dslot) ((volatile uint64_t *)&o.dslot->comp)[i] = w;
+  }
   volatile epd_queue_t *q = p.pq;
   if (c && q->sticky_error == 0) q->sticky_error = c;
   q->map_version = __ldcg(p.map);
   q->steps_done = p.psteps0 + o.popn + 1;
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(o.done_state), "r"((uint32_t)EPD_SLOT_DONE) : "memory");
+  __threadfence_system();
+  if (o.dslot) *(volatile uint32_t *)&o.dslot->state = EPD_SLOT_DONE;
+  *(volatile uint32_t *)o.done_state = EPD_SLOT_DONE;
   *(volatile int32_t *)&p.pdev->last_err = c;
   asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(&p.pdev->done_ops), "l"(o.popn + 1) : "memory");
   volatile epd_k_prec_t *rec = &p.prog->rec[o.popn % EPD_K_PREC];
@@ -698,7 +709,9 @@ __global__ void __launch_bounds__(NTHR) ll_dispatch_kernel(const __grid_constant
 
 /* Arguments of the persistent kernel besides the LL parameters. */
 struct PArgs {
-  epd_queue_t *q;
+  epd_queue_t *q;  /* host copy of the queue (the daemon's CPU threads read it) */
+  epd_queue_t *dq; /* its device twin: the slots polled here */
+  const uint64_t *dlimit; /* device word: no op with index >= *dlimit is taken */
   const epd_k_pctl_t *ctl;
   epd_k_pprog_t *prog;
   PDev *pd;
@@ -735,9 +748,14 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
    * body alone needs all 128). pos and bv: the leader's ring position and each bank's map version. */
   __shared__ uint64_t sh_idx, sh_opn;
   __shared__ uint32_t sh_pos, sh_bv[EPD_NUM_BANKS];
+  /* Slots whose twin state is not yet trusted (bit per slot): until this kernel takes a slot once, its
+   * twin may still say SUBMITTED for an op the launch mode already completed in the host copy (the
+   * client frees the twin first, then the host copy). */
+  __shared__ uint32_t sh_unverified;
   if (tid == 0) {
     sh_idx = a.index0;
     sh_opn = 0;
+    sh_unverified = (1u << EPD_QUEUE_SLOTS) - 1;
     sh_pos = a.first_slot % EPD_QUEUE_SLOTS;
     sh_bv[0] = a.bv0;
     sh_bv[1] = a.bv1;
@@ -745,7 +763,7 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
   __syncthreads();
   for (;;) {
     PDev *pd = a.pd;
-    epd_queue_t *q = a.q;
+    epd_queue_t *q = a.q, *dq = a.dq;
     const uint64_t idx = sh_idx, opn = sh_opn;
     if (blockIdx.x == 0 && tid < 32) {
       const uint32_t mapver = __ldcg(base.map);
@@ -764,13 +782,16 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
       if (lasterr == EPD_ERR_TIMEOUT || lasterr == EPD_ERR_PEER) {
         reason = EPD_K_PEXIT_ERROR;
       } else {
-        for (;;) {
-          /* relaxed polls (an acquire per poll would fence every time), one fence once one is seen; the
-           * control words and the slot states are read together (one PCIe round trip per poll) */
-          const uint64_t lim = *(volatile const uint64_t *)&a.ctl->limit;
-          const uint32_t ab = *(volatile const uint32_t *)&a.ctl->abort;
+        for (uint32_t n = 0;; n++) {
+          /* relaxed polls of the device twin (an acquire per poll would fence every time), one fence once
+           * one is seen; the stop word is device memory too, the host's abort word a PCIe read now and
+           * then */
+          const uint64_t lim = *(volatile const uint64_t *)a.dlimit;
+          uint32_t ab = 0;
+          if (lane == 0 && (n & 63) == 0) ab = *(volatile const uint32_t *)&a.ctl->abort;
+          ab = __shfl_sync(FULL, ab, 0);
           uint32_t stv = lane < EPD_QUEUE_SLOTS
-                             ? *(volatile const uint32_t *)&q->slot[(pos + lane) % EPD_QUEUE_SLOTS].state : 0u;
+                             ? *(volatile const uint32_t *)&dq->slot[(pos + lane) % EPD_QUEUE_SLOTS].state : 0u;
           if (idx >= lim || ab) {
             reason = EPD_K_PEXIT_LIMIT;
             break;
@@ -778,9 +799,22 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
           uint32_t m = __ballot_sync(FULL, lane < EPD_QUEUE_SLOTS && stv == EPD_SLOT_SUBMITTED);
           if (m) {
             s = (pos + (uint32_t)__ffs(m) - 1) % EPD_QUEUE_SLOTS;
-            __threadfence_system(); /* with the relaxed load that saw SUBMITTED: acquire */
-            __syncwarp();           /* ... ordered before every lane's descriptor load */
-            uint32_t w = lane < 16 ? ((volatile const uint32_t *)&q->slot[s].desc)[lane] : 0u;
+            __threadfence(); /* with the relaxed load that saw SUBMITTED: acquire (writer on this GPU) */
+            if (sh_unverified & (1u << s)) {
+              /* stale if the host copy is DONE (the launch mode ran it), or if the twin was freed since
+               * (the client frees the twin before the host copy) */
+              uint32_t ok = 0;
+              if (lane == 0) {
+                const uint32_t hs = *(volatile const uint32_t *)&q->slot[s].state;
+                __threadfence_system();
+                const uint32_t ds = *(volatile const uint32_t *)&dq->slot[s].state;
+                ok = hs != EPD_SLOT_DONE && ds == EPD_SLOT_SUBMITTED;
+                if (ok) sh_unverified &= ~(1u << s);
+              }
+              if (!__shfl_sync(FULL, ok, 0)) continue;
+            }
+            __syncwarp(); /* ... ordered before every lane's descriptor load */
+            uint32_t w = lane < 16 ? ((volatile const uint32_t *)&dq->slot[s].desc)[lane] : 0u;
             if (lane < 16) ((uint32_t *)&sh_desc)[lane] = w;
             op = __shfl_sync(FULL, w, 0);
             bank = __shfl_sync(FULL, w, 3);
@@ -873,6 +907,14 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
         sh_pos = pos;
         sh_bv[0] = bv0;
         sh_bv[1] = bv1;
+        /* The client writes the host copy after the twin: DONE must not land before its SUBMITTED (the
+         * launch mode would run the op again). Nearly always there already; read while the other blocks
+         * start the op. */
+        if (run) {
+          const uint64_t dl = gtimer() + 1000000;
+          while (*(volatile const uint32_t *)&q->slot[s].state != EPD_SLOT_SUBMITTED && gtimer() < dl) {
+          }
+        }
       }
     } else if (blockIdx.x != 0 && tid == 0) {
       uint64_t g;
@@ -897,6 +939,7 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
       o.prepver = sh_repver;
       o.comp = &q->slot[sh_slot].comp;
       o.done_state = &q->slot[sh_slot].state;
+      o.dslot = &a.dq->slot[sh_slot];
       o.user_tag = sh_desc.user_tag;
       o.popn = opn;
       o.pstep = a.step0 + opn;
@@ -1148,7 +1191,8 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
 
 epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map,
                                         const epd_k_persist_t *ps, void *stream) {
-  if (!k || !arena || !map || !ps || !ps->queue || !ps->ctl || !ps->prog) return EPD_ERR_INVALID;
+  if (!k || !arena || !map || !ps || !ps->queue || !ps->dqueue || !ps->dlimit || !ps->ctl || !ps->prog)
+    return EPD_ERR_INVALID;
   LLParams p;
   memset(&p, 0, sizeof(p));
   params_from_ctx(p, k);
@@ -1163,6 +1207,8 @@ epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *aren
   PArgs a;
   memset(&a, 0, sizeof(a));
   a.q = ps->queue;
+  a.dq = ps->dqueue;
+  a.dlimit = ps->dlimit;
   a.ctl = ps->ctl;
   a.prog = ps->prog;
   a.pd = k->pdev;

@@ -402,6 +402,7 @@ int main(int argc, char **argv) {
   put_num("rank", rank);
   put_num("iters", iters);
   put_num("dev_iters", dev_iters);
+  put_num("kernel_submit", (double)epd_info(ep, EPD_INFO_KERNEL_SUBMIT));
   static const struct { const char *tag; uint32_t flags; } dt[2] = {{"fp8", EPD_DESC_FP8}, {"bf16", 0}};
   for (int d = 0; d < 2; d++) {
     barrier();

@@ -151,6 +151,13 @@ def write_md(res, inproc, path, inproc_p=None):
         L.append("\n## %s\n" % title)
         if res["configs"][cfg].get("daemon_mode"):
             L.append("Daemon: `%s`\n" % res["configs"][cfg]["daemon_mode"])
+        ks = c.get("kernel_submit")
+        if isinstance(ks, dict):
+            ks = ks.get("p50_us")
+        if ks:
+            L.append("libepd submits through the queue's device twin with its kernels here (EPD_INFO_KERNEL_SUBMIT = 1): "
+                     "the 'memop' and 'graph' rows are the stream path (epd_dispatch/epd_combine on a stream), "
+                     "served by two one-warp kernels per op instead of stream memory operations.\n")
         L.append("| what | FP8 dispatch µs | BF16 dispatch µs |\n| --- | --- | --- |")
 
         def row(name, key, fmt=lambda s: "%.2f (%.2f-%.2f)" % (s["p50_us"], s["p10_us"], s["p90_us"])):

@@ -74,6 +74,18 @@ worker wi0 -g ht16 -r 0 -n 2 --steps 8 --seed 8 --mode ht --skew --experts 256 -
 worker wi1 -g ht16 -r 1 -n 2 --steps 8 --seed 8 --mode ht --skew --experts 256 --hidden 7168 --topk 8 --tokens 256
 expect_ok wh0; expect_ok wh1; expect_ok wi0; expect_ok wi1
 
+echo "== submission through the queue's device twin in launch mode (EPD_SUBMIT=kernel): the daemon's CPU"
+echo "   completes only the host copy, libepd's wait kernels must see it there (LL FP8, HT, graph replays)"
+EPD_SUBMIT=kernel worker wk0 -g tw -r 0 -n 2 --steps 12 --seed 12 --fp8 --hidden 512 --experts 32 --topk 4 --ht-every 3
+EPD_SUBMIT=kernel worker wk1 -g tw -r 1 -n 2 --steps 12 --seed 12 --fp8 --hidden 512 --experts 32 --topk 4 --ht-every 3
+expect_ok wk0; expect_ok wk1
+grep -q "kernel submission" "$T/wk0.out" || fail "EPD_SUBMIT=kernel: worker wk0 did not submit with kernels"
+EPD_SUBMIT=kernel worker wg0 -g twg -r 0 -n 2 --steps 10 --seed 13 --graph --hidden 512 --experts 32 --topk 4
+EPD_SUBMIT=kernel worker wg1 -g twg -r 1 -n 2 --steps 10 --seed 13 --graph --hidden 512 --experts 32 --topk 4
+expect_ok wg0; expect_ok wg1
+grep -q "kernel submission" "$T/wg1.out" || fail "EPD_SUBMIT=kernel: worker wg1 did not submit with kernels"
+grep -q "kernel submission" "$T/wa0.out" && fail "launch mode without EPD_SUBMIT: worker wa0 used kernel submission"
+
 echo "== a worker dies mid-step"
 worker wd0 -g die -r 0 -n 2 --steps 20 --seed 3 --hidden 256
 worker wd1 -g die -r 1 -n 2 --steps 20 --seed 3 --hidden 256 --die-at-step 4

@@ -72,6 +72,21 @@ worker wa0 -g ll -r 0 -n 2 --steps 40 --seed 5 --skew --hidden 256
 worker wa1 -g ll -r 1 -n 2 --steps 40 --seed 5 --skew --hidden 256
 expect_ok wa0; expect_ok wa1
 grep -q "group ll: LL steps run in persistent kernels" "$LOG" || fail "group ll never ran persistent kernels"
+grep -q "kernel submission" "$T/wa0.out" || fail "worker wa0 did not submit through the queue's device twin"
+EPD_SUBMIT=memop worker wz0 -g ll -r 0 -n 2 --steps 4 --seed 7 --hidden 256
+EPD_SUBMIT=memop worker wz1 -g ll -r 1 -n 2 --steps 4 --seed 7 --hidden 256
+expect_ok wz0; expect_ok wz1
+grep -q "EPD_SUBMIT=memop ignored" "$T/wz0.out" || fail "EPD_SUBMIT=memop under persistent kernels: no warning"
+grep -q "kernel submission" "$T/wz1.out" || fail "EPD_SUBMIT=memop must not turn the device twin off here"
+
+echo "== graph replays through the device twin, FP8, 30 steps, a new map every 5 (hidden 512, 32 experts)"
+r0=$(resumes)
+worker wg0 -g graph -r 0 -n 2 --steps 30 --graph --map-every 5 --seed 17 --fp8 --hidden 512 --experts 32 --topk 4 --tokens 64
+worker wg1 -g graph -r 1 -n 2 --steps 30 --graph --map-every 5 --seed 17 --fp8 --hidden 512 --experts 32 --topk 4 --tokens 64
+expect_ok wg0; expect_ok wg1
+grep -q "graph replays.*kernel submission" "$T/wg0.out" || fail "worker wg0: no graph replays through the twin"
+r1=$(resumes)
+[ $((r1 - r0)) -ge 3 ] || fail "graph group: the kernels resumed only $((r1 - r0)) times after the map switches"
 
 echo "== LL FP8 and BF16, H 7168, 256 experts, top-8, 128 tokens (two groups at once)"
 worker wb0 -g big8 -r 0 -n 2 --steps 16 --seed 9 --fp8 --experts 256 --hidden 7168 --topk 8 --tokens 128

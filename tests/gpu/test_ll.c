@@ -449,6 +449,7 @@ EPD_TEST_T(gpu_ll_peer_timeout, 120) {
 /* Persistent mode: control and progress blocks (host-mapped) of each rank's kernel. */
 static epd_k_pctl_t *g_ctl[2];
 static epd_k_pprog_t *g_prog[2];
+static uint64_t *g_dlim[2]; /* the stop word: host-mapped here (the daemon's is device memory) */
 
 static void plaunch(cudaStream_t *ps, uint64_t index0, uint64_t step0) {
   llh_t *h = &C.h;
@@ -457,10 +458,12 @@ static void plaunch(cudaStream_t *ps, uint64_t index0, uint64_t step0) {
     uint32_t first = g_prog[r]->slot;
     memset(g_prog[r], 0, sizeof *g_prog[r]);
     g_ctl[r]->abort = 0;
-    __atomic_store_n(&g_ctl[r]->limit, UINT64_MAX, __ATOMIC_SEQ_CST);
+    __atomic_store_n(g_dlim[r], UINT64_MAX, __ATOMIC_SEQ_CST);
     epd_k_persist_t a;
     memset(&a, 0, sizeof a);
     a.queue = g_q[r];
+    a.dqueue = g_q[r]; /* one device queue is both copies: each state seen, each written, twice */
+    CUCK(cudaHostGetDevicePointer((void **)&a.dlimit, g_dlim[r], 0));
     CUCK(cudaHostGetDevicePointer((void **)&a.ctl, g_ctl[r], 0));
     CUCK(cudaHostGetDevicePointer((void **)&a.prog, g_prog[r], 0));
     a.first_slot = first;
@@ -519,6 +522,7 @@ EPD_TEST_T(gpu_ll_persistent_queue, 120) {
     CUCK(cudaDeviceSynchronize());
     CUCK(cudaStreamCreateWithFlags(&ps[r], cudaStreamNonBlocking));
     CUCK(cudaHostAlloc((void **)&g_ctl[r], sizeof(epd_k_pctl_t), cudaHostAllocMapped | cudaHostAllocPortable));
+    CUCK(cudaHostAlloc((void **)&g_dlim[r], sizeof(uint64_t), cudaHostAllocMapped | cudaHostAllocPortable));
     CUCK(cudaHostAlloc((void **)&g_prog[r], sizeof(epd_k_pprog_t), cudaHostAllocMapped | cudaHostAllocPortable));
     memset(g_prog[r], 0, sizeof *g_prog[r]);
   }
@@ -582,7 +586,7 @@ EPD_TEST_T(gpu_ll_persistent_queue, 120) {
     run_combine_check((unsigned)s % 2);
   }
   ASSERT_EQ(g_comp[0][1].step, 127u);
-  for (int r = 0; r < 2; r++) __atomic_store_n(&g_ctl[r]->limit, 0, __ATOMIC_SEQ_CST);
+  for (int r = 0; r < 2; r++) __atomic_store_n(g_dlim[r], 0, __ATOMIC_SEQ_CST);
   pwait_exit(ps);
   for (int r = 0; r < 2; r++) {
     ASSERT_EQ(g_prog[r]->reason, (uint32_t)EPD_K_PEXIT_LIMIT);
@@ -591,6 +595,7 @@ EPD_TEST_T(gpu_ll_persistent_queue, 120) {
     cudaStreamDestroy(ps[r]);
     cudaFree(g_q[r]);
     cudaFreeHost(g_ctl[r]);
+    cudaFreeHost(g_dlim[r]);
     cudaFreeHost(g_prog[r]);
   }
   g_persistent = 0;

@@ -147,10 +147,8 @@ static epd_result_t graph_run(epd_ep_t *ep, int op, unsigned bank, epd_comp_t *c
     fprintf(stderr, "rank %d: graph replay: CUDA error %d\n", A.rank, q);
     exit(2);
   }
-  /* The stream waited for DONE and freed the slot; the record stays in the (host-mapped) slot. */
-  const epd_slot_t *sl = epd_slot_device_ptr(ep, g_slot[op][bank]);
-  rd(comp, &sl->comp, sizeof *comp);
-  return comp->status;
+  /* The stream waited for DONE and freed the slot; the record stays in the slot. */
+  return epd_slot_status(ep, g_slot[op][bank], comp);
 }
 
 static void wr(void *dst, const void *src, size_t n) {
@@ -895,6 +893,7 @@ int main(int argc, char **argv) {
     free(dt);
   }
   if (A.ht_every > 0) printf("rank %d: %d HT steps in between\n", A.rank, nht);
+  const int ksub = epd_info(ep, EPD_INFO_KERNEL_SUBMIT) == 1;
   rc = epd_detach(ep);
   if (rc) fprintf(stderr, "rank %d: detach: %s: %s\n", A.rank, epd_strerror(rc), epd_conn_last_error(conn));
   epd_disconnect(conn);
@@ -926,8 +925,8 @@ int main(int argc, char **argv) {
     printf("rank %d: %d of %d steps differ from the reference\n", A.rank, bad_steps, A.steps);
     return 1;
   }
-  printf("rank %d: %d steps ok, %.1f us/step (%s%s%s%s%s)\n", A.rank, A.steps, A.steps ? t_ops / A.steps : 0.0,
+  printf("rank %d: %d steps ok, %.1f us/step (%s%s%s%s%s%s)\n", A.rank, A.steps, A.steps ? t_ops / A.steps : 0.0,
          A.ht ? "HT" : "LL", A.fp8 ? ", fp8" : "", A.skew ? ", skew" : "", A.graph ? ", graph replays" : "",
-         A.weights ? ", weights" : "");
+         A.weights ? ", weights" : "", ksub ? ", kernel submission" : "");
   return rc ? 2 : 0;
 }
