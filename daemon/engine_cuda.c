@@ -181,6 +181,7 @@ typedef struct cuda_grp {
   uint64_t presume_step;
   /* timeline of the ops run in persistent kernels since the last report (diagnostics, logged at stop) */
   uint64_t pst_n, pst_nseen, pst_seen, pst_agree, pst_run, pst_lat;
+  uint64_t pst_opn[2], pst_phase[2][8]; /* per op kind (dispatch, combine): block 0's body timeline */
   cuda_grank_t rk[EPD_MAX_RANKS];
 } cuda_grp_t;
 
@@ -924,6 +925,9 @@ static int pers_account(epd_engine_t *eng, cuda_grp_t *cg, int r) {
       cg->pst_agree += rec.agree_ns;
       cg->pst_run += rec.run_ns;
       cg->pst_lat += rec.latency_ns;
+      const int kind = rec.op == EPD_OP_LL_COMBINE;
+      cg->pst_opn[kind]++;
+      for (int i = 0; i < 8; i++) cg->pst_phase[kind][i] += rec.phase_ns[i];
       if (rec.seen_ns && rec.seen_ns < 1000000000u) {
         cg->pst_nseen++;
         cg->pst_seen += rec.seen_ns;
@@ -978,7 +982,17 @@ static void pers_takeover(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int 
     if (cg->pst_nseen)
       EPD_LOGI(EPD_SUB_CUDA, "group %s: %llu ops stamped by the client: submit -> seen by the kernel %.2f us", cg->name,
                (unsigned long long)cg->pst_nseen, cg->pst_seen / 1e3 / cg->pst_nseen);
+    for (int k = 0; k < 2; k++) {
+      if (!cg->pst_opn[k]) continue;
+      double m[8];
+      for (int i = 0; i < 8; i++) m[i] = cg->pst_phase[k][i] / 1e3 / cg->pst_opn[k];
+      EPD_LOGI(EPD_SUB_CUDA, "group %s: %s timeline, us after every rank agreed (block 0; 0: not stamped): body "
+               "start %.2f, sent %.2f, fenced %.2f, flagged %.2f, peers' flags %.2f, received %.2f, block 0 done %.2f, "
+               "completion %.2f", cg->name, k ? "combine" : "dispatch", m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7]);
+    }
     cg->pst_n = cg->pst_nseen = cg->pst_seen = cg->pst_agree = cg->pst_run = cg->pst_lat = 0;
+    memset(cg->pst_opn, 0, sizeof cg->pst_opn);
+    memset(cg->pst_phase, 0, sizeof cg->pst_phase);
   }
   cg->pidx = maxidx;
   if (cg->grp) cg->grp->steps = cg->pstep0 + maxops;

@@ -161,6 +161,10 @@ typedef struct epd_k_prec {
    * time in desc.reserved[0..1], as bench_e2e's device-side client does; else 0), seen -> every rank
    * agreed, agreed -> completion */
   uint32_t seen_ns, agree_ns, run_ns, pad;
+  /* block 0's stamps of the op body, ns after every rank agreed (0: not stamped): [0] body start,
+   * [1] sent, [2] fenced, [3] flagged, [4] peers' flags seen, [5] received/reduced, [6] block 0 done,
+   * [7] the last block writes the completion */
+  uint32_t phase_ns[8];
 } epd_k_prec_t;
 
 typedef struct epd_k_pprog {

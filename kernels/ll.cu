@@ -82,6 +82,7 @@ struct PDev {
   int32_t last_err;
   uint32_t pad0[11];
   PBuf b[2];
+  uint64_t trace[8]; /* block 0's stamps of the current op (LLParams.trace) */
 };
 static_assert(sizeof(PDev) <= 512, "PDev fits the scratch");
 
@@ -253,6 +254,15 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
     ((volatile uint64_t *)comp)[i] = w;
     if (o.dslot) ((volatile uint64_t *)&o.dslot->comp)[i] = w;
   }
+  /* The client writes the host copy after the twin: DONE must not land before its SUBMITTED (the launch
+   * mode would run the op again). Both are posted writes from this GPU, the client's issued before this
+   * kernel saw the twin; only an op completing within microseconds of that could overtake it, so only
+   * then is the host copy read (a PCIe round trip: 1.2 us on block 0 when it was read for every op). */
+  if (gtimer() - o.pt0 < 10000) {
+    const uint64_t dl = gtimer() + 1000000;
+    while (*(volatile const uint32_t *)o.done_state != EPD_SLOT_SUBMITTED && gtimer() < dl) {
+    }
+  }
   volatile epd_queue_t *q = p.pq;
   if (c && q->sticky_error == 0) q->sticky_error = c;
   q->map_version = __ldcg(p.map);
@@ -273,6 +283,10 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
   rec->seen_ns = o.psub && o.psub < o.pt0 ? (uint32_t)(o.pt0 - o.psub) : 0u;
   rec->agree_ns = (uint32_t)(o.pt1 - o.pt0);
   rec->run_ns = (uint32_t)(tn - o.pt1);
+  for (int i = 0; i < 8; i++) {
+    const uint64_t t = *(volatile const uint64_t *)&p.trace[i];
+    rec->phase_ns[i] = t > o.pt1 ? (uint32_t)(t - o.pt1) : 0u;
+  }
   __threadfence_system();
   *(volatile uint64_t *)&p.prog->ops = o.popn + 1;
 }
@@ -549,6 +563,9 @@ __device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
 /* ---------------------------------------------------------------------------------------------------
  * Combine body.
  * ------------------------------------------------------------------------------------------------- */
+/* NB: rows of y in flight per lane (two int4 each): 8 in the combine kernel; fewer in the persistent
+ * kernel, whose loop leaves the body fewer registers (at 8 it spilled, ptxas -v). */
+template <int NB>
 __device__ void ll_combine_body(const LLParams &p, const LLOp &o) {
   __shared__ WaitResult wr;
   __shared__ uint32_t sh_tstart[EPD_K_MAX_RANKS + 1];
@@ -604,10 +621,10 @@ __device__ void ll_combine_body(const LLParams &p, const LLOp &o) {
       for (int h = 0; h < 2; h++)
 #pragma unroll
         for (int j = 0; j < 8; j++) acc[h][j] = 0.f;
-      for (int i0 = 0; i0 < n; i0 += 8) {
-        int4 yv[8][2];
+      for (int i0 = 0; i0 < n; i0 += NB) {
+        int4 yv[NB][2];
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
+        for (int i = 0; i < NB; i++) {
           int ii = i0 + i;
           uint32_t s_i = __shfl_sync(0xffffffffu, s_l, ii & 31);
           int32_t p_i = __shfl_sync(0xffffffffu, pos_l, ii & 31);
@@ -619,7 +636,7 @@ __device__ void ll_combine_body(const LLParams &p, const LLOp &o) {
           }
         }
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
+        for (int i = 0; i < NB; i++) {
           int ii = i0 + i;
           float w = __shfl_sync(0xffffffffu, w_l, ii & 31);
           if (ii >= n) break;
@@ -706,6 +723,10 @@ __global__ void __launch_bounds__(NTHR) ll_dispatch_kernel(const __grid_constant
                                                            const __grid_constant__ LLOp o) {
   ll_dispatch_body(p, o);
 }
+
+#ifndef EPD_LL_PERSIST_COMBINE_ROWS
+#define EPD_LL_PERSIST_COMBINE_ROWS 4
+#endif
 
 /* Arguments of the persistent kernel besides the LL parameters. */
 struct PArgs {
@@ -907,14 +928,6 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
         sh_pos = pos;
         sh_bv[0] = bv0;
         sh_bv[1] = bv1;
-        /* The client writes the host copy after the twin: DONE must not land before its SUBMITTED (the
-         * launch mode would run the op again). Nearly always there already; read while the other blocks
-         * start the op. */
-        if (run) {
-          const uint64_t dl = gtimer() + 1000000;
-          while (*(volatile const uint32_t *)&q->slot[s].state != EPD_SLOT_SUBMITTED && gtimer() < dl) {
-          }
-        }
       }
     } else if (blockIdx.x != 0 && tid == 0) {
       uint64_t g;
@@ -949,18 +962,18 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
     }
     __syncthreads();
     if (sh_desc.op == EPD_OP_LL_DISPATCH) ll_dispatch_body(base, sh_o);
-    else ll_combine_body(base, sh_o);
+    else ll_combine_body<EPD_LL_PERSIST_COMBINE_ROWS>(base, sh_o);
     __syncthreads();
-    if (tid == 0) {
-      sh_idx = idx + 1;
-      sh_opn = opn + 1;
+    if (tid == 0) { /* from shared memory: nothing of the loop stays live in registers across the bodies */
+      sh_idx = sh_idx + 1;
+      sh_opn = sh_opn + 1;
     }
     __syncthreads();
   }
 }
 __global__ void __launch_bounds__(NTHR) ll_combine_kernel(const __grid_constant__ LLParams p,
                                                           const __grid_constant__ LLOp o) {
-  ll_combine_body(p, o);
+  ll_combine_body<8>(p, o);
 }
 
 LLLayout make_layout(const epd_k_ll_geom_t *g, uint32_t G) {
@@ -1200,6 +1213,7 @@ epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *aren
   p.map = (const uint32_t *)map;
   p.arena = *arena;
   p.pdev = k->pdev;
+  p.trace = (uint64_t *)((char *)k->pdev + offsetof(PDev, trace)); /* the op timeline of the progress records */
   p.ctl = ps->ctl;
   p.prog = ps->prog;
   p.pq = ps->queue;
