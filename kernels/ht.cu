@@ -120,7 +120,7 @@ struct HTLayout {
 
 /* Dynamic shared memory of a data kernel (byte offsets; 0 bytes where unused). */
 struct SmemLayout {
-  uint32_t bar, tj, tmask, tlist, clist, hist, stage, total;
+  uint32_t bar, tj, tmask, tlist, clist, hist, fsc, stage, total;
 };
 
 struct HTParams {
@@ -478,9 +478,11 @@ __device__ void meta_tile(const HTParams &p, uint32_t tb, const uint16_t *cl, co
 }
 
 /* FP8 rows of one token by a warp: quantised once (a half-warp per 128-channel group, 8 channels per
- * lane, 8 loads in flight), written to every dest of mask m at rows jr. */
+ * lane, 8 loads in flight), written to every dest of mask m at rows jr. The scales collect in the warp's
+ * scw[H / 128] and go out once per row with consecutive lanes: one 4-byte NVLink write per group and
+ * dest would be 2 * H / 128 partial writes per token. */
 __device__ __forceinline__ void send_row_fp8(const HTParams &p, const char *xrow, uint32_t m, const uint32_t *jr,
-                                             const DestRows &dr, uint32_t lane) {
+                                             const DestRows &dr, float *scw, uint32_t lane) {
   const uint32_t H = p.H, R = p.R, nsc = H / 128;
   const uint64_t rowb = 2ull * H;
   char *xd[EPD_K_MAX_RANKS];
@@ -529,13 +531,17 @@ __device__ __forceinline__ void send_row_fp8(const HTParams &p, const char *xrow
       }
       const uint2 qv = make_uint2(qw[0], qw[1]);
 #pragma unroll
-      for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
-        if (!xd[r]) continue;
-        *(uint2 *)(xd[r] + g * 128 + (lane & 15) * 8) = qv;
-        if ((lane & 15) == 0) sd[r][g] = scale;
-      }
+      for (int r = 0; r < EPD_K_MAX_RANKS; r++)
+        if (xd[r]) *(uint2 *)(xd[r] + g * 128 + (lane & 15) * 8) = qv;
+      if ((lane & 15) == 0) scw[g] = scale;
     }
   }
+  __syncwarp();
+#pragma unroll
+  for (int r = 0; r < EPD_K_MAX_RANKS; r++)
+    if (sd[r])
+      for (uint32_t g = lane; g < nsc; g += 32) sd[r][g] = scw[g];
+  __syncwarp(); /* scw is free for the warp's next row */
 }
 
 /* BF16 row of one token by a warp with 16-byte register copies, to every dest of mask m. */
@@ -844,7 +850,9 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       const uint32_t n = sh_n;
       if (m) send_meta_token(p, t, m, jr, sh_sendbase);
       if (!use_tma) {
-        meta_tile(p, tb, s_cl, sh_tile0, sh_tilen, hist, slotc, tid, NTHR);
+        /* the last tile's metadata goes out after the positions are published (below), so that the
+         * fence there does not wait for its NVLink writes */
+        if (tb + TILE < t1) meta_tile(p, tb, s_cl, sh_tile0, sh_tilen, hist, slotc, tid, NTHR);
         continue;
       }
       if (warp > 0) meta_tile(p, tb, s_cl, sh_tile0, sh_tilen, hist, slotc, tid - 32, NTHR - 32);
@@ -888,6 +896,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
         __threadfence();
         st_release_gpu_u32(&st->drdy[blockIdx.x], seq);
       }
+      if (t0 < t1) meta_tile(p, t0 + (t1 - t0 - 1) / TILE * TILE, s_cl, sh_tile0, sh_tilen, hist, slotc, tid, NTHR);
       TR(4);
       const uint32_t *pos = (const uint32_t *)(lb + p.lay.pos);
       uint32_t v = blockIdx.x, t = take_token(st->dcur, v, per, T, lane);
@@ -908,7 +917,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
         }
         const char *xrow = x + (uint64_t)t * rowb;
         if (mm && fp8)
-          send_row_fp8(p, xrow, mm, jj, sh_dr, lane);
+          send_row_fp8(p, xrow, mm, jj, sh_dr, (float *)(dsm + p.sm.fsc) + warp * (H / 128), lane);
         else if (mm)
           send_row_bf16(p, xrow, mm, jj, sh_dr, lane);
         t = take_token(st->dcur, v, per, T, lane);
@@ -941,17 +950,15 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
     int64_t *recv_idx = arena_buf<int64_t>(p, EPD_BUF_HT_RECV_TOPK_IDX);
     int32_t *recv_src = arena_buf<int32_t>(p, EPD_BUF_HT_RECV_SRC);
     if (p.direct) {
-      for (uint32_t j = blockIdx.x * NTHR + tid; j < N; j += G * NTHR) {
-        if (j >= own0 && j < own1) continue;
-        for (uint32_t k = 0; k < K; k++) {
-          const int64_t ls = __ldcg(recv_idx + (uint64_t)j * K + k);
-          if (ls >= 0) {
-            if (hist)
-              atomicAdd(&hist[ls], 1u);
-            else
-              atomicAdd(&slotc[ls], 1u);
-          }
-        }
+      /* the peers' rows (all but my own segment) element by element over every block: coalesced */
+      const uint32_t nown = own1 - own0, nrem = N - nown;
+      for (uint32_t e = blockIdx.x * NTHR + tid; e < nrem * K; e += G * NTHR) {
+        const uint32_t q = e / K, j = q < own0 ? q : q + nown;
+        const int64_t ls = __ldcg(recv_idx + (uint64_t)j * K + (e - q * K));
+        if (ls >= 0) atomicAdd(hist ? &hist[ls] : &slotc[ls], 1u);
+      }
+      for (uint32_t q = blockIdx.x * NTHR + tid; q < nrem; q += G * NTHR) {
+        const uint32_t j = q < own0 ? q : q + nown;
         rsrc[j] = __ldcg(recv_src + j);
       }
     } else {
@@ -1337,8 +1344,8 @@ HTLayout make_layout(const epd_k_ht_geom_t *g, uint32_t G) {
   return l;
 }
 
-/* Shared memory of the dispatch kernel: TMA ring of ns row stages when ns > 0. */
-SmemLayout dispatch_smem(uint32_t R, uint32_t S, uint64_t stage_bytes, uint32_t ns) {
+/* Shared memory of the dispatch kernel: fsc_bytes of FP8 scales, TMA ring of ns row stages when ns > 0. */
+SmemLayout dispatch_smem(uint32_t R, uint32_t S, uint32_t fsc_bytes, uint64_t stage_bytes, uint32_t ns) {
   SmemLayout m;
   uint32_t o = 0;
   m.bar = o;
@@ -1353,6 +1360,8 @@ SmemLayout dispatch_smem(uint32_t R, uint32_t S, uint64_t stage_bytes, uint32_t 
   o += TILE * R * 2;
   m.hist = o;
   o += S <= HIST_MAX ? S * 4 : 0;
+  m.fsc = o;
+  o += fsc_bytes;
   o = (uint32_t)align_up(o, 128);
   m.stage = o;
   o += (uint32_t)(stage_bytes * ns);
@@ -1367,14 +1376,14 @@ void plan_kernel_smem(HTParams &p, bool dispatch, bool fp8) {
   /* The TMA rings (opt-in) only where every block's chunk of tokens is one tile: the tested cases. */
   if (p.tma && (dispatch ? p.T : p.M) > (uint64_t)TILE * p.G) p.tma = 0;
   if (dispatch) {
-    SmemLayout m0 = dispatch_smem(p.R, p.S, 0, 0);
+    SmemLayout m0 = dispatch_smem(p.R, p.S, fp8 ? NWARP * (p.H / 128) * 4 : 0, 0, 0);
     if (p.tma && !fp8) {
       uint32_t ns = (uint32_t)((SMEM_MAX - m0.total) / rowb);
       if (ns > MAX_STAGES) ns = MAX_STAGES;
       if (ns >= 3) {
         p.ns = ns;
         p.lag = ns >= 8 ? 4 : ns >= 4 ? 2 : 1;
-        p.sm = dispatch_smem(p.R, p.S, rowb, ns);
+        p.sm = dispatch_smem(p.R, p.S, 0, rowb, ns);
         return;
       }
     }
@@ -1383,7 +1392,7 @@ void plan_kernel_smem(HTParams &p, bool dispatch, bool fp8) {
     return;
   }
   /* combine (direct): stages of one column chunk of every rank's row, >= 8 of them where possible */
-  SmemLayout m = dispatch_smem(p.R, 0, 0, 0); /* barriers, tile rows and masks */
+  SmemLayout m = dispatch_smem(p.R, 0, 0, 0, 0); /* barriers, tile rows and masks */
   p.sm = m;
   if (!p.direct || !p.tma) {
     p.tma = 0;
