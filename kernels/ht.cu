@@ -225,6 +225,11 @@ __device__ __forceinline__ void tma_wait_read(uint32_t n) {
     asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
 }
 __device__ __forceinline__ void tma_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+/* At most 32 bulk groups of this thread still pending (their writes included). Waiting only for the
+ * reads let a tile of 512 rows keep 512 groups pending, and that dispatch faulted (unspecified launch
+ * failure, hidden 4096, 8192 tokens on 16 or 5 blocks) where 171 rows per tile never did: a bound on the
+ * groups in flight per thread is the suspected cause. 32 rows in flight still keep the link busy. */
+__device__ __forceinline__ void tma_wait_pending() { asm volatile("cp.async.bulk.wait_group 32;" ::: "memory"); }
 /* Every bulk store of this thread complete, and ordered before its later generic-proxy accesses. */
 __device__ __forceinline__ void tma_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -678,14 +683,20 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
     uint32_t ctot[EPD_K_MAX_RANKS], cbef[EPD_K_MAX_RANKS], errb = 0;
 #pragma unroll
     for (int r = 0; r < EPD_K_MAX_RANKS; r++) ctot[r] = cbef[r] = 0;
-    for (uint32_t t = tid; t < T; t += NTHR) {
-      const uint32_t m = __ldcg(tmask + t);
-      errb |= m >> 24;
+    for (uint32_t tu = tid; tu < T; tu += 8 * NTHR) { /* 8 loads in flight: one L2 latency, not 8 */
+      uint32_t mv[8];
 #pragma unroll
-      for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
-        const uint32_t b = (m >> r) & 1u;
-        ctot[r] += b;
-        cbef[r] += t < t0 ? b : 0u;
+      for (int u = 0; u < 8; u++) mv[u] = tu + u * NTHR < T ? __ldcg(tmask + tu + u * NTHR) : 0u;
+#pragma unroll
+      for (int u = 0; u < 8; u++) {
+        const uint32_t t = tu + u * NTHR, m = mv[u];
+        errb |= m >> 24;
+#pragma unroll
+        for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
+          const uint32_t b = (m >> r) & 1u;
+          ctot[r] += b;
+          cbef[r] += t < t0 ? b : 0u;
+        }
       }
     }
 #pragma unroll
@@ -850,8 +861,8 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       const uint32_t n = sh_n;
       if (m) send_meta_token(p, t, m, jr, sh_sendbase);
       if (!use_tma) {
-        /* the last tile's metadata goes out after the positions are published (below), so that the
-         * fence there does not wait for its NVLink writes */
+        /* the last tile's metadata goes out with the rows (below): the fence that publishes the
+         * positions then waits for no NVLink writes, and the first rows for no metadata */
         if (tb + TILE < t1) meta_tile(p, tb, s_cl, sh_tile0, sh_tilen, hist, slotc, tid, NTHR);
         continue;
       }
@@ -879,6 +890,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
             if ((mm >> r) & 1u)
               tma_store(sh_dr.xb[r] + (uint64_t)s_tj[ti * R + r] * rowb, stage + (uint64_t)s * rowb, (uint32_t)rowb);
           tma_commit();
+          tma_wait_pending();
           if (i + ahead < n) {
             tma_wait_read(lag);
             load(i + ahead);
@@ -896,18 +908,15 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
         __threadfence();
         st_release_gpu_u32(&st->drdy[blockIdx.x], seq);
       }
-      if (t0 < t1) meta_tile(p, t0 + (t1 - t0 - 1) / TILE * TILE, s_cl, sh_tile0, sh_tilen, hist, slotc, tid, NTHR);
       TR(4);
       const uint32_t *pos = (const uint32_t *)(lb + p.lay.pos);
+      /* each warp writes its share of the last tile's metadata after its first row: nothing reads it
+       * before the flags, and its chains of dependent loads held the first rows back by about 6 us */
+      bool meta = t0 < t1;
       uint32_t v = blockIdx.x, t = take_token(st->dcur, v, per, T, lane);
       for (;;) {
-        if (t >= T) {
-          v = pick_victim(st->dcur, st->drdy, seq, per, T, G, lane);
-          if (v >= G) break;
-          t = take_token(st->dcur, v, per, T, lane);
-          continue;
-        }
-        const uint32_t mm = __ldcg(tmask + t) & 0xffu;
+        if (t < T) {
+          const uint32_t mm = __ldcg(tmask + t) & 0xffu;
         const uint32_t pl = lane < R && ((mm >> lane) & 1u) ? __ldcg(pos + (uint64_t)t * R + lane) : 0u;
         uint32_t jj[EPD_K_MAX_RANKS];
 #pragma unroll
@@ -915,11 +924,22 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
           const uint32_t pr = __shfl_sync(0xffffffffu, pl, r);
           jj[r] = r < (int)R ? sh_sendbase[r] + pr : 0u;
         }
-        const char *xrow = x + (uint64_t)t * rowb;
-        if (mm && fp8)
-          send_row_fp8(p, xrow, mm, jj, sh_dr, (float *)(dsm + p.sm.fsc) + warp * (H / 128), lane);
-        else if (mm)
-          send_row_bf16(p, xrow, mm, jj, sh_dr, lane);
+          const char *xrow = x + (uint64_t)t * rowb;
+          if (mm && fp8)
+            send_row_fp8(p, xrow, mm, jj, sh_dr, (float *)(dsm + p.sm.fsc) + warp * (H / 128), lane);
+          else if (mm)
+            send_row_bf16(p, xrow, mm, jj, sh_dr, lane);
+        }
+        if (meta) {
+          meta_tile(p, t0 + (t1 - t0 - 1) / TILE * TILE, s_cl, sh_tile0, sh_tilen, hist, slotc, tid, NTHR);
+          meta = false;
+        }
+        if (t < T) {
+          t = take_token(st->dcur, v, per, T, lane);
+          continue;
+        }
+        v = pick_victim(st->dcur, st->drdy, seq, per, T, G, lane);
+        if (v >= G) break;
         t = take_token(st->dcur, v, per, T, lane);
       }
     }
