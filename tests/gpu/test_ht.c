@@ -283,11 +283,6 @@ EPD_TEST_T(gpu_ht_h4096_8192_tokens_16_blocks, 300) {
   step(14, 0, 8192, 8192, 0, 0);
   step(14, 1, 8192, 6000, 1, 1);
   step(15, 2, 5000, 8192, 1, 0);
-  /* the bulk-copy engine on tiles of 512 rows (these faulted before pending bulk groups were bounded) */
-  T_.h.copy = EPD_K_HT_COPY_TMA;
-  step(16, 3, 8192, 8192, 0, 0);
-  step(16, 4, 8192, 7000, 1, 0);
-  T_.h.copy = EPD_K_HT_COPY_REG;
   hth_destroy(&T_.h);
 }
 
