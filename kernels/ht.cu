@@ -225,11 +225,6 @@ __device__ __forceinline__ void tma_wait_read(uint32_t n) {
     asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
 }
 __device__ __forceinline__ void tma_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-/* At most 32 bulk groups of this thread still pending (their writes included). Waiting only for the
- * reads let a tile of 512 rows keep 512 groups pending, and that dispatch faulted (unspecified launch
- * failure, hidden 4096, 8192 tokens on 16 or 5 blocks) where 171 rows per tile never did: a bound on the
- * groups in flight per thread is the suspected cause. 32 rows in flight still keep the link busy. */
-__device__ __forceinline__ void tma_wait_pending() { asm volatile("cp.async.bulk.wait_group 32;" ::: "memory"); }
 /* Every bulk store of this thread complete, and ordered before its later generic-proxy accesses. */
 __device__ __forceinline__ void tma_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -890,7 +885,6 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
             if ((mm >> r) & 1u)
               tma_store(sh_dr.xb[r] + (uint64_t)s_tj[ti * R + r] * rowb, stage + (uint64_t)s * rowb, (uint32_t)rowb);
           tma_commit();
-          tma_wait_pending();
           if (i + ahead < n) {
             tma_wait_read(lag);
             load(i + ahead);
@@ -910,9 +904,15 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       }
       TR(4);
       const uint32_t *pos = (const uint32_t *)(lb + p.lay.pos);
-      /* each warp writes its share of the last tile's metadata after its first row: nothing reads it
-       * before the flags, and its chains of dependent loads held the first rows back by about 6 us */
+      /* BF16 rows are bound by the link: each warp writes its share of the last tile's metadata after its
+       * first row (nothing reads it before the flags; its chains of dependent loads held the first rows
+       * back by about 3 us). FP8 rows are bound by the quantiser: there it goes first (after the first
+       * row, FP8 dispatch took 10 us longer on 24 SMs). */
       bool meta = t0 < t1;
+      if (meta && fp8) {
+        meta_tile(p, t0 + (t1 - t0 - 1) / TILE * TILE, s_cl, sh_tile0, sh_tilen, hist, slotc, tid, NTHR);
+        meta = false;
+      }
       uint32_t v = blockIdx.x, t = take_token(st->dcur, v, per, T, lane);
       for (;;) {
         if (t < T) {
