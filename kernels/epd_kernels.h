@@ -264,7 +264,7 @@ typedef struct epd_k_ht_op {
   uint32_t copy; /* EPD_K_HT_COPY_REG (0, default) or EPD_K_HT_COPY_TMA */
   uint64_t *trace; /* optional (NULL), zeroed by the caller: %globaltimer stamps (profiling). Dispatch:
                     * [0] route start, [1] data kernel start, [2] counts, [3] plan messages read, [4] rows
-                    * start (block 0; TMA: its first tile's), [5] rows issued and [6] rows complete (latest
+                    * start (block 0: its metadata written), [5] rows issued and [6] rows complete (latest
                     * block), [7] peers' flags, [8] receive pass, [9] completion, [10] rows issued by the
                     * earliest block (stored complemented: ~stamp). Combine: [0] start, [1] peers' HT_Y ready,
                     * [2] pulled and reduced (latest block), [3] peers done, [4] completion. */

@@ -678,20 +678,14 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
     uint32_t ctot[EPD_K_MAX_RANKS], cbef[EPD_K_MAX_RANKS], errb = 0;
 #pragma unroll
     for (int r = 0; r < EPD_K_MAX_RANKS; r++) ctot[r] = cbef[r] = 0;
-    for (uint32_t tu = tid; tu < T; tu += 8 * NTHR) { /* 8 loads in flight: one L2 latency, not 8 */
-      uint32_t mv[8];
+    for (uint32_t t = tid; t < T; t += NTHR) {
+      const uint32_t m = __ldcg(tmask + t);
+      errb |= m >> 24;
 #pragma unroll
-      for (int u = 0; u < 8; u++) mv[u] = tu + u * NTHR < T ? __ldcg(tmask + tu + u * NTHR) : 0u;
-#pragma unroll
-      for (int u = 0; u < 8; u++) {
-        const uint32_t t = tu + u * NTHR, m = mv[u];
-        errb |= m >> 24;
-#pragma unroll
-        for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
-          const uint32_t b = (m >> r) & 1u;
-          ctot[r] += b;
-          cbef[r] += t < t0 ? b : 0u;
-        }
+      for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
+        const uint32_t b = (m >> r) & 1u;
+        ctot[r] += b;
+        cbef[r] += t < t0 ? b : 0u;
       }
     }
 #pragma unroll
@@ -856,8 +850,8 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       const uint32_t n = sh_n;
       if (m) send_meta_token(p, t, m, jr, sh_sendbase);
       if (!use_tma) {
-        /* the last tile's metadata goes out with the rows (below): the fence that publishes the
-         * positions then waits for no NVLink writes, and the first rows for no metadata */
+        /* the last tile's metadata goes out after the positions are published (below), so that the
+         * fence there does not wait for its NVLink writes */
         if (tb + TILE < t1) meta_tile(p, tb, s_cl, sh_tile0, sh_tilen, hist, slotc, tid, NTHR);
         continue;
       }
@@ -902,21 +896,18 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
         __threadfence();
         st_release_gpu_u32(&st->drdy[blockIdx.x], seq);
       }
+      if (t0 < t1) meta_tile(p, t0 + (t1 - t0 - 1) / TILE * TILE, s_cl, sh_tile0, sh_tilen, hist, slotc, tid, NTHR);
       TR(4);
       const uint32_t *pos = (const uint32_t *)(lb + p.lay.pos);
-      /* BF16 rows are bound by the link: each warp writes its share of the last tile's metadata after its
-       * first row (nothing reads it before the flags; its chains of dependent loads held the first rows
-       * back by about 3 us). FP8 rows are bound by the quantiser: there it goes first (after the first
-       * row, FP8 dispatch took 10 us longer on 24 SMs). */
-      bool meta = t0 < t1;
-      if (meta && fp8) {
-        meta_tile(p, t0 + (t1 - t0 - 1) / TILE * TILE, s_cl, sh_tile0, sh_tilen, hist, slotc, tid, NTHR);
-        meta = false;
-      }
       uint32_t v = blockIdx.x, t = take_token(st->dcur, v, per, T, lane);
       for (;;) {
-        if (t < T) {
-          const uint32_t mm = __ldcg(tmask + t) & 0xffu;
+        if (t >= T) {
+          v = pick_victim(st->dcur, st->drdy, seq, per, T, G, lane);
+          if (v >= G) break;
+          t = take_token(st->dcur, v, per, T, lane);
+          continue;
+        }
+        const uint32_t mm = __ldcg(tmask + t) & 0xffu;
         const uint32_t pl = lane < R && ((mm >> lane) & 1u) ? __ldcg(pos + (uint64_t)t * R + lane) : 0u;
         uint32_t jj[EPD_K_MAX_RANKS];
 #pragma unroll
@@ -924,22 +915,11 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
           const uint32_t pr = __shfl_sync(0xffffffffu, pl, r);
           jj[r] = r < (int)R ? sh_sendbase[r] + pr : 0u;
         }
-          const char *xrow = x + (uint64_t)t * rowb;
-          if (mm && fp8)
-            send_row_fp8(p, xrow, mm, jj, sh_dr, (float *)(dsm + p.sm.fsc) + warp * (H / 128), lane);
-          else if (mm)
-            send_row_bf16(p, xrow, mm, jj, sh_dr, lane);
-        }
-        if (meta) {
-          meta_tile(p, t0 + (t1 - t0 - 1) / TILE * TILE, s_cl, sh_tile0, sh_tilen, hist, slotc, tid, NTHR);
-          meta = false;
-        }
-        if (t < T) {
-          t = take_token(st->dcur, v, per, T, lane);
-          continue;
-        }
-        v = pick_victim(st->dcur, st->drdy, seq, per, T, G, lane);
-        if (v >= G) break;
+        const char *xrow = x + (uint64_t)t * rowb;
+        if (mm && fp8)
+          send_row_fp8(p, xrow, mm, jj, sh_dr, (float *)(dsm + p.sm.fsc) + warp * (H / 128), lane);
+        else if (mm)
+          send_row_bf16(p, xrow, mm, jj, sh_dr, lane);
         t = take_token(st->dcur, v, per, T, lane);
       }
     }
