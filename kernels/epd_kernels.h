@@ -271,9 +271,10 @@ typedef struct epd_k_ht_op {
   uint64_t peer_arena[EPD_K_MAX_RANKS];
   uint32_t copy; /* EPD_K_HT_COPY_REG (0, default) or EPD_K_HT_COPY_TMA */
   uint64_t *trace; /* optional (NULL), zeroed by the caller: %globaltimer stamps (profiling). Dispatch:
-                    * [0] route start, [1] data kernel start, [2] counts, [3] plan messages read, [4] first
-                    * tile's metadata, [5] rows issued and [6] rows complete (latest block), [7] peers'
-                    * flags, [8] receive pass, [9] completion. Combine: [0] start, [1] peers' HT_Y ready,
+                    * [0] route start, [1] data kernel start, [2] counts, [3] plan messages read, [4] rows
+                    * start (block 0: its metadata written), [5] rows issued and [6] rows complete (latest
+                    * block), [7] peers' flags, [8] receive pass, [9] completion, [10] rows issued by the
+                    * earliest block (stored complemented: ~stamp). Combine: [0] start, [1] peers' HT_Y ready,
                     * [2] pulled and reduced (latest block), [3] peers done, [4] completion. */
 } epd_k_ht_op_t;
 #define EPD_K_HT_COPY_REG 0u /* 16-byte register loads and stores (the default) */

@@ -108,6 +108,9 @@ struct HTState {
   uint32_t map_version;
   uint32_t sendbase[EPD_K_MAX_RANKS];      /* first row of my segment on each dest rank */
   uint32_t recvbase[EPD_K_MAX_RANKS + 1];  /* first row of each src's segment here */
+  uint32_t drdy[EPD_K_HT_MAX_BLOCKS];      /* dispatch: seq once the block's positions (pos) are written */
+  uint32_t dcur[EPD_K_HT_MAX_BLOCKS];      /* dispatch: tokens of the block's chunk taken (0 between ops) */
+  uint32_t ccur[EPD_K_HT_MAX_BLOCKS];      /* combine (direct): the same */
 };
 
 struct HTLayout {
@@ -117,7 +120,7 @@ struct HTLayout {
 
 /* Dynamic shared memory of a data kernel (byte offsets; 0 bytes where unused). */
 struct SmemLayout {
-  uint32_t bar, tj, tmask, tlist, hist, stage, total;
+  uint32_t bar, tj, tmask, tlist, clist, hist, fsc, stage, total;
 };
 
 struct HTParams {
@@ -150,6 +153,11 @@ struct HTParams {
 #define TR_LATEST(i)                                                                       \
   do {                                                                                     \
     if (p.trace) atomicMax((unsigned long long *)&p.trace[i], (unsigned long long)gtimer()); \
+  } while (0)
+/* The earliest block's stamp, stored as its complement (the trace starts zeroed). */
+#define TR_EARLIEST(i)                                                                     \
+  do {                                                                                     \
+    if (p.trace) atomicMax((unsigned long long *)&p.trace[i], ~(unsigned long long)gtimer()); \
   } while (0)
 
 __device__ __forceinline__ char *peer_bank(const HTParams &p, int peer) {
@@ -354,24 +362,27 @@ __device__ __forceinline__ void warp_copy_row(int4 *dst, const int4 *src, uint32
   }
 }
 
-/* Sum one output row chunk of n16 16-byte vectors (BF16) over the rows given (rank order), f32. */
+/* Sum one output row of n16 16-byte vectors (BF16) over the rows given (rank order), f32. NV vectors
+ * per lane and rank in flight: 8 for the pull over NVLink, whose latency 4 do not cover (the copy kernel
+ * pulling with 8 reaches 317 GB/s on 24 SMs). */
+template <int NV>
 __device__ __forceinline__ void warp_reduce_rows(int4 *orow, const int4 *const *rows, uint32_t R, uint32_t n16,
                                                  uint32_t lane) {
-  for (uint32_t v0 = lane; v0 < n16; v0 += 32 * 4) {
-    float acc[4][8];
+  for (uint32_t v0 = lane; v0 < n16; v0 += 32 * NV) {
+    float acc[NV][8];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < NV; i++)
 #pragma unroll
       for (int q = 0; q < 8; q++) acc[i][q] = 0.f;
 #pragma unroll
     for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
       if (r >= (int)R || !rows[r]) continue;
-      int4 b[4];
+      int4 b[NV];
 #pragma unroll
-      for (int i = 0; i < 4; i++)
+      for (int i = 0; i < NV; i++)
         if (v0 + i * 32 < n16) b[i] = __ldcg(rows[r] + v0 + i * 32);
 #pragma unroll
-      for (int i = 0; i < 4; i++) {
+      for (int i = 0; i < NV; i++) {
         const uint32_t *u = (const uint32_t *)&b[i];
 #pragma unroll
         for (int q = 0; q < 4; q++) {
@@ -381,7 +392,7 @@ __device__ __forceinline__ void warp_reduce_rows(int4 *orow, const int4 *const *
       }
     }
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < NV; i++) {
       if (v0 + i * 32 >= n16) continue;
       int4 o;
       o.x = (int)pack_bf16x2(acc[i][0], acc[i][1]);
@@ -401,63 +412,77 @@ struct DestRows {
   uint32_t ss[EPD_K_MAX_RANKS];
 };
 
-/* Metadata of my token t (dest mask m, absolute rows jr[r]) on every dest rank; counts the own entries. */
-__device__ void send_meta(const HTParams &p, uint32_t t, uint32_t m, const uint32_t *jr, const uint32_t *sendbase,
-                          uint32_t *hist, uint32_t *slotc) {
+/* Per-token part of the metadata of my token t (dest mask m, absolute rows jr[r]): its row on each
+ * dest (pos, for the combine) and, for dests reached through staging, its RowMeta. The arena metadata
+ * of the other dests is written per tile by meta_tile. */
+__device__ void send_meta_token(const HTParams &p, uint32_t t, uint32_t m, const uint32_t *jr, const uint32_t *sendbase) {
   const uint32_t K = p.K, R = p.R, me = p.rank;
   char *lb = local_bank(p);
-  const TokRoute rt = ((const TokRoute *)(lb + p.lay.route))[t];
-  const float *topw = arena_buf<float>(p, EPD_BUF_TOPK_WEIGHTS) + (uint64_t)t * K;
   uint32_t *pos = (uint32_t *)(lb + p.lay.pos) + (uint64_t)t * R;
-  float w[KMAX];
-#pragma unroll
-  for (int k = 0; k < KMAX; k++) w[k] = k < (int)K ? __ldg(topw + k) : 0.f;
-  const int32_t src = EPD_SRC_PACK(me, t);
   for (uint32_t r = 0; r < R; r++) {
     if (!((m >> r) & 1u)) continue;
-    const uint32_t j = jr[r];
-    pos[r] = j - sendbase[r];
-    if (r == me || p.direct) {
-      int64_t *idx = rank_buf<int64_t>(p, r, EPD_BUF_HT_RECV_TOPK_IDX) + (uint64_t)j * K;
-      float *wd = rank_buf<float>(p, r, EPD_BUF_HT_RECV_TOPK_WEIGHTS) + (uint64_t)j * K;
+    pos[r] = jr[r] - sendbase[r];
+    if (r == me || p.direct) continue;
+    const TokRoute rt = ((const TokRoute *)(lb + p.lay.route))[t];
+    const float *topw = arena_buf<float>(p, EPD_BUF_TOPK_WEIGHTS) + (uint64_t)t * K;
+    RowMeta rm;
+    rm.src = EPD_SRC_PACK(me, t);
+    rm.pad0 = 0;
 #pragma unroll
-      for (int k = 0; k < KMAX; k++) {
-        if (k >= (int)K) break;
-        const bool mine = rt.rank[k] == r;
-        idx[k] = mine ? (int64_t)rt.slot[k] : (int64_t)-1;
-        wd[k] = mine ? w[k] : 0.f;
-        if (mine && r == me) {
-          if (hist)
-            atomicAdd(&hist[rt.slot[k]], 1u);
-          else
-            atomicAdd(&slotc[rt.slot[k]], 1u);
-        }
-      }
-      rank_buf<int32_t>(p, r, EPD_BUF_HT_RECV_SRC)[j] = src;
-      if (r == me) ((int32_t *)(lb + p.lay.rsrc))[j] = src;
-    } else {
-      RowMeta rm;
-      rm.src = src;
-      rm.pad0 = 0;
+    for (int k = 0; k < KMAX; k++) {
+      const bool mine = k < (int)K && rt.rank[k] == r;
+      rm.slot[k] = mine ? (int16_t)rt.slot[k] : (int16_t)-1;
+      rm.w[k] = mine ? __ldg(topw + k) : 0.f;
+    }
 #pragma unroll
-      for (int k = 0; k < KMAX; k++) {
-        const bool mine = k < (int)K && rt.rank[k] == r;
-        rm.slot[k] = mine ? (int16_t)rt.slot[k] : (int16_t)-1;
-        rm.w[k] = mine ? w[k] : 0.f;
-      }
+    for (int q = 0; q < 6; q++) rm.pad1[q] = 0;
+    int4 *d = (int4 *)(peer_bank(p, (int)r) + p.lay.mstg + (uint64_t)jr[r] * sizeof(RowMeta));
 #pragma unroll
-      for (int q = 0; q < 6; q++) rm.pad1[q] = 0;
-      int4 *d = (int4 *)(peer_bank(p, (int)r) + p.lay.mstg + (uint64_t)j * sizeof(RowMeta));
-#pragma unroll
-      for (int q = 0; q < 8; q++) d[q] = ((const int4 *)&rm)[q];
+    for (int q = 0; q < 8; q++) d[q] = ((const int4 *)&rm)[q];
+  }
+}
+
+/* Arena metadata (HT_RECV_TOPK_IDX, _WEIGHTS, _SRC) of one tile's tokens on every dest written directly
+ * (own rank; every rank in direct mode); counts the own entries. The tile's tokens for dest r hold the
+ * consecutive rows j0[r] .. j0[r] + n[r] - 1 (cl[r * TILE + c]: tile index of the c-th), so consecutive
+ * threads write consecutive elements: NVLink then carries a few full lines per token instead of 2K + 1
+ * partial writes, whose packet rate held the rows back for about 10 us. Threads i0, i0 + stride, ... */
+__device__ void meta_tile(const HTParams &p, uint32_t tb, const uint16_t *cl, const uint32_t *j0, const uint32_t *n,
+                          uint32_t *hist, uint32_t *slotc, uint32_t i0, uint32_t stride) {
+  const uint32_t K = p.K, R = p.R, me = p.rank;
+  char *lb = local_bank(p);
+  const TokRoute *route = (const TokRoute *)(lb + p.lay.route);
+  const float *topw = arena_buf<float>(p, EPD_BUF_TOPK_WEIGHTS);
+  for (uint32_t r = 0; r < R; r++) {
+    if (r != me && !p.direct) continue;
+    const uint32_t nr = n[r], jb = j0[r];
+    const uint16_t *c_r = cl + r * TILE;
+    int64_t *idx = rank_buf<int64_t>(p, r, EPD_BUF_HT_RECV_TOPK_IDX) + (uint64_t)jb * K;
+    float *wd = rank_buf<float>(p, r, EPD_BUF_HT_RECV_TOPK_WEIGHTS) + (uint64_t)jb * K;
+    for (uint32_t e = i0; e < nr * K; e += stride) {
+      const uint32_t c = e / K, k = e - c * K, t = tb + c_r[c];
+      const bool mine = route[t].rank[k] == r;
+      const uint32_t sl = route[t].slot[k];
+      idx[e] = mine ? (int64_t)sl : (int64_t)-1;
+      wd[e] = mine ? __ldg(topw + (uint64_t)t * K + k) : 0.f;
+      if (mine && r == me) atomicAdd(hist ? &hist[sl] : &slotc[sl], 1u);
+    }
+    int32_t *srcd = rank_buf<int32_t>(p, r, EPD_BUF_HT_RECV_SRC) + jb;
+    int32_t *rsrc = (int32_t *)(lb + p.lay.rsrc) + jb;
+    for (uint32_t c = i0; c < nr; c += stride) {
+      const int32_t src = EPD_SRC_PACK(me, tb + c_r[c]);
+      srcd[c] = src;
+      if (r == me) rsrc[c] = src;
     }
   }
 }
 
 /* FP8 rows of one token by a warp: quantised once (a half-warp per 128-channel group, 8 channels per
- * lane, 8 loads in flight), written to every dest of mask m at rows jr. */
+ * lane, 8 loads in flight), written to every dest of mask m at rows jr. The scales collect in the warp's
+ * scw[H / 128] and go out once per row with consecutive lanes: one 4-byte NVLink write per group and
+ * dest would be 2 * H / 128 partial writes per token. */
 __device__ __forceinline__ void send_row_fp8(const HTParams &p, const char *xrow, uint32_t m, const uint32_t *jr,
-                                             const DestRows &dr, uint32_t lane) {
+                                             const DestRows &dr, float *scw, uint32_t lane) {
   const uint32_t H = p.H, R = p.R, nsc = H / 128;
   const uint64_t rowb = 2ull * H;
   char *xd[EPD_K_MAX_RANKS];
@@ -506,13 +531,17 @@ __device__ __forceinline__ void send_row_fp8(const HTParams &p, const char *xrow
       }
       const uint2 qv = make_uint2(qw[0], qw[1]);
 #pragma unroll
-      for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
-        if (!xd[r]) continue;
-        *(uint2 *)(xd[r] + g * 128 + (lane & 15) * 8) = qv;
-        if ((lane & 15) == 0) sd[r][g] = scale;
-      }
+      for (int r = 0; r < EPD_K_MAX_RANKS; r++)
+        if (xd[r]) *(uint2 *)(xd[r] + g * 128 + (lane & 15) * 8) = qv;
+      if ((lane & 15) == 0) scw[g] = scale;
     }
   }
+  __syncwarp();
+#pragma unroll
+  for (int r = 0; r < EPD_K_MAX_RANKS; r++)
+    if (sd[r])
+      for (uint32_t g = lane; g < nsc; g += 32) sd[r][g] = scw[g];
+  __syncwarp(); /* scw is free for the warp's next row */
 }
 
 /* BF16 row of one token by a warp with 16-byte register copies, to every dest of mask m. */
@@ -540,6 +569,57 @@ __device__ __forceinline__ void send_row_bf16(const HTParams &p, const char *xro
   }
 }
 
+__device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_relaxed_gpu_u32(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu_u32(uint32_t *p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+/* Work stealing (whole warp): the block whose chunk of `per` tokens has the most tokens left untaken
+ * (cur[b]: taken so far), among those with rdy[b] == seq where rdy is given; G when none has any. A
+ * block's tokens are taken one at a time, by its own warps first, so the blocks finish together
+ * instead of as their share of the link allows (about 10 us apart with fixed chunks). */
+__device__ uint32_t pick_victim(const uint32_t *cur, const uint32_t *rdy, uint32_t seq, uint32_t per, uint32_t T,
+                                uint32_t G, uint32_t lane) {
+  uint32_t best = 0, bv = G;
+  for (uint32_t v = lane; v < G; v += 32) {
+    if (rdy && ld_acquire_gpu_u32(rdy + v) != seq) continue;
+    const uint32_t len = min(v * per + per, T) - min(v * per, T), c = ld_relaxed_gpu_u32(cur + v);
+    if (c < len && len - c > best) {
+      best = len - c;
+      bv = v;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const uint32_t ob = __shfl_xor_sync(0xffffffffu, best, o), ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    if (ob > best || (ob == best && ov < bv)) {
+      best = ob;
+      bv = ov;
+    }
+  }
+  __syncwarp(); /* the acquiring lane's view of the victim's positions becomes the warp's */
+  return best ? bv : G;
+}
+
+/* The next token (absolute index) of block v's chunk for this warp, or T when v's chunk is taken:
+ * lane 0's ticket from cur[v], broadcast. */
+__device__ __forceinline__ uint32_t take_token(uint32_t *cur, uint32_t v, uint32_t per, uint32_t T, uint32_t lane) {
+  uint32_t i = 0;
+  if (lane == 0) i = atomicAdd(cur + v, 1u);
+  i = __shfl_sync(0xffffffffu, i, 0);
+  const uint32_t t = v * per + i;
+  return i < per && t < T ? t : T;
+}
+
 /* ---------------------------------------------------------------------------------------------------
  * dispatch data: G blocks; block b owns a contiguous chunk of my tokens, in tiles of TILE tokens.
  * ------------------------------------------------------------------------------------------------- */
@@ -547,6 +627,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
   extern __shared__ __align__(128) unsigned char dsm[];
   __shared__ uint32_t sh_w[NWARP][2 * EPD_K_MAX_RANKS + 1];
   __shared__ uint32_t sh_tot[EPD_K_MAX_RANKS], sh_before[EPD_K_MAX_RANKS], sh_run[EPD_K_MAX_RANKS];
+  __shared__ uint32_t sh_tile0[EPD_K_MAX_RANKS], sh_tilen[EPD_K_MAX_RANKS]; /* the tile's rows per dest */
   __shared__ uint32_t sh_mat[EPD_K_MAX_RANKS][EPD_K_MAX_RANKS]; /* [src][dest] */
   __shared__ uint32_t sh_srcerr[EPD_K_MAX_RANKS];
   __shared__ uint32_t sh_sendbase[EPD_K_MAX_RANKS], sh_recvbase[EPD_K_MAX_RANKS + 1];
@@ -715,10 +796,12 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
   const uint32_t N = sh_N;
 
   if (code == 0) {
-    /* ---- send my chunk, tile by tile: metadata by the token's thread, rows by warps or TMA ---- */
+    /* ---- my chunk, tile by tile: rows on every dest (a scan of the tile's masks), metadata; with TMA
+     * the tile's rows too, by thread 0 driving the ring, while warps 1.. write the metadata ---- */
     uint32_t *s_tj = (uint32_t *)(dsm + p.sm.tj);    /* [TILE][R] absolute row on each dest */
     uint32_t *s_tm = (uint32_t *)(dsm + p.sm.tmask); /* [TILE] dest mask */
     uint32_t *s_tl = (uint32_t *)(dsm + p.sm.tlist); /* tile indices of the tokens sent anywhere */
+    uint16_t *s_cl = (uint16_t *)(dsm + p.sm.clist); /* [R][TILE] tile indices of the tokens sent to r */
     unsigned char *stage = dsm + p.sm.stage;
     const char *x = arena_buf<char>(p, EPD_BUF_X);
     const uint32_t lt = (1u << lane) - 1u;
@@ -742,9 +825,9 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
 #pragma unroll
       for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
         if (r >= (int)R) break;
-        uint32_t a = sh_run[r];
-        for (uint32_t w = 0; w < warp; w++) a += sh_w[w][r];
-        jr[r] += a;
+        for (uint32_t w = 0; w < warp; w++) jr[r] += sh_w[w][r];
+        if ((m >> r) & 1u) s_cl[r * TILE + jr[r]] = (uint16_t)tid;
+        jr[r] += sh_run[r];
         s_tj[tid * R + r] = jr[r];
       }
       for (uint32_t w = 0; w < warp; w++) li += sh_w[w][2 * EPD_K_MAX_RANKS];
@@ -754,6 +837,8 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       if (tid < R) {
         uint32_t a = 0;
         for (int w = 0; w < NWARP; w++) a += sh_w[w][tid];
+        sh_tile0[tid] = sh_run[tid];
+        sh_tilen[tid] = a;
         sh_run[tid] += a;
       }
       if (tid == 0) {
@@ -761,60 +846,88 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
         for (int w = 0; w < NWARP; w++) a += sh_w[w][2 * EPD_K_MAX_RANKS];
         sh_n = a;
       }
-      __syncthreads(); /* s_tl, sh_n */
+      __syncthreads(); /* s_tl, s_cl, sh_n, the tile's rows */
       const uint32_t n = sh_n;
-      if (use_tma) {
-        /* the metadata of the tile's tokens goes out while thread 0 drives the rows */
-        if (tid != 0 && m) send_meta(p, t, m, jr, sh_sendbase, hist, slotc);
-        if (tb == t0) TR(4);
-        if (tid == 0) {
-          /* one thread drives the ring: row loads run ns - lag ahead, `lag` rows of stores may still read */
-          const uint32_t ns = p.ns, lag = p.lag, ahead = ns - lag;
-          auto load = [&](uint32_t k) {
-            const uint32_t g = gload + k, s = g % ns;
-            mbar_expect_tx(&full[s], (uint32_t)rowb);
-            tma_load(stage + (uint64_t)s * rowb, x + (uint64_t)(tb + s_tl[k]) * rowb, (uint32_t)rowb, &full[s]);
-          };
-          for (uint32_t k = 0; k < n && k < ahead; k++) load(k);
-          for (uint32_t i = 0; i < n; i++) {
-            const uint32_t g = gload + i, s = g % ns;
-            if (!mbar_wait(&full[s], (g / ns) & 1u, deadline)) {
-              sh_abort = 1;
-              code = EPD_ERR_TIMEOUT;
-              peer = (int)me;
-              break;
-            }
-            const uint32_t ti = s_tl[i], mm = s_tm[ti];
-            for (uint32_t r = 0; r < R; r++)
-              if ((mm >> r) & 1u)
-                tma_store(sh_dr.xb[r] + (uint64_t)s_tj[ti * R + r] * rowb, stage + (uint64_t)s * rowb, (uint32_t)rowb);
-            tma_commit();
-            if (i + ahead < n) {
-              tma_wait_read(lag);
-              load(i + ahead);
-            }
+      if (m) send_meta_token(p, t, m, jr, sh_sendbase);
+      if (!use_tma) {
+        /* the last tile's metadata goes out after the positions are published (below), so that the
+         * fence there does not wait for its NVLink writes */
+        if (tb + TILE < t1) meta_tile(p, tb, s_cl, sh_tile0, sh_tilen, hist, slotc, tid, NTHR);
+        continue;
+      }
+      if (warp > 0) meta_tile(p, tb, s_cl, sh_tile0, sh_tilen, hist, slotc, tid - 32, NTHR - 32);
+      if (tb == t0) TR(4);
+      if (tid == 0) {
+        /* one thread drives the ring: row loads run ns - lag ahead, `lag` rows of stores may still read */
+        const uint32_t ns = p.ns, lag = p.lag, ahead = ns - lag;
+        auto load = [&](uint32_t k) {
+          const uint32_t g = gload + k, s = g % ns;
+          mbar_expect_tx(&full[s], (uint32_t)rowb);
+          tma_load(stage + (uint64_t)s * rowb, x + (uint64_t)(tb + s_tl[k]) * rowb, (uint32_t)rowb, &full[s]);
+        };
+        for (uint32_t k = 0; k < n && k < ahead; k++) load(k);
+        for (uint32_t i = 0; i < n; i++) {
+          const uint32_t g = gload + i, s = g % ns;
+          if (!mbar_wait(&full[s], (g / ns) & 1u, deadline)) {
+            sh_abort = 1;
+            code = EPD_ERR_TIMEOUT;
+            peer = (int)me;
+            break;
           }
-          tma_wait_read_all(); /* the stages are free for the next tile */
-          gload += n;
-          if (m) send_meta(p, t, m, jr, sh_sendbase, hist, slotc);
-        }
-      } else {
-        if (m) send_meta(p, t, m, jr, sh_sendbase, hist, slotc);
-        if (tb == t0) TR(4);
-        for (uint32_t i = warp; i < n; i += NWARP) {
           const uint32_t ti = s_tl[i], mm = s_tm[ti];
-          uint32_t jj[EPD_K_MAX_RANKS];
-#pragma unroll
-          for (int r = 0; r < EPD_K_MAX_RANKS; r++) jj[r] = r < (int)R ? s_tj[ti * R + r] : 0u;
-          const char *xrow = x + (uint64_t)(tb + ti) * rowb;
-          if (fp8)
-            send_row_fp8(p, xrow, mm, jj, sh_dr, lane);
-          else
-            send_row_bf16(p, xrow, mm, jj, sh_dr, lane);
+          for (uint32_t r = 0; r < R; r++)
+            if ((mm >> r) & 1u)
+              tma_store(sh_dr.xb[r] + (uint64_t)s_tj[ti * R + r] * rowb, stage + (uint64_t)s * rowb, (uint32_t)rowb);
+          tma_commit();
+          if (i + ahead < n) {
+            tma_wait_read(lag);
+            load(i + ahead);
+          }
         }
+        tma_wait_read_all(); /* the stages are free for the next tile */
+        gload += n;
       }
     }
-    if (tid == 0) TR_LATEST(5);
+    if (!use_tma) {
+      /* ---- rows by warps, a token at a time: my chunk's first, then those of blocks still sending
+       * theirs (work stealing); a token's rows come from tmask and pos, published by its block ---- */
+      __syncthreads(); /* pos of my chunk written */
+      if (tid == 0) {
+        __threadfence();
+        st_release_gpu_u32(&st->drdy[blockIdx.x], seq);
+      }
+      if (t0 < t1) meta_tile(p, t0 + (t1 - t0 - 1) / TILE * TILE, s_cl, sh_tile0, sh_tilen, hist, slotc, tid, NTHR);
+      TR(4);
+      const uint32_t *pos = (const uint32_t *)(lb + p.lay.pos);
+      uint32_t v = blockIdx.x, t = take_token(st->dcur, v, per, T, lane);
+      for (;;) {
+        if (t >= T) {
+          v = pick_victim(st->dcur, st->drdy, seq, per, T, G, lane);
+          if (v >= G) break;
+          t = take_token(st->dcur, v, per, T, lane);
+          continue;
+        }
+        const uint32_t mm = __ldcg(tmask + t) & 0xffu;
+        const uint32_t pl = lane < R && ((mm >> lane) & 1u) ? __ldcg(pos + (uint64_t)t * R + lane) : 0u;
+        uint32_t jj[EPD_K_MAX_RANKS];
+#pragma unroll
+        for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
+          const uint32_t pr = __shfl_sync(0xffffffffu, pl, r);
+          jj[r] = r < (int)R ? sh_sendbase[r] + pr : 0u;
+        }
+        const char *xrow = x + (uint64_t)t * rowb;
+        if (mm && fp8)
+          send_row_fp8(p, xrow, mm, jj, sh_dr, (float *)(dsm + p.sm.fsc) + warp * (H / 128), lane);
+        else if (mm)
+          send_row_bf16(p, xrow, mm, jj, sh_dr, lane);
+        t = take_token(st->dcur, v, per, T, lane);
+      }
+    }
+    __syncthreads();
+    if (tid == 0) {
+      TR_LATEST(5);
+      TR_EARLIEST(10);
+    }
     if (use_tma && tid == 0) tma_wait_all();
     if (tid == 0) TR_LATEST(6);
   }
@@ -837,17 +950,15 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
     int64_t *recv_idx = arena_buf<int64_t>(p, EPD_BUF_HT_RECV_TOPK_IDX);
     int32_t *recv_src = arena_buf<int32_t>(p, EPD_BUF_HT_RECV_SRC);
     if (p.direct) {
-      for (uint32_t j = blockIdx.x * NTHR + tid; j < N; j += G * NTHR) {
-        if (j >= own0 && j < own1) continue;
-        for (uint32_t k = 0; k < K; k++) {
-          const int64_t ls = __ldcg(recv_idx + (uint64_t)j * K + k);
-          if (ls >= 0) {
-            if (hist)
-              atomicAdd(&hist[ls], 1u);
-            else
-              atomicAdd(&slotc[ls], 1u);
-          }
-        }
+      /* the peers' rows (all but my own segment) element by element over every block: coalesced */
+      const uint32_t nown = own1 - own0, nrem = N - nown;
+      for (uint32_t e = blockIdx.x * NTHR + tid; e < nrem * K; e += G * NTHR) {
+        const uint32_t q = e / K, j = q < own0 ? q : q + nown;
+        const int64_t ls = __ldcg(recv_idx + (uint64_t)j * K + (e - q * K));
+        if (ls >= 0) atomicAdd(hist ? &hist[ls] : &slotc[ls], 1u);
+      }
+      for (uint32_t q = blockIdx.x * NTHR + tid; q < nrem; q += G * NTHR) {
+        const uint32_t j = q < own0 ? q : q + nown;
         rsrc[j] = __ldcg(recv_src + j);
       }
     } else {
@@ -913,6 +1024,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       if (p.slot_tokens) p.slot_tokens[s] += v;
     }
   }
+  for (uint32_t b = tid; b < G; b += NTHR) st->dcur[b] = 0; /* every block is past its rows */
   __syncthreads();
   if (tid == 0) {
     st->dseq = seq;
@@ -938,6 +1050,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
 __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
   extern __shared__ __align__(128) unsigned char dsm[];
   __shared__ int sh_last, sh_to, sh_abort, sh_bad;
+  __shared__ uint32_t sh_sb[EPD_K_MAX_RANKS]; /* st->sendbase */
   const uint32_t R = p.R, H = p.H, me = p.rank, G = p.G, M = p.M;
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   char *lb = local_bank(p);
@@ -1001,7 +1114,7 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
             rows[r] = (uint32_t)r == me ? (const int4 *)(y + (uint64_t)(own + pos[(uint64_t)t * R + r]) * rowb)
                                         : (const int4 *)(cstg + ((uint64_t)r * M + t) * rowb);
         }
-        warp_reduce_rows((int4 *)(out + (uint64_t)t * rowb), rows, R, n16, lane);
+        warp_reduce_rows<4>((int4 *)(out + (uint64_t)t * rowb), rows, R, n16, lane);
       }
     }
   } else {
@@ -1010,6 +1123,7 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
       sh_to = sh_bad = NO_TIMEOUT;
       sh_abort = 0;
     }
+    if (tid < R) sh_sb[tid] = st->sendbase[tid];
     __syncthreads();
     if (tid < R && tid != me) {
       __threadfence_system();
@@ -1052,10 +1166,36 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
       unsigned char *stage = dsm + p.sm.stage;
       const uint32_t per = (T + G - 1) / G;
       const uint32_t t0 = min(blockIdx.x * per, T), t1 = min(t0 + per, T);
+      if (!p.tma) {
+        /* register loads, a warp per token: my chunk's first, then those of blocks with tokens left
+         * (work stealing; the positions are the dispatch's, complete) */
+        uint32_t v = blockIdx.x, t = take_token(st->ccur, v, per, T, lane);
+        for (;;) {
+          if (t >= T) {
+            v = pick_victim(st->ccur, nullptr, 0, per, T, G, lane);
+            if (v >= G) break;
+            t = take_token(st->ccur, v, per, T, lane);
+            continue;
+          }
+          const uint32_t m = route[t].mask & 0xffu;
+          const uint32_t pl = lane < R && ((m >> lane) & 1u) ? __ldcg(pos + (uint64_t)t * R + lane) : 0u;
+          const int4 *rows[EPD_K_MAX_RANKS];
+#pragma unroll
+          for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
+            const uint32_t pr = __shfl_sync(0xffffffffu, pl, r);
+            rows[r] = r < (int)R && ((m >> r) & 1u)
+                          ? (const int4 *)(rank_buf<char>(p, r, EPD_BUF_HT_Y) + (uint64_t)(sh_sb[r] + pr) * rowb)
+                          : nullptr;
+          }
+          warp_reduce_rows<8>((int4 *)(out + (uint64_t)t * rowb), rows, R, n16, lane);
+          t = take_token(st->ccur, v, per, T, lane);
+        }
+      }
+      /* bulk-copy engine (opt-in): tile by tile, thread 0 loads the rows' column chunks, warps 1.. sum */
       const uint32_t ns = p.ns, cw = p.cw, nch = p.nch;
       const uint64_t stb = (uint64_t)R * cw; /* bytes per stage: one column chunk of every rank's row */
       uint32_t gu = 0;                        /* units (token, chunk) of the earlier tiles */
-      for (uint32_t tb = t0; tb < t1; tb += TILE) {
+      for (uint32_t tb = t0; p.tma && tb < t1; tb += TILE) {
         __syncthreads();
         if (sh_abort) break;
         const uint32_t nt = min(TILE, t1 - tb);
@@ -1067,7 +1207,7 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
             if ((m >> r) & 1u) s_tj[tid * R + r] = st->sendbase[r] + pos[(uint64_t)t * R + r];
         }
         __syncthreads();
-        if (p.tma) {
+        {
           const uint32_t nu = nt * nch;
           if (tid == 0) {
             /* producer: the rows' chunks of unit u into stage u % ns (rank r's at r * cw) */
@@ -1132,17 +1272,6 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
             }
           }
           gu += nu;
-        } else {
-          for (uint32_t i = warp; i < nt; i += NWARP) {
-            const uint32_t m = s_tm[i];
-            const int4 *rows[EPD_K_MAX_RANKS];
-#pragma unroll
-            for (int r = 0; r < EPD_K_MAX_RANKS; r++)
-              rows[r] = r < (int)R && ((m >> r) & 1u)
-                            ? (const int4 *)(rank_buf<char>(p, r, EPD_BUF_HT_Y) + (uint64_t)s_tj[i * R + r] * rowb)
-                            : nullptr;
-            warp_reduce_rows((int4 *)(out + (uint64_t)(tb + i) * rowb), rows, R, n16, lane);
-          }
         }
       }
     }
@@ -1177,6 +1306,7 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
   st->err[1] = 0;
   st->errpeer[1] = -1;
   st->cticket = 0;
+  for (uint32_t b = 0; b < G; b++) st->ccur[b] = 0; /* every block is past its rows */
   volatile epd_comp_t *comp = p.comp;
   if (comp) {
     comp->status = c;
@@ -1214,8 +1344,8 @@ HTLayout make_layout(const epd_k_ht_geom_t *g, uint32_t G) {
   return l;
 }
 
-/* Shared memory of the dispatch kernel: TMA ring of ns row stages when ns > 0. */
-SmemLayout dispatch_smem(uint32_t R, uint32_t S, uint64_t stage_bytes, uint32_t ns) {
+/* Shared memory of the dispatch kernel: fsc_bytes of FP8 scales, TMA ring of ns row stages when ns > 0. */
+SmemLayout dispatch_smem(uint32_t R, uint32_t S, uint32_t fsc_bytes, uint64_t stage_bytes, uint32_t ns) {
   SmemLayout m;
   uint32_t o = 0;
   m.bar = o;
@@ -1226,8 +1356,12 @@ SmemLayout dispatch_smem(uint32_t R, uint32_t S, uint64_t stage_bytes, uint32_t 
   o += TILE * 4;
   m.tlist = o;
   o += TILE * 4;
+  m.clist = o;
+  o += TILE * R * 2;
   m.hist = o;
   o += S <= HIST_MAX ? S * 4 : 0;
+  m.fsc = o;
+  o += fsc_bytes;
   o = (uint32_t)align_up(o, 128);
   m.stage = o;
   o += (uint32_t)(stage_bytes * ns);
@@ -1242,14 +1376,14 @@ void plan_kernel_smem(HTParams &p, bool dispatch, bool fp8) {
   /* The TMA rings (opt-in) only where every block's chunk of tokens is one tile: the tested cases. */
   if (p.tma && (dispatch ? p.T : p.M) > (uint64_t)TILE * p.G) p.tma = 0;
   if (dispatch) {
-    SmemLayout m0 = dispatch_smem(p.R, p.S, 0, 0);
+    SmemLayout m0 = dispatch_smem(p.R, p.S, fp8 ? NWARP * (p.H / 128) * 4 : 0, 0, 0);
     if (p.tma && !fp8) {
       uint32_t ns = (uint32_t)((SMEM_MAX - m0.total) / rowb);
       if (ns > MAX_STAGES) ns = MAX_STAGES;
       if (ns >= 3) {
         p.ns = ns;
         p.lag = ns >= 8 ? 4 : ns >= 4 ? 2 : 1;
-        p.sm = dispatch_smem(p.R, p.S, rowb, ns);
+        p.sm = dispatch_smem(p.R, p.S, 0, rowb, ns);
         return;
       }
     }
@@ -1258,7 +1392,7 @@ void plan_kernel_smem(HTParams &p, bool dispatch, bool fp8) {
     return;
   }
   /* combine (direct): stages of one column chunk of every rank's row, >= 8 of them where possible */
-  SmemLayout m = dispatch_smem(p.R, 0, 0, 0); /* barriers, tile rows and masks */
+  SmemLayout m = dispatch_smem(p.R, 0, 0, 0, 0); /* barriers, tile rows and masks */
   p.sm = m;
   if (!p.direct || !p.tma) {
     p.tma = 0;
