@@ -6,54 +6,11 @@
 # Usage (repository root, on the GPU machine): bash tests/gpu/50-e2e-cuda.sh [build-dir]
 set -u
 B=${1:-${EPD_BUILD:-build}}
-EPD=$B/bin/epd
-WORKER=$B/bin/epd-worker
-[ -x "$EPD" ] || { echo "skip: $EPD is not built"; exit 77; }
-[ -x "$WORKER" ] || { echo "skip: $WORKER is not built"; exit 77; }
-[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] || { echo "skip: needs 2 GPUs"; exit 77; }
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
-[ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
-T=$(mktemp -d)
-mkdir -p "$T/run"
-LOG=$T/epd.log
-SOCK=$T/run/control.sock
-PID=
-if [ "${E2E_MPS:-0}" = 1 ]; then
-  export CUDA_MPS_PIPE_DIRECTORY=$T/mps-pipe CUDA_MPS_LOG_DIRECTORY=$T/mps-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d || { echo "FAIL: MPS did not start"; exit 1; }
-fi
-stop_mps() { [ "${E2E_MPS:-0}" = 1 ] && echo quit | nvidia-cuda-mps-control; }
-fail() {
-  echo "FAIL: $*"
-  for f in "$T"/w*.out; do [ -f "$f" ] && sed "s/^/  $(basename "$f"): /" "$f" | tail -8; done
-  [ -f "$LOG" ] && sed 's/^/  log| /' "$LOG" | tail -30
-  [ -n "$PID" ] && kill -KILL "$PID" 2>/dev/null
-  stop_mps
-  exit 1
-}
-wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
+GPU_MPS=${E2E_MPS:-0}
+. "$(dirname "$0")/daemon-lib.sh"
 
-"$EPD" -s "$SOCK" -f -o engine.backend=cuda -o engine.num_ranks=2 -o engine.step_timeout_ms=2000 \
-  -o daemon.attach_socket="$T/run/attach.sock" -o daemon.drain_timeout_ms=2000 2> "$LOG" &
-PID=$!
-wait_for 30 test -S "$SOCK" || fail "no control socket"
-wait_for 5 test -S "$T/run/attach.sock" || fail "no attach socket"
+start_daemon -o engine.step_timeout_ms=2000 -o daemon.drain_timeout_ms=2000
 grep -E "backend|mode" "$LOG" | head -3
-
-worker() {
-  local n=$1; shift
-  timeout 120 "$WORKER" -s "$SOCK" "$@" > "$T/$n.out" 2>&1 &
-  eval "W_$n=$!"
-}
-expect_ok() {
-  local n=$1 pid; eval "pid=\$W_$n"
-  wait "$pid"; local rc=$?
-  [ $rc -eq 0 ] || fail "worker $n exited $rc"
-  grep -q "steps ok" "$T/$n.out" || fail "worker $n printed no summary"
-  grep -h "steps ok" "$T/$n.out"
-}
 
 echo "== LL BF16, skewed routing, 20 steps (hidden 256)"
 worker wa0 -g ll -r 0 -n 2 --steps 20 --seed 5 --skew --hidden 256
@@ -105,7 +62,6 @@ worker we0 -g die -r 0 -n 2 --steps 6 --seed 4 --hidden 256
 worker we1 -g die -r 1 -n 2 --steps 6 --seed 4 --hidden 256
 expect_ok we0; expect_ok we1
 
-kill -TERM "$PID"
-wait_for 10 sh -c "! kill -0 $PID" || fail "daemon did not exit on SIGTERM"
+stop_daemon
 stop_mps
 echo "e2e_cuda: all passed"

@@ -10,33 +10,9 @@
 # Usage (repository root, on the GPU machine): bash tests/gpu/55-expert-maps-cuda.sh [build-dir]
 set -u
 B=${1:-${EPD_BUILD:-build}}
-EPD=$B/bin/epd
-WORKER=$B/bin/epd-worker
-[ -x "$EPD" ] || { echo "skip: $EPD is not built"; exit 77; }
-[ -x "$WORKER" ] || { echo "skip: $WORKER is not built"; exit 77; }
-[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] || { echo "skip: needs 2 GPUs"; exit 77; }
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
-[ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
-T=$(mktemp -d)
-mkdir -p "$T/run"
-LOG=$T/epd.log
-SOCK=$T/run/control.sock
-PID=
-fail() {
-  echo "FAIL: $*"
-  for f in "$T"/w*.out; do [ -f "$f" ] && sed "s/^/  $(basename "$f"): /" "$f" | tail -8; done
-  [ -f "$LOG" ] && sed 's/^/  log| /' "$LOG" | tail -30
-  [ -n "$PID" ] && kill -KILL "$PID" 2>/dev/null
-  exit 1
-}
-wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
+. "$(dirname "$0")/daemon-lib.sh"
 
-"$EPD" -s "$SOCK" -f -o engine.backend=cuda -o engine.num_ranks=2 -o engine.step_timeout_ms=4000 \
-  -o engine.slots_factor_pct=200 -o daemon.attach_socket="$T/run/attach.sock" 2> "$LOG" &
-PID=$!
-wait_for 30 test -S "$SOCK" || fail "no control socket"
-wait_for 5 test -S "$T/run/attach.sock" || fail "no attach socket"
+start_daemon -o engine.step_timeout_ms=4000 -o engine.slots_factor_pct=200
 
 run2() { # GROUP STEPS ARGS...
   local g=$1 steps=$2; shift 2
@@ -65,5 +41,5 @@ echo "== LL FP8 from CUDA graphs captured once, with weight migration, 90 steps,
 run2 gw 90 --seed 24 --hidden 512 --experts 32 --topk 4 --tokens 64 --fp8 --weights 65536 --graph
 grep -q "graph replays" "$T/wgw0.out" || fail "the graph run did not say so"
 grep -c "event map_switch" "$LOG"
-kill -TERM "$PID"; wait "$PID"
+stop_daemon
 echo "ok"

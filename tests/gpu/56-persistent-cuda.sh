@@ -10,61 +10,16 @@
 # (EPD_KEEP_LOG=FILE: copy the daemon's debug log there)
 set -u
 B=${1:-${EPD_BUILD:-build}}
-EPD=$B/bin/epd
-CTL=$B/bin/epdctl
-WORKER=$B/bin/epd-worker
-[ -x "$EPD" ] || { echo "skip: $EPD is not built"; exit 77; }
-[ -x "$WORKER" ] || { echo "skip: $WORKER is not built"; exit 77; }
-[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] || { echo "skip: needs 2 GPUs"; exit 77; }
-command -v nvidia-cuda-mps-control > /dev/null || { echo "skip: no nvidia-cuda-mps-control (CUDA MPS)"; exit 77; }
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
-[ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
-T=$(mktemp -d)
-mkdir -p "$T/run"
-LOG=$T/epd.log
-SOCK=$T/run/control.sock
-PID=
-export CUDA_MPS_PIPE_DIRECTORY=$T/mps-pipe CUDA_MPS_LOG_DIRECTORY=$T/mps-log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-nvidia-cuda-mps-control -d || { echo "skip: CUDA MPS did not start"; exit 77; }
-stop_mps() { echo quit | nvidia-cuda-mps-control; }
-keep_log() { [ -n "${EPD_KEEP_LOG:-}" ] && cp "$LOG" "$EPD_KEEP_LOG"; }
-fail() {
-  echo "FAIL: $*"
-  keep_log
-  for f in "$T"/w*.out; do [ -f "$f" ] && sed "s/^/  $(basename "$f"): /" "$f" | tail -8; done
-  [ -f "$LOG" ] && grep -v "DEBUG" "$LOG" | sed 's/^/  log| /' | tail -30
-  [ -n "$PID" ] && kill -KILL "$PID" 2>/dev/null
-  stop_mps
-  exit 1
-}
-trap 'fail "killed (timeout?)"' TERM INT
-wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
+GPU_MPS=1
+. "$(dirname "$0")/daemon-lib.sh"
 
-EPD_CUDA_MODE=persistent "$EPD" -s "$SOCK" -f -o engine.backend=cuda -o engine.num_ranks=2 \
-  -o engine.step_timeout_ms=2000 -o engine.slots_factor_pct=200 -o log.level=debug \
-  -o daemon.attach_socket="$T/run/attach.sock" -o daemon.drain_timeout_ms=2000 2> "$LOG" &
-PID=$!
-wait_for 30 test -S "$SOCK" || fail "no control socket"
-wait_for 5 test -S "$T/run/attach.sock" || fail "no attach socket"
+EPD_CUDA_MODE=persistent start_daemon -o engine.step_timeout_ms=2000 -o engine.slots_factor_pct=200 \
+  -o log.level=debug -o daemon.drain_timeout_ms=2000
 grep -q "MPS on, mode persistent" "$LOG" || fail "the daemon does not say 'MPS on, mode persistent'"
 if [ -x "$CTL" ]; then
   timeout 20 "$CTL" -s "$SOCK" status | grep -E "^mode: +persistent" || fail "epdctl status does not say persistent"
 fi
 
-worker() {
-  local n=$1; shift
-  timeout 120 "$WORKER" -s "$SOCK" "$@" > "$T/$n.out" 2>&1 &
-  eval "W_$n=$!"
-}
-expect_ok() {
-  local n=$1 pid; eval "pid=\$W_$n"
-  wait "$pid"; local rc=$?
-  [ $rc -eq 0 ] || fail "worker $n exited $rc"
-  grep -q "steps ok" "$T/$n.out" || fail "worker $n printed no summary"
-  grep -h "steps ok\|seen\|in between" "$T/$n.out"
-}
 resumes() { grep -c "persistent kernels resumed" "$LOG"; }
 
 echo "== LL BF16, skewed routing, 40 steps (hidden 256)"
@@ -152,8 +107,7 @@ expect_ok we0; expect_ok we1
 
 grep -E "error|ERROR|WARN" "$LOG" | grep -v "DEBUG" | head -5
 if [ -x "$CTL" ]; then timeout 20 "$CTL" -s "$SOCK" metrics | grep -E "^epd_ops_total|^epd_rank_ops" | head -4; fi
-kill -TERM "$PID"
-wait_for 10 sh -c "! kill -0 $PID" || fail "daemon did not exit on SIGTERM"
+stop_daemon
 grep -c "persistent kernels resumed" "$LOG" | sed 's/^/persistent kernel resumes in all: /'
 keep_log
 stop_mps
