@@ -92,7 +92,9 @@ typedef struct epd_attach_opts {
 /* Attach to (group, rank): RPC Attach, then redeem the one-time token on the attach socket for the
  * queue and arena file descriptors, and map them. */
 epd_result_t epd_attach(epd_conn_t *conn, const epd_attach_opts_t *opts, epd_ep_t **out);
-/* Detach and unmap; in-flight operations of this attachment must have completed. */
+/* Detach and unmap; in-flight operations of this attachment must have completed, and the streams that
+ * carry its ops must be synchronised first (with kernel submission, a wait still spinning on a stream
+ * gives up with EPD_ERR_CLOSED when detach abandons its slot, but the memory goes right after). */
 epd_result_t epd_detach(epd_ep_t *ep);
 /* Text of the last failure on this attachment (empty if none). */
 const char *epd_last_error(const epd_ep_t *ep);

@@ -20,10 +20,12 @@
  * poll it (a GPU load instead of a PCIe round trip) and complete in both copies; the daemon's CPU
  * threads read only the host copy. A client that submits through the twin (epd_device.h, libepd's
  * kernel submission) writes the twin first and then the host copy, the same descriptor and state, and
- * waits for DONE in either copy (the CPU completes the host copy only); then frees both. A client that
- * writes only the host copy (host path, stream memory operations) is served too: the kernels also poll
- * the host copy, less often. Each twin slot's twin_host (in its pad) is the device address, in the
- * client's own process, of the host slot: written by libepd at attach.
+ * waits for DONE in either copy (the CPU completes the host copy only); then frees both, the twin first.
+ * Where the daemon sets EPD_QF_TWIN (its persistent kernels may serve the queue), every submission must
+ * go through the twin: one that writes only the host copy is seen by the launch mode only, i.e. after
+ * the daemon's watchdog stops the kernels (a step timeout). Each twin slot's twin_host (in its pad) is
+ * the device address, in the client's own process, of the host slot: written by libepd at attach.
+ * ABI 2 changed epd_device.h accordingly: kernels built against ABI 1's header must be rebuilt.
  */
 #ifndef EPD_ABI_H
 #define EPD_ABI_H

@@ -226,6 +226,8 @@ static void ep_release(epd_ep_t *ep) {
   ep->sock = -1;
 }
 
+static epd_result_t map_twin_submit(epd_ep_t *ep);
+
 /* The queue's device twin (client/epd_abi.h): each twin slot learns where its host copy is, in this
  * process. Submission goes through the twin, with libepd's kernels, where the daemon says its
  * persistent kernels serve the queue (they poll only the twin); EPD_SUBMIT=kernel asks for that anyway,
@@ -237,13 +239,23 @@ static epd_result_t map_twin(epd_ep_t *ep) {
     return fail(ep->err, EPD_ERR_PROTOCOL, "queue twin at %llu: past the arena's %zu bytes", (unsigned long long)off,
                 ep->arena_bytes);
   ep->dq_dev = (uint64_t)(uintptr_t)ep->arena + off;
-  for (unsigned i = 0; i < EPD_QUEUE_SLOTS; i++) {
+  /* libepd's own CUDA work runs in the primary context of the attachment's device, whatever context the
+   * calling thread has (its private stream, and so the host path, belong to that context) */
+  epd_result_t rc = epd_cuda_ctx_enter(ep->device, ep->err, sizeof ep->err);
+  if (rc) return rc;
+  for (unsigned i = 0; i < EPD_QUEUE_SLOTS && !rc; i++) {
     uint64_t host = ep->queue_dev + offsetof(epd_queue_t, slot) + (uint64_t)i * sizeof(epd_slot_t);
-    epd_result_t rc = epd_cuda_write(ep->dq_dev + offsetof(epd_queue_t, slot) + (uint64_t)i * sizeof(epd_slot_t) +
-                                         offsetof(epd_slot_t, twin_host),
-                                     &host, sizeof host, ep->err, sizeof ep->err);
-    if (rc) return rc;
+    rc = epd_cuda_write(ep->dq_dev + offsetof(epd_queue_t, slot) + (uint64_t)i * sizeof(epd_slot_t) +
+                            offsetof(epd_slot_t, twin_host),
+                        &host, sizeof host, ep->err, sizeof ep->err);
   }
+  if (!rc) rc = map_twin_submit(ep);
+  epd_cuda_ctx_leave();
+  return rc;
+}
+
+/* (in the attachment's context) whether and how to submit through the twin */
+static epd_result_t map_twin_submit(epd_ep_t *ep) {
   const char *env = getenv("EPD_SUBMIT");
   int twin = (ep->queue->qflags & EPD_QF_TWIN) != 0;
   ep->ksub = twin || (env && !strcmp(env, "kernel"));
@@ -725,9 +737,13 @@ EPD_EXPORT epd_result_t epd_op_status(epd_ep_t *ep, epd_comp_t *comp_out) {
   if (ep->last_async) {
     /* The queue is host memory on both backends: after the stream is synchronised the record is here. */
     epd_slot_t *s = &ep->queue->slot[ep->last_slot];
-    if (ep->ksub && load_state(s) == EPD_SLOT_SUBMITTED)
+    if (ep->ksub && load_state(s) != EPD_SLOT_FREE) {
+      /* the stream's wait gave up (the stream went on without the op's outputs): the ring is out of step */
+      ep->stuck = 1;
       return fail(ep->err, EPD_ERR_TIMEOUT, "slot %d: no completion (its stream's wait gave up after "
-                  "EPD_OP_TIMEOUT_MS = %d ms, or the stream was not synchronised)", ep->last_slot, ep->op_timeout_ms);
+                  "EPD_OP_TIMEOUT_MS = %d ms, or the stream was not synchronised); detach and attach again",
+                  ep->last_slot, ep->op_timeout_ms);
+    }
     atomic_thread_fence(memory_order_acquire);
     c = s->comp;
     ep->last_comp = c;

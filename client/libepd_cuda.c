@@ -54,7 +54,10 @@
                      unsigned int, unsigned int, CUstream, void **, void **))                      \
   X(cuStreamCreate, (CUstream *, unsigned int))                                                    \
   X(cuStreamDestroy, (CUstream))                                                                   \
-  X(cuStreamQuery, (CUstream))
+  X(cuStreamQuery, (CUstream))                                                                     \
+  X(cuStreamGetCtx, (CUstream, CUcontext *))                                                       \
+  X(cuCtxPushCurrent, (CUcontext))                                                                 \
+  X(cuCtxPopCurrent, (CUcontext *))
 
 typedef CUresult (*epd_cuGetProcAddress_fn)(const char *, void **, int, cuuint64_t,
                                             CUdriverProcAddressQueryResult *);
@@ -142,6 +145,49 @@ static epd_result_t ensure_ctx(int device, char *err, size_t errlen) {
   CU_TRY(cu.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
   CU_TRY(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
   return EPD_OK;
+}
+
+/* The primary context of `device`, retained once per device for the life of the process. */
+static CUcontext primary_ctx[64];
+static pthread_mutex_t primary_mu = PTHREAD_MUTEX_INITIALIZER;
+
+epd_result_t epd_cuda_ctx_enter(int device, char *err, size_t errlen) {
+  epd_result_t rc = epd_cuda_load(err, errlen);
+  if (rc) return rc;
+  if (device < 0 || device >= 64) {
+    snprintf(err, errlen, "device %d: out of range", device);
+    return EPD_ERR_INVALID;
+  }
+  pthread_mutex_lock(&primary_mu);
+  CUresult r = CUDA_SUCCESS;
+  if (!primary_ctx[device]) {
+    CUdevice dev;
+    r = cu.cuDeviceGet(&dev, device);
+    if (!r) r = cu.cuDevicePrimaryCtxRetain(&primary_ctx[device], dev);
+  }
+  CUcontext ctx = primary_ctx[device];
+  pthread_mutex_unlock(&primary_mu);
+  if (r) return cu_fail(r, "cuDevicePrimaryCtxRetain", err, errlen);
+  CU_TRY(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent");
+  return EPD_OK;
+}
+
+void epd_cuda_ctx_leave(void) {
+  CUcontext c;
+  cu.cuCtxPopCurrent(&c);
+}
+
+/* Make the context of `stream` current for a call (pushed: *pushed = 1, pop it after); the legacy and
+ * per-thread default streams (and streams the driver cannot place) use the calling thread's context. */
+static epd_result_t stream_ctx_push(CUstream stream, int *pushed, char *err, size_t errlen) {
+  *pushed = 0;
+  CUcontext ctx = NULL;
+  if (stream && (uintptr_t)stream > 2 && cu.cuStreamGetCtx(stream, &ctx) == CUDA_SUCCESS && ctx) {
+    CU_TRY(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent");
+    *pushed = 1;
+    return EPD_OK;
+  }
+  return ensure_ctx(-1, err, errlen);
 }
 
 struct epd_cuda_map {
@@ -441,13 +487,19 @@ epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *de
                               char *err, size_t errlen) {
   epd_result_t rc = epd_cuda_load(err, errlen);
   if (rc) return rc;
-  if ((rc = ensure_ctx(-1, err, errlen))) return rc;
   if (!dslot || (what != EPD_KSUB_WAIT && !desc)) {
     snprintf(err, errlen, "epd_cuda_ksubmit: slot address and descriptor are required");
     return EPD_ERR_INVALID;
   }
+  /* the module of the stream's own context (the caller's current one may belong to another device) */
+  int pushed = 0;
+  if ((rc = stream_ctx_push((CUstream)stream, &pushed, err, errlen))) return rc;
   struct ksub k;
-  if ((rc = ksub_get(&k, err, errlen))) return rc;
+  rc = ksub_get(&k, err, errlen);
+  if (rc) {
+    if (pushed) epd_cuda_ctx_leave();
+    return rc;
+  }
   epd_slot_t *slot = (epd_slot_t *)(uintptr_t)dslot;
   epd_desc_t d;
   memset(&d, 0, sizeof d);
@@ -457,8 +509,9 @@ epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *de
   void *a_run[] = {&slot, &d, &timeout_ns};
   CUfunction f = what == EPD_KSUB_SUBMIT ? k.fsub : what == EPD_KSUB_WAIT ? k.fwait : k.frun;
   void **args = what == EPD_KSUB_SUBMIT ? a_sub : what == EPD_KSUB_WAIT ? a_wait : a_run;
-  CU_TRY(cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, (CUstream)stream, args, NULL), "cuLaunchKernel (submission)");
-  return EPD_OK;
+  CUresult r = cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, (CUstream)stream, args, NULL);
+  if (pushed) epd_cuda_ctx_leave();
+  return r ? cu_fail(r, "cuLaunchKernel (submission)", err, errlen) : EPD_OK;
 }
 
 epd_result_t epd_cuda_write(uint64_t dst, const void *src, size_t bytes, char *err, size_t errlen) {
@@ -480,11 +533,15 @@ epd_result_t epd_cuda_stream_create(void **out, char *err, size_t errlen) {
 }
 
 void epd_cuda_stream_destroy(void *stream) {
-  if (stream) cu.cuStreamDestroy((CUstream)stream);
+  if (stream) cu.cuStreamDestroy((CUstream)stream); /* a stream handle names its context */
 }
 
 int epd_cuda_stream_done(void *stream, char *err, size_t errlen) {
+  int pushed = 0;
+  epd_result_t rc = stream_ctx_push((CUstream)stream, &pushed, err, errlen);
+  if (rc) return rc;
   CUresult r = cu.cuStreamQuery((CUstream)stream);
+  if (pushed) epd_cuda_ctx_leave();
   if (r == CUDA_SUCCESS) return 1;
   if (r == CUDA_ERROR_NOT_READY) return 0;
   return cu_fail(r, "cuStreamQuery", err, errlen);
@@ -501,9 +558,11 @@ epd_result_t epd_cuda_read(void *dst, uint64_t src, size_t bytes, char *err, siz
 epd_result_t epd_cuda_stream_sync(void *stream, char *err, size_t errlen) {
   epd_result_t rc = epd_cuda_load(err, errlen);
   if (rc) return rc;
-  if ((rc = ensure_ctx(-1, err, errlen))) return rc;
-  CU_TRY(cu.cuStreamSynchronize((CUstream)stream), "cuStreamSynchronize");
-  return EPD_OK;
+  int pushed = 0;
+  if ((rc = stream_ctx_push((CUstream)stream, &pushed, err, errlen))) return rc;
+  CUresult r = cu.cuStreamSynchronize((CUstream)stream);
+  if (pushed) epd_cuda_ctx_leave();
+  return r ? cu_fail(r, "cuStreamSynchronize", err, errlen) : EPD_OK;
 }
 
 #else /* !EPD_WITH_CUDA: built without the CUDA headers */
@@ -524,6 +583,8 @@ epd_result_t epd_cuda_register_host(void *host, size_t bytes, int device, epd_cu
 }
 void epd_cuda_unregister_host(epd_cuda_hostreg_t *r) { (void)r; }
 epd_result_t epd_cuda_ksub_load(int device, char *err, size_t errlen) { return no_cuda(err, errlen); }
+epd_result_t epd_cuda_ctx_enter(int device, char *err, size_t errlen) { return no_cuda(err, errlen); }
+void epd_cuda_ctx_leave(void) {}
 epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *desc, int what, uint64_t timeout_ns,
                               char *err, size_t errlen) {
   return no_cuda(err, errlen);

@@ -57,6 +57,10 @@ enum { EPD_KSUB_SUBMIT = 1, EPD_KSUB_WAIT = 2, EPD_KSUB_RUN = 3 };
 epd_result_t epd_cuda_ksub_load(int device, char *err, size_t errlen);
 epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *desc, int what, uint64_t timeout_ns,
                               char *err, size_t errlen);
+/* Make `device`'s primary context current (pushed) for libepd's own CUDA work, whatever context the
+ * calling thread has; epd_cuda_ctx_leave pops it. */
+epd_result_t epd_cuda_ctx_enter(int device, char *err, size_t errlen);
+void epd_cuda_ctx_leave(void);
 /* Copy `bytes` from host src to device address dst (synchronous). */
 epd_result_t epd_cuda_write(uint64_t dst, const void *src, size_t bytes, char *err, size_t errlen);
 /* A non-blocking stream of the current context; destroy; 1 when its work is done, 0 if not, <0 error. */

@@ -25,7 +25,7 @@
  * (epd_k_ll_persistent_launch): the kernels take SUBMITTED slots, agree on each op across ranks, run it
  * and complete the slot themselves. The rank threads only keep the books (ops, per-op metrics, steps,
  * events) from the kernels' host-mapped progress blocks. Everything else runs in launch mode: the kernels
- * are stopped (host-mapped control block: limit = 0), stop together at one slot boundary leaving the
+ * are stopped (a stop word in GPU memory: 0), stop together at one slot boundary leaving the
  * slot SUBMITTED, and the group is taken over by the launch-mode collection at the kernels' ring
  * positions - for an HT op or any op the kernel does not run (it stops by itself), mismatched ops, the
  * step that switches to a staged map, draining, a client leaving/dying/hung, a rank without a client, a
@@ -123,7 +123,8 @@ typedef struct cuda_grank {
   /* persistent mode */
   epd_k_pctl_t *pctl, *pctl_dev;   /* host-mapped control block (host writes) */
   uint64_t *dlimit;                 /* device word: the kernel's stop index (stream memory operations) */
-  cudaStream_t cstream;             /* carries the stop writes (never blocked behind the kernel) */
+  cudaStream_t cstream;             /* carries every write of dlimit, in order (never behind the kernel) */
+  cudaEvent_t cev;                  /* the kernel's launch waits for its start value on cstream */
   int device;
   epd_k_pprog_t *pprog, *pprog_dev; /* host-mapped progress block (kernel writes) */
   cudaStream_t pstream;
@@ -375,6 +376,7 @@ static epd_result_t grank_setup(epd_cc_t *cc, int rank, void *argp) {
       return cuda_err(e, "cudaHostGetDevicePointer (persistent control)", err, errlen);
     if ((e = cudaStreamCreateWithFlags(&gr->pstream, cudaStreamNonBlocking)) ||
         (e = cudaStreamCreateWithFlags(&gr->cstream, cudaStreamNonBlocking)) ||
+        (e = cudaEventCreateWithFlags(&gr->cev, cudaEventDisableTiming)) ||
         (e = cudaEventCreateWithFlags(&gr->pev, cudaEventDisableTiming)))
       return cuda_err(e, "persistent stream", err, errlen);
     if ((e = cudaMalloc((void **)&gr->dlimit, sizeof *gr->dlimit)) || (e = cudaMemset(gr->dlimit, 0, sizeof *gr->dlimit)))
@@ -399,6 +401,7 @@ static epd_result_t grank_teardown(epd_cc_t *cc, int rank, void *argp) {
   if (gr->pev) cudaEventDestroy(gr->pev);
   if (gr->pstream) cudaStreamDestroy(gr->pstream);
   if (gr->cstream) cudaStreamDestroy(gr->cstream);
+  if (gr->cev) cudaEventDestroy(gr->cev);
   if (gr->dlimit) cudaFree(gr->dlimit);
   memset(gr, 0, sizeof *gr);
   return EPD_OK;
@@ -847,9 +850,12 @@ static int pers_start(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self
     }
     memset(gr->pprog, 0, sizeof *gr->pprog);
     gr->pctl->abort = 0;
-    /* on the kernel's stream, before it: no stop yet */
-    if (!e && cu.cuStreamWriteValue64((CUstream)gr->pstream, (CUdeviceptr)(uintptr_t)gr->dlimit, UINT64_MAX, 0))
+    /* no stop yet: written on the stop writes' stream (so a stop asked right after the launch lands after
+     * it), and the kernel's stream waits for it */
+    if (!e && cu.cuStreamWriteValue64((CUstream)gr->cstream, (CUdeviceptr)(uintptr_t)gr->dlimit, UINT64_MAX, 0))
       e = cudaErrorUnknown;
+    if (!e) e = cudaEventRecord(gr->cev, gr->cstream);
+    if (!e) e = cudaStreamWaitEvent(gr->pstream, gr->cev, 0);
     if (!e) {
       epd_k_arena_t a;
       a.base = (uint64_t)cc->arena_dev;
@@ -867,6 +873,7 @@ static int pers_start(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self
       ps.step0 = grp->steps;
       ps.steps_done0 = cc->queue->steps_done;
       ps.timeout_ns = be->timeout_ns;
+      ps.guard_all = !be->mps;
       rc = epd_k_ll_persistent_launch(gr->k, &a, gr->map_dev, &ps, gr->pstream);
       if (!rc) e = cudaEventRecord(gr->pev, gr->pstream);
     }

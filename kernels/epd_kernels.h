@@ -188,7 +188,8 @@ typedef struct epd_k_persist {
   epd_k_pprog_t *prog; /* device address of the progress block (zeroed by the caller before the launch) */
   uint32_t first_slot; /* ring position to start from */
   uint32_t bank_ver[EPD_NUM_BANKS]; /* map version of each bank's last dispatch (0: the map's) */
-  uint32_t pad0;
+  uint32_t guard_all; /* check every op that the client's host copy says SUBMITTED before writing DONE
+                       * (without MPS, where a submitter can be time-sliced between its two copies) */
   uint64_t index0;     /* agreement index of the first op: the same on every rank, larger than any
                         * index of an earlier launch since the last epd_k_ll_reset/create */
   uint64_t step0;      /* group step number of the first op (completion step = step0 + n) */

@@ -103,6 +103,7 @@ struct LLParams {
   epd_k_pprog_t *prog;
   epd_queue_t *pq;
   uint64_t psteps0;
+  uint32_t pguard_all; /* epd_k_persist_t.guard_all */
 };
 
 /* What changes from op to op (a kernel parameter of its own, or registers of the persistent kernel: the
@@ -256,9 +257,11 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
   }
   /* The client writes the host copy after the twin: DONE must not land before its SUBMITTED (the launch
    * mode would run the op again). Both are posted writes from this GPU, the client's issued before this
-   * kernel saw the twin; only an op completing within microseconds of that could overtake it, so only
-   * then is the host copy read (a PCIe round trip: 1.2 us on block 0 when it was read for every op). */
-  if (gtimer() - o.pt0 < 10000) {
+   * kernel saw the twin; under MPS (clients run beside this kernel, never time-sliced out between their
+   * two writes) only an op completing within microseconds of that could overtake it, so only then is the
+   * host copy read (a PCIe round trip: 1.2 us on block 0 when it was read for every op). Without MPS every
+   * op checks it. */
+  if (p.pguard_all || gtimer() - o.pt0 < 10000) {
     const uint64_t dl = gtimer() + 1000000;
     while (*(volatile const uint32_t *)o.done_state != EPD_SLOT_SUBMITTED && gtimer() < dl) {
     }
@@ -268,8 +271,13 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
   q->map_version = __ldcg(p.map);
   q->steps_done = p.psteps0 + o.popn + 1;
   __threadfence_system();
-  if (o.dslot) *(volatile uint32_t *)&o.dslot->state = EPD_SLOT_DONE;
   *(volatile uint32_t *)o.done_state = EPD_SLOT_DONE;
+  if (o.dslot) {
+    /* the host copy's DONE before the twin's: a waiter that saw the twin's frees the host copy, and that
+     * FREE must come after this DONE (else the slot would stay DONE) */
+    __threadfence_system();
+    *(volatile uint32_t *)&o.dslot->state = EPD_SLOT_DONE;
+  }
   *(volatile int32_t *)&p.pdev->last_err = c;
   asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(&p.pdev->done_ops), "l"(o.popn + 1) : "memory");
   volatile epd_k_prec_t *rec = &p.prog->rec[o.popn % EPD_K_PREC];
@@ -818,22 +826,25 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
             break;
           }
           uint32_t m = __ballot_sync(FULL, lane < EPD_QUEUE_SLOTS && stv == EPD_SLOT_SUBMITTED);
-          if (m) {
-            s = (pos + (uint32_t)__ffs(m) - 1) % EPD_QUEUE_SLOTS;
-            __threadfence(); /* with the relaxed load that saw SUBMITTED: acquire (writer on this GPU) */
-            if (sh_unverified & (1u << s)) {
-              /* stale if the host copy is DONE (the launch mode ran it), or if the twin was freed since
-               * (the client frees the twin before the host copy) */
-              uint32_t ok = 0;
-              if (lane == 0) {
-                const uint32_t hs = *(volatile const uint32_t *)&q->slot[s].state;
-                __threadfence_system();
-                const uint32_t ds = *(volatile const uint32_t *)&dq->slot[s].state;
-                ok = hs != EPD_SLOT_DONE && ds == EPD_SLOT_SUBMITTED;
-                if (ok) sh_unverified &= ~(1u << s);
-              }
-              if (!__shfl_sync(FULL, ok, 0)) continue;
+          if (m) __threadfence(); /* with the relaxed load that saw SUBMITTED: acquire (writer on this GPU) */
+          while (m) {
+            const uint32_t bit = (uint32_t)__ffs(m) - 1;
+            s = (pos + bit) % EPD_QUEUE_SLOTS;
+            if (!(sh_unverified & (1u << s))) break;
+            /* stale if the host copy is DONE (the launch mode ran it), or if the twin was freed since
+             * (the client frees the twin before the host copy): then the next SUBMITTED one this turn */
+            uint32_t ok = 0;
+            if (lane == 0) {
+              const uint32_t hs = *(volatile const uint32_t *)&q->slot[s].state;
+              __threadfence_system();
+              const uint32_t ds = *(volatile const uint32_t *)&dq->slot[s].state;
+              ok = hs != EPD_SLOT_DONE && ds == EPD_SLOT_SUBMITTED;
+              if (ok) sh_unverified &= ~(1u << s);
             }
+            if (__shfl_sync(FULL, ok, 0)) break;
+            m &= ~(1u << bit);
+          }
+          if (m) {
             __syncwarp(); /* ... ordered before every lane's descriptor load */
             uint32_t w = lane < 16 ? ((volatile const uint32_t *)&dq->slot[s].desc)[lane] : 0u;
             if (lane < 16) ((uint32_t *)&sh_desc)[lane] = w;
@@ -1218,6 +1229,7 @@ epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *aren
   p.prog = ps->prog;
   p.pq = ps->queue;
   p.psteps0 = ps->steps_done0;
+  p.pguard_all = ps->guard_all;
   PArgs a;
   memset(&a, 0, sizeof(a));
   a.q = ps->queue;
