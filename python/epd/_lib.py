@@ -143,6 +143,8 @@ def _declare(lib):
     lib.epd_combine.restype = c.c_int
     lib.epd_op_status.argtypes = [vp, c.POINTER(EpdComp)]
     lib.epd_op_status.restype = c.c_int
+    lib.epd_slot_status.argtypes = [vp, c.c_uint, c.POINTER(EpdComp)]
+    lib.epd_slot_status.restype = c.c_int
     return lib
 
 

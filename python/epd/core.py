@@ -530,6 +530,28 @@ class Endpoint:
             return None
         return self.op_status()
 
+    def slot_status(self, slot):
+        """Completion record (OpStatus) held by queue slot `slot` (ops replayed from CUDA graphs or submitted
+        by a client kernel: read it after the stream is synchronised)."""
+        self._check_open()
+        comp = _lib.EpdComp()
+        rc = self._lib.epd_slot_status(self._h, int(slot), ctypes.byref(comp))
+        if rc != 0 and rc != comp.status:
+            raise errors.make_error(rc, self.last_error(), call="slot_status")
+        return OpStatus._from_c(comp)
+
+    @property
+    def next_slot(self):
+        """Queue slot of the next op submitted through this endpoint (ops run in ring order)."""
+        self._check_open()
+        return int(self._lib.epd_info(self._h, _lib.EPD_INFO_NEXT_SLOT))
+
+    @property
+    def kernel_submit(self):
+        """True when ops are submitted through the queue's device twin with libepd's kernels."""
+        self._check_open()
+        return int(self._lib.epd_info(self._h, _lib.EPD_INFO_KERNEL_SUBMIT)) == 1
+
     def op_status(self, check=False):
         """Completion record (OpStatus) of the last completed op; with check=True raise its error."""
         self._check_open()

@@ -239,6 +239,13 @@ def test_ll_step_status_fields(conn):
     assert comps[0].step == comps[1].step
     st = eps[0].op_status(check=True)  # the combine
     assert st.ok
+    # the last op (the combine) ran in the slot before the next one; its record is the same there
+    slot = (eps[0].next_slot - 1) % 8
+    ss = eps[0].slot_status(slot)
+    assert ss.ok and ss.step == st.step and ss.user_tag == st.user_tag
+    with pytest.raises(epd.EpdError):
+        eps[0].slot_status(8)
+    assert not eps[0].kernel_submit  # host backend: no device twin
     for ep in eps:
         ep.detach()
 
