@@ -88,21 +88,6 @@ struct cnet {
   uint64_t prof_n[2], prof_ns[2][4];
 };
 
-static uint64_t map_hash(const epd_expert_map_t *m) {
-  uint64_t h = 1469598103934665603ull;
-#define MIX(v) (h ^= (uint64_t)(v), h *= 1099511628211ull)
-  MIX(m->version);
-  for (uint32_t e = 0; e < m->num_experts; e++) {
-    MIX(m->nrep[e]);
-    for (uint32_t i = 0; i < m->nrep[e]; i++) {
-      MIX(m->rep[e][i].rank);
-      MIX(m->rep[e][i].slot);
-    }
-  }
-#undef MIX
-  return h;
-}
-
 static int op_ok(uint32_t op) {
   return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE;
 }
@@ -365,7 +350,7 @@ static void send_frame(cnet_t *cn) {
   }
   if (dispatch && !h.status) eng_apply_staged_map(eng, grp);
   h.map_version = grp->map.version;
-  h.map_hash = map_hash(&grp->map);
+  h.map_hash = epd_net_map_hash(&grp->map);
   size_t len = sizeof h + L * sizeof(cnet_desc_t), rows[EPD_MAX_RANKS] = {0};
   if (dispatch && !h.status)
     for (uint32_t l = 0; l < L; l++) {

@@ -609,7 +609,7 @@ static int op_dispatch(uint32_t op) {
   return op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH;
 }
 
-static uint64_t map_hash(const epd_expert_map_t *m) {
+uint64_t epd_net_map_hash(const epd_expert_map_t *m) {
   uint64_t h = 1469598103934665603ull;
 #define MIX(v)             \
   do {                     \
@@ -707,7 +707,7 @@ static void net_report(eng_group_t *grp, net_group_t *ng) {
   ng->rep_hash = 0;
   ng->rep_copies = 0;
   if (v && epd_ref_map_copy(&ng->rep, &grp->staged) == EPD_OK) {
-    ng->rep_hash = map_hash(&ng->rep);
+    ng->rep_hash = epd_net_map_hash(&ng->rep);
     ng->rep_copies = grp->nstaged_copies;
   } else {
     memset(&ng->rep, 0, sizeof ng->rep); /* out of memory: report none; the map switches later */
@@ -790,7 +790,7 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
       h->step = grp->steps;
       snprintf(h->group, sizeof h->group, "%s", grp->name);
       h->map_version = grp->map.version;
-      h->map_hash = map_hash(&grp->map);
+      h->map_hash = epd_net_map_hash(&grp->map);
       h->staged_version = ng->rep.version;
       h->staged_hash = ng->rep_hash;
       h->nlocal = L;
@@ -860,7 +860,7 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
                       .nlocal = 0,
                       .world = W,
                       .map_version = grp->map.version,
-                      .map_hash = map_hash(&grp->map),
+                      .map_hash = epd_net_map_hash(&grp->map),
                       .staged_version = ng->rep.version,
                       .staged_hash = ng->rep_hash};
       snprintf(hh.group, sizeof hh.group, "%s", grp->name);
@@ -982,7 +982,7 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
   if (op_dispatch(op)) {
     if (fp8 && H % 128)
       return fail(res, EPD_ERR_INVALID, -1, "FP8 dispatch needs hidden a multiple of 128 (hidden %u)", H);
-    uint64_t mh = map_hash(&grp->map);
+    uint64_t mh = epd_net_map_hash(&grp->map);
     for (uint32_t n = 0; n < nodes; n++) {
       const net_hdr_t *h = n == me ? NULL : (const net_hdr_t *)ng->f[n]->buf;
       if (h && (h->map_version != grp->map.version || h->map_hash != mh))

@@ -53,5 +53,8 @@ void epd_net_add_bytes(epd_net_t *net, uint64_t tx, uint64_t rx);
 int epd_net_node_dead(epd_net_t *net, uint32_t node, char *why, size_t len);
 /* Drop every queued frame of a group (it was removed). */
 void epd_net_drop_group(epd_net_t *net, const char *group);
+/* FNV-1a hash of an expert map (version and every replica): nodes compare maps by it. */
+struct epd_expert_map;
+uint64_t epd_net_map_hash(const struct epd_expert_map *m);
 
 #endif /* EPD_ENGINE_NET_H */

@@ -1,8 +1,8 @@
 /*
- * epd_dev.cuh - small device helpers shared by the epd kernels (timers, system-scope flag accesses,
- * BF16 packing), and the host-side pieces their launchers share (error text, device communicator and
- * LSA team checks, the geometry part of a kernel's parameters). Header-only: include it from
- * kernels/*.cu only.
+ * epd_dev.cuh - small device helpers shared by the epd kernels (timers, system- and GPU-scope flag
+ * accesses, BF16 packing), and the host-side pieces their launchers share (error text, device
+ * communicator and LSA team checks, the geometry part of a kernel's parameters). Header-only: include
+ * it from kernels/*.cu only.
  */
 #ifndef EPD_DEV_CUH
 #define EPD_DEV_CUH
@@ -32,6 +32,28 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t *p) {
 }
 __device__ __forceinline__ void st_relaxed_sys(uint64_t *p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+/* GPU-scope flag accesses (writer and reader on the same GPU). */
+__device__ __forceinline__ uint64_t ld_acquire_gpu_u64(const uint64_t *p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu_u64(uint64_t *p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_relaxed_gpu_u32(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu_u32(uint32_t *p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 /* Streaming 16-byte load of read-only input (no L1 allocation). */
 __device__ __forceinline__ int4 ld_nc_v4(const void *p) {

@@ -569,20 +569,6 @@ __device__ __forceinline__ void send_row_bf16(const HTParams &p, const char *xro
   }
 }
 
-__device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const uint32_t *p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint32_t ld_relaxed_gpu_u32(const uint32_t *p) {
-  uint32_t v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_gpu_u32(uint32_t *p, uint32_t v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
 /* Work stealing (whole warp): the block whose chunk of `per` tokens has the most tokens left untaken
  * (cur[b]: taken so far), among those with rdy[b] == seq where rdy is given; G when none has any. A
  * block's tokens are taken one at a time, by its own warps first, so the blocks finish together
