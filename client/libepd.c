@@ -228,6 +228,14 @@ static void ep_release(epd_ep_t *ep) {
 
 static epd_result_t map_twin_submit(epd_ep_t *ep);
 
+/* The GPU-side wait of a kernel submission gives up after EPD_OP_TIMEOUT_MS, as the host path does. */
+static uint64_t op_timeout_ns(const epd_ep_t *ep) { return (uint64_t)ep->op_timeout_ms * 1000000ull; }
+
+/* Device address of slot i of a queue (host copy or twin) at device address `queue`. */
+static uint64_t slot_addr(uint64_t queue, uint32_t i) {
+  return queue + offsetof(epd_queue_t, slot) + (uint64_t)i * sizeof(epd_slot_t);
+}
+
 /* The queue's device twin (client/epd_abi.h): each twin slot learns where its host copy is, in this
  * process. Submission goes through the twin, with libepd's kernels, where the daemon says its
  * persistent kernels serve the queue (they poll only the twin); EPD_SUBMIT=kernel asks for that anyway,
@@ -244,10 +252,9 @@ static epd_result_t map_twin(epd_ep_t *ep) {
   epd_result_t rc = epd_cuda_ctx_enter(ep->device, ep->err, sizeof ep->err);
   if (rc) return rc;
   for (unsigned i = 0; i < EPD_QUEUE_SLOTS && !rc; i++) {
-    uint64_t host = ep->queue_dev + offsetof(epd_queue_t, slot) + (uint64_t)i * sizeof(epd_slot_t);
-    rc = epd_cuda_write(ep->dq_dev + offsetof(epd_queue_t, slot) + (uint64_t)i * sizeof(epd_slot_t) +
-                            offsetof(epd_slot_t, twin_host),
-                        &host, sizeof host, ep->err, sizeof ep->err);
+    uint64_t host = slot_addr(ep->queue_dev, i);
+    rc = epd_cuda_write(slot_addr(ep->dq_dev, i) + offsetof(epd_slot_t, twin_host), &host, sizeof host, ep->err,
+                        sizeof ep->err);
   }
   if (!rc) rc = map_twin_submit(ep);
   epd_cuda_ctx_leave();
@@ -433,7 +440,7 @@ EPD_EXPORT int64_t epd_info(const epd_ep_t *ep, epd_info_t key) {
 
 EPD_EXPORT void *epd_slot_device_ptr(epd_ep_t *ep, unsigned slot) {
   if (ep && ep->dq_dev && slot < EPD_QUEUE_SLOTS)
-    return (void *)(uintptr_t)(ep->dq_dev + offsetof(epd_queue_t, slot) + (uint64_t)slot * sizeof(epd_slot_t));
+    return (void *)(uintptr_t)slot_addr(ep->dq_dev, slot);
   if (!ep || !ep->queue_reg || !ep->queue_dev) {
     if (ep) fail(ep->err, EPD_ERR_UNSUPPORTED, "epd_slot_device_ptr: the queue is not GPU-mapped (host backend)");
     return NULL;
@@ -442,7 +449,7 @@ EPD_EXPORT void *epd_slot_device_ptr(epd_ep_t *ep, unsigned slot) {
     fail(ep->err, EPD_ERR_INVALID, "slot %u: out of range [0, %u)", slot, EPD_QUEUE_SLOTS);
     return NULL;
   }
-  return (void *)(uintptr_t)(ep->queue_dev + offsetof(epd_queue_t, slot) + (uint64_t)slot * sizeof(epd_slot_t));
+  return (void *)(uintptr_t)slot_addr(ep->queue_dev, slot);
 }
 
 EPD_EXPORT void *epd_buffer(const epd_ep_t *ep, int kind, unsigned bank, size_t *bytes) {
@@ -576,10 +583,6 @@ static const char *op_name(uint32_t op) {
   return "op";
 }
 
-static uint64_t twin_slot(const epd_ep_t *ep, uint32_t i) {
-  return ep->dq_dev + offsetof(epd_queue_t, slot) + (uint64_t)i * sizeof(epd_slot_t);
-}
-
 /* Whether the synchronous op in slot s is over: DONE in the host copy, or (submitted through the twin
  * by libepd's kernel on its own stream) that kernel has returned; < 0 on a CUDA error. */
 static int sync_done(epd_ep_t *ep, epd_slot_t *s) {
@@ -593,8 +596,8 @@ static epd_result_t submit_sync(epd_ep_t *ep, const epd_desc_t *d) {
     return fail(ep->err, EPD_ERR_STATE, "slot %u is still in use (a stream op not yet synchronised?)", ep->next_slot);
   if (ep->ksub) {
     /* through the twin: the kernel submits, waits and frees; the CPU waits for the kernel */
-    epd_result_t rc = epd_cuda_ksubmit(ep->kstream, twin_slot(ep, ep->next_slot), d, EPD_KSUB_RUN,
-                                       (uint64_t)ep->op_timeout_ms * 1000000ull, ep->err, sizeof ep->err);
+    epd_result_t rc = epd_cuda_ksubmit(ep->kstream, slot_addr(ep->dq_dev, ep->next_slot), d, EPD_KSUB_RUN,
+                                       op_timeout_ns(ep), ep->err, sizeof ep->err);
     if (rc) return rc;
   } else {
     s->desc = *d;
@@ -664,11 +667,10 @@ static epd_result_t submit(epd_ep_t *ep, const epd_desc_t *d, void *stream) {
                 "has host memory); pass stream = NULL");
   epd_result_t rc;
   if (ep->ksub) {
-    rc = epd_cuda_ksubmit(stream, twin_slot(ep, ep->next_slot), d, EPD_KSUB_RUN, (uint64_t)ep->op_timeout_ms * 1000000ull,
-                          ep->err, sizeof ep->err);
+    rc = epd_cuda_ksubmit(stream, slot_addr(ep->dq_dev, ep->next_slot), d, EPD_KSUB_RUN, op_timeout_ns(ep), ep->err,
+                          sizeof ep->err);
   } else {
-    uint64_t slot_dev = ep->queue_dev + offsetof(epd_queue_t, slot) + (uint64_t)ep->next_slot * sizeof(epd_slot_t);
-    rc = epd_cuda_submit(stream, slot_dev, d, ep->err, sizeof ep->err);
+    rc = epd_cuda_submit(stream, slot_addr(ep->queue_dev, ep->next_slot), d, ep->err, sizeof ep->err);
   }
   if (rc) return rc;
   ep->last_slot = (int)ep->next_slot;

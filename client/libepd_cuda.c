@@ -127,6 +127,29 @@ static epd_result_t cu_fail(CUresult r, const char *what, char *err, size_t errl
     if (r_ != CUDA_SUCCESS) return cu_fail(r_, what, err, errlen); \
   } while (0)
 
+/* The primary context of `device`, retained once per device and never released: it is the same context
+ * the runtime uses, and releasing it under a running worker would tear it down. */
+#define PRIMARY_DEVICES 64
+static CUcontext primary[PRIMARY_DEVICES];
+static pthread_mutex_t primary_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static epd_result_t primary_ctx(int device, CUcontext *out, char *err, size_t errlen) {
+  if (device < 0 || device >= PRIMARY_DEVICES) {
+    snprintf(err, errlen, "device %d: out of range [0, %d)", device, PRIMARY_DEVICES);
+    return EPD_ERR_INVALID;
+  }
+  pthread_mutex_lock(&primary_mu);
+  CUresult r = CUDA_SUCCESS;
+  if (!primary[device]) {
+    CUdevice dev;
+    r = cu.cuDeviceGet(&dev, device);
+    if (!r) r = cu.cuDevicePrimaryCtxRetain(&primary[device], dev);
+  }
+  *out = primary[device];
+  pthread_mutex_unlock(&primary_mu);
+  return r ? cu_fail(r, "cuDevicePrimaryCtxRetain", err, errlen) : EPD_OK;
+}
+
 /* Make sure the calling thread has a context: the caller's own if it has one (a worker using the
  * runtime has its device's primary context current), else the primary context of `device`. */
 static epd_result_t ensure_ctx(int device, char *err, size_t errlen) {
@@ -137,37 +160,18 @@ static epd_result_t ensure_ctx(int device, char *err, size_t errlen) {
     snprintf(err, errlen, "no CUDA context is current on this thread");
     return EPD_ERR_STATE;
   }
-  CUdevice dev;
   CUcontext ctx;
-  CU_TRY(cu.cuDeviceGet(&dev, device), "cuDeviceGet");
-  /* The primary context is retained once per call site and never released: it is the same context
-   * the runtime uses, and releasing it under a running worker would tear it down. */
-  CU_TRY(cu.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  epd_result_t rc = primary_ctx(device, &ctx, err, errlen);
+  if (rc) return rc;
   CU_TRY(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
   return EPD_OK;
 }
 
-/* The primary context of `device`, retained once per device for the life of the process. */
-static CUcontext primary_ctx[64];
-static pthread_mutex_t primary_mu = PTHREAD_MUTEX_INITIALIZER;
-
 epd_result_t epd_cuda_ctx_enter(int device, char *err, size_t errlen) {
   epd_result_t rc = epd_cuda_load(err, errlen);
   if (rc) return rc;
-  if (device < 0 || device >= 64) {
-    snprintf(err, errlen, "device %d: out of range", device);
-    return EPD_ERR_INVALID;
-  }
-  pthread_mutex_lock(&primary_mu);
-  CUresult r = CUDA_SUCCESS;
-  if (!primary_ctx[device]) {
-    CUdevice dev;
-    r = cu.cuDeviceGet(&dev, device);
-    if (!r) r = cu.cuDevicePrimaryCtxRetain(&primary_ctx[device], dev);
-  }
-  CUcontext ctx = primary_ctx[device];
-  pthread_mutex_unlock(&primary_mu);
-  if (r) return cu_fail(r, "cuDevicePrimaryCtxRetain", err, errlen);
+  CUcontext ctx;
+  if ((rc = primary_ctx(device, &ctx, err, errlen))) return rc;
   CU_TRY(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent");
   return EPD_OK;
 }

@@ -813,23 +813,20 @@ static int pers_eligible(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
 /* (mu) Tell grp's kernels to stop at their next slot boundary: a stream memory operation writes the
  * device stop word (it runs beside the kernel; nothing here waits for the device). */
 static void pers_stop(cuda_grp_t *cg, uint64_t now, const char *why) {
-  if (cg->pstate == PS_RUN) {
-    int dev = -1;
-    cudaGetDevice(&dev);
-    for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
-      cuda_grank_t *gr = &cg->rk[r];
-      if (!gr->dlimit) continue;
-      cudaSetDevice(gr->device);
-      CUresult e = cu.cuStreamWriteValue64((CUstream)gr->cstream, (CUdeviceptr)(uintptr_t)gr->dlimit, 0, 0);
-      if (e) EPD_LOGE(EPD_SUB_CUDA, "group %s rank %u: writing the stop word failed (%d)", cg->name, r, (int)e);
-    }
-    if (dev >= 0) cudaSetDevice(dev);
+  if (cg->pstate != PS_RUN) return;
+  int dev = -1;
+  cudaGetDevice(&dev);
+  for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
+    cuda_grank_t *gr = &cg->rk[r];
+    if (!gr->dlimit) continue;
+    cudaSetDevice(gr->device);
+    CUresult e = cu.cuStreamWriteValue64((CUstream)gr->cstream, (CUdeviceptr)(uintptr_t)gr->dlimit, 0, 0);
+    if (e) EPD_LOGE(EPD_SUB_CUDA, "group %s rank %u: writing the stop word failed (%d)", cg->name, r, (int)e);
   }
-  if (cg->pstate == PS_RUN) {
-    cg->pstate = PS_STOP;
-    cg->pstop_ns = now;
-    EPD_LOGD(EPD_SUB_CUDA, "group %s: stopping the persistent kernels (%s)", cg->name, why);
-  }
+  if (dev >= 0) cudaSetDevice(dev);
+  cg->pstate = PS_STOP;
+  cg->pstop_ns = now;
+  EPD_LOGD(EPD_SUB_CUDA, "group %s: stopping the persistent kernels (%s)", cg->name, why);
 }
 
 /* (mu) Launch grp's persistent kernel on every rank. */

@@ -134,9 +134,8 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
  * (the host writes it with a stream memory operation: polled on every turn); the abort word and the
  * progress block are host-mapped memory (device addresses passed here). */
 typedef struct epd_k_pctl {
-  uint64_t pad0;
   uint32_t abort; /* host: non-zero (1 + rank): flag waits give up at once with EPD_ERR_PEER naming rank */
-  uint32_t pad[13];
+  uint32_t pad[15];
 } epd_k_pctl_t;
 
 /* Why a persistent kernel stopped (epd_k_pprog_t.reason). */

@@ -279,7 +279,7 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
     *(volatile uint32_t *)&o.dslot->state = EPD_SLOT_DONE;
   }
   *(volatile int32_t *)&p.pdev->last_err = c;
-  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(&p.pdev->done_ops), "l"(o.popn + 1) : "memory");
+  st_release_gpu_u64(&p.pdev->done_ops, o.popn + 1);
   volatile epd_k_prec_t *rec = &p.prog->rec[o.popn % EPD_K_PREC];
   rec->op = is_dispatch ? EPD_OP_LL_DISPATCH : EPD_OP_LL_COMBINE;
   rec->status = c;
@@ -748,14 +748,6 @@ struct PArgs {
   uint64_t index0, step0, steps0;
 };
 
-__device__ __forceinline__ uint64_t ld_acquire_gpu_u64(const uint64_t *p) {
-  uint64_t v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_gpu_u64(uint64_t *p, uint64_t v) {
-  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
 /* This rank's announcement word in rank `peer`'s window. */
 __device__ __forceinline__ uint64_t *ann_word(const LLParams &p, uint32_t peer, uint32_t src) {
   return (uint64_t *)ncclGetLsaPointer(p.win, p.win_off + p.lay.ann, (int)peer) + src;
@@ -975,9 +967,9 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
     if (sh_desc.op == EPD_OP_LL_DISPATCH) ll_dispatch_body(base, sh_o);
     else ll_combine_body<EPD_LL_PERSIST_COMBINE_ROWS>(base, sh_o);
     __syncthreads();
-    if (tid == 0) { /* from shared memory: nothing of the loop stays live in registers across the bodies */
-      sh_idx = sh_idx + 1;
-      sh_opn = sh_opn + 1;
+    if (tid == 0) {
+      sh_idx = idx + 1;
+      sh_opn = opn + 1;
     }
     __syncthreads();
   }
