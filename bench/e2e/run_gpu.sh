@@ -61,6 +61,26 @@ bench_c() { # name dev_iters
   wait "$P0"; echo "bench_e2e $n rank 0 rc $?"; wait "$P1"; echo "bench_e2e $n rank 1 rc $?"
   tail -3 "$OUT/$n/e2e.r0.log"
 }
+py_overhead() { # name: the Python client's overhead benchmark against the running daemon
+  timeout 200 python3 bench/e2e/py_overhead.py --socket "$SOCK" --iters "$ITERS" --out "$OUT/$1/py" \
+    > "$OUT/$1/py.log" 2>&1
+  echo "py_overhead rc $?"; tail -3 "$OUT/$1/py.log"
+}
+start_mps() { # 0 when the MPS control daemon started (pipe and log directories under /tmp)
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/e2e-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/e2e-mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && return 0
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  return 1
+}
+finish() { # stop MPS if it runs, pack the results, exit
+  [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && echo quit | nvidia-cuda-mps-control
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  rm -f /dev/shm/epd-bench-e2e-* 2>/dev/null
+  tar -C "$OUT" -czf "$FINAL/e2e-results.tgz" .
+  echo "== done"
+  exit 0
+}
 
 echo "== in-process (epd-bench)"
 mkdir -p "$OUT/inproc"
@@ -76,9 +96,7 @@ if [ "${PERSIST:-0}" = 1 ]; then
     "$D/bin/epd-bench" "$OUT/inproc-p" > "$OUT/inproc-p/log.txt" 2>&1
   echo "epd-bench rc $?"; tail -2 "$OUT/inproc-p/log.txt"
   echo "== MPS: launch mode vs persistent mode"
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/e2e-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/e2e-mps-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d; then
+  if start_mps; then
     for m in launch persist persist128; do
       case $m in
         launch) start_daemon mps-$m EPD_CUDA_MODE=launch EPD_CUDA_SPIN_NS=20000000 ;;
@@ -87,30 +105,21 @@ if [ "${PERSIST:-0}" = 1 ]; then
       esac
       bench_c mps-$m "$ITERS"
       if [ "${PY:-0}" = 1 ]; then
-        timeout 200 python3 bench/e2e/py_overhead.py --socket "$SOCK" --iters "$ITERS" --out "$OUT/mps-$m/py" \
-          > "$OUT/mps-$m/py.log" 2>&1
-        echo "py_overhead rc $?"; tail -3 "$OUT/mps-$m/py.log"
+        py_overhead mps-$m
       fi
       stop_daemon
       grep -E "persistent kernels|launch mode" "$OUT/mps-$m/daemon.log" | head -3
     done
-    echo quit | nvidia-cuda-mps-control
   else
     echo "MPS did not start"
   fi
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-  rm -f /dev/shm/epd-bench-e2e-* 2>/dev/null
-  tar -C "$OUT" -czf "$FINAL/e2e-results.tgz" .
-  echo "== done"
-  exit 0
+  finish
 fi
 
 echo "== no MPS, default poll loop"
 start_daemon nomps
 bench_c nomps 20
-timeout 200 python3 bench/e2e/py_overhead.py --socket "$SOCK" --iters "$ITERS" --out "$OUT/nomps/py" \
-  > "$OUT/nomps/py.log" 2>&1
-echo "py_overhead rc $?"; tail -3 "$OUT/nomps/py.log"
+py_overhead nomps
 stop_daemon
 
 if [ "${MOE:-0}" = 1 ]; then
@@ -124,20 +133,12 @@ if [ "${MOE:-0}" = 1 ]; then
 fi
 
 echo "== MPS, spinning poll loop"
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/e2e-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/e2e-mps-log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-if nvidia-cuda-mps-control -d; then
+if start_mps; then
   start_daemon mps-spin EPD_CUDA_SPIN_NS=20000000
   bench_c mps-spin "$ITERS"
-  timeout 200 python3 bench/e2e/py_overhead.py --socket "$SOCK" --iters "$ITERS" --out "$OUT/mps-spin/py" \
-    > "$OUT/mps-spin/py.log" 2>&1
-  echo "py_overhead rc $?"; tail -3 "$OUT/mps-spin/py.log"
+  py_overhead mps-spin
   stop_daemon
-  echo quit | nvidia-cuda-mps-control
 else
   echo "MPS did not start"
 fi
-unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-rm -f /dev/shm/epd-bench-e2e-* 2>/dev/null
-tar -C "$OUT" -czf "$FINAL/e2e-results.tgz" .
-echo "== done"
+finish
