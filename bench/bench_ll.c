@@ -304,11 +304,12 @@ static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_
 /* Phase profile from in-kernel %globaltimer stamps of block 0 (rank 0), medians over iterations. */
 static void trace_run(uint32_t T, uint32_t flags, FILE *out) {
   enum { NI = 100 };
-  static double ph[2][8][NI];
+  static double ph[2][8][NI], fph[2][8][NI];
   uint64_t *tr[NR];
   for (int r = 0; r < NR; r++) {
     CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
-    CU(cudaMalloc((void **)&tr[r], 2 * 8 * sizeof(uint64_t)));
+    CU(cudaMalloc((void **)&tr[r], 2 * 16 * sizeof(uint64_t)));
+    CU(cudaMemset(tr[r], 0, 2 * 16 * sizeof(uint64_t)));
   }
   for (int it = -10; it < NI; it++) {
     uint32_t bank = (uint32_t)(it + 10) & 1;
@@ -325,23 +326,32 @@ static void trace_run(uint32_t T, uint32_t flags, FILE *out) {
         op.timeout_ns = 1000000000ull;
         op.map = H.kh.map_dev[r];
         op.comp = H.kh.comp[r] + opi;
-        op.trace = tr[r] + 8 * opi;
+        op.trace = tr[r] + 16 * opi;
         if (epd_k_ll_launch(H.k[r], &H.kh.ar[r], &op, H.kh.st[r], H.kh.err, sizeof H.kh.err)) DIE("%s", H.kh.err);
       }
     gate_open();
     if (llh_sync(&H, 3)) DIE("%s", H.kh.err);
     if (it < 0) continue;
-    uint64_t h[16];
+    uint64_t h[32];
     CU(cudaSetDevice(epd_cc_device(H.kh.cc, 0)));
     CU(cudaMemcpy(h, tr[0], sizeof h, cudaMemcpyDeviceToHost));
-    for (int opi = 0; opi < 2; opi++)
-      for (int i = 1; i < 8; i++) ph[opi][i][it] = (double)(h[8 * opi + i] - h[8 * opi + (i == 7 ? 0 : i - 1)]) / 1e3;
+    for (int opi = 0; opi < 2; opi++) {
+      const uint64_t *hb = h + 16 * opi;
+      for (int i = 1; i < 8; i++) ph[opi][i][it] = (double)(hb[i] - hb[i == 7 ? 0 : i - 1]) / 1e3;
+      /* stamps 8..15 of a -DEPD_LL_FINE_TRACE build, relative to stamp 0 (0 where not written) */
+      for (int i = 0; i < 8; i++) fph[opi][i][it] = hb[8 + i] ? ((double)hb[8 + i] - (double)hb[0]) / 1e3 : 0.0;
+    }
   }
   static const char *nm[8] = {"", "send", "fence", "flag", "wait", "recv", "finish", "total(last blk)"};
   for (int opi = 0; opi < 2; opi++) {
     fprintf(out, "trace T=%u %s %s:", T, flags ? "fp8" : "bf16", opi ? "combine" : "dispatch");
     for (int i = 1; i < 8; i++) fprintf(out, " %s %.2f", nm[i], stats(ph[opi][i], NI).p50);
     fprintf(out, "\n");
+    if (stats(fph[opi][7], NI).p50 != 0.0 || stats(fph[opi][0], NI).p50 != 0.0) {
+      fprintf(out, "  fine stamps 8..15 from stamp 0:");
+      for (int i = 0; i < 8; i++) fprintf(out, " %.2f", stats(fph[opi][i], NI).p50);
+      fprintf(out, "\n");
+    }
   }
   for (int r = 0; r < NR; r++) cudaFree(tr[r]);
 }
@@ -376,6 +386,7 @@ int main(int argc, char **argv) {
     trace_run(1, EPD_DESC_FP8, stdout);
     trace_run(128, EPD_DESC_FP8, stdout);
     trace_run(128, 0, stdout);
+    if (!strcmp(getenv("EPD_BENCH_TRACE"), "only")) return 0; /* the phase profile alone */
   }
   /* main setting */
   stat3_t d8, c8, d16, c16, e2e8, e2e16;

@@ -233,15 +233,6 @@ __device__ __forceinline__ void tma_wait_all() {
 __device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
-/* x / scale rounded to nearest even, as IEEE division (the reference's __fdiv_rn), from inv = 1/scale
- * (rounded): q0 = x * inv is within an ulp, the FMA residual corrects it (Markstein); exact for every
- * quotient above 2^-100 (checked exhaustively over BF16 inputs), smaller ones are 0 in e4m3 either way. */
-__device__ __forceinline__ float div_by_scale(float x, float scale, float inv) {
-  const float q0 = __fmul_rn(x, inv);
-  const float r = __fmaf_rn(-q0, scale, x);
-  return q0 == 0.f ? q0 : __fmaf_rn(r, inv, q0);
-}
-
 /* ---------------------------------------------------------------------------------------------------
  * route: a warp per token (lanes = top-k columns). Block 0 also zeroes the slot counters.
  * ------------------------------------------------------------------------------------------------- */

@@ -123,6 +123,19 @@ struct LLOp {
     if (p.trace && blockIdx.x == 0 && threadIdx.x == 0) p.trace[i] = gtimer(); \
   } while (0)
 
+/* Extra stamps 8..15 of the standalone kernels, in profiling builds only (-DEPD_LL_FINE_TRACE: the bench's
+ * trace buffer then holds 16 stamps per op). */
+#ifdef EPD_LL_FINE_TRACE
+#define FTRACE(i)                                                                        \
+  do {                                                                                   \
+    if (p.trace && !p.pdev && blockIdx.x == 0 && threadIdx.x == 0) p.trace[i] = gtimer(); \
+  } while (0)
+#else
+#define FTRACE(i) \
+  do {            \
+  } while (0)
+#endif
+
 /* Base of bank b of rank `peer`'s LL area (peer == rank gives the local address). */
 __device__ __forceinline__ char *peer_bank(const LLParams &p, const LLOp &o, int peer) {
   return (char *)ncclGetLsaPointer(p.win, p.win_off + o.bank * p.lay.bank_bytes, peer);
@@ -237,6 +250,9 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
       if (is_dispatch && p.map) comp->map_version = __ldcg(p.map);
     }
     __threadfence_system();
+#ifdef EPD_LL_FINE_TRACE
+    if (p.trace) p.trace[15] = gtimer();
+#endif
     return;
   }
   /* persistent: the whole record in both copies of the slot (the client reads it from the copy whose
@@ -302,6 +318,8 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
 /* ---------------------------------------------------------------------------------------------------
  * Dispatch body (block `blockIdx.x` of G).
  * ------------------------------------------------------------------------------------------------- */
+/* XB: vectors in flight per thread in the expand (fewer in the persistent kernel, as for combine) */
+template <int XB>
 __device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
   __shared__ Meta sh_meta[EPD_K_MAX_RANKS];
   __shared__ uint32_t sh_err;
@@ -309,7 +327,9 @@ __device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
   __shared__ uint32_t sh_wc[NWARP];
   __shared__ int2 sh_list[NTHR];
   __shared__ uint32_t sh_tstart[EPD_K_MAX_RANKS + 1];
+  __shared__ float sh_scale[EPD_K_MAX_HIDDEN / 128];
 
+  FTRACE(8);
   const uint32_t R = p.R, H = p.H, K = p.K, M = p.M, S = p.S, G = p.G, rank = p.rank;
   const bool fp8 = (o.flags & EPD_DESC_FP8) != 0;
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -365,6 +385,7 @@ __device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
         w = __ldcg(topw + (uint64_t)t * K + lane);
       }
       bool bad = lane < K && (e < -1 || e >= (int64_t)p.E);
+      FTRACE(9);
       bool valid = lane < K && e >= 0 && e < (int64_t)p.E;
       for (uint32_t j = 0; j < K; j++) {
         int64_t ej = __shfl_sync(0xffffffffu, e, j);
@@ -410,8 +431,10 @@ __device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
         if (m) mask |= 1ull << r;
       }
       if (lane == 0) rmask[t] = mask;
+      FTRACE(10);
     }
     __syncthreads();
+    FTRACE(11);
     /* token data to every destination rank that has an entry */
     const uint64_t row_off = p.lay.xstg + ((uint64_t)rank * M + t) * rowbytes;
     if (fp8) {
@@ -425,18 +448,21 @@ __device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
         float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
 #pragma unroll
         for (int sh = 16; sh > 0; sh >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, sh));
-        float scale = fmaxf(amax, EPD_K_FP8_AMAX_MIN) / EPD_K_FP8_MAX;
-        __nv_fp8x2_storage_t q01 =
-            __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v0, scale), __fdiv_rn(v1, scale)), __NV_SATFINITE, __NV_E4M3);
-        __nv_fp8x2_storage_t q23 =
-            __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v2, scale), __fdiv_rn(v3, scale)), __NV_SATFINITE, __NV_E4M3);
+        const float scale = fmaxf(amax, EPD_K_FP8_AMAX_MIN) / EPD_K_FP8_MAX;
+        /* four IEEE divisions per lane and group took ~2 us of the send on one token: one reciprocal
+         * and the exact correction instead (same quotients) */
+        const float inv = __frcp_rn(scale);
+        __nv_fp8x2_storage_t q01 = __nv_cvt_float2_to_fp8x2(
+            make_float2(div_by_scale(v0, scale, inv), div_by_scale(v1, scale, inv)), __NV_SATFINITE, __NV_E4M3);
+        __nv_fp8x2_storage_t q23 = __nv_cvt_float2_to_fp8x2(
+            make_float2(div_by_scale(v2, scale, inv), div_by_scale(v3, scale, inv)), __NV_SATFINITE, __NV_E4M3);
         uint32_t q = (uint32_t)q01 | ((uint32_t)q23 << 16);
         for (uint32_t r = 0; r < R; r++) {
           if (sh_meta[r].n == 0) continue;
-          char *row = peer_bank(p, o, r) + row_off;
-          *(uint32_t *)(row + g * 128 + lane * 4) = q;
-          if (lane == 0) *(float *)(row + H + g * 4) = scale;
+          *(uint32_t *)(peer_bank(p, o, r) + row_off + g * 128 + lane * 4) = q;
         }
+        /* the scales go out together below: one 4-byte NVLink write per group was a packet each */
+        if (lane == 0) sh_scale[g] = scale;
       }
     } else {
 #pragma unroll
@@ -448,6 +474,15 @@ __device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
           if (sh_meta[r].n == 0) continue;
           ((int4 *)(peer_bank(p, o, r) + row_off))[v] = val;
         }
+      }
+    }
+    FTRACE(12);
+    if (fp8) {
+      __syncthreads();
+      const uint32_t nsc = H / 128;
+      for (uint32_t i = tid; i < R * nsc; i += NTHR) {
+        const uint32_t r = i / nsc, g = i % nsc;
+        if (sh_meta[r].n) *(float *)(peer_bank(p, o, r) + row_off + H + g * 4) = sh_scale[g];
       }
     }
     /* routing metadata to every rank (n == 0 where the token does not go) */
@@ -534,26 +569,46 @@ __device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
           sh_list[pre] = make_int2((int)(src * M + t), (int)pos);
         }
         __syncthreads();
-        /* expand: one warp per received row */
-        for (uint32_t li = warp; li < tot; li += NWARP) {
-          int2 e = sh_list[li];
-          const char *srow = xstg + (uint64_t)e.x * 2 * H;
-          char *drow = recv_x + ((uint64_t)s * RM + e.y) * 2 * H;
-          uint32_t nvec = fp8 ? H / 16 : H / 8;
-          /* 8 loads in flight per lane before the stores (a load-store chain per vector is latency bound) */
-          for (uint32_t v0 = lane; v0 < nvec; v0 += 32 * 8) {
-            int4 buf[8];
+        FTRACE(13);
+        /* expand: the block's threads share the vectors of all `tot` rows (and their FP8 scales, which
+         * follow the row in xstg), 8 loads in flight per thread before the stores: one round trip for
+         * ~8 FP8 rows, where a warp per row took two plus one for the scales */
+        {
+          const uint32_t nvr = fp8 ? H / 16 : H / 8;
+          const uint32_t nsv = fp8 && nsc % 4 == 0 ? nsc / 4 : 0u;
+          const uint32_t per = nvr + nsv, nwork = tot * per;
+          for (uint32_t w0 = tid; w0 < nwork; w0 += NTHR * XB) {
+            int4 buf[XB];
 #pragma unroll
-            for (int j = 0; j < 8; j++)
-              if (v0 + j * 32 < nvec) buf[j] = __ldcg((const int4 *)srow + v0 + j * 32);
+            for (int j = 0; j < XB; j++) {
+              const uint32_t idx = w0 + j * NTHR;
+              if (idx < nwork) {
+                const uint32_t li = idx / per, v = idx - li * per;
+                buf[j] = __ldcg((const int4 *)(xstg + (uint64_t)sh_list[li].x * 2 * H) + v);
+              }
+            }
 #pragma unroll
-            for (int j = 0; j < 8; j++)
-              if (v0 + j * 32 < nvec) ((int4 *)drow)[v0 + j * 32] = buf[j];
+            for (int j = 0; j < XB; j++) {
+              const uint32_t idx = w0 + j * NTHR;
+              if (idx < nwork) {
+                const uint32_t li = idx / per, v = idx - li * per;
+                const uint64_t row = (uint64_t)s * RM + sh_list[li].y;
+                if (v < nvr)
+                  ((int4 *)(recv_x + row * 2 * H))[v] = buf[j];
+                else
+                  ((int4 *)(recv_sc + row * nsc))[v - nvr] = buf[j];
+              }
+            }
           }
-          if (fp8)
-            for (uint32_t v = lane; v < nsc; v += 32)
-              recv_sc[((uint64_t)s * RM + e.y) * nsc + v] = __ldcg((const float *)(srow + H) + v);
+          if (fp8 && nsv == 0)
+            for (uint32_t li = warp; li < tot; li += NWARP) {
+              const int2 e = sh_list[li];
+              for (uint32_t v = lane; v < nsc; v += 32)
+                recv_sc[((uint64_t)s * RM + e.y) * nsc + v] =
+                    __ldcg((const float *)(xstg + (uint64_t)e.x * 2 * H + H) + v);
+            }
         }
+        FTRACE(14);
         base += tot;
         __syncthreads();
       }
@@ -578,6 +633,7 @@ __device__ void ll_combine_body(const LLParams &p, const LLOp &o) {
   __shared__ WaitResult wr;
   __shared__ uint32_t sh_tstart[EPD_K_MAX_RANKS + 1];
 
+  FTRACE(8);
   const uint32_t R = p.R, H = p.H, M = p.M, G = p.G, rank = p.rank;
   const uint32_t tid = threadIdx.x;
   char *lb = local_bank(p, o);
@@ -729,11 +785,14 @@ __device__ void ll_combine_body(const LLParams &p, const LLOp &o) {
 
 __global__ void __launch_bounds__(NTHR) ll_dispatch_kernel(const __grid_constant__ LLParams p,
                                                            const __grid_constant__ LLOp o) {
-  ll_dispatch_body(p, o);
+  ll_dispatch_body<8>(p, o);
 }
 
 #ifndef EPD_LL_PERSIST_COMBINE_ROWS
 #define EPD_LL_PERSIST_COMBINE_ROWS 4
+#endif
+#ifndef EPD_LL_PERSIST_EXPAND_VECS
+#define EPD_LL_PERSIST_EXPAND_VECS 8
 #endif
 
 /* Arguments of the persistent kernel besides the LL parameters. */
@@ -964,7 +1023,7 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
       o.psub = ((uint64_t)sh_desc.reserved[1] << 32) | sh_desc.reserved[0];
     }
     __syncthreads();
-    if (sh_desc.op == EPD_OP_LL_DISPATCH) ll_dispatch_body(base, sh_o);
+    if (sh_desc.op == EPD_OP_LL_DISPATCH) ll_dispatch_body<EPD_LL_PERSIST_EXPAND_VECS>(base, sh_o);
     else ll_combine_body<EPD_LL_PERSIST_COMBINE_ROWS>(base, sh_o);
     __syncthreads();
     if (tid == 0) {
