@@ -90,6 +90,8 @@ struct LLParams {
   ncclWindow_t win;
   uint64_t win_off; /* LL area offset in the window */
   char *local;      /* LL area, local address */
+  char *peer[EPD_K_MAX_RANKS]; /* LL area of each LSA rank (ncclGetLsaPointer, computed once at create:
+                                * in the kernels it was a dependent load of the window before a store) */
   LLLayout lay;
   uint32_t R, rank, E, H, K, M, S, G;
   uint64_t timeout_ns;
@@ -138,7 +140,7 @@ struct LLOp {
 
 /* Base of bank b of rank `peer`'s LL area (peer == rank gives the local address). */
 __device__ __forceinline__ char *peer_bank(const LLParams &p, const LLOp &o, int peer) {
-  return (char *)ncclGetLsaPointer(p.win, p.win_off + o.bank * p.lay.bank_bytes, peer);
+  return p.peer[peer] + o.bank * p.lay.bank_bytes;
 }
 __device__ __forceinline__ char *local_bank(const LLParams &p, const LLOp &o) {
   return p.local + o.bank * p.lay.bank_bytes;
@@ -809,7 +811,7 @@ struct PArgs {
 
 /* This rank's announcement word in rank `peer`'s window. */
 __device__ __forceinline__ uint64_t *ann_word(const LLParams &p, uint32_t peer, uint32_t src) {
-  return (uint64_t *)ncclGetLsaPointer(p.win, p.win_off + p.lay.ann, (int)peer) + src;
+  return (uint64_t *)(p.peer[peer] + p.lay.ann) + src;
 }
 
 /* Persistent LL kernel (epd_kernels.h "Persistent mode"). Block 0's first warp decides each op with the
@@ -1063,6 +1065,11 @@ LLLayout make_layout(const epd_k_ll_geom_t *g, uint32_t G) {
 
 } /* namespace */
 
+/* The LL area's address in every LSA rank's mapping of the window (host copy: epd_k_ll.peer). */
+static __global__ void lsa_bases_kernel(ncclWindow_t win, size_t off, uint32_t R, char **out) {
+  if (threadIdx.x < EPD_K_MAX_RANKS) out[threadIdx.x] = threadIdx.x < R ? (char *)ncclGetLsaPointer(win, off, threadIdx.x) : nullptr;
+}
+
 struct epd_k_ll {
   epd_k_ll_geom_t g;
   ncclComm_t comm;
@@ -1074,6 +1081,7 @@ struct epd_k_ll {
   LLLayout lay;
   int device;
   PDev *pdev; /* persistent-mode scratch */
+  char *peer[EPD_K_MAX_RANKS]; /* LLParams.peer */
   long resident; /* persistent kernel blocks resident at once on this GPU */
 };
 
@@ -1202,6 +1210,10 @@ epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm
     return r;
   }
   cudaError_t ce = cudaMalloc((void **)&k->pdev, 512);
+  if (ce == cudaSuccess) {
+    lsa_bases_kernel<<<1, 32>>>(k->win, k->win_off, g->num_ranks, (char **)k->pdev);
+    ce = cudaMemcpy(k->peer, k->pdev, sizeof k->peer, cudaMemcpyDeviceToHost);
+  }
   if (ce == cudaSuccess) ce = cudaMemset(k->local, 0, k->lay.area_bytes);
   if (ce == cudaSuccess) ce = cudaDeviceSynchronize();
   if (ce != cudaSuccess) {
@@ -1241,6 +1253,7 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
   LLParams p;
   memset(&p, 0, sizeof(p));
   params_from_ctx(p, k);
+  memcpy(p.peer, k->peer, sizeof p.peer);
   p.timeout_ns = op->timeout_ns ? op->timeout_ns : EPD_K_DEFAULT_TIMEOUT_NS;
   p.map = (const uint32_t *)op->map;
   p.slot_tokens = op->slot_tokens;
@@ -1271,6 +1284,7 @@ epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *aren
   LLParams p;
   memset(&p, 0, sizeof(p));
   params_from_ctx(p, k);
+  memcpy(p.peer, k->peer, sizeof p.peer);
   p.timeout_ns = ps->timeout_ns ? ps->timeout_ns : EPD_K_DEFAULT_TIMEOUT_NS;
   p.map = (const uint32_t *)map;
   p.arena = *arena;
