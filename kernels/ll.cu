@@ -643,6 +643,8 @@ __device__ void ll_combine_body(const LLParams &p, const LLOp &o) {
   const uint32_t seq = __ldcg(&st->seq[1][blockIdx.x]) + 1;
   const uint64_t deadline = gtimer() + p.timeout_ns;
   const uint32_t lane = tid & 31, warp = tid >> 5;
+  /* loaded before the barrier: branching on it after cost the expert side one more round trip */
+  const int derr = __ldcg(&st->derr);
   if (tid == 0) {
     uint32_t a = 0;
     const uint32_t *rtok = (const uint32_t *)(lb + p.lay.rtok);
@@ -654,7 +656,6 @@ __device__ void ll_combine_body(const LLParams &p, const LLOp &o) {
   }
   __syncthreads();
   TRACE(0);
-  const int derr = __ldcg(&st->derr);
   const uint64_t RM = (uint64_t)R * M;
   const uint32_t nv = H / 8;
 
@@ -743,18 +744,21 @@ __device__ void ll_combine_body(const LLParams &p, const LLOp &o) {
 
   TRACE(3);
   /* ---- source side: sum the partials of each of my tokens in f32 ---- */
+  /* this rank's own routing of its first token is read while the flags are awaited (private data of the
+   * last dispatch on this bank: two dependent loads that came after the wait) */
+  const uint64_t *rmask = (const uint64_t *)(lb + p.lay.rmask);
+  const uint32_t T = __ldcg(&st->ntok);
+  const uint64_t mask0 = blockIdx.x < T ? __ldcg(rmask + blockIdx.x) : 0ull;
   wait_flags(p, (const uint64_t *)(lb + p.lay.cflag), seq, deadline, &wr);
   TRACE(4);
   int code, peer;
   wait_status(p, &wr, &code, &peer);
   if (code == 0 && derr != 0) code = EPD_ERR_STATE;
   if (code == 0) {
-    const uint64_t *rmask = (const uint64_t *)(lb + p.lay.rmask);
     const char *cstg = lb + p.lay.cstg;
     __nv_bfloat16 *out = arena_buf<__nv_bfloat16>(p, o, EPD_BUF_OUT);
-    const uint32_t T = __ldcg(&st->ntok);
     for (uint32_t t = blockIdx.x; t < T; t += G) {
-      uint64_t mask = __ldcg(rmask + t);
+      const uint64_t mask = t == blockIdx.x ? mask0 : __ldcg(rmask + t);
       int4 *orow = (int4 *)(out + (uint64_t)t * H);
       for (uint32_t v = tid; v < nv; v += NTHR) {
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
