@@ -206,6 +206,37 @@ static void kernel_times(uint32_t T, uint32_t flags, stat3_t *ds, stat3_t *cs) {
     for (int i = 0; i < 3; i++) cudaEventDestroy(ev[r][i]);
 }
 
+/* (f) the launch floor: an empty kernel of the LL kernels' grid, timed like (a) (gate, events, slower
+ * rank): what an op costs before its body does anything. */
+static stat3_t empty_times(void) {
+  static double v[ITERS];
+  cudaEvent_t ev[NR][3];
+  const uint32_t blocks = epd_k_ll_geom(H.k[0])->blocks;
+  for (int r = 0; r < NR; r++) {
+    CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+    for (int i = 0; i < 3; i++) CU(cudaEventCreate(&ev[r][i]));
+  }
+  for (int it = -WARM; it < ITERS; it++) {
+    gate_all();
+    record_all(ev, 0);
+    for (int r = 0; r < NR; r++) {
+      CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+      if (epd_k_empty(blocks, H.kh.st[r])) DIE("empty kernel launch");
+    }
+    record_all(ev, 1);
+    record_all(ev, 2);
+    gate_open();
+    if (llh_sync(&H, 3)) DIE("%s", H.kh.err);
+    if (it < 0) continue;
+    double a, b;
+    slowest_us(ev, &a, &b);
+    v[it] = a;
+  }
+  for (int r = 0; r < NR; r++)
+    for (int i = 0; i < 3; i++) cudaEventDestroy(ev[r][i]);
+  return stats(v, ITERS);
+}
+
 /* (c) in-process end to end: host launch of dispatch+combine on every rank to the last sync. */
 static stat3_t e2e_times(uint32_t T, uint32_t flags) {
   static double v[ITERS];
@@ -394,6 +425,7 @@ int main(int argc, char **argv) {
   kernel_times(M_, 0, &d16, &c16);
   e2e8 = e2e_times(M_, EPD_DESC_FP8);
   e2e16 = e2e_times(M_, 0);
+  const stat3_t empty = empty_times();
   size_t fp8_row = H_ + H_ / 128 * 4;
   stat3_t sr_d8, sr_c, ag, rsc, sr_d16, sr_c2, ag2, rsc2;
   nccl_baselines(0, fp8_row, &sr_d8, &sr_c, &ag, &rsc);
@@ -438,6 +470,7 @@ int main(int argc, char **argv) {
   J3("d_nccl_sendrecv_combine_bf16", sr_c);
   J3("d_nccl_allgather_bf16", ag);
   J3("d_nccl_reducescatter_bf16", rsc);
+  J3("f_empty_kernel", empty);
   fprintf(f, "  \"e_floor_us\": {\"dispatch_fp8\": %.2f, \"dispatch_bf16\": %.2f, \"combine_bf16\": %.2f},\n", floor_d8, floor_d16, floor_c);
   fprintf(f, "  \"sweep\": [\n");
   for (int i = 0; i < NSW; i++)
@@ -470,7 +503,9 @@ int main(int argc, char **argv) {
   M3("(d) NCCL send/recv, combine BF16 (one partial per token and rank)", sr_c);
   M3("(d) NCCL allgather BF16", ag);
   M3("(d) NCCL reduce-scatter BF16", rsc);
-  fprintf(f, "| (e) byte floor 450 GB/s: dispatch FP8 / BF16 / combine | %.2f / %.2f / %.2f | |\n\n", floor_d8, floor_d16, floor_c);
+  fprintf(f, "| (e) byte floor 450 GB/s: dispatch FP8 / BF16 / combine | %.2f / %.2f / %.2f | |\n", floor_d8, floor_d16, floor_c);
+  M3("(f) launch floor: an empty kernel of the same grid, timed as (a)", empty);
+  fprintf(f, "\n");
   double ours = d8.p50 + c8.p50, sr = sr_d8.p50 + sr_c.p50, agrs = ag.p50 + rsc.p50;
   double best = sr < agrs ? sr : agrs;
   fprintf(f, "Dispatch FP8 + combine: epd %.2f µs; NCCL send/recv %.2f µs; allgather + reduce-scatter %.2f µs; "

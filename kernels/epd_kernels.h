@@ -215,6 +215,8 @@ epd_result_t epd_k_ll_combine(epd_k_ll_t *k, const epd_k_arena_t *arena, uint32_
 /* Benchmark/test helper: hold `stream` until *flag >= value (flag: device address of host-mapped
  * memory), or until timeout_ns passed. Lets several GPUs start an op at the same moment. */
 epd_result_t epd_k_gate(const uint32_t *flag, uint32_t value, uint64_t timeout_ns, void *stream);
+/* An empty kernel of `blocks` x EPD_K_LL_THREADS threads (benchmarks: the launch floor). */
+epd_result_t epd_k_empty(uint32_t blocks, void *stream);
 
 /* The geometry a context was created with. */
 const epd_k_ll_geom_t *epd_k_ll_geom(const epd_k_ll_t *k);
