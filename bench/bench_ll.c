@@ -172,69 +172,70 @@ static void slowest_us(cudaEvent_t ev[NR][3], double *a, double *b) {
   }
 }
 
-/* (a) kernel times for T tokens; returns medians in d[], c[] (max over ranks per iteration). */
-static void kernel_times(uint32_t T, uint32_t flags, stat3_t *ds, stat3_t *cs) {
-  static double dv[ITERS], cv[ITERS];
+/* Two launches on every rank between three events, the ranks released together by the gate: medians
+ * over ITERS of the slower rank's time of each (*s1, *s2). launch(which, iteration, arg) enqueues launch
+ * `which` (0, 1) on every rank's stream. */
+typedef void (*launch_fn)(int which, int it, void *arg);
+static void timed_pairs(launch_fn launch, void *arg, stat3_t *s1, stat3_t *s2) {
+  static double v1[ITERS], v2[ITERS];
   cudaEvent_t ev[NR][3];
   for (int r = 0; r < NR; r++) {
     CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
     for (int i = 0; i < 3; i++) CU(cudaEventCreate(&ev[r][i]));
   }
-  uint32_t nt[NR];
-  for (int r = 0; r < NR; r++) nt[r] = T;
   for (int it = -WARM; it < ITERS; it++) {
-    uint32_t bank = (uint32_t)(it + WARM) & 1;
     gate_all();
     record_all(ev, 0);
-    if (llh_launch(&H, 3, EPD_OP_LL_DISPATCH, bank, nt, flags, 1000000000ull)) DIE("%s", H.kh.err);
+    launch(0, it, arg);
     record_all(ev, 1);
-    if (llh_launch(&H, 3, EPD_OP_LL_COMBINE, bank, NULL, 0, 1000000000ull)) DIE("%s", H.kh.err);
+    launch(1, it, arg);
     record_all(ev, 2);
     gate_open();
     if (llh_sync(&H, 3)) DIE("%s", H.kh.err);
     if (it < 0) continue;
-    double dmax, cmax;
-    slowest_us(ev, &dmax, &cmax);
-    dv[it] = dmax;
-    cv[it] = cmax;
+    slowest_us(ev, &v1[it], &v2[it]);
   }
-  check_comp(0);
-  check_comp(1);
-  *ds = stats(dv, ITERS);
-  *cs = stats(cv, ITERS);
+  *s1 = stats(v1, ITERS);
+  *s2 = stats(v2, ITERS);
   for (int r = 0; r < NR; r++)
     for (int i = 0; i < 3; i++) cudaEventDestroy(ev[r][i]);
 }
 
-/* (f) the launch floor: an empty kernel of the LL kernels' grid, timed like (a) (gate, events, slower
- * rank): what an op costs before its body does anything. */
-static stat3_t empty_times(void) {
-  static double v[ITERS];
-  cudaEvent_t ev[NR][3];
-  const uint32_t blocks = epd_k_ll_geom(H.k[0])->blocks;
+struct ll_pair {
+  uint32_t flags, nt[NR];
+};
+static void launch_ll(int which, int it, void *arg) {
+  const struct ll_pair *a = arg;
+  const uint32_t bank = (uint32_t)(it + WARM) & 1;
+  if (which == 0 && llh_launch(&H, 3, EPD_OP_LL_DISPATCH, bank, a->nt, a->flags, 1000000000ull)) DIE("%s", H.kh.err);
+  if (which == 1 && llh_launch(&H, 3, EPD_OP_LL_COMBINE, bank, NULL, 0, 1000000000ull)) DIE("%s", H.kh.err);
+}
+
+/* (a) kernel times for T tokens: medians of dispatch (*ds) and of the combine after it (*cs). */
+static void kernel_times(uint32_t T, uint32_t flags, stat3_t *ds, stat3_t *cs) {
+  struct ll_pair a = {.flags = flags};
+  for (int r = 0; r < NR; r++) a.nt[r] = T;
+  timed_pairs(launch_ll, &a, ds, cs);
+  check_comp(0);
+  check_comp(1);
+}
+
+static void launch_empty(int which, int it, void *arg) {
+  (void)which;
+  (void)it;
   for (int r = 0; r < NR; r++) {
     CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
-    for (int i = 0; i < 3; i++) CU(cudaEventCreate(&ev[r][i]));
+    if (epd_k_empty(*(const uint32_t *)arg, H.kh.st[r])) DIE("empty kernel launch");
   }
-  for (int it = -WARM; it < ITERS; it++) {
-    gate_all();
-    record_all(ev, 0);
-    for (int r = 0; r < NR; r++) {
-      CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
-      if (epd_k_empty(blocks, H.kh.st[r])) DIE("empty kernel launch");
-    }
-    record_all(ev, 1);
-    record_all(ev, 2);
-    gate_open();
-    if (llh_sync(&H, 3)) DIE("%s", H.kh.err);
-    if (it < 0) continue;
-    double a, b;
-    slowest_us(ev, &a, &b);
-    v[it] = a;
-  }
-  for (int r = 0; r < NR; r++)
-    for (int i = 0; i < 3; i++) cudaEventDestroy(ev[r][i]);
-  return stats(v, ITERS);
+}
+
+/* (f) the launch floor: an empty kernel of the LL kernels' grid, timed like (a): what an op costs before
+ * its body does anything. */
+static stat3_t empty_times(void) {
+  uint32_t blocks = epd_k_ll_geom(H.k[0])->blocks;
+  stat3_t first, second;
+  timed_pairs(launch_empty, &blocks, &first, &second);
+  return first;
 }
 
 /* (c) in-process end to end: host launch of dispatch+combine on every rank to the last sync. */
