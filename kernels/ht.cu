@@ -15,9 +15,12 @@
  *                                  (HT_RECV_*), a warp per token with 16-byte register copies (or,
  *                                  opt-in, BF16 rows with the bulk-copy engine: TMA global -> shared
  *                                  -> local and remote rows), FP8 rows quantised once by a warp;
+ *                                  The sender counts its entries per (dest, local slot) with the
+ *                                  metadata and adds them into the dest's slotc after its rows;
  *                                staging (no peer arenas): into the receiver's staging rows, which the
- *                                  receiver copies into its arena after the flags.
- *                              flags; the receiver counts the rows per local slot.
+ *                                  receiver copies into its arena after the flags, counting the rows
+ *                                  per local slot.
+ *                              flags; the last block writes the per-slot counts and the record.
  * Combine is one kernel (G blocks):
  *   direct: every block tells the peers its arena's HT_Y is ready, then pulls, per token of its chunk,
  *           the partials of every rank that received the token and sums them in rank order in f32
@@ -37,8 +40,9 @@
  *   route [M] TokRoute    dest mask, per-k dest rank and slot of my token t
  *   tmask [M] u32         dest mask | error bits << 24 of my token t (compact copy for the counts)
  *   pos   [M][R] u32      row of my token t within my segment on dest rank r
- *   rsrc  [C] i32         EPD_SRC_PACK of each received row (for the staging combine)
- *   slotc [S] u32         (j, k) entries per local slot, accumulated by the dispatch
+ *   rsrc  [C] i32         EPD_SRC_PACK of each received row (for the staging combine; direct: by the sender)
+ *   slotc [S] u32         (j, k) entries per local slot, accumulated by the dispatch (direct: by the
+ *                         senders, which add into it only after reading this step's plan message)
  *   st    HTState         sequence numbers, tickets, plan results (bases, totals, status)
  *   --- staging written by peers (never zeroed by reset; used without peer arenas) ---
  *   xstg  [C][2H]         received token rows at their final index (BF16, or FP8 H bytes + scales)
@@ -434,13 +438,15 @@ __device__ void send_meta_token(const HTParams &p, uint32_t t, uint32_t m, const
 }
 
 /* Arena metadata (HT_RECV_TOPK_IDX, _WEIGHTS, _SRC) of one tile's tokens on every dest written directly
- * (own rank; every rank in direct mode); counts the own entries. The tile's tokens for dest r hold the
+ * (own rank; every rank in direct mode), with each row's src in the dest's rsrc; counts the entries per
+ * (dest, local slot) in hist[dest][slot] (or, without hist, straight into the dest's slotc), so that no
+ * receiver has to read its rows' metadata back to count them. The tile's tokens for dest r hold the
  * consecutive rows j0[r] .. j0[r] + n[r] - 1 (cl[r * TILE + c]: tile index of the c-th), so consecutive
  * threads write consecutive elements: NVLink then carries a few full lines per token instead of 2K + 1
  * partial writes, whose packet rate held the rows back for about 10 us. Threads i0, i0 + stride, ... */
 __device__ void meta_tile(const HTParams &p, uint32_t tb, const uint16_t *cl, const uint32_t *j0, const uint32_t *n,
-                          uint32_t *hist, uint32_t *slotc, uint32_t i0, uint32_t stride) {
-  const uint32_t K = p.K, R = p.R, me = p.rank;
+                          uint32_t *hist, uint32_t i0, uint32_t stride) {
+  const uint32_t K = p.K, R = p.R, S = p.S, me = p.rank;
   char *lb = local_bank(p);
   const TokRoute *route = (const TokRoute *)(lb + p.lay.route);
   const float *topw = arena_buf<float>(p, EPD_BUF_TOPK_WEIGHTS);
@@ -448,6 +454,8 @@ __device__ void meta_tile(const HTParams &p, uint32_t tb, const uint16_t *cl, co
     if (r != me && !p.direct) continue;
     const uint32_t nr = n[r], jb = j0[r];
     const uint16_t *c_r = cl + r * TILE;
+    char *rb = r == me ? lb : peer_bank(p, (int)r);
+    uint32_t *cnt = hist ? hist + r * S : (uint32_t *)(rb + p.lay.slotc);
     int64_t *idx = rank_buf<int64_t>(p, r, EPD_BUF_HT_RECV_TOPK_IDX) + (uint64_t)jb * K;
     float *wd = rank_buf<float>(p, r, EPD_BUF_HT_RECV_TOPK_WEIGHTS) + (uint64_t)jb * K;
     for (uint32_t e = i0; e < nr * K; e += stride) {
@@ -456,14 +464,14 @@ __device__ void meta_tile(const HTParams &p, uint32_t tb, const uint16_t *cl, co
       const uint32_t sl = route[t].slot[k];
       idx[e] = mine ? (int64_t)sl : (int64_t)-1;
       wd[e] = mine ? __ldg(topw + (uint64_t)t * K + k) : 0.f;
-      if (mine && r == me) atomicAdd(hist ? &hist[sl] : &slotc[sl], 1u);
+      if (mine) atomicAdd(&cnt[sl], 1u);
     }
     int32_t *srcd = rank_buf<int32_t>(p, r, EPD_BUF_HT_RECV_SRC) + jb;
-    int32_t *rsrc = (int32_t *)(lb + p.lay.rsrc) + jb;
+    int32_t *rsrc = (int32_t *)(rb + p.lay.rsrc) + jb;
     for (uint32_t c = i0; c < nr; c += stride) {
       const int32_t src = EPD_SRC_PACK(me, tb + c_r[c]);
       srcd[c] = src;
-      if (r == me) rsrc[c] = src;
+      rsrc[c] = src;
     }
   }
 }
@@ -628,10 +636,10 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
   const uint32_t *tmask = (const uint32_t *)(lb + p.lay.tmask);
   uint32_t *slotc = (uint32_t *)(lb + p.lay.slotc);
   int32_t *rsrc = (int32_t *)(lb + p.lay.rsrc);
-  uint32_t *hist = S <= HIST_MAX ? (uint32_t *)(dsm + p.sm.hist) : nullptr;
+  uint32_t *hist = R * S <= HIST_MAX ? (uint32_t *)(dsm + p.sm.hist) : nullptr; /* [R][S] */
   uint64_t *full = (uint64_t *)(dsm + p.sm.bar);
   if (hist)
-    for (uint32_t s = tid; s < S; s += NTHR) hist[s] = 0;
+    for (uint32_t s = tid; s < R * S; s += NTHR) hist[s] = 0;
   if (tid == 0) {
     sh_err = too_many ? ERRB_TOO_MANY : 0u;
     sh_timeout = NO_TIMEOUT;
@@ -829,10 +837,10 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       if (!use_tma) {
         /* the last tile's metadata goes out after the positions are published (below), so that the
          * fence there does not wait for its NVLink writes */
-        if (tb + TILE < t1) meta_tile(p, tb, s_cl, sh_tile0, sh_tilen, hist, slotc, tid, NTHR);
+        if (tb + TILE < t1) meta_tile(p, tb, s_cl, sh_tile0, sh_tilen, hist, tid, NTHR);
         continue;
       }
-      if (warp > 0) meta_tile(p, tb, s_cl, sh_tile0, sh_tilen, hist, slotc, tid - 32, NTHR - 32);
+      if (warp > 0) meta_tile(p, tb, s_cl, sh_tile0, sh_tilen, hist, tid - 32, NTHR - 32);
       if (tb == t0) TR(4);
       if (tid == 0) {
         /* one thread drives the ring: row loads run ns - lag ahead, `lag` rows of stores may still read */
@@ -873,7 +881,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
         __threadfence();
         st_release_gpu_u32(&st->drdy[blockIdx.x], seq);
       }
-      if (t0 < t1) meta_tile(p, t0 + (t1 - t0 - 1) / TILE * TILE, s_cl, sh_tile0, sh_tilen, hist, slotc, tid, NTHR);
+      if (t0 < t1) meta_tile(p, t0 + (t1 - t0 - 1) / TILE * TILE, s_cl, sh_tile0, sh_tilen, hist, tid, NTHR);
       TR(4);
       const uint32_t *pos = (const uint32_t *)(lb + p.lay.pos);
       uint32_t v = blockIdx.x, t = take_token(st->dcur, v, per, T, lane);
@@ -907,6 +915,15 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
     }
     if (use_tma && tid == 0) tma_wait_all();
     if (tid == 0) TR_LATEST(6);
+    if (hist && p.direct && !sh_abort) {
+      /* the chunk's entries per (dest, slot) into the dests' slotc, before the flags. Here, after the
+       * rows: issued before or among the rows, these NVLink reductions slowed the rows more (2x H100:
+       * BF16 dispatch +1 us, FP8 +7 us) than the 1.5 us they add in front of the fence. */
+      for (uint32_t i = tid; i < R * S; i += NTHR) {
+        const uint32_t r = i / S, v = hist[i];
+        if (v) atomicAdd((uint32_t *)((r == me ? lb : peer_bank(p, (int)r)) + p.lay.slotc) + (i - r * S), v);
+      }
+    }
   }
   signal_peers(p, p.lay.dflag, seq, code != 0 || sh_abort);
   {
@@ -921,24 +938,13 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
     }
   }
   TR(7);
-  if (code == 0 && !sh_abort) {
-    /* ---- receive: count the entries per local slot of the rows the peers wrote ---- */
+  if (code == 0 && !sh_abort && !p.direct) {
+    /* ---- receive (staging): copy the remote rows into the arena and count their entries per local
+     * slot (direct: the senders counted them into slotc before their flags) ---- */
     const uint32_t own0 = sh_recvbase[me], own1 = sh_recvbase[me + 1];
     int64_t *recv_idx = arena_buf<int64_t>(p, EPD_BUF_HT_RECV_TOPK_IDX);
     int32_t *recv_src = arena_buf<int32_t>(p, EPD_BUF_HT_RECV_SRC);
-    if (p.direct) {
-      /* the peers' rows (all but my own segment) element by element over every block: coalesced */
-      const uint32_t nown = own1 - own0, nrem = N - nown;
-      for (uint32_t e = blockIdx.x * NTHR + tid; e < nrem * K; e += G * NTHR) {
-        const uint32_t q = e / K, j = q < own0 ? q : q + nown;
-        const int64_t ls = __ldcg(recv_idx + (uint64_t)j * K + (e - q * K));
-        if (ls >= 0) atomicAdd(hist ? &hist[ls] : &slotc[ls], 1u);
-      }
-      for (uint32_t q = blockIdx.x * NTHR + tid; q < nrem; q += G * NTHR) {
-        const uint32_t j = q < own0 ? q : q + nown;
-        rsrc[j] = __ldcg(recv_src + j);
-      }
-    } else {
+    {
       /* staging: copy the remote rows into the arena */
       const bool f8 = fp8;
       const uint32_t nsc = H / 128;
@@ -963,7 +969,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
           recv_w[(uint64_t)j * K + lane] = __ldcg(&mr->w[lane]);
           if (ls >= 0) {
             if (hist)
-              atomicAdd(&hist[ls], 1u);
+              atomicAdd(&hist[me * S + ls], 1u);
             else
               atomicAdd(&slotc[ls], 1u);
           }
@@ -978,7 +984,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
     __syncthreads();
     if (hist)
       for (uint32_t s = tid; s < S; s += NTHR)
-        if (hist[s]) atomicAdd(&slotc[s], hist[s]);
+        if (hist[me * S + s]) atomicAdd(&slotc[s], hist[me * S + s]);
   }
   /* ---- completion: the last block writes counts and the record ---- */
   __syncthreads();
@@ -1336,7 +1342,7 @@ SmemLayout dispatch_smem(uint32_t R, uint32_t S, uint32_t fsc_bytes, uint64_t st
   m.clist = o;
   o += TILE * R * 2;
   m.hist = o;
-  o += S <= HIST_MAX ? S * 4 : 0;
+  o += R * S <= HIST_MAX ? R * S * 4 : 0;
   m.fsc = o;
   o += fsc_bytes;
   o = (uint32_t)align_up(o, 128);
