@@ -42,7 +42,7 @@ CUDA_LIBS := $(if $(filter 1,$(WITH_CUDA)),$(CUDA_LINK))
 CFLAGS_ALL += $(PKG_CFLAGS) $(CUDA_CFLAGS)
 LDFLAGS_ALL := $(SAN) -pthread '-Wl,-rpath,$$ORIGIN/../lib' -Wl,--disable-new-dtags $(LDFLAGS)
 NVCCFLAGS := -std=c++17 $(CUDA_ARCH) -O3 -Xcompiler -fPIC,-fvisibility=hidden -Iclient -Ikernels \
-  -I$(NCCL_HOME)/include -MMD -MP -lineinfo
+  -I$(NCCL_HOME)/include -MMD -MP -lineinfo $(NVCCDEFS)
 
 # ---- generated protobuf code -------------------------------------------------------------------------
 HEALTH_PROTO ?= /usr/share/grpc-proto/grpc/health/v1/health.proto

@@ -79,6 +79,10 @@ constexpr uint32_t TILE = NTHR;                /* tokens per tile of the data ke
 constexpr uint32_t SMEM_MAX = 223u * 1024u;    /* dynamic shared memory per block (sm_90: 227 KiB with the static) */
 constexpr uint32_t HIST_MAX = 4096;            /* slots counted in shared memory (more: global atomics) */
 constexpr uint32_t MAX_STAGES = 16;
+#ifndef EPD_HT_META_WARPS
+#define EPD_HT_META_WARPS 4
+#endif
+constexpr uint32_t META_WARPS = EPD_HT_META_WARPS; /* warps writing the last tile's metadata during the rows */
 constexpr int NO_TIMEOUT = 0x7fffffff;
 
 enum : uint32_t { ERRB_BAD_EXPERT = 1u, ERRB_TOO_MANY = 2u, ERRB_BAD_MAP = 4u };
@@ -707,6 +711,75 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
     __threadfence_system();
     st_relaxed_sys(msg, ((uint64_t)seq << 32) | ((uint64_t)(sh_err & 0xffu) << 24) | (uint64_t)T);
   }
+  /* ---- the scan of one tile of my chunk (tile tb): each token's row on each dest, jr (sh_run + its
+   * index among the tile's tokens for that dest), the tile's lists (s_cl per dest, s_tl of tokens sent
+   * anywhere, s_tm masks) and counts (sh_tile0, sh_tilen, sh_n); sh_run advances past the tile ---- */
+  uint32_t *s_tj = (uint32_t *)(dsm + p.sm.tj);    /* [TILE][R] absolute row on each dest */
+  uint32_t *s_tm = (uint32_t *)(dsm + p.sm.tmask); /* [TILE] dest mask */
+  uint32_t *s_tl = (uint32_t *)(dsm + p.sm.tlist); /* tile indices of the tokens sent anywhere */
+  uint16_t *s_cl = (uint16_t *)(dsm + p.sm.clist); /* [R][TILE] tile indices of the tokens sent to r */
+  unsigned char *stage = dsm + p.sm.stage;
+  const char *x = arena_buf<char>(p, EPD_BUF_X);
+  const uint32_t lt = (1u << lane) - 1u;
+  uint32_t gload = 0; /* TMA: loads issued so far (thread 0) */
+  auto scan_tile = [&](uint32_t tb, uint32_t &m, uint32_t (&jr)[EPD_K_MAX_RANKS]) {
+    const uint32_t t = tb + tid;
+    m = t < t1 ? (__ldcg(tmask + t) & 0xffu) : 0u;
+#pragma unroll
+    for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
+      const uint32_t bal = __ballot_sync(0xffffffffu, (m >> r) & 1u);
+      jr[r] = __popc(bal & lt);
+      if (lane == 0) sh_w[warp][r] = __popc(bal);
+    }
+    const uint32_t anyb = __ballot_sync(0xffffffffu, m != 0);
+    uint32_t li = __popc(anyb & lt);
+    if (lane == 0) sh_w[warp][2 * EPD_K_MAX_RANKS] = __popc(anyb);
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
+      if (r >= (int)R) break;
+      for (uint32_t w = 0; w < warp; w++) jr[r] += sh_w[w][r];
+      if ((m >> r) & 1u) s_cl[r * TILE + jr[r]] = (uint16_t)tid;
+      jr[r] += sh_run[r];
+      s_tj[tid * R + r] = jr[r];
+    }
+    for (uint32_t w = 0; w < warp; w++) li += sh_w[w][2 * EPD_K_MAX_RANKS];
+    s_tm[tid] = m;
+    if (m) s_tl[li] = tid;
+    __syncthreads(); /* sh_w and sh_run read by everyone */
+    if (tid < R) {
+      uint32_t a = 0;
+      for (int w = 0; w < NWARP; w++) a += sh_w[w][tid];
+      sh_tile0[tid] = sh_run[tid];
+      sh_tilen[tid] = a;
+      sh_run[tid] += a;
+    }
+    if (tid == 0) {
+      uint32_t a = 0;
+      for (int w = 0; w < NWARP; w++) a += sh_w[w][2 * EPD_K_MAX_RANKS];
+      sh_n = a;
+    }
+    __syncthreads(); /* s_tl, s_cl, sh_n, the tile's rows */
+  };
+  /* A chunk of one tile on the register path (direct) is scanned before the plan messages are read:
+   * its positions within my segments (pos, sh_tile0: sh_run starts at the tokens before my chunk) do
+   * not depend on the other ranks' counts, only the segment bases do. Published for work stealing. */
+  const bool early = p.direct && !use_tma && t1 - t0 <= TILE;
+  if (early) {
+    if (tid < R) sh_run[tid] = sh_before[tid];
+    __syncthreads();
+    uint32_t m, jr[EPD_K_MAX_RANKS];
+    scan_tile(t0, m, jr);
+    uint32_t *pos = (uint32_t *)(lb + p.lay.pos) + (uint64_t)(t0 + tid) * R;
+#pragma unroll
+    for (int r = 0; r < EPD_K_MAX_RANKS; r++)
+      if (r < (int)R && ((m >> r) & 1u)) pos[r] = jr[r];
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();
+      st_release_gpu_u32(&st->drdy[blockIdx.x], seq);
+    }
+  }
   if (tid < R) {
     const uint64_t *msg = (const uint64_t *)(lb + p.lay.cmsg + (uint64_t)tid * 128);
     uint64_t v = 0;
@@ -782,56 +855,15 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
 
   if (code == 0) {
     /* ---- my chunk, tile by tile: rows on every dest (a scan of the tile's masks), metadata; with TMA
-     * the tile's rows too, by thread 0 driving the ring, while warps 1.. write the metadata ---- */
-    uint32_t *s_tj = (uint32_t *)(dsm + p.sm.tj);    /* [TILE][R] absolute row on each dest */
-    uint32_t *s_tm = (uint32_t *)(dsm + p.sm.tmask); /* [TILE] dest mask */
-    uint32_t *s_tl = (uint32_t *)(dsm + p.sm.tlist); /* tile indices of the tokens sent anywhere */
-    uint16_t *s_cl = (uint16_t *)(dsm + p.sm.clist); /* [R][TILE] tile indices of the tokens sent to r */
-    unsigned char *stage = dsm + p.sm.stage;
-    const char *x = arena_buf<char>(p, EPD_BUF_X);
-    const uint32_t lt = (1u << lane) - 1u;
-    uint32_t gload = 0; /* TMA: loads issued so far (thread 0) */
-    for (uint32_t tb = t0; tb < t1; tb += TILE) {
+     * the tile's rows too, by thread 0 driving the ring, while warps 1.. write the metadata. Scanned
+     * already (early): the tile's rows become absolute ---- */
+    if (early && tid < R) sh_tile0[tid] += sh_sendbase[tid];
+    for (uint32_t tb = early ? t1 : t0; tb < t1; tb += TILE) {
       __syncthreads(); /* the previous tile's arrays are consumed, sh_run is current */
       if (sh_abort) break;
       const uint32_t t = tb + tid;
-      const uint32_t m = t < t1 ? (__ldcg(tmask + t) & 0xffu) : 0u;
-      uint32_t jr[EPD_K_MAX_RANKS];
-#pragma unroll
-      for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
-        const uint32_t bal = __ballot_sync(0xffffffffu, (m >> r) & 1u);
-        jr[r] = __popc(bal & lt);
-        if (lane == 0) sh_w[warp][r] = __popc(bal);
-      }
-      const uint32_t anyb = __ballot_sync(0xffffffffu, m != 0);
-      uint32_t li = __popc(anyb & lt);
-      if (lane == 0) sh_w[warp][2 * EPD_K_MAX_RANKS] = __popc(anyb);
-      __syncthreads();
-#pragma unroll
-      for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
-        if (r >= (int)R) break;
-        for (uint32_t w = 0; w < warp; w++) jr[r] += sh_w[w][r];
-        if ((m >> r) & 1u) s_cl[r * TILE + jr[r]] = (uint16_t)tid;
-        jr[r] += sh_run[r];
-        s_tj[tid * R + r] = jr[r];
-      }
-      for (uint32_t w = 0; w < warp; w++) li += sh_w[w][2 * EPD_K_MAX_RANKS];
-      s_tm[tid] = m;
-      if (m) s_tl[li] = tid;
-      __syncthreads(); /* sh_w and sh_run read by everyone */
-      if (tid < R) {
-        uint32_t a = 0;
-        for (int w = 0; w < NWARP; w++) a += sh_w[w][tid];
-        sh_tile0[tid] = sh_run[tid];
-        sh_tilen[tid] = a;
-        sh_run[tid] += a;
-      }
-      if (tid == 0) {
-        uint32_t a = 0;
-        for (int w = 0; w < NWARP; w++) a += sh_w[w][2 * EPD_K_MAX_RANKS];
-        sh_n = a;
-      }
-      __syncthreads(); /* s_tl, s_cl, sh_n, the tile's rows */
+      uint32_t m, jr[EPD_K_MAX_RANKS];
+      scan_tile(tb, m, jr);
       const uint32_t n = sh_n;
       if (m) send_meta_token(p, t, m, jr, sh_sendbase);
       if (!use_tma) {
@@ -877,12 +909,18 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       /* ---- rows by warps, a token at a time: my chunk's first, then those of blocks still sending
        * theirs (work stealing); a token's rows come from tmask and pos, published by its block ---- */
       __syncthreads(); /* pos of my chunk written */
-      if (tid == 0) {
+      if (tid == 0 && !early) {
         __threadfence();
         st_release_gpu_u32(&st->drdy[blockIdx.x], seq);
       }
-      if (t0 < t1) meta_tile(p, t0 + (t1 - t0 - 1) / TILE * TILE, s_cl, sh_tile0, sh_tilen, hist, tid, NTHR);
+      /* the last tile's metadata: by the last META_WARPS warps while the others start the rows (they
+       * join the rows after it; the shared hist is flushed after the rows), or by all before the rows */
+      const uint32_t tl = t0 + (t1 - t0 - 1) / TILE * TILE;
+      constexpr uint32_t MW = META_WARPS > 0 && META_WARPS < NWARP ? META_WARPS : NWARP;
+      if (t0 < t1 && MW == NWARP) meta_tile(p, tl, s_cl, sh_tile0, sh_tilen, hist, tid, NTHR);
       TR(4);
+      if (t0 < t1 && MW < NWARP && warp >= NWARP - MW)
+        meta_tile(p, tl, s_cl, sh_tile0, sh_tilen, hist, tid - (NWARP - MW) * 32, MW * 32);
       const uint32_t *pos = (const uint32_t *)(lb + p.lay.pos);
       uint32_t v = blockIdx.x, t = take_token(st->dcur, v, per, T, lane);
       for (;;) {
