@@ -887,6 +887,11 @@ epd_result_t eng_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert
     return rc;
   if (eng->o.nodes > 1 && eng->ops == &eng_host_ops && (rc = check_copies_nodes(eng, copies, ncopies, errbuf, errlen)))
     return rc;
+  if (eng->o.nodes > 1 && eng->ops != &eng_host_ops && ncopies) {
+    snprintf(errbuf, errlen, "expert-weight copies are not supported across nodes on the cuda backend (%u given): move "
+             "the weights in the workers, then set the map without copies", ncopies);
+    return EPD_ERR_UNSUPPORTED;
+  }
   if (check && (rc = check_copies(eng, grp, map, copies, ncopies, errbuf, errlen))) return rc;
   uint32_t nall = grp->nstaged_copies + ncopies;
   epd_weight_copy_t *all = NULL;
@@ -926,9 +931,10 @@ epd_result_t epd_engine_set_map_copies(epd_engine_t *eng, const char *group, con
                                        const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t *version_out,
                                        char *errbuf, size_t errlen) {
   const char *name = group && *group ? group : "default";
-  /* Scale-out with the host backend: node 0 numbers and stages every map and sends it to every node
-   * (engine_net.c); the nodes switch to it at the same step. */
-  if (eng->o.nodes > 1 && eng->ops == &eng_host_ops)
+  /* Scale-out (either backend): node 0 numbers and stages every map and sends it to every node
+   * (engine_net.c); the nodes switch to it at the same step (engine_net.c for the host backend,
+   * engine_cuda_net.c for cuda). */
+  if (eng->o.nodes > 1 && eng->o.net)
     return eng_net_set_map(eng, name, map, copies, ncopies, version_out, errbuf, errlen);
   pthread_mutex_lock(&eng->mu);
   epd_result_t rc = EPD_OK;

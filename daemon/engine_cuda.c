@@ -1391,6 +1391,11 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
       cuda_destroy(eng);
       return rc;
     }
+    /* expert maps from the other nodes (engine_net.c) */
+    if ((rc = eng_net_ctl_start(eng, err, errlen))) {
+      cuda_destroy(eng);
+      return rc;
+    }
   }
   EPD_LOGI(EPD_SUB_CUDA, "NCCL communicators of %d GPUs up in %.1f ms; MPS %s, mode %s, idle spin %llu ns, "
            "LL blocks %u", be->ndev, (eng_now_ns() - t0) / 1e6, be->mps ? "on" : "off", cuda_mode(eng),
@@ -1424,6 +1429,7 @@ static void cuda_destroy(epd_engine_t *eng) {
   pthread_mutex_lock(&eng->mu);
   pers_quiesce_all(eng, be);
   pthread_mutex_unlock(&eng->mu);
+  if (be->net) eng_net_ctl_stop(eng);
   eng_cuda_net_destroy(be->net);
   be->net = NULL;
   for (int r = 0; r < be->ndev; r++)

@@ -6,7 +6,9 @@
 # rendezvous over 127.0.0.1. One epd-worker per node checks every step against the reference:
 #   LL BF16 and FP8 (H 7168, 256 experts, top-8, 128 tokens, skewed and uniform), HT BF16 and FP8
 #   (256 tokens; BF16 also 4096 tokens with 16 experts); status shows transport nccl-p2p, the NCCL log shows
-#   NET/Socket; node 1 silent -> EPD_ERR_TIMEOUT naming rank 1; a second group is refused meanwhile;
+#   NET/Socket; expert maps staged through either node's daemon (rank 0 every 3 LL / 4 HT steps; epdctl
+#   set-map at node 1) become active on both nodes at the same step; node 1 silent -> EPD_ERR_TIMEOUT
+#   naming rank 1; a second group is refused meanwhile;
 #   node 1 gone -> EPD_ERR_PEER naming rank 1 within 3 s.
 # Then (TWO_NODES_BASELINE=1, default) the same LL steps on ONE daemon driving both GPUs over NVLink.
 # TWO_NODES_QUICK=1: the LL cases only; TWO_NODES_NCCL_ENV: extra NCCL variables for the daemons.
@@ -102,6 +104,42 @@ expect_ok htl0 htl1
 echo "== LL small (hidden 256, 16 experts, top-4, 64 tokens), 40 steps"
 pair lls --steps 40 --seed 3 --hidden 256
 expect_ok lls0 lls1
+
+echo "== expert maps across nodes: rank 0 stages a new map through node 0's daemon every 3 LL / 4 HT steps"
+pair lm --steps 90 --seed 11 --skew --hidden 256 --map-every 3
+expect_ok lm0 lm1
+pair hm --steps 40 --seed 12 --mode ht --fp8 --skew --hidden 256 --map-every 4
+expect_ok hm0 hm1
+for g in lm hm; do
+  want=8; [ $g = lm ] && want=25
+  seen=$(sed -n 's/.*: \([0-9]*\) map switches seen.*/\1/p' "$T/${g}1.out")
+  [ "${seen:-0}" -ge $want ] || fail "$g: the worker at node 1 saw ${seen:-0} map switches"
+  for n in 0 1; do grep -o "group $g switched expert map [0-9]* -> [0-9]* at step [0-9]*" "$T/node$n.log" > "$T/sw$n.txt"; done
+  [ "$(wc -l < "$T/sw0.txt")" -ge $want ] || fail "$g: node 0 logged $(wc -l < "$T/sw0.txt") switches"
+  cmp -s "$T/sw0.txt" "$T/sw1.txt" || fail "$g: the nodes switched at different steps: $(diff "$T/sw0.txt" "$T/sw1.txt" | head -4)"
+  echo "   $g: $(wc -l < "$T/sw0.txt") switches, the same (version, step) on both nodes; node 1's worker saw $seen"
+done
+echo "== SetExpertMap sent to node 1's daemon while steps run: staged by node 0, active on both nodes"
+pair ex --steps 4000 --seed 13 --hidden 256
+experts_same() { # GROUP VERSION: both nodes run the same map of GROUP, at VERSION
+  "$EPDCTL" -s "$T/n0/control.sock" experts "$1" > "$T/e0.txt" && "$EPDCTL" -s "$T/n1/control.sock" experts "$1" > "$T/e1.txt" &&
+    cmp -s "$T/e0.txt" "$T/e1.txt" && grep -q "version $2\b" "$T/e0.txt"
+}
+wait_for 30 experts_same ex 1 || fail "group ex did not come up on both nodes"
+for sh in 1 2 3; do # 16 experts over 2 ranks x 8 slots: expert e on slot (e + sh) % 16
+  { echo "group ex"; for e in $(seq 0 15); do i=$(( (e + sh) % 16 )); echo "expert $e: $((i / 8)):$((i % 8))"; done; } > "$T/map$sh.txt"
+  "$EPDCTL" -s "$T/n1/control.sock" set-map "$T/map$sh.txt" > "$T/sm$sh.out" 2>&1 || fail "set-map at node 1: $(cat "$T/sm$sh.out")"
+done
+VB=$(sed -n 's/.*version \([0-9][0-9]*\).*/\1/p' "$T/sm3.out" | head -1)
+[ -n "$VB" ] || fail "set-map printed no version: $(cat "$T/sm3.out")"
+wait_for 20 experts_same ex "$VB" || fail "group ex: the nodes do not both run version $VB: $(head -2 "$T/e0.txt" | tr '\n' ' ') / $(head -2 "$T/e1.txt" | tr '\n' ' ')"
+grep -q "expert 0: 0:3" "$T/e0.txt" || fail "group ex: not node 1's last map: $(head -3 "$T/e0.txt")"
+grep -q "staged from node 0" "$T/node1.log" || fail "node 1 did not log maps staged from node 0"
+expect_ok ex0 ex1
+echo "   versions $(sed -n 's/.*version \([0-9][0-9]*\).*/\1/p' "$T/sm1.out" | head -1) .. $VB staged at node 1, $VB active on both nodes"
+for n in 0 1; do
+  grep -q "dispatches with expert map version" "$T/node$n.log" && fail "the map mismatch check fired on node $n"
+done
 
 echo "== node 1 never submits: EPD_ERR_TIMEOUT naming rank 1; meanwhile a second group is refused"
 CUDA_VISIBLE_DEVICES=0 timeout 30 "$WORKER" -s "$T/n0/control.sock" -g to -r 0 -n 2 --steps 1 --hidden 256 > "$T/to.out" 2>&1 &
