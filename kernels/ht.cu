@@ -361,10 +361,19 @@ __device__ __forceinline__ void warp_copy_row(int4 *dst, const int4 *src, uint32
   }
 }
 
-/* Sum one output row of n16 16-byte vectors (BF16) over the rows given (rank order), f32. NV vectors
- * per lane and rank in flight: 8 for the pull over NVLink, whose latency 4 do not cover (the copy kernel
- * pulling with 8 reaches 317 GB/s on 24 SMs). */
-template <int NV>
+/* Ranks whose rows' loads a warp issues together (RB), and vectors per lane and row (NV) of the direct
+ * register combine: 2 x 7 in flight. 2x H200, 24 SMs, combine BF16: 201.4 us with a rank at a time x 8,
+ * 195.5 with 2 x 7 (116 bytes of spills), 199.3 with 2 x 6, 204.4 with 2 x 5, 207.0 with 2 x 4
+ * (bench/results/bench_ht_h200x2_s8.md). */
+#ifndef EPD_HT_COMBINE_RB
+#define EPD_HT_COMBINE_RB 2
+#endif
+#ifndef EPD_HT_COMBINE_NV
+#define EPD_HT_COMBINE_NV 7
+#endif
+/* Sum one output row of n16 16-byte vectors (BF16) over the rows given, f32 in rank order: the loads of
+ * RB ranks' rows (NV vectors per lane each) in flight together, then their sums. */
+template <int NV, int RB = EPD_HT_COMBINE_RB>
 __device__ __forceinline__ void warp_reduce_rows(int4 *orow, const int4 *const *rows, uint32_t R, uint32_t n16,
                                                  uint32_t lane) {
   for (uint32_t v0 = lane; v0 < n16; v0 += 32 * NV) {
@@ -374,19 +383,29 @@ __device__ __forceinline__ void warp_reduce_rows(int4 *orow, const int4 *const *
 #pragma unroll
       for (int q = 0; q < 8; q++) acc[i][q] = 0.f;
 #pragma unroll
-    for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
-      if (r >= (int)R || !rows[r]) continue;
-      int4 b[NV];
+    for (int r0 = 0; r0 < EPD_K_MAX_RANKS; r0 += RB) {
+      /* the loads of RB ranks' rows in flight together, then their sums in rank order */
+      int4 b[RB][NV];
 #pragma unroll
-      for (int i = 0; i < NV; i++)
-        if (v0 + i * 32 < n16) b[i] = __ldcg(rows[r] + v0 + i * 32);
+      for (int h = 0; h < RB; h++) {
+        const int r = r0 + h;
+        if (r >= (int)R || !rows[r]) continue;
 #pragma unroll
-      for (int i = 0; i < NV; i++) {
-        const uint32_t *u = (const uint32_t *)&b[i];
+        for (int i = 0; i < NV; i++)
+          if (v0 + i * 32 < n16) b[h][i] = __ldcg(rows[r] + v0 + i * 32);
+      }
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-          acc[i][2 * q] += bf16_to_f(u[q] & 0xffffu);
-          acc[i][2 * q + 1] += bf16_to_f(u[q] >> 16);
+      for (int h = 0; h < RB; h++) {
+        const int r = r0 + h;
+        if (r >= (int)R || !rows[r]) continue;
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+          const uint32_t *u = (const uint32_t *)&b[h][i];
+#pragma unroll
+          for (int q = 0; q < 4; q++) {
+            acc[i][2 * q] += bf16_to_f(u[q] & 0xffffu);
+            acc[i][2 * q + 1] += bf16_to_f(u[q] >> 16);
+          }
         }
       }
     }
@@ -1208,7 +1227,7 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
                           ? (const int4 *)(rank_buf<char>(p, r, EPD_BUF_HT_Y) + (uint64_t)(sh_sb[r] + pr) * rowb)
                           : nullptr;
           }
-          warp_reduce_rows<8>((int4 *)(out + (uint64_t)t * rowb), rows, R, n16, lane);
+          warp_reduce_rows<EPD_HT_COMBINE_NV>((int4 *)(out + (uint64_t)t * rowb), rows, R, n16, lane);
           t = take_token(st->ccur, v, per, T, lane);
         }
       }

@@ -7,8 +7,8 @@
 #   LL BF16 and FP8 (H 7168, 256 experts, top-8, 128 tokens, skewed and uniform), HT BF16 and FP8
 #   (256 tokens; BF16 also 4096 tokens with 16 experts); status shows transport nccl-p2p, the NCCL log shows
 #   NET/Socket; expert maps staged through either node's daemon (rank 0 every 3 LL / 4 HT steps; epdctl
-#   set-map at node 1) become active on both nodes at the same step; node 1 silent -> EPD_ERR_TIMEOUT
-#   naming rank 1; a second group is refused meanwhile;
+#   set-map at node 1) become active on both nodes at the same step, weight copies refused on both; node 1
+#   silent -> EPD_ERR_TIMEOUT naming rank 1; a second group is refused meanwhile;
 #   node 1 gone -> EPD_ERR_PEER naming rank 1 within 3 s.
 # Then (TWO_NODES_BASELINE=1, default) the same LL steps on ONE daemon driving both GPUs over NVLink.
 # TWO_NODES_QUICK=1: the LL cases only; TWO_NODES_NCCL_ENV: extra NCCL variables for the daemons.
@@ -135,6 +135,12 @@ VB=$(sed -n 's/.*version \([0-9][0-9]*\).*/\1/p' "$T/sm3.out" | head -1)
 wait_for 20 experts_same ex "$VB" || fail "group ex: the nodes do not both run version $VB: $(head -2 "$T/e0.txt" | tr '\n' ' ') / $(head -2 "$T/e1.txt" | tr '\n' ' ')"
 grep -q "expert 0: 0:3" "$T/e0.txt" || fail "group ex: not node 1's last map: $(head -3 "$T/e0.txt")"
 grep -q "staged from node 0" "$T/node1.log" || fail "node 1 did not log maps staged from node 0"
+{ cat "$T/map1.txt"; echo "copy 0:0 -> 1:4"; } > "$T/xcopy.txt" # weight copies: refused across nodes on cuda
+for n in 0 1; do
+  "$EPDCTL" -s "$T/n$n/control.sock" set-map "$T/xcopy.txt" > "$T/xc$n.out" 2>&1 && fail "a weight copy was accepted at node $n"
+  grep -q "not supported across nodes on the cuda backend" "$T/xc$n.out" || fail "weight copy at node $n: $(cat "$T/xc$n.out")"
+done
+experts_same ex "$VB" || fail "group ex changed after a refused map"
 expect_ok ex0 ex1
 echo "   versions $(sed -n 's/.*version \([0-9][0-9]*\).*/\1/p' "$T/sm1.out" | head -1) .. $VB staged at node 1, $VB active on both nodes"
 for n in 0 1; do
