@@ -1676,7 +1676,7 @@ static uint64_t cuda_copy_weights(epd_engine_t *eng, eng_group_t *grp) {
   for (uint32_t i = 0; i < grp->nbufs; i++)
     if (grp->bufs[i].kind == EPD_BUF_EXPERT_WEIGHTS) woff = grp->bufs[i].offset;
   int used[EPD_MAX_RANKS] = {0}, dev0 = 0;
-  if (be->net) { /* scale-out: the ranks of a copy may be on two nodes */
+  if (be->net) { /* scale-out: SetExpertMap refuses copies there (eng_stage_map); kept as a guard */
     eng_emit(eng, "error", grp, -1, 0, 0, 0, grp->steps,
              "group %s: %u expert-weight copies skipped: not supported across nodes on the cuda backend",
              grp->name, grp->nstaged_copies);

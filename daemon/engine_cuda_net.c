@@ -542,6 +542,8 @@ static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
   *peer = -1;
   for (uint32_t n = 0; n < nodes; n++) {
     h[n] = (const cnet_fhdr_t *)cn->frame[n];
+    if (!h[n]) /* this node could not build its own frame (out of memory) */
+      FAIL(EPD_ERR_NOMEM, (int)(n * L), "node %u: out of memory for the step's control frame", n);
     if (cn->flen[n] < sizeof(cnet_fhdr_t) || h[n]->magic != FRAME_MAGIC)
       FAIL(EPD_ERR_PEER, (int)(n * L), "node %u sent a malformed control frame", n);
   }

@@ -112,7 +112,7 @@ pair hm --steps 40 --seed 12 --mode ht --fp8 --skew --hidden 256 --map-every 4
 expect_ok hm0 hm1
 for g in lm hm; do
   want=8; [ $g = lm ] && want=25
-  seen=$(sed -n 's/.*: \([0-9]*\) map switches seen.*/\1/p' "$T/${g}1.out")
+  seen=$(sed -n 's/.*: \([0-9]*\) map switches seen.*/\1/p' "$T/${g}1.out" | tail -1)
   [ "${seen:-0}" -ge $want ] || fail "$g: the worker at node 1 saw ${seen:-0} map switches"
   for n in 0 1; do grep -o "group $g switched expert map [0-9]* -> [0-9]* at step [0-9]*" "$T/node$n.log" > "$T/sw$n.txt"; done
   [ "$(wc -l < "$T/sw0.txt")" -ge $want ] || fail "$g: node 0 logged $(wc -l < "$T/sw0.txt") switches"
@@ -120,29 +120,41 @@ for g in lm hm; do
   echo "   $g: $(wc -l < "$T/sw0.txt") switches, the same (version, step) on both nodes; node 1's worker saw $seen"
 done
 echo "== SetExpertMap sent to node 1's daemon while steps run: staged by node 0, active on both nodes"
-pair ex --steps 4000 --seed 13 --hidden 256
+pair ex --steps 8000 --seed 13 --hidden 256
 experts_same() { # GROUP VERSION: both nodes run the same map of GROUP, at VERSION
   "$EPDCTL" -s "$T/n0/control.sock" experts "$1" > "$T/e0.txt" && "$EPDCTL" -s "$T/n1/control.sock" experts "$1" > "$T/e1.txt" &&
     cmp -s "$T/e0.txt" "$T/e1.txt" && grep -q "version $2\b" "$T/e0.txt"
 }
-wait_for 30 experts_same ex 1 || fail "group ex did not come up on both nodes"
+ex_steps() { "$EPDCTL" -s "$T/n0/control.sock" status 2>/dev/null | awk '$1 == "ex" { print $7 }'; }
+ex_running() { [ "$(ex_steps)" -ge 20 ]; }
+version_of() { sed -n 's/.*version \([0-9][0-9]*\).*/\1/p' "$1" | head -1; }
+wait_for 30 ex_running || fail "group ex did not run 20 steps on node 0"
+S0=$(ex_steps)
 for sh in 1 2 3; do # 16 experts over 2 ranks x 8 slots: expert e on slot (e + sh) % 16
   { echo "group ex"; for e in $(seq 0 15); do i=$(( (e + sh) % 16 )); echo "expert $e: $((i / 8)):$((i % 8))"; done; } > "$T/map$sh.txt"
   "$EPDCTL" -s "$T/n1/control.sock" set-map "$T/map$sh.txt" > "$T/sm$sh.out" 2>&1 || fail "set-map at node 1: $(cat "$T/sm$sh.out")"
 done
-VB=$(sed -n 's/.*version \([0-9][0-9]*\).*/\1/p' "$T/sm3.out" | head -1)
+VB=$(version_of "$T/sm3.out")
 [ -n "$VB" ] || fail "set-map printed no version: $(cat "$T/sm3.out")"
 wait_for 20 experts_same ex "$VB" || fail "group ex: the nodes do not both run version $VB: $(head -2 "$T/e0.txt" | tr '\n' ' ') / $(head -2 "$T/e1.txt" | tr '\n' ' ')"
-grep -q "expert 0: 0:3" "$T/e0.txt" || fail "group ex: not node 1's last map: $(head -3 "$T/e0.txt")"
-grep -q "staged from node 0" "$T/node1.log" || fail "node 1 did not log maps staged from node 0"
+grep -q "^expert 0: 0:3$" "$T/e0.txt" || fail "group ex: not node 1's last map: $(head -3 "$T/e0.txt")"
+grep -q "group ex: expert map version $VB staged from node 0" "$T/node1.log" || fail "node 1 did not log version $VB staged from node 0"
 { cat "$T/map1.txt"; echo "copy 0:0 -> 1:4"; } > "$T/xcopy.txt" # weight copies: refused across nodes on cuda
 for n in 0 1; do
   "$EPDCTL" -s "$T/n$n/control.sock" set-map "$T/xcopy.txt" > "$T/xc$n.out" 2>&1 && fail "a weight copy was accepted at node $n"
   grep -q "not supported across nodes on the cuda backend" "$T/xc$n.out" || fail "weight copy at node $n: $(cat "$T/xc$n.out")"
 done
-experts_same ex "$VB" || fail "group ex changed after a refused map"
+# the refused maps took no version: the next map (set at node 0 this time) gets VB + 1 and becomes active
+{ echo "group ex"; for e in $(seq 0 15); do i=$(( (e + 2) % 16 )); echo "expert $e: $((i / 8)):$((i % 8))"; done; } > "$T/map4.txt"
+"$EPDCTL" -s "$T/n0/control.sock" set-map "$T/map4.txt" > "$T/sm4.out" 2>&1 || fail "set-map at node 0: $(cat "$T/sm4.out")"
+V4=$(version_of "$T/sm4.out")
+[ "$V4" = $((VB + 1)) ] || fail "the map after the refused ones got version '$V4', want $((VB + 1))"
+wait_for 20 experts_same ex "$V4" || fail "group ex: the nodes do not both run version $V4"
+grep -q "^expert 0: 0:2$" "$T/e1.txt" || fail "group ex: not node 0's map: $(head -3 "$T/e1.txt")"
+S1=$(ex_steps)
+[ -n "$S1" ] || fail "group ex finished before the checks did (raise its --steps)"
 expect_ok ex0 ex1
-echo "   versions $(sed -n 's/.*version \([0-9][0-9]*\).*/\1/p' "$T/sm1.out" | head -1) .. $VB staged at node 1, $VB active on both nodes"
+echo "   versions $(version_of "$T/sm1.out") .. $VB staged at node 1, then $V4 at node 0 (weight copies refused on both), active on both nodes; steps $S0 .. $S1 meanwhile"
 for n in 0 1; do
   grep -q "dispatches with expert map version" "$T/node$n.log" && fail "the map mismatch check fired on node $n"
 done
