@@ -88,16 +88,7 @@ struct cnet {
    * done. */
   uint64_t t_sent, t_in, t_issued;
   uint64_t prof_n[2], prof_ns[2][4];
-  /* Map switches (the protocol of engine_net.c's host backend): the staged map this node reported in its
-   * frame of the last step (version 0: none) with its weight-copy count, and what the frames of the last
-   * step that had every frame agreed on. */
-  epd_expert_map_t rep;
-  uint64_t rep_hash;
-  uint32_t rep_copies;
-  int agree;
-  uint64_t agree_step;
-  uint32_t agree_version;
-  uint64_t agree_hash;
+  eng_map_vote_t vote; /* expert-map switches, the protocol of both backends (engine_internal.h) */
 };
 
 static int op_ok(uint32_t op) {
@@ -203,11 +194,7 @@ static void group_reset(cnet_t *cn) {
     cn->frame[n] = NULL;
   }
   if (cn->gname[0]) epd_net_drop_group(cn->eng->o.net, cn->gname);
-  epd_expert_map_free(&cn->rep);
-  memset(&cn->rep, 0, sizeof cn->rep);
-  cn->rep_hash = 0;
-  cn->rep_copies = 0;
-  cn->agree = 0;
+  eng_vote_reset(&cn->vote);
   dev_free(cn);
   cn->grp = NULL;
   cn->gname[0] = 0;
@@ -341,58 +328,6 @@ static uint64_t buf_off(const eng_group_t *grp, uint32_t kind, uint32_t bank) {
   return UINT64_MAX;
 }
 
-/* ---- expert-map switches ---------------------------------------------------------------------------
- * A SetExpertMap on any node is numbered and staged by node 0 and sent to every node (engine_net.c).
- * Each node reports the map it has staged in its frame of every step; when the frames of step N all
- * report the same staged map, every node switches to it at step N + 1 if that is a dispatch (every node
- * sees the same frames, so every node decides the same). */
-
-/* (mu) Remember the staged map this node reports (a newer one staged later replaces it only at the next
- * frame, so the map every node reported is still at hand when they agree on it). */
-static void map_report(cnet_t *cn) {
-  eng_group_t *grp = cn->grp;
-  uint32_t v = grp->has_staged ? grp->staged.version : 0;
-  if (v == cn->rep.version) return;
-  epd_expert_map_free(&cn->rep);
-  memset(&cn->rep, 0, sizeof cn->rep);
-  cn->rep_hash = 0;
-  cn->rep_copies = 0;
-  if (v && epd_ref_map_copy(&cn->rep, &grp->staged) == EPD_OK) {
-    cn->rep_hash = epd_net_map_hash(&cn->rep);
-    cn->rep_copies = grp->nstaged_copies;
-  } else {
-    memset(&cn->rep, 0, sizeof cn->rep); /* out of memory: report none; the map switches later */
-  }
-}
-
-/* (mu) Decide from the frames of the step (all in) what the next dispatch switches to: the staged map
- * every node reported, or, for a node left behind (a step that failed on it but not elsewhere), the map
- * another node already runs and this one still has staged. */
-static void map_agree(cnet_t *cn, const cnet_fhdr_t *const *h) {
-  uint32_t v = cn->rep.version;
-  int all = v != 0, behind = 0;
-  for (uint32_t n = 0; n < cn->nodes; n++) {
-    if (n == cn->node) continue;
-    if (h[n]->staged_version != v || h[n]->staged_hash != cn->rep_hash) all = 0;
-    if (v && h[n]->map_version == v && h[n]->map_hash == cn->rep_hash) behind = 1;
-  }
-  cn->agree = all || behind;
-  cn->agree_step = cn->step;
-  cn->agree_version = v;
-  cn->agree_hash = cn->rep_hash;
-}
-
-/* (mu) At a dispatch step: switch to the map the frames of the previous step agreed on. */
-static void map_switch(cnet_t *cn) {
-  epd_engine_t *eng = cn->eng;
-  if (!cn->agree || cn->agree_step + 1 != cn->step) return;
-  cn->agree = 0;
-  if (cn->rep.version != cn->agree_version || cn->rep_hash != cn->agree_hash) return;
-  if (eng_apply_staged_version(eng, cn->grp, &cn->rep, cn->rep_copies))
-    EPD_LOGE(EPD_SUB_CUDA, "group %s: staged map version %u agreed by every node is gone on node %u", cn->gname,
-             cn->rep.version, cn->node);
-}
-
 /* (mu) Every local rank submitted: build this node's frame (own copy kept) and send it to every node. */
 static void send_frame(cnet_t *cn) {
   epd_engine_t *eng = cn->eng;
@@ -417,12 +352,12 @@ static void send_frame(cnet_t *cn) {
     h.status = EPD_ERR_DRAINING;
     snprintf(h.why, sizeof h.why, "node %u is draining", cn->node);
   }
-  if (dispatch && !h.status) map_switch(cn);
-  map_report(cn);
+  if (dispatch && !h.status) eng_vote_switch(eng, grp, &cn->vote, cn->step);
+  eng_vote_report(grp, &cn->vote);
   h.map_version = grp->map.version;
   h.map_hash = epd_net_map_hash(&grp->map);
-  h.staged_version = cn->rep.version;
-  h.staged_hash = cn->rep_hash;
+  h.staged_version = cn->vote.rep.version;
+  h.staged_hash = cn->vote.rep_hash;
   size_t len = sizeof h + L * sizeof(cnet_desc_t), rows[EPD_MAX_RANKS] = {0};
   if (dispatch && !h.status)
     for (uint32_t l = 0; l < L; l++) {
@@ -547,7 +482,14 @@ static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
     if (cn->flen[n] < sizeof(cnet_fhdr_t) || h[n]->magic != FRAME_MAGIC)
       FAIL(EPD_ERR_PEER, (int)(n * L), "node %u sent a malformed control frame", n);
   }
-  map_agree(cn, h);
+  {
+    eng_map_peer_t peers[CNET_MAX_NODES] = {{0}};
+    uint32_t np = 0;
+    for (uint32_t n = 0; n < nodes; n++)
+      if (n != cn->node)
+        peers[np++] = (eng_map_peer_t){h[n]->staged_version, h[n]->map_version, h[n]->staged_hash, h[n]->map_hash};
+    eng_vote_agree(&cn->vote, peers, np, cn->step);
+  }
   for (uint32_t n = 0; n < nodes; n++)
     if (h[n]->status) FAIL(h[n]->status, h[n]->bad_rank, "%.*s", (int)sizeof h[n]->why, h[n]->why);
   for (uint32_t n = 0; n < nodes; n++) {

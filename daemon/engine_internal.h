@@ -237,4 +237,33 @@ void eng_net_ctl_stop(epd_engine_t *eng);
 /* (mu) Free grp->net. */
 void eng_net_group_free(eng_group_t *grp);
 
+/* Expert-map switches across nodes (engine_net.c; both backends run this protocol over their step
+ * frames): each node reports the map it has staged in its frame of every step; when the frames of a
+ * step, from every node, all report the same staged map, every node switches to it at the next step if
+ * that is a dispatch (every node sees the same frames, so every node decides the same). */
+typedef struct eng_map_vote {
+  epd_expert_map_t rep; /* the staged map this node reported in its last frame (version 0: none) */
+  uint64_t rep_hash;
+  uint32_t rep_copies; /* its staged weight copies */
+  int agree;           /* switch to (agree_version, agree_hash) at step agree_step + 1 */
+  uint64_t agree_step, agree_hash;
+  uint32_t agree_version;
+} eng_map_vote_t;
+/* What another node's frame of the step says of its maps. */
+typedef struct eng_map_peer {
+  uint32_t staged_version, map_version;
+  uint64_t staged_hash, map_hash;
+} eng_map_peer_t;
+/* (mu) Remember the staged map this node reports in its frame (a newer one staged later replaces it only
+ * at the next frame, so the map every node reported is still at hand when they agree on it). */
+void eng_vote_report(const eng_group_t *grp, eng_map_vote_t *v);
+/* (mu) Decide from the other nodes' frames of step `step` (all in) what the next dispatch switches to:
+ * the staged map every node reported, or, for a node left behind (a step that failed on it but not
+ * elsewhere), the map another node already runs and this one still has staged. */
+void eng_vote_agree(eng_map_vote_t *v, const eng_map_peer_t *peers, uint32_t npeers, uint64_t step);
+/* (mu) At dispatch step `step`: switch to the map the frames of the step before agreed on. */
+void eng_vote_switch(epd_engine_t *eng, eng_group_t *grp, eng_map_vote_t *v, uint64_t step);
+/* Free the reported map and forget the vote. */
+void eng_vote_reset(eng_map_vote_t *v);
+
 #endif /* EPD_ENGINE_INTERNAL_H */

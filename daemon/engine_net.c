@@ -531,15 +531,7 @@ typedef struct net_group {
   float *w[EPD_MAX_RANKS];
   uint32_t *ht_local;        /* [W] this node's HT tokens per destination rank */
   net_frame_t *f[MAX_NODES]; /* frames of the step, taken when all are in */
-  /* Map switches (host backend): the staged map this node reported in its frame of the last step it
-   * sent (version 0: none) with the number of staged weight copies it carried; and what the frames of
-   * step agree_step decided: switch to (agree_version, agree_hash) at the next dispatch (agree set). */
-  epd_expert_map_t rep;
-  uint64_t rep_hash;
-  uint32_t rep_copies;
-  int agree;
-  uint64_t agree_step, agree_hash;
-  uint32_t agree_version;
+  eng_map_vote_t vote; /* map switches (eng_vote_*) */
 } net_group_t;
 
 void eng_net_group_free(eng_group_t *grp) {
@@ -560,7 +552,7 @@ void eng_net_group_free(eng_group_t *grp) {
   }
   pthread_mutex_unlock(&ng->net->mu);
   epd_ref_plan_free(&ng->lplan);
-  epd_expert_map_free(&ng->rep);
+  eng_vote_reset(&ng->vote);
   for (int r = 0; r < EPD_MAX_RANKS; r++) {
     free(ng->x[r]);
     free(ng->idx[r]);
@@ -686,50 +678,60 @@ static void *oput(obuf_t *b, const void *src, size_t n) {
   return at;
 }
 
-/* At a dispatch step: switch to the staged map that the frames of the previous step agreed on (every
- * node sees the same frames, so every node decides the same). */
-static void net_switch(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
-  if (!ng->agree || ng->agree_step + 1 != grp->steps) return;
-  if (ng->rep.version != ng->agree_version || ng->rep_hash != ng->agree_hash) return;
-  if (eng_apply_staged_version(eng, grp, &ng->rep, ng->rep_copies))
+/* ---- expert-map switches (both backends; engine_internal.h) ---- */
+
+void eng_vote_switch(epd_engine_t *eng, eng_group_t *grp, eng_map_vote_t *v, uint64_t step) {
+  if (!v->agree || v->agree_step + 1 != step) return;
+  if (v->rep.version != v->agree_version || v->rep_hash != v->agree_hash) return;
+  if (eng_apply_staged_version(eng, grp, &v->rep, v->rep_copies))
     EPD_LOGE(EPD_SUB_ENGINE, "group %s: staged map version %u agreed by every node is gone on node %u", grp->name,
-             ng->rep.version, eng->o.node_rank);
-  ng->agree = 0;
+             v->rep.version, eng->o.node_rank);
+  v->agree = 0;
 }
 
-/* Remember the staged map this node reports in its frames (a newer one staged later does not replace
- * it until the next frame, so the map every node reported is still at hand when they agree on it). */
-static void net_report(eng_group_t *grp, net_group_t *ng) {
-  uint32_t v = grp->has_staged ? grp->staged.version : 0;
-  if (v == ng->rep.version) return;
-  epd_expert_map_free(&ng->rep);
-  memset(&ng->rep, 0, sizeof ng->rep);
-  ng->rep_hash = 0;
-  ng->rep_copies = 0;
-  if (v && epd_ref_map_copy(&ng->rep, &grp->staged) == EPD_OK) {
-    ng->rep_hash = epd_net_map_hash(&ng->rep);
-    ng->rep_copies = grp->nstaged_copies;
+void eng_vote_report(const eng_group_t *grp, eng_map_vote_t *v) {
+  uint32_t sv = grp->has_staged ? grp->staged.version : 0;
+  if (sv == v->rep.version) return;
+  epd_expert_map_free(&v->rep);
+  memset(&v->rep, 0, sizeof v->rep);
+  v->rep_hash = 0;
+  v->rep_copies = 0;
+  if (sv && epd_ref_map_copy(&v->rep, &grp->staged) == EPD_OK) {
+    v->rep_hash = epd_net_map_hash(&v->rep);
+    v->rep_copies = grp->nstaged_copies;
   } else {
-    memset(&ng->rep, 0, sizeof ng->rep); /* out of memory: report none; the map switches later */
+    memset(&v->rep, 0, sizeof v->rep); /* out of memory: report none; the map switches later */
   }
 }
 
-/* Decide from the frames of the step being run what its next dispatch switches to: the staged map
- * that every node (this one included) reported, or, for a node left behind (a step that failed on it
- * but not elsewhere), the map another node already runs and this one still has staged. */
-static void net_agree(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
-  uint32_t v = ng->rep.version, me = eng->o.node_rank;
-  int all = v != 0, behind = 0;
-  for (uint32_t n = 0; n < eng->o.nodes; n++) {
-    if (n == me) continue;
-    const net_hdr_t *h = (const net_hdr_t *)ng->f[n]->buf;
-    if (h->staged_version != v || h->staged_hash != ng->rep_hash) all = 0;
-    if (v && h->map_version == v && h->map_hash == ng->rep_hash) behind = 1;
+void eng_vote_agree(eng_map_vote_t *v, const eng_map_peer_t *peers, uint32_t npeers, uint64_t step) {
+  uint32_t sv = v->rep.version;
+  int all = sv != 0, behind = 0;
+  for (uint32_t i = 0; i < npeers; i++) {
+    if (peers[i].staged_version != sv || peers[i].staged_hash != v->rep_hash) all = 0;
+    if (sv && peers[i].map_version == sv && peers[i].map_hash == v->rep_hash) behind = 1;
   }
-  ng->agree = all || behind;
-  ng->agree_step = grp->steps;
-  ng->agree_version = v;
-  ng->agree_hash = ng->rep_hash;
+  v->agree = all || behind;
+  v->agree_step = step;
+  v->agree_version = sv;
+  v->agree_hash = v->rep_hash;
+}
+
+void eng_vote_reset(eng_map_vote_t *v) {
+  epd_expert_map_free(&v->rep);
+  memset(v, 0, sizeof *v);
+}
+
+/* The other nodes' map reports in the frames of the step being run (all in). */
+static void net_agree(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
+  eng_map_peer_t peers[MAX_NODES] = {{0}};
+  uint32_t np = 0;
+  for (uint32_t n = 0; n < eng->o.nodes; n++) {
+    if (n == eng->o.node_rank) continue;
+    const net_hdr_t *h = (const net_hdr_t *)ng->f[n]->buf;
+    peers[np++] = (eng_map_peer_t){h->staged_version, h->map_version, h->staged_hash, h->map_hash};
+  }
+  eng_vote_agree(&ng->vote, peers, np, grp->steps);
 }
 
 /* Build and send this node's frame of the step to every other node. */
@@ -751,7 +753,7 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
   memset(ng->ht_local, 0, sizeof *ng->ht_local * W);
   int dispatch = same && op_dispatch(d0->op), mode = d0->op <= EPD_OP_LL_COMBINE ? EPD_MODE_LL : EPD_MODE_HT;
   if (dispatch) {
-    net_switch(eng, grp, ng);
+    eng_vote_switch(eng, grp, &ng->vote, grp->steps);
     epd_ref_in_t in[EPD_MAX_RANKS];
     memset(in, 0, sizeof in);
     for (uint32_t r = base; r < base + L; r++) {
@@ -763,7 +765,7 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
     ng->lstatus = epd_ref_plan_build(&ng->lplan, &grp->map, in, &ng->lbad, ng->lwhy, sizeof ng->lwhy);
     if (!ng->lstatus) memcpy(ng->ht_local, ng->lplan.ht_recv, sizeof *ng->ht_local * W);
   }
-  net_report(grp, ng);
+  eng_vote_report(grp, &ng->vote);
   const epd_ref_plan_t *gp = &grp->plan[d0->bank < EPD_NUM_BANKS ? d0->bank : 0];
   int combine = same && !dispatch && grp->plan_valid[d0->bank] && gp->mode == mode;
   if (same && !dispatch && !combine) {
@@ -791,8 +793,8 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
       snprintf(h->group, sizeof h->group, "%s", grp->name);
       h->map_version = grp->map.version;
       h->map_hash = epd_net_map_hash(&grp->map);
-      h->staged_version = ng->rep.version;
-      h->staged_hash = ng->rep_hash;
+      h->staged_version = ng->vote.rep.version;
+      h->staged_hash = ng->vote.rep_hash;
       h->nlocal = L;
       h->world = W;
       h->num_experts = g->num_experts;
@@ -861,8 +863,8 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
                       .world = W,
                       .map_version = grp->map.version,
                       .map_hash = epd_net_map_hash(&grp->map),
-                      .staged_version = ng->rep.version,
-                      .staged_hash = ng->rep_hash};
+                      .staged_version = ng->vote.rep.version,
+                      .staged_hash = ng->vote.rep_hash};
       snprintf(hh.group, sizeof hh.group, "%s", grp->name);
       snprintf(hh.why, sizeof hh.why, "node %u: out of memory building the step's frame", me);
       oput(&b, &hh, sizeof hh);
