@@ -799,9 +799,9 @@ static int pers_eligible(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
     if (rk->last_launch_grp && rk->last_launch_grp != cg && t > rk->last_launch_ns &&
         t - rk->last_launch_ns < LAUNCH_QUIET_NS)
       return 0;
-    if ((long)G > rk->president) {
+    if ((long)G + 1 > rk->president) { /* the op blocks and the controller block */
       if (!cg->pnofit_logged++)
-        EPD_LOGW(EPD_SUB_CUDA, "group %s stays in launch mode: its persistent kernel (%u blocks) would not be "
+        EPD_LOGW(EPD_SUB_CUDA, "group %s stays in launch mode: its persistent kernel (%u blocks + 1) would not be "
                  "resident on GPU %d (%ld blocks at once; EPD_CUDA_LL_BLOCKS sets the blocks)", cg->name, G,
                  rk->device, rk->president);
       return 0;
@@ -990,7 +990,7 @@ static void pers_takeover(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int 
       if (!cg->pst_opn[k]) continue;
       double m[8];
       for (int i = 0; i < 8; i++) m[i] = cg->pst_phase[k][i] / 1e3 / cg->pst_opn[k];
-      EPD_LOGI(EPD_SUB_CUDA, "group %s: %s timeline, us after every rank agreed (block 0; 0: not stamped): body "
+      EPD_LOGI(EPD_SUB_CUDA, "group %s: %s timeline, us after the op's release to the blocks (block 0; 0: not stamped): body "
                "start %.2f, sent %.2f, fenced %.2f, flagged %.2f, peers' flags %.2f, received %.2f, block 0 done %.2f, "
                "completion %.2f", cg->name, k ? "combine" : "dispatch", m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7]);
     }

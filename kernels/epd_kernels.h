@@ -118,12 +118,15 @@ typedef struct epd_k_ll_op {
 epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const epd_k_ll_op_t *op,
                              void *stream, char *err, size_t errlen);
 /* ---- Persistent mode (the daemon's CUDA backend under MPS) ----
- * A kernel of the context's `blocks` blocks serves ONE client queue of one rank; every rank of the team
- * runs one at the same time (one per (group, rank)). Block 0's first warp (the leader) polls the ring
- * from first_slot for a SUBMITTED slot in the queue's device twin (client/epd_abi.h; the first one in
- * ring order from its position, as the launch mode: a CUDA graph replays the same slots), then all ranks agree on the op through an announcement
- * word per (index, rank) in the window: every rank runs it only if every rank announced the same LL op
- * and bank for that index. Otherwise (a rank was told to stop, a slot holds an op it does not run - HT,
+ * A kernel of the context's `blocks` blocks plus one controller block serves ONE client queue of one
+ * rank; every rank of the team runs one at the same time (one per (group, rank)). The controller's first
+ * warp polls the ring from first_slot for a SUBMITTED slot in the queue's device twin (client/epd_abi.h;
+ * the first one in ring order from its position, as the launch mode: a CUDA graph replays the same
+ * slots), announces it to every rank through an announcement word per (index, rank) in the window and
+ * releases it to the op blocks at once; then all ranks agree on the op: every rank runs it only if every
+ * rank announced the same LL op and bank for that index. The op blocks run the op's local part (loads,
+ * routing, quantisation, the expert-side reduction) while the ranks agree and wait for the verdict before
+ * their first store into a peer, so an op the ranks do not agree on leaves no trace in any peer. Otherwise (a rank was told to stop, a slot holds an op it does not run - HT,
  * a bad bank, an unknown op - or the ops differ) EVERY rank stops at the same boundary and leaves its
  * slot SUBMITTED for the host (which runs it in launch mode and later relaunches the kernels with a
  * fresh index). A rank also stops after an op that failed with EPD_ERR_TIMEOUT or EPD_ERR_PEER (the
@@ -158,9 +161,9 @@ typedef struct epd_k_prec {
   uint64_t seq; /* op number since the launch, + 1 */
   /* timeline (diagnostics): submit stamp -> seen (only when the client put its %globaltimer submit
    * time in desc.reserved[0..1], as bench_e2e's device-side client does; else 0), seen -> every rank
-   * agreed, agreed -> completion */
+   * agreed, agreed -> completion (the op blocks start at the release, before the agreement) */
   uint32_t seen_ns, agree_ns, run_ns, pad;
-  /* block 0's stamps of the op body, ns after every rank agreed (0: not stamped): [0] body start,
+  /* block 0's stamps of the op body, ns after the op's release to the blocks (0: not stamped): [0] body start,
    * [1] sent, [2] fenced, [3] flagged, [4] peers' flags seen, [5] received/reduced, [6] block 0 done,
    * [7] the last block writes the completion */
   uint32_t phase_ns[8];

@@ -68,20 +68,23 @@ struct LLLayout {
   uint64_t area_bytes; /* whole LL area: both banks and the announcement area */
 };
 
-/* Device scratch of a persistent kernel (zeroed before each launch): the leader's decision for each
- * index and the op it publishes to the other blocks of its rank, and the last op's outcome. */
-struct PBuf {
-  epd_desc_t desc;
-  uint32_t slot, repver;
-  uint64_t t0, t1; /* slot seen SUBMITTED, every rank agreed */
-  uint32_t pad[10];
-};
+/* Device scratch of a persistent kernel (zeroed before each launch). The controller releases op `index`
+ * to the body blocks as a record of tagged words: word i = (uint32)(index + 1) << 32 | payload i, each an
+ * 8-byte store, so a block that polls the record (a lane per word) and sees every tag equal knows every
+ * payload word is this op's: one round trip instead of a flag and then the record. Payload words:
+ * [0..15] the descriptor, [PR_SLOT] slot | run << 16 (run 0: stop), [PR_REPVER] map version the completion
+ * reports, [PR_T0..+1] slot seen SUBMITTED, [PR_T1..+1] op released (%globaltimer, low/high). One record
+ * suffices: the controller writes the next one only once the op's last block completed it. */
+enum { PR_SLOT = 16, PR_REPVER = 17, PR_T0 = 18, PR_T1 = 20, PR_WORDS = 22 };
+static_assert(sizeof(epd_desc_t) == 64, "the descriptor is words 0..15 of the release record");
+static_assert(PR_WORDS + EPD_K_MAX_RANKS <= 32, "the controller's announcing lanes follow the record's");
 struct PDev {
-  uint64_t go;       /* (index + 1) << 1 | run */
-  uint64_t done_ops; /* ops whose completion (slot DONE) is written */
+  uint64_t rec[32];   /* the release record (PR_WORDS used) */
+  uint64_t agree;     /* (index + 1) << 1 | run: every rank announced the same op (or they stop) */
+  uint64_t tagreed;   /* %globaltimer when every rank agreed (the progress record's timeline) */
+  uint64_t done_ops;  /* ops whose completion (slot DONE) is written */
   int32_t last_err;
-  uint32_t pad0[11];
-  PBuf b[2];
+  uint32_t pad0[9];
   uint64_t trace[8]; /* block 0's stamps of the current op (LLParams.trace) */
 };
 static_assert(sizeof(PDev) <= 512, "PDev fits the scratch");
@@ -117,7 +120,9 @@ struct LLOp {
   uint32_t *done_state; /* persistent mode: the slot state word set to EPD_SLOT_DONE by the last block */
   epd_slot_t *dslot;    /* persistent mode: the slot's device twin, completed as well */
   uint64_t user_tag;
-  uint64_t popn, pstep, pt0, pt1, psub; /* persistent: op number, group step, seen/agreed/submit times */
+  uint64_t popn, pstep, pt0, pt1, psub; /* persistent: op number, group step, seen/released/submit times */
+  uint64_t pidx;                        /* persistent: the op's agreement index */
+  uint32_t pop;                         /* persistent: EPD_OP_LL_DISPATCH or EPD_OP_LL_COMBINE */
 };
 
 #define TRACE(i)                                                              \
@@ -137,6 +142,36 @@ struct LLOp {
   do {            \
   } while (0)
 #endif
+
+/* Persistent mode: an op's body starts as soon as this rank's controller saw its slot, before every rank
+ * agreed on it; everything up to the first store into a peer (loads, routing, quantisation, the local
+ * reduction) overlaps the agreement, and the body waits here before that store. One thread polls the
+ * controller's verdict: 1 run it, 0 stop (the body returns without a trace in any peer). The controller
+ * gives a verdict within 4 x timeout_ns; the deadline here is a guard against a dead controller only. */
+__device__ __noinline__ int persist_verdict(const LLParams &p, const LLOp &o) {
+  const uint64_t want = o.pidx + 1, deadline = gtimer() + 8 * p.timeout_ns + 1000000000ull;
+  for (;;) {
+    const uint64_t g = ld_acquire_gpu_u64(&p.pdev->agree);
+    if ((g >> 1) == want) return (int)(g & 1);
+    if (gtimer() > deadline) return 0;
+    __nanosleep(32);
+  }
+}
+/* A verdict word loaded ahead (its latency hidden behind the op's own loads) that already holds the
+ * op's verdict: 1 run, 0 stop; -1: not yet. */
+__device__ __forceinline__ int verdict_of(const LLOp &o, uint64_t pre) {
+  return (pre >> 1) == o.pidx + 1 ? (int)(pre & 1) : -1;
+}
+/* Whole block: the verdict; `pre` is thread 0's early load of the verdict word. */
+__device__ __forceinline__ bool persist_gate(const LLParams &p, const LLOp &o, uint64_t pre) {
+  __shared__ int sh_verdict;
+  if (threadIdx.x == 0) {
+    const int v = verdict_of(o, pre);
+    sh_verdict = v >= 0 ? v : persist_verdict(p, o);
+  }
+  __syncthreads();
+  return sh_verdict != 0;
+}
 
 /* Base of bank b of rank `peer`'s LL area (peer == rank gives the local address). */
 __device__ __forceinline__ char *peer_bank(const LLParams &p, const LLOp &o, int peer) {
@@ -307,8 +342,9 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
   rec->latency_ns = tn - o.pt0;
   rec->seq = o.popn + 1;
   rec->seen_ns = o.psub && o.psub < o.pt0 ? (uint32_t)(o.pt0 - o.psub) : 0u;
-  rec->agree_ns = (uint32_t)(o.pt1 - o.pt0);
-  rec->run_ns = (uint32_t)(tn - o.pt1);
+  const uint64_t tagreed = *(volatile const uint64_t *)&p.pdev->tagreed;
+  rec->agree_ns = tagreed > o.pt0 ? (uint32_t)(tagreed - o.pt0) : 0u;
+  rec->run_ns = tn > tagreed ? (uint32_t)(tn - tagreed) : 0u;
   for (int i = 0; i < 8; i++) {
     const uint64_t t = *(volatile const uint64_t *)&p.trace[i];
     rec->phase_ns[i] = t > o.pt1 ? (uint32_t)(t - o.pt1) : 0u;
@@ -320,7 +356,10 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
 /* ---------------------------------------------------------------------------------------------------
  * Dispatch body (block `blockIdx.x` of G).
  * ------------------------------------------------------------------------------------------------- */
-__device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
+/* PERS: in the persistent kernel. Returns false (PERS only) when the ranks did not agree on the op:
+ * nothing was sent. */
+template <bool PERS>
+__device__ bool ll_dispatch_body(const LLParams &p, const LLOp &o) {
   __shared__ Meta sh_meta[EPD_K_MAX_RANKS];
   __shared__ uint32_t sh_err;
   __shared__ WaitResult wr;
@@ -350,6 +389,8 @@ __device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
 
   const __nv_bfloat16 *x = arena_buf<__nv_bfloat16>(p, o, EPD_BUF_X);
   const int64_t *topk = arena_buf<int64_t>(p, o, EPD_BUF_TOPK_IDX);
+  bool gated = !PERS; /* persistent: the verdict is awaited before the first remote store */
+  uint64_t vpre = 0;  /* persistent: thread 0's early load of the verdict word */
   const float *topw = arena_buf<float>(p, o, EPD_BUF_TOPK_WEIGHTS);
   uint64_t *rmask = (uint64_t *)(lb + p.lay.rmask);
   const uint32_t map_E = p.map[1];
@@ -391,6 +432,9 @@ __device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
         int64_t ej = __shfl_sync(0xffffffffu, e, j);
         if (j < lane && ej == e) valid = false; /* a duplicate expert is ignored */
       }
+      /* persistent: the verdict word loaded with the expert map (one round trip after the release, as
+       * late as the routing allows: the ranks have mostly agreed by then) */
+      if (PERS && !gated && lane == 0) vpre = *(volatile const uint64_t *)&p.pdev->agree;
       uint32_t d = 0xffffffffu, s = 0;
       if (valid) {
         if (e >= (int64_t)map_E) {
@@ -435,6 +479,10 @@ __device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
     }
     __syncthreads();
     FTRACE(11);
+    if (!gated) {
+      if (!persist_gate(p, o, vpre)) return false;
+      gated = true;
+    }
     /* token data to every destination rank that has an entry */
     const uint64_t row_off = p.lay.xstg + ((uint64_t)rank * M + t) * rowbytes;
     if (fp8) {
@@ -494,6 +542,7 @@ __device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
     __syncthreads();
   }
 
+  if (!gated && !persist_gate(p, o, vpre)) return false;
   /* ---- signal every rank: this block's share has landed ----
    * bar.sync orders every thread's stores before thread 0's system-scope fence (cumulativity), so one
    * fence per block suffices; a fence in every thread serialises per warp and cost ~15 us. */
@@ -621,6 +670,7 @@ __device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
   }
   TRACE(5);
   finish_block(p, o, st, 0, seq, code, peer, block_total, 1);
+  return true;
 }
 
 /* ---------------------------------------------------------------------------------------------------
@@ -628,8 +678,8 @@ __device__ void ll_dispatch_body(const LLParams &p, const LLOp &o) {
  * ------------------------------------------------------------------------------------------------- */
 /* NB: rows of y in flight per lane (two int4 each): 8 in the combine kernel; fewer in the persistent
  * kernel, whose loop leaves the body fewer registers (at 8 it spilled, ptxas -v). */
-template <int NB>
-__device__ void ll_combine_body(const LLParams &p, const LLOp &o) {
+template <int NB, bool PERS>
+__device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
   __shared__ WaitResult wr;
   __shared__ uint32_t sh_tstart[EPD_K_MAX_RANKS + 1];
 
@@ -652,6 +702,8 @@ __device__ void ll_combine_body(const LLParams &p, const LLOp &o) {
   }
   __syncthreads();
   TRACE(0);
+  /* persistent: thread 0's early load of the verdict word, used at the gate after the own tokens */
+  const uint64_t vpre = PERS && tid == 0 ? *(volatile const uint64_t *)&p.pdev->agree : 0ull;
   const int derr = __ldcg(&st->derr);
   const uint64_t RM = (uint64_t)R * M;
   const uint32_t nv = H / 8;
@@ -663,12 +715,18 @@ __device__ void ll_combine_body(const LLParams &p, const LLOp &o) {
     const char *y = arena_buf<char>(p, o, EPD_BUF_LL_Y);
     const uint32_t N = sh_tstart[R];
     /* work items of (received token, 64-vector chunk of H), one per warp: a token's meta, rows and
-     * weights are loaded by the lanes in parallel, then 2 x n rows of loads are in flight per lane */
+     * weights are loaded by the lanes in parallel, then 2 x n rows of loads are in flight per lane.
+     * This rank's own tokens first (phase 0: their sums stay on this GPU), then the peers' (phase 1): the
+     * persistent kernel runs phase 0 while the ranks agree, and takes the verdict between the phases. */
     constexpr uint32_t CH = 64;
     const uint32_t nchunk = (nv + CH - 1) / CH;
-    const uint32_t nitems = N * nchunk;
+    const uint32_t own0 = sh_tstart[rank], nown = sh_tstart[rank + 1] - own0;
+    for (int ph = 0; ph < 2; ph++) {
+    if (PERS && ph == 1 && !persist_gate(p, o, vpre)) return false;
+    const uint32_t nitems = (ph == 0 ? nown : N - nown) * nchunk;
     for (uint32_t item = blockIdx.x * NWARP + warp; item < nitems; item += G * NWARP) {
-      uint32_t u = item / nchunk, c = item % nchunk;
+      const uint32_t v0 = item / nchunk, c = item % nchunk;
+      const uint32_t u = ph == 0 ? own0 + v0 : (v0 < own0 ? v0 : v0 + nown);
       uint32_t src = 0;
       while (src + 1 < R && u >= sh_tstart[src + 1]) src++;
       uint32_t t = u - sh_tstart[src];
@@ -728,6 +786,9 @@ __device__ void ll_combine_body(const LLParams &p, const LLOp &o) {
         dst[v] = o;
       }
     }
+    }
+  } else if (PERS && !persist_gate(p, o, vpre)) {
+    return false;
   }
 
   __syncthreads();
@@ -781,15 +842,16 @@ __device__ void ll_combine_body(const LLParams &p, const LLOp &o) {
   }
   TRACE(5);
   finish_block(p, o, st, 1, seq, code, peer, 0, 0);
+  return true;
 }
 
 __global__ void __launch_bounds__(NTHR) ll_dispatch_kernel(const __grid_constant__ LLParams p,
                                                            const __grid_constant__ LLOp o) {
-  ll_dispatch_body(p, o);
+  ll_dispatch_body<false>(p, o);
 }
 
 #ifndef EPD_LL_PERSIST_COMBINE_ROWS
-#define EPD_LL_PERSIST_COMBINE_ROWS 4
+#define EPD_LL_PERSIST_COMBINE_ROWS 3
 #endif
 
 /* Arguments of the persistent kernel besides the LL parameters. */
@@ -809,230 +871,246 @@ __device__ __forceinline__ uint64_t *ann_word(const LLParams &p, uint32_t peer, 
   return (uint64_t *)(p.peer[peer] + p.lay.ann) + src;
 }
 
-/* Persistent LL kernel (epd_kernels.h "Persistent mode"). Block 0's first warp decides each op with the
- * peers and publishes it in PDev; the other blocks follow. Every block runs the op body; the op's last
- * block completes the slot. */
-__global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_constant__ LLParams base,
-                                                             const __grid_constant__ PArgs a) {
-  __shared__ int sh_go;
-  __shared__ epd_desc_t sh_desc;
-  __shared__ uint32_t sh_slot, sh_repver;
-  __shared__ uint64_t sh_t0, sh_t1;
-  __shared__ LLOp sh_o; /* the op's parameters: shared memory costs the op bodies no registers */
-  const uint32_t tid = threadIdx.x, lane = tid & 31;
+/* The controller of the persistent kernel (warp 0 of block G, the extra block): takes each op from the
+ * queue, announces it to every rank, releases it to the G body blocks at once, then agrees on it with the
+ * peers while the blocks run its local part, and publishes the verdict (persist_gate). Returns when the
+ * kernel stops (the blocks got a stop: at release or as the verdict). */
+__device__ __noinline__ void persist_controller(const LLParams &base, const PArgs &a) {
+  const uint32_t lane = threadIdx.x & 31;
   const uint32_t FULL = 0xffffffffu;
-  /* The loop's state lives in shared memory, not in registers held across the op bodies (the combine
-   * body alone needs all 128). pos and bv: the leader's ring position and each bank's map version. */
-  __shared__ uint64_t sh_idx, sh_opn;
-  __shared__ uint32_t sh_pos, sh_bv[EPD_NUM_BANKS];
-  /* Slots whose twin state is not yet trusted (bit per slot): until this kernel takes a slot once, its
-   * twin may still say SUBMITTED for an op the launch mode already completed in the host copy (the
-   * client frees the twin first, then the host copy). */
-  __shared__ uint32_t sh_unverified;
-  if (tid == 0) {
-    sh_idx = a.index0;
-    sh_opn = 0;
-    sh_unverified = (1u << EPD_QUEUE_SLOTS) - 1;
-    sh_pos = a.first_slot % EPD_QUEUE_SLOTS;
-    sh_bv[0] = a.bv0;
-    sh_bv[1] = a.bv1;
-  }
-  __syncthreads();
-  for (;;) {
-    PDev *pd = a.pd;
-    epd_queue_t *q = a.q, *dq = a.dq;
-    const uint64_t idx = sh_idx, opn = sh_opn;
-    if (blockIdx.x == 0 && tid < 32) {
-      const uint32_t mapver = __ldcg(base.map);
-      uint32_t pos = sh_pos, bv0 = sh_bv[0], bv1 = sh_bv[1];
-      /* the previous op's slot must be DONE before the ring is scanned again */
-      if (opn > 0) {
-        if (lane == 0)
-          while (ld_acquire_gpu_u64(&pd->done_ops) < opn) {
+  PDev *pd = a.pd;
+  epd_queue_t *q = a.q, *dq = a.dq;
+  /* slots whose twin state is not yet trusted (bit per slot): until this kernel takes a slot once, its
+   * twin may still say SUBMITTED for an op the launch mode already completed in the host copy (the client
+   * frees the twin first, then the host copy) */
+  uint32_t unverified = (1u << EPD_QUEUE_SLOTS) - 1;
+  uint32_t pos = a.first_slot % EPD_QUEUE_SLOTS, bv0 = a.bv0, bv1 = a.bv1;
+  for (uint64_t opn = 0;; opn++) {
+    const uint64_t idx = a.index0 + opn;
+    const uint32_t mapver = __ldcg(base.map);
+    /* the previous op's slot must be DONE before the ring is scanned again */
+    if (opn > 0) {
+      if (lane == 0)
+        while (ld_acquire_gpu_u64(&pd->done_ops) < opn) {
+        }
+      __syncwarp();
+    }
+    const int lasterr = opn ? *(volatile int32_t *)&pd->last_err : 0;
+    int run = 0, rpeer = -1;
+    uint32_t reason = 0, s = pos, op = 0, bank = 0;
+    uint64_t t0 = 0;
+    uint32_t dw = 0; /* lane < 16: word `lane` of the descriptor */
+    if (lasterr == EPD_ERR_TIMEOUT || lasterr == EPD_ERR_PEER) {
+      reason = EPD_K_PEXIT_ERROR;
+    } else {
+      for (uint32_t n = 0;; n++) {
+        /* relaxed polls of the device twin (an acquire per poll would fence every time), one fence once
+         * one is seen; the stop word is device memory too, the host's abort word a PCIe read now and then */
+        const uint64_t lim = *(volatile const uint64_t *)a.dlimit;
+        uint32_t ab = 0;
+        if (lane == 0 && (n & 63) == 0) ab = *(volatile const uint32_t *)&a.ctl->abort;
+        ab = __shfl_sync(FULL, ab, 0);
+        uint32_t stv = lane < EPD_QUEUE_SLOTS
+                           ? *(volatile const uint32_t *)&dq->slot[(pos + lane) % EPD_QUEUE_SLOTS].state : 0u;
+        if (idx >= lim || ab) {
+          reason = EPD_K_PEXIT_LIMIT;
+          break;
+        }
+        uint32_t m = __ballot_sync(FULL, lane < EPD_QUEUE_SLOTS && stv == EPD_SLOT_SUBMITTED);
+        if (m) __threadfence(); /* with the relaxed load that saw SUBMITTED: acquire (writer on this GPU) */
+        while (m) {
+          const uint32_t bit = (uint32_t)__ffs(m) - 1;
+          s = (pos + bit) % EPD_QUEUE_SLOTS;
+          if (!(unverified & (1u << s))) break;
+          /* stale if the host copy is DONE (the launch mode ran it), or if the twin was freed since (the
+           * client frees the twin before the host copy): then the next SUBMITTED one this turn */
+          uint32_t ok = 0;
+          if (lane == 0) {
+            const uint32_t hs = *(volatile const uint32_t *)&q->slot[s].state;
+            __threadfence_system();
+            const uint32_t ds = *(volatile const uint32_t *)&dq->slot[s].state;
+            ok = hs != EPD_SLOT_DONE && ds == EPD_SLOT_SUBMITTED;
           }
-        __syncwarp();
+          if (__shfl_sync(FULL, ok, 0)) {
+            unverified &= ~(1u << s);
+            break;
+          }
+          m &= ~(1u << bit);
+        }
+        if (m) {
+          __syncwarp(); /* ... ordered before every lane's descriptor load */
+          dw = lane < 16 ? ((volatile const uint32_t *)&dq->slot[s].desc)[lane] : 0u;
+          op = __shfl_sync(FULL, dw, 0);
+          bank = __shfl_sync(FULL, dw, 3);
+          t0 = gtimer();
+          if ((op == EPD_OP_LL_DISPATCH || op == EPD_OP_LL_COMBINE) && bank < EPD_NUM_BANKS) run = 1;
+          else reason = EPD_K_PEXIT_OP;
+          break;
+        }
       }
-      const int lasterr = opn ? *(volatile int32_t *)&pd->last_err : 0;
-      int run = 0, rpeer = -1;
-      uint32_t reason = 0, s = pos, op = 0, bank = 0;
-      uint64_t t0 = 0;
-      if (lasterr == EPD_ERR_TIMEOUT || lasterr == EPD_ERR_PEER) {
-        reason = EPD_K_PEXIT_ERROR;
+    }
+    /* Lanes 0-15 release the op (or the stop) to the body blocks, which start its local part now, while
+     * lanes 16.. announce it to every rank (this rank's word in each window): the release's fence covers
+     * the op's local stores only, not the announcements' NVLink round trip (only lanes 0-15 sync). */
+    const uint64_t word = ((idx + 1) << 16) | (run ? 0u : 0x100u) | ((op & 0xfu) << 4) | (bank & 0xfu);
+    /* the map version the completion reports (a combine: its bank's dispatch version) */
+    uint32_t repver = 0;
+    if (run) {
+      repver = op == EPD_OP_LL_DISPATCH ? mapver : (bank == 0 ? bv0 : bv1);
+      if (!repver) repver = mapver;
+    }
+    {
+      const uint64_t t1 = gtimer();
+      uint32_t pw = dw;
+      if (lane == PR_SLOT) pw = s | (uint32_t)run << 16;
+      if (lane == PR_REPVER) pw = repver;
+      if (lane == PR_T0) pw = (uint32_t)t0;
+      if (lane == PR_T0 + 1) pw = (uint32_t)(t0 >> 32);
+      if (lane == PR_T1) pw = (uint32_t)t1;
+      if (lane == PR_T1 + 1) pw = (uint32_t)(t1 >> 32);
+      if (lane < PR_WORDS) *(volatile uint64_t *)&pd->rec[lane] = (uint64_t)(uint32_t)(idx + 1) << 32 | pw;
+    }
+    /* announcements by the lanes after the record's (a store each: no fence on this path) */
+    if (lane >= PR_WORDS && lane - PR_WORDS < base.R) st_relaxed_sys(ann_word(base, lane - PR_WORDS, base.rank), word);
+    __syncwarp();
+    if (run) {
+      /* agree: every rank announced this index with the same op and bank */
+      const uint64_t tmo = base.timeout_ns * 4, deadline = gtimer() + tmo;
+      uint64_t v = 0;
+      if (lane < base.R) {
+        const uint64_t *mine = (const uint64_t *)(base.local + base.lay.ann) + lane;
+        for (uint32_t n = 1;; n++) {
+          v = *(volatile const uint64_t *)mine; /* nothing is read on the strength of it: relaxed */
+          if ((v >> 16) >= idx + 1) break;
+          if (gtimer() > deadline || ((n & 255) == 0 && *(volatile const uint32_t *)&a.ctl->abort)) {
+            v = 0;
+            break;
+          }
+        }
+      }
+      const bool in = lane < base.R;
+      const uint32_t bex = __ballot_sync(FULL, in && v && ((v & 0x100u) || (v >> 16) != idx + 1));
+      const uint32_t bmm = __ballot_sync(FULL, in && v && (v & 0xffu) != (word & 0xffu));
+      const uint32_t bto = __ballot_sync(FULL, in && !v);
+      if (bex) {
+        run = 0;
+        reason = EPD_K_PEXIT_PEER;
+        rpeer = __ffs(bex) - 1;
+      } else if (bmm) {
+        run = 0;
+        reason = EPD_K_PEXIT_MISMATCH;
+        rpeer = __ffs(bmm) - 1;
+      } else if (bto) {
+        run = 0;
+        reason = EPD_K_PEXIT_SYNC_TIMEOUT;
+        rpeer = __ffs(bto) - 1;
+      }
+      if (lane == 0) {
+        *(volatile uint64_t *)&pd->tagreed = gtimer();
+        st_release_gpu_u64(&pd->agree, ((idx + 1) << 1) | (uint64_t)run);
+      }
+    }
+    /* the host-mapped progress block last: PCIe writes, off the op's path */
+    if (run) {
+      pos = (s + 1) % EPD_QUEUE_SLOTS;
+      if (op == EPD_OP_LL_DISPATCH) {
+        if (bank == 0) bv0 = repver;
+        else bv1 = repver;
+      }
+    }
+    if (lane == 0) {
+      volatile epd_k_pprog_t *pr = a.prog;
+      pr->announced = idx + 1;
+      pr->bank_ver[0] = bv0;
+      pr->bank_ver[1] = bv1;
+      if (run) {
+        pr->taken = idx + 1;
       } else {
-        for (uint32_t n = 0;; n++) {
-          /* relaxed polls of the device twin (an acquire per poll would fence every time), one fence once
-           * one is seen; the stop word is device memory too, the host's abort word a PCIe read now and
-           * then */
-          const uint64_t lim = *(volatile const uint64_t *)a.dlimit;
-          uint32_t ab = 0;
-          if (lane == 0 && (n & 63) == 0) ab = *(volatile const uint32_t *)&a.ctl->abort;
-          ab = __shfl_sync(FULL, ab, 0);
-          uint32_t stv = lane < EPD_QUEUE_SLOTS
-                             ? *(volatile const uint32_t *)&dq->slot[(pos + lane) % EPD_QUEUE_SLOTS].state : 0u;
-          if (idx >= lim || ab) {
-            reason = EPD_K_PEXIT_LIMIT;
-            break;
-          }
-          uint32_t m = __ballot_sync(FULL, lane < EPD_QUEUE_SLOTS && stv == EPD_SLOT_SUBMITTED);
-          if (m) __threadfence(); /* with the relaxed load that saw SUBMITTED: acquire (writer on this GPU) */
-          while (m) {
-            const uint32_t bit = (uint32_t)__ffs(m) - 1;
-            s = (pos + bit) % EPD_QUEUE_SLOTS;
-            if (!(sh_unverified & (1u << s))) break;
-            /* stale if the host copy is DONE (the launch mode ran it), or if the twin was freed since
-             * (the client frees the twin before the host copy): then the next SUBMITTED one this turn */
-            uint32_t ok = 0;
-            if (lane == 0) {
-              const uint32_t hs = *(volatile const uint32_t *)&q->slot[s].state;
-              __threadfence_system();
-              const uint32_t ds = *(volatile const uint32_t *)&dq->slot[s].state;
-              ok = hs != EPD_SLOT_DONE && ds == EPD_SLOT_SUBMITTED;
-              if (ok) sh_unverified &= ~(1u << s);
-            }
-            if (__shfl_sync(FULL, ok, 0)) break;
-            m &= ~(1u << bit);
-          }
-          if (m) {
-            __syncwarp(); /* ... ordered before every lane's descriptor load */
-            uint32_t w = lane < 16 ? ((volatile const uint32_t *)&dq->slot[s].desc)[lane] : 0u;
-            if (lane < 16) ((uint32_t *)&sh_desc)[lane] = w;
-            op = __shfl_sync(FULL, w, 0);
-            bank = __shfl_sync(FULL, w, 3);
-            t0 = gtimer();
-            if ((op == EPD_OP_LL_DISPATCH || op == EPD_OP_LL_COMBINE) && bank < EPD_NUM_BANKS) run = 1;
-            else reason = EPD_K_PEXIT_OP;
-            break;
-          }
-        }
-      }
-      /* announce to every rank (this rank's word in each window), then agree */
-      const uint64_t word = ((idx + 1) << 16) | (run ? 0u : 0x100u) | ((op & 0xfu) << 4) | (bank & 0xfu);
-      if (lane < base.R) st_relaxed_sys(ann_word(base, lane, base.rank), word);
-      if (lane == 0) *(volatile uint64_t *)&a.prog->announced = idx + 1;
-      if (run) {
-        const uint64_t tmo = base.timeout_ns * 4, deadline = gtimer() + tmo;
-        uint64_t v = 0;
-        if (lane < base.R) {
-          const uint64_t *mine = (const uint64_t *)(base.local + base.lay.ann) + lane;
-          for (uint32_t n = 1;; n++) {
-            v = *(volatile const uint64_t *)mine; /* nothing is read on the strength of it: relaxed */
-            if ((v >> 16) >= idx + 1) break;
-            if (gtimer() > deadline || ((n & 255) == 0 && *(volatile const uint32_t *)&a.ctl->abort)) {
-              v = 0;
-              break;
-            }
-          }
-        }
-        const bool in = lane < base.R;
-        const uint32_t bex = __ballot_sync(FULL, in && v && ((v & 0x100u) || (v >> 16) != idx + 1));
-        const uint32_t bmm = __ballot_sync(FULL, in && v && (v & 0xffu) != (word & 0xffu));
-        const uint32_t bto = __ballot_sync(FULL, in && !v);
-        if (bex) {
-          run = 0;
-          reason = EPD_K_PEXIT_PEER;
-          rpeer = __ffs(bex) - 1;
-        } else if (bmm) {
-          run = 0;
-          reason = EPD_K_PEXIT_MISMATCH;
-          rpeer = __ffs(bmm) - 1;
-        } else if (bto) {
-          run = 0;
-          reason = EPD_K_PEXIT_SYNC_TIMEOUT;
-          rpeer = __ffs(bto) - 1;
-        }
-      }
-      uint32_t repver = 0;
-      if (run) {
-        if (op == EPD_OP_LL_DISPATCH) {
-          repver = mapver;
-          if (bank == 0) bv0 = repver;
-          else bv1 = repver;
-        } else {
-          repver = bank == 0 ? bv0 : bv1;
-          if (!repver) repver = mapver;
-        }
-        pos = (s + 1) % EPD_QUEUE_SLOTS;
-        PBuf *pb = &pd->b[idx & 1];
-        if (lane < 16) ((volatile uint32_t *)&pb->desc)[lane] = ((uint32_t *)&sh_desc)[lane];
-        if (lane == 0) {
-          pb->slot = s;
-          pb->repver = repver;
-          pb->t0 = t0;
-          pb->t1 = gtimer();
-          volatile epd_k_pprog_t *pr = a.prog;
-          pr->bank_ver[0] = bv0;
-          pr->bank_ver[1] = bv1;
-          pr->taken = idx + 1;
-        }
-      } else if (lane == 0) {
-        volatile epd_k_pprog_t *pr = a.prog;
         pr->exit_index = idx;
         pr->slot = pos;
         pr->reason = reason;
         pr->exit_peer = rpeer;
-        pr->bank_ver[0] = bv0;
-        pr->bank_ver[1] = bv1;
         __threadfence_system();
         pr->exited = 1;
       }
-      __syncwarp();
-      if (lane == 0) {
-        __threadfence();
-        st_release_gpu_u64(&pd->go, ((idx + 1) << 1) | (uint64_t)run);
-        sh_go = run;
-        sh_slot = s;
-        sh_repver = repver;
-        sh_t0 = t0;
-        sh_t1 = run ? pd->b[idx & 1].t1 : 0;
-        sh_pos = pos;
-        sh_bv[0] = bv0;
-        sh_bv[1] = bv1;
+    }
+    __syncwarp();
+    if (!run) return;
+  }
+}
+
+/* Persistent LL kernel (epd_kernels.h "Persistent mode"): G body blocks and a controller block (block G,
+ * persist_controller). Each body block waits for the controller's release of an op, runs the op body (which
+ * waits for the verdict before its first remote store); the op's last block completes the slot. */
+__global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_constant__ LLParams base,
+                                                             const __grid_constant__ PArgs a) {
+  if (blockIdx.x == base.G) {
+    if (threadIdx.x < 32) persist_controller(base, a);
+    return;
+  }
+  __shared__ int sh_go;
+  __shared__ LLOp sh_o; /* the op's parameters: shared memory costs the op bodies no registers */
+  __shared__ __align__(16) uint32_t sh_pb[32];
+  /* the op number lives in shared memory, not in registers held across the op bodies (the combine body
+   * alone needs all 128) */
+  __shared__ uint64_t sh_opn;
+  const uint32_t tid = threadIdx.x;
+  if (tid == 0) sh_opn = 0;
+  __syncthreads();
+  for (;;) {
+    const uint64_t opn = sh_opn, idx = a.index0 + opn;
+    PDev *pd = a.pd;
+    if (tid < 32) {
+      /* the warp polls the release record until every word carries this op's tag */
+      const uint32_t tag = (uint32_t)(idx + 1);
+      uint64_t w;
+      /* lane 0's load is an acquire (the controller fenced after seeing the slot SUBMITTED, before the
+       * record): with the barriers below it orders the block's reads of the client's inputs after it */
+      for (;;) {
+        w = tid == 0 ? ld_acquire_gpu_u64(&pd->rec[0])
+                     : tid < PR_WORDS ? *(volatile const uint64_t *)&pd->rec[tid] : (uint64_t)tag << 32;
+        if (__all_sync(0xffffffffu, (uint32_t)(w >> 32) == tag)) break;
+        __nanosleep(32);
       }
-    } else if (blockIdx.x != 0 && tid == 0) {
-      uint64_t g;
-      while (((g = ld_acquire_gpu_u64(&pd->go)) >> 1) != idx + 1) __nanosleep(64);
-      sh_go = (int)(g & 1);
-      if (sh_go) {
-        const PBuf *pb = &pd->b[idx & 1];
-        for (int i = 0; i < 16; i++) ((uint32_t *)&sh_desc)[i] = ((volatile const uint32_t *)&pb->desc)[i];
-        sh_slot = *(volatile const uint32_t *)&pb->slot;
-        sh_repver = *(volatile const uint32_t *)&pb->repver;
-        sh_t0 = *(volatile const uint64_t *)&pb->t0;
-        sh_t1 = *(volatile const uint64_t *)&pb->t1;
+      sh_pb[tid] = (uint32_t)w;
+      __syncwarp();
+      const uint32_t run = sh_pb[PR_SLOT] >> 16;
+      if (tid == 0) sh_go = (int)run;
+      if (tid == 0 && run) {
+        const epd_desc_t &d = *(const epd_desc_t *)sh_pb;
+        const uint32_t slot = sh_pb[PR_SLOT] & 0xffffu;
+        LLOp &o = sh_o;
+        o.flags = d.flags;
+        o.T = d.num_tokens > 0xffffffu ? 0xffffffu : d.num_tokens;
+        o.bank = d.bank;
+        o.prepver = sh_pb[PR_REPVER];
+        o.comp = &a.q->slot[slot].comp;
+        o.done_state = &a.q->slot[slot].state;
+        o.dslot = &a.dq->slot[slot];
+        o.user_tag = d.user_tag;
+        o.popn = opn;
+        o.pstep = a.step0 + opn;
+        o.pt0 = (uint64_t)sh_pb[PR_T0 + 1] << 32 | sh_pb[PR_T0];
+        o.pt1 = (uint64_t)sh_pb[PR_T1 + 1] << 32 | sh_pb[PR_T1];
+        o.psub = ((uint64_t)d.reserved[1] << 32) | d.reserved[0];
+        o.pidx = idx;
+        o.pop = d.op;
       }
     }
     __syncthreads();
     if (!sh_go) return;
-    if (tid == 0) {
-      LLOp &o = sh_o;
-      o.flags = sh_desc.flags;
-      o.T = sh_desc.num_tokens > 0xffffffu ? 0xffffffu : sh_desc.num_tokens;
-      o.bank = sh_desc.bank;
-      o.prepver = sh_repver;
-      o.comp = &q->slot[sh_slot].comp;
-      o.done_state = &q->slot[sh_slot].state;
-      o.dslot = &a.dq->slot[sh_slot];
-      o.user_tag = sh_desc.user_tag;
-      o.popn = opn;
-      o.pstep = a.step0 + opn;
-      o.pt0 = sh_t0;
-      o.pt1 = sh_t1;
-      o.psub = ((uint64_t)sh_desc.reserved[1] << 32) | sh_desc.reserved[0];
-    }
+    const bool ran = sh_o.pop == EPD_OP_LL_DISPATCH ? ll_dispatch_body<true>(base, sh_o)
+                                                    : ll_combine_body<EPD_LL_PERSIST_COMBINE_ROWS, true>(base, sh_o);
+    if (!ran) return; /* the ranks did not agree on it: the controller stopped */
     __syncthreads();
-    if (sh_desc.op == EPD_OP_LL_DISPATCH) ll_dispatch_body(base, sh_o);
-    else ll_combine_body<EPD_LL_PERSIST_COMBINE_ROWS>(base, sh_o);
-    __syncthreads();
-    if (tid == 0) {
-      sh_idx = idx + 1;
-      sh_opn = opn + 1;
-    }
+    if (tid == 0) sh_opn = sh_o.popn + 1;
     __syncthreads();
   }
 }
+
 __global__ void __launch_bounds__(NTHR) ll_combine_kernel(const __grid_constant__ LLParams p,
                                                           const __grid_constant__ LLOp o) {
-  ll_combine_body<8>(p, o);
+  ll_combine_body<8, false>(p, o);
 }
 
 LLLayout make_layout(const epd_k_ll_geom_t *g, uint32_t G) {
@@ -1305,7 +1383,7 @@ epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *aren
   a.step0 = ps->step0;
   a.steps0 = ps->steps_done0;
   if (cudaMemsetAsync(k->pdev, 0, sizeof(PDev), (cudaStream_t)stream) != cudaSuccess) return EPD_ERR_CUDA;
-  ll_persistent_kernel<<<p.G, NTHR, 0, (cudaStream_t)stream>>>(p, a);
+  ll_persistent_kernel<<<p.G + 1, NTHR, 0, (cudaStream_t)stream>>>(p, a); /* + the controller block */
   return cudaGetLastError() == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
 }
 
