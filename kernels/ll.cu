@@ -148,7 +148,7 @@ struct LLOp {
  * reduction) overlaps the agreement, and the body waits here before that store. One thread polls the
  * controller's verdict: 1 run it, 0 stop (the body returns without a trace in any peer). The controller
  * gives a verdict within 4 x timeout_ns; the deadline here is a guard against a dead controller only. */
-__device__ __noinline__ int persist_verdict(const LLParams &p, const LLOp &o) {
+__device__ __forceinline__ int persist_verdict(const LLParams &p, const LLOp &o) {
   const uint64_t want = o.pidx + 1, deadline = gtimer() + 8 * p.timeout_ns + 1000000000ull;
   for (;;) {
     const uint64_t g = ld_acquire_gpu_u64(&p.pdev->agree);
@@ -595,12 +595,17 @@ __device__ bool ll_dispatch_body(const LLParams &p, const LLOp &o) {
           while (src + 1 < R && u >= sh_tstart[src + 1]) src++;
           t = u - sh_tstart[src];
           const Meta *m = meta + (uint64_t)src * M + t;
-          int4 h0 = __ldcg((const int4 *)m), h1 = __ldcg((const int4 *)m + 1), h2 = __ldcg((const int4 *)m + 2);
-          int32_t words[12] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w, h2.x, h2.y, h2.z, h2.w};
-          int n = words[0];
-          const int16_t *sl = (const int16_t *)&words[1];
-          for (int i = 0; i < n && i < KMAX; i++)
-            if ((uint32_t)(uint16_t)sl[i] == s) mi = i;
+          /* n and the KMAX slots (int16 pairs in words 1..8 of the Meta), compared with constant indices
+           * only: a register array indexed at run time lived in local memory (a 48-byte stack frame) */
+          static_assert(KMAX == 16, "the scan reads n and 16 slots: words 0..8 of the Meta");
+          const int4 h0 = __ldcg((const int4 *)m), h1 = __ldcg((const int4 *)m + 1);
+          const int32_t h8 = __ldcg((const int32_t *)m + 8);
+          const uint32_t sw[8] = {(uint32_t)h0.y, (uint32_t)h0.z, (uint32_t)h0.w, (uint32_t)h1.x,
+                                  (uint32_t)h1.y, (uint32_t)h1.z, (uint32_t)h1.w, (uint32_t)h8};
+          const int n = h0.x;
+#pragma unroll
+          for (int i = 0; i < KMAX; i++)
+            if (i < n && ((sw[i >> 1] >> (16 * (i & 1))) & 0xffffu) == s) mi = i;
         }
         uint32_t bal = __ballot_sync(0xffffffffu, mi >= 0);
         if (lane == 0) sh_wc[warp] = __popc(bal);
