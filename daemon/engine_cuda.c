@@ -898,7 +898,7 @@ static int pers_start(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self
   cg->pabort = 0;
   cg->pwait_ann = cg->pwait_ns = 0;
   if (cg->plaunches++ == 0)
-    EPD_LOGI(EPD_SUB_CUDA, "group %s: LL steps run in persistent kernels (%u blocks per GPU, %ld resident)", cg->name,
+    EPD_LOGI(EPD_SUB_CUDA, "group %s: LL steps run in persistent kernels (%u blocks + a controller block per GPU, %ld resident)", cg->name,
              G, be->rank[0].president);
   else
     EPD_LOGD(EPD_SUB_CUDA, "group %s: persistent kernels resumed at step %llu", cg->name,

@@ -118,15 +118,17 @@ typedef struct epd_k_ll_op {
 epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const epd_k_ll_op_t *op,
                              void *stream, char *err, size_t errlen);
 /* ---- Persistent mode (the daemon's CUDA backend under MPS) ----
- * A kernel of the context's `blocks` blocks plus one controller block serves ONE client queue of one
- * rank; every rank of the team runs one at the same time (one per (group, rank)). The controller's first
- * warp polls the ring from first_slot for a SUBMITTED slot in the queue's device twin (client/epd_abi.h;
- * the first one in ring order from its position, as the launch mode: a CUDA graph replays the same
- * slots), announces it to every rank through an announcement word per (index, rank) in the window and
- * releases it to the op blocks at once; then all ranks agree on the op: every rank runs it only if every
- * rank announced the same LL op and bank for that index. The op blocks run the op's local part (loads,
- * routing, quantisation, the expert-side reduction) while the ranks agree and wait for the verdict before
- * their first store into a peer, so an op the ranks do not agree on leaves no trace in any peer. Otherwise (a rank was told to stop, a slot holds an op it does not run - HT,
+ * A kernel of the context's `blocks` blocks plus one controller block (blocks + 1 must be resident at
+ * once, else EPD_ERR_INVALID) serves ONE client queue of one rank; every rank of the team runs one at the
+ * same time (one per (group, rank)). The controller's first warp polls the ring from first_slot for a
+ * SUBMITTED slot in the queue's device twin (client/epd_abi.h; the first one in ring order from its
+ * position, as the launch mode: a CUDA graph replays the same slots), releases it to the op blocks at
+ * once and announces it to every rank through an announcement word per (index, rank) in the window; then
+ * all ranks agree on the op: every rank runs it only if every rank announced the same LL op and bank for
+ * that index. The op blocks run the op's local part while the ranks agree (dispatch: the first token's
+ * loads and routing; combine: the sums of this rank's own tokens, which stay on this GPU) and wait for the
+ * verdict before their first store into a peer, so an op the ranks do not agree on leaves no trace in any
+ * peer. Otherwise (a rank was told to stop, a slot holds an op it does not run - HT,
  * a bad bank, an unknown op - or the ops differ) EVERY rank stops at the same boundary and leaves its
  * slot SUBMITTED for the host (which runs it in launch mode and later relaunches the kernels with a
  * fresh index). A rank also stops after an op that failed with EPD_ERR_TIMEOUT or EPD_ERR_PEER (the
@@ -171,7 +173,8 @@ typedef struct epd_k_prec {
 
 typedef struct epd_k_pprog {
   uint64_t ops;       /* ops completed (slot DONE) since the launch */
-  uint64_t announced; /* index + 1 of the last announcement */
+  uint64_t announced; /* index + 1 of the last announcement (written when the rank starts waiting for its
+                       * peers' announcements: announced > taken while it does) */
   uint64_t taken;     /* index + 1 of the last op taken */
   uint64_t exit_index; /* at exit: the index it stopped at (not taken) */
   uint32_t exited, reason; /* at exit: 1, EPD_K_PEXIT_* */

@@ -76,6 +76,8 @@ struct LLLayout {
  * reports, [PR_T0..+1] slot seen SUBMITTED, [PR_T1..+1] op released (%globaltimer, low/high). One record
  * suffices: the controller writes the next one only once the op's last block completed it. */
 enum { PR_SLOT = 16, PR_REPVER = 17, PR_T0 = 18, PR_T1 = 20, PR_WORDS = 22 };
+/* The tag of op `index`'s record words: never 0 (the zeroed record's) and never the previous index's. */
+__device__ __forceinline__ uint32_t rec_tag(uint64_t index) { return ((uint32_t)(index + 1) & 0x7fffffffu) | 0x80000000u; }
 static_assert(sizeof(epd_desc_t) == 64, "the descriptor is words 0..15 of the release record");
 static_assert(PR_WORDS + EPD_K_MAX_RANKS <= 32, "the controller's announcing lanes follow the record's");
 struct PDev {
@@ -125,8 +127,8 @@ struct LLOp {
   uint32_t pop;                         /* persistent: EPD_OP_LL_DISPATCH or EPD_OP_LL_COMBINE */
 };
 
-#define TRACE(i)                                                              \
-  do {                                                                        \
+#define TRACE(i)                                                                    \
+  do {                                                                              \
     if (p.trace && blockIdx.x == 0 && threadIdx.x == 0) p.trace[i] = gtimer(); \
   } while (0)
 
@@ -375,9 +377,8 @@ __device__ bool ll_dispatch_body(const LLParams &p, const LLOp &o) {
   char *lb = local_bank(p, o);
   BankState *st = (BankState *)(lb + p.lay.st);
 
-  /* seq and the deadline are per-thread registers: their loads overlap the send instead of delaying it */
+  /* seq is a per-thread register: its load overlaps the send instead of delaying it */
   const uint32_t seq = __ldcg(&st->seq[0][blockIdx.x]) + 1;
-  const uint64_t deadline = gtimer() + p.timeout_ns;
   if (tid == 0) sh_err = 0;
   __syncthreads();
   TRACE(0);
@@ -391,6 +392,7 @@ __device__ bool ll_dispatch_body(const LLParams &p, const LLOp &o) {
   const int64_t *topk = arena_buf<int64_t>(p, o, EPD_BUF_TOPK_IDX);
   bool gated = !PERS; /* persistent: the verdict is awaited before the first remote store */
   uint64_t vpre = 0;  /* persistent: thread 0's early load of the verdict word */
+  uint64_t tmask = 0; /* thread 0: the ranks the current token goes to */
   const float *topw = arena_buf<float>(p, o, EPD_BUF_TOPK_WEIGHTS);
   uint64_t *rmask = (uint64_t *)(lb + p.lay.rmask);
   const uint32_t map_E = p.map[1];
@@ -474,7 +476,7 @@ __device__ bool ll_dispatch_body(const LLParams &p, const LLOp &o) {
         if (lane == 0) sh_meta[r].n = __popc(m);
         if (m) mask |= 1ull << r;
       }
-      if (lane == 0) rmask[t] = mask;
+      if (lane == 0) tmask = mask; /* stored after the gate: a dispatch that does not run leaves no trace */
       FTRACE(10);
     }
     __syncthreads();
@@ -483,6 +485,7 @@ __device__ bool ll_dispatch_body(const LLParams &p, const LLOp &o) {
       if (!persist_gate(p, o, vpre)) return false;
       gated = true;
     }
+    if (tid == 0) rmask[t] = tmask;
     /* token data to every destination rank that has an entry */
     const uint64_t row_off = p.lay.xstg + ((uint64_t)rank * M + t) * rowbytes;
     if (fp8) {
@@ -557,8 +560,9 @@ __device__ bool ll_dispatch_body(const LLParams &p, const LLOp &o) {
   }
 
   TRACE(3);
-  /* ---- receive: wait for every block of every rank ---- */
-  wait_flags(p, (const uint64_t *)(lb + p.lay.dflag), seq, deadline, &wr);
+  /* ---- receive: wait for every block of every rank (the timeout counts from here: in persistent mode
+   * the body starts before the ranks agree) ---- */
+  wait_flags(p, (const uint64_t *)(lb + p.lay.dflag), seq, gtimer() + p.timeout_ns, &wr);
   TRACE(4);
   int code, peer;
   wait_status(p, &wr, &code, &peer);
@@ -694,7 +698,6 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
   char *lb = local_bank(p, o);
   BankState *st = (BankState *)(lb + p.lay.st);
   const uint32_t seq = __ldcg(&st->seq[1][blockIdx.x]) + 1;
-  const uint64_t deadline = gtimer() + p.timeout_ns;
   const uint32_t lane = tid & 31, warp = tid >> 5;
   if (tid == 0) {
     uint32_t a = 0;
@@ -807,7 +810,7 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
 
   TRACE(3);
   /* ---- source side: sum the partials of each of my tokens in f32 ---- */
-  wait_flags(p, (const uint64_t *)(lb + p.lay.cflag), seq, deadline, &wr);
+  wait_flags(p, (const uint64_t *)(lb + p.lay.cflag), seq, gtimer() + p.timeout_ns, &wr);
   TRACE(4);
   int code, peer;
   wait_status(p, &wr, &code, &peer);
@@ -877,14 +880,17 @@ __device__ __forceinline__ uint64_t *ann_word(const LLParams &p, uint32_t peer, 
 }
 
 /* The controller of the persistent kernel (warp 0 of block G, the extra block): takes each op from the
- * queue, announces it to every rank, releases it to the G body blocks at once, then agrees on it with the
- * peers while the blocks run its local part, and publishes the verdict (persist_gate). Returns when the
- * kernel stops (the blocks got a stop: at release or as the verdict). */
+ * queue once the previous one completed, releases it to the G op blocks at once and announces it to every
+ * rank, then agrees on it with the peers while the blocks run its local part, and publishes the verdict
+ * (persist_gate). Lane 0 makes the record's and the verdict's release stores and nothing else that a
+ * fence would wait for; lane 31 writes the host-mapped progress block (PCIe). Returns when the kernel
+ * stops (the blocks got a stop: at release or as the verdict). */
 __device__ __noinline__ void persist_controller(const LLParams &base, const PArgs &a) {
   const uint32_t lane = threadIdx.x & 31;
-  const uint32_t FULL = 0xffffffffu;
+  const uint32_t FULL = 0xffffffffu, PLANE = 31; /* PLANE: the progress block's writer */
   PDev *pd = a.pd;
   epd_queue_t *q = a.q, *dq = a.dq;
+  volatile epd_k_pprog_t *pr = a.prog;
   /* slots whose twin state is not yet trusted (bit per slot): until this kernel takes a slot once, its
    * twin may still say SUBMITTED for an op the launch mode already completed in the host copy (the client
    * frees the twin first, then the host copy) */
@@ -893,7 +899,7 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
   for (uint64_t opn = 0;; opn++) {
     const uint64_t idx = a.index0 + opn;
     const uint32_t mapver = __ldcg(base.map);
-    /* the previous op's slot must be DONE before the ring is scanned again */
+    /* the previous op's slot must be DONE before the ring is scanned again (acquire: its last_err too) */
     if (opn > 0) {
       if (lane == 0)
         while (ld_acquire_gpu_u64(&pd->done_ops) < opn) {
@@ -910,8 +916,9 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
     } else {
       for (uint32_t n = 0;; n++) {
         /* relaxed polls of the device twin (an acquire per poll would fence every time), one fence once
-         * one is seen; the stop word is device memory too, the host's abort word a PCIe read now and then */
-        const uint64_t lim = *(volatile const uint64_t *)a.dlimit;
+         * one is seen; the stop word is device memory too (lane 0's value for the whole warp), the
+         * host's abort word a PCIe read now and then */
+        const uint64_t lim = __shfl_sync(FULL, lane == 0 ? *(volatile const uint64_t *)a.dlimit : 0ull, 0);
         uint32_t ab = 0;
         if (lane == 0 && (n & 63) == 0) ab = *(volatile const uint32_t *)&a.ctl->abort;
         ab = __shfl_sync(FULL, ab, 0);
@@ -954,9 +961,8 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
         }
       }
     }
-    /* Lanes 0-15 release the op (or the stop) to the body blocks, which start its local part now, while
-     * lanes 16.. announce it to every rank (this rank's word in each window): the release's fence covers
-     * the op's local stores only, not the announcements' NVLink round trip (only lanes 0-15 sync). */
+    /* Lanes 0..PR_WORDS-1 release the op (or the stop) to the body blocks as the tagged record; lanes
+     * PR_WORDS.. announce it to every rank at the same time (this rank's word in each window). */
     const uint64_t word = ((idx + 1) << 16) | (run ? 0u : 0x100u) | ((op & 0xfu) << 4) | (bank & 0xfu);
     /* the map version the completion reports (a combine: its bank's dispatch version) */
     uint32_t repver = 0;
@@ -973,10 +979,17 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
       if (lane == PR_T0 + 1) pw = (uint32_t)(t0 >> 32);
       if (lane == PR_T1) pw = (uint32_t)t1;
       if (lane == PR_T1 + 1) pw = (uint32_t)(t1 >> 32);
-      if (lane < PR_WORDS) *(volatile uint64_t *)&pd->rec[lane] = (uint64_t)(uint32_t)(idx + 1) << 32 | pw;
+      const uint64_t rw = (uint64_t)rec_tag(idx) << 32 | pw;
+      /* Relaxed stores, no fence on this path (a release store by lane 0 took the blocks' start from 1.5
+       * to 2.1 us after the release, 2x H200): every lane ran a fence after the ballot that saw the slot
+       * SUBMITTED and synced with the observing lane before these stores, the op blocks' lane 0
+       * acquires word 0, and the client's inputs they then read (__ldcg, L2) were written before the
+       * client's own fence and SUBMITTED. */
+      if (lane < PR_WORDS) *(volatile uint64_t *)&pd->rec[lane] = rw;
+      if (lane >= PR_WORDS && lane - PR_WORDS < base.R) st_relaxed_sys(ann_word(base, lane - PR_WORDS, base.rank), word);
     }
-    /* announcements by the lanes after the record's (a store each: no fence on this path) */
-    if (lane >= PR_WORDS && lane - PR_WORDS < base.R) st_relaxed_sys(ann_word(base, lane - PR_WORDS, base.rank), word);
+    /* `announced` > `taken` tells the host this rank waits for its peers */
+    if (lane == PLANE) pr->announced = idx + 1;
     __syncwarp();
     if (run) {
       /* agree: every rank announced this index with the same op and bank */
@@ -1023,9 +1036,7 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
         else bv1 = repver;
       }
     }
-    if (lane == 0) {
-      volatile epd_k_pprog_t *pr = a.prog;
-      pr->announced = idx + 1;
+    if (lane == PLANE) {
       pr->bank_ver[0] = bv0;
       pr->bank_ver[1] = bv1;
       if (run) {
@@ -1067,7 +1078,7 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
     PDev *pd = a.pd;
     if (tid < 32) {
       /* the warp polls the release record until every word carries this op's tag */
-      const uint32_t tag = (uint32_t)(idx + 1);
+      const uint32_t tag = rec_tag(idx);
       uint64_t w;
       /* lane 0's load is an acquire (the controller fenced after seeing the slot SUBMITTED, before the
        * record): with the barriers below it orders the block's reads of the client's inputs after it */
@@ -1387,6 +1398,8 @@ epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *aren
   a.index0 = ps->index0;
   a.step0 = ps->step0;
   a.steps0 = ps->steps_done0;
+  /* every block must be resident at once, the controller block included (the op blocks spin on it) */
+  if ((long)p.G + 1 > k->resident) return EPD_ERR_INVALID;
   if (cudaMemsetAsync(k->pdev, 0, sizeof(PDev), (cudaStream_t)stream) != cudaSuccess) return EPD_ERR_CUDA;
   ll_persistent_kernel<<<p.G + 1, NTHR, 0, (cudaStream_t)stream>>>(p, a); /* + the controller block */
   return cudaGetLastError() == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
