@@ -403,15 +403,26 @@ __device__ bool ll_dispatch_body(const LLParams &p, const LLOp &o) {
   /* ---- send: each token once per destination rank ---- */
   constexpr int XV = (EPD_K_MAX_HIDDEN / 8 + NTHR - 1) / NTHR;     /* BF16 vectors per thread */
   constexpr int XG = (EPD_K_MAX_HIDDEN / 128 + NWARP - 1) / NWARP; /* FP8 groups per warp */
+  static_assert(XG <= 2 * XV, "the FP8 groups fit the BF16 vectors' registers");
   for (uint32_t t = blockIdx.x; t < T; t += G) {
     /* the token's row is loaded first, so its latency overlaps the routing's dependent loads */
+    /* one register array for both layouts (BF16: XV int4 vectors; FP8: XG uint2 halves of them): two
+     * arrays were both live across the routing, 16 registers more */
     int4 xb[XV];
-    uint2 xf[XG];
     if (fp8) {
 #pragma unroll
       for (int j = 0; j < XG; j++) {
         uint32_t g = warp + j * NWARP;
-        if (g < H / 128) xf[j] = __ldcg((const uint2 *)(x + (uint64_t)t * H + g * 128 + lane * 4));
+        if (g < H / 128) {
+          const uint2 v = __ldcg((const uint2 *)(x + (uint64_t)t * H + g * 128 + lane * 4));
+          if (j & 1) {
+            xb[j >> 1].z = (int)v.x;
+            xb[j >> 1].w = (int)v.y;
+          } else {
+            xb[j >> 1].x = (int)v.x;
+            xb[j >> 1].y = (int)v.y;
+          }
+        }
       }
     } else {
 #pragma unroll
@@ -493,7 +504,8 @@ __device__ bool ll_dispatch_body(const LLParams &p, const LLOp &o) {
       for (int jg = 0; jg < XG; jg++) {
         uint32_t g = warp + jg * NWARP;
         if (g >= H / 128) break;
-        uint2 raw = xf[jg];
+        const uint2 raw = (jg & 1) ? make_uint2((uint32_t)xb[jg >> 1].z, (uint32_t)xb[jg >> 1].w)
+                                   : make_uint2((uint32_t)xb[jg >> 1].x, (uint32_t)xb[jg >> 1].y);
         float v0 = bf16_to_f(raw.x & 0xffff), v1 = bf16_to_f(raw.x >> 16);
         float v2 = bf16_to_f(raw.y & 0xffff), v3 = bf16_to_f(raw.y >> 16);
         float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
@@ -825,18 +837,25 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
       int4 *orow = (int4 *)(out + (uint64_t)t * H);
       for (uint32_t v = tid; v < nv; v += NTHR) {
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int4 pvs[EPD_K_MAX_RANKS];
+        /* the partials of 4 ranks in flight at once (16 registers, not 8 ranks' 32), summed in rank order */
+        constexpr uint32_t RB = 4;
+        for (uint32_t d0 = 0; d0 < R; d0 += RB) {
+          int4 pvs[RB];
 #pragma unroll
-        for (uint32_t d = 0; d < EPD_K_MAX_RANKS; d++)
-          if (d < R && ((mask >> d) & 1)) pvs[d] = __ldcg((const int4 *)(cstg + ((uint64_t)d * M + t) * 2 * H) + v);
+          for (uint32_t i = 0; i < RB; i++) {
+            const uint32_t d = d0 + i;
+            if (d < R && ((mask >> d) & 1)) pvs[i] = __ldcg((const int4 *)(cstg + ((uint64_t)d * M + t) * 2 * H) + v);
+          }
 #pragma unroll
-        for (uint32_t d = 0; d < EPD_K_MAX_RANKS; d++) {
-          if (d >= R || !((mask >> d) & 1)) continue;
-          const uint32_t *pw = (const uint32_t *)&pvs[d];
+          for (uint32_t i = 0; i < RB; i++) {
+            const uint32_t d = d0 + i;
+            if (d >= R || !((mask >> d) & 1)) continue;
+            const uint32_t *pw = (const uint32_t *)&pvs[i];
 #pragma unroll
-          for (int j = 0; j < 4; j++) {
-            acc[2 * j] += bf16_to_f(pw[j] & 0xffff);
-            acc[2 * j + 1] += bf16_to_f(pw[j] >> 16);
+            for (int j = 0; j < 4; j++) {
+              acc[2 * j] += bf16_to_f(pw[j] & 0xffff);
+              acc[2 * j + 1] += bf16_to_f(pw[j] >> 16);
+            }
           }
         }
         int4 o;
