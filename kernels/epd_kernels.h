@@ -128,7 +128,9 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
  * that index. The op blocks run the op's local part while the ranks agree (dispatch: the first token's
  * loads and routing; combine: the sums of this rank's own tokens, which stay on this GPU) and wait for the
  * verdict before their first store into a peer, so an op the ranks do not agree on leaves no trace in any
- * peer. Otherwise (a rank was told to stop, a slot holds an op it does not run - HT,
+ * peer (each rank's agreement has its own deadline: when one rank times out waiting for an announcement
+ * that another rank then sees, that rank runs the op and fails on its flag wait; the host resets the team
+ * after a SYNC_TIMEOUT exit or when the ranks' op counts differ). Otherwise (a rank was told to stop, a slot holds an op it does not run - HT,
  * a bad bank, an unknown op - or the ops differ) EVERY rank stops at the same boundary and leaves its
  * slot SUBMITTED for the host (which runs it in launch mode and later relaunches the kernels with a
  * fresh index). A rank also stops after an op that failed with EPD_ERR_TIMEOUT or EPD_ERR_PEER (the

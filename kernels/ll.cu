@@ -83,11 +83,12 @@ static_assert(PR_WORDS + EPD_K_MAX_RANKS <= 32, "the controller's announcing lan
 struct PDev {
   uint64_t rec[32];   /* the release record (PR_WORDS used) */
   uint64_t agree;     /* (index + 1) << 1 | run: every rank announced the same op (or they stop) */
-  uint64_t tagreed;   /* %globaltimer when every rank agreed (the progress record's timeline) */
+  uint64_t tagreed[2]; /* %globaltimer when every rank agreed on an even / odd op (the progress record's
+                        * timeline: op n's last block reads it after op n + 1 may have been released) */
   uint64_t done_ops;  /* ops whose completion (slot DONE) is written */
   int32_t last_err;
   uint32_t pad0[9];
-  uint64_t trace[8]; /* block 0's stamps of the current op (LLParams.trace) */
+  uint64_t trace[2][8]; /* block 0's stamps of even / odd ops (LLParams.trace; as tagreed) */
 };
 static_assert(sizeof(PDev) <= 512, "PDev fits the scratch");
 
@@ -127,9 +128,13 @@ struct LLOp {
   uint32_t pop;                         /* persistent: EPD_OP_LL_DISPATCH or EPD_OP_LL_COMBINE */
 };
 
-#define TRACE(i)                                                                    \
-  do {                                                                              \
-    if (p.trace && blockIdx.x == 0 && threadIdx.x == 0) p.trace[i] = gtimer(); \
+/* Stamp i of op o: the persistent kernel keeps two ops' stamps (PDev.trace), the standalone one op's. */
+__device__ __forceinline__ uint32_t trace_at(const LLParams &p, const LLOp &o, uint32_t i) {
+  return p.pdev ? (uint32_t)(o.popn & 1) * 8u + i : i;
+}
+#define TRACE(i)                                                                                \
+  do {                                                                                          \
+    if (p.trace && blockIdx.x == 0 && threadIdx.x == 0) p.trace[trace_at(p, o, i)] = gtimer(); \
   } while (0)
 
 /* Extra stamps 8..15 of the standalone kernels, in profiling builds only (-DEPD_LL_FINE_TRACE: the bench's
@@ -261,7 +266,7 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
                              uint32_t add_total, int is_dispatch) {
   __syncthreads();
   if (threadIdx.x != 0) return;
-  if (p.trace && blockIdx.x == 0) p.trace[6] = gtimer();
+  if (p.trace && blockIdx.x == 0) p.trace[trace_at(p, o, 6)] = gtimer();
   if (add_total) atomicAdd(&st->total, add_total);
   if (code != 0 && atomicCAS(&st->err[opi], 0, code) == 0) atomicExch(&st->errpeer[opi], peer);
   st->seq[opi][blockIdx.x] = seq;
@@ -279,7 +284,7 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
   st->err[opi] = 0;
   st->errpeer[opi] = -1;
   st->done[opi] = 0;
-  if (p.trace) p.trace[7] = gtimer();
+  if (p.trace) p.trace[trace_at(p, o, 7)] = gtimer();
   volatile epd_comp_t *comp = o.comp;
   if (!p.pdev) {
     if (comp) {
@@ -344,11 +349,11 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
   rec->latency_ns = tn - o.pt0;
   rec->seq = o.popn + 1;
   rec->seen_ns = o.psub && o.psub < o.pt0 ? (uint32_t)(o.pt0 - o.psub) : 0u;
-  const uint64_t tagreed = *(volatile const uint64_t *)&p.pdev->tagreed;
+  const uint64_t tagreed = *(volatile const uint64_t *)&p.pdev->tagreed[o.pidx & 1];
   rec->agree_ns = tagreed > o.pt0 ? (uint32_t)(tagreed - o.pt0) : 0u;
   rec->run_ns = tn > tagreed ? (uint32_t)(tn - tagreed) : 0u;
   for (int i = 0; i < 8; i++) {
-    const uint64_t t = *(volatile const uint64_t *)&p.trace[i];
+    const uint64_t t = *(volatile const uint64_t *)&p.trace[trace_at(p, o, i)];
     rec->phase_ns[i] = t > o.pt1 ? (uint32_t)(t - o.pt1) : 0u;
   }
   __threadfence_system();
@@ -1043,7 +1048,7 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
         rpeer = __ffs(bto) - 1;
       }
       if (lane == 0) {
-        *(volatile uint64_t *)&pd->tagreed = gtimer();
+        *(volatile uint64_t *)&pd->tagreed[idx & 1] = gtimer();
         st_release_gpu_u64(&pd->agree, ((idx + 1) << 1) | (uint64_t)run);
       }
     }
