@@ -13,67 +13,11 @@
 # Then (TWO_NODES_BASELINE=1, default) the same LL steps on ONE daemon driving both GPUs over NVLink.
 # TWO_NODES_QUICK=1: the LL cases only; TWO_NODES_NCCL_ENV: extra NCCL variables for the daemons.
 # Usage (repository root, GPU machine): bash tests/gpu/65-two-nodes-cuda.sh [build-dir]; logs go to
-# $TWO_NODES_OUT if set.
+# $TWO_NODES_OUT if set. Set-up, daemons and workers: two-nodes-lib.sh.
 set -u
 B=${1:-${EPD_BUILD:-build}}
-EPD=$B/bin/epd
-WORKER=$B/bin/epd-worker
-EPDCTL=$B/bin/epdctl
-for x in "$EPD" "$WORKER" "$EPDCTL"; do [ -x "$x" ] || { echo "skip: $x is not built"; exit 77; }; done
-[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] || { echo "skip: needs 2 GPUs"; exit 77; }
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
-[ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
-T=$(mktemp -d)
-PIDS=()
-save_logs() { [ -n "${TWO_NODES_OUT:-}" ] && cp "$T"/*.log "$TWO_NODES_OUT"/ 2>/dev/null; }
-fail() {
-  echo "FAIL: $*"
-  for f in "$T"/*.out; do [ -f "$f" ] && sed "s/^/  $(basename "$f"): /" "$f" | tail -6; done
-  for f in "$T"/*.log; do [ -f "$f" ] && grep -v ' NCCL INFO ' "$f" | sed "s/^/  $(basename "$f")| /" | tail -25; done
-  save_logs
-  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
-  exit 1
-}
-cleanup() { save_logs; for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done; }
-trap cleanup EXIT
-trap 'exit 143' TERM INT
-wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-
-# node N: daemon of node N on GPU N.
-node() {
-  local n=$1 where="-o cluster.coordinator=127.0.0.1:$PORT"
-  [ "$n" = 0 ] && where="-o cluster.listen=127.0.0.1:$PORT"
-  mkdir -p "$T/n$n"
-  env ${TWO_NODES_NCCL_ENV:-} CUDA_VISIBLE_DEVICES=$n NCCL_HOSTID=node$n NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 \
-    NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_DEBUG=INFO \
-    timeout 280 "$EPD" -s "$T/n$n/control.sock" -f -o daemon.attach_socket="$T/n$n/attach.sock" \
-    -o engine.backend=cuda -o engine.num_ranks=1 -o engine.step_timeout_ms=5000 -o engine.max_tokens=4096 \
-    -o cluster.nodes=2 -o cluster.node_rank="$n" -o cluster.data_listen=127.0.0.1:0 \
-    -o cluster.timeout_ms=60000 -o daemon.drain_timeout_ms=1000 $where > "$T/node$n.log" 2>&1 &
-  PIDS+=($!)
-  eval "P_$n=$!"
-}
-# pair NAME ARGS...: the two world ranks of a group, rank r at node r (on GPU r).
-pair() {
-  local g=$1; shift
-  for r in 0 1; do
-    CUDA_VISIBLE_DEVICES=$r timeout 200 "$WORKER" -s "$T/n$r/control.sock" -g "$g" -r $r -n 2 "$@" \
-      > "$T/$g$r.out" 2>&1 &
-    eval "W_$g$r=$!"
-  done
-}
-expect_ok() {
-  local n pid rc
-  for n in "$@"; do
-    eval "pid=\$W_$n"
-    wait "$pid"; rc=$?
-    [ $rc -eq 0 ] || fail "worker $n exited $rc"
-    grep -q "steps ok" "$T/$n.out" || fail "worker $n printed no summary"
-    grep -h "steps ok\|bench" "$T/$n.out" | sed "s/^/   $n: /"
-  done
-}
+GPN=1
+. "$(dirname "$0")/two-nodes-lib.sh"
 
 S0=$(date +%s%N)
 node 0
@@ -88,27 +32,27 @@ grep -q "GIN: " "$T/node0.log" || fail "the log does not say why GIN is not used
 
 COMMON="--experts 256 --hidden 7168 --topk 8"
 echo "== LL BF16, skewed routing, 128 tokens, 20 steps"
-pair llb --steps 20 --seed 5 --skew $COMMON --tokens 128 --bench 200
+start_workers llb --steps 20 --seed 5 --skew $COMMON --tokens 128 --bench 200
 expect_ok llb0 llb1
 echo "== LL FP8, uniform routing, 128 tokens, 20 steps"
-pair llf --steps 20 --seed 7 --fp8 $COMMON --tokens 128 --bench 200
+start_workers llf --steps 20 --seed 7 --fp8 $COMMON --tokens 128 --bench 200
 expect_ok llf0 llf1
 if [ "${TWO_NODES_QUICK:-0}" != 1 ]; then
 echo "== HT FP8 skewed and HT BF16 (256 tokens, 8 steps), HT BF16 4096 tokens (16 experts, top-4, 2 steps)"
-pair htf --steps 8 --seed 4 --mode ht --fp8 --skew $COMMON --tokens 256 --bench 50
+start_workers htf --steps 8 --seed 4 --mode ht --fp8 --skew $COMMON --tokens 256 --bench 50
 expect_ok htf0 htf1
-pair htb --steps 8 --seed 8 --mode ht $COMMON --tokens 256 --bench 50
+start_workers htb --steps 8 --seed 8 --mode ht $COMMON --tokens 256 --bench 50
 expect_ok htb0 htb1
-pair htl --steps 2 --seed 6 --mode ht --experts 16 --hidden 7168 --topk 4 --tokens 4096 --bench 5
+start_workers htl --steps 2 --seed 6 --mode ht --experts 16 --hidden 7168 --topk 4 --tokens 4096 --bench 5
 expect_ok htl0 htl1
 echo "== LL small (hidden 256, 16 experts, top-4, 64 tokens), 40 steps"
-pair lls --steps 40 --seed 3 --hidden 256
+start_workers lls --steps 40 --seed 3 --hidden 256
 expect_ok lls0 lls1
 
 echo "== expert maps across nodes: rank 0 stages a new map through node 0's daemon every 3 LL / 4 HT steps"
-pair lm --steps 90 --seed 11 --skew --hidden 256 --map-every 3
+start_workers lm --steps 90 --seed 11 --skew --hidden 256 --map-every 3
 expect_ok lm0 lm1
-pair hm --steps 40 --seed 12 --mode ht --fp8 --skew --hidden 256 --map-every 4
+start_workers hm --steps 40 --seed 12 --mode ht --fp8 --skew --hidden 256 --map-every 4
 expect_ok hm0 hm1
 for g in lm hm; do
   want=8; [ $g = lm ] && want=25
@@ -120,7 +64,7 @@ for g in lm hm; do
   echo "   $g: $(wc -l < "$T/sw0.txt") switches, the same (version, step) on both nodes; node 1's worker saw $seen"
 done
 echo "== SetExpertMap sent to node 1's daemon while steps run: staged by node 0, active on both nodes"
-pair ex --steps 8000 --seed 13 --hidden 256
+start_workers ex --steps 8000 --seed 13 --hidden 256
 experts_same() { # GROUP VERSION: both nodes run the same map of GROUP, at VERSION
   "$EPDCTL" -s "$T/n0/control.sock" experts "$1" > "$T/e0.txt" && "$EPDCTL" -s "$T/n1/control.sock" experts "$1" > "$T/e1.txt" &&
     cmp -s "$T/e0.txt" "$T/e1.txt" && grep -q "version $2\b" "$T/e0.txt"

@@ -1,0 +1,70 @@
+# two-nodes-lib.sh - sourced by the two-node GPU scripts (65-two-nodes-cuda.sh: one GPU per node,
+# 66-two-nodes-2gpus-cuda.sh: two): two daemons with engine.backend=cuda on one host, told they are
+# different hosts (NCCL_HOSTID node0 / node1, NCCL_SHM_DISABLE=1, NCCL_IB_DISABLE=1, sockets on lo), so the
+# inter-node stage runs over NCCL's network transport. Node n owns GPUs n*GPN .. n*GPN+GPN-1; with one GPU
+# per node NCCL_P2P_DISABLE=1 too (with two, the node's GPUs need P2P for their LSA team; the different
+# host ids keep the nodes apart). Before sourcing: B (build directory), GPN (GPUs per node). Skips (exit
+# 77) without the binaries or 2 x GPN GPUs. Logs go to $TWO_NODES_OUT if set; TWO_NODES_NCCL_ENV: extra
+# NCCL variables for the daemons.
+EPD=$B/bin/epd
+WORKER=$B/bin/epd-worker
+EPDCTL=$B/bin/epdctl
+for x in "$EPD" "$WORKER" "$EPDCTL"; do [ -x "$x" ] || { echo "skip: $x is not built"; exit 77; }; done
+[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge $((2 * GPN)) ] || { echo "skip: needs $((2 * GPN)) GPUs (two nodes of $GPN)"; exit 77; }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
+[ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
+T=$(mktemp -d)
+PIDS=()
+save_logs() { [ -n "${TWO_NODES_OUT:-}" ] && mkdir -p "$TWO_NODES_OUT" && cp "$T"/*.log "$TWO_NODES_OUT"/ 2>/dev/null; }
+fail() {
+  echo "FAIL: $*"
+  for f in "$T"/*.out; do [ -f "$f" ] && sed "s/^/  $(basename "$f"): /" "$f" | tail -6; done
+  for f in "$T"/*.log; do [ -f "$f" ] && grep -v ' NCCL INFO ' "$f" | sed "s/^/  $(basename "$f")| /" | tail -25; done
+  save_logs
+  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  exit 1
+}
+cleanup() { save_logs; for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done; }
+trap cleanup EXIT
+trap 'exit 143' TERM INT
+wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
+PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+
+# node N: the daemon of node N on its GPN GPUs (its local ranks 0 .. GPN-1); its pid in P_N.
+node() {
+  local n=$1 where="-o cluster.coordinator=127.0.0.1:$PORT" devs=$(( $1 * GPN )) p2p=
+  [ "$n" = 0 ] && where="-o cluster.listen=127.0.0.1:$PORT"
+  [ "$GPN" = 2 ] && devs="$devs,$(( n * GPN + 1 ))"
+  [ "$GPN" = 1 ] && p2p=NCCL_P2P_DISABLE=1
+  mkdir -p "$T/n$n"
+  env ${TWO_NODES_NCCL_ENV:-} CUDA_VISIBLE_DEVICES=$devs NCCL_HOSTID=node$n $p2p NCCL_SHM_DISABLE=1 \
+    NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_DEBUG=INFO \
+    timeout 280 "$EPD" -s "$T/n$n/control.sock" -f -o daemon.attach_socket="$T/n$n/attach.sock" \
+    -o engine.backend=cuda -o engine.num_ranks="$GPN" -o engine.step_timeout_ms=5000 -o engine.max_tokens=4096 \
+    -o cluster.nodes=2 -o cluster.node_rank="$n" -o cluster.data_listen=127.0.0.1:0 \
+    -o cluster.timeout_ms=60000 -o daemon.drain_timeout_ms=1000 $where > "$T/node$n.log" 2>&1 &
+  PIDS+=($!)
+  eval "P_$n=$!"
+}
+# start_workers NAME ARGS...: the 2 x GPN world ranks of a group, rank r at node r / GPN on GPU r; the
+# worker of rank r writes $T/NAMEr.out, its pid in W_NAMEr.
+start_workers() {
+  local g=$1 r; shift
+  for r in $(seq 0 $((2 * GPN - 1))); do
+    CUDA_VISIBLE_DEVICES=$r timeout 200 "$WORKER" -s "$T/n$((r / GPN))/control.sock" -g "$g" -r $r -n $((2 * GPN)) "$@" \
+      > "$T/$g$r.out" 2>&1 &
+    eval "W_$g$r=$!"
+  done
+}
+# expect_ok WORKER...: each (NAMEr) exited 0 and printed its summary.
+expect_ok() {
+  local n pid rc
+  for n in "$@"; do
+    eval "pid=\$W_$n"
+    wait "$pid"; rc=$?
+    [ $rc -eq 0 ] || fail "worker $n exited $rc"
+    grep -q "steps ok" "$T/$n.out" || fail "worker $n printed no summary"
+    grep -h "steps ok\|bench" "$T/$n.out" | sed "s/^/   $n: /"
+  done
+}
