@@ -151,8 +151,9 @@ __device__ __forceinline__ uint32_t trace_at(const LLParams &p, const LLOp &o, u
 #endif
 
 /* Persistent mode: an op's body starts as soon as this rank's controller saw its slot, before every rank
- * agreed on it; everything up to the first store into a peer (loads, routing, quantisation, the local
- * reduction) overlaps the agreement, and the body waits here before that store. One thread polls the
+ * agreed on it; the part before the first store into a peer (dispatch: the first token's loads and
+ * routing; combine: the sums of this rank's own tokens) overlaps the agreement, and the body waits here
+ * before that store. One thread polls the
  * controller's verdict: 1 run it, 0 stop (the body returns without a trace in any peer). The controller
  * gives a verdict within 4 x timeout_ns; the deadline here is a guard against a dead controller only. */
 __device__ __forceinline__ int persist_verdict(const LLParams &p, const LLOp &o) {
@@ -747,70 +748,70 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
     const uint32_t nchunk = (nv + CH - 1) / CH;
     const uint32_t own0 = sh_tstart[rank], nown = sh_tstart[rank + 1] - own0;
     for (int ph = 0; ph < 2; ph++) {
-    if (PERS && ph == 1 && !persist_gate(p, o, vpre)) return false;
-    const uint32_t nitems = (ph == 0 ? nown : N - nown) * nchunk;
-    for (uint32_t item = blockIdx.x * NWARP + warp; item < nitems; item += G * NWARP) {
-      const uint32_t v0 = item / nchunk, c = item % nchunk;
-      const uint32_t u = ph == 0 ? own0 + v0 : (v0 < own0 ? v0 : v0 + nown);
-      uint32_t src = 0;
-      while (src + 1 < R && u >= sh_tstart[src + 1]) src++;
-      uint32_t t = u - sh_tstart[src];
-      const Meta *m = meta + (uint64_t)src * M + t;
-      int n = __ldcg(&m->n);
-      uint32_t s_l = lane < KMAX ? (uint32_t)(uint16_t)__ldcg((const short *)&m->slot[lane]) : 0u;
-      float w_l = lane < KMAX ? __ldcg(&m->w[lane]) : 0.f;
-      int32_t pos_l = lane < KMAX ? __ldcg(cpos + ((uint64_t)src * M + t) * KMAX + lane) : 0;
-      n = min(n, KMAX);
-      if (n <= 0) continue;
-      const uint32_t vbeg = c * CH, vend = min(vbeg + CH, nv);
-      float acc[2][8];
-#pragma unroll
-      for (int h = 0; h < 2; h++)
-#pragma unroll
-        for (int j = 0; j < 8; j++) acc[h][j] = 0.f;
-      for (int i0 = 0; i0 < n; i0 += NB) {
-        int4 yv[NB][2];
-#pragma unroll
-        for (int i = 0; i < NB; i++) {
-          int ii = i0 + i;
-          uint32_t s_i = __shfl_sync(0xffffffffu, s_l, ii & 31);
-          int32_t p_i = __shfl_sync(0xffffffffu, pos_l, ii & 31);
-          const int4 *row = (const int4 *)(y + ((uint64_t)s_i * RM + p_i) * 2 * H);
-#pragma unroll
-          for (int h = 0; h < 2; h++) {
-            uint32_t v = vbeg + lane + h * 32;
-            if (ii < n && v < vend) yv[i][h] = __ldcg(row + v);
+      if (PERS && ph == 1 && !persist_gate(p, o, vpre)) return false;
+      const uint32_t nitems = (ph == 0 ? nown : N - nown) * nchunk;
+      for (uint32_t item = blockIdx.x * NWARP + warp; item < nitems; item += G * NWARP) {
+        const uint32_t v0 = item / nchunk, c = item % nchunk;
+        const uint32_t u = ph == 0 ? own0 + v0 : (v0 < own0 ? v0 : v0 + nown);
+        uint32_t src = 0;
+        while (src + 1 < R && u >= sh_tstart[src + 1]) src++;
+        uint32_t t = u - sh_tstart[src];
+        const Meta *m = meta + (uint64_t)src * M + t;
+        int n = __ldcg(&m->n);
+        uint32_t s_l = lane < KMAX ? (uint32_t)(uint16_t)__ldcg((const short *)&m->slot[lane]) : 0u;
+        float w_l = lane < KMAX ? __ldcg(&m->w[lane]) : 0.f;
+        int32_t pos_l = lane < KMAX ? __ldcg(cpos + ((uint64_t)src * M + t) * KMAX + lane) : 0;
+        n = min(n, KMAX);
+        if (n <= 0) continue;
+        const uint32_t vbeg = c * CH, vend = min(vbeg + CH, nv);
+        float acc[2][8];
+  #pragma unroll
+        for (int h = 0; h < 2; h++)
+  #pragma unroll
+          for (int j = 0; j < 8; j++) acc[h][j] = 0.f;
+        for (int i0 = 0; i0 < n; i0 += NB) {
+          int4 yv[NB][2];
+  #pragma unroll
+          for (int i = 0; i < NB; i++) {
+            int ii = i0 + i;
+            uint32_t s_i = __shfl_sync(0xffffffffu, s_l, ii & 31);
+            int32_t p_i = __shfl_sync(0xffffffffu, pos_l, ii & 31);
+            const int4 *row = (const int4 *)(y + ((uint64_t)s_i * RM + p_i) * 2 * H);
+  #pragma unroll
+            for (int h = 0; h < 2; h++) {
+              uint32_t v = vbeg + lane + h * 32;
+              if (ii < n && v < vend) yv[i][h] = __ldcg(row + v);
+            }
           }
-        }
-#pragma unroll
-        for (int i = 0; i < NB; i++) {
-          int ii = i0 + i;
-          float w = __shfl_sync(0xffffffffu, w_l, ii & 31);
-          if (ii >= n) break;
-#pragma unroll
-          for (int h = 0; h < 2; h++) {
-            const uint32_t *yw = (const uint32_t *)&yv[i][h];
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-              acc[h][2 * j] += w * bf16_to_f(yw[j] & 0xffff);
-              acc[h][2 * j + 1] += w * bf16_to_f(yw[j] >> 16);
+  #pragma unroll
+          for (int i = 0; i < NB; i++) {
+            int ii = i0 + i;
+            float w = __shfl_sync(0xffffffffu, w_l, ii & 31);
+            if (ii >= n) break;
+  #pragma unroll
+            for (int h = 0; h < 2; h++) {
+              const uint32_t *yw = (const uint32_t *)&yv[i][h];
+  #pragma unroll
+              for (int j = 0; j < 4; j++) {
+                acc[h][2 * j] += w * bf16_to_f(yw[j] & 0xffff);
+                acc[h][2 * j + 1] += w * bf16_to_f(yw[j] >> 16);
+              }
             }
           }
         }
+        int4 *dst = (int4 *)(peer_bank(p, o, src) + p.lay.cstg + ((uint64_t)rank * M + t) * 2 * H);
+  #pragma unroll
+        for (int h = 0; h < 2; h++) {
+          uint32_t v = vbeg + lane + h * 32;
+          if (v >= vend) continue;
+          int4 o;
+          o.x = (int)pack_bf16x2(acc[h][0], acc[h][1]);
+          o.y = (int)pack_bf16x2(acc[h][2], acc[h][3]);
+          o.z = (int)pack_bf16x2(acc[h][4], acc[h][5]);
+          o.w = (int)pack_bf16x2(acc[h][6], acc[h][7]);
+          dst[v] = o;
+        }
       }
-      int4 *dst = (int4 *)(peer_bank(p, o, src) + p.lay.cstg + ((uint64_t)rank * M + t) * 2 * H);
-#pragma unroll
-      for (int h = 0; h < 2; h++) {
-        uint32_t v = vbeg + lane + h * 32;
-        if (v >= vend) continue;
-        int4 o;
-        o.x = (int)pack_bf16x2(acc[h][0], acc[h][1]);
-        o.y = (int)pack_bf16x2(acc[h][2], acc[h][3]);
-        o.z = (int)pack_bf16x2(acc[h][4], acc[h][5]);
-        o.w = (int)pack_bf16x2(acc[h][6], acc[h][7]);
-        dst[v] = o;
-      }
-    }
     }
   } else if (PERS && !persist_gate(p, o, vpre)) {
     return false;
