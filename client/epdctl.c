@@ -146,6 +146,7 @@ static void print_status_json(const Epd__V1__StatusReply *s) {
     printf("%s{", i ? "," : "");
     jkv_i("rank", r->rank, &g);
     jkv_i("device", r->device, &g);
+    jkv_s("device_uuid", r->device_uuid, &g);
     jkv_u("buffer_bytes", r->buffer_bytes, &g);
     jkv_u("clients", r->clients, &g);
     jkv_u("ops", r->ops, &g);
@@ -199,12 +200,13 @@ static void print_status_human(const Epd__V1__StatusReply *s) {
   if (s->nodes > 1)
     printf("cluster:  node %u of %u, %u world ranks, inter-node transport %s\n", s->node_rank, s->nodes,
            s->world_ranks, s->inter_node_transport);
-  printf("  %4s %6s %14s %16s %7s %10s\n", "RANK", "DEVICE", "BUFFERS", "BUFFER_BYTES", "CLIENTS", "OPS");
+  printf("  %4s %6s %14s %16s %7s %10s  %s\n", "RANK", "DEVICE", "BUFFERS", "BUFFER_BYTES", "CLIENTS", "OPS", "GPU");
   for (size_t i = 0; i < s->n_ranks; i++) {
     const Epd__V1__RankStatus *r = s->ranks[i];
     char hb[32];
-    printf("  %4d %6d %14s %16" PRIu64 " %7u %10" PRIu64 "\n", r->rank, r->device,
-           human_bytes(r->buffer_bytes, hb, sizeof hb), r->buffer_bytes, r->clients, r->ops);
+    printf("  %4d %6d %14s %16" PRIu64 " %7u %10" PRIu64 "  %s\n", r->rank, r->device,
+           human_bytes(r->buffer_bytes, hb, sizeof hb), r->buffer_bytes, r->clients, r->ops,
+           r->device_uuid && r->device_uuid[0] ? r->device_uuid : "-");
   }
   printf("groups:   %zu\n", s->n_groups);
   if (s->n_groups)

@@ -367,6 +367,12 @@ EPD_EXPORT epd_result_t epd_attach(epd_conn_t *conn, const epd_attach_opts_t *op
   }
   memcpy(ep->secret, a->secret.data, a->secret.len);
   ep->secret_len = a->secret.len;
+  /* The daemon's ordinal of the rank's GPU is not ours where our CUDA_VISIBLE_DEVICES differs: ours is
+   * the one with its UUID (a daemon before the UUID field: its ordinal).
+   * Resolved after the secret is kept: failing here detaches. */
+  if (ep->device >= 0 && a->device_uuid.len == 16 &&
+      (rc = epd_cuda_find_device(a->device_uuid.data, &ep->device, ep->err, sizeof ep->err)))
+    goto fail;
   ep->nbuffers = (uint32_t)a->n_buffers;
   for (size_t i = 0; i < a->n_buffers; i++) {
     const Epd__V1__BufferInfo *b = a->buffers[i];

@@ -24,6 +24,8 @@
   X(cuInit, (unsigned int))                                                                        \
   X(cuGetErrorString, (CUresult, const char **))                                                   \
   X(cuDeviceGet, (CUdevice *, int))                                                                \
+  X(cuDeviceGetCount, (int *))                                                                     \
+  X(cuDeviceGetUuid, (CUuuid *, CUdevice))                                                         \
   X(cuDevicePrimaryCtxRetain, (CUcontext *, CUdevice))                                             \
   X(cuCtxGetCurrent, (CUcontext *))                                                                \
   X(cuCtxSetCurrent, (CUcontext))                                                                  \
@@ -165,6 +167,30 @@ static epd_result_t ensure_ctx(int device, char *err, size_t errlen) {
   if (rc) return rc;
   CU_TRY(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
   return EPD_OK;
+}
+
+epd_result_t epd_cuda_find_device(const uint8_t uuid[16], int *ordinal, char *err, size_t errlen) {
+  epd_result_t rc = epd_cuda_load(err, errlen);
+  if (rc) return rc;
+  int n = 0;
+  CU_TRY(cu.cuDeviceGetCount(&n), "cuDeviceGetCount");
+  for (int i = 0; i < n; i++) {
+    CUdevice dev;
+    CUuuid u;
+    CU_TRY(cu.cuDeviceGet(&dev, i), "cuDeviceGet");
+    CU_TRY(cu.cuDeviceGetUuid(&u, dev), "cuDeviceGetUuid");
+    if (!memcmp(u.bytes, uuid, 16)) {
+      *ordinal = i;
+      return EPD_OK;
+    }
+  }
+  const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+  snprintf(err, errlen,
+           "the rank's GPU GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x is not among the %d "
+           "this process sees (CUDA_VISIBLE_DEVICES=%s): run the worker where it can use that GPU",
+           uuid[0], uuid[1], uuid[2], uuid[3], uuid[4], uuid[5], uuid[6], uuid[7], uuid[8], uuid[9], uuid[10], uuid[11],
+           uuid[12], uuid[13], uuid[14], uuid[15], n, vis ? vis : "unset");
+  return EPD_ERR_INVALID;
 }
 
 epd_result_t epd_cuda_ctx_enter(int device, char *err, size_t errlen) {
@@ -588,6 +614,9 @@ epd_result_t epd_cuda_register_host(void *host, size_t bytes, int device, epd_cu
 void epd_cuda_unregister_host(epd_cuda_hostreg_t *r) { (void)r; }
 epd_result_t epd_cuda_ksub_load(int device, char *err, size_t errlen) { return no_cuda(err, errlen); }
 epd_result_t epd_cuda_ctx_enter(int device, char *err, size_t errlen) { return no_cuda(err, errlen); }
+epd_result_t epd_cuda_find_device(const uint8_t uuid[16], int *ordinal, char *err, size_t errlen) {
+  return no_cuda(err, errlen);
+}
 void epd_cuda_ctx_leave(void) {}
 epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *desc, int what, uint64_t timeout_ns,
                               char *err, size_t errlen) {

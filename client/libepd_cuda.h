@@ -57,6 +57,10 @@ enum { EPD_KSUB_SUBMIT = 1, EPD_KSUB_WAIT = 2, EPD_KSUB_RUN = 3 };
 epd_result_t epd_cuda_ksub_load(int device, char *err, size_t errlen);
 epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *desc, int what, uint64_t timeout_ns,
                               char *err, size_t errlen);
+/* This process's ordinal of the GPU with the given UUID (the daemon's ordinal may differ: a worker with
+ * CUDA_VISIBLE_DEVICES set numbers its GPUs from 0). EPD_ERR_INVALID, naming the GPU, when this process
+ * does not see it. */
+epd_result_t epd_cuda_find_device(const uint8_t uuid[16], int *ordinal, char *err, size_t errlen);
 /* Make `device`'s primary context current (pushed) for libepd's own CUDA work, whatever context the
  * calling thread has; epd_cuda_ctx_leave pops it. */
 epd_result_t epd_cuda_ctx_enter(int device, char *err, size_t errlen);

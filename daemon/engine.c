@@ -669,6 +669,7 @@ epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, e
   info->arena_bytes = c->arena_bytes;
   info->device = eng->ops->device(eng, c->rank);
   info->on_gpu = info->device >= 0;
+  info->has_uuid = eng->ops->device_uuid && eng->ops->device_uuid(eng, c->rank, info->device_uuid);
   info->num_ranks = grp->g.num_ranks;
   info->num_experts = grp->g.num_experts;
   info->hidden = grp->g.hidden;
@@ -1060,6 +1061,7 @@ epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out) {
     int r = (int)eng->o.node_rank * eng->o.num_ranks + li; /* world rank */
     s->rank = r;
     s->device = eng->ops->device(eng, r);
+    s->has_uuid = eng->ops->device_uuid && eng->ops->device_uuid(eng, r, s->device_uuid);
     s->buffer_bytes = eng->ops->rank_bytes(eng, r);
     for (eng_client_t *c = eng->clients; c; c = c->next)
       if (c->rank == r) {

@@ -90,6 +90,8 @@ typedef struct epd_attach_info {
   int queue_fd, arena_fd;
   uint64_t queue_bytes, arena_bytes;
   int on_gpu, device;
+  int has_uuid;           /* device_uuid holds the rank's GPU */
+  uint8_t device_uuid[16];
   uint32_t num_ranks, num_experts, hidden, topk, max_tokens, slots_per_rank, ht_capacity, map_version;
   uint32_t nbuffers;
   epd_buffer_desc_t buffers[EPD_MAX_BUFFERS];
@@ -164,6 +166,8 @@ typedef struct epd_client_snap {
 } epd_client_snap_t;
 typedef struct epd_rank_snap {
   int rank, device;
+  int has_uuid;
+  uint8_t device_uuid[16];
   uint64_t buffer_bytes, ops, bytes_sent;
   uint32_t clients;
   uint64_t timeouts, errors;

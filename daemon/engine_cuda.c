@@ -200,6 +200,8 @@ typedef struct cuda_rank {
   uint64_t bytes;      /* windows of this rank */
   void *scratch;
   long president;      /* persistent kernel blocks this GPU keeps resident */
+  int has_uuid;        /* uuid: the GPU's, told to clients (their ordinal for it may differ) */
+  uint8_t uuid[16];
   long pblocks;        /* blocks of the persistent kernels running on it */
   /* Launch-mode work of a group on this GPU: when it last wanted to launch (a persistent group of
    * another group resumes only after LAUNCH_QUIET_NS without it). */
@@ -296,6 +298,13 @@ static int cuda_device(const epd_engine_t *eng, int rank) {
   int l = local_rank(eng, rank); /* a world rank across nodes */
   if (l < 0 || l >= eng->o.num_ranks) l = rank;
   return be ? be->rank[l].device : l;
+}
+static int cuda_device_uuid(const epd_engine_t *eng, int rank, uint8_t out[16]) {
+  const cuda_be_t *be = eng->be;
+  int l = local_rank(eng, rank);
+  if (!be || l < 0 || l >= eng->o.num_ranks || !be->rank[l].has_uuid) return 0;
+  memcpy(out, be->rank[l].uuid, 16);
+  return 1;
 }
 static uint64_t cuda_rank_bytes(const epd_engine_t *eng, int rank) {
   const cuda_be_t *be = eng->be;
@@ -1375,6 +1384,13 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
     be->rank[r].device = r;
     be->rank[r].rank = r;
     be->rank[r].eng = eng;
+    /* A client finds its ordinal of this GPU by the UUID: a worker that sees only its own GPU
+     * (CUDA_VISIBLE_DEVICES) numbers it 0, whatever the daemon's ordinal. */
+    struct cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, r) == cudaSuccess) {
+      memcpy(be->rank[r].uuid, prop.uuid.bytes, 16);
+      be->rank[r].has_uuid = 1;
+    }
   }
   uint64_t t0 = eng_now_ns();
   epd_result_t rc = eng->o.nodes > 1 ? epd_cc_create_world(be->ndev, NULL, eng->o.nodes, eng->o.node_rank,
@@ -1763,6 +1779,7 @@ const eng_backend_ops_t eng_cuda_ops = {
     .destroy = cuda_destroy,
     .mode = cuda_mode,
     .device = cuda_device,
+    .device_uuid = cuda_device_uuid,
     .rank_bytes = cuda_rank_bytes,
     .client_alloc = cuda_client_alloc,
     .client_leave = cuda_client_leave,

@@ -99,6 +99,9 @@ typedef struct eng_backend_ops {
   const char *(*mode)(const epd_engine_t *eng);
   /* Device ordinal of a rank, -1 for host memory. */
   int (*device)(const epd_engine_t *eng, int rank);
+  /* The UUID of a rank's GPU (16 bytes, as cuDeviceGetUuid) into out: 1, or 0 where there is none
+   * (NULL on the host backend). */
+  int (*device_uuid)(const epd_engine_t *eng, int rank, uint8_t out[16]);
   /* Bytes of daemon-side buffers of a rank (windows), not counting client arenas. */
   uint64_t (*rank_bytes)(const epd_engine_t *eng, int rank);
   /* (mu) Allocate c->queue_bytes of queue and c->arena_bytes of arena; set the fds (and c->queue /

@@ -328,16 +328,27 @@ epd_result_t epd_metrics_status(const epd_engine_snap_t *snap, const epd_daemon_
     if (!st->ranks) failed = 1;
   }
   for (uint32_t i = 0; st->ranks && i < snap->num_ranks; i++) {
-    Epd__V1__RankStatus *r = calloc(1, sizeof *r);
-    if (!r) {
+    /* the UUID's text lives in the same allocation as its message (freed with it) */
+    struct rank_status_mem {
+      Epd__V1__RankStatus r;
+      char uuid[48];
+    } *m = calloc(1, sizeof *m);
+    if (!m) {
       failed = 1;
       break;
     }
+    Epd__V1__RankStatus *r = &m->r;
     epd__v1__rank_status__init(r);
     st->ranks[st->n_ranks++] = r;
     const epd_rank_snap_t *s = &snap->ranks[i];
     r->rank = s->rank;
     r->device = s->device;
+    if (s->has_uuid) {
+      const uint8_t *u = s->device_uuid;
+      snprintf(m->uuid, sizeof m->uuid, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
+               u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+      r->device_uuid = m->uuid;
+    }
     r->buffer_bytes = s->buffer_bytes;
     r->clients = s->clients;
     r->ops = s->ops;

@@ -393,6 +393,10 @@ static void h_attach(const rpc_call_t *c, const Epd__V1__AttachRequest *q, rpc_r
   a.attach_socket = (char *)epd_attach_path();
   a.memory = info.on_gpu ? "cuda" : "host";
   a.device = info.on_gpu ? info.device : -1;
+  if (info.on_gpu && info.has_uuid) {
+    a.device_uuid.data = info.device_uuid;
+    a.device_uuid.len = sizeof info.device_uuid;
+  }
   a.queue_bytes = info.queue_bytes;
   a.arena_bytes = info.arena_bytes;
   a.n_buffers = nb;
