@@ -134,6 +134,14 @@ $(WORKER): $(call obj,tests/tools/epd-worker.c) $(ENGINE_LIB) $(LIBEPD_A)
 $(BENCH): $(call obj,$(BENCH_SRCS)) $(ENGINE_LIB) $(LIBEPD_A)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
+# The same LL bench on 4 GPUs of one node (bench_ll_r4.{json,md}; skips with fewer GPUs).
+BENCH_R4 := $(B)/bin/epd-bench-r4
+$(B)/obj/bench/bench_ll_r4.o: bench/bench_ll.c $(GEN_H)
+	$(call msg,CC,$<)
+	$(Q)mkdir -p $(@D) && $(CC) $(CFLAGS_ALL) -DEPD_BENCH_RANKS=4 -c $< -o $@
+$(BENCH_R4): $(B)/obj/bench/bench_ll_r4.o $(ENGINE_LIB) $(LIBEPD_A)
+	$(call msg,LD,$@)
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
 # The expert-map switch benchmark (in-process engine; bench/map/bench_map.c).
 BENCH_MAP := $(B)/bin/epd-bench-map
 $(BENCH_MAP): $(call obj,bench/map/bench_map.c) $(ENGINE_LIB) $(LIBEPD_A)
@@ -173,7 +181,7 @@ test: deps
 gpu-test: all
 	$(Q)EPD_BUILD=$(B) EPD_SYSTEM_TESTS=tests/gpu $(GPU_TESTS)
 
-bench: all $(BENCH) $(if $(filter 1,$(WITH_CUDA)),$(BENCH_E2E))
+bench: all $(BENCH) $(BENCH_R4) $(if $(filter 1,$(WITH_CUDA)),$(BENCH_E2E))
 	$(Q)bench/bench.sh
 
 install: all

@@ -2,6 +2,7 @@
 # bench.sh - run every epd benchmark (make bench) and record the results: JSON + Markdown (or raw text)
 # in $EPD_BENCH_OUT (default bench/results/). Each needs 2 GPUs and skips cleanly (exit 77) without.
 #   epd-bench       LL kernels, in-process path, NCCL send/recv and allgather/reduce-scatter baselines
+#   epd-bench-r4    the same on 4 GPUs (skips with fewer)
 #   epd-bench-ht    HT kernels at 4096 tokens, NCCL send/recv and the copy-kernel ceiling
 #   epd-bench-map   SetExpertMap -> first step, switching step, migration, communicator re-creation
 #   e2e/run_gpu.sh  end to end through the daemon (stream memops, graph, device-side enqueue; MPS or not)
@@ -17,9 +18,10 @@ run() { # name command...
   echo "== $name: $*"
   EPD_BENCH_CMD="make bench ($*)" "$@"
   r=$?
-  if [ $r -eq 77 ]; then echo "$name: skipped (needs 2 GPUs)"; elif [ $r -ne 0 ]; then echo "$name: FAILED ($r)"; rc=1; fi
+  if [ $r -eq 77 ]; then echo "$name: skipped (too few GPUs)"; elif [ $r -ne 0 ]; then echo "$name: FAILED ($r)"; rc=1; fi
 }
 run ll "$B/bin/epd-bench" "$OUT_DIR"
+[ -x "$B/bin/epd-bench-r4" ] && run ll-4gpus "$B/bin/epd-bench-r4" "$OUT_DIR"
 [ -x "$B/bin/epd-bench-ht" ] && run ht sh -c "'$B/bin/epd-bench-ht' --iters 20 --blocks 24,32,48 > '$OUT_DIR/bench_ht.txt'"
 [ -x "$B/bin/epd-bench-map" ] && run map "$B/bin/epd-bench-map" "$OUT_DIR" --cuda
 if [ -x "$B/bin/epd-bench-e2e" ] && command -v nvidia-smi >/dev/null 2>&1; then

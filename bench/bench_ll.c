@@ -30,7 +30,14 @@
 
 #include "../tests/gpu/ll_harness.h"
 
+#ifdef EPD_BENCH_RANKS /* epd-bench-r4: the same bench on 4 GPUs of one node */
+#define NR EPD_BENCH_RANKS
+#else
 #define NR 2
+#endif
+#define ALL ((1u << NR) - 1) /* rank mask of every rank */
+#define EPD_STR_(x) #x
+#define EPD_STR(x) EPD_STR_(x)
 #define E_ 256
 #define H_ 7168
 #define K_ 8
@@ -191,7 +198,7 @@ static void timed_pairs(launch_fn launch, void *arg, stat3_t *s1, stat3_t *s2) {
     launch(1, it, arg);
     record_all(ev, 2);
     gate_open();
-    if (llh_sync(&H, 3)) DIE("%s", H.kh.err);
+    if (llh_sync(&H, ALL)) DIE("%s", H.kh.err);
     if (it < 0) continue;
     slowest_us(ev, &v1[it], &v2[it]);
   }
@@ -207,8 +214,8 @@ struct ll_pair {
 static void launch_ll(int which, int it, void *arg) {
   const struct ll_pair *a = arg;
   const uint32_t bank = (uint32_t)(it + WARM) & 1;
-  if (which == 0 && llh_launch(&H, 3, EPD_OP_LL_DISPATCH, bank, a->nt, a->flags, 1000000000ull)) DIE("%s", H.kh.err);
-  if (which == 1 && llh_launch(&H, 3, EPD_OP_LL_COMBINE, bank, NULL, 0, 1000000000ull)) DIE("%s", H.kh.err);
+  if (which == 0 && llh_launch(&H, ALL, EPD_OP_LL_DISPATCH, bank, a->nt, a->flags, 1000000000ull)) DIE("%s", H.kh.err);
+  if (which == 1 && llh_launch(&H, ALL, EPD_OP_LL_COMBINE, bank, NULL, 0, 1000000000ull)) DIE("%s", H.kh.err);
 }
 
 /* (a) kernel times for T tokens: medians of dispatch (*ds) and of the combine after it (*cs). */
@@ -241,13 +248,14 @@ static stat3_t empty_times(void) {
 /* (c) in-process end to end: host launch of dispatch+combine on every rank to the last sync. */
 static stat3_t e2e_times(uint32_t T, uint32_t flags) {
   static double v[ITERS];
-  uint32_t nt[NR] = {T, T};
+  uint32_t nt[NR];
+  for (int r = 0; r < NR; r++) nt[r] = T;
   for (int it = -WARM; it < ITERS; it++) {
     uint32_t bank = (uint32_t)(it + WARM) & 1;
     double t0 = now_us();
-    if (llh_launch(&H, 3, EPD_OP_LL_DISPATCH, bank, nt, flags, 1000000000ull)) DIE("%s", H.kh.err);
-    if (llh_launch(&H, 3, EPD_OP_LL_COMBINE, bank, NULL, 0, 1000000000ull)) DIE("%s", H.kh.err);
-    if (llh_sync(&H, 3)) DIE("%s", H.kh.err);
+    if (llh_launch(&H, ALL, EPD_OP_LL_DISPATCH, bank, nt, flags, 1000000000ull)) DIE("%s", H.kh.err);
+    if (llh_launch(&H, ALL, EPD_OP_LL_COMBINE, bank, NULL, 0, 1000000000ull)) DIE("%s", H.kh.err);
+    if (llh_sync(&H, ALL)) DIE("%s", H.kh.err);
     if (it >= 0) v[it] = now_us() - t0;
   }
   return stats(v, ITERS);
@@ -306,7 +314,7 @@ static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_
         record_all(ev, 2);
       }
       gate_open();
-      if (llh_sync(&H, 3)) DIE("%s", H.kh.err);
+      if (llh_sync(&H, ALL)) DIE("%s", H.kh.err);
       if (it < 0) continue;
       double a, b;
       slowest_us(ev, &a, &b);
@@ -362,7 +370,7 @@ static void trace_run(uint32_t T, uint32_t flags, FILE *out) {
         if (epd_k_ll_launch(H.k[r], &H.kh.ar[r], &op, H.kh.st[r], H.kh.err, sizeof H.kh.err)) DIE("%s", H.kh.err);
       }
     gate_open();
-    if (llh_sync(&H, 3)) DIE("%s", H.kh.err);
+    if (llh_sync(&H, ALL)) DIE("%s", H.kh.err);
     if (it < 0) continue;
     uint64_t h[32];
     CU(cudaSetDevice(epd_cc_device(H.kh.cc, 0)));
@@ -431,11 +439,19 @@ int main(int argc, char **argv) {
   stat3_t sr_d8, sr_c, ag, rsc, sr_d16, sr_c2, ag2, rsc2;
   nccl_baselines(0, fp8_row, &sr_d8, &sr_c, &ag, &rsc);
   nccl_baselines(0, (size_t)H_ * 2, &sr_d16, &sr_c2, &ag2, &rsc2);
-  /* byte floor: the larger direction of the rank pair, tokens crossing NVLink */
+  /* byte floor: the busiest GPU's tokens crossing NVLink in one direction (sent to, or received from,
+   * all its peers: each GPU has 450 GB/s per direction in all, one peer or several through NVSwitch) */
   double remote_tok = 0;
-  for (int r = 0; r < NR; r++)
+  for (int r = 0; r < NR; r++) {
+    double out = 0, in = 0;
     for (int d = 0; d < NR; d++)
-      if (d != r && per_dest[0][r][d] > remote_tok) remote_tok = per_dest[0][r][d];
+      if (d != r) {
+        out += per_dest[0][r][d];
+        in += per_dest[0][d][r];
+      }
+    if (out > remote_tok) remote_tok = out;
+    if (in > remote_tok) remote_tok = in;
+  }
   double bw = 450e3; /* bytes per us */
   double floor_d8 = remote_tok * (fp8_row + 128) / bw, floor_d16 = remote_tok * (H_ * 2 + 128) / bw;
   double floor_c = remote_tok * H_ * 2 / bw;
@@ -450,7 +466,7 @@ int main(int argc, char **argv) {
   }
 
   char path[1024];
-  snprintf(path, sizeof path, "%s/bench_ll.json", outdir);
+  snprintf(path, sizeof path, "%s/bench_ll%s.json", outdir, NR == 2 ? "" : "_r" EPD_STR(NR));
   FILE *f = fopen(path, "w");
   if (!f) DIE("cannot write %s", path);
   fprintf(f, "{\n  \"bench\": \"bench_ll\",\n  \"date\": \"%s\",\n  \"device\": \"%s\",\n  \"gpus\": %d,\n", date, prop.name, NR);
@@ -480,7 +496,7 @@ int main(int argc, char **argv) {
   fprintf(f, "  ]\n}\n");
   fclose(f);
 
-  snprintf(path, sizeof path, "%s/bench_ll.md", outdir);
+  snprintf(path, sizeof path, "%s/bench_ll%s.md", outdir, NR == 2 ? "" : "_r" EPD_STR(NR));
   f = fopen(path, "w");
   if (!f) DIE("cannot write %s", path);
   fprintf(f, "# LL dispatch/combine, %d x %s\n\n", NR, prop.name);

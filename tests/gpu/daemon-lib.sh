@@ -1,14 +1,16 @@
 # daemon-lib.sh - sourced by the single-daemon GPU scripts (50-e2e-cuda.sh, 55-expert-maps-cuda.sh,
-# 56-persistent-cuda.sh): one daemon with engine.backend=cuda on 2 GPUs, epd-worker processes at it.
-# Before sourcing: B (build directory). Optional: GPU_MPS=1 (start CUDA MPS for the script, pipe and log
+# 56-persistent-cuda.sh, 57-four-gpus-cuda.sh): one daemon with engine.backend=cuda on NGPU GPUs (default
+# 2), epd-worker processes at it.
+# Before sourcing: B (build directory). Optional: NGPU, GPU_MPS=1 (start CUDA MPS for the script, pipe and log
 # directories under its temporary directory; skip if it does not start), EPD_KEEP_LOG=FILE (copy the
-# daemon's log there on exit or failure). Skips (exit 77) without the binaries or 2 GPUs.
+# daemon's log there on exit or failure). Skips (exit 77) without the binaries or NGPU GPUs.
 EPD=$B/bin/epd
 CTL=$B/bin/epdctl
 WORKER=$B/bin/epd-worker
 [ -x "$EPD" ] || { echo "skip: $EPD is not built"; exit 77; }
 [ -x "$WORKER" ] || { echo "skip: $WORKER is not built"; exit 77; }
-[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] || { echo "skip: needs 2 GPUs"; exit 77; }
+NGPU=${NGPU:-2}
+[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge "$NGPU" ] || { echo "skip: needs $NGPU GPUs"; exit 77; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
 [ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
@@ -36,9 +38,9 @@ fail() {
 }
 trap 'fail "killed (timeout?)"' TERM INT
 wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
-# start_daemon [-o k=v ...]: the daemon on 2 GPUs with the attach socket in $T/run (its env from the caller).
+# start_daemon [-o k=v ...]: the daemon on NGPU GPUs with the attach socket in $T/run (its env from the caller).
 start_daemon() {
-  "$EPD" -s "$SOCK" -f -o engine.backend=cuda -o engine.num_ranks=2 -o daemon.attach_socket="$T/run/attach.sock" \
+  "$EPD" -s "$SOCK" -f -o engine.backend=cuda -o engine.num_ranks="$NGPU" -o daemon.attach_socket="$T/run/attach.sock" \
     "$@" 2> "$LOG" &
   PID=$!
   wait_for 30 test -S "$SOCK" || fail "no control socket"
