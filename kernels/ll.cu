@@ -924,19 +924,27 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
   for (uint64_t opn = 0;; opn++) {
     const uint64_t idx = a.index0 + opn;
     const uint32_t mapver = __ldcg(base.map);
-    /* the previous op's slot must be DONE before the ring is scanned again (acquire: its last_err too) */
+    /* the previous op's slot must be DONE before the ring is scanned again (acquire: its last_err too);
+     * the host's abort word (a PCIe read now and then) ends the wait: the blocks' own waits see it too,
+     * and they stop at the record released below */
+    uint32_t aborted = 0;
     if (opn > 0) {
       if (lane == 0)
-        while (ld_acquire_gpu_u64(&pd->done_ops) < opn) {
-        }
-      __syncwarp();
+        for (uint32_t n = 1; ld_acquire_gpu_u64(&pd->done_ops) < opn; n++)
+          if ((n & 1023) == 0 && *(volatile const uint32_t *)&a.ctl->abort) {
+            aborted = 1;
+            break;
+          }
+      aborted = __shfl_sync(FULL, aborted, 0);
     }
-    const int lasterr = opn ? *(volatile int32_t *)&pd->last_err : 0;
+    const int lasterr = opn && !aborted ? *(volatile int32_t *)&pd->last_err : 0;
     int run = 0, rpeer = -1;
     uint32_t reason = 0, s = pos, op = 0, bank = 0;
     uint64_t t0 = 0;
     uint32_t dw = 0; /* lane < 16: word `lane` of the descriptor */
-    if (lasterr == EPD_ERR_TIMEOUT || lasterr == EPD_ERR_PEER) {
+    if (aborted) {
+      reason = EPD_K_PEXIT_LIMIT;
+    } else if (lasterr == EPD_ERR_TIMEOUT || lasterr == EPD_ERR_PEER) {
       reason = EPD_K_PEXIT_ERROR;
     } else {
       for (uint32_t n = 0;; n++) {
@@ -1106,7 +1114,9 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
       const uint32_t tag = rec_tag(idx);
       uint64_t w;
       /* lane 0's load is an acquire (the controller fenced after seeing the slot SUBMITTED, before the
-       * record): with the barriers below it orders the block's reads of the client's inputs after it */
+       * record): with the barriers below it orders the block's reads of the client's inputs after it.
+       * No abort check here: every wait of the controller ends (deadline or the host's abort word) in a
+       * release, a stop at worst (an abort read in this loop spilled 28 bytes more in the op bodies) */
       for (;;) {
         w = tid == 0 ? ld_acquire_gpu_u64(&pd->rec[0])
                      : tid < PR_WORDS ? *(volatile const uint64_t *)&pd->rec[tid] : (uint64_t)tag << 32;
