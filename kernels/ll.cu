@@ -705,7 +705,7 @@ __device__ bool ll_dispatch_body(const LLParams &p, const LLOp &o) {
  * ------------------------------------------------------------------------------------------------- */
 /* NB: rows of y in flight per lane (two int4 each): 8 in the combine kernel; fewer in the persistent
  * kernel, whose loop leaves the body fewer registers (at 8 it spilled, ptxas -v). */
-template <int NB, bool PERS>
+template <int NB, bool PERS, int HV = 2>
 __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
   __shared__ WaitResult wr;
   __shared__ uint32_t sh_tstart[EPD_K_MAX_RANKS + 1];
@@ -744,7 +744,7 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
      * weights are loaded by the lanes in parallel, then 2 x n rows of loads are in flight per lane.
      * This rank's own tokens first (phase 0: their sums stay on this GPU), then the peers' (phase 1): the
      * persistent kernel runs phase 0 while the ranks agree, and takes the verdict between the phases. */
-    constexpr uint32_t CH = 64;
+    constexpr uint32_t CH = 32 * HV; /* HV vectors per lane */
     const uint32_t nchunk = (nv + CH - 1) / CH;
     const uint32_t own0 = sh_tstart[rank], nown = sh_tstart[rank + 1] - own0;
     for (int ph = 0; ph < 2; ph++) {
@@ -764,13 +764,13 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
         n = min(n, KMAX);
         if (n <= 0) continue;
         const uint32_t vbeg = c * CH, vend = min(vbeg + CH, nv);
-        float acc[2][8];
+        float acc[HV][8];
   #pragma unroll
-        for (int h = 0; h < 2; h++)
+        for (int h = 0; h < HV; h++)
   #pragma unroll
           for (int j = 0; j < 8; j++) acc[h][j] = 0.f;
         for (int i0 = 0; i0 < n; i0 += NB) {
-          int4 yv[NB][2];
+          int4 yv[NB][HV];
   #pragma unroll
           for (int i = 0; i < NB; i++) {
             int ii = i0 + i;
@@ -778,7 +778,7 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
             int32_t p_i = __shfl_sync(0xffffffffu, pos_l, ii & 31);
             const int4 *row = (const int4 *)(y + ((uint64_t)s_i * RM + p_i) * 2 * H);
   #pragma unroll
-            for (int h = 0; h < 2; h++) {
+            for (int h = 0; h < HV; h++) {
               uint32_t v = vbeg + lane + h * 32;
               if (ii < n && v < vend) yv[i][h] = __ldcg(row + v);
             }
@@ -789,7 +789,7 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
             float w = __shfl_sync(0xffffffffu, w_l, ii & 31);
             if (ii >= n) break;
   #pragma unroll
-            for (int h = 0; h < 2; h++) {
+            for (int h = 0; h < HV; h++) {
               const uint32_t *yw = (const uint32_t *)&yv[i][h];
   #pragma unroll
               for (int j = 0; j < 4; j++) {
@@ -801,7 +801,7 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
         }
         int4 *dst = (int4 *)(peer_bank(p, o, src) + p.lay.cstg + ((uint64_t)rank * M + t) * 2 * H);
   #pragma unroll
-        for (int h = 0; h < 2; h++) {
+        for (int h = 0; h < HV; h++) {
           uint32_t v = vbeg + lane + h * 32;
           if (v >= vend) continue;
           int4 o;
@@ -1161,7 +1161,11 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
 
 __global__ void __launch_bounds__(NTHR) ll_combine_kernel(const __grid_constant__ LLParams p,
                                                           const __grid_constant__ LLOp o) {
+#ifdef EPD_LL_COMBINE_HV /* experiment: vectors per lane of the expert-side items, rows in flight */
+  ll_combine_body<EPD_LL_COMBINE_NB, false, EPD_LL_COMBINE_HV>(p, o);
+#else
   ll_combine_body<8, false>(p, o);
+#endif
 }
 
 LLLayout make_layout(const epd_k_ll_geom_t *g, uint32_t G) {
