@@ -7,6 +7,7 @@ parent compares every step's output with a single-process reference of the same 
     python3 moe_layer.py --host --daemon build/bin/epd --steps 20
     # two GPUs, torch, a running daemon with the CUDA backend; --graph replays captured CUDA graphs
     python3 moe_layer.py --socket /run/epd/control.sock --steps 200 --graph
+    # --one-gpu: each worker sees only its GPU (CUDA_VISIBLE_DEVICES=rank), as platforms start them
 
 Halfway through, rank 0 stages a new expert map (experts moved between ranks): the workers load the
 weights of the experts now on their slots (into the same tensors, so captured graphs stay valid) and the
@@ -167,12 +168,14 @@ def host_worker(spec, socket, rank, barrier, results):
 def torch_worker(spec, socket, rank, barrier, results, use_graph):
     """CUDA backend, torch: arena tensors over the device memory (DLPack), ops on the current stream."""
     import torch
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
     wg = gate_weights(spec)
     with epd.connect(socket) as conn, conn.attach(GROUP, rank=rank, num_experts=spec.E, hidden=spec.H,
                                                   topk=spec.K, max_tokens=spec.M) as ep:
         assert ep.on_gpu, "the daemon runs the host backend: use --host"
+        # The rank's GPU as this process numbers it (libepd finds it by UUID: with CUDA_VISIBLE_DEVICES
+        # set to one GPU it is 0, whatever the daemon's ordinal).
+        torch.cuda.set_device(ep.device)
+        dev = torch.device("cuda", ep.device)
         S, N = ep.slots_per_rank, ep.num_ranks * ep.max_tokens
         # Stacked slot weights [S, ...]: a map change copies new experts into these same tensors.
         W1 = torch.zeros(S, spec.I, spec.H, device=dev)
@@ -261,7 +264,9 @@ def change_map(spec, conn, rank, barrier, version):
     return version
 
 
-def worker_main(kind, spec, socket, rank, barrier, results, use_graph=False):
+def worker_main(kind, spec, socket, rank, barrier, results, use_graph=False, visible=None):
+    if visible is not None:  # --one-gpu: this worker sees only its GPU (set before CUDA starts)
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
     try:
         if kind == "host":
             host_worker(spec, socket, rank, barrier, results)
@@ -308,6 +313,8 @@ def main(argv=None):
     ap.add_argument("--mode", choices=("ll", "ht"), default="ll", help="ht: host mode only")
     ap.add_argument("--fp8", action="store_true", help="FP8 dispatch (the reference uses FP8 inputs too)")
     ap.add_argument("--graph", action="store_true", help="torch: replay full-batch steps from CUDA graphs")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="torch: each worker sees only its rank's GPU (CUDA_VISIBLE_DEVICES=rank)")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args(argv)
     spec = Spec(a)
@@ -327,7 +334,9 @@ def main(argv=None):
         barrier = ctx.Barrier(spec.R)
         results = ctx.Queue()
         procs = [ctx.Process(target=worker_main, args=("host" if a.host else "torch", spec, socket, r,
-                                                        barrier, results, a.graph)) for r in range(spec.R)]
+                                                        barrier, results, a.graph,
+                                                        str(r) if a.one_gpu and not a.host else None))
+                 for r in range(spec.R)]
         for p in procs:
             p.start()
         return check(spec, a, results, procs)

@@ -2,7 +2,8 @@
 # 60-python-moe.sh - python/examples/moe_layer.py on 2 GPUs: a daemon with engine.backend=cuda, two torch
 # worker processes (one per GPU, half of 16 experts each, gated-MLP weights), dispatch -> expert MLP ->
 # combine for 40 steps compared with the single-process PyTorch reference, with an expert-map change
-# halfway: eager, inside torch.cuda.graph (captured steps replayed), and FP8 dispatch inside graphs.
+# halfway: eager, inside torch.cuda.graph (captured steps replayed), FP8 dispatch inside graphs, and FP8
+# eager with each worker seeing only its GPU (--one-gpu: CUDA_VISIBLE_DEVICES=rank, torch on ep.device).
 # Skips (77) without 2 GPUs, torch with CUDA, or a built daemon/libepd.
 # Usage (repository root): bash tests/gpu/60-python-moe.sh [build-or-bundle-dir]
 set -u
@@ -28,6 +29,7 @@ run() {
 }
 run
 run --graph
+run --one-gpu --fp8
 run --graph --fp8 --hidden 1024 --inter 512 --max-tokens 64 --topk 8
 [ $rc -eq 0 ] && echo "python_moe: all passed"
 exit $rc
