@@ -896,7 +896,7 @@ struct PArgs {
   epd_k_pprog_t *prog;
   PDev *pd;
   uint32_t first_slot, bv0, bv1;
-  uint64_t index0, step0, steps0;
+  uint64_t index0, step0;
 };
 
 /* This rank's announcement word in rank `peer`'s window. */
@@ -1436,7 +1436,6 @@ epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *aren
   a.bv1 = ps->bank_ver[1];
   a.index0 = ps->index0;
   a.step0 = ps->step0;
-  a.steps0 = ps->steps_done0;
   /* every block must be resident at once, the controller block included (the op blocks spin on it) */
   if ((long)p.G + 1 > k->resident) return EPD_ERR_INVALID;
   if (cudaMemsetAsync(k->pdev, 0, sizeof(PDev), (cudaStream_t)stream) != cudaSuccess) return EPD_ERR_CUDA;
