@@ -749,89 +749,9 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
     const uint32_t own0 = sh_tstart[rank], nown = sh_tstart[rank + 1] - own0;
     for (int ph = 0; ph < 2; ph++) {
       if (PERS && ph == 1 && !persist_gate(p, o, vpre)) return false;
-#ifdef EPD_LL_COMBINE_BALANCE
-      /* experiment: the items dealt by rows, not by count. Every block computes the phase's prefix of the
-       * tokens' row counts n (sh_pre); warp gw of the grid takes the items whose first unit lies in
-       * [gw, gw + 1) x units / warps, a token's item c starting at pre x nchunk + c x n. */
-      const uint32_t Np = ph == 0 ? nown : N - nown;
-      __shared__ uint32_t sh_pre[EPD_LL_COMBINE_BALANCE_MAX + 1], sh_ws[NWARP];
-      uint32_t bv = Np, bc = 0, bn = 0;
-      uint64_t bbase = 0, hi = 0;
-      __syncthreads(); /* the previous phase's warps are done with sh_pre */
-      if (Np <= EPD_LL_COMBINE_BALANCE_MAX) {
-        uint32_t run = 0;
-        for (uint32_t b0 = 0; b0 < Np; b0 += NTHR) {
-          const uint32_t v = b0 + tid;
-          uint32_t cst = 0;
-          if (v < Np) {
-            const uint32_t u = ph == 0 ? own0 + v : (v < own0 ? v : v + nown);
-            uint32_t src = 0;
-            while (src + 1 < R && u >= sh_tstart[src + 1]) src++;
-            const int nn = __ldcg(&(meta + (uint64_t)src * M + (u - sh_tstart[src]))->n);
-            cst = (uint32_t)max(0, min(nn, KMAX));
-          }
-          uint32_t x = cst;
-#pragma unroll
-          for (int d = 1; d < 32; d <<= 1) {
-            const uint32_t yv = __shfl_up_sync(0xffffffffu, x, d);
-            if (lane >= (uint32_t)d) x += yv;
-          }
-          if (lane == 31) sh_ws[warp] = x;
-          __syncthreads();
-          uint32_t wpre = 0, tot = 0;
-          for (uint32_t w2 = 0; w2 < NWARP; w2++) {
-            const uint32_t sw = sh_ws[w2];
-            if (w2 < warp) wpre += sw;
-            tot += sw;
-          }
-          if (v < Np) sh_pre[v] = run + wpre + x - cst;
-          run += tot;
-          __syncthreads();
-        }
-        if (tid == 0) sh_pre[Np] = run;
-        __syncthreads();
-        const uint64_t TW = (uint64_t)run * nchunk, W = (uint64_t)G * NWARP, gw = blockIdx.x * NWARP + warp;
-        const uint64_t lo = TW * gw / W;
-        hi = TW * (gw + 1) / W;
-        if (lo < hi) {
-          uint32_t a = 0, b = Np - 1; /* the last token with pre x nchunk <= lo: it holds unit lo */
-          while (a < b) {
-            const uint32_t mid = (a + b + 1) / 2;
-            if ((uint64_t)sh_pre[mid] * nchunk <= lo) a = mid;
-            else b = mid - 1;
-          }
-          bv = a;
-          bn = sh_pre[a + 1] - sh_pre[a];
-          bbase = (uint64_t)sh_pre[a] * nchunk;
-          bc = bn ? (uint32_t)((lo - bbase + bn - 1) / bn) : nchunk;
-        }
-      } else { /* too many tokens for the prefix: dealt by count */
-        hi = 0;
-      }
-      const bool by_rows = Np <= EPD_LL_COMBINE_BALANCE_MAX;
-      const uint32_t nitems = Np * nchunk;
-      for (uint32_t item = blockIdx.x * NWARP + warp;; item += G * NWARP) {
-        uint32_t v0, c;
-        if (by_rows) {
-          while (bv < Np && bc >= nchunk) {
-            if (++bv >= Np) break;
-            bn = sh_pre[bv + 1] - sh_pre[bv];
-            bbase = (uint64_t)sh_pre[bv] * nchunk;
-            bc = bn ? 0 : nchunk;
-          }
-          if (bv >= Np || bbase + (uint64_t)bc * bn >= hi) break;
-          v0 = bv;
-          c = bc++;
-        } else {
-          if (item >= nitems) break;
-          v0 = item / nchunk;
-          c = item % nchunk;
-        }
-#else
       const uint32_t nitems = (ph == 0 ? nown : N - nown) * nchunk;
       for (uint32_t item = blockIdx.x * NWARP + warp; item < nitems; item += G * NWARP) {
         const uint32_t v0 = item / nchunk, c = item % nchunk;
-#endif
         const uint32_t u = ph == 0 ? own0 + v0 : (v0 < own0 ? v0 : v0 + nown);
         uint32_t src = 0;
         while (src + 1 < R && u >= sh_tstart[src + 1]) src++;
