@@ -1,6 +1,7 @@
 #!/bin/sh
 # bench.sh - run every epd benchmark (make bench) and record the results: JSON + Markdown (or raw text)
-# in $EPD_BENCH_OUT (default bench/results/). Each needs 2 GPUs and skips cleanly (exit 77) without.
+# in $EPD_BENCH_OUT (default bench/results/). Each needs 2 GPUs (epd-bench-r4: 4) and skips cleanly
+# (exit 77) without.
 #   epd-bench       LL kernels, in-process path, NCCL send/recv and allgather/reduce-scatter baselines
 #   epd-bench-r4    the same on 4 GPUs (skips with fewer)
 #   epd-bench-ht    HT kernels at 4096 tokens, NCCL send/recv and the copy-kernel ceiling

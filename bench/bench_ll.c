@@ -1,7 +1,7 @@
 /*
  * bench_ll.c - LL dispatch/combine benchmark on the GPUs of one process (in-process engine path).
  *
- * Setting (defaults): 2 ranks, 128 tokens per rank, hidden 7168, top-8, 256 experts, random routing
+ * Setting (defaults): 2 ranks (4 with -DEPD_BENCH_RANKS=4: epd-bench-r4), 128 tokens per rank, hidden 7168, top-8, 256 experts, random routing
  * (8 distinct experts per token), FP8 and BF16 dispatch, BF16 combine. Reports, side by side:
  *   (a) kernel time of dispatch and combine: CUDA events around each kernel on every rank, the ranks
  *       released together by a gate kernel; median (and p10/p90) over iterations after warm-up, inputs
@@ -11,9 +11,10 @@
  *   (d) baselines in the same run on the same communicators: NCCL grouped ncclSend/ncclRecv of each token
  *       once per destination rank (dispatch) and of one partial per (token, rank) back (combine), packed
  *       buffers given for free; and ncclAllGather (x) + ncclReduceScatter (out);
- *   (e) the byte floor at 450 GB/s per direction: bytes that must cross NVLink per direction.
- * Sweeps tokens 1..128. Writes JSON and a Markdown table to the directory of argv[1] (default ".").
- * Exits 77 without 2 GPUs.
+ *   (e) the byte floor at 450 GB/s per direction: the bytes the busiest GPU must send to (or receive
+ *       from) all its peers together over NVLink.
+ * Sweeps tokens 1..128. Writes JSON and a Markdown table (bench_ll.*, 4 ranks: bench_ll_r4.*) to the
+ * directory of argv[1] (default "."). Exits 77 with fewer GPUs than ranks.
  */
 #if EPD_WITH_CUDA
 #define _GNU_SOURCE

@@ -102,6 +102,21 @@ int epd_attach_issue_token(uint64_t client_id, uint32_t pid, uint32_t uid, uint8
   return 0;
 }
 
+unsigned epd_attach_forget_token(uint64_t client_id) {
+  unsigned n = 0;
+  pthread_mutex_lock(&tok_lock);
+  for (size_t i = 0; i < ntoks;) {
+    if (toks[i].client_id == client_id) {
+      toks[i] = toks[--ntoks];
+      n++;
+    } else {
+      i++;
+    }
+  }
+  pthread_mutex_unlock(&tok_lock);
+  return n;
+}
+
 void epd_attach_set_token_ttl(uint32_t ttl_ms) {
   pthread_mutex_lock(&tok_lock);
   tok_ttl_ms = ttl_ms;

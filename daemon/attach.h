@@ -27,6 +27,9 @@ const char *epd_attach_path(void);
  * when non-zero. */
 int epd_attach_issue_token(uint64_t client_id, uint32_t pid, uint32_t uid,
                            uint8_t token[EPD_TOKEN_BYTES]);
+/* Drop a client's unredeemed tokens (the client detached before redeeming: e.g. libepd could not use the
+ * rank's GPU); 0 when it had none. Thread-safe. */
+unsigned epd_attach_forget_token(uint64_t client_id);
 /* Change the lifetime of tokens issued from now on (SIGHUP reload of daemon.token_ttl_ms; any thread). */
 void epd_attach_set_token_ttl(uint32_t ttl_ms);
 /* Number of issued, not yet redeemed tokens (for status and tests). */

@@ -987,6 +987,9 @@ static void pers_takeover(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int 
       if (pr->bank_ver[b]) cg->bank_map_version[b] = pr->bank_ver[b];
   }
   if (minops != maxops) reset = 1; /* ranks disagree on what ran: start the team over */
+  /* The abort word cut waits short: an op may have ended half done on some rank, whatever reason the
+   * kernels gave (a controller that saw the abort first reports LIMIT) */
+  if (cg->pabort) reset = 1;
   if (cg->pst_n >= 64) {
     EPD_LOGI(EPD_SUB_CUDA, "group %s: %llu ops in persistent kernels, mean per op and rank: seen -> all ranks agreed "
              "%.2f us, agreed -> completion %.2f us (latency_ns %.2f us)", cg->name,
@@ -1390,6 +1393,8 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
     if (cudaGetDeviceProperties(&prop, r) == cudaSuccess) {
       memcpy(be->rank[r].uuid, prop.uuid.bytes, 16);
       be->rank[r].has_uuid = 1;
+    } else {
+      cudaGetLastError(); /* not sticky: clear it (clients then get the ordinal only) */
     }
   }
   uint64_t t0 = eng_now_ns();

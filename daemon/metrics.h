@@ -29,7 +29,8 @@ const char *epd_metrics_op_name(int op);
  * *len if len != NULL); EPD_ERR_NOMEM on allocation failure. */
 epd_result_t epd_metrics_text(const epd_engine_snap_t *snap, const epd_daemon_info_t *info, char **out,
                               size_t *len);
-/* Build a StatusReply (every string and array malloc'ed; free with epd_metrics_status_free). */
+/* Build a StatusReply (strings and arrays malloc'ed, a RankStatus's device_uuid inside its own allocation;
+ * free with epd_metrics_status_free). */
 epd_result_t epd_metrics_status(const epd_engine_snap_t *snap, const epd_daemon_info_t *info,
                                 Epd__V1__StatusReply **out);
 /* Free a StatusReply built by epd_metrics_status (not one from protobuf unpack). */

@@ -438,6 +438,9 @@ static void h_detach(const Epd__V1__DetachRequest *q, rpc_reply_t *rep) {
     return;
   }
   secrets_remove(q->client_id);
+  /* A client that detaches before redeeming its token (libepd failed after Attach) leaves no pending
+   * token to hold a max_pending_tokens place until it expires */
+  epd_attach_forget_token(q->client_id);
   if (r == EPD_ERR_NOT_FOUND) {
     reply_err(rep, r, "client_id: %llu is not attached (lost before Detach)", (unsigned long long)q->client_id);
     return;

@@ -936,6 +936,7 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
             break;
           }
       aborted = __shfl_sync(FULL, aborted, 0);
+      __syncwarp(); /* lane 0's acquire of done_ops before every lane's read of last_err */
     }
     const int lasterr = opn && !aborted ? *(volatile int32_t *)&pd->last_err : 0;
     int run = 0, rpeer = -1;
@@ -1116,7 +1117,10 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
       /* lane 0's load is an acquire (the controller fenced after seeing the slot SUBMITTED, before the
        * record): with the barriers below it orders the block's reads of the client's inputs after it.
        * No abort check here: every wait of the controller ends (deadline or the host's abort word) in a
-       * release, a stop at worst (an abort read in this loop spilled 28 bytes more in the op bodies) */
+       * release, a stop at worst (an abort read in this loop spilled 28 bytes more in the op bodies). A
+       * stop the controller releases on the abort word while this block has not yet read the previous
+       * op's record would replace that record and leave the block here: not reachable in practice (the
+       * abort comes >= timeout + 1 s after the release, which a block reads in microseconds) */
       for (;;) {
         w = tid == 0 ? ld_acquire_gpu_u64(&pd->rec[0])
                      : tid < PR_WORDS ? *(volatile const uint64_t *)&pd->rec[tid] : (uint64_t)tag << 32;

@@ -304,6 +304,30 @@ EPD_TEST(attach_expired_token_detaches) {
   epd_engine_destroy(teng);
 }
 
+/* A client detached before redeeming (libepd failed after Attach) leaves no pending token. */
+EPD_TEST(attach_forget_token_of_a_detached_client) {
+  setup();
+  uint64_t id = attach_client(0), other = attach_client(1);
+  uint8_t tok[EPD_TOKEN_BYTES], tok2[EPD_TOKEN_BYTES];
+  ASSERT_OK(epd_attach_issue_token(id, 0, 0, tok));
+  ASSERT_OK(epd_attach_issue_token(other, 0, 0, tok2));
+  ASSERT_EQ(epd_attach_pending_tokens(), 2);
+  ASSERT_EQ(epd_attach_forget_token(id), 1);
+  ASSERT_EQ(epd_attach_forget_token(id), 0);
+  ASSERT_EQ(epd_attach_pending_tokens(), 1);
+  /* the forgotten token no longer redeems; the other client's still does */
+  job_t *j = make_job(id, tok);
+  run_job(j);
+  ASSERT_EQ(j->rep.status, EPD_ERR_PERMISSION);
+  job_t *j2 = make_job(other, tok2);
+  run_job(j2);
+  ASSERT_EQ(j2->rep.status, 0);
+  ASSERT_EQ(epd_attach_pending_tokens(), 0);
+  epd_attach_fini();
+  pump(5);
+  epd_engine_destroy(teng);
+}
+
 EPD_TEST(attach_refuses_a_live_socket) {
   setup();
   epd_conf_t c;

@@ -540,7 +540,9 @@ EPD_TEST(rpc_attach_detach_watch_map) {
   m->group = NULL;
   protobuf_c_message_free_unpacked(rep, NULL);
 
-  /* Detach: a wrong secret is refused, the right one works once. */
+  /* Detach: a wrong secret is refused, the right one works once and drops the unredeemed token. */
+  const unsigned pend = epd_attach_pending_tokens();
+  ASSERT_GT(pend, 0);
   Epd__V1__DetachRequest dq = EPD__V1__DETACH_REQUEST__INIT;
   dq.protocol_version = EPD_PROTOCOL_VERSION;
   dq.client_id = a->client_id;
@@ -553,9 +555,11 @@ EPD_TEST(rpc_attach_detach_watch_map) {
             EPD_ERR_PERMISSION);
   ASSERT_STR_CONTAINS(err, "PERMISSION_DENIED");
   dq.secret = a->secret;
+  ASSERT_EQ(epd_attach_pending_tokens(), pend);
   ASSERT_OK(epd_rpc_call(rpc, "/epd.v1.Control/Detach", &dq.base, &epd__v1__detach_reply__descriptor, &rep, err,
                          sizeof err));
   protobuf_c_message_free_unpacked(rep, NULL);
+  ASSERT_EQ(epd_attach_pending_tokens(), pend - 1);
   ASSERT_EQ(epd_rpc_call(rpc, "/epd.v1.Control/Detach", &dq.base, &epd__v1__detach_reply__descriptor, &rep, err,
                          sizeof err),
             EPD_ERR_NOT_FOUND);

@@ -299,6 +299,12 @@ def start_daemon(binary, backend, tmp):
     raise SystemExit("epd did not start")
 
 
+def visible_gpu(r):
+    """The CUDA_VISIBLE_DEVICES entry of this process's GPU r (the daemon started here sees the same)."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return vis.split(",")[r].strip() if vis else str(r)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", action="store_true", help="host backend with NumPy (no GPU)")
@@ -335,7 +341,7 @@ def main(argv=None):
         results = ctx.Queue()
         procs = [ctx.Process(target=worker_main, args=("host" if a.host else "torch", spec, socket, r,
                                                         barrier, results, a.graph,
-                                                        str(r) if a.one_gpu and not a.host else None))
+                                                        visible_gpu(r) if a.one_gpu and not a.host else None))
                  for r in range(spec.R)]
         for p in procs:
             p.start()

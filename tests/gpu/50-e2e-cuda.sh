@@ -44,19 +44,21 @@ grep -q "kernel submission" "$T/wg1.out" || fail "EPD_SUBMIT=kernel: worker wg1 
 grep -q "kernel submission" "$T/wa0.out" && fail "launch mode without EPD_SUBMIT: worker wa0 used kernel submission"
 
 echo "== workers that see only their own GPU (CUDA_VISIBLE_DEVICES): libepd finds the rank's GPU by its UUID"
-CUDA_VISIBLE_DEVICES=1 worker wv1 -g vis -r 1 -n 2 --steps 6 --seed 14 --fp8 --hidden 512 --experts 32 --topk 4
-CUDA_VISIBLE_DEVICES=0 worker wv0 -g vis -r 0 -n 2 --steps 6 --seed 14 --fp8 --hidden 512 --experts 32 --topk 4
+G0=$(gpu_of 0) G1=$(gpu_of 1)
+CUDA_VISIBLE_DEVICES=$G1 worker wv1 -g vis -r 1 -n 2 --steps 6 --seed 14 --fp8 --hidden 512 --experts 32 --topk 4
+CUDA_VISIBLE_DEVICES=$G0 worker wv0 -g vis -r 0 -n 2 --steps 6 --seed 14 --fp8 --hidden 512 --experts 32 --topk 4
 expect_ok wv0; expect_ok wv1
 "$CTL" -s "$SOCK" status > "$T/status.out" || fail "epdctl status"
-U1=$(nvidia-smi --query-gpu=uuid --format=csv,noheader -i 1)
+U1=$(nvidia-smi --query-gpu=uuid --format=csv,noheader -i "$G1")
+case "$U1" in GPU-*) ;; *) fail "nvidia-smi gave no UUID for GPU $G1: '$U1'" ;; esac
 grep -q "^ *1 .*$U1" "$T/status.out" || fail "status does not show rank 1 on $U1: $(cat "$T/status.out")"
 echo "== a worker that cannot see its rank's GPU gets an error naming it; the rank stays free"
-CUDA_VISIBLE_DEVICES=0 worker wn1 -g vis2 -r 1 -n 2 --steps 2 --hidden 256
+CUDA_VISIBLE_DEVICES=$G0 worker wn1 -g vis2 -r 1 -n 2 --steps 2 --hidden 256
 wait "$W_wn1"; rc=$?
 [ $rc -ne 0 ] || fail "a worker attached to rank 1 from GPU 0 only succeeded"
 grep -q "$U1 is not among" "$T/wn1.out" || fail "wrong error: $(tail -3 "$T/wn1.out")"
 worker wo0 -g vis2 -r 0 -n 2 --steps 3 --seed 2 --hidden 256
-CUDA_VISIBLE_DEVICES=1 worker wo1 -g vis2 -r 1 -n 2 --steps 3 --seed 2 --hidden 256
+CUDA_VISIBLE_DEVICES=$G1 worker wo1 -g vis2 -r 1 -n 2 --steps 3 --seed 2 --hidden 256
 expect_ok wo0; expect_ok wo1
 
 echo "== a worker dies mid-step"

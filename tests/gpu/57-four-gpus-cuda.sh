@@ -11,7 +11,7 @@
 # Usage (repository root, on the GPU machine): bash tests/gpu/57-four-gpus-cuda.sh [build-dir]
 set -u
 B=${1:-${EPD_BUILD:-build}}
-NGPU=4
+DL_NGPU=4
 GPU_MPS=1
 . "$(dirname "$0")/daemon-lib.sh"
 
@@ -19,7 +19,7 @@ GPU_MPS=1
 ranks() {
   local n=$1 r; shift
   for r in 0 1 2 3; do
-    if [ $((r % 2)) = 1 ]; then CUDA_VISIBLE_DEVICES=$r worker "$n$r" -r $r -n 4 "$@"
+    if [ $((r % 2)) = 1 ]; then CUDA_VISIBLE_DEVICES=$(gpu_of $r) worker "$n$r" -r $r -n 4 "$@"
     else worker "$n$r" -r $r -n 4 "$@"; fi
   done
 }
@@ -76,7 +76,9 @@ grep -q "group pf: LL steps run in persistent kernels" "$LOG" || fail "group pf 
 echo "== persistent mode: CUDA graph replays through the device twin, FP8, 20 steps"
 ranks pg -g pg --steps 20 --graph --seed 17 --fp8 --hidden 512 --experts 32 --topk 4 --tokens 64
 all_ok pg
-grep -q "graph replays.*kernel submission" "$T/pg0.out" || fail "pg0: no graph replays through the twin"
+for r in 0 1; do # rank 1 sees only its GPU
+  grep -q "graph replays.*kernel submission" "$T/pg$r.out" || fail "pg$r: no graph replays through the twin"
+done
 stop_daemon
 stop_mps
 echo "four_gpus: all passed"

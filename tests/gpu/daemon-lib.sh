@@ -1,16 +1,21 @@
 # daemon-lib.sh - sourced by the single-daemon GPU scripts (50-e2e-cuda.sh, 55-expert-maps-cuda.sh,
-# 56-persistent-cuda.sh, 57-four-gpus-cuda.sh): one daemon with engine.backend=cuda on NGPU GPUs (default
-# 2), epd-worker processes at it.
-# Before sourcing: B (build directory). Optional: NGPU, GPU_MPS=1 (start CUDA MPS for the script, pipe and log
-# directories under its temporary directory; skip if it does not start), EPD_KEEP_LOG=FILE (copy the
-# daemon's log there on exit or failure). Skips (exit 77) without the binaries or NGPU GPUs.
+# 56-persistent-cuda.sh, 57-four-gpus-cuda.sh): one daemon with engine.backend=cuda on NGPU GPUs,
+# epd-worker processes at it. Before sourcing: B (build directory). Optional: DL_NGPU (the daemon's GPUs,
+# default 2), GPU_MPS=1 (start CUDA MPS for the script, pipe and log directories under its temporary
+# directory; skip if it does not start), EPD_KEEP_LOG=FILE (copy the daemon's log there on exit or
+# failure). Skips (exit 77) without the binaries or NGPU GPUs.
 EPD=$B/bin/epd
 CTL=$B/bin/epdctl
 WORKER=$B/bin/epd-worker
 [ -x "$EPD" ] || { echo "skip: $EPD is not built"; exit 77; }
 [ -x "$WORKER" ] || { echo "skip: $WORKER is not built"; exit 77; }
-NGPU=${NGPU:-2}
+NGPU=${DL_NGPU:-2}
 [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge "$NGPU" ] || { echo "skip: needs $NGPU GPUs"; exit 77; }
+# CUDA numbers GPUs as nvidia-smi does (its default order may differ on mixed hosts); gpu_of R: the
+# CUDA_VISIBLE_DEVICES entry of the daemon's GPU R for a worker that should see only that GPU (the
+# scripts' own CUDA_VISIBLE_DEVICES, if set, is what the daemon sees)
+export CUDA_DEVICE_ORDER=PCI_BUS_ID
+gpu_of() { if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then echo "$CUDA_VISIBLE_DEVICES" | cut -d, -f$(($1 + 1)); else echo "$1"; fi; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
 [ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}

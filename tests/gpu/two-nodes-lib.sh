@@ -17,11 +17,12 @@ NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/l
 T=$(mktemp -d)
 PIDS=()
 save_logs() { [ -n "${TWO_NODES_OUT:-}" ] && mkdir -p "$TWO_NODES_OUT" && cp "$T"/*.log "$T"/*.out "$TWO_NODES_OUT"/ 2>/dev/null; }
-# The workers' outputs come last: the test runner shows the last 40 lines.
+# The outputs of the workers without a summary (failed or unfinished) come last: the test runner shows the
+# last 40 lines.
 fail() {
   echo "FAIL: $*"
   for f in "$T"/*.log; do [ -f "$f" ] && grep -v ' NCCL INFO ' "$f" | sed "s/^/  $(basename "$f")| /" | tail -12; done
-  for f in "$T"/*.out; do [ -f "$f" ] && sed "s/^/  $(basename "$f"): /" "$f" | tail -4; done
+  for f in "$T"/*.out; do [ -f "$f" ] && ! grep -q "steps ok" "$f" && sed "s/^/  $(basename "$f"): /" "$f" | tail -4; done
   save_logs
   for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
   exit 1
