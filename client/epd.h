@@ -101,7 +101,9 @@ const char *epd_last_error(const epd_ep_t *ep);
 
 typedef enum epd_info {
   EPD_INFO_RANK, EPD_INFO_NUM_RANKS, EPD_INFO_NUM_EXPERTS, EPD_INFO_HIDDEN, EPD_INFO_TOPK,
-  EPD_INFO_MAX_TOKENS, EPD_INFO_SLOTS_PER_RANK, EPD_INFO_HT_CAPACITY, EPD_INFO_ON_GPU, EPD_INFO_DEVICE,
+  EPD_INFO_MAX_TOKENS, EPD_INFO_SLOTS_PER_RANK, EPD_INFO_HT_CAPACITY, EPD_INFO_ON_GPU,
+  EPD_INFO_DEVICE, /* this process's CUDA ordinal of the rank's GPU (found by its UUID: with
+                    * CUDA_VISIBLE_DEVICES set to that one GPU it is 0), -1 on the host backend */
   EPD_INFO_MAP_VERSION, EPD_INFO_CLIENT_ID,
   EPD_INFO_NEXT_SLOT, /* the queue slot libepd's next op will use (the daemon runs slots in ring order) */
   EPD_INFO_WEIGHT_BYTES_PER_SLOT, /* bytes per slot of EPD_BUF_EXPERT_WEIGHTS, 0 if the group has none */
