@@ -47,6 +47,9 @@ echo "$out" | grep -q '^backend:  host$' || fail "status backend: $out"
 echo "$out" | grep -q '^mode:     host-threads$' || fail "status mode: $out"
 echo "$out" | grep -q '^state:    ready$' || fail "status state: $out"
 echo "$out" | grep -q '^ranks:    3$' || fail "status ranks: $out"
+# the rank table: the GPU column says "-" where a rank has no GPU
+[ "$(echo "$out" | grep -cE '^ +[0-2] +-1 .* -$')" = 3 ] || fail "status rank rows (GPU column): $out"
+echo "$out" | grep -qE '^ +RANK +DEVICE .* GPU$' || fail "status rank header: $out"
 echo "$out" | grep -q '^clients:  0$' || fail "status clients: $out"
 [ "$(ctl health)" = SERVING ] || fail "health not SERVING"
 
@@ -68,6 +71,7 @@ assert s["backend"] == "host" and s["engine_mode"] == "host-threads" and s["stat
 assert s["num_ranks"] == 3 and [r["rank"] for r in s["ranks"]] == [0, 1, 2], s["ranks"]
 assert [r["clients"] for r in s["ranks"]] == [0, 0, 1], s["ranks"]
 assert s["ranks"][2]["buffer_bytes"] > 0, s["ranks"]
+assert [(r["device"], r["device_uuid"]) for r in s["ranks"]] == [(-1, "")] * 3, s["ranks"]  # host: no GPU
 assert [(c["client_id"], c["name"], c["group"], c["rank"], c["pid"]) for c in s["clients"]] == [(cid, "ctl-client", "grp", 2, pid)], s["clients"]
 assert [(g["name"], g["num_experts"], g["hidden"], g["topk"], g["max_tokens"]) for g in s["groups"]] == [("grp", 8, 128, 2, 16)], s["groups"]
 assert s["draining"] is False and s["protocol_version"] == 1
