@@ -144,9 +144,19 @@ __device__ __forceinline__ uint32_t trace_at(const LLParams &p, const LLOp &o, u
   do {                                                                                   \
     if (p.trace && !p.pdev && blockIdx.x == 0 && threadIdx.x == 0) p.trace[i] = gtimer(); \
   } while (0)
+/* The latest block's stamp i (every block, atomicMax: the bench zeroes the trace once, and a later op's
+ * times are larger): with block 0's own stamps it shows how far the slowest block lags. */
+#define FTRACE_LATEST(i)                                                                          \
+  do {                                                                                            \
+    if (p.trace && !p.pdev && threadIdx.x == 0)                                                   \
+      atomicMax((unsigned long long *)&p.trace[i], (unsigned long long)gtimer());                 \
+  } while (0)
 #else
 #define FTRACE(i) \
   do {            \
+  } while (0)
+#define FTRACE_LATEST(i) \
+  do {                   \
   } while (0)
 #endif
 
@@ -819,9 +829,11 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
 
   __syncthreads();
   TRACE(1);
+  FTRACE_LATEST(9); /* the slowest block's end of the expert side */
   if (tid == 0) {
     __threadfence_system();
     TRACE(2);
+    FTRACE_LATEST(10); /* ... and of its fence: its flags leave after it */
     for (uint32_t r = 0; r < R; r++)
       st_relaxed_sys((uint64_t *)(peer_bank(p, o, r) + p.lay.cflag) + (uint64_t)rank * G + blockIdx.x, (uint64_t)seq << 32);
   }
@@ -830,6 +842,7 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
   /* ---- source side: sum the partials of each of my tokens in f32 ---- */
   wait_flags(p, (const uint64_t *)(lb + p.lay.cflag), seq, gtimer() + p.timeout_ns, &wr);
   TRACE(4);
+  FTRACE_LATEST(11); /* the slowest block's end of the wait (every rank's flags seen) */
   int code, peer;
   wait_status(p, &wr, &code, &peer);
   if (code == 0 && derr != 0) code = EPD_ERR_STATE;
