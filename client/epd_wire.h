@@ -9,6 +9,7 @@
 #define EPD_WIRE_H
 
 #include <stdint.h>
+#include <stdio.h>
 
 #define EPD_WIRE_MAGIC 0x45504457u /* "EPDW" */
 #define EPD_WIRE_VERSION 1u
@@ -29,5 +30,13 @@ typedef struct epd_redeem_rep {
 
 _Static_assert(sizeof(epd_redeem_req_t) == 48, "redeem request layout");
 _Static_assert(sizeof(epd_redeem_rep_t) == 256, "redeem reply layout");
+
+/* A GPU's UUID (the AttachReply's device_uuid, 16 bytes) as nvidia-smi -L prints it:
+ * "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (EPD_UUID_TEXT bytes with the NUL). */
+#define EPD_UUID_TEXT 41
+static inline void epd_uuid_text(const uint8_t u[16], char out[EPD_UUID_TEXT]) {
+  snprintf(out, EPD_UUID_TEXT, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
+           u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+}
 
 #endif

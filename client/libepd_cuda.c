@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "epd_wire.h"
 #include "libepd_cuda.h"
 
 #if EPD_WITH_CUDA
@@ -185,11 +186,12 @@ epd_result_t epd_cuda_find_device(const uint8_t uuid[16], int *ordinal, char *er
     }
   }
   const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+  char text[EPD_UUID_TEXT];
+  epd_uuid_text(uuid, text);
   snprintf(err, errlen,
-           "the rank's GPU GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x is not among the %d "
-           "this process sees (CUDA_VISIBLE_DEVICES=%s): run the worker where it can use that GPU",
-           uuid[0], uuid[1], uuid[2], uuid[3], uuid[4], uuid[5], uuid[6], uuid[7], uuid[8], uuid[9], uuid[10], uuid[11],
-           uuid[12], uuid[13], uuid[14], uuid[15], n, vis ? vis : "unset");
+           "the rank's GPU %s is not among the %d this process sees (CUDA_VISIBLE_DEVICES=%s): run the worker where "
+           "it can use that GPU",
+           text, n, vis ? vis : "unset");
   return EPD_ERR_INVALID;
 }
 

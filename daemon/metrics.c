@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "epd.h"
+#include "epd_wire.h"
 
 /* A growing text buffer; on allocation failure it stays failed and the builder reports NOMEM once. */
 typedef struct sbuf {
@@ -331,7 +332,7 @@ epd_result_t epd_metrics_status(const epd_engine_snap_t *snap, const epd_daemon_
     /* the UUID's text lives in the same allocation as its message (freed with it) */
     struct rank_status_mem {
       Epd__V1__RankStatus r;
-      char uuid[48];
+      char uuid[EPD_UUID_TEXT];
     } *m = calloc(1, sizeof *m);
     if (!m) {
       failed = 1;
@@ -344,9 +345,7 @@ epd_result_t epd_metrics_status(const epd_engine_snap_t *snap, const epd_daemon_
     r->rank = s->rank;
     r->device = s->device;
     if (s->has_uuid) {
-      const uint8_t *u = s->device_uuid;
-      snprintf(m->uuid, sizeof m->uuid, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
-               u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+      epd_uuid_text(s->device_uuid, m->uuid);
       r->device_uuid = m->uuid;
     }
     r->buffer_bytes = s->buffer_bytes;
