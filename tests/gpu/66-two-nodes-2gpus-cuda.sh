@@ -18,14 +18,7 @@ B=${1:-${EPD_BUILD:-build}}
 GPN=2
 . "$(dirname "$0")/two-nodes-lib.sh"
 
-S0=$(date +%s%N)
-node 0
-node 1
-wait_for 120 test -S "$T/n0/attach.sock" || fail "node 0 did not come up"
-wait_for 60 test -S "$T/n1/attach.sock" || fail "node 1 did not come up"
-echo "== both nodes up in $(( ($(date +%s%N) - S0) / 1000000 )) ms (rendezvous + NCCL world communicator)"
-"$EPDCTL" -s "$T/n1/control.sock" status > "$T/status.out" || fail "epdctl status"
-grep -q "node 1 of 2, 4 world ranks, inter-node transport nccl-p2p" "$T/status.out" || fail "status: $(cat "$T/status.out")"
+start_nodes
 
 COMMON="--experts 256 --hidden 7168 --topk 8"
 echo "== LL BF16, skewed routing, 128 tokens, 20 steps"

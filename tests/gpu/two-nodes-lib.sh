@@ -49,6 +49,20 @@ node() {
   PIDS+=($!)
   eval "P_$n=$!"
 }
+# start_nodes: the daemons of both nodes, up (rendezvous and NCCL world communicator) within the limits;
+# node 1's status must say 2 x GPN world ranks over nccl-p2p.
+start_nodes() {
+  local s0
+  s0=$(date +%s%N)
+  node 0
+  node 1
+  wait_for 120 test -S "$T/n0/attach.sock" || fail "node 0 did not come up"
+  wait_for 60 test -S "$T/n1/attach.sock" || fail "node 1 did not come up"
+  echo "== both nodes up in $(( ($(date +%s%N) - s0) / 1000000 )) ms (rendezvous + NCCL world communicator)"
+  "$EPDCTL" -s "$T/n1/control.sock" status > "$T/status.out" || fail "epdctl status"
+  grep -q "node 1 of 2, $((2 * GPN)) world ranks, inter-node transport nccl-p2p" "$T/status.out" ||
+    fail "status: $(cat "$T/status.out")"
+}
 # start_workers NAME ARGS...: the 2 x GPN world ranks of a group, rank r at node r / GPN on GPU r; the
 # worker of rank r writes $T/NAMEr.out, its pid in W_NAMEr.
 start_workers() {
