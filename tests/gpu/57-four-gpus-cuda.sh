@@ -23,7 +23,7 @@ ranks() {
     else worker "$n$r" -r $r -n 4 "$@"; fi
   done
 }
-all_ok() { local r; for r in 0 1 2 3; do expect_ok "$1$r"; done; grep -h "bench" "$T/${1}0.out" "$T/${1}3.out"; }
+all_ok() { expect_ok "${1}0" "${1}1" "${1}2" "${1}3"; }
 COMMON="--experts 256 --hidden 7168 --topk 8"
 
 EPD_CUDA_MODE=launch start_daemon -o engine.step_timeout_ms=3000 -o daemon.drain_timeout_ms=2000

@@ -63,11 +63,4 @@ worker() {
   timeout 120 "$WORKER" -s "$SOCK" "$@" > "$T/$n.out" 2>&1 &
   eval "W_$n=$!"
 }
-# expect_ok NAME: the worker exited 0 with its summary line.
-expect_ok() {
-  local n=$1 pid; eval "pid=\$W_$n"
-  wait "$pid"; local rc=$?
-  [ $rc -eq 0 ] || fail "worker $n exited $rc"
-  grep -q "steps ok" "$T/$n.out" || fail "worker $n printed no summary"
-  grep -h "steps ok\|seen\|in between" "$T/$n.out"
-}
+. "$(dirname "${BASH_SOURCE[0]}")/../worker-lib.sh"

@@ -73,14 +73,4 @@ start_workers() {
     eval "W_$g$r=$!"
   done
 }
-# expect_ok WORKER...: each (NAMEr) exited 0 and printed its summary.
-expect_ok() {
-  local n pid rc
-  for n in "$@"; do
-    eval "pid=\$W_$n"
-    wait "$pid"; rc=$?
-    [ $rc -eq 0 ] || fail "worker $n exited $rc"
-    grep -q "steps ok" "$T/$n.out" || fail "worker $n printed no summary"
-    grep -h "steps ok\|bench" "$T/$n.out" | sed "s/^/   $n: /"
-  done
-}
+. "$(dirname "${BASH_SOURCE[0]}")/../worker-lib.sh"

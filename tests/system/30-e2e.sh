@@ -36,14 +36,7 @@ worker() {
   ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" timeout 60 "$WORKER" -s "$SOCK" "$@" > "$T/$n.out" 2>&1 &
   eval "W_$n=$!"
 }
-# expect_ok NAME: the worker exited 0 and printed its summary.
-expect_ok() {
-  local n=$1 pid; eval "pid=\$W_$n"
-  wait "$pid"; local rc=$?
-  [ $rc -eq 0 ] || fail "worker $n exited $rc"
-  grep -q "steps ok" "$T/$n.out" || fail "worker $n printed no summary"
-  grep -h "steps ok" "$T/$n.out"
-}
+. "$(dirname "${BASH_SOURCE[0]}")/../worker-lib.sh"
 
 echo "== LL, skewed routing, 12 steps"
 worker wa0 -g ll -r 0 -n 2 --steps 12 --seed 5 --skew

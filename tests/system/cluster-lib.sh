@@ -45,13 +45,4 @@ worker() {
     -s "$T/$nd/control.sock" "$@" > "$T/$n.out" 2>&1 &
   eval "W_$n=$!"
 }
-# expect_ok NAME...: each worker exited 0 and printed its summary.
-expect_ok() {
-  local n pid rc
-  for n in "$@"; do
-    eval "pid=\$W_$n"
-    wait "$pid"; rc=$?
-    [ $rc -eq 0 ] || fail "worker $n exited $rc"
-    grep -q "steps ok" "$T/$n.out" || fail "worker $n printed no summary"
-  done
-}
+. "$(dirname "${BASH_SOURCE[0]}")/../worker-lib.sh"
