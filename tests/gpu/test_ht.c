@@ -343,6 +343,41 @@ EPD_TEST_T(gpu_ht_overflow_bad_expert_too_many, 180) {
   hth_destroy(&T_.h);
 }
 
+/* Rank 0's op with rank 1 absent ends with EPD_ERR_TIMEOUT naming rank 1 (dispatch, then a combine after
+ * a good dispatch), on the direct and the staging path; after a reset of every rank the steps work. */
+static void expect_timeout(uint32_t opc) {
+  CK(hth_launch(&T_.h, 1, opc, 0, T_.ntok, 0, 50000000ull)); /* rank 0 only, 50 ms */
+  CK(hth_sync(&T_.h, 1));
+  epd_comp_t c;
+  CK(hth_comp(&T_.h, 0, opc == EPD_OP_HT_DISPATCH ? 0 : 1, &c));
+  if (c.status != EPD_ERR_TIMEOUT || c.peer != 1)
+    epd_test_fail(__FILE__, __LINE__, "op %u staging %d: status %d peer %d, expected %d peer 1", opc, T_.h.staging,
+                  c.status, c.peer, EPD_ERR_TIMEOUT);
+  for (int r = 0; r < 2; r++) {
+    cudaSetDevice(epd_cc_device(T_.h.kh.cc, r));
+    CK(epd_k_ht_reset(T_.h.k[r], T_.h.kh.st[r]));
+  }
+  CK(hth_sync(&T_.h, 3));
+}
+
+EPD_TEST_T(gpu_ht_peer_timeout, 180) {
+  setup(64, 1024, 8, 512, 32, 1200, 8);
+  for (int staging = 0; staging < 2; staging++) {
+    T_.h.staging = staging;
+    gen(31 + staging, 0, 300, 300, 0);
+    upload(0);
+    expect_timeout(EPD_OP_HT_DISPATCH);
+    step(32 + staging, 1, 300, 200, 0, staging);
+    gen(33 + staging, 0, 256, 256, 1);
+    upload(0);
+    exec(EPD_OP_HT_DISPATCH, 0, 0);
+    expect_timeout(EPD_OP_HT_COMBINE);
+    step(34 + staging, 2, 512, 512, 1, 1 - staging);
+  }
+  T_.h.staging = 0;
+  hth_destroy(&T_.h);
+}
+
 #else /* !EPD_WITH_CUDA */
 #include "../test.h"
 EPD_TEST(gpu_ht_without_cuda) { epd_test_skip("built without CUDA (WITH_CUDA=0)"); }
