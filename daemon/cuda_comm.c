@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "epd_kernels.h"
+#include "epd_kernels_net.h"
 
 struct epd_cc {
   int n;
@@ -79,6 +80,42 @@ static epd_result_t cc_init_rank(epd_cc_t *cc, int r, void *argp) {
     return EPD_ERR_NCCL;
   }
   return EPD_OK;
+}
+
+typedef struct gin_arg {
+  int contexts[EPD_CC_MAX_RANKS], type[EPD_CC_MAX_RANKS];
+  char err[EPD_CC_MAX_RANKS][160];
+} gin_arg_t;
+
+static epd_result_t cc_gin_rank(epd_cc_t *cc, int r, void *argp) {
+  gin_arg_t *a = argp;
+  return epd_k_gin_probe(cc->world[r], &a->contexts[r], &a->type[r], a->err[r], sizeof a->err[r]);
+}
+
+void epd_cc_gin_probe(epd_cc_t *cc, char *out, size_t outlen) {
+  gin_arg_t a;
+  memset(&a, 0, sizeof a);
+  if (epd_cc_each(cc, cc_gin_rank, &a) != EPD_OK) {
+    int r = 0;
+    while (r < cc->n - 1 && !a.err[r][0]) r++;
+    snprintf(out, outlen, "probe failed: %s", a.err[r][0] ? a.err[r] : "thread");
+    return;
+  }
+  if (a.type[0] < 0) {
+    snprintf(out, outlen, "unavailable (NCCL refused a GIN context on the world communicator: its network has "
+                          "no device-initiated transport, e.g. no InfiniBand/RoCE NIC)");
+    return;
+  }
+  if (a.contexts[0] > 0) {
+    const char *ty = a.type[0] == 3 ? "GDAKI" : a.type[0] == 2 ? "proxy" : "type ?";
+    snprintf(out, outlen,
+             "available (%d context%s, %s backend); not used: this build has no GIN stage, the host stage "
+             "(nccl-p2p) carries the data",
+             a.contexts[0], a.contexts[0] == 1 ? "" : "s", ty);
+    return;
+  }
+  snprintf(out, outlen, "unavailable (NCCL gave the world communicator no GIN context: its network has no "
+                        "device-initiated transport, e.g. no InfiniBand/RoCE NIC)");
 }
 
 epd_result_t epd_cc_unique_id(uint8_t *id, char *err, size_t errlen) {

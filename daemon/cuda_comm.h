@@ -41,6 +41,10 @@ epd_result_t epd_cc_create_world(int n, const int *devices, uint32_t nodes, uint
 /* A fresh ncclUniqueId (EPD_CC_UNIQUE_ID_BYTES) for epd_cc_create_world. */
 epd_result_t epd_cc_unique_id(uint8_t *id, char *err, size_t errlen);
 int epd_cc_world_ranks(const epd_cc_t *cc);
+/* Scale-out: what NCCL offers for device-initiated network transfers (GIN) on the world communicators
+ * (epd_k_gin_probe on every local rank; collective, so every node calls it at start-up), as a line for
+ * status and the log: "unavailable (...)", "available (...)" or "probe failed: ...". */
+void epd_cc_gin_probe(epd_cc_t *cc, char *out, size_t outlen);
 /* Abort the world communicators (a peer node hangs an exchange); they are unusable after. */
 void epd_cc_abort(epd_cc_t *cc);
 /* Destroy communicators (windows must have been freed). */

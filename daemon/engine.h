@@ -190,6 +190,7 @@ typedef struct epd_engine_snap {
   /* Scale-out: ranks[] above are this node's, numbered by world rank. */
   uint32_t nodes, node_rank, world_ranks;
   const char *inter_node_transport; /* "none" (one node), "host-tcp" */
+  const char *gin; /* cuda across nodes: the start-up GIN probe's line; NULL otherwise */
   uint64_t net_tx_bytes, net_rx_bytes, net_tx_frames, net_rx_frames;
 } epd_engine_snap_t;
 epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out);

@@ -306,6 +306,10 @@ static int cuda_device_uuid(const epd_engine_t *eng, int rank, uint8_t out[16]) 
   memcpy(out, be->rank[l].uuid, 16);
   return 1;
 }
+static const char *cuda_gin(const epd_engine_t *eng) {
+  const cuda_be_t *be = eng->be;
+  return be && be->net ? eng_cuda_net_gin(be->net) : NULL;
+}
 static uint64_t cuda_rank_bytes(const epd_engine_t *eng, int rank) {
   const cuda_be_t *be = eng->be;
   int l = local_rank(eng, rank);
@@ -1785,6 +1789,7 @@ const eng_backend_ops_t eng_cuda_ops = {
     .mode = cuda_mode,
     .device = cuda_device,
     .device_uuid = cuda_device_uuid,
+    .gin = cuda_gin,
     .rank_bytes = cuda_rank_bytes,
     .client_alloc = cuda_client_alloc,
     .client_leave = cuda_client_leave,

@@ -5,7 +5,6 @@
 #define _GNU_SOURCE
 #include "engine_cuda_net.h"
 
-#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,6 +59,7 @@ struct cnet {
   epd_engine_t *eng;
   epd_cc_t *cc;
   uint32_t L, nodes, node, W;
+  char gin[256]; /* the start-up GIN probe's line (epd_cc_gin_probe) */
   cnet_dev_t d[EPD_MAX_RANKS];
   /* the group served (one at a time) */
   eng_group_t *grp;
@@ -100,17 +100,6 @@ static int op_dispatch(uint32_t op) {
 
 /* ---- create / destroy ----------------------------------------------------------------------------- */
 
-/* Why GIN (the NCCL device API's network path) is not used here. */
-static const char *gin_reason(void) {
-  DIR *dir = opendir("/sys/class/infiniband");
-  int devs = 0;
-  for (struct dirent *e; dir && (e = readdir(dir));) devs += e->d_name[0] != '.';
-  if (dir) closedir(dir);
-  return devs ? "not implemented in this build (an InfiniBand/RoCE device is present)"
-              : "no InfiniBand/RoCE device (/sys/class/infiniband is empty), and not implemented in this "
-                "build";
-}
-
 epd_result_t eng_cuda_net_create(epd_engine_t *eng, epd_cc_t *cc, const int *devices, cnet_t **out, char *err,
                                  size_t errlen) {
   cnet_t *cn = calloc(1, sizeof *cn);
@@ -140,10 +129,11 @@ epd_result_t eng_cuda_net_create(epd_engine_t *eng, epd_cc_t *cc, const int *dev
       if (cudaDeviceEnablePeerAccess(devices[p], 0) != cudaSuccess) cudaGetLastError();
     }
   }
+  epd_cc_gin_probe(cc, cn->gin, sizeof cn->gin);
   EPD_LOGI(EPD_SUB_CUDA,
            "scale-out: node %u of %u, world ranks %u..%u of %u; inter-node transport nccl-p2p (grouped "
            "ncclSend/ncclRecv on the world communicator, control over the daemon links); GIN: %s",
-           cn->node, cn->nodes, cn->node * cn->L, cn->node * cn->L + cn->L - 1, cn->W, gin_reason());
+           cn->node, cn->nodes, cn->node * cn->L, cn->node * cn->L + cn->L - 1, cn->W, cn->gin);
   *out = cn;
   return EPD_OK;
 }
@@ -202,6 +192,8 @@ static void group_reset(cnet_t *cn) {
   cn->narrived = 0;
   memset(cn->arrived, 0, sizeof cn->arrived);
 }
+
+const char *eng_cuda_net_gin(const cnet_t *cn) { return cn->gin; }
 
 void eng_cuda_net_destroy(cnet_t *cn) {
   if (!cn) return;

@@ -32,9 +32,12 @@ void eng_cuda_client_unhold(void *h);
 uint64_t eng_cuda_client_arena(void *h);
 
 /* Set the stage up for the engine's local GPUs devices[0..L-1] (world communicators in cc): a stream
- * per GPU, peer access between them. Logs the transport (and why GIN is not used). */
+ * per GPU, peer access between them; probes what NCCL offers for GIN (collective: every node does it
+ * here) and logs the transport with the probe's line. */
 epd_result_t eng_cuda_net_create(epd_engine_t *eng, epd_cc_t *cc, const int *devices, cnet_t **out, char *err,
                                  size_t errlen);
+/* The start-up GIN probe's line ("unavailable (...)", "available (...); not used: ...", "probe failed: ..."). */
+const char *eng_cuda_net_gin(const cnet_t *cn);
 /* Answer every waiting slot with EPD_ERR_CLOSED and release everything (rank threads stopped). */
 void eng_cuda_net_destroy(cnet_t *cn);
 /* One pass of the step protocol (rank thread 0; takes eng->mu itself); 1 if something moved. */

@@ -119,6 +119,8 @@ typedef struct eng_backend_ops {
    * (it switches at the next executing dispatch), draining began (no new step); return once no step
    * can execute without seeing it (a backend that runs steps without its threads stops doing so). */
   void (*sync_steps)(epd_engine_t *eng, eng_group_t *grp);
+  /* Optional: across nodes, what the start-up probe found for GIN (NULL: not applicable). */
+  const char *(*gin)(const epd_engine_t *eng);
   /* (mu) Optional: how grp's steps run now (NULL: the engine's mode). */
   const char *(*group_mode)(epd_engine_t *eng, eng_group_t *grp);
 } eng_backend_ops_t;

@@ -49,6 +49,15 @@ epd_result_t epd_k_net_wsum(const uint32_t *off, const epd_k_net_term_t *terms, 
 /* n scattered 32-bit stores (device table). */
 epd_result_t epd_k_net_put(const epd_k_net_put_t *puts, uint32_t n, void *stream);
 
+struct ncclComm;
+/* What NCCL offers for device-initiated network transfers (GIN) on a world communicator: a device
+ * communicator asking for a GIN context (a hint, not forced) is created and destroyed. *contexts: the
+ * GIN contexts NCCL gave it (0: none), *type: the first one's backend (NCCL_NET_DEVICE_GIN_PROXY 2,
+ * _GDAKI 3), or -1 where NCCL refused the request and the same device communicator without it could be
+ * made (its network has no GIN). Collective: every rank of the world calls it, each with its device
+ * current. */
+epd_result_t epd_k_gin_probe(struct ncclComm *world, int *contexts, int *type, char *err, size_t errlen);
+
 #ifdef __cplusplus
 }
 #endif

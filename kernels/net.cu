@@ -7,6 +7,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "epd_dev.cuh"
 #include "epd_kconfig.h"
@@ -131,4 +132,26 @@ extern "C" epd_result_t epd_k_net_put(const epd_k_net_put_t *puts, uint32_t n, v
   if (!puts) return EPD_ERR_INVALID;
   put_kernel<<<grid_for((n + 255) / 256), 256, 0, (cudaStream_t)stream>>>(puts, n);
   return cudaGetLastError() == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
+}
+
+extern "C" epd_result_t epd_k_gin_probe(struct ncclComm *world, int *contexts, int *type, char *err, size_t errlen) {
+  ncclDevCommRequirements_t req;
+  memset(&req, 0, sizeof req);
+  req.ginContextCount = 1;
+  ncclDevComm_t dev;
+  *contexts = *type = 0;
+  if (ncclDevCommCreate(world, &req, &dev) != ncclSuccess) {
+    /* NCCL 2.28 refuses the request where its network has no GIN ("GIN not supported"): if the same
+     * device communicator without it can be made, that was the reason */
+    req.ginContextCount = 0;
+    epd_result_t r = epd_dev::dev_comm_create(world, &req, &dev, err, errlen);
+    if (r) return r;
+    ncclDevCommDestroy(world, &dev);
+    *type = -1;
+    return EPD_OK;
+  }
+  *contexts = dev.ginContextCount;
+  *type = dev.ginContextCount ? dev.ginTypes[0] : 0;
+  ncclDevCommDestroy(world, &dev);
+  return EPD_OK;
 }

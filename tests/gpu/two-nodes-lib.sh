@@ -62,6 +62,14 @@ start_nodes() {
   "$EPDCTL" -s "$T/n1/control.sock" status > "$T/status.out" || fail "epdctl status"
   grep -q "node 1 of 2, $((2 * GPN)) world ranks, inter-node transport nccl-p2p" "$T/status.out" ||
     fail "status: $(cat "$T/status.out")"
+  # the start-up GIN probe (NCCL asked for a GIN context on the world communicator): a line in status,
+  # the same on both nodes, and in the log
+  grep -E "^gin: +(unavailable \(|available \(|probe failed: )" "$T/status.out" || fail "no GIN line: $(cat "$T/status.out")"
+  "$EPDCTL" -s "$T/n0/control.sock" --json status > "$T/status0.json" || fail "epdctl --json status"
+  "$EPDCTL" -s "$T/n1/control.sock" --json status > "$T/status1.json" || fail "epdctl --json status"
+  /usr/bin/python3 -c 'import json, sys; g = [json.load(open(f)).get("gin", "") for f in sys.argv[1:]]; assert g[0] and g[0] == g[1], g' \
+    "$T/status0.json" "$T/status1.json" || fail "GIN line missing or different between the nodes"
+  grep -qF "GIN: $(sed -n 's/^gin: *//p' "$T/status.out" | cut -c1-40)" "$T/node1.log" || fail "the log lacks the GIN line"
 }
 # start_workers NAME ARGS...: the 2 x GPN world ranks of a group, rank r at node r / GPN on GPU r; the
 # worker of rank r writes $T/NAMEr.out, its pid in W_NAMEr.
