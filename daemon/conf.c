@@ -97,6 +97,8 @@ static const conf_key_t keys[] = {
      "expert slots per rank as a percentage of ceil(experts/ranks); above 100 leaves room for replicas"},
     {"engine.ht_capacity_factor", CT_UINT, 0, 1024, "0", 0, F(ht_capacity_factor), NULL,
      "HT receive capacity in units of max_tokens; 0: num_ranks (never overflows)"},
+    {"engine.ht_sms", CT_UINT, 1, 132, "24", 0, F(ht_sms), NULL,
+     "SMs (one block each) of every HT dispatch/combine kernel of this node's GPUs (cuda; host: unused)"},
     {"engine.step_timeout_ms", CT_UINT, 1, 3600000, "10000", 0, F(step_timeout_ms), NULL,
      "a rank waiting longer than this for its peers fails the step with EPD_ERR_TIMEOUT"},
     {"engine.exit_on_failure", CT_UINT, 0, 1, "1", 1, F(exit_on_failure), NULL,

@@ -36,6 +36,7 @@ typedef struct epd_conf {
   uint32_t max_experts, max_hidden, max_topk, max_tokens;
   uint32_t slots_factor_pct;         /* redundant-expert slots: 100 = none */
   uint32_t ht_capacity_factor;       /* HT receive capacity in units of max_tokens (0 = num_ranks) */
+  uint32_t ht_sms;                   /* blocks (one per SM) of each HT data kernel (cuda) */
   uint32_t step_timeout_ms;
   uint32_t exit_on_failure;          /* 1: drain and exit 1 after an engine failure (restart by systemd) */
   uint32_t max_groups, max_clients_per_rank;

@@ -30,6 +30,7 @@ typedef struct epd_engine_opts {
   uint32_t max_tokens;
   uint32_t slots_factor_pct; /* slots per rank = ceil(num_experts/num_ranks * pct/100) (redundancy) */
   uint32_t ht_capacity_factor; /* HT receive capacity = max_tokens * num_ranks (if 0) or this * max_tokens */
+  uint32_t ht_sms;             /* cuda: blocks (one per SM) of each HT data kernel; 0: the kernels' default */
   uint32_t max_groups;
   uint32_t max_clients_per_rank;
   uint64_t max_arena_bytes; /* per client */

@@ -218,6 +218,7 @@ typedef struct cuda_be {
   uint64_t timeout_ns; /* per kernel wait: the engine's step timeout */
   uint64_t spin_ns;    /* rank threads spin without sleeping this long after activity ($EPD_CUDA_SPIN_NS) */
   uint32_t ll_blocks;  /* LL kernel blocks of every group ($EPD_CUDA_LL_BLOCKS; 0: the kernels' default) */
+  uint32_t ht_sms;     /* HT data kernel blocks of every group (engine.ht_sms; 0: the kernels' default) */
   cuda_rank_t rank[EPD_MAX_RANKS];
   uint64_t next_run_seq;
   uint32_t ngrp;
@@ -364,7 +365,8 @@ static epd_result_t grank_setup(epd_cc_t *cc, int rank, void *argp) {
   if (cg->have_hwin) {
     epd_k_ht_geom_t hg = {.num_ranks = cg->g.num_ranks, .rank = (uint32_t)rank, .num_experts = cg->g.num_experts,
                           .hidden = cg->g.hidden, .topk = cg->g.topk, .max_tokens = cg->g.max_tokens,
-                          .slots_per_rank = cg->g.slots_per_rank, .capacity = cg->g.ht_capacity};
+                          .slots_per_rank = cg->g.slots_per_rank, .capacity = cg->g.ht_capacity,
+                          .blocks = a->be->ht_sms};
     if ((rc = epd_k_ht_create(&hg, epd_cc_lsa(cc, rank), cg->hwin.win[rank], cg->hwin.ptr[rank], 0, &gr->kh, err,
                               errlen)))
       return rc;
@@ -459,7 +461,8 @@ static epd_result_t grp_setup(cuda_be_t *be, cuda_grp_t *cg, char *err, size_t e
       cg->g.ht_capacity <= (uint32_t)EPD_K_HT_MAX_TOKENS * EPD_K_MAX_RANKS) {
     epd_k_ht_geom_t hg = {.num_ranks = cg->g.num_ranks, .num_experts = cg->g.num_experts, .hidden = cg->g.hidden,
                           .topk = cg->g.topk, .max_tokens = cg->g.max_tokens,
-                          .slots_per_rank = cg->g.slots_per_rank, .capacity = cg->g.ht_capacity};
+                          .slots_per_rank = cg->g.slots_per_rank, .capacity = cg->g.ht_capacity,
+                          .blocks = be->ht_sms}; /* the window's flag arrays are per block */
     if ((rc = epd_cc_window_alloc(be->cc, epd_k_ht_window_bytes(&hg), &cg->hwin, err, errlen))) {
       grp_teardown(be, cg);
       return rc;
@@ -1387,6 +1390,7 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
   /* A persistent kernel keeps its SMs (one block per SM): by default it takes half of the launch mode's
    * blocks, so a persistent group and a launched kernel fit together and the clients keep SMs. */
   if (!lb && be->mode == MODE_PERSISTENT) be->ll_blocks = EPD_CUDA_PERSIST_BLOCKS;
+  be->ht_sms = eng->o.ht_sms;
   for (int r = 0; r < be->ndev; r++) {
     be->rank[r].device = r;
     be->rank[r].rank = r;
@@ -1423,8 +1427,9 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
     }
   }
   EPD_LOGI(EPD_SUB_CUDA, "NCCL communicators of %d GPUs up in %.1f ms; MPS %s, mode %s, idle spin %llu ns, "
-           "LL blocks %u", be->ndev, (eng_now_ns() - t0) / 1e6, be->mps ? "on" : "off", cuda_mode(eng),
-           (unsigned long long)be->spin_ns, be->ll_blocks ? be->ll_blocks : EPD_K_LL_BLOCKS);
+           "LL blocks %u, HT SMs %u", be->ndev, (eng_now_ns() - t0) / 1e6, be->mps ? "on" : "off", cuda_mode(eng),
+           (unsigned long long)be->spin_ns, be->ll_blocks ? be->ll_blocks : EPD_K_LL_BLOCKS,
+           be->ht_sms ? be->ht_sms : EPD_K_HT_BLOCKS);
   for (int r = 0; r < be->ndev; r++) {
     cuda_rank_t *rk = &be->rank[r];
     cudaSetDevice(rk->device);

@@ -36,6 +36,7 @@ EPD_TEST(conf_defaults) {
   ASSERT(c.max_arena_bytes == 8ull << 30);
   ASSERT_EQ(c.slots_factor_pct, 100);
   ASSERT_EQ(c.ht_capacity_factor, 0);
+  ASSERT_EQ(c.ht_sms, 24);
   ASSERT_EQ(c.drain_timeout_ms, 10000);
   ASSERT_EQ(c.log_level, EPD_LOG_INFO);
   ASSERT_EQ(c.log_subsystems, EPD_SUB_ALL);
@@ -53,6 +54,8 @@ EPD_TEST(conf_bad_values) {
       {"engine.num_ranks", "99999999999999999999999", "is not an unsigned integer"},
       {"engine.max_topk", "17", "engine.max_topk: 17 is out of range [1, 16]"},
       {"engine.slots_factor_pct", "99", "engine.slots_factor_pct: 99 is out of range [100, 800]"},
+      {"engine.ht_sms", "0", "engine.ht_sms: 0 is out of range [1, 132]"},
+      {"engine.ht_sms", "133", "engine.ht_sms: 133 is out of range [1, 132]"},
       {"daemon.token_ttl_ms", "5", "daemon.token_ttl_ms: 5 is out of range [100, 3600000]"},
       {"daemon.socket_mode", "0999", "daemon.socket_mode: '0999' is not an octal mode in range [0, 0777]"},
       {"daemon.socket_mode", "01777", "daemon.socket_mode: 01777 is out of range [0, 0777]"},
@@ -100,6 +103,8 @@ EPD_TEST(conf_good_values) {
   ASSERT_EQ(c.log_subsystems, EPD_SUB_RPC | EPD_SUB_ATTACH);
   ASSERT_OK(epd_conf_set(&c, "log.level", "DEBUG", err, sizeof err));
   ASSERT_EQ(c.log_level, EPD_LOG_DEBUG);
+  ASSERT_OK(epd_conf_set(&c, "engine.ht_sms", "132", err, sizeof err));
+  ASSERT_EQ(c.ht_sms, 132);
   ASSERT_OK(epd_conf_set(&c, "engine.backend", "host", err, sizeof err));
   ASSERT_STR_CONTAINS(c.backend, "host");
   ASSERT_OK(epd_conf_set(&c, "daemon.control_socket", "\"/tmp/x y;z.sock\"", err, sizeof err));

@@ -1,6 +1,6 @@
 #!/bin/bash
 # 50-e2e-cuda.sh - the real daemon with engine.backend=cuda on 2 GPUs and epd-worker processes checking
-# every LL step against the reference (BF16 and FP8, skewed routing, H 7168 x 256 experts x top-8 x 128
+# every LL and HT (on engine.ht_sms = 20 SMs) step against the reference (BF16 and FP8, skewed routing, H 7168 x 256 experts x top-8 x 128
 # tokens), and a worker killed mid-step: its peer gets EPD_ERR_PEER/EPD_ERR_TIMEOUT naming rank 1, the
 # daemon keeps serving and a new client of that rank runs. Optionally under CUDA MPS (E2E_MPS=1).
 # Usage (repository root, on the GPU machine): bash tests/gpu/50-e2e-cuda.sh [build-dir]
@@ -9,8 +9,10 @@ B=${1:-${EPD_BUILD:-build}}
 GPU_MPS=${E2E_MPS:-0}
 . "$(dirname "$0")/daemon-lib.sh"
 
-start_daemon -o engine.step_timeout_ms=2000 -o daemon.drain_timeout_ms=2000
+# HT kernels on 20 SMs (engine.ht_sms; default 24): the HT steps below check it against the reference
+start_daemon -o engine.step_timeout_ms=2000 -o daemon.drain_timeout_ms=2000 -o engine.ht_sms=20
 grep -E "backend|mode" "$LOG" | head -3
+grep -q "HT SMs 20" "$LOG" || fail "engine.ht_sms = 20 not in effect: $(grep 'LL blocks' "$LOG")"
 
 echo "== LL BF16, skewed routing, 20 steps (hidden 256)"
 worker wa0 -g ll -r 0 -n 2 --steps 20 --seed 5 --skew --hidden 256
