@@ -3,6 +3,11 @@
 # start worker NAME with its output in $T/NAME.out and its pid in W_NAME, and define fail().
 # expect_ok NAME...: each worker exited 0 and printed its summary ("steps ok"); its summary lines (and
 # bench, map-switch and HT counts) are printed, prefixed with its name.
+# GPU scripts: CUDA numbers GPUs as nvidia-smi does (its default order may differ on mixed hosts);
+# gpu_of I: the CUDA_VISIBLE_DEVICES entry of GPU I of the script's own view (its inherited
+# CUDA_VISIBLE_DEVICES if set, else every GPU), for a daemon or worker that should see only that GPU.
+export CUDA_DEVICE_ORDER=PCI_BUS_ID
+gpu_of() { if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then echo "$CUDA_VISIBLE_DEVICES" | cut -d, -f$(($1 + 1)); else echo "$1"; fi; }
 expect_ok() {
   local n pid rc
   for n in "$@"; do

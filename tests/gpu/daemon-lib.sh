@@ -11,11 +11,6 @@ WORKER=$B/bin/epd-worker
 [ -x "$WORKER" ] || { echo "skip: $WORKER is not built"; exit 77; }
 NGPU=${DL_NGPU:-2}
 [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge "$NGPU" ] || { echo "skip: needs $NGPU GPUs"; exit 77; }
-# CUDA numbers GPUs as nvidia-smi does (its default order may differ on mixed hosts); gpu_of R: the
-# CUDA_VISIBLE_DEVICES entry of the daemon's GPU R for a worker that should see only that GPU (the
-# scripts' own CUDA_VISIBLE_DEVICES, if set, is what the daemon sees)
-export CUDA_DEVICE_ORDER=PCI_BUS_ID
-gpu_of() { if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then echo "$CUDA_VISIBLE_DEVICES" | cut -d, -f$(($1 + 1)); else echo "$1"; fi; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
 [ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}

@@ -1,11 +1,11 @@
 # two-nodes-lib.sh - sourced by the two-node GPU scripts (65-two-nodes-cuda.sh: one GPU per node,
 # 66-two-nodes-2gpus-cuda.sh: two): two daemons with engine.backend=cuda on one host, told they are
 # different hosts (NCCL_HOSTID node0 / node1, NCCL_SHM_DISABLE=1, NCCL_IB_DISABLE=1, sockets on lo), so the
-# inter-node stage runs over NCCL's network transport. Node n owns GPUs n*GPN .. n*GPN+GPN-1; with one GPU
-# per node NCCL_P2P_DISABLE=1 too (with two, the node's GPUs need P2P for their LSA team; the different
-# host ids keep the nodes apart). Before sourcing: B (build directory), GPN (GPUs per node). Skips (exit
-# 77) without the binaries or 2 x GPN GPUs. Logs go to $TWO_NODES_OUT if set; TWO_NODES_NCCL_ENV: extra
-# NCCL variables for the daemons.
+# inter-node stage runs over NCCL's network transport. Node n owns GPUs n*GPN .. n*GPN+GPN-1 (through an
+# inherited CUDA_VISIBLE_DEVICES: gpu_of); with one GPU per node NCCL_P2P_DISABLE=1 too (with two, the
+# node's GPUs need P2P for their LSA team; the different host ids keep the nodes apart). Before sourcing:
+# B (build directory), GPN (GPUs per node). Skips (exit 77) without the binaries or 2 x GPN GPUs. Logs go
+# to $TWO_NODES_OUT if set; TWO_NODES_NCCL_ENV: extra NCCL variables for the daemons.
 EPD=$B/bin/epd
 WORKER=$B/bin/epd-worker
 EPDCTL=$B/bin/epdctl
@@ -35,9 +35,9 @@ PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); pr
 
 # node N: the daemon of node N on its GPN GPUs (its local ranks 0 .. GPN-1); its pid in P_N.
 node() {
-  local n=$1 where="-o cluster.coordinator=127.0.0.1:$PORT" devs=$(( $1 * GPN )) p2p=
+  local n=$1 where="-o cluster.coordinator=127.0.0.1:$PORT" devs=$(gpu_of $(( $1 * GPN ))) p2p=
   [ "$n" = 0 ] && where="-o cluster.listen=127.0.0.1:$PORT"
-  [ "$GPN" = 2 ] && devs="$devs,$(( n * GPN + 1 ))"
+  [ "$GPN" = 2 ] && devs="$devs,$(gpu_of $(( n * GPN + 1 )))"
   [ "$GPN" = 1 ] && p2p=NCCL_P2P_DISABLE=1
   mkdir -p "$T/n$n"
   env ${TWO_NODES_NCCL_ENV:-} CUDA_VISIBLE_DEVICES=$devs NCCL_HOSTID=node$n $p2p NCCL_SHM_DISABLE=1 \
@@ -76,7 +76,7 @@ start_nodes() {
 start_workers() {
   local g=$1 r; shift
   for r in $(seq 0 $((2 * GPN - 1))); do
-    CUDA_VISIBLE_DEVICES=$r timeout 200 "$WORKER" -s "$T/n$((r / GPN))/control.sock" -g "$g" -r $r -n $((2 * GPN)) "$@" \
+    CUDA_VISIBLE_DEVICES=$(gpu_of $r) timeout 200 "$WORKER" -s "$T/n$((r / GPN))/control.sock" -g "$g" -r $r -n $((2 * GPN)) "$@" \
       > "$T/$g$r.out" 2>&1 &
     eval "W_$g$r=$!"
   done
