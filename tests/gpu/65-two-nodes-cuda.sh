@@ -96,10 +96,10 @@ for n in 0 1; do
 done
 
 echo "== node 1 never submits: EPD_ERR_TIMEOUT naming rank 1; meanwhile a second group is refused"
-CUDA_VISIBLE_DEVICES=0 timeout 30 "$WORKER" -s "$T/n0/control.sock" -g to -r 0 -n 2 --steps 1 --hidden 256 > "$T/to.out" 2>&1 &
+CUDA_VISIBLE_DEVICES=$(gpu_of 0) timeout 30 "$WORKER" -s "$T/n0/control.sock" -g to -r 0 -n 2 --steps 1 --hidden 256 > "$T/to.out" 2>&1 &
 W_TO=$!
 sleep 1
-CUDA_VISIBLE_DEVICES=0 timeout 30 "$WORKER" -s "$T/n0/control.sock" -g two -r 0 -n 2 --steps 1 --hidden 256 > "$T/two.out" 2>&1
+CUDA_VISIBLE_DEVICES=$(gpu_of 0) timeout 30 "$WORKER" -s "$T/n0/control.sock" -g two -r 0 -n 2 --steps 1 --hidden 256 > "$T/two.out" 2>&1
 RC=$?
 [ $RC -eq 2 ] || fail "second group: worker exited $RC"
 grep -q "one group at a time" "$T/two.out" || fail "second group: $(cat "$T/two.out")"
@@ -117,7 +117,7 @@ if [ "${TWO_NODES_QUICK:-0}" != 1 ]; then
   kill -TERM "$P_1"; wait "$P_1"; R1=$? # its NCCL log lines reach the file; then it is gone for good
   wait_for 5 grep -q "data link to node 1 lost" "$T/node0.log" || fail "node 0 did not notice the lost link"
   S=$(date +%s%N)
-  CUDA_VISIBLE_DEVICES=0 timeout 30 "$WORKER" -s "$T/n0/control.sock" -g pe -r 0 -n 2 --steps 1 --hidden 256 > "$T/pe.out" 2>&1
+  CUDA_VISIBLE_DEVICES=$(gpu_of 0) timeout 30 "$WORKER" -s "$T/n0/control.sock" -g pe -r 0 -n 2 --steps 1 --hidden 256 > "$T/pe.out" 2>&1
   RC=$?
   MS=$(( ($(date +%s%N) - S) / 1000000 ))
   [ $RC -eq 2 ] || fail "lost node: worker exited $RC"
