@@ -55,9 +55,10 @@ size_t epd_cluster_agreed_config(const epd_conf_t *c, char *buf, size_t len) {
       buf, len,
       "protocol_version = %u\ncluster.nodes = %u\nengine.num_ranks = %u\nengine.backend = %s\n"
       "engine.max_experts = %u\nengine.max_hidden = %u\nengine.max_topk = %u\n"
-      "engine.max_tokens = %u\nengine.slots_factor_pct = %u\nengine.ht_capacity_factor = %u\n",
+      "engine.max_tokens = %u\nengine.slots_factor_pct = %u\nengine.ht_capacity_factor = %u\n"
+      "cluster.gin_probe = %u\n",
       EPD_PROTOCOL_VERSION, c->nodes, c->num_ranks, c->backend, c->max_experts, c->max_hidden, c->max_topk,
-      c->max_tokens, c->slots_factor_pct, c->ht_capacity_factor);
+      c->max_tokens, c->slots_factor_pct, c->ht_capacity_factor, c->gin_probe);
 }
 
 uint64_t epd_cluster_hash(const char *text) {
@@ -102,7 +103,7 @@ static void config_diff(const char *mine, const char *theirs, uint32_t me, uint3
 static const char *agreed_keys =
     "protocol version, cluster.nodes, engine.num_ranks, engine.backend, engine.max_experts, "
     "engine.max_hidden, "
-    "engine.max_topk, engine.max_tokens, engine.slots_factor_pct, engine.ht_capacity_factor";
+    "engine.max_topk, engine.max_tokens, engine.slots_factor_pct, engine.ht_capacity_factor, cluster.gin_probe";
 
 /* ---- coordinator ------------------------------------------------------------------------------------ */
 

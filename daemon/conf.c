@@ -121,6 +121,9 @@ static const conf_key_t keys[] = {
      "TCP host:port of this node's data-plane listener (port 0: any free port); needed when nodes > 1"},
     {"cluster.timeout_ms", CT_UINT, 100, 3600000, "60000", 0, F(cluster_timeout_ms), NULL,
      "start-up fails when the rendezvous or the data connections are not complete within this"},
+    {"cluster.gin_probe", CT_UINT, 0, 1, "1", 0, F(gin_probe), NULL,
+     "cuda backend: 1 asks NCCL at start-up for a GIN context on the world communicator and reports what "
+     "it offers (epdctl status 'gin:'); a collective call, so the same on every node; 0: not asked"},
     {"metrics.prometheus_listen", CT_STRING, 0, 0, "", 0, F(prometheus_listen), NULL,
      "host:port to serve /metrics over HTTP; empty: off (metrics stay available over the control RPC)"},
 };

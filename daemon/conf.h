@@ -48,6 +48,7 @@ typedef struct epd_conf {
   char cluster_coordinator[128];     /* "host:port" the other nodes contact */
   char cluster_data_listen[128];     /* this node's data-plane listener "host:port" (port 0: any) */
   uint32_t cluster_timeout_ms;       /* rendezvous and data connection set-up */
+  uint32_t gin_probe;                /* cuda: ask NCCL at start-up whether it offers GIN (same on every node) */
   /* [metrics] */
   char prometheus_listen[64];        /* "" = off, else "host:port" */
 } epd_conf_t;

@@ -102,8 +102,12 @@ void epd_cc_gin_probe(epd_cc_t *cc, char *out, size_t outlen) {
     return;
   }
   if (a.type[0] < 0) {
-    snprintf(out, outlen, "unavailable (NCCL refused a GIN context on the world communicator: its network has "
-                          "no device-initiated transport, e.g. no InfiniBand/RoCE NIC)");
+    char why[120];
+    size_t n = strlen(a.err[0]);
+    while (n && (a.err[0][n - 1] == '\n' || a.err[0][n - 1] == '.' || a.err[0][n - 1] == ' ')) n--;
+    snprintf(why, sizeof why, "%.*s", (int)n, a.err[0]);
+    snprintf(out, outlen, "unavailable (NCCL refused a GIN context on the world communicator: '%s'; no "
+                          "device-initiated network transport, e.g. no InfiniBand/RoCE NIC)", why);
     return;
   }
   if (a.contexts[0] > 0) {

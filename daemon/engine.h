@@ -40,6 +40,7 @@ typedef struct epd_engine_opts {
   /* Scale-out (engine_net.h): nodes > 1 makes every group span nodes * num_ranks world ranks, this
    * node owning world ranks node_rank * num_ranks ..; needs connected links (and comm_id for cuda). */
   uint32_t nodes, node_rank;
+  uint32_t gin_probe; /* cuda across nodes: probe what NCCL offers for GIN at start-up (collective) */
   struct epd_net *net;
   /* backend cuda across nodes: the world communicator's ncclUniqueId (128 bytes, from the rendezvous) */
   const uint8_t *comm_id;

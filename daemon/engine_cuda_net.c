@@ -129,7 +129,10 @@ epd_result_t eng_cuda_net_create(epd_engine_t *eng, epd_cc_t *cc, const int *dev
       if (cudaDeviceEnablePeerAccess(devices[p], 0) != cudaSuccess) cudaGetLastError();
     }
   }
-  epd_cc_gin_probe(cc, cn->gin, sizeof cn->gin);
+  if (eng->o.gin_probe)
+    epd_cc_gin_probe(cc, cn->gin, sizeof cn->gin);
+  else
+    snprintf(cn->gin, sizeof cn->gin, "not probed (cluster.gin_probe = 0)");
   EPD_LOGI(EPD_SUB_CUDA,
            "scale-out: node %u of %u, world ranks %u..%u of %u; inter-node transport nccl-p2p (grouped "
            "ncclSend/ncclRecv on the world communicator, control over the daemon links); GIN: %s",

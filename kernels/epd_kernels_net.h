@@ -53,9 +53,9 @@ struct ncclComm;
 /* What NCCL offers for device-initiated network transfers (GIN) on a world communicator: a device
  * communicator asking for a GIN context (a hint, not forced) is created and destroyed. *contexts: the
  * GIN contexts NCCL gave it (0: none), *type: the first one's backend (NCCL_NET_DEVICE_GIN_PROXY 2,
- * _GDAKI 3), or -1 where NCCL refused the request and the same device communicator without it could be
- * made (its network has no GIN). Collective: every rank of the world calls it, each with its device
- * current. */
+ * _GDAKI 3), or -1 where NCCL refused the request as invalid usage (NCCL 2.28: "GIN not supported";
+ * err gets NCCL's last error). Collective: every rank of the world calls it, each with its device
+ * current, once: NCCL may leave the GIN connections up for the communicator's life. */
 epd_result_t epd_k_gin_probe(struct ncclComm *world, int *contexts, int *type, char *err, size_t errlen);
 
 #ifdef __cplusplus

@@ -1554,6 +1554,25 @@ epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm
     free(k);
     return EPD_ERR_CUDA;
   }
+  {
+    /* a data kernel's blocks wait for every peer block's flags: all G must be resident at once (with the
+     * most shared memory an op may take, one block per SM). A query that answers nothing checks nothing. */
+    int dev = 0, nsm = 0, per_d = 0, per_c = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_d, ht_dispatch_kernel, NTHR, SMEM_MAX);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_c, ht_combine_kernel, NTHR, SMEM_MAX);
+    cudaGetLastError();
+    const int per = per_d < per_c ? per_d : per_c;
+    if (nsm > 0 && per > 0 && (long)nsm * per < (long)k->g.blocks) {
+      if (err && errlen)
+        snprintf(err, errlen, "HT blocks (engine.ht_sms) = %u exceeds the %d x %d blocks this GPU keeps resident",
+                 k->g.blocks, nsm, per);
+      ncclDevCommDestroy(lsa_comm, &k->dev);
+      free(k);
+      return EPD_ERR_INVALID;
+    }
+  }
   *out = k;
   return EPD_OK;
 }

@@ -140,15 +140,18 @@ extern "C" epd_result_t epd_k_gin_probe(struct ncclComm *world, int *contexts, i
   req.ginContextCount = 1;
   ncclDevComm_t dev;
   *contexts = *type = 0;
-  if (ncclDevCommCreate(world, &req, &dev) != ncclSuccess) {
-    /* NCCL 2.28 refuses the request where its network has no GIN ("GIN not supported"): if the same
-     * device communicator without it can be made, that was the reason */
-    req.ginContextCount = 0;
-    epd_result_t r = epd_dev::dev_comm_create(world, &req, &dev, err, errlen);
-    if (r) return r;
-    ncclDevCommDestroy(world, &dev);
+  const ncclResult_t nr = ncclDevCommCreate(world, &req, &dev);
+  if (nr == ncclInvalidUsage) {
+    /* NCCL 2.28 refuses the request where its network has no GIN ("GIN not supported"). No second try
+     * without GIN: that is another collective call, and a rank NCCL let through would wait in the first */
+    const char *le = ncclGetLastError(world);
+    snprintf(err, errlen, "%s", le && *le ? le : "invalid usage");
     *type = -1;
     return EPD_OK;
+  }
+  if (nr != ncclSuccess) {
+    snprintf(err, errlen, "ncclDevCommCreate with a GIN context: %s", ncclGetErrorString(nr));
+    return EPD_ERR_NCCL;
   }
   *contexts = dev.ginContextCount;
   *type = dev.ginContextCount ? dev.ginTypes[0] : 0;

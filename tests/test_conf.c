@@ -37,6 +37,7 @@ EPD_TEST(conf_defaults) {
   ASSERT_EQ(c.slots_factor_pct, 100);
   ASSERT_EQ(c.ht_capacity_factor, 0);
   ASSERT_EQ(c.ht_sms, 24);
+  ASSERT_EQ(c.gin_probe, 1);
   ASSERT_EQ(c.drain_timeout_ms, 10000);
   ASSERT_EQ(c.log_level, EPD_LOG_INFO);
   ASSERT_EQ(c.log_subsystems, EPD_SUB_ALL);
@@ -56,6 +57,7 @@ EPD_TEST(conf_bad_values) {
       {"engine.slots_factor_pct", "99", "engine.slots_factor_pct: 99 is out of range [100, 800]"},
       {"engine.ht_sms", "0", "engine.ht_sms: 0 is out of range [1, 132]"},
       {"engine.ht_sms", "133", "engine.ht_sms: 133 is out of range [1, 132]"},
+      {"cluster.gin_probe", "2", "cluster.gin_probe: 2 is out of range [0, 1]"},
       {"daemon.token_ttl_ms", "5", "daemon.token_ttl_ms: 5 is out of range [100, 3600000]"},
       {"daemon.socket_mode", "0999", "daemon.socket_mode: '0999' is not an octal mode in range [0, 0777]"},
       {"daemon.socket_mode", "01777", "daemon.socket_mode: 01777 is out of range [0, 0777]"},

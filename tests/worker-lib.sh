@@ -8,6 +8,11 @@
 # CUDA_VISIBLE_DEVICES if set, else every GPU), for a daemon or worker that should see only that GPU.
 export CUDA_DEVICE_ORDER=PCI_BUS_ID
 gpu_of() { if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then echo "$CUDA_VISIBLE_DEVICES" | cut -d, -f$(($1 + 1)); else echo "$1"; fi; }
+# visible_gpus: how many GPUs the script may use (its inherited CUDA_VISIBLE_DEVICES, else nvidia-smi's)
+visible_gpus() {
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .
+  else nvidia-smi -L 2>/dev/null | wc -l; fi
+}
 expect_ok() {
   local n pid rc
   for n in "$@"; do

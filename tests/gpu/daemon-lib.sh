@@ -10,7 +10,8 @@ WORKER=$B/bin/epd-worker
 [ -x "$EPD" ] || { echo "skip: $EPD is not built"; exit 77; }
 [ -x "$WORKER" ] || { echo "skip: $WORKER is not built"; exit 77; }
 NGPU=${DL_NGPU:-2}
-[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge "$NGPU" ] || { echo "skip: needs $NGPU GPUs"; exit 77; }
+. "$(dirname "${BASH_SOURCE[0]}")/../worker-lib.sh"
+[ "$(visible_gpus)" -ge "$NGPU" ] || { echo "skip: needs $NGPU GPUs"; exit 77; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
 [ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
@@ -58,4 +59,3 @@ worker() {
   timeout 120 "$WORKER" -s "$SOCK" "$@" > "$T/$n.out" 2>&1 &
   eval "W_$n=$!"
 }
-. "$(dirname "${BASH_SOURCE[0]}")/../worker-lib.sh"

@@ -353,6 +353,7 @@ static void expect_timeout(uint32_t opc) {
   if (c.status != EPD_ERR_TIMEOUT || c.peer != 1)
     epd_test_fail(__FILE__, __LINE__, "op %u staging %d: status %d peer %d, expected %d peer 1", opc, T_.h.staging,
                   c.status, c.peer, EPD_ERR_TIMEOUT);
+  if (opc == EPD_OP_HT_DISPATCH) check_untouched(0, 0, 0); /* a timed-out dispatch writes no rows */
   for (int r = 0; r < 2; r++) {
     cudaSetDevice(epd_cc_device(T_.h.kh.cc, r));
     CK(epd_k_ht_reset(T_.h.k[r], T_.h.kh.st[r]));
@@ -371,6 +372,11 @@ EPD_TEST_T(gpu_ht_peer_timeout, 180) {
     gen(33 + staging, 0, 256, 256, 1);
     upload(0);
     exec(EPD_OP_HT_DISPATCH, 0, 0);
+    for (int r = 0; r < 2; r++) { /* a good dispatch: the combine's timeout is its own */
+      epd_comp_t c;
+      CK(hth_comp(&T_.h, r, 0, &c));
+      if (c.status != 0) epd_test_fail(__FILE__, __LINE__, "rank %d: dispatch status %d peer %d", r, c.status, c.peer);
+    }
     expect_timeout(EPD_OP_HT_COMBINE);
     step(34 + staging, 2, 512, 512, 1, 1 - staging);
   }

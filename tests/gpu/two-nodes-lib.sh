@@ -10,7 +10,8 @@ EPD=$B/bin/epd
 WORKER=$B/bin/epd-worker
 EPDCTL=$B/bin/epdctl
 for x in "$EPD" "$WORKER" "$EPDCTL"; do [ -x "$x" ] || { echo "skip: $x is not built"; exit 77; }; done
-[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge $((2 * GPN)) ] || { echo "skip: needs $((2 * GPN)) GPUs (two nodes of $GPN)"; exit 77; }
+. "$(dirname "${BASH_SOURCE[0]}")/../worker-lib.sh"
+[ "$(visible_gpus)" -ge $((2 * GPN)) ] || { echo "skip: needs $((2 * GPN)) GPUs (two nodes of $GPN)"; exit 77; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
 [ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
@@ -63,12 +64,12 @@ start_nodes() {
   grep -q "node 1 of 2, $((2 * GPN)) world ranks, inter-node transport nccl-p2p" "$T/status.out" ||
     fail "status: $(cat "$T/status.out")"
   # the start-up GIN probe (NCCL asked for a GIN context on the world communicator): a line in status,
-  # the same on both nodes, and in the log
+  # the same verdict on both nodes, and in the log
   grep -E "^gin: +(unavailable \(|available \(|probe failed: )" "$T/status.out" || fail "no GIN line: $(cat "$T/status.out")"
   "$EPDCTL" -s "$T/n0/control.sock" --json status > "$T/status0.json" || fail "epdctl --json status"
   "$EPDCTL" -s "$T/n1/control.sock" --json status > "$T/status1.json" || fail "epdctl --json status"
-  /usr/bin/python3 -c 'import json, sys; g = [json.load(open(f)).get("gin", "") for f in sys.argv[1:]]; assert g[0] and g[0] == g[1], g' \
-    "$T/status0.json" "$T/status1.json" || fail "GIN line missing or different between the nodes"
+  /usr/bin/python3 -c 'import json, sys; g = [json.load(open(f)).get("gin", "") for f in sys.argv[1:]]; assert g[0] and g[0].split(" (")[0] == g[1].split(" (")[0], g' \
+    "$T/status0.json" "$T/status1.json" || fail "GIN line missing or a different verdict on the two nodes"
   grep -qF "GIN: $(sed -n 's/^gin: *//p' "$T/status.out" | cut -c1-40)" "$T/node1.log" || fail "the log lacks the GIN line"
 }
 # start_workers NAME ARGS...: the 2 x GPN world ranks of a group, rank r at node r / GPN on GPU r; the
@@ -81,4 +82,3 @@ start_workers() {
     eval "W_$g$r=$!"
   done
 }
-. "$(dirname "${BASH_SOURCE[0]}")/../worker-lib.sh"

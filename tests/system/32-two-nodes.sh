@@ -110,8 +110,8 @@ echo "== start-up refusals"
 read -r P1 P2 P3 P4 P5 < <(free_ports 5)
 node lone0 0 2 "$P1" -o cluster.timeout_ms=1500          # node 1 never comes
 node lone1 1 2 "$P2" -o cluster.timeout_ms=1500          # no coordinator
-node cfg0 0 2 "$P3"                                        # max_tokens differs
-node cfg1 1 2 "$P3" -o engine.max_tokens=128
+node cfg0 0 2 "$P3"                                        # max_tokens and gin_probe differ
+node cfg1 1 2 "$P3" -o engine.max_tokens=128 -o cluster.gin_probe=0
 node dup0 0 3 "$P4" -o cluster.timeout_ms=2500            # two daemons claim node 1
 node dup1 1 3 "$P4" -o cluster.timeout_ms=2500
 wait_for 3 grep -q "node 1 joined" "$T/dup0.log" || fail "dup1 did not join"
@@ -130,6 +130,7 @@ expect_log lone0 "start-up failed: cluster (node 0 of 2): rendezvous incomplete 
 expect_log lone1 "rendezvous incomplete after cluster.timeout_ms 1500: coordinator (node 0) at 127.0.0.1:$P2 not reachable"
 expect_log cfg0 "node 1's configuration disagrees with the coordinator's: engine.max_tokens (node 0: 256, node 1: 128)"
 expect_log cfg1 "refused: .*node 1's configuration disagrees with the coordinator's: engine.max_tokens (node 0: 256, node 1: 128)"
+expect_log cfg0 "; cluster.gin_probe (node 0: 1, node 1: 0)"
 expect_log cfg1 "must be equal on every node"
 expect_log dup0 "node(s) 2 did not join"
 expect_log dup1b "refused: .*duplicate node_rank 1: already joined with data address"
