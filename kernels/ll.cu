@@ -92,6 +92,10 @@ struct PDev {
 };
 static_assert(sizeof(PDev) <= 512, "PDev fits the scratch");
 
+/* The host's abort word of a persistent kernel (epd_k_pctl_t.abort, host-mapped: a PCIe read, so callers
+ * poll it only now and then); non-zero (1 + rank): stop. */
+__device__ __forceinline__ uint32_t host_abort(const epd_k_pctl_t *ctl) { return *(volatile const uint32_t *)&ctl->abort; }
+
 struct LLParams {
   ncclWindow_t win;
   uint64_t win_off; /* LL area offset in the window */
@@ -232,7 +236,7 @@ __device__ void wait_flags(const LLParams &p, const uint64_t *flags, uint32_t se
       if ((uint32_t)(v >> 32) == seq) { ok = true; break; }
       if (gtimer() > deadline) break;
       if (p.ctl && (n & 255) == 0) { /* host-mapped: a PCIe read, so only now and then */
-        uint32_t ab = *(volatile const uint32_t *)&p.ctl->abort;
+        uint32_t ab = host_abort(p.ctl);
         if (ab) {
           atomicCAS(&wr->abort_peer, 0, (int)ab);
           break;
@@ -944,7 +948,7 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
     if (opn > 0) {
       if (lane == 0)
         for (uint32_t n = 1; ld_acquire_gpu_u64(&pd->done_ops) < opn; n++)
-          if ((n & 1023) == 0 && *(volatile const uint32_t *)&a.ctl->abort) {
+          if ((n & 1023) == 0 && host_abort(a.ctl)) {
             aborted = 1;
             break;
           }
@@ -967,7 +971,7 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
          * host's abort word a PCIe read now and then */
         const uint64_t lim = __shfl_sync(FULL, lane == 0 ? *(volatile const uint64_t *)a.dlimit : 0ull, 0);
         uint32_t ab = 0;
-        if (lane == 0 && (n & 63) == 0) ab = *(volatile const uint32_t *)&a.ctl->abort;
+        if (lane == 0 && (n & 63) == 0) ab = host_abort(a.ctl);
         ab = __shfl_sync(FULL, ab, 0);
         uint32_t stv = lane < EPD_QUEUE_SLOTS
                            ? *(volatile const uint32_t *)&dq->slot[(pos + lane) % EPD_QUEUE_SLOTS].state : 0u;
@@ -1047,7 +1051,7 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
         for (uint32_t n = 1;; n++) {
           v = *(volatile const uint64_t *)mine; /* nothing is read on the strength of it: relaxed */
           if ((v >> 16) >= idx + 1) break;
-          if (gtimer() > deadline || ((n & 255) == 0 && *(volatile const uint32_t *)&a.ctl->abort)) {
+          if (gtimer() > deadline || ((n & 255) == 0 && host_abort(a.ctl))) {
             v = 0;
             break;
           }
