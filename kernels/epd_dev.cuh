@@ -86,6 +86,18 @@ static inline epd_result_t set_err(char *err, size_t errlen, epd_result_t r, con
   return r;
 }
 
+/* Blocks of `kernel` (threads each, smem bytes of dynamic shared memory) one SM of `device` keeps
+ * resident at once, and the device's SMs in *nsm (0 where a query fails; the caller clears the error).
+ * Kernels whose blocks wait for one another need all of theirs resident: *nsm x this. */
+template <typename Kernel>
+static inline int resident_per_sm(Kernel kernel, int device, int threads, size_t smem, int *nsm) {
+  int per = 0;
+  *nsm = 0;
+  cudaDeviceGetAttribute(nsm, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kernel, threads, smem);
+  return per;
+}
+
 /* ncclDevCommCreate of a kernel context; EPD_ERR_NCCL (err says why) when it fails. */
 static inline epd_result_t dev_comm_create(ncclComm_t comm, const ncclDevCommRequirements_t *req,
                                            ncclDevComm_t *dev, char *err, size_t errlen) {

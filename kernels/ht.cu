@@ -1557,11 +1557,10 @@ epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm
   {
     /* a data kernel's blocks wait for every peer block's flags: all G must be resident at once (with the
      * most shared memory an op may take, one block per SM). A query that answers nothing checks nothing. */
-    int dev = 0, nsm = 0, per_d = 0, per_c = 0;
+    int dev = 0, nsm;
     cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_d, ht_dispatch_kernel, NTHR, SMEM_MAX);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_c, ht_combine_kernel, NTHR, SMEM_MAX);
+    const int per_d = resident_per_sm(ht_dispatch_kernel, dev, NTHR, SMEM_MAX, &nsm);
+    const int per_c = resident_per_sm(ht_combine_kernel, dev, NTHR, SMEM_MAX, &nsm);
     cudaGetLastError();
     const int per = per_d < per_c ? per_d : per_c;
     if (nsm > 0 && per > 0 && (long)nsm * per < (long)k->g.blocks) {

@@ -1341,9 +1341,8 @@ epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm
   k->have_dev = 1;
   {
     /* every block waits for every other block's arrival: all of them must be resident at once */
-    int nsm = 0, per_sm = 0;
-    cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, k->device);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, ll_persistent_kernel, NTHR, 0);
+    int nsm;
+    const int per_sm = resident_per_sm(ll_persistent_kernel, k->device, NTHR, 0, &nsm);
     k->resident = (long)nsm * per_sm;
     if ((long)nsm * per_sm < (long)k->g.blocks) {
       if (err && errlen)
