@@ -30,6 +30,7 @@
   X(cuDevicePrimaryCtxRetain, (CUcontext *, CUdevice))                                             \
   X(cuCtxGetCurrent, (CUcontext *))                                                                \
   X(cuCtxSetCurrent, (CUcontext))                                                                  \
+  X(cuCtxSynchronize, (void))                                                                      \
   X(cuMemImportFromShareableHandle, (CUmemGenericAllocationHandle *, void *,                       \
                                      CUmemAllocationHandleType))                                   \
   X(cuMemGetAllocationPropertiesFromHandle, (CUmemAllocationProp *, CUmemGenericAllocationHandle)) \
@@ -551,6 +552,8 @@ epd_result_t epd_cuda_write(uint64_t dst, const void *src, size_t bytes, char *e
   if (rc) return rc;
   if ((rc = ensure_ctx(-1, err, errlen))) return rc;
   CU_TRY(cu.cuMemcpyHtoD((CUdeviceptr)dst, src, bytes), "cuMemcpyHtoD");
+  /* from pageable memory the copy may return before its DMA has landed; the daemon's kernels read it */
+  CU_TRY(cu.cuCtxSynchronize(), "cuCtxSynchronize");
   return EPD_OK;
 }
 

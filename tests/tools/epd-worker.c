@@ -71,6 +71,7 @@ static double now_us(void) {
 static int on_gpu;
 static int (*cu_htod)(uint64_t, const void *, size_t);
 static int (*cu_dtoh)(void *, uint64_t, size_t);
+static int (*cu_sync)(void);
 
 /* --graph: driver entry points (CUstream, CUgraph, CUgraphExec as void *). */
 static struct {
@@ -87,6 +88,7 @@ static void gpu_copy_init(void) {
   if (h) {
     cu_htod = (int (*)(uint64_t, const void *, size_t))dlsym(h, "cuMemcpyHtoD_v2");
     cu_dtoh = (int (*)(void *, uint64_t, size_t))dlsym(h, "cuMemcpyDtoH_v2");
+    cu_sync = (int (*)(void))dlsym(h, "cuCtxSynchronize");
     cug.stream_create = (int (*)(void **, unsigned))dlsym(h, "cuStreamCreate");
     cug.begin = (int (*)(void *, int))dlsym(h, "cuStreamBeginCapture_v2");
     cug.end = (int (*)(void *, void **))dlsym(h, "cuStreamEndCapture");
@@ -94,7 +96,7 @@ static void gpu_copy_init(void) {
     cug.launch = (int (*)(void *, void *))dlsym(h, "cuGraphLaunch");
     cug.query = (int (*)(void *))dlsym(h, "cuStreamQuery");
   }
-  if (!cu_htod || !cu_dtoh) {
+  if (!cu_htod || !cu_dtoh || !cu_sync) {
     fprintf(stderr, "epd-worker: GPU arena but no libcuda.so.1 copy functions\n");
     exit(2);
   }
@@ -155,8 +157,11 @@ static void wr(void *dst, const void *src, size_t n) {
   if (!n) return;
   if (!on_gpu) {
     memcpy(dst, src, n);
-  } else if (cu_htod((uint64_t)(uintptr_t)dst, src, n)) {
-    fprintf(stderr, "epd-worker: cuMemcpyHtoD failed\n");
+  } else if (cu_htod((uint64_t)(uintptr_t)dst, src, n) || cu_sync()) {
+    /* A copy from pageable memory may return before its DMA has landed (CUDA's synchronous-copy rules);
+     * the daemon's kernel reads the arena as soon as the op is submitted: wait for the copy. Seen on
+     * 4x H100: the first combine of a bank read y rows still zero (one expert's share missing). */
+    fprintf(stderr, "epd-worker: cuMemcpyHtoD / cuCtxSynchronize failed\n");
     exit(2);
   }
 }
