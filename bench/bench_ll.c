@@ -397,6 +397,193 @@ static void trace_run(uint32_t T, uint32_t flags, FILE *out) {
   for (int r = 0; r < NR; r++) cudaFree(tr[r]);
 }
 
+/* (g) The persistent kernel in-process (EPD_BENCH_PERSIST=1, or =only for this section alone): the kernel
+ * the daemon runs under MPS, here on this bench's arenas (plain device memory), no MPS. */
+
+/* One persistent kernel per rank: host-mapped queue, control, progress and stop word; with `twin`, a
+ * device twin queue (GPU memory, each slot's twin_host naming its host copy) is the one polled. */
+typedef struct pers {
+  epd_queue_t *q[NR], *dq[NR]; /* host copy (host pointer); twin (device pointer) or NULL */
+  epd_k_pctl_t *ctl[NR];
+  epd_k_pprog_t *prog[NR];
+  uint64_t *dlim[NR];
+  cudaStream_t ps[NR];
+} pers_t;
+
+static void pers_start(pers_t *P, int twin) {
+  memset(P, 0, sizeof *P);
+  epd_queue_t *img = calloc(1, sizeof *img);
+  for (int r = 0; r < NR; r++) {
+    CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+    if (epd_k_ll_reset(H.k[r], H.kh.st[r])) DIE("reset");
+    CU(cudaStreamSynchronize(H.kh.st[r]));
+    const unsigned fl = cudaHostAllocMapped | cudaHostAllocPortable;
+    CU(cudaHostAlloc((void **)&P->q[r], sizeof *P->q[r], fl));
+    CU(cudaHostAlloc((void **)&P->ctl[r], sizeof *P->ctl[r], fl));
+    CU(cudaHostAlloc((void **)&P->prog[r], sizeof *P->prog[r], fl));
+    CU(cudaHostAlloc((void **)&P->dlim[r], sizeof *P->dlim[r], fl));
+    memset(P->q[r], 0, sizeof *P->q[r]);
+    memset(P->ctl[r], 0, sizeof *P->ctl[r]);
+    memset(P->prog[r], 0, sizeof *P->prog[r]);
+    *P->dlim[r] = UINT64_MAX;
+    CU(cudaStreamCreateWithFlags(&P->ps[r], cudaStreamNonBlocking));
+    epd_k_persist_t a;
+    memset(&a, 0, sizeof a);
+    CU(cudaHostGetDevicePointer((void **)&a.queue, P->q[r], 0));
+    a.dqueue = a.queue;
+    if (twin) {
+      for (uint32_t s = 0; s < EPD_QUEUE_SLOTS; s++) img->slot[s].twin_host = (uint64_t)(uintptr_t)&a.queue->slot[s];
+      CU(cudaMalloc((void **)&P->dq[r], sizeof *P->dq[r]));
+      CU(cudaMemcpy(P->dq[r], img, sizeof *img, cudaMemcpyHostToDevice));
+      a.dqueue = P->dq[r];
+    }
+    CU(cudaHostGetDevicePointer((void **)&a.dlimit, P->dlim[r], 0));
+    CU(cudaHostGetDevicePointer((void **)&a.ctl, P->ctl[r], 0));
+    CU(cudaHostGetDevicePointer((void **)&a.prog, P->prog[r], 0));
+    a.index0 = 1;
+    a.timeout_ns = 1000000000ull;
+    if (epd_k_ll_persistent_launch(H.k[r], &H.kh.ar[r], H.kh.map_dev[r], &a, P->ps[r])) DIE("persistent launch");
+  }
+  free(img);
+}
+
+/* Stop the kernels (stop word 0), wait for them, free everything, reset the LL state. */
+static void pers_stop(pers_t *P) {
+  for (int r = 0; r < NR; r++) __atomic_store_n(P->dlim[r], 0, __ATOMIC_SEQ_CST);
+  for (int r = 0; r < NR; r++) {
+    CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+    CU(cudaStreamSynchronize(P->ps[r]));
+  }
+  for (int r = 0; r < NR; r++) {
+    CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+    CU(cudaStreamDestroy(P->ps[r]));
+    if (P->dq[r]) CU(cudaFree(P->dq[r]));
+    CU(cudaFreeHost(P->q[r]));
+    CU(cudaFreeHost(P->ctl[r]));
+    CU(cudaFreeHost(P->prog[r]));
+    CU(cudaFreeHost(P->dlim[r]));
+    if (epd_k_ll_reset(H.k[r], H.kh.st[r])) DIE("reset");
+    CU(cudaStreamSynchronize(H.kh.st[r]));
+  }
+}
+
+/* Host-submitted ops, one at a time on every rank at once (dispatch, combine, banks alternating): the
+ * kernel's progress records give SUBMITTED seen -> completion (latency), seen -> every rank agreed, the
+ * time from the completion stamp to the end of the completion writes, and block 0's stamps after the
+ * release, printed in the phases of the standalone profile (EPD_BENCH_TRACE) to compare the two. */
+static void persist_run(uint32_t T, uint32_t flags, int nops, FILE *out) {
+  enum { PN = 400 };
+  static double lat[2][PN], agr[2][PN], tail[2][PN], ph[2][8][PN];
+  int n[2] = {0, 0};
+  if (nops > 2 * PN) nops = 2 * PN;
+  pers_t P;
+  pers_start(&P, 0);
+  for (int i = 0; i < nops; i++) {
+    const int opi = i & 1;
+    const uint32_t si = (uint32_t)i % EPD_QUEUE_SLOTS;
+    for (int r = 0; r < NR; r++) {
+      epd_desc_t d;
+      memset(&d, 0, sizeof d);
+      d.op = opi ? EPD_OP_LL_COMBINE : EPD_OP_LL_DISPATCH;
+      d.flags = opi ? 0 : flags;
+      d.num_tokens = T;
+      d.bank = (uint32_t)(i / 2) & 1;
+      memcpy((void *)&P.q[r]->slot[si].desc, &d, sizeof d);
+    }
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (int r = 0; r < NR; r++) __atomic_store_n(&P.q[r]->slot[si].state, EPD_SLOT_SUBMITTED, __ATOMIC_RELEASE);
+    const double t0 = now_us();
+    for (int r = 0; r < NR; r++) {
+      while (__atomic_load_n(&P.prog[r]->ops, __ATOMIC_ACQUIRE) < (uint64_t)i + 1)
+        if (now_us() - t0 > 5e6) DIE("persistent op %d: rank %d never completed (reason %u)", i, r, P.prog[r]->reason);
+      if (P.q[r]->slot[si].comp.status) DIE("persistent op %d: rank %d status %d", i, r, P.q[r]->slot[si].comp.status);
+    }
+    double l = 0;
+    for (int r = 0; r < NR; r++) {
+      const epd_k_prec_t *rc = (const epd_k_prec_t *)&P.prog[r]->rec[i % EPD_K_PREC];
+      if (rc->latency_ns / 1e3 > l) l = rc->latency_ns / 1e3;
+    }
+    const epd_k_prec_t *r0 = (const epd_k_prec_t *)&P.prog[0]->rec[i % EPD_K_PREC];
+    for (int r = 0; r < NR; r++) __atomic_store_n(&P.q[r]->slot[si].state, EPD_SLOT_FREE, __ATOMIC_RELEASE);
+    if (i < 20) continue; /* warm-up */
+    const int k = n[opi]++;
+    lat[opi][k] = l;
+    agr[opi][k] = r0->agree_ns / 1e3;
+    tail[opi][k] = ((double)r0->latency_ns - (double)r0->phase_ns[7]) / 1e3;
+    for (int j = 1; j < 8; j++) ph[opi][j][k] = ((double)r0->phase_ns[j] - (double)r0->phase_ns[j == 7 ? 0 : j - 1]) / 1e3;
+    ph[opi][0][k] = r0->phase_ns[0] / 1e3;
+  }
+  pers_stop(&P);
+  static const char *nm[8] = {"body start", "send", "fence", "flag", "wait", "recv", "finish", "total(last blk)"};
+  for (int opi = 0; opi < 2; opi++) {
+    fprintf(out, "persistent T=%u %s %s: latency(slower rank) %.2f agreed %.2f release+completion writes %.2f |",
+            T, flags ? "fp8" : "bf16", opi ? "combine" : "dispatch", stats(lat[opi], n[opi]).p50,
+            stats(agr[opi], n[opi]).p50, stats(tail[opi], n[opi]).p50);
+    for (int j = 0; j < 8; j++) fprintf(out, " %s %.2f", nm[j], stats(ph[opi][j], n[opi]).p50);
+    fprintf(out, "\n");
+  }
+  fflush(out);
+}
+
+/* The client view: served the way the daemon serves a worker under MPS, through a device twin, a
+ * one-thread client kernel per rank (bench/e2e/e2e_dev.cu, epd_device.h) submits dispatch/combine steps
+ * back to back and stamps the GPU timer from its submit to the completion it sees. Compare with (a),
+ * the standalone kernels' event-timed times. */
+int e2e_dev_launch(void *slots, uint32_t first, uint32_t nsteps, uint32_t bank0, uint32_t ntok, uint32_t flags,
+                   uint64_t timeout_ns, uint64_t *ts, int *status, void *stream);
+int e2e_dev_load(void);
+static void persist_dev_run(uint32_t T, uint32_t flags, uint32_t nsteps, FILE *out) {
+  enum { WARMUP = 20, MAXN = 4096 };
+  static double cl[2][MAXN], dl[2][MAXN];
+  uint64_t *ts[NR];
+  int *dst[NR];
+  cudaStream_t cs[NR];
+  for (int r = 0; r < NR; r++) {
+    CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+    if (e2e_dev_load()) DIE("loading the client kernel");
+    CU(cudaMalloc((void **)&ts[r], (size_t)nsteps * 6 * sizeof(uint64_t)));
+    CU(cudaMalloc((void **)&dst[r], sizeof(int)));
+    CU(cudaStreamCreateWithFlags(&cs[r], cudaStreamNonBlocking));
+  }
+  pers_t P;
+  pers_start(&P, 1);
+  for (int r = 0; r < NR; r++) {
+    CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+    if (e2e_dev_launch(P.dq[r]->slot, 0, nsteps, 0, T, flags, 2000000000ull, ts[r], dst[r], cs[r])) DIE("client kernel launch");
+  }
+  int n = 0;
+  uint64_t *h = malloc((size_t)nsteps * 6 * sizeof(uint64_t));
+  for (int r = 0; r < NR; r++) {
+    CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+    CU(cudaStreamSynchronize(cs[r]));
+    int st = -1;
+    CU(cudaMemcpy(&st, dst[r], sizeof st, cudaMemcpyDeviceToHost));
+    if (st) DIE("persistent, client kernel of rank %d: status %d", r, st);
+    CU(cudaMemcpy(h, ts[r], (size_t)nsteps * 6 * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+    n = 0;
+    for (uint32_t i = WARMUP; i < nsteps && n < MAXN; i++, n++)
+      for (int o = 0; o < 2; o++) {
+        const double c = (double)(h[6 * i + 2 * o + 1] - h[6 * i + 2 * o]) / 1e3, d = (double)h[6 * i + 4 + o] / 1e3;
+        if (r == 0 || c > cl[o][n]) cl[o][n] = c; /* the slower rank of each op */
+        if (r == 0 || d > dl[o][n]) dl[o][n] = d;
+      }
+  }
+  free(h);
+  pers_stop(&P); /* before any cudaFree: it waits for the device, the persistent kernel included */
+  for (int r = 0; r < NR; r++) {
+    CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
+    CU(cudaStreamDestroy(cs[r]));
+    CU(cudaFree(ts[r]));
+    CU(cudaFree(dst[r]));
+  }
+  for (int o = 0; o < 2; o++) {
+    const stat3_t c = stats(cl[o], n), d = stats(dl[o], n);
+    fprintf(out, "persistent client view T=%u %s %s: submit -> DONE seen %.2f (p10 %.2f, p90 %.2f); kernel's seen -> completion %.2f\n", T,
+            flags ? "fp8" : "bf16", o ? "combine" : "dispatch", c.p50, c.p10, c.p90, d.p50);
+  }
+  fflush(out);
+}
+
 int main(int argc, char **argv) {
   const char *outdir = argc > 1 ? argv[1] : ".";
   if (llh_gpus() < NR) {
@@ -428,6 +615,17 @@ int main(int argc, char **argv) {
     trace_run(128, EPD_DESC_FP8, stdout);
     trace_run(128, 0, stdout);
     if (!strcmp(getenv("EPD_BENCH_TRACE"), "only")) return 0; /* the phase profile alone */
+  }
+  if (getenv("EPD_BENCH_PERSIST")) {
+    persist_run(1, EPD_DESC_FP8, 300, stdout);
+    persist_run(128, EPD_DESC_FP8, 300, stdout);
+    persist_run(128, 0, 300, stdout);
+    persist_dev_run(128, EPD_DESC_FP8, 300, stdout);
+    persist_dev_run(128, 0, 300, stdout);
+    stat3_t d8a, c8a;
+    kernel_times(M_, EPD_DESC_FP8, &d8a, &c8a);
+    printf("standalone kernels, event-timed (a): dispatch FP8 %.2f combine %.2f\n", d8a.p50, c8a.p50);
+    if (!strcmp(getenv("EPD_BENCH_PERSIST"), "only")) return 0;
   }
   /* main setting */
   stat3_t d8, c8, d16, c16, e2e8, e2e16;

@@ -94,7 +94,7 @@ static __device__ __forceinline__ int epd_dev_wait(epd_slot_t *slot, uint64_t ti
     if (host && (n & 3) == 3) {
       const uint32_t hs = *(volatile const uint32_t *)&host->state;
       if (hs == EPD_SLOT_DONE) {
-        /* The persistent kernels write the twin's DONE one system fence after the host copy's: wait a
+        /* The persistent kernels write the twin's DONE one GPU-scope fence after the host copy's: wait a
          * little for it and read the record from GPU memory (from the host copy it is 8 PCIe reads);
          * the launch mode completes only the host copy, so not for long. */
         const uint64_t t1 = epd_dev_now_ns();
