@@ -25,6 +25,8 @@
  * go through the twin: one that writes only the host copy is seen by the launch mode only, i.e. after
  * the daemon's watchdog stops the kernels (a step timeout). Each twin slot's twin_host (in its pad) is
  * the device address, in the client's own process, of the host slot: written by libepd at attach.
+ * A twin is waited on from the queue's own GPU only (the daemon grants the arena to that device): the
+ * persistent kernels order a completion for such waiters with GPU-scope fences, not system ones.
  * ABI 2 changed epd_device.h accordingly: kernels built against ABI 1's header must be rebuilt.
  */
 #ifndef EPD_ABI_H

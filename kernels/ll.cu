@@ -315,9 +315,9 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
     return;
   }
   /* persistent: the whole record in both copies of the slot (the client reads it from the copy whose
-   * DONE it saw), the queue header, the host copy's DONE, then one GPU-scope fence and the twin's DONE.
-   * No system fence on this path: each waited for the PCIe writes before it (two cost the client ~2.5 us
-   * per op, measured in-process with epd-bench EPD_BENCH_PERSIST, 2x H100). */
+   * DONE it saw), the queue header, then the host copy's DONE and the twin's, each after a GPU-scope fence.
+   * No system fence on this path: the two it had waited for the PCIe writes before them (~2.5 us per op
+   * as the client sees it, measured in-process with epd-bench EPD_BENCH_PERSIST, 2x H100). */
   epd_comp_t cv;
   memset(&cv, 0, sizeof cv);
   cv.status = c;
@@ -348,12 +348,14 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
   q->map_version = __ldcg(p.map);
   q->steps_done = p.psteps0 + o.popn + 1;
   if (o.dslot) {
+    /* The record and header before the host copy's DONE (a waiter that sees that DONE first may read the
+     * record from the host copy), and the host copy's DONE before the twin's: a waiter that saw the twin's
+     * frees the host copy, and that FREE must come after this DONE (else the slot would stay DONE). Every
+     * waiter runs on this GPU (the arena and its twin are granted to this device only) and acquires the
+     * DONE it saw (epd_device.h), so GPU-scope fences order these; the CPU reads the host copy's record only
+     * after the waiter's kernel (or this one) has finished. */
+    __threadfence();
     *(volatile uint32_t *)o.done_state = EPD_SLOT_DONE;
-    /* The host copy's DONE before the twin's: a waiter that saw the twin's frees the host copy, and that
-     * FREE must come after this DONE (else the slot would stay DONE). Both writers run on this GPU (the
-     * waiter acquires the twin's DONE, epd_device.h), so a GPU-scope fence orders the two writes of the
-     * host word; it also orders the record before the twin's DONE. The CPU reads the host copy's record
-     * only after the waiter's kernel (or this one) has finished. */
     __threadfence();
     *(volatile uint32_t *)&o.dslot->state = EPD_SLOT_DONE;
   } else {

@@ -1,5 +1,5 @@
 # worker-lib.sh - sourced by the test scripts and libraries that run epd-worker processes in the
-# background (tests/system/30-e2e.sh, cluster-lib.sh; tests/gpu/daemon-lib.sh, two-nodes-lib.sh). They
+# background (tests/system/30-e2e.sh, cluster-lib.sh; tests/gpu/daemon-lib.sh, two-nodes-lib.sh, 60-python-moe.sh). They
 # start worker NAME with its output in $T/NAME.out and its pid in W_NAME, and define fail().
 # expect_ok NAME...: each worker exited 0 and printed its summary ("steps ok"); its summary lines (and
 # bench, map-switch and HT counts) are printed, prefixed with its name.
@@ -7,6 +7,10 @@
 # gpu_of I: the CUDA_VISIBLE_DEVICES entry of GPU I of the script's own view (its inherited
 # CUDA_VISIBLE_DEVICES if set, else every GPU), for a daemon or worker that should see only that GPU.
 export CUDA_DEVICE_ORDER=PCI_BUS_ID
+# Never NVLink SHARP / multicast on the lent GPU machines (every process these scripts start inherits it).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# wait_for SECONDS COMMAND...: poll until the command succeeds (1 if it never does).
+wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
 gpu_of() { if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then echo "$CUDA_VISIBLE_DEVICES" | cut -d, -f$(($1 + 1)); else echo "$1"; fi; }
 # visible_gpus: how many GPUs the script may use (its inherited CUDA_VISIBLE_DEVICES, else nvidia-smi's)
 visible_gpus() {

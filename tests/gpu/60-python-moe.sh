@@ -15,10 +15,10 @@ PY=${PYTHON:-python3}
 LIB=${EPD_LIBRARY:-}
 for f in "$B/lib/libepd.so.1" "$B/lib/libepd.so"; do [ -z "$LIB" ] && [ -f "$f" ] && LIB=$f; done
 [ -n "$LIB" ] || { echo "skip: no libepd in $B/lib"; exit 77; }
-[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] || { echo "skip: needs 2 GPUs"; exit 77; }
+. tests/worker-lib.sh # visible_gpus, the NCCL environment of the lent machines
+[ "$(visible_gpus)" -ge 2 ] || { echo "skip: needs 2 GPUs"; exit 77; }
 "$PY" -c "import torch, numpy, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)" 2>/dev/null ||
   { echo "skip: $PY has no torch with 2 CUDA devices"; exit 77; }
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
 [ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
 export EPD_LIBRARY=$LIB PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}

@@ -12,7 +12,6 @@ WORKER=$B/bin/epd-worker
 NGPU=${DL_NGPU:-2}
 . "$(dirname "${BASH_SOURCE[0]}")/../worker-lib.sh"
 [ "$(visible_gpus)" -ge "$NGPU" ] || { echo "skip: needs $NGPU GPUs"; exit 77; }
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
 [ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
 T=$(mktemp -d)
@@ -38,7 +37,6 @@ fail() {
   exit 1
 }
 trap 'fail "killed (timeout?)"' TERM INT
-wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
 # start_daemon [-o k=v ...]: the daemon on NGPU GPUs with the attach socket in $T/run (its env from the caller).
 start_daemon() {
   "$EPD" -s "$SOCK" -f -o engine.backend=cuda -o engine.num_ranks="$NGPU" -o daemon.attach_socket="$T/run/attach.sock" \

@@ -12,7 +12,6 @@ EPDCTL=$B/bin/epdctl
 for x in "$EPD" "$WORKER" "$EPDCTL"; do [ -x "$x" ] || { echo "skip: $x is not built"; exit 77; }; done
 . "$(dirname "${BASH_SOURCE[0]}")/../worker-lib.sh"
 [ "$(visible_gpus)" -ge $((2 * GPN)) ] || { echo "skip: needs $((2 * GPN)) GPUs (two nodes of $GPN)"; exit 77; }
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
 [ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
 T=$(mktemp -d)
@@ -31,7 +30,6 @@ fail() {
 cleanup() { save_logs; for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done; }
 trap cleanup EXIT
 trap 'exit 143' TERM INT
-wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 
 # node N: the daemon of node N on its GPN GPUs (its local ranks 0 .. GPN-1); its pid in P_N.
