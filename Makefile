@@ -131,7 +131,7 @@ $(GPU_TESTS): $(call obj,$(GPU_TEST_SRCS) tests/runner_lib.c) $(ENGINE_LIB) $(LI
 $(WORKER): $(call obj,tests/tools/epd-worker.c) $(ENGINE_LIB) $(LIBEPD_A)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
-$(BENCH): $(call obj,$(BENCH_SRCS)) $(B)/obj/bench/e2e/e2e_dev.o $(ENGINE_LIB) $(LIBEPD_A)
+$(BENCH): $(call obj,$(BENCH_SRCS)) $(if $(filter 1,$(WITH_CUDA)),$(B)/obj/bench/e2e/e2e_dev.o) $(ENGINE_LIB) $(LIBEPD_A)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
 # The same LL bench on 4 GPUs of one node (bench_ll_r4.{json,md}; skips with fewer GPUs).
@@ -139,7 +139,7 @@ BENCH_R4 := $(B)/bin/epd-bench-r4
 $(B)/obj/bench/bench_ll_r4.o: bench/bench_ll.c $(GEN_H)
 	$(call msg,CC,$<)
 	$(Q)mkdir -p $(@D) && $(CC) $(CFLAGS_ALL) -DEPD_BENCH_RANKS=4 -c $< -o $@
-$(BENCH_R4): $(B)/obj/bench/bench_ll_r4.o $(B)/obj/bench/e2e/e2e_dev.o $(ENGINE_LIB) $(LIBEPD_A)
+$(BENCH_R4): $(B)/obj/bench/bench_ll_r4.o $(if $(filter 1,$(WITH_CUDA)),$(B)/obj/bench/e2e/e2e_dev.o) $(ENGINE_LIB) $(LIBEPD_A)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
 # The expert-map switch benchmark (in-process engine; bench/map/bench_map.c).

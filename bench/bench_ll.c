@@ -435,6 +435,7 @@ static void pers_start(pers_t *P, int twin) {
       for (uint32_t s = 0; s < EPD_QUEUE_SLOTS; s++) img->slot[s].twin_host = (uint64_t)(uintptr_t)&a.queue->slot[s];
       CU(cudaMalloc((void **)&P->dq[r], sizeof *P->dq[r]));
       CU(cudaMemcpy(P->dq[r], img, sizeof *img, cudaMemcpyHostToDevice));
+      CU(cudaDeviceSynchronize()); /* a pageable copy may return before it lands; nothing runs here yet */
       a.dqueue = P->dq[r];
     }
     CU(cudaHostGetDevicePointer((void **)&a.dlimit, P->dlim[r], 0));

@@ -316,7 +316,7 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
   }
   /* persistent: the whole record in both copies of the slot (the client reads it from the copy whose
    * DONE it saw), the queue header, then the host copy's DONE and the twin's, each after a GPU-scope fence.
-   * No system fence on this path: the two it had waited for the PCIe writes before them (~2.5 us per op
+   * No system fence on this path: the two it had waited for the PCIe writes before them (1.5-2.5 us per op
    * as the client sees it, measured in-process with epd-bench EPD_BENCH_PERSIST, 2x H100). */
   epd_comp_t cv;
   memset(&cv, 0, sizeof cv);
