@@ -153,17 +153,31 @@ static epd_result_t graph_run(epd_ep_t *ep, int op, unsigned bank, epd_comp_t *c
   return epd_slot_status(ep, g_slot[op][bank], comp);
 }
 
+/* A copy from pageable memory may return before its DMA has landed (CUDA's synchronous-copy rules),
+ * and the daemon's kernel reads the arena as soon as an op is submitted: wr() leaves wr_pending set and
+ * landed(), called before every submission, waits for the copies once. Seen on 4x H100 without it: the
+ * first combine of a bank read y rows still zero (one expert's share missing). */
+static int wr_pending;
+
 static void wr(void *dst, const void *src, size_t n) {
   if (!n) return;
   if (!on_gpu) {
     memcpy(dst, src, n);
-  } else if (cu_htod((uint64_t)(uintptr_t)dst, src, n) || cu_sync()) {
-    /* A copy from pageable memory may return before its DMA has landed (CUDA's synchronous-copy rules);
-     * the daemon's kernel reads the arena as soon as the op is submitted: wait for the copy. Seen on
-     * 4x H100: the first combine of a bank read y rows still zero (one expert's share missing). */
-    fprintf(stderr, "epd-worker: cuMemcpyHtoD / cuCtxSynchronize failed\n");
+  } else if (cu_htod((uint64_t)(uintptr_t)dst, src, n)) {
+    fprintf(stderr, "epd-worker: cuMemcpyHtoD failed\n");
+    exit(2);
+  } else {
+    wr_pending = 1;
+  }
+}
+
+static void landed(void) {
+  if (!wr_pending) return;
+  if (cu_sync()) {
+    fprintf(stderr, "epd-worker: cuCtxSynchronize failed\n");
     exit(2);
   }
+  wr_pending = 0;
 }
 
 static void rd(void *dst, const void *src, size_t n) {
@@ -689,6 +703,7 @@ int main(int argc, char **argv) {
     int kcnt = ht ? EPD_BUF_HT_RECV_COUNT : EPD_BUF_LL_RECV_COUNT;
     fill(bufp(ep, kcnt, bank, (size_t)S * 4), 0xa5, (size_t)S * 4);
     fill(bufp(ep, EPD_BUF_OUT, bank, (size_t)M * H * 2), 0xa5, (size_t)M * H * 2);
+    landed();
     if (step == A.die_at) {
       dying_t d = {ep, T, flags, bank};
       pthread_t th;
@@ -812,6 +827,7 @@ int main(int argc, char **argv) {
       size_t r0 = (size_t)sg * seg_rows;
       wr(dy + r0 * H, y + r0 * H, (size_t)seg_n[sg] * H * 2);
     }
+    landed();
     double t2 = now_us();
     epd_comp_t ccomp;
     rc = A.graph ? graph_run(ep, 1, bank, &ccomp) : epd_combine(ep, mode, bank, NULL);
