@@ -347,21 +347,16 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
   if (c && q->sticky_error == 0) q->sticky_error = c;
   q->map_version = __ldcg(p.map);
   q->steps_done = p.psteps0 + o.popn + 1;
-  if (o.dslot) {
-    /* The record and header before the host copy's DONE (a waiter that sees that DONE first may read the
-     * record from the host copy), and the host copy's DONE before the twin's: a waiter that saw the twin's
-     * frees the host copy, and that FREE must come after this DONE (else the slot would stay DONE). Every
-     * waiter runs on this GPU (the arena and its twin are granted to this device only) and acquires the
-     * DONE it saw (epd_device.h), so GPU-scope fences order these; the CPU reads the host copy's record only
-     * after the waiter's kernel (or this one) has finished. */
-    __threadfence();
-    *(volatile uint32_t *)o.done_state = EPD_SLOT_DONE;
-    __threadfence();
-    *(volatile uint32_t *)&o.dslot->state = EPD_SLOT_DONE;
-  } else {
-    __threadfence_system(); /* no twin: the host copy's reader is the CPU */
-    *(volatile uint32_t *)o.done_state = EPD_SLOT_DONE;
-  }
+  /* The record and header before the host copy's DONE (a waiter that sees that DONE first may read the
+   * record from the host copy), and the host copy's DONE before the twin's (the launch requires a twin): a
+   * waiter that saw the twin's frees the host copy, and that FREE must come after this DONE (else the slot
+   * would stay DONE). Every waiter runs on this GPU (the arena and its twin are granted to this device only)
+   * and acquires the DONE it saw (epd_device.h), so GPU-scope fences order these; the CPU reads the host
+   * copy's record only after the waiter's kernel (or this one) has finished. */
+  __threadfence();
+  *(volatile uint32_t *)o.done_state = EPD_SLOT_DONE;
+  __threadfence();
+  *(volatile uint32_t *)&o.dslot->state = EPD_SLOT_DONE;
   *(volatile int32_t *)&p.pdev->last_err = c;
   st_release_gpu_u64(&p.pdev->done_ops, o.popn + 1);
   volatile epd_k_prec_t *rec = &p.prog->rec[o.popn % EPD_K_PREC];
