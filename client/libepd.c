@@ -251,11 +251,10 @@ static epd_result_t map_twin(epd_ep_t *ep) {
    * calling thread has (its private stream, and so the host path, belong to that context) */
   epd_result_t rc = epd_cuda_ctx_enter(ep->device, ep->err, sizeof ep->err);
   if (rc) return rc;
-  for (unsigned i = 0; i < EPD_QUEUE_SLOTS && !rc; i++) {
-    uint64_t host = slot_addr(ep->queue_dev, i);
-    rc = epd_cuda_write(slot_addr(ep->dq_dev, i) + offsetof(epd_slot_t, twin_host), &host, sizeof host, ep->err,
-                        sizeof ep->err);
-  }
+  uint64_t host[EPD_QUEUE_SLOTS];
+  for (unsigned i = 0; i < EPD_QUEUE_SLOTS; i++) host[i] = slot_addr(ep->queue_dev, i);
+  rc = epd_cuda_write_words(slot_addr(ep->dq_dev, 0) + offsetof(epd_slot_t, twin_host), sizeof(epd_slot_t), host,
+                            EPD_QUEUE_SLOTS, ep->err, sizeof ep->err);
   if (!rc) rc = map_twin_submit(ep);
   epd_cuda_ctx_leave();
   return rc;

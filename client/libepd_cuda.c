@@ -30,7 +30,6 @@
   X(cuDevicePrimaryCtxRetain, (CUcontext *, CUdevice))                                             \
   X(cuCtxGetCurrent, (CUcontext *))                                                                \
   X(cuCtxSetCurrent, (CUcontext))                                                                  \
-  X(cuCtxSynchronize, (void))                                                                      \
   X(cuMemImportFromShareableHandle, (CUmemGenericAllocationHandle *, void *,                       \
                                      CUmemAllocationHandleType))                                   \
   X(cuMemGetAllocationPropertiesFromHandle, (CUmemAllocationProp *, CUmemGenericAllocationHandle)) \
@@ -52,6 +51,7 @@
   X(cuStreamWaitValue32, (CUstream, CUdeviceptr, cuuint32_t, unsigned int))                         \
   X(cuMemcpyDtoH, (void *, CUdeviceptr, size_t))                                                   \
   X(cuMemcpyHtoD, (CUdeviceptr, const void *, size_t))                                             \
+  X(cuMemcpyHtoDAsync, (CUdeviceptr, const void *, size_t, CUstream))                              \
   X(cuModuleLoadData, (CUmodule *, const void *))                                                  \
   X(cuModuleGetFunction, (CUfunction *, CUmodule, const char *))                                   \
   X(cuLaunchKernel, (CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int, \
@@ -547,14 +547,26 @@ epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *de
   return r ? cu_fail(r, "cuLaunchKernel (submission)", err, errlen) : EPD_OK;
 }
 
-epd_result_t epd_cuda_write(uint64_t dst, const void *src, size_t bytes, char *err, size_t errlen) {
+epd_result_t epd_cuda_write_words(uint64_t dst, size_t stride, const uint64_t *vals, unsigned n, char *err,
+                                  size_t errlen) {
   epd_result_t rc = epd_cuda_load(err, errlen);
   if (rc) return rc;
   if ((rc = ensure_ctx(-1, err, errlen))) return rc;
-  CU_TRY(cu.cuMemcpyHtoD((CUdeviceptr)dst, src, bytes), "cuMemcpyHtoD");
-  /* from pageable memory the copy may return before its DMA has landed; the daemon's kernels read it */
-  CU_TRY(cu.cuCtxSynchronize(), "cuCtxSynchronize");
-  return EPD_OK;
+  /* on a private stream, waited for once: from pageable memory a copy may return before its DMA has
+   * landed (the daemon's kernels read these words), and a context-wide wait would also wait for whatever
+   * the application has queued */
+  CUstream st = NULL;
+  CU_TRY(cu.cuStreamCreate(&st, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  CUresult r = CUDA_SUCCESS;
+  const char *what = "cuMemcpyHtoDAsync";
+  for (unsigned i = 0; i < n && r == CUDA_SUCCESS; i++)
+    r = cu.cuMemcpyHtoDAsync((CUdeviceptr)(dst + (uint64_t)i * stride), vals + i, sizeof *vals, st);
+  if (r == CUDA_SUCCESS) {
+    what = "cuStreamSynchronize";
+    r = cu.cuStreamSynchronize(st);
+  }
+  cu.cuStreamDestroy(st);
+  return r ? cu_fail(r, what, err, errlen) : EPD_OK;
 }
 
 epd_result_t epd_cuda_stream_create(void **out, char *err, size_t errlen) {
@@ -627,7 +639,8 @@ epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *de
                               char *err, size_t errlen) {
   return no_cuda(err, errlen);
 }
-epd_result_t epd_cuda_write(uint64_t dst, const void *src, size_t bytes, char *err, size_t errlen) {
+epd_result_t epd_cuda_write_words(uint64_t dst, size_t stride, const uint64_t *vals, unsigned n, char *err,
+                                  size_t errlen) {
   return no_cuda(err, errlen);
 }
 epd_result_t epd_cuda_stream_create(void **out, char *err, size_t errlen) { return no_cuda(err, errlen); }

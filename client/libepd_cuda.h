@@ -65,8 +65,10 @@ epd_result_t epd_cuda_find_device(const uint8_t uuid[16], int *ordinal, char *er
  * calling thread has; epd_cuda_ctx_leave pops it. */
 epd_result_t epd_cuda_ctx_enter(int device, char *err, size_t errlen);
 void epd_cuda_ctx_leave(void);
-/* Copy `bytes` from host src to device address dst (synchronous). */
-epd_result_t epd_cuda_write(uint64_t dst, const void *src, size_t bytes, char *err, size_t errlen);
+/* Write the n 64-bit words vals[i] to device addresses dst + i * stride, and wait until they have landed
+ * (a private stream of the current context: the application's own queued work is not waited for). */
+epd_result_t epd_cuda_write_words(uint64_t dst, size_t stride, const uint64_t *vals, unsigned n, char *err,
+                                  size_t errlen);
 /* A non-blocking stream of the current context; destroy; 1 when its work is done, 0 if not, <0 error. */
 epd_result_t epd_cuda_stream_create(void **out, char *err, size_t errlen);
 void epd_cuda_stream_destroy(void *stream);

@@ -3,6 +3,9 @@
  */
 #include "cuda_comm.h"
 
+#include <stdio.h>
+#include <string.h>
+
 #if EPD_WITH_CUDA
 #include <cuda_runtime.h>
 #pragma GCC diagnostic push
@@ -101,25 +104,9 @@ void epd_cc_gin_probe(epd_cc_t *cc, char *out, size_t outlen) {
     snprintf(out, outlen, "probe failed: %s", a.err[r][0] ? a.err[r] : "thread");
     return;
   }
-  if (a.type[0] < 0) {
-    char why[120];
-    size_t n = strlen(a.err[0]);
-    while (n && (a.err[0][n - 1] == '\n' || a.err[0][n - 1] == '.' || a.err[0][n - 1] == ' ')) n--;
-    snprintf(why, sizeof why, "%.*s", (int)n, a.err[0]);
-    snprintf(out, outlen, "unavailable (NCCL refused a GIN context on the world communicator: '%s'; no "
-                          "device-initiated network transport, e.g. no InfiniBand/RoCE NIC)", why);
-    return;
-  }
-  if (a.contexts[0] > 0) {
-    const char *ty = a.type[0] == 3 ? "GDAKI" : a.type[0] == 2 ? "proxy" : "type ?";
-    snprintf(out, outlen,
-             "available (%d context%s, %s backend); not used: this build has no GIN stage, the host stage "
-             "(nccl-p2p) carries the data",
-             a.contexts[0], a.contexts[0] == 1 ? "" : "s", ty);
-    return;
-  }
-  snprintf(out, outlen, "unavailable (NCCL gave the world communicator no GIN context: its network has no "
-                        "device-initiated transport, e.g. no InfiniBand/RoCE NIC)");
+  const char *errs[EPD_CC_MAX_RANKS];
+  for (int r = 0; r < cc->n; r++) errs[r] = a.err[r];
+  epd_gin_line(cc->n, a.contexts, a.type, errs, out, outlen);
 }
 
 epd_result_t epd_cc_unique_id(uint8_t *id, char *err, size_t errlen) {
@@ -291,3 +278,47 @@ void epd_cc_window_free(epd_cc_t *cc, epd_cc_win_t *w) {
 }
 
 #endif /* EPD_WITH_CUDA */
+
+/* One local rank's GIN probe result, short: "available (2 contexts, GDAKI backend)", "unavailable (NCCL
+ * refused a GIN context: '...')" or "unavailable (no GIN context)". */
+static void gin_rank_text(int contexts, int type, const char *err, char *out, size_t outlen) {
+  if (type < 0) {
+    size_t n = strlen(err ? err : "");
+    while (n && (err[n - 1] == '\n' || err[n - 1] == '.' || err[n - 1] == ' ')) n--;
+    snprintf(out, outlen, "unavailable (NCCL refused a GIN context on the world communicator: '%.*s')",
+             (int)(n > 110 ? 110 : n), n ? err : "");
+  } else if (contexts > 0) {
+    const char *ty = type == 3 ? "GDAKI" : type == 2 ? "proxy" : "type ?";
+    snprintf(out, outlen, "available (%d context%s, %s backend)", contexts, contexts == 1 ? "" : "s", ty);
+  } else {
+    snprintf(out, outlen, "unavailable (NCCL gave the world communicator no GIN context)");
+  }
+}
+
+void epd_gin_line(int n, const int *contexts, const int *type, const char *const *err, char *out, size_t outlen) {
+  char first[192], other[192];
+  if (n < 1) {
+    snprintf(out, outlen, "probe failed: no local rank");
+    return;
+  }
+  gin_rank_text(contexts[0], type[0], err[0], first, sizeof first);
+  int same = 1, avail = 0;
+  for (int r = 0; r < n; r++) {
+    gin_rank_text(contexts[r], type[r], err[r], other, sizeof other);
+    if (strcmp(other, first)) same = 0;
+    if (type[r] >= 0 && contexts[r] > 0) avail++;
+  }
+  const char *tail = avail ? "; not used: this build has no GIN stage, the host stage (nccl-p2p) carries the data"
+                           : "; no device-initiated network transport, e.g. no InfiniBand/RoCE NIC";
+  if (same) {
+    snprintf(out, outlen, "%s%s", first, tail);
+    return;
+  }
+  /* the node's GPUs differ (a NIC per GPU, one missing or down): every local rank's result */
+  size_t at = (size_t)snprintf(out, outlen, "differs between local ranks (%d of %d available):", avail, n);
+  for (int r = 0; r < n && at < outlen; r++) {
+    gin_rank_text(contexts[r], type[r], err[r], other, sizeof other);
+    at += (size_t)snprintf(out + at, outlen - at, "%s rank %d %s", r ? ";" : "", r, other);
+  }
+  if (at < outlen) snprintf(out + at, outlen - at, "%s", tail);
+}

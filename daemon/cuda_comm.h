@@ -6,7 +6,7 @@
  * multi-node world never blocks LSA), and registers symmetric windows (ncclMemAlloc +
  * ncclCommWindowRegister, same size and order on every rank). The NCCL runtime must be 2.28.x (the
  * device headers the kernels are built with); others are refused with a message.
- * Only built with EPD_WITH_CUDA=1.
+ * Only built with EPD_WITH_CUDA=1, but for epd_gin_line (plain C).
  */
 #ifndef EPD_CUDA_COMM_H
 #define EPD_CUDA_COMM_H
@@ -45,6 +45,9 @@ int epd_cc_world_ranks(const epd_cc_t *cc);
  * (epd_k_gin_probe on every local rank; collective, so every node calls it at start-up), as a line for
  * status and the log: "unavailable (...)", "available (...)" or "probe failed: ...". */
 void epd_cc_gin_probe(epd_cc_t *cc, char *out, size_t outlen);
+/* The status line of the n local ranks' probe results (contexts, type: 3 GDAKI, 2 proxy, < 0 refused with
+ * err[r]): one text when every rank got the same, else every rank's. Plain C (any build). */
+void epd_gin_line(int n, const int *contexts, const int *type, const char *const *err, char *out, size_t outlen);
 /* Abort the world communicators (a peer node hangs an exchange); they are unusable after. */
 void epd_cc_abort(epd_cc_t *cc);
 /* Destroy communicators (windows must have been freed). */

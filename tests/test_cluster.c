@@ -14,6 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cuda_comm.h"
 #include "engine.h"
 #include "engine_net.h"
 #include "ref.h"
@@ -592,4 +593,39 @@ EPD_TEST(cluster_cuda_rendezvous_hands_out_comm_id) {
   ASSERT_EQ(epd_cluster_init(&a[0].conf, failing_comm_id, &a[0].net, a[0].id, a[0].err, sizeof a[0].err), -1);
   ASSERT_STR_CONTAINS(a[0].err, "no usable CUDA device (test)");
   ASSERT(a[0].net == NULL);
+}
+
+/* The GIN status line: one text when every local rank got the same probe result, every rank's when they
+ * differ (a NIC per GPU, one of them missing), and the NCCL error text kept, trimmed. */
+EPD_TEST(cluster_gin_line_every_local_rank) {
+  char out[1024];
+  const char *none[4] = {"", "", "", ""};
+  int ctx2[4] = {2, 2, 2, 2}, gdaki[4] = {3, 3, 3, 3};
+  epd_gin_line(4, ctx2, gdaki, none, out, sizeof out);
+  ASSERT_STR_CONTAINS(out, "available (2 contexts, GDAKI backend)");
+  ASSERT_STR_CONTAINS(out, "not used: this build has no GIN stage");
+  ASSERT(!strstr(out, "differs"));
+  ASSERT(!strstr(out, "rank 0"));
+
+  const char *errs[2] = {"no net plugin for GIN.\n", "no net plugin for GIN.\n"};
+  int ctx0[2] = {0, 0}, refused[2] = {-1, -1};
+  epd_gin_line(2, ctx0, refused, errs, out, sizeof out);
+  ASSERT_STR_CONTAINS(out, "unavailable (NCCL refused a GIN context on the world communicator: 'no net plugin for GIN')");
+  ASSERT_STR_CONTAINS(out, "no InfiniBand/RoCE NIC");
+
+  /* rank 2 of 3 has no GIN context while 0 and 1 have one: the line names each */
+  int ctxm[3] = {1, 1, 0}, tym[3] = {2, 2, 0};
+  const char *e3[3] = {"", "", ""};
+  epd_gin_line(3, ctxm, tym, e3, out, sizeof out);
+  ASSERT_STR_CONTAINS(out, "differs between local ranks (2 of 3 available)");
+  ASSERT_STR_CONTAINS(out, "rank 0 available (1 context, proxy backend)");
+  ASSERT_STR_CONTAINS(out, "rank 1 available (1 context, proxy backend)");
+  ASSERT_STR_CONTAINS(out, "rank 2 unavailable (NCCL gave the world communicator no GIN context)");
+
+  /* a short buffer is cut, never overrun */
+  char small[40];
+  memset(small, 'x', sizeof small);
+  epd_gin_line(3, ctxm, tym, e3, small, 24);
+  ASSERT_EQ(strlen(small), 23);
+  ASSERT_EQ(small[30], 'x');
 }
