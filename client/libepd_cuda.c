@@ -564,6 +564,8 @@ epd_result_t epd_cuda_write_words(uint64_t dst, size_t stride, const uint64_t *v
   if (r == CUDA_SUCCESS) {
     what = "cuStreamSynchronize";
     r = cu.cuStreamSynchronize(st);
+  } else {
+    cu.cuStreamSynchronize(st); /* the copies issued before the failure land before the caller gives up */
   }
   cu.cuStreamDestroy(st);
   return r ? cu_fail(r, what, err, errlen) : EPD_OK;

@@ -13,9 +13,7 @@
 #include <nccl.h>
 #pragma GCC diagnostic pop
 #include <pthread.h>
-#include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "epd_kernels.h"
 #include "epd_kernels_net.h"
@@ -279,8 +277,9 @@ void epd_cc_window_free(epd_cc_t *cc, epd_cc_win_t *w) {
 
 #endif /* EPD_WITH_CUDA */
 
-/* One local rank's GIN probe result, short: "available (2 contexts, GDAKI backend)", "unavailable (NCCL
- * refused a GIN context: '...')" or "unavailable (no GIN context)". */
+/* One local rank's GIN probe result: "available (2 contexts, GDAKI backend)", "unavailable (NCCL refused a
+ * GIN context on the world communicator: '<NCCL's reason, trimmed>')" or "unavailable (NCCL gave the world
+ * communicator no GIN context)". */
 static void gin_rank_text(int contexts, int type, const char *err, char *out, size_t outlen) {
   if (type < 0) {
     size_t n = strlen(err ? err : "");
@@ -297,8 +296,8 @@ static void gin_rank_text(int contexts, int type, const char *err, char *out, si
 
 void epd_gin_line(int n, const int *contexts, const int *type, const char *const *err, char *out, size_t outlen) {
   char first[192], other[192];
-  if (n < 1) {
-    snprintf(out, outlen, "probe failed: no local rank");
+  if (n < 1 || n > 64) {
+    snprintf(out, outlen, "probe failed: %d local ranks", n);
     return;
   }
   gin_rank_text(contexts[0], type[0], err[0], first, sizeof first);
@@ -314,11 +313,28 @@ void epd_gin_line(int n, const int *contexts, const int *type, const char *const
     snprintf(out, outlen, "%s%s", first, tail);
     return;
   }
-  /* the node's GPUs differ (a NIC per GPU, one missing or down): every local rank's result */
+  /* the node's GPUs differ (a NIC per GPU, one missing or down): each distinct result once, with the ranks
+   * that got it ("ranks 0,1,2 available (...); rank 3 unavailable (...)") */
   size_t at = (size_t)snprintf(out, outlen, "differs between local ranks (%d of %d available):", avail, n);
+  uint64_t done = 0; /* ranks already listed */
   for (int r = 0; r < n && at < outlen; r++) {
-    gin_rank_text(contexts[r], type[r], err[r], other, sizeof other);
-    at += (size_t)snprintf(out + at, outlen - at, "%s rank %d %s", r ? ";" : "", r, other);
+    if (done >> r & 1) continue;
+    gin_rank_text(contexts[r], type[r], err[r], first, sizeof first);
+    int cnt = 0;
+    for (int q = r; q < n; q++) {
+      gin_rank_text(contexts[q], type[q], err[q], other, sizeof other);
+      if (!strcmp(other, first)) {
+        done |= (uint64_t)1 << q;
+        cnt++;
+      }
+    }
+    at += (size_t)snprintf(out + at, outlen - at, "%s rank%s", r ? ";" : "", cnt > 1 ? "s" : "");
+    for (int q = r, k = 0; q < n && at < outlen; q++)
+      if (done >> q & 1) {
+        gin_rank_text(contexts[q], type[q], err[q], other, sizeof other);
+        if (!strcmp(other, first)) at += (size_t)snprintf(out + at, outlen - at, "%s%d", k++ ? "," : " ", q);
+      }
+    if (at < outlen) at += (size_t)snprintf(out + at, outlen - at, " %s", first);
   }
   if (at < outlen) snprintf(out + at, outlen - at, "%s", tail);
 }

@@ -59,7 +59,7 @@ struct cnet {
   epd_engine_t *eng;
   epd_cc_t *cc;
   uint32_t L, nodes, node, W;
-  char gin[256]; /* the start-up GIN probe's line (epd_cc_gin_probe) */
+  char gin[2048]; /* the start-up GIN probe's line (epd_cc_gin_probe): every local rank's result when they differ */
   cnet_dev_t d[EPD_MAX_RANKS];
   /* the group served (one at a time) */
   eng_group_t *grp;

@@ -613,14 +613,35 @@ EPD_TEST(cluster_gin_line_every_local_rank) {
   ASSERT_STR_CONTAINS(out, "unavailable (NCCL refused a GIN context on the world communicator: 'no net plugin for GIN')");
   ASSERT_STR_CONTAINS(out, "no InfiniBand/RoCE NIC");
 
-  /* rank 2 of 3 has no GIN context while 0 and 1 have one: the line names each */
+  /* rank 2 of 3 has no GIN context while 0 and 1 have one: each result once, with its ranks */
   int ctxm[3] = {1, 1, 0}, tym[3] = {2, 2, 0};
   const char *e3[3] = {"", "", ""};
   epd_gin_line(3, ctxm, tym, e3, out, sizeof out);
-  ASSERT_STR_CONTAINS(out, "differs between local ranks (2 of 3 available)");
-  ASSERT_STR_CONTAINS(out, "rank 0 available (1 context, proxy backend)");
-  ASSERT_STR_CONTAINS(out, "rank 1 available (1 context, proxy backend)");
-  ASSERT_STR_CONTAINS(out, "rank 2 unavailable (NCCL gave the world communicator no GIN context)");
+  ASSERT_STR_CONTAINS(out, "differs between local ranks (2 of 3 available): ranks 0,1 available (1 context, proxy "
+                           "backend); rank 2 unavailable (NCCL gave the world communicator no GIN context); not used");
+
+  /* 8 GPUs, 6 and 7 refused with a long NCCL text, 3 with another backend: every group named, the text once */
+  char longerr[300];
+  memset(longerr, 'e', sizeof longerr - 1);
+  longerr[sizeof longerr - 1] = 0;
+  int c8[8] = {2, 2, 2, 1, 2, 2, 0, 0}, t8[8] = {3, 3, 3, 2, 3, 3, -1, -1};
+  const char *e8[8] = {"", "", "", "", "", "", longerr, longerr};
+  char line[2048];
+  epd_gin_line(8, c8, t8, e8, line, sizeof line);
+  ASSERT_STR_CONTAINS(line, "differs between local ranks (6 of 8 available): ranks 0,1,2,4,5 available (2 contexts, "
+                            "GDAKI backend); rank 3 available (1 context, proxy backend); ranks 6,7 unavailable (NCCL "
+                            "refused a GIN context on the world communicator: 'eeee");
+  ASSERT(strstr(line, "eeee'); not used"));
+  ASSERT_EQ(strstr(strstr(line, "eeee") + 4, "refused"), NULL); /* the NCCL text once */
+  ASSERT_LT(strlen(line), 1024);
+
+  /* cut inside the list of groups: the buffer ends there, nothing past it is written */
+  char mid[120];
+  memset(mid, 'x', sizeof mid);
+  epd_gin_line(8, c8, t8, e8, mid, 80);
+  ASSERT_EQ(strlen(mid), 79);
+  ASSERT(!strcmp(mid, "differs between local ranks (6 of 8 available): ranks 0,1,2,4,5 available (2 co"));
+  ASSERT_EQ(mid[100], 'x');
 
   /* a short buffer is cut, never overrun */
   char small[40];

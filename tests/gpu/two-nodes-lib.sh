@@ -63,7 +63,7 @@ start_nodes() {
     fail "status: $(cat "$T/status.out")"
   # the start-up GIN probe (NCCL asked for a GIN context on the world communicator): a line in status,
   # the same verdict on both nodes, and in the log
-  grep -E "^gin: +(unavailable \(|available \(|probe failed: )" "$T/status.out" || fail "no GIN line: $(cat "$T/status.out")"
+  grep -E "^gin: +(unavailable \(|available \(|differs between local ranks \(|probe failed: )" "$T/status.out" || fail "no GIN line: $(cat "$T/status.out")"
   "$EPDCTL" -s "$T/n0/control.sock" --json status > "$T/status0.json" || fail "epdctl --json status"
   "$EPDCTL" -s "$T/n1/control.sock" --json status > "$T/status1.json" || fail "epdctl --json status"
   /usr/bin/python3 -c 'import json, sys; g = [json.load(open(f)).get("gin", "") for f in sys.argv[1:]]; assert g[0] and g[0].split(" (")[0] == g[1].split(" (")[0], g' \
