@@ -331,6 +331,16 @@ EPD_TEST_T(gpu_ll_topk9_topk1_skew_all_to_one, 180) {
   llh_destroy(&C.h);
 }
 
+/* More tokens per rank than blocks, and more received tokens than a block has threads: the receive scans
+ * them in rounds of 512, a slot's rows accumulating across rounds (all-to-one: 1033 rows in slot 0). */
+EPD_TEST_T(gpu_ll_700_tokens_multi_round_receive, 240) {
+  setup(64, 1024, 8, 700, 32, 0);
+  steps(41, 2, 700, 700, ROUTE_RANDOM, 1);
+  steps(42, 1, 700, 333, ROUTE_ALL_TO_ONE, 0);
+  steps(43, 1, 513, 1, ROUTE_SKEW, 1);
+  llh_destroy(&C.h);
+}
+
 /* 120 consecutive steps: changing routing and token counts, both banks, both dtypes, redundant
  * replicas, and the map version changing every 10 steps. */
 EPD_TEST_T(gpu_ll_120_steps_replicas, 300) {
