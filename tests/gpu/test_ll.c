@@ -341,6 +341,19 @@ EPD_TEST_T(gpu_ll_700_tokens_multi_round_receive, 240) {
   llh_destroy(&C.h);
 }
 
+/* The hidden sizes at the ends: 640 (5 FP8 scales per row, not a multiple of 4: the receive copies them
+ * one by one) and 16384 (the largest: every register of the send's row arrays in use). */
+EPD_TEST_T(gpu_ll_hidden_640_and_16384, 240) {
+  setup(64, 640, 8, 128, 32, 0);
+  steps(51, 2, 128, 77, ROUTE_RANDOM, 1);
+  steps(52, 1, 128, 128, ROUTE_SKEW, 0);
+  llh_destroy(&C.h);
+  setup(64, 16384, 8, 64, 32, 0);
+  steps(53, 2, 64, 64, ROUTE_RANDOM, 1);
+  steps(54, 1, 64, 9, ROUTE_RANDOM, 0);
+  llh_destroy(&C.h);
+}
+
 /* 120 consecutive steps: changing routing and token counts, both banks, both dtypes, redundant
  * replicas, and the map version changing every 10 steps. */
 EPD_TEST_T(gpu_ll_120_steps_replicas, 300) {
