@@ -354,6 +354,15 @@ EPD_TEST_T(gpu_ll_hidden_640_and_16384, 240) {
   llh_destroy(&C.h);
 }
 
+/* The largest top-k (16 entries per token: every lane of the routing warp and every Meta entry). */
+EPD_TEST_T(gpu_ll_topk16, 180) {
+  setup(64, 2048, 16, 128, 32, 0);
+  steps(55, 2, 128, 100, ROUTE_RANDOM, 1);
+  steps(56, 1, 128, 128, ROUTE_SKEW, 0);
+  steps(57, 1, 3, 128, ROUTE_ALL_TO_ONE, 1);
+  llh_destroy(&C.h);
+}
+
 /* 120 consecutive steps: changing routing and token counts, both banks, both dtypes, redundant
  * replicas, and the map version changing every 10 steps. */
 EPD_TEST_T(gpu_ll_120_steps_replicas, 300) {
