@@ -286,6 +286,26 @@ EPD_TEST_T(gpu_ht_h4096_8192_tokens_16_blocks, 300) {
   hth_destroy(&T_.h);
 }
 
+/* Top-k at its ends (16 and 1), and a hidden size with 5 FP8 scales per row (not a multiple of 4), through
+ * peer arenas, staging and the bulk-copy engine. */
+EPD_TEST_T(gpu_ht_topk16_topk1_hidden640, 240) {
+  setup(64, 640, 16, 1024, 32, 2048, 8);
+  step(21, 0, 1024, 1024, 0, 0);
+  step(21, 1, 1024, 700, 1, 1);
+  step(22, 2, 9, 1024, 0, 1);
+  T_.h.staging = 1;
+  step(23, 3, 1024, 1000, 1, 1);
+  T_.h.staging = 0;
+  T_.h.copy = EPD_K_HT_COPY_TMA;
+  step(24, 4, 1024, 1024, 0, 0);
+  T_.h.copy = EPD_K_HT_COPY_REG;
+  hth_destroy(&T_.h);
+  setup(64, 640, 1, 1024, 32, 2048, 8);
+  step(25, 0, 1024, 1024, 0, 1);
+  step(25, 1, 1024, 333, 1, 0);
+  hth_destroy(&T_.h);
+}
+
 static void expect_fail(int code, int peer, unsigned bank, int check_recv) {
   for (int r = 0; r < 2; r++) {
     epd_comp_t c;
