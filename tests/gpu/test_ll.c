@@ -363,6 +363,28 @@ EPD_TEST_T(gpu_ll_topk16, 180) {
   llh_destroy(&C.h);
 }
 
+/* Every expert with the most replicas (8: 4 on each rank), so a token's replica choice,
+ * (rank * max_tokens + t) % 8, takes every index of the device map's replica list. */
+EPD_TEST_T(gpu_ll_8_replicas, 180) {
+  setup(16, 1024, 8, 128, 64, 0);
+  for (uint32_t e = 0; e < 16; e++) {
+    C.map.nrep[e] = EPD_K_MAX_REPLICAS;
+    for (uint32_t i = 0; i < EPD_K_MAX_REPLICAS; i++) {
+      C.map.rep[e][i].rank = i % 2;
+      C.map.rep[e][i].slot = e * 4 + i / 2;
+    }
+  }
+  char err[256];
+  CK(epd_ref_map_validate(&C.map, 16, 2, 64, err, sizeof err));
+  C.map.version = 2;
+  CK(epd_k_map_pack(C.mapimg, C.map.version, 16, C.map.nrep, (const uint32_t *)C.map.rep, EPD_MAX_REPLICAS));
+  CK(llh_set_map(&C.h, C.mapimg));
+  steps(61, 2, 128, 128, ROUTE_RANDOM, 1);
+  steps(62, 1, 128, 50, ROUTE_SKEW, 0);
+  steps(63, 1, 7, 128, ROUTE_ALL_TO_ONE, 1);
+  llh_destroy(&C.h);
+}
+
 /* 120 consecutive steps: changing routing and token counts, both banks, both dtypes, redundant
  * replicas, and the map version changing every 10 steps. */
 EPD_TEST_T(gpu_ll_120_steps_replicas, 300) {
