@@ -549,26 +549,21 @@ epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *de
 
 epd_result_t epd_cuda_write_words(uint64_t dst, size_t stride, const uint64_t *vals, unsigned n, char *err,
                                   size_t errlen) {
-  epd_result_t rc = epd_cuda_load(err, errlen);
-  if (rc) return rc;
-  if ((rc = ensure_ctx(-1, err, errlen))) return rc;
   /* on a private stream, waited for once: from pageable memory a copy may return before its DMA has
    * landed (the daemon's kernels read these words), and a context-wide wait would also wait for whatever
    * the application has queued */
-  CUstream st = NULL;
-  CU_TRY(cu.cuStreamCreate(&st, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  void *sv = NULL;
+  epd_result_t rc = epd_cuda_stream_create(&sv, err, errlen);
+  if (rc) return rc;
+  CUstream st = (CUstream)sv;
   CUresult r = CUDA_SUCCESS;
-  const char *what = "cuMemcpyHtoDAsync";
   for (unsigned i = 0; i < n && r == CUDA_SUCCESS; i++)
     r = cu.cuMemcpyHtoDAsync((CUdeviceptr)(dst + (uint64_t)i * stride), vals + i, sizeof *vals, st);
-  if (r == CUDA_SUCCESS) {
-    what = "cuStreamSynchronize";
-    r = cu.cuStreamSynchronize(st);
-  } else {
-    cu.cuStreamSynchronize(st); /* the copies issued before the failure land before the caller gives up */
-  }
-  cu.cuStreamDestroy(st);
-  return r ? cu_fail(r, what, err, errlen) : EPD_OK;
+  /* also after a failed copy: the ones issued before it land before the caller gives up */
+  CUresult rs = cu.cuStreamSynchronize(st);
+  epd_cuda_stream_destroy(sv);
+  if (r) return cu_fail(r, "cuMemcpyHtoDAsync", err, errlen);
+  return rs ? cu_fail(rs, "cuStreamSynchronize", err, errlen) : EPD_OK;
 }
 
 epd_result_t epd_cuda_stream_create(void **out, char *err, size_t errlen) {

@@ -295,46 +295,41 @@ static void gin_rank_text(int contexts, int type, const char *err, char *out, si
 }
 
 void epd_gin_line(int n, const int *contexts, const int *type, const char *const *err, char *out, size_t outlen) {
-  char first[192], other[192];
-  if (n < 1 || n > 64) {
+  if (n < 1 || n > EPD_CC_MAX_RANKS) {
     snprintf(out, outlen, "probe failed: %d local ranks", n);
     return;
   }
-  gin_rank_text(contexts[0], type[0], err[0], first, sizeof first);
-  int same = 1, avail = 0;
+  /* each rank's text once, and the first rank that got the same text (its group) */
+  char txt[EPD_CC_MAX_RANKS][192];
+  int grp[EPD_CC_MAX_RANKS], avail = 0, groups = 0;
   for (int r = 0; r < n; r++) {
-    gin_rank_text(contexts[r], type[r], err[r], other, sizeof other);
-    if (strcmp(other, first)) same = 0;
+    gin_rank_text(contexts[r], type[r], err[r], txt[r], sizeof txt[r]);
+    grp[r] = r;
+    for (int q = 0; q < r; q++)
+      if (grp[q] == q && !strcmp(txt[q], txt[r])) {
+        grp[r] = q;
+        break;
+      }
+    if (grp[r] == r) groups++;
     if (type[r] >= 0 && contexts[r] > 0) avail++;
   }
   const char *tail = avail ? "; not used: this build has no GIN stage, the host stage (nccl-p2p) carries the data"
                            : "; no device-initiated network transport, e.g. no InfiniBand/RoCE NIC";
-  if (same) {
-    snprintf(out, outlen, "%s%s", first, tail);
+  if (groups == 1) {
+    snprintf(out, outlen, "%s%s", txt[0], tail);
     return;
   }
   /* the node's GPUs differ (a NIC per GPU, one missing or down): each distinct result once, with the ranks
    * that got it ("ranks 0,1,2 available (...); rank 3 unavailable (...)") */
   size_t at = (size_t)snprintf(out, outlen, "differs between local ranks (%d of %d available):", avail, n);
-  uint64_t done = 0; /* ranks already listed */
-  for (int r = 0; r < n && at < outlen; r++) {
-    if (done >> r & 1) continue;
-    gin_rank_text(contexts[r], type[r], err[r], first, sizeof first);
+  for (int g = 0; g < n && at < outlen; g++) {
+    if (grp[g] != g) continue;
     int cnt = 0;
-    for (int q = r; q < n; q++) {
-      gin_rank_text(contexts[q], type[q], err[q], other, sizeof other);
-      if (!strcmp(other, first)) {
-        done |= (uint64_t)1 << q;
-        cnt++;
-      }
-    }
-    at += (size_t)snprintf(out + at, outlen - at, "%s rank%s", r ? ";" : "", cnt > 1 ? "s" : "");
-    for (int q = r, k = 0; q < n && at < outlen; q++)
-      if (done >> q & 1) {
-        gin_rank_text(contexts[q], type[q], err[q], other, sizeof other);
-        if (!strcmp(other, first)) at += (size_t)snprintf(out + at, outlen - at, "%s%d", k++ ? "," : " ", q);
-      }
-    if (at < outlen) at += (size_t)snprintf(out + at, outlen - at, " %s", first);
+    for (int q = g; q < n; q++) cnt += grp[q] == g;
+    at += (size_t)snprintf(out + at, outlen - at, "%s rank%s", g ? ";" : "", cnt > 1 ? "s" : "");
+    for (int q = g, k = 0; q < n && at < outlen; q++)
+      if (grp[q] == g) at += (size_t)snprintf(out + at, outlen - at, "%s%d", k++ ? "," : " ", q);
+    if (at < outlen) at += (size_t)snprintf(out + at, outlen - at, " %s", txt[g]);
   }
   if (at < outlen) snprintf(out + at, outlen - at, "%s", tail);
 }
