@@ -532,17 +532,25 @@ static void persist_run(uint32_t T, uint32_t flags, int nops, FILE *out) {
  * the standalone kernels' event-timed times. */
 int e2e_dev_launch(void *slots, uint32_t first, uint32_t nsteps, uint32_t bank0, uint32_t ntok, uint32_t flags,
                    uint64_t timeout_ns, uint64_t *ts, int *status, void *stream);
+int e2e_dev_launch_tx(void *slots, uint32_t first, uint32_t nsteps, uint32_t bank0, uint32_t ntok, uint32_t flags,
+                      uint64_t timeout_ns, uint64_t *ts, int *status, uint64_t *tx, void *stream);
 int e2e_dev_load(void);
 static void persist_dev_run(uint32_t T, uint32_t flags, uint32_t nsteps, FILE *out) {
   enum { WARMUP = 20, MAXN = 4096 };
   static double cl[2][MAXN], dl[2][MAXN];
-  uint64_t *ts[NR];
+  /* rank 0's handoff, the last EPD_K_PREC ops (their progress records): [0] submit call, [1] submit -> the
+   * kernel saw SUBMITTED, [2] seen -> completion writes done, [3] -> the client saw DONE, [4] DONE seen ->
+   * the wait returned (record read, slot freed) */
+  static double hs[2][5][EPD_K_PREC];
+  int hn[2] = {0, 0};
+  uint64_t *ts[NR], *tx[NR];
   int *dst[NR];
   cudaStream_t cs[NR];
   for (int r = 0; r < NR; r++) {
     CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
     if (e2e_dev_load()) DIE("loading the client kernel");
     CU(cudaMalloc((void **)&ts[r], (size_t)nsteps * 6 * sizeof(uint64_t)));
+    CU(cudaMalloc((void **)&tx[r], (size_t)nsteps * 4 * sizeof(uint64_t)));
     CU(cudaMalloc((void **)&dst[r], sizeof(int)));
     CU(cudaStreamCreateWithFlags(&cs[r], cudaStreamNonBlocking));
   }
@@ -550,7 +558,8 @@ static void persist_dev_run(uint32_t T, uint32_t flags, uint32_t nsteps, FILE *o
   pers_start(&P, 1);
   for (int r = 0; r < NR; r++) {
     CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
-    if (e2e_dev_launch(P.dq[r]->slot, 0, nsteps, 0, T, flags, 2000000000ull, ts[r], dst[r], cs[r])) DIE("client kernel launch");
+    if (e2e_dev_launch_tx(P.dq[r]->slot, 0, nsteps, 0, T, flags, 2000000000ull, ts[r], dst[r], tx[r], cs[r]))
+      DIE("client kernel launch");
   }
   int n = 0;
   uint64_t *h = malloc((size_t)nsteps * 6 * sizeof(uint64_t));
@@ -568,6 +577,25 @@ static void persist_dev_run(uint32_t T, uint32_t flags, uint32_t nsteps, FILE *o
         if (r == 0 || c > cl[o][n]) cl[o][n] = c; /* the slower rank of each op */
         if (r == 0 || d > dl[o][n]) dl[o][n] = d;
       }
+    if (r == 0) {
+      uint64_t *x = malloc((size_t)nsteps * 4 * sizeof(uint64_t));
+      CU(cudaMemcpy(x, tx[r], (size_t)nsteps * 4 * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+      const uint64_t nops = 2ull * nsteps;
+      for (uint64_t op = nops > EPD_K_PREC ? nops - EPD_K_PREC : 0; op < nops; op++) {
+        const epd_k_prec_t *rc = (const epd_k_prec_t *)&P.prog[r]->rec[op % EPD_K_PREC];
+        if (rc->seq != op + 1) continue;
+        const uint64_t i = op / 2, o = op % 2, t0 = h[6 * i + 2 * o], t1 = h[6 * i + 2 * o + 1];
+        const uint64_t ta = x[4 * i + 2 * o], td = x[4 * i + 2 * o + 1];
+        const double kdone = (double)t0 + rc->seen_ns + (double)rc->latency_ns;
+        const int k = hn[o]++;
+        hs[o][0][k] = (double)(ta - t0) / 1e3;
+        hs[o][1][k] = rc->seen_ns / 1e3;
+        hs[o][2][k] = rc->latency_ns / 1e3;
+        hs[o][3][k] = ((double)td - kdone) / 1e3;
+        hs[o][4][k] = (double)(t1 - td) / 1e3;
+      }
+      free(x);
+    }
   }
   free(h);
   pers_stop(&P); /* before any cudaFree: it waits for the device, the persistent kernel included */
@@ -575,8 +603,15 @@ static void persist_dev_run(uint32_t T, uint32_t flags, uint32_t nsteps, FILE *o
     CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
     CU(cudaStreamDestroy(cs[r]));
     CU(cudaFree(ts[r]));
+    CU(cudaFree(tx[r]));
     CU(cudaFree(dst[r]));
   }
+  for (int o = 0; o < 2; o++)
+    if (hn[o] > 0)
+      fprintf(out, "persistent client view T=%u %s %s, rank 0 handoff (p50 of the last %d): submit call %.2f | submit -> "
+            "kernel saw it %.2f | seen -> completion written %.2f | -> client saw DONE %.2f | DONE seen -> wait returned %.2f\n",
+            T, flags ? "fp8" : "bf16", o ? "combine" : "dispatch", hn[o], stats(hs[o][0], hn[o]).p50,
+            stats(hs[o][1], hn[o]).p50, stats(hs[o][2], hn[o]).p50, stats(hs[o][3], hn[o]).p50, stats(hs[o][4], hn[o]).p50);
   for (int o = 0; o < 2; o++) {
     const stat3_t c = stats(cl[o], n), d = stats(dl[o], n);
     fprintf(out, "persistent client view T=%u %s %s: submit -> DONE seen %.2f (p10 %.2f, p90 %.2f); kernel's seen -> completion %.2f\n", T,

@@ -289,6 +289,9 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
   uint32_t ticket = atomicAdd(&st->done[opi], 1u);
   if (ticket != p.G - 1) return;
   __threadfence();
+  /* persistent: the map version for the queue header, loaded with the atomics below (loaded where it is
+   * stored, it delayed the completion by a round trip) */
+  const uint32_t mapv_now = p.pdev ? __ldcg(p.map) : 0u;
   int c = atomicAdd(&st->err[opi], 0);
   int pe = atomicAdd(&st->errpeer[opi], 0);
   uint32_t total = atomicAdd(&st->total, 0u);
@@ -345,7 +348,7 @@ __device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, in
   }
   volatile epd_queue_t *q = p.pq;
   if (c && q->sticky_error == 0) q->sticky_error = c;
-  q->map_version = __ldcg(p.map);
+  q->map_version = mapv_now;
   q->steps_done = p.psteps0 + o.popn + 1;
   /* The record and header before the host copy's DONE (a waiter that sees that DONE first may read the
    * record from the host copy), and the host copy's DONE before the twin's (the launch requires a twin): a
@@ -972,7 +975,11 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
       for (uint32_t n = 0;; n++) {
         /* relaxed polls of the device twin (an acquire per poll would fence every time), one fence once
          * one is seen; the stop word is device memory too (lane 0's value for the whole warp), the
-         * host's abort word a PCIe read now and then */
+         * host's abort word a PCIe read now and then. Polling faster made the ops slower: the slot
+         * states loaded before the stop word's shuffle (one round trip per poll instead of two), or the
+         * abort word read without waiting for it, each took ~1.2 us longer from the client's submit to
+         * this loop seeing it (bench_ll EPD_BENCH_PERSIST, 2x H100, session 14); a
+         * __nanosleep of 100 or 400 ns between polls changed nothing. */
         const uint64_t lim = __shfl_sync(FULL, lane == 0 ? *(volatile const uint64_t *)a.dlimit : 0ull, 0);
         uint32_t ab = 0;
         if (lane == 0 && (n & 63) == 0) ab = host_abort(a.ctl);

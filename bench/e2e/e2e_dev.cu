@@ -11,10 +11,12 @@
 namespace {
 /* nsteps steps of (dispatch, combine) on slots first, first+1, ... (ring order), bank = step parity.
  * ts[6*i + 2*o] = submit time, ts[6*i + 2*o + 1] = completion seen (o = 0 dispatch, 1 combine),
- * ts[6*i + 4 + o] = the op's comp.latency_ns (daemon side); *status = first non-zero status (or 0). */
+ * ts[6*i + 4 + o] = the op's comp.latency_ns (daemon side); *status = first non-zero status (or 0).
+ * tx (diagnostics, may be NULL): tx[4*i + 2*o] = the submit's return, tx[4*i + 2*o + 1] = DONE seen (before
+ * the completion record is read and the slot freed). */
 __global__ void e2e_dev_loop(epd_slot_t *slots, uint32_t first, uint32_t nsteps, uint32_t bank0,
                              uint32_t ntok, uint32_t flags, uint64_t timeout_ns, uint64_t *ts,
-                             int *status) {
+                             int *status, uint64_t *tx) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   uint32_t s = first;
   for (uint32_t i = 0; i < nsteps; i++) {
@@ -33,8 +35,15 @@ __global__ void e2e_dev_loop(epd_slot_t *slots, uint32_t first, uint32_t nsteps,
       d.reserved[0] = (uint32_t)t0;
       d.reserved[1] = (uint32_t)(t0 >> 32);
       epd_comp_t comp;
-      const int st = epd_dev_run(&slots[s], &d, timeout_ns, &comp);
+      epd_dev_submit(&slots[s], &d);
+      const uint64_t ta = epd_dev_now_ns();
+      uint64_t tdone = 0;
+      const int st = epd_dev_wait_stamped(&slots[s], timeout_ns, &comp, tx ? &tdone : (uint64_t *)0);
       const uint64_t t1 = epd_dev_now_ns();
+      if (tx) {
+        tx[4 * i + 2 * o] = ta;
+        tx[4 * i + 2 * o + 1] = tdone;
+      }
       ts[6 * i + 2 * o] = t0;
       ts[6 * i + 2 * o + 1] = t1;
       ts[6 * i + 4 + o] = comp.latency_ns;
@@ -52,7 +61,15 @@ __global__ void e2e_dev_loop(epd_slot_t *slots, uint32_t first, uint32_t nsteps,
 extern "C" int e2e_dev_launch(void *slots, uint32_t first, uint32_t nsteps, uint32_t bank0, uint32_t ntok,
                               uint32_t flags, uint64_t timeout_ns, uint64_t *ts, int *status, void *stream) {
   e2e_dev_loop<<<1, 1, 0, (cudaStream_t)stream>>>((epd_slot_t *)slots, first, nsteps, bank0, ntok, flags,
-                                                  timeout_ns, ts, status);
+                                                  timeout_ns, ts, status, (uint64_t *)0);
+  return (int)cudaGetLastError();
+}
+/* The same with the diagnostic stamps tx (4 per step, see e2e_dev_loop). */
+extern "C" int e2e_dev_launch_tx(void *slots, uint32_t first, uint32_t nsteps, uint32_t bank0, uint32_t ntok,
+                                 uint32_t flags, uint64_t timeout_ns, uint64_t *ts, int *status, uint64_t *tx,
+                                 void *stream) {
+  e2e_dev_loop<<<1, 1, 0, (cudaStream_t)stream>>>((epd_slot_t *)slots, first, nsteps, bank0, ntok, flags,
+                                                  timeout_ns, ts, status, tx);
   return (int)cudaGetLastError();
 }
 /* Load the client kernel now: with lazy module loading its first launch would wait for the kernels
