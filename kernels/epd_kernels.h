@@ -137,7 +137,8 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
  * team needs epd_k_ll_reset). An op's last block writes the completion (status, peer, num_recv,
  * map_version, step, user_tag, latency_ns = SUBMITTED seen on this rank -> completion) in both copies of
  * the slot, the queue header (sticky_error, map_version, steps_done) and a progress record, then sets
- * the slot DONE in both copies (after a system-scope fence). The stop word (`dlimit`) is device memory
+ * the slot DONE in the host copy and then in the twin (each after a GPU-scope fence). The stop word
+ * (`dlimit`) is device memory
  * (the host writes it with a stream memory operation: polled on every turn); the abort word and the
  * progress block are host-mapped memory (device addresses passed here). */
 typedef struct epd_k_pctl {
