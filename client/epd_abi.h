@@ -20,7 +20,9 @@
  * poll it (a GPU load instead of a PCIe round trip) and complete in both copies; the daemon's CPU
  * threads read only the host copy. A client that submits through the twin (epd_device.h, libepd's
  * kernel submission) writes the twin first and then the host copy, the same descriptor and state, and
- * waits for DONE in either copy (the CPU completes the host copy only); then frees both, the twin first.
+ * waits for DONE in either copy (the CPU completes the host copy only); then frees both, the twin first
+ * (a GPU-scope fence between the two frees: the readers that rely on that order, the persistent kernels,
+ * run on the queue's GPU; the daemon's CPU never reads the twin).
  * Where the daemon sets EPD_QF_TWIN (its persistent kernels may serve the queue), every submission must
  * go through the twin: one that writes only the host copy is seen by the launch mode only, i.e. after
  * the daemon's watchdog stops the kernels (a step timeout). Each twin slot's twin_host (in its pad) is
