@@ -538,9 +538,11 @@ int e2e_dev_load(void);
 static void persist_dev_run(uint32_t T, uint32_t flags, uint32_t nsteps, FILE *out) {
   enum { WARMUP = 20, MAXN = 4096 };
   static double cl[2][MAXN], dl[2][MAXN];
-  /* rank 0's handoff, the last EPD_K_PREC ops (their progress records): [0] submit call, [1] submit -> the
-   * kernel saw SUBMITTED, [2] seen -> completion writes done, [3] -> the client saw DONE, [4] DONE seen ->
-   * the wait returned (record read, slot freed) */
+  /* rank 0's handoff, the last EPD_K_PREC ops (their progress records), all from the client's stamp
+   * before the submit call: [0] the submit call, [1] -> the kernel saw SUBMITTED (includes most of [0]),
+   * [2] seen -> completion writes done, [3] -> the client saw DONE (negative: it saw DONE before the
+   * kernel's last stamp), [4] DONE seen -> the wait returned (record read, slot freed); [1] + [2] + [3] +
+   * [4] is the "submit -> DONE seen" time (which ends when the wait returns) */
   static double hs[2][5][EPD_K_PREC];
   int hn[2] = {0, 0};
   uint64_t *ts[NR], *tx[NR];
@@ -578,6 +580,11 @@ static void persist_dev_run(uint32_t T, uint32_t flags, uint32_t nsteps, FILE *o
         if (r == 0 || d > dl[o][n]) dl[o][n] = d;
       }
     if (r == 0) {
+      /* the kernel writes an op's progress record after its DONE: wait for the last one */
+      const double tw = now_us();
+      while (__atomic_load_n(&P.prog[r]->ops, __ATOMIC_ACQUIRE) < 2ull * nsteps)
+        if (now_us() - tw > 5e6) DIE("persistent client view: the progress records stop at %llu ops",
+                                     (unsigned long long)P.prog[r]->ops);
       uint64_t *x = malloc((size_t)nsteps * 4 * sizeof(uint64_t));
       CU(cudaMemcpy(x, tx[r], (size_t)nsteps * 4 * sizeof(uint64_t), cudaMemcpyDeviceToHost));
       const uint64_t nops = 2ull * nsteps;
@@ -586,12 +593,14 @@ static void persist_dev_run(uint32_t T, uint32_t flags, uint32_t nsteps, FILE *o
         if (rc->seq != op + 1) continue;
         const uint64_t i = op / 2, o = op % 2, t0 = h[6 * i + 2 * o], t1 = h[6 * i + 2 * o + 1];
         const uint64_t ta = x[4 * i + 2 * o], td = x[4 * i + 2 * o + 1];
-        const double kdone = (double)t0 + rc->seen_ns + (double)rc->latency_ns;
+        /* differences of 64-bit timer values first: a double of an absolute %globaltimer value keeps
+         * only multiples of 256 ns */
+        const int64_t done_lag = (int64_t)(td - t0) - (int64_t)rc->seen_ns - (int64_t)rc->latency_ns;
         const int k = hn[o]++;
         hs[o][0][k] = (double)(ta - t0) / 1e3;
         hs[o][1][k] = rc->seen_ns / 1e3;
         hs[o][2][k] = rc->latency_ns / 1e3;
-        hs[o][3][k] = ((double)td - kdone) / 1e3;
+        hs[o][3][k] = (double)done_lag / 1e3;
         hs[o][4][k] = (double)(t1 - td) / 1e3;
       }
       free(x);

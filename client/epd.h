@@ -141,8 +141,9 @@ epd_result_t epd_slot_status(epd_ep_t *ep, unsigned slot, epd_comp_t *comp_out);
  * host copy's device alias). NULL on the host backend or for a slot out of range.
  * The daemon runs SUBMITTED slots in ring order from the slot after the last one it ran; after attach
  * that is slot 0, after libepd's own ops it is epd_info(ep, EPD_INFO_NEXT_SLOT). A kernel that owns
- * slots must leave them FREE (completed and waited for) before libepd submits on them again; libepd's
- * ring position does not move with the kernel's ops. */
+ * slots must leave them FREE (completed and waited for, and that kernel finished or its stream
+ * synchronized: its FREE of the twin is ordered before its FREE of the host copy for this GPU only)
+ * before libepd submits on them again; libepd's ring position does not move with the kernel's ops. */
 void *epd_slot_device_ptr(epd_ep_t *ep, unsigned slot);
 
 /* Expert-map replica of a logical expert. */
