@@ -468,6 +468,15 @@ static void pers_stop(pers_t *P) {
   }
 }
 
+/* Wait until rank r's persistent kernel has completed n ops since its launch (its progress block: an op's
+ * record is written after its DONE), at most 5 s from t0. */
+static void pers_wait_ops(pers_t *P, int r, uint64_t n, double t0) {
+  while (__atomic_load_n(&P->prog[r]->ops, __ATOMIC_ACQUIRE) < n)
+    if (now_us() - t0 > 5e6)
+      DIE("persistent kernel of rank %d: %llu of %llu ops completed (exit reason %u)", r,
+          (unsigned long long)P->prog[r]->ops, (unsigned long long)n, P->prog[r]->reason);
+}
+
 /* Host-submitted ops, one at a time on every rank at once (dispatch, combine, banks alternating): the
  * kernel's progress records give SUBMITTED seen -> completion (latency), seen -> every rank agreed, the
  * time from the completion stamp to the end of the completion writes, and block 0's stamps after the
@@ -495,8 +504,7 @@ static void persist_run(uint32_t T, uint32_t flags, int nops, FILE *out) {
     for (int r = 0; r < NR; r++) __atomic_store_n(&P.q[r]->slot[si].state, EPD_SLOT_SUBMITTED, __ATOMIC_RELEASE);
     const double t0 = now_us();
     for (int r = 0; r < NR; r++) {
-      while (__atomic_load_n(&P.prog[r]->ops, __ATOMIC_ACQUIRE) < (uint64_t)i + 1)
-        if (now_us() - t0 > 5e6) DIE("persistent op %d: rank %d never completed (reason %u)", i, r, P.prog[r]->reason);
+      pers_wait_ops(&P, r, (uint64_t)i + 1, t0);
       if (P.q[r]->slot[si].comp.status) DIE("persistent op %d: rank %d status %d", i, r, P.q[r]->slot[si].comp.status);
     }
     double l = 0;
@@ -581,10 +589,7 @@ static void persist_dev_run(uint32_t T, uint32_t flags, uint32_t nsteps, FILE *o
       }
     if (r == 0) {
       /* the kernel writes an op's progress record after its DONE: wait for the last one */
-      const double tw = now_us();
-      while (__atomic_load_n(&P.prog[r]->ops, __ATOMIC_ACQUIRE) < 2ull * nsteps)
-        if (now_us() - tw > 5e6) DIE("persistent client view: the progress records stop at %llu ops",
-                                     (unsigned long long)P.prog[r]->ops);
+      pers_wait_ops(&P, r, 2ull * nsteps, now_us());
       uint64_t *x = malloc((size_t)nsteps * 4 * sizeof(uint64_t));
       CU(cudaMemcpy(x, tx[r], (size_t)nsteps * 4 * sizeof(uint64_t), cudaMemcpyDeviceToHost));
       const uint64_t nops = 2ull * nsteps;

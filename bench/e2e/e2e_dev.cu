@@ -58,19 +58,17 @@ __global__ void e2e_dev_loop(epd_slot_t *slots, uint32_t first, uint32_t nsteps,
 }
 } /* namespace */
 
-extern "C" int e2e_dev_launch(void *slots, uint32_t first, uint32_t nsteps, uint32_t bank0, uint32_t ntok,
-                              uint32_t flags, uint64_t timeout_ns, uint64_t *ts, int *status, void *stream) {
-  e2e_dev_loop<<<1, 1, 0, (cudaStream_t)stream>>>((epd_slot_t *)slots, first, nsteps, bank0, ntok, flags,
-                                                  timeout_ns, ts, status, (uint64_t *)0);
-  return (int)cudaGetLastError();
-}
-/* The same with the diagnostic stamps tx (4 per step, see e2e_dev_loop). */
+/* With the diagnostic stamps tx (4 per step, see e2e_dev_loop; NULL: none). */
 extern "C" int e2e_dev_launch_tx(void *slots, uint32_t first, uint32_t nsteps, uint32_t bank0, uint32_t ntok,
                                  uint32_t flags, uint64_t timeout_ns, uint64_t *ts, int *status, uint64_t *tx,
                                  void *stream) {
   e2e_dev_loop<<<1, 1, 0, (cudaStream_t)stream>>>((epd_slot_t *)slots, first, nsteps, bank0, ntok, flags,
                                                   timeout_ns, ts, status, tx);
   return (int)cudaGetLastError();
+}
+extern "C" int e2e_dev_launch(void *slots, uint32_t first, uint32_t nsteps, uint32_t bank0, uint32_t ntok,
+                              uint32_t flags, uint64_t timeout_ns, uint64_t *ts, int *status, void *stream) {
+  return e2e_dev_launch_tx(slots, first, nsteps, bank0, ntok, flags, timeout_ns, ts, status, (uint64_t *)0, stream);
 }
 /* Load the client kernel now: with lazy module loading its first launch would wait for the kernels
  * running in the context, a persistent kernel that waits for this one's submissions among them. */
