@@ -797,11 +797,24 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
             int ii = i0 + i;
             uint32_t s_i = __shfl_sync(0xffffffffu, s_l, ii & 31);
             int32_t p_i = __shfl_sync(0xffffffffu, pos_l, ii & 31);
+#if EPD_LL_DIAG_COMB_Y == 1 /* diagnostic build: every row read is one hot row (timing only) */
+            const int4 *row = (const int4 *)(y + (uint64_t)(s_i & 0) * 2 * H);
+#elif EPD_LL_DIAG_COMB_Y == 2 /* diagnostic build: rows packed by (token, entry) (timing only) */
+            const int4 *row = (const int4 *)(y + ((uint64_t)u * 8 + (ii & 7)) * 2 * H);
+#elif EPD_LL_DIAG_COMB_Y == 3 /* diagnostic build: the expert-major layout with 32 rows per slot (timing only) */
+            const int4 *row = (const int4 *)(y + ((uint64_t)s_i * 32 + (p_i & 31)) * 2 * H);
+#else
             const int4 *row = (const int4 *)(y + ((uint64_t)s_i * RM + p_i) * 2 * H);
+#endif
   #pragma unroll
             for (int h = 0; h < HV; h++) {
               uint32_t v = vbeg + lane + h * 32;
+#ifdef EPD_LL_DIAG_COMB_NOY /* diagnostic build: no y loads (wrong sums; timing only) */
+              (void)row;
+              if (ii < n && v < vend) yv[i][h] = make_int4((int)p_i, (int)s_i, (int)v, ii);
+#else
               if (ii < n && v < vend) yv[i][h] = __ldcg(row + v);
+#endif
             }
           }
   #pragma unroll
@@ -820,7 +833,11 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
             }
           }
         }
+#ifdef EPD_LL_DIAG_COMB_LOCAL /* diagnostic build: the partials stay in this GPU's bank (timing only) */
+        int4 *dst = (int4 *)(lb + p.lay.cstg + ((uint64_t)rank * M + t) * 2 * H);
+#else
         int4 *dst = (int4 *)(peer_bank(p, o, src) + p.lay.cstg + ((uint64_t)rank * M + t) * 2 * H);
+#endif
   #pragma unroll
         for (int h = 0; h < HV; h++) {
           uint32_t v = vbeg + lane + h * 32;
