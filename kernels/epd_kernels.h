@@ -303,6 +303,9 @@ epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const ep
 /* Benchmark helper: copy `bytes` (16-byte aligned) with a plain vector copy kernel on `blocks` blocks
  * (dst may be a peer GPU's memory with peer access enabled). */
 epd_result_t epd_k_copy(void *dst, const void *src, size_t bytes, uint32_t blocks, void *stream);
+/* The same through the bulk-copy engine (TMA, sm_90): one thread per block streams 32 KB chunks through
+ * shared memory, `stages` (2..6) of them in flight. */
+epd_result_t epd_k_copy_tma(void *dst, const void *src, size_t bytes, uint32_t blocks, uint32_t stages, void *stream);
 
 #ifdef __cplusplus
 }

@@ -1672,6 +1672,53 @@ __global__ void __launch_bounds__(512) copy_kernel(int4 *dst, const int4 *src, s
 }
 } /* namespace */
 
+/* ---- benchmark helper: the same copy through the bulk-copy engine: one thread per block streams
+ * CPY_CH-byte chunks global -> shared (TMA load) -> destination (TMA store), `nst` chunks in flight ---- */
+namespace {
+constexpr uint32_t CPY_CH = 32768, CPY_MAXST = 6;
+__global__ void __launch_bounds__(32) copy_tma_kernel(char *dst, const char *src, size_t bytes, uint32_t nst) {
+  extern __shared__ __align__(128) char cbuf[];
+  __shared__ __align__(8) uint64_t cbar[CPY_MAXST];
+  if (threadIdx.x != 0) return;
+  for (uint32_t i = 0; i < nst; i++) mbar_init(&cbar[i], 1);
+  mbar_init_fence();
+  const size_t nch = (bytes + CPY_CH - 1) / CPY_CH, G = gridDim.x;
+  const uint64_t deadline = gtimer() + 2000000000ull;
+  auto load = [&](uint64_t k) { /* this block's k-th chunk into stage k % nst */
+    const size_t c = blockIdx.x + k * G;
+    if (c >= nch) return;
+    const uint32_t len = (uint32_t)min((size_t)CPY_CH, bytes - c * CPY_CH), st = (uint32_t)(k % nst);
+    mbar_expect_tx(&cbar[st], len);
+    tma_load(cbuf + (size_t)st * CPY_CH, src + c * CPY_CH, len, &cbar[st]);
+  };
+  for (uint64_t k = 0; k < nst; k++) load(k);
+  for (uint64_t k = 0; blockIdx.x + k * G < nch; k++) {
+    const size_t c = blockIdx.x + k * G;
+    const uint32_t len = (uint32_t)min((size_t)CPY_CH, bytes - c * CPY_CH), st = (uint32_t)(k % nst);
+    if (!mbar_wait(&cbar[st], (uint32_t)(k / nst) & 1u, deadline)) break;
+    tma_store(dst + c * CPY_CH, cbuf + (size_t)st * CPY_CH, len);
+    tma_commit();
+    /* the previous chunk's store has read its stage: refill that stage */
+    if (k > 0) {
+      tma_wait_read(1);
+      load(k - 1 + nst);
+    }
+  }
+  tma_wait_all();
+}
+} /* namespace */
+
+extern "C" epd_result_t epd_k_copy_tma(void *dst, const void *src, size_t bytes, uint32_t blocks, uint32_t stages,
+                                       void *stream) {
+  if ((uintptr_t)dst % 16 || (uintptr_t)src % 16 || bytes % 16 || !blocks || stages < 2 || stages > CPY_MAXST)
+    return EPD_ERR_INVALID;
+  const size_t smem = (size_t)CPY_CH * stages;
+  if (cudaFuncSetAttribute(copy_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess)
+    return EPD_ERR_CUDA;
+  copy_tma_kernel<<<blocks, 32, smem, (cudaStream_t)stream>>>((char *)dst, (const char *)src, bytes, stages);
+  return cudaGetLastError() == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
+}
+
 extern "C" epd_result_t epd_k_copy(void *dst, const void *src, size_t bytes, uint32_t blocks, void *stream) {
   if ((uintptr_t)dst % 16 || (uintptr_t)src % 16 || bytes % 16 || !blocks) return EPD_ERR_INVALID;
   copy_kernel<<<blocks, 512, 0, (cudaStream_t)stream>>>((int4 *)dst, (const int4 *)src, bytes / 16);

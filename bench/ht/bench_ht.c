@@ -347,6 +347,49 @@ int main(int argc, char **argv) {
           printf("JSON {\"op\":\"copy_%s_both_opbytes\",\"blocks\":%u,\"us\":%.1f,\"gbs\":%.1f}\n", pull ? "pull" : "push",
                  blist[bi2], cu, cg);
         }
+      /* the same bytes through the bulk-copy engine (TMA), push both ways, 2 / 4 / 6 chunks in flight per SM:
+       * how close can this many SMs get to the ceiling? */
+      for (int bi2 = 0; bi2 < nb; bi2++)
+        for (int tv = 0; tv < 6; tv++) {
+          const int big = tv & 1;
+          const uint32_t stages = 2 + 2 * (uint32_t)(tv / 2); /* 2, 4, 6 chunks of 32 KB in flight */
+          double cs_us = 0;
+          size_t nbt[2] = {big ? cb : nbytes[0] / 16 * 16, big ? cb : nbytes[1] / 16 * 16};
+          for (int r = 0; r < 2; r++) {
+            cudaSetDevice(epd_cc_device(h.kh.cc, r));
+            CUCK(cudaMemset(cd[r], 0, cb));
+            CUCK(cudaDeviceSynchronize());
+          }
+          for (uint32_t it = 0; it < iters + 3; it++) {
+            gate_start(h.kh.cc, h.kh.st, &tm);
+            for (int r = 0; r < 2; r++) {
+              cudaSetDevice(epd_cc_device(h.kh.cc, r));
+              if (epd_k_copy_tma(cd[1 - r], cs[r], nbt[r], blist[bi2], stages, h.kh.st[r]) != EPD_OK) {
+                fprintf(stderr, "copy_tma launch failed\n");
+                return 1;
+              }
+            }
+            double u1 = gate_end(h.kh.cc, h.kh.st, &tm, 3);
+            if (it >= 3) cs_us += u1;
+          }
+          /* the copy landed: the source bytes are all 1 (memset), the destination was zeroed */
+          for (int r = 0; r < 2; r++) {
+            unsigned char chk[2][4096];
+            cudaSetDevice(epd_cc_device(h.kh.cc, 1 - r));
+            CUCK(cudaMemcpy(chk[0], cd[1 - r], sizeof chk[0], cudaMemcpyDeviceToHost));
+            CUCK(cudaMemcpy(chk[1], (char *)cd[1 - r] + nbt[r] - sizeof chk[1], sizeof chk[1], cudaMemcpyDeviceToHost));
+            for (size_t i = 0; i < sizeof chk; i++)
+              if (((unsigned char *)chk)[i] != 1) {
+                fprintf(stderr, "copy_tma: byte %zu of the checked ends is %u, not 1\n", i, ((unsigned char *)chk)[i]);
+                return 1;
+              }
+          }
+          double cu = cs_us / iters, cg = (double)(nbt[0] + nbt[1]) / 2 / (cu * 1e-6) / 1e9;
+          printf("copy_tma push both, %s, blocks %3u, %u x 32 KB in flight: %8.1f us  %6.1f GB/s per direction\n",
+                 big ? "256 MiB" : "op bytes", blist[bi2], stages, cu, cg);
+          printf("JSON {\"op\":\"copy_tma_push_both_%s\",\"blocks\":%u,\"stages\":%u,\"us\":%.1f,\"gbs\":%.1f}\n",
+                 big ? "256mib" : "opbytes", blist[bi2], stages, cu, cg);
+        }
       /* the copy kernel reading the peer's memory (what the combine's pull does), one direction */
       for (int ci = 0; ci < 3; ci++) {
         double cs_us = 0;
