@@ -1695,7 +1695,7 @@ __global__ void __launch_bounds__(32) copy_tma_kernel(char *dst, const char *src
   for (uint64_t k = 0; blockIdx.x + k * G < nch; k++) {
     const size_t c = blockIdx.x + k * G;
     const uint32_t len = (uint32_t)min((size_t)CPY_CH, bytes - c * CPY_CH), st = (uint32_t)(k % nst);
-    if (!mbar_wait(&cbar[st], (uint32_t)(k / nst) & 1u, deadline)) break;
+    if (!mbar_wait(&cbar[st], (uint32_t)(k / nst) & 1u, deadline)) __trap(); /* a bench helper: fail loudly */
     tma_store(dst + c * CPY_CH, cbuf + (size_t)st * CPY_CH, len);
     tma_commit();
     /* the previous chunk's store has read its stage: refill that stage */

@@ -355,12 +355,13 @@ int main(int argc, char **argv) {
           const uint32_t stages = 2 + 2 * (uint32_t)(tv / 2); /* 2, 4, 6 chunks of 32 KB in flight */
           double cs_us = 0;
           size_t nbt[2] = {big ? cb : nbytes[0] / 16 * 16, big ? cb : nbytes[1] / 16 * 16};
-          for (int r = 0; r < 2; r++) {
-            cudaSetDevice(epd_cc_device(h.kh.cc, r));
-            CUCK(cudaMemset(cd[r], 0, cb));
-            CUCK(cudaDeviceSynchronize());
-          }
           for (uint32_t it = 0; it < iters + 3; it++) {
+            if (it == iters + 2) /* the last copy is checked: its destination zeroed first */
+              for (int r = 0; r < 2; r++) {
+                cudaSetDevice(epd_cc_device(h.kh.cc, r));
+                CUCK(cudaMemset(cd[r], 0, cb));
+                CUCK(cudaDeviceSynchronize());
+              }
             gate_start(h.kh.cc, h.kh.st, &tm);
             for (int r = 0; r < 2; r++) {
               cudaSetDevice(epd_cc_device(h.kh.cc, r));
@@ -372,17 +373,18 @@ int main(int argc, char **argv) {
             double u1 = gate_end(h.kh.cc, h.kh.st, &tm, 3);
             if (it >= 3) cs_us += u1;
           }
-          /* the copy landed: the source bytes are all 1 (memset), the destination was zeroed */
+          /* the last copy landed whole: every source byte is 1 (memset), its destination was zeroed */
           for (int r = 0; r < 2; r++) {
-            unsigned char chk[2][4096];
+            unsigned char *chk = malloc(nbt[r]);
+            if (!chk) return 1;
             cudaSetDevice(epd_cc_device(h.kh.cc, 1 - r));
-            CUCK(cudaMemcpy(chk[0], cd[1 - r], sizeof chk[0], cudaMemcpyDeviceToHost));
-            CUCK(cudaMemcpy(chk[1], (char *)cd[1 - r] + nbt[r] - sizeof chk[1], sizeof chk[1], cudaMemcpyDeviceToHost));
-            for (size_t i = 0; i < sizeof chk; i++)
-              if (((unsigned char *)chk)[i] != 1) {
-                fprintf(stderr, "copy_tma: byte %zu of the checked ends is %u, not 1\n", i, ((unsigned char *)chk)[i]);
+            CUCK(cudaMemcpy(chk, cd[1 - r], nbt[r], cudaMemcpyDeviceToHost));
+            for (size_t i = 0; i < nbt[r]; i++)
+              if (chk[i] != 1) {
+                fprintf(stderr, "copy_tma: byte %zu of %zu is %u, not 1\n", i, nbt[r], chk[i]);
                 return 1;
               }
+            free(chk);
           }
           double cu = cs_us / iters, cg = (double)(nbt[0] + nbt[1]) / 2 / (cu * 1e-6) / 1e9;
           printf("copy_tma push both, %s, blocks %3u, %u x 32 KB in flight: %8.1f us  %6.1f GB/s per direction\n",

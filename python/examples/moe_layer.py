@@ -7,7 +7,8 @@ parent compares every step's output with a single-process reference of the same 
     python3 moe_layer.py --host --daemon build/bin/epd --steps 20
     # two GPUs, torch, a running daemon with the CUDA backend; --graph replays captured CUDA graphs
     python3 moe_layer.py --socket /run/epd/control.sock --steps 200 --graph
-    # --one-gpu: each worker sees only its GPU (CUDA_VISIBLE_DEVICES=rank), as platforms start them
+    # --one-gpu: each worker sees only its GPU (CUDA_VISIBLE_DEVICES = its entry of the list it inherited,
+    # or its rank), as platforms start them
 
 Halfway through, rank 0 stages a new expert map (experts moved between ranks): the workers load the
 weights of the experts now on their slots (into the same tensors, so captured graphs stay valid) and the
@@ -320,7 +321,8 @@ def main(argv=None):
     ap.add_argument("--fp8", action="store_true", help="FP8 dispatch (the reference uses FP8 inputs too)")
     ap.add_argument("--graph", action="store_true", help="torch: replay full-batch steps from CUDA graphs")
     ap.add_argument("--one-gpu", action="store_true",
-                    help="torch: each worker sees only its rank's GPU (CUDA_VISIBLE_DEVICES=rank)")
+                    help="torch: each worker sees only its rank's GPU (CUDA_VISIBLE_DEVICES = entry `rank` "
+                    "of the inherited list, else the rank)")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args(argv)
     spec = Spec(a)

@@ -3,7 +3,8 @@
 # worker processes (one per GPU, half of 16 experts each, gated-MLP weights), dispatch -> expert MLP ->
 # combine for 40 steps compared with the single-process PyTorch reference, with an expert-map change
 # halfway: eager, inside torch.cuda.graph (captured steps replayed), FP8 dispatch inside graphs, and FP8
-# eager with each worker seeing only its GPU (--one-gpu: CUDA_VISIBLE_DEVICES=rank, torch on ep.device).
+# eager with each worker seeing only its GPU (--one-gpu: its entry of the two-GPU list below, torch on
+# ep.device).
 # Skips (77) without 2 GPUs, torch with CUDA, or a built daemon/libepd.
 # Usage (repository root): bash tests/gpu/60-python-moe.sh [build-or-bundle-dir]
 set -u
@@ -22,11 +23,12 @@ for f in "$B/lib/libepd.so.1" "$B/lib/libepd.so"; do [ -z "$LIB" ] && [ -f "$f" 
 NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
 [ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
 export EPD_LIBRARY=$LIB PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
-# Only the two GPUs the test uses: on 4x H100 every process started CUDA on all four (daemon start to NCCL
-# up 2.05 s against 0.84 s on 2 GPUs), and the whole test took 108-229 s there against 40-67 s on 2 GPUs
-# (sessions 12-14). The parent's CPU reference check runs small torch ops one result at a time: cap its
-# thread pools, which size themselves to every vCPU of the machine. With both, 40-46 s on 4x H100
-# (75 s without, same machine; bench/results/python_moe_env_h100x4_s15.txt).
+# Only the two GPUs the test uses: on 4x H100 every process started CUDA on all four (a daemon's start to
+# its control socket took 1.0-2.05 s there against 0.8 s on 2x H100: session 14's daemon logs in
+# bench/results/raw/s14/), and the whole test took 108-229 s there against 40-67 s on 2 GPUs (sessions
+# 12-14). The parent's CPU reference check runs small torch ops one result at a time: cap its thread
+# pools, which size themselves to every vCPU of the machine. With both: 40-46 s on 4x H100 (75 s without,
+# same machine; bench/results/python_moe_env_h100x4_s15.txt).
 export CUDA_VISIBLE_DEVICES="$(gpu_of 0),$(gpu_of 1)"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-8}
 rc=0
@@ -34,7 +36,7 @@ run() {
   echo "== moe_layer.py $*"
   local t0=$SECONDS
   timeout 300 "$PY" python/examples/moe_layer.py --daemon "$B/bin/epd" --steps 40 "$@" || { echo "FAIL: moe_layer.py $*"; rc=1; }
-  echo "== moe_layer.py $*: $((SECONDS - t0)) s"
+  echo "== moe_layer.py${*:+ $*}: $((SECONDS - t0)) s"
 }
 run
 run --graph
