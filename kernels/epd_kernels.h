@@ -226,6 +226,11 @@ epd_result_t epd_k_ll_combine(epd_k_ll_t *k, const epd_k_arena_t *arena, uint32_
 epd_result_t epd_k_gate(const uint32_t *flag, uint32_t value, uint64_t timeout_ns, void *stream);
 /* An empty kernel of `blocks` x EPD_K_LL_THREADS threads (benchmarks: the launch floor). */
 epd_result_t epd_k_empty(uint32_t blocks, void *stream);
+/* Benchmark helper: rewrite rows [0, n_s) of `slots` slots (`stride` bytes apart, rows of `row_bytes`) with
+ * their own contents, n_s = counts[s] (device int32 array) or `fixed` where counts is NULL, at most
+ * `max_rows`: the rows then sit in L2 as a producer's fresh output would. */
+epd_result_t epd_k_rewrite_rows(void *base, const int32_t *counts, uint32_t fixed, uint32_t slots, uint64_t stride,
+                                uint32_t row_bytes, uint32_t max_rows, void *stream);
 
 /* The geometry a context was created with. */
 const epd_k_ll_geom_t *epd_k_ll_geom(const epd_k_ll_t *k);
