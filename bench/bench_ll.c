@@ -161,52 +161,60 @@ static void check_comp(int which) {
 }
 
 /* Record event i of every rank on the rank's stream. */
-static void record_all(cudaEvent_t ev[NR][3], int i) {
+static void record_all(cudaEvent_t ev[NR][4], int i) {
   for (int r = 0; r < NR; r++) {
     CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
     CU(cudaEventRecord(ev[r][i], H.kh.st[r]));
   }
 }
 
-/* The slowest rank's time from event 0 to 1 (*a) and from event 1 to 2 (*b), in microseconds. */
-static void slowest_us(cudaEvent_t ev[NR][3], double *a, double *b) {
+/* The slowest rank's time from event 0 to 1 (*a) and from event b0 to b0 + 1 (*b), in microseconds. */
+static void slowest_us(cudaEvent_t ev[NR][4], int b0, double *a, double *b) {
   *a = *b = 0;
   for (int r = 0; r < NR; r++) {
     float x, y;
     CU(cudaEventElapsedTime(&x, ev[r][0], ev[r][1]));
-    CU(cudaEventElapsedTime(&y, ev[r][1], ev[r][2]));
+    CU(cudaEventElapsedTime(&y, ev[r][b0], ev[r][b0 + 1]));
     if (x * 1e3 > *a) *a = x * 1e3;
     if (y * 1e3 > *b) *b = y * 1e3;
   }
 }
 
-/* Two launches on every rank between three events, the ranks released together by the gate: medians
+/* Two launches on every rank, each between two events, the ranks released together by the gate: medians
  * over ITERS of the slower rank's time of each (*s1, *s2). launch(which, iteration, arg) enqueues launch
- * `which` (0, 1) on every rank's stream. */
+ * `which` (0, 1) on every rank's stream; prep (NULL: none) enqueues untimed work before it, after the
+ * gate for launch 0 and between the two timed spans for launch 1 (events: gate, prep 0, ev0, launch 0, ev1,
+ * [prep 1, ev2,] launch 1, ev2 or ev3). */
 typedef void (*launch_fn)(int which, int it, void *arg);
-static void timed_pairs(launch_fn launch, void *arg, stat3_t *s1, stat3_t *s2) {
+static void timed_pairs(launch_fn launch, launch_fn prep, void *arg, stat3_t *s1, stat3_t *s2) {
   static double v1[ITERS], v2[ITERS];
-  cudaEvent_t ev[NR][3];
+  cudaEvent_t ev[NR][4];
   for (int r = 0; r < NR; r++) {
     CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
-    for (int i = 0; i < 3; i++) CU(cudaEventCreate(&ev[r][i]));
+    for (int i = 0; i < 4; i++) CU(cudaEventCreate(&ev[r][i]));
   }
+  const int b0 = prep ? 2 : 1; /* the event that starts launch 1's span */
   for (int it = -WARM; it < ITERS; it++) {
     gate_all();
+    if (prep) prep(0, it, arg);
     record_all(ev, 0);
     launch(0, it, arg);
     record_all(ev, 1);
+    if (prep) {
+      prep(1, it, arg);
+      record_all(ev, 2);
+    }
     launch(1, it, arg);
-    record_all(ev, 2);
+    record_all(ev, b0 + 1);
     gate_open();
     if (llh_sync(&H, ALL)) DIE("%s", H.kh.err);
     if (it < 0) continue;
-    slowest_us(ev, &v1[it], &v2[it]);
+    slowest_us(ev, b0, &v1[it], &v2[it]);
   }
   *s1 = stats(v1, ITERS);
   *s2 = stats(v2, ITERS);
   for (int r = 0; r < NR; r++)
-    for (int i = 0; i < 3; i++) cudaEventDestroy(ev[r][i]);
+    for (int i = 0; i < 4; i++) cudaEventDestroy(ev[r][i]);
 }
 
 struct ll_pair {
@@ -219,71 +227,33 @@ static void launch_ll(int which, int it, void *arg) {
   if (which == 1 && llh_launch(&H, ALL, EPD_OP_LL_COMBINE, bank, NULL, 0, 1000000000ull)) DIE("%s", H.kh.err);
 }
 
-/* (a) kernel times for T tokens: medians of dispatch (*ds) and of the combine after it (*cs). */
-static void kernel_times(uint32_t T, uint32_t flags, stat3_t *ds, stat3_t *cs) {
+/* (a) kernel times for T tokens: medians of dispatch (*ds) and of the combine after it (*cs); with prep
+ * (rewrite_inputs, below: (a')) untimed work before each. */
+static void kernel_times(uint32_t T, uint32_t flags, launch_fn prep, stat3_t *ds, stat3_t *cs) {
   struct ll_pair a = {.flags = flags};
   for (int r = 0; r < NR; r++) a.nt[r] = T;
-  timed_pairs(launch_ll, &a, ds, cs);
+  timed_pairs(launch_ll, prep, &a, ds, cs);
   check_comp(0);
   check_comp(1);
 }
 
-/* (a') kernel times with the inputs just written, as inside a model layer: before the dispatch the token rows
- * x are rewritten (the layer before it writes them), between dispatch and combine the received rows of y
- * (the expert GEMM writes them), each outside the timed spans: gate, rewrite x, ev0, dispatch, ev1, rewrite
- * y, ev2, combine, ev3. The rows then sit in L2 as fresh outputs would, where (a) reads y and x written long
- * before. */
-static void kernel_times_warm(uint32_t T, uint32_t flags, stat3_t *ds, stat3_t *cs) {
-  static double v1[ITERS], v2[ITERS];
-  cudaEvent_t ev[NR][4];
-  uint32_t nt[NR];
+/* (a') the untimed work before each op: its inputs rewritten as a producer would leave them, so that they
+ * sit in L2 as fresh outputs (where (a) reads x and y written long before): before the dispatch the token
+ * rows x (the layer before writes them), before the combine the received rows of y (the expert GEMM). */
+static void rewrite_inputs(int which, int it, void *arg) {
+  const struct ll_pair *a = arg;
+  const uint32_t bank = (uint32_t)(it + WARM) & 1;
   const size_t rowb = (size_t)H_ * 2, RM = (size_t)NR * M_;
   for (int r = 0; r < NR; r++) {
-    nt[r] = T;
     CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
-    for (int i = 0; i < 4; i++) CU(cudaEventCreate(&ev[r][i]));
+    if (which == 0 && epd_k_rewrite_rows(llh_buf(&H, r, bank, EPD_BUF_X), NULL, a->nt[r], 1, rowb * a->nt[r],
+                                         (uint32_t)rowb, a->nt[r], H.kh.st[r]))
+      DIE("rewrite x");
+    if (which == 1 && epd_k_rewrite_rows(llh_buf(&H, r, bank, EPD_BUF_LL_Y),
+                                         (const int32_t *)llh_buf(&H, r, bank, EPD_BUF_LL_RECV_COUNT), 0, S_, RM * rowb,
+                                         (uint32_t)rowb, (uint32_t)RM, H.kh.st[r]))
+      DIE("rewrite y");
   }
-  for (int it = -WARM; it < ITERS; it++) {
-    const uint32_t bank = (uint32_t)(it + WARM) & 1;
-    gate_all();
-    for (int r = 0; r < NR; r++) {
-      CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
-      if (epd_k_rewrite_rows(llh_buf(&H, r, bank, EPD_BUF_X), NULL, T, 1, rowb * T, (uint32_t)rowb, T, H.kh.st[r]))
-        DIE("rewrite x");
-      CU(cudaEventRecord(ev[r][0], H.kh.st[r]));
-    }
-    if (llh_launch(&H, ALL, EPD_OP_LL_DISPATCH, bank, nt, flags, 1000000000ull)) DIE("%s", H.kh.err);
-    for (int r = 0; r < NR; r++) {
-      CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
-      CU(cudaEventRecord(ev[r][1], H.kh.st[r]));
-      if (epd_k_rewrite_rows(llh_buf(&H, r, bank, EPD_BUF_LL_Y), (const int32_t *)llh_buf(&H, r, bank, EPD_BUF_LL_RECV_COUNT),
-                             0, S_, RM * rowb, (uint32_t)rowb, (uint32_t)RM, H.kh.st[r]))
-        DIE("rewrite y");
-      CU(cudaEventRecord(ev[r][2], H.kh.st[r]));
-    }
-    if (llh_launch(&H, ALL, EPD_OP_LL_COMBINE, bank, NULL, 0, 1000000000ull)) DIE("%s", H.kh.err);
-    for (int r = 0; r < NR; r++) {
-      CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
-      CU(cudaEventRecord(ev[r][3], H.kh.st[r]));
-    }
-    gate_open();
-    if (llh_sync(&H, ALL)) DIE("%s", H.kh.err);
-    if (it < 0) continue;
-    v1[it] = v2[it] = 0;
-    for (int r = 0; r < NR; r++) {
-      float a, b;
-      CU(cudaEventElapsedTime(&a, ev[r][0], ev[r][1]));
-      CU(cudaEventElapsedTime(&b, ev[r][2], ev[r][3]));
-      if (a * 1e3 > v1[it]) v1[it] = a * 1e3;
-      if (b * 1e3 > v2[it]) v2[it] = b * 1e3;
-    }
-  }
-  *ds = stats(v1, ITERS);
-  *cs = stats(v2, ITERS);
-  check_comp(0);
-  check_comp(1);
-  for (int r = 0; r < NR; r++)
-    for (int i = 0; i < 4; i++) cudaEventDestroy(ev[r][i]);
 }
 
 static void launch_empty(int which, int it, void *arg) {
@@ -300,7 +270,7 @@ static void launch_empty(int which, int it, void *arg) {
 static stat3_t empty_times(void) {
   uint32_t blocks = epd_k_ll_geom(H.k[0])->blocks;
   stat3_t first, second;
-  timed_pairs(launch_empty, &blocks, &first, &second);
+  timed_pairs(launch_empty, NULL, &blocks, &first, &second);
   return first;
 }
 
@@ -326,7 +296,7 @@ static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_
   void *sbuf[NR], *rbuf[NR], *agbuf[NR], *rsbuf[NR];
   size_t comb_row = (size_t)H_ * 2;
   size_t maxrow = disp_row > comb_row ? disp_row : comb_row;
-  cudaEvent_t ev[NR][3];
+  cudaEvent_t ev[NR][4];
   for (int r = 0; r < NR; r++) {
     CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
     CU(cudaMalloc(&sbuf[r], (size_t)NR * M_ * maxrow));
@@ -376,7 +346,7 @@ static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_
       if (llh_sync(&H, ALL)) DIE("%s", H.kh.err);
       if (it < 0) continue;
       double a, b;
-      slowest_us(ev, &a, &b);
+      slowest_us(ev, 1, &a, &b);
       if (pass == 0) {
         v1[it] = a;
         v2[it] = b;
@@ -724,9 +694,9 @@ int main(int argc, char **argv) {
     trace_run(128, 0, stdout);
     if (!strcmp(getenv("EPD_BENCH_TRACE"), "only")) { /* the phase profile alone, with (a) beside it */
       stat3_t d8t, c8t, d8w, c8w;
-      kernel_times(M_, EPD_DESC_FP8, &d8t, &c8t);
+      kernel_times(M_, EPD_DESC_FP8, NULL, &d8t, &c8t);
       printf("standalone kernels, event-timed (a): dispatch FP8 %.2f combine %.2f\n", d8t.p50, c8t.p50);
-      kernel_times_warm(M_, EPD_DESC_FP8, &d8w, &c8w);
+      kernel_times(M_, EPD_DESC_FP8, rewrite_inputs, &d8w, &c8w);
       printf("standalone kernels, inputs just rewritten (a'): dispatch FP8 %.2f combine %.2f\n", d8w.p50, c8w.p50);
       return 0;
     }
@@ -738,16 +708,16 @@ int main(int argc, char **argv) {
     persist_dev_run(128, EPD_DESC_FP8, 300, stdout);
     persist_dev_run(128, 0, 300, stdout);
     stat3_t d8a, c8a;
-    kernel_times(M_, EPD_DESC_FP8, &d8a, &c8a);
+    kernel_times(M_, EPD_DESC_FP8, NULL, &d8a, &c8a);
     printf("standalone kernels, event-timed (a): dispatch FP8 %.2f combine %.2f\n", d8a.p50, c8a.p50);
     if (!strcmp(getenv("EPD_BENCH_PERSIST"), "only")) return 0;
   }
   /* main setting */
   stat3_t d8, c8, d16, c16, e2e8, e2e16;
-  kernel_times(M_, EPD_DESC_FP8, &d8, &c8);
-  kernel_times(M_, 0, &d16, &c16);
+  kernel_times(M_, EPD_DESC_FP8, NULL, &d8, &c8);
+  kernel_times(M_, 0, NULL, &d16, &c16);
   stat3_t d8w, c8w;
-  kernel_times_warm(M_, EPD_DESC_FP8, &d8w, &c8w);
+  kernel_times(M_, EPD_DESC_FP8, rewrite_inputs, &d8w, &c8w);
   e2e8 = e2e_times(M_, EPD_DESC_FP8);
   e2e16 = e2e_times(M_, 0);
   const stat3_t empty = empty_times();
@@ -777,8 +747,8 @@ int main(int argc, char **argv) {
   enum { NSW = sizeof sweep / sizeof sweep[0] };
   stat3_t sw_d8[NSW], sw_c8[NSW], sw_d16[NSW], sw_c16[NSW];
   for (int i = 0; i < NSW; i++) {
-    kernel_times(sweep[i], EPD_DESC_FP8, &sw_d8[i], &sw_c8[i]);
-    kernel_times(sweep[i], 0, &sw_d16[i], &sw_c16[i]);
+    kernel_times(sweep[i], EPD_DESC_FP8, NULL, &sw_d8[i], &sw_c8[i]);
+    kernel_times(sweep[i], 0, NULL, &sw_d16[i], &sw_c16[i]);
   }
 
   char path[1024];

@@ -205,7 +205,6 @@ int main(int argc, char **argv) {
         hth_comp(&h, r, 1, &c1);
         if (c0.status || c1.status) printf("rank %d: status dispatch %d combine %d\n", r, c0.status, c1.status);
       }
-      const char *const *names = opnames;
       double rowb[3] = {2.0 * H, H + H / 128 * 4.0, 2.0 * H};
       if (do_trace) {
         /* where the time goes: rank 0's %globaltimer stamps, mean of 5 untimed runs */
@@ -241,7 +240,7 @@ int main(int argc, char **argv) {
             if (o < 2 && hv[10]) hv[10] = ~hv[10]; /* the earliest block's stamp, stored complemented */
             for (int i = 1; i < nst; i++) acc[i] += hv[i] ? (double)(hv[i] - hv[0]) / 1000.0 : -1.0;
           }
-          printf("trace %-14s %-7s SMs %3u (us from %s):", names[o], modes[mi], blist[bi], o < 2 ? "route start" : "start");
+          printf("trace %-14s %-7s SMs %3u (us from %s):", opnames[o], modes[mi], blist[bi], o < 2 ? "route start" : "start");
           for (int i = 1; i < nst; i++) printf(" [%d] %.1f", i, acc[i] / 5);
           printf("\n");
         }
@@ -253,11 +252,11 @@ int main(int argc, char **argv) {
       }
       for (int o = 0; o < 3; o++) {
         double us = sum[o] / iters, gbs = rows * rowb[o] / (us * 1e-6) / 1e9;
-        printf("%-14s %-7s SMs %3u: %8.1f us  %6.1f GB/s per direction\n", names[o], modes[mi], blist[bi], us, gbs);
+        printf("%-14s %-7s SMs %3u: %8.1f us  %6.1f GB/s per direction\n", opnames[o], modes[mi], blist[bi], us, gbs);
         if (!strcmp(modes[mi], "reg")) reg_gbs[bi][o] = gbs;
         printf("JSON {\"op\":\"ht_%s\",\"mode\":\"%s\",\"sms\":%u,\"tokens\":%u,\"hidden\":%u,\"us\":%.1f,"
                "\"algbw_gbs\":%.1f}\n",
-               names[o], modes[mi], blist[bi], T, H, us, gbs);
+               opnames[o], modes[mi], blist[bi], T, H, us, gbs);
       }
     }
     /* baselines once, on the first context's communicators */
