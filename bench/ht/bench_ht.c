@@ -9,14 +9,16 @@
  * Modes (--modes): reg = rows straight into/out of the peers' arenas with 16-byte register copies (the
  * default path), tma = the same with the bulk-copy engine (opt-in EPD_K_HT_COPY_TMA), staging = rows
  * through the staging windows (the path without peer access). Baselines: the copy kernel pushing to
- * the peer (one direction, both; 256 MiB and the op's bytes) and pulling from it. --trace 1 prints
- * rank 0's phase stamps (epd_k_ht_op_t.trace).
+ * the peer (one direction, both; 256 MiB and the op's bytes) and pulling from it, the same through the
+ * bulk-copy engine (TMA) and through the copy engines (cudaMemcpyAsync, and SM + copy-engine pipelines:
+ * ce_bench). --trace 1 prints rank 0's phase stamps (epd_k_ht_op_t.trace).
  *
  *   epd-bench-ht [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256] [--iters 20] [--blocks 24,48]
  *                [--modes reg,tma,staging] [--trace 1]
  */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wstrict-prototypes"
+#include <cuda.h>
 #include <nccl.h>
 #pragma GCC diagnostic pop
 #include <stdint.h>
@@ -96,6 +98,243 @@ static int parse_list(const char *s, uint32_t *out, int max) {
   return n;
 }
 
+/* ---- copy engines (CE): what the GPU's DMA engines move across NVLink, and an SM + CE pipeline ----
+ * ce raw: cudaMemcpyAsync of the op's bytes (and 256 MiB) to the peer, both ranks at once, split over 1,
+ * 2 or 4 streams. ce dispatch: `blocks` SMs gather the rows sent to the peer into a staging buffer in
+ * token order (epd_k_pack_rows), a CE stream waits for each chunk's flag (cuStreamWaitValue32) and copies
+ * it to the peer, where the rows land at their final index. ce combine: the expert rank's partials of my
+ * tokens (contiguous, in token order) are copied by a CE stream chunk by chunk (push into my staging or
+ * pull from the peer), each followed by a flag (cuStreamWriteValue32); `blocks` SMs sum them with my own
+ * partials (epd_k_reduce2_rows). Routing is known on the host here (sizes of the copies): a bound for a
+ * CE path, without the plan exchange. The last run of each pipeline is checked row by row. */
+typedef CUresult (*wait_value_fn)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+typedef CUresult (*write_value_fn)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+static void *driver_fn(const char *name) {
+  void *p = NULL;
+  enum cudaDriverEntryPointQueryResult q;
+  if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess)
+    return NULL;
+  return p;
+}
+
+#define CE_STREAMS 4
+static int ce_bench(hth_t *h, timer_t_ *tm, uint16_t *const *x, const int32_t *ht_pos, uint32_t M, uint32_t T,
+                    uint32_t H, const size_t *nbytes, void *const *cs, void *const *cd) {
+  wait_value_fn wait_value = (wait_value_fn)driver_fn("cuStreamWaitValue32");
+  write_value_fn write_value = (write_value_fn)driver_fn("cuStreamWriteValue32");
+  if (!wait_value || !write_value) {
+    fprintf(stderr, "ce: no stream memory operations\n");
+    return 1;
+  }
+  const size_t rb = (size_t)H * 2, cb = (size_t)256 << 20;
+  cudaStream_t ce[2][CE_STREAMS];
+  cudaEvent_t ej[2][CE_STREAMS];
+  int32_t *idx_h[2], *idx[2];
+  uint32_t n[2] = {0, 0}, *cnt[2], *flags[2];
+  void *stg[2], *yb[2];
+  for (int r = 0; r < 2; r++) {
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
+    for (int j = 0; j < CE_STREAMS; j++) {
+      CUCK(cudaStreamCreateWithFlags(&ce[r][j], cudaStreamNonBlocking));
+      CUCK(cudaEventCreateWithFlags(&ej[r][j], cudaEventDisableTiming));
+    }
+    idx_h[r] = malloc((size_t)T * 4);
+    for (uint32_t t = 0; t < T; t++)
+      if (ht_pos[((size_t)r * M + t) * 2 + (1 - r)] >= 0) idx_h[r][n[r]++] = (int32_t)t;
+    CUCK(cudaMalloc((void **)&idx[r], (size_t)T * 4));
+    CUCK(cudaMemcpy(idx[r], idx_h[r], (size_t)n[r] * 4, cudaMemcpyHostToDevice));
+    CUCK(cudaMalloc((void **)&cnt[r], 4096 * 4));
+    CUCK(cudaMalloc((void **)&flags[r], 4096 * 4));
+    CUCK(cudaMemset(flags[r], 0, 4096 * 4));
+    CUCK(cudaMalloc(&stg[r], (size_t)T * rb));
+    CUCK(cudaMalloc(&yb[r], (size_t)T * rb));
+    /* x rows in cs (the dispatch's source, the combine's own partials); the peer's tokens' partials in yb */
+    CUCK(cudaMemcpy(cs[r], x[r], (size_t)T * rb, cudaMemcpyHostToDevice));
+    CUCK(cudaMemcpy(yb[r], x[1 - r], (size_t)T * rb, cudaMemcpyHostToDevice));
+    CUCK(cudaDeviceSynchronize());
+  }
+  static uint32_t seq = 0;
+  const uint32_t iters = 20;
+/* Start every CE stream of both ranks after the gate; join them back before the end event. */
+#define CE_FORK(r, ns)                                                                   \
+  do {                                                                                   \
+    CUCK(cudaSetDevice(epd_cc_device(h->kh.cc, r)));                                     \
+    for (int j_ = 0; j_ < (ns); j_++) CUCK(cudaStreamWaitEvent(ce[r][j_], tm->a[r], 0)); \
+  } while (0)
+#define CE_JOIN(r, ns)                                      \
+  do {                                                      \
+    CUCK(cudaSetDevice(epd_cc_device(h->kh.cc, r)));        \
+    for (int j_ = 0; j_ < (ns); j_++) {                     \
+      CUCK(cudaEventRecord(ej[r][j_], ce[r][j_]));          \
+      CUCK(cudaStreamWaitEvent(h->kh.st[r], ej[r][j_], 0)); \
+    }                                                       \
+  } while (0)
+  /* raw copies */
+  for (int big = 0; big < 2; big++)
+    for (int pull = 0; pull < 2; pull++)
+      for (int ns = 1; ns <= CE_STREAMS; ns *= 2) {
+        double acc = 0;
+        for (uint32_t it = 0; it < iters + 3; it++) {
+          gate_start(h->kh.cc, h->kh.st, tm);
+          for (int r = 0; r < 2; r++) {
+            const size_t bytes = big ? cb : (pull ? nbytes[1 - r] : nbytes[r]),
+                         part = (bytes / ns + 4095) / 4096 * 4096;
+            CE_FORK(r, ns);
+            for (int j = 0; j < ns; j++) {
+              const size_t o = (size_t)j * part, l = o >= bytes ? 0 : (bytes - o < part ? bytes - o : part);
+              if (!l) continue;
+              if (pull)
+                CUCK(cudaMemcpyAsync((char *)cd[r] + o, (const char *)cs[1 - r] + o, l,
+                                     cudaMemcpyDeviceToDevice, ce[r][j]));
+              else
+                CUCK(cudaMemcpyAsync((char *)cd[1 - r] + o, (const char *)cs[r] + o, l,
+                                     cudaMemcpyDeviceToDevice, ce[r][j]));
+            }
+            CE_JOIN(r, ns);
+          }
+          double us = gate_end(h->kh.cc, h->kh.st, tm, 3);
+          if (it >= 3) acc += us;
+        }
+        const double us = acc / iters, bytes = big ? (double)cb : (nbytes[0] + nbytes[1]) / 2.0,
+                     gbs = bytes / (us * 1e-6) / 1e9;
+        printf("copy_engine %s both, %s, %d stream%s: %8.1f us  %6.1f GB/s per direction\n",
+               pull ? "pull" : "push", big ? "256 MiB" : "op bytes", ns, ns > 1 ? "s" : "", us, gbs);
+        printf("JSON {\"op\":\"ce_%s_both_%s\",\"streams\":%d,\"us\":%.1f,\"gbs\":%.1f}\n",
+               pull ? "pull" : "push", big ? "256mib" : "opbytes", ns, us, gbs);
+      }
+  /* the SM + CE pipelines */
+  static const uint32_t chs[2] = {256, 1024}, pbl[2] = {8, 24};
+  uint32_t *ready[2]; /* flags that are always set: a part timed alone */
+  for (int r = 0; r < 2; r++) {
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
+    CUCK(cudaMalloc((void **)&ready[r], 4096 * 4));
+    /* 0x7f7f7f7f: past every seq (the stream wait compares cyclically) */
+    CUCK(cudaMemset(ready[r], 0x7f, 4096 * 4));
+  }
+  for (int op = 0; op < 3; op++) /* 0: dispatch (push), 1: combine push, 2: combine pull */
+    for (int ci = 0; ci < 2; ci++)
+      for (int bi = 0; bi < 2; bi++)
+        for (int ns = 1; ns <= 2; ns++)
+          /* part 0: the pipeline, 1: its SM kernel alone, 2: its CE copies alone */
+          for (int part = 0; part < 3; part++) {
+            if ((part == 1 && ns > 1) || (part == 2 && bi > 0)) continue;
+            const uint32_t ch = chs[ci], blocks = pbl[bi];
+            uint32_t *const fl[2] = {part ? ready[0] : flags[0], part ? ready[1] : flags[1]};
+            double acc = 0;
+            for (uint32_t it = 0; it < iters + 3; it++) {
+              seq++;
+              if (it == iters + 2)
+                for (int r = 0; r < 2; r++) { /* the checked run: destinations poisoned first */
+                  CUCK(cudaSetDevice(epd_cc_device(h->kh.cc, r)));
+                  CUCK(cudaMemset(cd[r], 0xff, (size_t)T * rb));
+                  CUCK(cudaMemset(stg[r], 0xff, (size_t)T * rb));
+                  CUCK(cudaDeviceSynchronize());
+                }
+              for (int r = 0; r < 2; r++) {
+                CUCK(cudaSetDevice(epd_cc_device(h->kh.cc, r)));
+                CUCK(cudaMemsetAsync(cnt[r], 0, 4096 * 4, h->kh.st[r]));
+              }
+              gate_start(h->kh.cc, h->kh.st, tm);
+              for (int r = 0; r < 2; r++) {
+                const uint32_t nr = op == 1 ? n[1 - r] : n[r], nch = (nr + ch - 1) / ch;
+                CE_FORK(r, ns);
+                if (op == 0 && part != 2 &&
+                    epd_k_pack_rows(stg[r], cs[r], idx[r], n[r], (uint32_t)rb, ch, cnt[r], flags[r], seq,
+                                    blocks, h->kh.st[r]) != EPD_OK)
+                  return 1;
+                for (uint32_t c = 0; c < nch && part != 1; c++) {
+                  cudaStream_t s = ce[r][c % ns];
+                  const size_t o = (size_t)c * ch * rb,
+                               l = (size_t)(nr - c * ch < ch ? nr - c * ch : ch) * rb;
+                  if (op == 0) {
+                    if (wait_value(s, (CUdeviceptr)(fl[r] + c), seq, CU_STREAM_WAIT_VALUE_GEQ) !=
+                        CUDA_SUCCESS)
+                      return 1;
+                    CUCK(cudaMemcpyAsync((char *)cd[1 - r] + o, (char *)stg[r] + o, l,
+                                         cudaMemcpyDeviceToDevice, s));
+                  } else if (op == 1) { /* push my partials of the peer's tokens, then its flag */
+                    CUCK(cudaMemcpyAsync((char *)stg[1 - r] + o, (char *)yb[r] + o, l,
+                                         cudaMemcpyDeviceToDevice, s));
+                    if (part == 0 && write_value(s, (CUdeviceptr)(flags[1 - r] + c), seq,
+                                                 CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS)
+                      return 1;
+                  } else { /* pull the peer's partials of my tokens, then my flag */
+                    CUCK(cudaMemcpyAsync((char *)stg[r] + o, (char *)yb[1 - r] + o, l,
+                                         cudaMemcpyDeviceToDevice, s));
+                    if (part == 0 && write_value(s, (CUdeviceptr)(flags[r] + c), seq,
+                                                 CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS)
+                      return 1;
+                  }
+                }
+                if (op > 0 && part != 2 &&
+                    epd_k_reduce2_rows(cd[r], cs[r], stg[r], idx[r], n[r], H, ch, fl[r], seq, blocks,
+                                       h->kh.st[r]) != EPD_OK)
+                  return 1;
+                CE_JOIN(r, ns);
+              }
+              double us = gate_end(h->kh.cc, h->kh.st, tm, 3);
+              if (it >= 3) acc += us;
+            }
+            /* check the last run of a pipeline row by row */
+            for (int r = 0; r < 2 && part == 0; r++) {
+              uint16_t *got = malloc((size_t)T * rb);
+              if (!got) return 1;
+              const int dst = op == 0 ? 1 - r : r; /* where rank r's result lies */
+              CUCK(cudaSetDevice(epd_cc_device(h->kh.cc, dst)));
+              CUCK(cudaMemcpy(got, cd[dst], (size_t)T * rb, cudaMemcpyDeviceToHost));
+              for (uint32_t i = 0; i < n[r]; i++) {
+                const uint32_t t = (uint32_t)idx_h[r][i];
+                const uint16_t *g = got + (size_t)(op == 0 ? i : t) * H, *a = x[r] + (size_t)t * H;
+                const uint16_t *b =
+                    x[r] + (size_t)i * H; /* yb[peer] holds x[r]: row i is the i-th sent token's */
+                for (uint32_t k = 0; k < H; k++) {
+                  const uint16_t want =
+                      op == 0 ? a[k] : epd_f32_to_bf16(epd_bf16_to_f32(a[k]) + epd_bf16_to_f32(b[k]));
+                  if (g[k] != want) {
+                    fprintf(stderr, "ce %s: rank %d row %u col %u: %04x, want %04x\n",
+                            op ? "combine" : "dispatch", r, i, k, g[k], want);
+                    return 1;
+                  }
+                }
+              }
+              free(got);
+            }
+            const double us = acc / iters, gbs = (n[0] + n[1]) / 2.0 * rb / (us * 1e-6) / 1e9;
+            static const char *const on[3] = {"dispatch_bf16", "combine_push", "combine_pull"};
+            static const char *const pn[3] = {"pipeline (checked)", "SM kernel alone", "CE copies alone"};
+            printf(
+                "ce_pipeline %-13s chunk %4u rows, SMs %2u, %d CE stream%s: %8.1f us  %6.1f GB/s per "
+                "direction %s\n",
+                on[op], ch, part == 2 ? 0 : blocks, part == 1 ? 0 : ns, ns > 1 ? "s" : " ", us, gbs,
+                pn[part]);
+            printf(
+                "JSON {\"op\":\"ce_pipeline_%s\",\"part\":\"%s\",\"chunk_rows\":%u,\"sms\":%u,\"streams\":%d,"
+                "\"us\":%.1f,\"gbs\":%.1f}\n",
+                on[op], part == 0 ? "pipeline" : (part == 1 ? "sm" : "ce"), ch, part == 2 ? 0 : blocks,
+                part == 1 ? 0 : ns, us, gbs);
+          }
+#undef CE_FORK
+#undef CE_JOIN
+  for (int r = 0; r < 2; r++) {
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
+    CUCK(cudaDeviceSynchronize());
+    for (int j = 0; j < CE_STREAMS; j++) {
+      cudaStreamDestroy(ce[r][j]);
+      cudaEventDestroy(ej[r][j]);
+    }
+    cudaFree(idx[r]);
+    cudaFree(cnt[r]);
+    cudaFree(flags[r]);
+    cudaFree(ready[r]);
+    cudaFree(stg[r]);
+    cudaFree(yb[r]);
+    free(idx_h[r]);
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   uint32_t T = 4096, H = 7168, K = 8, E = 256, iters = 20, blist[8] = {24, 48};
   int nb = 2, nmodes = 3, do_trace = 0;
@@ -116,6 +355,7 @@ int main(int argc, char **argv) {
         if (!strcmp(tok, "tma") || !strcmp(tok, "reg") || !strcmp(tok, "staging")) modes[nmodes++] = tok;
     }
   }
+  setvbuf(stdout, NULL, _IOLBF, 0); /* whole lines out even if a run is killed */
   if (hth_gpus() < 2) {
     printf("needs 2 GPUs\n");
     return 77;
@@ -391,6 +631,7 @@ int main(int argc, char **argv) {
           printf("JSON {\"op\":\"copy_tma_push_both_%s\",\"blocks\":%u,\"stages\":%u,\"us\":%.1f,\"gbs\":%.1f}\n",
                  big ? "256mib" : "opbytes", blist[bi2], stages, cu, cg);
         }
+      if (ce_bench(&h, &tm, x, plan.ht_pos, M, T, H, nbytes, cs, cd) != 0) return 1;
       /* the copy kernel reading the peer's memory (what the combine's pull does), one direction */
       for (int ci = 0; ci < 3; ci++) {
         double cs_us = 0;
