@@ -586,14 +586,17 @@ int main(int argc, char **argv) {
           printf("JSON {\"op\":\"copy_%s_both_opbytes\",\"blocks\":%u,\"us\":%.1f,\"gbs\":%.1f}\n", pull ? "pull" : "push",
                  blist[bi2], cu, cg);
         }
-      /* the same bytes through the bulk-copy engine (TMA), push both ways, 2 / 4 / 6 chunks in flight per SM:
-       * how close can this many SMs get to the ceiling? */
+      /* the same bytes through the bulk-copy engine (TMA), both ways, 2 / 4 / 6 chunks in flight per SM,
+       * pushing (what dispatch does) and pulling (what combine does): how close can this many SMs get to
+       * the ceiling? */
       for (int bi2 = 0; bi2 < nb; bi2++)
-        for (int tv = 0; tv < 6; tv++) {
-          const int big = tv & 1;
-          const uint32_t stages = 2 + 2 * (uint32_t)(tv / 2); /* 2, 4, 6 chunks of 32 KB in flight */
+        for (int tv = 0; tv < 12; tv++) {
+          const int big = tv & 1, pull = tv >= 6;
+          const uint32_t stages = 2 + 2 * (uint32_t)((tv % 6) / 2); /* 2, 4, 6 chunks of 32 KB in flight */
           double cs_us = 0;
           size_t nbt[2] = {big ? cb : nbytes[0] / 16 * 16, big ? cb : nbytes[1] / 16 * 16};
+          /* rank r's copy moves rank src(r)'s bytes into rank 1 - src(r)'s memory */
+#define TMA_SRC(r) (pull ? 1 - (r) : (r))
           for (uint32_t it = 0; it < iters + 3; it++) {
             if (it == iters + 2) /* the last copy is checked: its destination zeroed first */
               for (int r = 0; r < 2; r++) {
@@ -604,7 +607,8 @@ int main(int argc, char **argv) {
             gate_start(h.kh.cc, h.kh.st, &tm);
             for (int r = 0; r < 2; r++) {
               cudaSetDevice(epd_cc_device(h.kh.cc, r));
-              if (epd_k_copy_tma(cd[1 - r], cs[r], nbt[r], blist[bi2], stages, h.kh.st[r]) != EPD_OK) {
+              const int sr = TMA_SRC(r);
+              if (epd_k_copy_tma(cd[1 - sr], cs[sr], nbt[sr], blist[bi2], stages, h.kh.st[r]) != EPD_OK) {
                 fprintf(stderr, "copy_tma launch failed\n");
                 return 1;
               }
@@ -613,23 +617,24 @@ int main(int argc, char **argv) {
             if (it >= 3) cs_us += u1;
           }
           /* the last copy landed whole: every source byte is 1 (memset), its destination was zeroed */
-          for (int r = 0; r < 2; r++) {
-            unsigned char *chk = malloc(nbt[r]);
+          for (int sr = 0; sr < 2; sr++) {
+            unsigned char *chk = malloc(nbt[sr]);
             if (!chk) return 1;
-            cudaSetDevice(epd_cc_device(h.kh.cc, 1 - r));
-            CUCK(cudaMemcpy(chk, cd[1 - r], nbt[r], cudaMemcpyDeviceToHost));
-            for (size_t i = 0; i < nbt[r]; i++)
+            cudaSetDevice(epd_cc_device(h.kh.cc, 1 - sr));
+            CUCK(cudaMemcpy(chk, cd[1 - sr], nbt[sr], cudaMemcpyDeviceToHost));
+            for (size_t i = 0; i < nbt[sr]; i++)
               if (chk[i] != 1) {
-                fprintf(stderr, "copy_tma: byte %zu of %zu is %u, not 1\n", i, nbt[r], chk[i]);
+                fprintf(stderr, "copy_tma: byte %zu of %zu is %u, not 1\n", i, nbt[sr], chk[i]);
                 return 1;
               }
             free(chk);
           }
+#undef TMA_SRC
           double cu = cs_us / iters, cg = (double)(nbt[0] + nbt[1]) / 2 / (cu * 1e-6) / 1e9;
-          printf("copy_tma push both, %s, blocks %3u, %u x 32 KB in flight: %8.1f us  %6.1f GB/s per direction\n",
-                 big ? "256 MiB" : "op bytes", blist[bi2], stages, cu, cg);
-          printf("JSON {\"op\":\"copy_tma_push_both_%s\",\"blocks\":%u,\"stages\":%u,\"us\":%.1f,\"gbs\":%.1f}\n",
-                 big ? "256mib" : "opbytes", blist[bi2], stages, cu, cg);
+          printf("copy_tma %s both, %s, blocks %3u, %u x 32 KB in flight: %8.1f us  %6.1f GB/s per direction\n",
+                 pull ? "pull" : "push", big ? "256 MiB" : "op bytes", blist[bi2], stages, cu, cg);
+          printf("JSON {\"op\":\"copy_tma_%s_both_%s\",\"blocks\":%u,\"stages\":%u,\"us\":%.1f,\"gbs\":%.1f}\n",
+                 pull ? "pull" : "push", big ? "256mib" : "opbytes", blist[bi2], stages, cu, cg);
         }
       if (ce_bench(&h, &tm, x, plan.ht_pos, M, T, H, nbytes, cs, cd) != 0) return 1;
       /* the copy kernel reading the peer's memory (what the combine's pull does), one direction */
