@@ -79,6 +79,9 @@ constexpr uint32_t TILE = NTHR;                /* tokens per tile of the data ke
 constexpr uint32_t SMEM_MAX = 223u * 1024u;    /* dynamic shared memory per block (sm_90: 227 KiB with the static) */
 constexpr uint32_t HIST_MAX = 4096;            /* slots counted in shared memory (more: global atomics) */
 constexpr uint32_t MAX_STAGES = 16;
+#ifndef EPD_HT_FP8_V
+#define EPD_HT_FP8_V 2 /* FP8 dispatch: vectors per lane per step, two steps in flight (4: spills, slower) */
+#endif
 #ifndef EPD_HT_META_WARPS
 #define EPD_HT_META_WARPS 4
 #endif
@@ -516,15 +519,19 @@ __device__ __forceinline__ void send_row_fp8(const HTParams &p, const char *xrow
     xd[r] = on ? dr.xb[r] + (uint64_t)jr[r] * rowb : nullptr;
     sd[r] = on ? dr.sb[r] + (uint64_t)jr[r] * dr.ss[r] : nullptr;
   }
-  for (uint32_t g0 = 0; g0 < nsc; g0 += 2 * 8) {
-    int4 v[8];
+  /* FP8_V vectors per lane (2 * FP8_V scale groups) per step; the next step's loads are issued before
+   * this step's quantisation, so a warp keeps loads of its row in flight while it computes */
+  constexpr int FP8_V = EPD_HT_FP8_V;
+  auto load = [&](int4 (&v)[FP8_V], uint32_t g0) {
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
-      uint32_t g = g0 + 2 * i + (lane >> 4);
+    for (int i = 0; i < FP8_V; i++) {
+      const uint32_t g = g0 + 2 * i + (lane >> 4);
       if (g < nsc) v[i] = ld_nc_v4(xrow + g * 256 + (lane & 15) * 16);
     }
+  };
+  auto quant = [&](const int4 (&v)[FP8_V], uint32_t g0) {
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < FP8_V; i++) {
       const uint32_t g = g0 + 2 * i + (lane >> 4);
       const uint32_t *u = (const uint32_t *)&v[i];
       float f[8];
@@ -558,6 +565,16 @@ __device__ __forceinline__ void send_row_fp8(const HTParams &p, const char *xrow
         if (xd[r]) *(uint2 *)(xd[r] + g * 128 + (lane & 15) * 8) = qv;
       if ((lane & 15) == 0) scw[g] = scale;
     }
+  };
+  constexpr uint32_t GS = 2 * FP8_V; /* scale groups per step */
+  int4 va[FP8_V], vb[FP8_V];
+  load(va, 0);
+  for (uint32_t g0 = 0; g0 < nsc; g0 += 2 * GS) {
+    if (g0 + GS < nsc) load(vb, g0 + GS);
+    quant(va, g0);
+    if (g0 + GS >= nsc) break;
+    if (g0 + 2 * GS < nsc) load(va, g0 + 2 * GS);
+    quant(vb, g0 + GS);
   }
   __syncwarp();
 #pragma unroll

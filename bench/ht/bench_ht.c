@@ -14,7 +14,7 @@
  * ce_bench). --trace 1 prints rank 0's phase stamps (epd_k_ht_op_t.trace).
  *
  *   epd-bench-ht [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256] [--iters 20] [--blocks 24,48]
- *                [--modes reg,tma,staging] [--trace 1]
+ *                [--modes reg,tma,staging] [--trace 1] [--baselines 0]
  */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wstrict-prototypes"
@@ -337,7 +337,7 @@ static int ce_bench(hth_t *h, timer_t_ *tm, uint16_t *const *x, const int32_t *h
 
 int main(int argc, char **argv) {
   uint32_t T = 4096, H = 7168, K = 8, E = 256, iters = 20, blist[8] = {24, 48};
-  int nb = 2, nmodes = 3, do_trace = 0;
+  int nb = 2, nmodes = 3, do_trace = 0, baselines = 1;
   const char *modes[3] = {"reg", "tma", "staging"};
   char modes_buf[64] = "";
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -348,6 +348,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--iters")) iters = (uint32_t)atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--blocks")) nb = parse_list(argv[i + 1], blist, 8);
     else if (!strcmp(argv[i], "--trace")) do_trace = atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "--baselines")) baselines = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--modes")) {
       snprintf(modes_buf, sizeof modes_buf, "%s", argv[i + 1]);
       nmodes = 0;
@@ -499,8 +500,8 @@ int main(int argc, char **argv) {
                opnames[o], modes[mi], blist[bi], T, H, us, gbs);
       }
     }
-    /* baselines once, on the first context's communicators */
-    if (bi == 0) {
+    /* baselines once, on the first context's communicators (--baselines 0: none) */
+    if (bi == 0 && baselines) {
       /* NCCL grouped send/recv of the same payload */
       size_t nbytes[2] = {remote[0] * 2 * H, remote[1] * 2 * H};
       void *sb[2], *rb[2];
