@@ -80,8 +80,9 @@ constexpr uint32_t SMEM_MAX = 223u * 1024u;    /* dynamic shared memory per bloc
 constexpr uint32_t HIST_MAX = 4096;            /* slots counted in shared memory (more: global atomics) */
 constexpr uint32_t MAX_STAGES = 16;
 #ifndef EPD_HT_FP8_V
-#define EPD_HT_FP8_V 2 /* FP8 dispatch: vectors per lane per step, two steps in flight (4: spills, slower) */
+#define EPD_HT_FP8_V 2 /* FP8 dispatch: vectors per lane per step, two steps in flight (1 and 4: slower) */
 #endif
+static_assert(EPD_HT_FP8_V >= 1 && EPD_HT_FP8_V <= 8, "EPD_HT_FP8_V: 1..8 vectors per lane");
 #ifndef EPD_HT_META_WARPS
 #define EPD_HT_META_WARPS 4
 #endif
@@ -504,7 +505,7 @@ __device__ void meta_tile(const HTParams &p, uint32_t tb, const uint16_t *cl, co
 }
 
 /* FP8 rows of one token by a warp: quantised once (a half-warp per 128-channel group, 8 channels per
- * lane, 8 loads in flight), written to every dest of mask m at rows jr. The scales collect in the warp's
+ * lane; the next EPD_HT_FP8_V loads per lane in flight while the current ones are quantised), written to every dest of mask m at rows jr. The scales collect in the warp's
  * scw[H / 128] and go out once per row with consecutive lanes: one 4-byte NVLink write per group and
  * dest would be 2 * H / 128 partial writes per token. */
 __device__ __forceinline__ void send_row_fp8(const HTParams &p, const char *xrow, uint32_t m, const uint32_t *jr,
@@ -649,6 +650,9 @@ __device__ __forceinline__ uint32_t take_token(uint32_t *cur, uint32_t v, uint32
 /* ---------------------------------------------------------------------------------------------------
  * dispatch data: G blocks; block b owns a contiguous chunk of my tokens, in tiles of TILE tokens.
  * ------------------------------------------------------------------------------------------------- */
+/* Instantiated for BF16 (FP8K 0) and FP8 (1) rows: each gets the registers of its own path (FP8's
+ * quantisation with loads in flight would spill in a kernel that also holds the BF16 / TMA paths). */
+template <int FP8K>
 __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
   extern __shared__ __align__(128) unsigned char dsm[];
   __shared__ uint32_t sh_w[NWARP][2 * EPD_K_MAX_RANKS + 1];
@@ -663,7 +667,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
 
   const uint32_t R = p.R, H = p.H, K = p.K, me = p.rank, G = p.G, S = p.S;
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const bool fp8 = (p.flags & EPD_DESC_FP8) != 0;
+  constexpr bool fp8 = FP8K != 0;
   const bool use_tma = !fp8 && p.tma;
   char *lb = local_bank(p);
   HTState *st = (HTState *)(lb + p.lay.st);
@@ -1559,7 +1563,9 @@ epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm
     free(k);
     return r;
   }
-  cudaError_t ce = cudaFuncSetAttribute(ht_dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_MAX);
+  cudaError_t ce = cudaFuncSetAttribute(ht_dispatch_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_MAX);
+  if (ce == cudaSuccess)
+    ce = cudaFuncSetAttribute(ht_dispatch_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_MAX);
   if (ce == cudaSuccess)
     ce = cudaFuncSetAttribute(ht_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_MAX);
   for (int b = 0; b < EPD_NUM_BANKS && ce == cudaSuccess; b++)
@@ -1576,10 +1582,11 @@ epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm
      * most shared memory an op may take, one block per SM). A query that answers nothing checks nothing. */
     int dev = 0, nsm;
     cudaGetDevice(&dev);
-    const int per_d = resident_per_sm(ht_dispatch_kernel, dev, NTHR, SMEM_MAX, &nsm);
+    const int per_d = resident_per_sm(ht_dispatch_kernel<0>, dev, NTHR, SMEM_MAX, &nsm);
+    const int per_f = resident_per_sm(ht_dispatch_kernel<1>, dev, NTHR, SMEM_MAX, &nsm);
     const int per_c = resident_per_sm(ht_combine_kernel, dev, NTHR, SMEM_MAX, &nsm);
     cudaGetLastError();
-    const int per = per_d < per_c ? per_d : per_c;
+    const int per = per_d < per_c ? (per_d < per_f ? per_d : per_f) : (per_c < per_f ? per_c : per_f);
     if (nsm > 0 && per > 0 && (long)nsm * per < (long)k->g.blocks) {
       if (err && errlen)
         snprintf(err, errlen, "HT blocks (engine.ht_sms) = %u exceeds the %d x %d blocks this GPU keeps resident",
@@ -1655,9 +1662,10 @@ epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const ep
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, ht_dispatch_kernel, p) != cudaSuccess) {
+    void (*const kern)(const HTParams) = (p.flags & EPD_DESC_FP8) ? ht_dispatch_kernel<1> : ht_dispatch_kernel<0>;
+    if (cudaLaunchKernelEx(&cfg, kern, p) != cudaSuccess) {
       cudaGetLastError();
-      ht_dispatch_kernel<<<p.G, NTHR, p.sm.total, s>>>(p);
+      kern<<<p.G, NTHR, p.sm.total, s>>>(p);
     }
   } else {
     plan_kernel_smem(p, false, false);
@@ -1814,9 +1822,11 @@ __global__ void __launch_bounds__(512)
   for (uint32_t i = w0; i < n; i += nw) {
     const uint32_t c = i / ch;
     if (c != seen) { /* the chunk's rows landed (the copy engine's stream wrote its flag after the copy) */
-      if (lane == 0)
+      if (lane == 0) {
         while (*(volatile const uint32_t *)&flags[c] < seq)
           if (gtimer() > deadline) __trap();
+        __threadfence(); /* acquire: the rows after the flag */
+      }
       __syncwarp();
       seen = c;
     }
@@ -1851,7 +1861,8 @@ __global__ void __launch_bounds__(512)
 extern "C" epd_result_t epd_k_pack_rows(void *dst, const void *src, const int32_t *idx, uint32_t n,
                                         uint32_t row_bytes, uint32_t chunk_rows, uint32_t *cnt,
                                         uint32_t *flags, uint32_t seq, uint32_t blocks, void *stream) {
-  if (!dst || !src || !idx || !cnt || !flags || row_bytes % 16 || !row_bytes || !chunk_rows || !blocks)
+  if (!dst || !src || !idx || !cnt || !flags || row_bytes % 16 || !row_bytes || !chunk_rows || !blocks ||
+      (uintptr_t)dst % 16 || (uintptr_t)src % 16)
     return EPD_ERR_INVALID;
   const uint32_t nst = min(32u, (SMEM_MAX - (uint32_t)sizeof(int32_t) * PACK_IDX) / row_bytes);
   if (nst < 2) return EPD_ERR_INVALID;
@@ -1868,7 +1879,9 @@ extern "C" epd_result_t epd_k_reduce2_rows(void *out, const void *a, const void 
                                            uint32_t n, uint32_t hidden, uint32_t chunk_rows,
                                            const uint32_t *flags, uint32_t seq, uint32_t blocks,
                                            void *stream) {
-  if (!out || !a || !b || !idx || !flags || hidden % 8 || !chunk_rows || !blocks) return EPD_ERR_INVALID;
+  if (!out || !a || !b || !idx || !flags || hidden % 8 || !chunk_rows || !blocks || (uintptr_t)out % 16 ||
+      (uintptr_t)a % 16 || (uintptr_t)b % 16)
+    return EPD_ERR_INVALID;
   reduce2_rows_kernel<<<blocks, 512, 0, (cudaStream_t)stream>>>(
       (__nv_bfloat16 *)out, (const __nv_bfloat16 *)a, (const __nv_bfloat16 *)b, idx, n, hidden, chunk_rows,
       flags, seq);

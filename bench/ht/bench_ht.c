@@ -106,7 +106,9 @@ static int parse_list(const char *s, uint32_t *out, int max) {
  * tokens (contiguous, in token order) are copied by a CE stream chunk by chunk (push into my staging or
  * pull from the peer), each followed by a flag (cuStreamWriteValue32); `blocks` SMs sum them with my own
  * partials (epd_k_reduce2_rows). Routing is known on the host here (sizes of the copies): a bound for a
- * CE path, without the plan exchange. The last run of each pipeline is checked row by row. */
+ * CE path, without the plan exchange. The last run of each pipeline is checked row by row. Each part is also
+ * timed alone: the SM kernel with its flags already set; the CE copies with the dispatch's waits (on flags
+ * already set) but without the combine's flag writes. */
 typedef CUresult (*wait_value_fn)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 typedef CUresult (*write_value_fn)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
@@ -120,8 +122,15 @@ static void *driver_fn(const char *name) {
 }
 
 #define CE_STREAMS 4
+#define CE_TRY(ok, what)                                      \
+  do {                                                        \
+    if (!(ok)) {                                              \
+      fprintf(stderr, "copy_engine rows: %s failed\n", what); \
+      return 1;                                               \
+    }                                                         \
+  } while (0)
 static int ce_bench(hth_t *h, timer_t_ *tm, uint16_t *const *x, const int32_t *ht_pos, uint32_t M, uint32_t T,
-                    uint32_t H, const size_t *nbytes, void *const *cs, void *const *cd) {
+                    uint32_t H, const size_t *nbytes, void *const *cs, void *const *cd, uint32_t iters) {
   wait_value_fn wait_value = (wait_value_fn)driver_fn("cuStreamWaitValue32");
   write_value_fn write_value = (write_value_fn)driver_fn("cuStreamWriteValue32");
   if (!wait_value || !write_value) {
@@ -129,6 +138,10 @@ static int ce_bench(hth_t *h, timer_t_ *tm, uint16_t *const *x, const int32_t *h
     return 1;
   }
   const size_t rb = (size_t)H * 2, cb = (size_t)256 << 20;
+  if ((size_t)T * rb > cb || (T + 255) / 256 > 4096) { /* cs/cd hold 256 MiB, flags 4096 chunks */
+    printf("copy_engine rows skipped: %u rows of %zu bytes exceed their buffers\n", T, rb);
+    return 0;
+  }
   cudaStream_t ce[2][CE_STREAMS];
   cudaEvent_t ej[2][CE_STREAMS];
   int32_t *idx_h[2], *idx[2];
@@ -150,13 +163,15 @@ static int ce_bench(hth_t *h, timer_t_ *tm, uint16_t *const *x, const int32_t *h
     CUCK(cudaMemset(flags[r], 0, 4096 * 4));
     CUCK(cudaMalloc(&stg[r], (size_t)T * rb));
     CUCK(cudaMalloc(&yb[r], (size_t)T * rb));
-    /* x rows in cs (the dispatch's source, the combine's own partials); the peer's tokens' partials in yb */
+    /* x rows in cs (the dispatch's source, the combine's own partials); the partials this rank made for
+     * the peer's tokens in yb: row i = x[r] row T-1-i (not the rows they are summed with) */
     CUCK(cudaMemcpy(cs[r], x[r], (size_t)T * rb, cudaMemcpyHostToDevice));
-    CUCK(cudaMemcpy(yb[r], x[1 - r], (size_t)T * rb, cudaMemcpyHostToDevice));
+    for (uint32_t i = 0; i < T; i++)
+      CUCK(cudaMemcpy((char *)yb[r] + (size_t)i * rb, x[r] + (size_t)(T - 1 - i) * H, rb,
+                      cudaMemcpyHostToDevice));
     CUCK(cudaDeviceSynchronize());
   }
   static uint32_t seq = 0;
-  const uint32_t iters = 20;
 /* Start every CE stream of both ranks after the gate; join them back before the end event. */
 #define CE_FORK(r, ns)                                                                   \
   do {                                                                                   \
@@ -240,38 +255,40 @@ static int ce_bench(hth_t *h, timer_t_ *tm, uint16_t *const *x, const int32_t *h
               for (int r = 0; r < 2; r++) {
                 const uint32_t nr = op == 1 ? n[1 - r] : n[r], nch = (nr + ch - 1) / ch;
                 CE_FORK(r, ns);
-                if (op == 0 && part != 2 &&
-                    epd_k_pack_rows(stg[r], cs[r], idx[r], n[r], (uint32_t)rb, ch, cnt[r], flags[r], seq,
-                                    blocks, h->kh.st[r]) != EPD_OK)
-                  return 1;
+                if (op == 0 && part != 2)
+                  CE_TRY(epd_k_pack_rows(stg[r], cs[r], idx[r], n[r], (uint32_t)rb, ch, cnt[r], flags[r], seq,
+                                         blocks, h->kh.st[r]) == EPD_OK,
+                         "epd_k_pack_rows");
                 for (uint32_t c = 0; c < nch && part != 1; c++) {
                   cudaStream_t s = ce[r][c % ns];
                   const size_t o = (size_t)c * ch * rb,
                                l = (size_t)(nr - c * ch < ch ? nr - c * ch : ch) * rb;
                   if (op == 0) {
-                    if (wait_value(s, (CUdeviceptr)(fl[r] + c), seq, CU_STREAM_WAIT_VALUE_GEQ) !=
-                        CUDA_SUCCESS)
-                      return 1;
+                    CE_TRY(wait_value(s, (CUdeviceptr)(fl[r] + c), seq, CU_STREAM_WAIT_VALUE_GEQ) ==
+                               CUDA_SUCCESS,
+                           "cuStreamWaitValue32");
                     CUCK(cudaMemcpyAsync((char *)cd[1 - r] + o, (char *)stg[r] + o, l,
                                          cudaMemcpyDeviceToDevice, s));
                   } else if (op == 1) { /* push my partials of the peer's tokens, then its flag */
                     CUCK(cudaMemcpyAsync((char *)stg[1 - r] + o, (char *)yb[r] + o, l,
                                          cudaMemcpyDeviceToDevice, s));
-                    if (part == 0 && write_value(s, (CUdeviceptr)(flags[1 - r] + c), seq,
-                                                 CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS)
-                      return 1;
+                    if (part == 0)
+                      CE_TRY(write_value(s, (CUdeviceptr)(flags[1 - r] + c), seq,
+                                         CU_STREAM_WRITE_VALUE_DEFAULT) == CUDA_SUCCESS,
+                             "cuStreamWriteValue32 (peer flag)");
                   } else { /* pull the peer's partials of my tokens, then my flag */
                     CUCK(cudaMemcpyAsync((char *)stg[r] + o, (char *)yb[1 - r] + o, l,
                                          cudaMemcpyDeviceToDevice, s));
-                    if (part == 0 && write_value(s, (CUdeviceptr)(flags[r] + c), seq,
-                                                 CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS)
-                      return 1;
+                    if (part == 0)
+                      CE_TRY(write_value(s, (CUdeviceptr)(flags[r] + c), seq,
+                                         CU_STREAM_WRITE_VALUE_DEFAULT) == CUDA_SUCCESS,
+                             "cuStreamWriteValue32");
                   }
                 }
-                if (op > 0 && part != 2 &&
-                    epd_k_reduce2_rows(cd[r], cs[r], stg[r], idx[r], n[r], H, ch, fl[r], seq, blocks,
-                                       h->kh.st[r]) != EPD_OK)
-                  return 1;
+                if (op > 0 && part != 2)
+                  CE_TRY(epd_k_reduce2_rows(cd[r], cs[r], stg[r], idx[r], n[r], H, ch, fl[r], seq, blocks,
+                                            h->kh.st[r]) == EPD_OK,
+                         "epd_k_reduce2_rows");
                 CE_JOIN(r, ns);
               }
               double us = gate_end(h->kh.cc, h->kh.st, tm, 3);
@@ -280,15 +297,14 @@ static int ce_bench(hth_t *h, timer_t_ *tm, uint16_t *const *x, const int32_t *h
             /* check the last run of a pipeline row by row */
             for (int r = 0; r < 2 && part == 0; r++) {
               uint16_t *got = malloc((size_t)T * rb);
-              if (!got) return 1;
+              CE_TRY(got != NULL, "malloc");
               const int dst = op == 0 ? 1 - r : r; /* where rank r's result lies */
               CUCK(cudaSetDevice(epd_cc_device(h->kh.cc, dst)));
               CUCK(cudaMemcpy(got, cd[dst], (size_t)T * rb, cudaMemcpyDeviceToHost));
               for (uint32_t i = 0; i < n[r]; i++) {
                 const uint32_t t = (uint32_t)idx_h[r][i];
                 const uint16_t *g = got + (size_t)(op == 0 ? i : t) * H, *a = x[r] + (size_t)t * H;
-                const uint16_t *b =
-                    x[r] + (size_t)i * H; /* yb[peer] holds x[r]: row i is the i-th sent token's */
+                const uint16_t *b = x[1 - r] + (size_t)(T - 1 - i) * H; /* row i of the peer's yb */
                 for (uint32_t k = 0; k < H; k++) {
                   const uint16_t want =
                       op == 0 ? a[k] : epd_f32_to_bf16(epd_bf16_to_f32(a[k]) + epd_bf16_to_f32(b[k]));
@@ -317,6 +333,7 @@ static int ce_bench(hth_t *h, timer_t_ *tm, uint16_t *const *x, const int32_t *h
           }
 #undef CE_FORK
 #undef CE_JOIN
+#undef CE_TRY
   for (int r = 0; r < 2; r++) {
     cudaSetDevice(epd_cc_device(h->kh.cc, r));
     CUCK(cudaDeviceSynchronize());
@@ -637,7 +654,7 @@ int main(int argc, char **argv) {
           printf("JSON {\"op\":\"copy_tma_%s_both_%s\",\"blocks\":%u,\"stages\":%u,\"us\":%.1f,\"gbs\":%.1f}\n",
                  pull ? "pull" : "push", big ? "256mib" : "opbytes", blist[bi2], stages, cu, cg);
         }
-      if (ce_bench(&h, &tm, x, plan.ht_pos, M, T, H, nbytes, cs, cd) != 0) return 1;
+      if (ce_bench(&h, &tm, x, plan.ht_pos, M, T, H, nbytes, cs, cd, iters) != 0) return 1;
       /* the copy kernel reading the peer's memory (what the combine's pull does), one direction */
       for (int ci = 0; ci < 3; ci++) {
         double cs_us = 0;
