@@ -294,11 +294,10 @@ typedef struct epd_k_ht_op {
                     * [2] pulled and reduced (latest block), [3] peers done, [4] completion. */
 } epd_k_ht_op_t;
 #define EPD_K_HT_COPY_REG 0u /* 16-byte register loads and stores (the default) */
-/* Opt-in: BF16 dispatch rows and combine partials move with cp.async.bulk (TMA) through shared memory,
- * where every block's chunk of tokens is one tile (max_tokens <= 512 * blocks; else register copies).
- * Known failure on 2x H200: dispatch with hidden 4096, 8192 tokens, 16 blocks faults (unspecified launch
- * failure), not understood yet; correct in the tested hidden 7168 / 4096 tokens / 24 blocks and hidden
- * 1024 cases; no faster than register copies at these sizes (bench/results/bench_ht_h200x2.md). */
+/* Opt-in: BF16 dispatch rows and combine partials move with cp.async.bulk (TMA) through shared memory
+ * (FP8 dispatch uses register copies). Tested with hidden 640 / 4096 / 7168, one or several tiles of 512
+ * tokens per block; slower than register copies at these sizes (bench/results/bench_ht_h200x2.md,
+ * sanitizer_h200x2_s17.md, which also has the combine fault fixed in session 17). */
 #define EPD_K_HT_COPY_TMA 1u
 
 /* Launch one HT op on `stream`: host checks return EPD_ERR_INVALID, launch failures EPD_ERR_CUDA;

@@ -155,6 +155,7 @@ struct HTParams {
   uint32_t ns;                          /* stages of the TMA ring */
   uint32_t lag;                         /* dispatch: bulk-store groups left reading (1, 2 or 4) */
   uint32_t cw, nch;                     /* combine: bytes per column chunk, chunks per row */
+  uint32_t ncw;                         /* combine: consumer warps of the TMA ring (ns is a multiple) */
   uint64_t *trace;                      /* epd_k_ht_op_t.trace */
 };
 
@@ -1264,7 +1265,7 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
           t = take_token(st->ccur, v, per, T, lane);
         }
       }
-      /* bulk-copy engine (opt-in): tile by tile, thread 0 loads the rows' column chunks, warps 1.. sum */
+      /* bulk-copy engine (opt-in): tile by tile, thread 0 loads the rows' column chunks, warps 1..ncw sum */
       const uint32_t ns = p.ns, cw = p.cw, nch = p.nch;
       const uint64_t stb = (uint64_t)R * cw; /* bytes per stage: one column chunk of every rank's row */
       uint32_t gu = 0;                        /* units (token, chunk) of the earlier tiles */
@@ -1301,11 +1302,18 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
                            rank_buf<char>(p, r, EPD_BUF_HT_Y) + (uint64_t)s_tj[i * R + r] * rowb + off, bytes,
                            &full[s]);
             }
-          } else if (warp > 0) {
-            /* consumers: a warp per unit */
-            for (uint32_t u = warp - 1; u < nu; u += NWARP - 1) {
+          } else if (warp > 0 && warp <= p.ncw) {
+            /* consumers: warp 1 + s % ncw sums every unit of stage s (ncw divides ns, see plan_kernel_smem),
+             * round after round. A parity wait tells only consecutive phases apart: with units of one stage
+             * on two warps, the warp of round q + 1 passed its wait on round q - 1's phase, read a stage
+             * still in flight and arrived on `empty` early, and the producer then re-armed a `full` barrier
+             * with bytes pending (a fault at its arrive.expect_tx; compute-sanitizer memcheck and racecheck,
+             * session 17) */
+            for (uint32_t u = (warp - 1 + p.ncw - gu % p.ncw) % p.ncw; u < nu; u += p.ncw) {
               const uint32_t g = gu + u, s = g % ns;
-              if (!mbar_wait(&full[s], (g / ns) & 1u, deadline)) {
+              /* every lane waits (each acquires the bulk copy's bytes); the warp gives up together, so that no
+               * lane is left at the __syncwarp below when another's deadline passed */
+              if (!__all_sync(0xffffffffu, mbar_wait(&full[s], (g / ns) & 1u, deadline))) {
                 if (lane == 0) {
                   sh_abort = 1;
                   code = EPD_ERR_TIMEOUT;
@@ -1445,9 +1453,7 @@ SmemLayout dispatch_smem(uint32_t R, uint32_t S, uint32_t fsc_bytes, uint64_t st
 /* The parameters of the data kernels that depend on the op: path, copy engine, shared memory. */
 void plan_kernel_smem(HTParams &p, bool dispatch, bool fp8) {
   const uint64_t rowb = 2ull * p.H;
-  p.ns = p.lag = p.cw = p.nch = 0;
-  /* The TMA rings (opt-in) only where every block's chunk of tokens is one tile: the tested cases. */
-  if (p.tma && (dispatch ? p.T : p.M) > (uint64_t)TILE * p.G) p.tma = 0;
+  p.ns = p.lag = p.cw = p.nch = p.ncw = 0;
   if (dispatch) {
     SmemLayout m0 = dispatch_smem(p.R, p.S, fp8 ? NWARP * (p.H / 128) * 4 : 0, 0, 0);
     if (p.tma && !fp8) {
@@ -1484,6 +1490,9 @@ void plan_kernel_smem(HTParams &p, bool dispatch, bool fp8) {
     p.tma = 0;
     return;
   }
+  /* one consumer warp per stage residue: ncw warps (1..NWARP-1) and a multiple of ncw stages */
+  p.ncw = ns < (uint32_t)NWARP - 1 ? ns : (uint32_t)NWARP - 1;
+  ns -= ns % p.ncw;
   p.ns = ns;
   p.cw = cw;
   p.nch = nch;

@@ -275,6 +275,10 @@ EPD_TEST_T(gpu_ht_h4096_8192_tokens, 300) {
   T_.h.staging = 1;
   step(13, 3, 8192, 8000, 1, 0);
   T_.h.staging = 0;
+  /* the bulk-copy rings over several tiles per block (they faulted here before session 17) */
+  T_.h.copy = EPD_K_HT_COPY_TMA;
+  step(17, 4, 8192, 8192, 0, 0);
+  T_.h.copy = EPD_K_HT_COPY_REG;
   hth_destroy(&T_.h);
 }
 
@@ -283,6 +287,12 @@ EPD_TEST_T(gpu_ht_h4096_8192_tokens_16_blocks, 300) {
   step(14, 0, 8192, 8192, 0, 0);
   step(14, 1, 8192, 6000, 1, 1);
   step(15, 2, 5000, 8192, 1, 0);
+  /* the bulk-copy rings with full 512-row tiles: 8 KB rows give the combine 13 stages, fewer than its 15
+   * summing warps, which once let a warp pass a stage's barrier a phase early (a fault) */
+  T_.h.copy = EPD_K_HT_COPY_TMA;
+  step(16, 3, 8192, 8192, 0, 0);
+  step(16, 4, 8192, 6000, 1, 0);
+  T_.h.copy = EPD_K_HT_COPY_REG;
   hth_destroy(&T_.h);
 }
 
