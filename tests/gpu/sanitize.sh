@@ -1,0 +1,58 @@
+#!/bin/bash
+# sanitize.sh - the GPU kernel tests under NVIDIA compute-sanitizer (make gpu-sanitize): memcheck (out of bounds
+# and misaligned accesses, faults), racecheck (shared-memory hazards) and synccheck (barriers reached by part
+# of a block or warp) on the LL kernels, the persistent kernel, the client's device-side submission and the
+# HT kernels. Usage: tests/gpu/sanitize.sh [BUILD_DIR]; SANITIZE_QUICK=1 runs one test per tool. Prints a
+# line per run and ends with "N passed, N failed, N skipped"; exit status 0 iff nothing failed. Skips without
+# compute-sanitizer or 2 GPUs. A run fails on any error the tool reports (NCCL's own API probes at init are
+# not reported: --report-api-errors no) or any failed test.
+# Known and excluded: racecheck reports the opt-in TMA combine's shared-memory reads against its bulk copies,
+# which an mbarrier orders (bench/results/sanitizer_h200x2_s17.md); the racecheck list has no TMA steps.
+set -u
+B=${1:-${EPD_BUILD:-build}}
+export EPD_BUILD=$B
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
+[ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
+CS=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)}
+T=$B/bin/epd-gpu-tests
+LOG=${SANITIZE_LOG:-$(mktemp -d)}
+mkdir -p "$LOG"
+pass=0 fail=0 skip=0
+if [ -z "$CS" ] || [ ! -x "$T" ] || [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ]; then
+  echo "skip: needs compute-sanitizer, $T and 2 GPUs"
+  echo "0 passed, 0 failed, 1 skipped"
+  exit 0
+fi
+run() { # tool timeout_s tests...
+  local tool=$1 to=$2
+  shift 2
+  local name="$tool:$(echo "$*" | tr ' ' ',')" out="$LOG/$tool-$(echo "$*" | tr ' ' '+' | cut -c1-120).txt"
+  local t0=$SECONDS
+  timeout "$to" "$CS" --tool "$tool" --report-api-errors no --print-limit 50 --error-exitcode 9 "$T" "$@" > "$out" 2>&1
+  local rc=$?
+  local sum
+  sum=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out" | tail -1 | sed 's/^========= //')
+  if [ $rc -eq 0 ] && grep -q " 0 failed" "$out"; then
+    printf 'ok      %-70s %4ds  %s\n' "$name" $((SECONDS - t0)) "$sum"
+    pass=$((pass + 1))
+  else
+    printf 'FAIL    %-70s %4ds  rc %d  %s (%s)\n' "$name" $((SECONDS - t0)) $rc "$sum" "$out"
+    grep -v "Host Frame\|Saved host" "$out" | grep -E "^========= [A-Z]|^=========     (at|by)|^FAIL" | head -12 | sed 's/^/    | /'
+    fail=$((fail + 1))
+  fi
+}
+if [ "${SANITIZE_QUICK:-0}" = 1 ]; then
+  run memcheck 150 gpu_ll_fp8_h7168_k8_e256
+  run racecheck 120 gpu_ll_persistent_queue
+  run synccheck 90 gpu_ht_overflow_bad_expert_too_many gpu_ht_topk16_topk1_hidden640
+else
+  run memcheck 300 gpu_ll_bf16_h2048_k8 gpu_ll_fp8_h7168_k8_e256 gpu_ll_topk9_topk1_skew_all_to_one gpu_ll_persistent_queue
+  run memcheck 240 gpu_ht_overflow_bad_expert_too_many gpu_ht_topk16_topk1_hidden640 gpu_ht_h4096_8192_tokens_16_blocks
+  run memcheck 120 plumb_device_submit_wait plumb_graph_replay
+  run racecheck 240 gpu_ll_bf16_h2048_k8 gpu_ll_persistent_queue gpu_ht_overflow_bad_expert_too_many
+  run synccheck 240 gpu_ll_bf16_h2048_k8 gpu_ll_persistent_queue gpu_ht_overflow_bad_expert_too_many gpu_ht_topk16_topk1_hidden640
+fi
+echo "logs: $LOG"
+echo "$pass passed, $fail failed, $skip skipped"
+[ $fail -eq 0 ]
