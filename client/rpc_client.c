@@ -43,17 +43,28 @@ const char *epd_default_socket_path(char *buf, size_t len) {
  * the channel's own with a 100 ms first reconnect back-off, so that a peer that starts a little later is
  * found at the next call instead of after gRPC's shared back-off of seconds. */
 static epd_result_t channel_open(epd_rpc_t *rpc, const char *target, int timeout_ms, int private_pool,
-                                 epd_rpc_t **out, char *err, size_t errlen) {
+                                 const epd_rpc_tls_t *tls, epd_rpc_t **out, char *err, size_t errlen) {
   rpc->timeout_ms = timeout_ms ? timeout_ms : 10000;
   grpc_init();
-  grpc_arg args[3] = {
+  grpc_arg args[4] = {
       {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, .value.integer = EPD_RPC_MAX_RECV},
       {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, .value.integer = 1},
-      {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, .value.integer = 100}};
+      {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, .value.integer = 100},
+      {.type = GRPC_ARG_STRING, .key = GRPC_SSL_TARGET_NAME_OVERRIDE_ARG, .value.string = NULL}};
   grpc_channel_args cargs = {.num_args = private_pool ? 3 : 1, .args = args};
-  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-  rpc->chan = grpc_channel_create(target, creds, &cargs);
-  grpc_channel_credentials_release(creds);
+  grpc_channel_credentials *creds;
+  if (tls) {
+    grpc_ssl_pem_key_cert_pair kp = {.private_key = tls->key, .cert_chain = tls->cert};
+    creds = grpc_ssl_credentials_create(tls->ca, tls->cert && tls->key ? &kp : NULL, NULL, NULL);
+    if (tls->server_name && *tls->server_name) {
+      args[cargs.num_args] = args[3];
+      args[cargs.num_args++].value.string = (char *)tls->server_name;
+    }
+  } else {
+    creds = grpc_insecure_credentials_create();
+  }
+  rpc->chan = creds ? grpc_channel_create(target, creds, &cargs) : NULL;
+  if (creds) grpc_channel_credentials_release(creds);
   if (!rpc->chan) {
     snprintf(err, errlen, "cannot create a gRPC channel to %s", target);
     grpc_shutdown();
@@ -92,11 +103,16 @@ epd_result_t epd_rpc_open(const char *socket_path, int timeout_ms, epd_rpc_t **o
   snprintf(rpc->path, sizeof rpc->path, "%s", socket_path);
   char target[300];
   snprintf(target, sizeof target, "unix:%s", rpc->path);
-  return channel_open(rpc, target, timeout_ms, 0, out, err, errlen);
+  return channel_open(rpc, target, timeout_ms, 0, NULL, out, err, errlen);
 }
 
 epd_result_t epd_rpc_open_target(const char *target, int timeout_ms, epd_rpc_t **out, char *err,
                                  size_t errlen) {
+  return epd_rpc_open_target_tls(target, timeout_ms, NULL, out, err, errlen);
+}
+
+epd_result_t epd_rpc_open_target_tls(const char *target, int timeout_ms, const epd_rpc_tls_t *tls, epd_rpc_t **out,
+                                     char *err, size_t errlen) {
   *out = NULL;
   if (!target || !*target || strlen(target) >= sizeof((epd_rpc_t *)0)->path) {
     snprintf(err, errlen, "target: empty or longer than %zu bytes", sizeof((epd_rpc_t *)0)->path - 1);
@@ -108,7 +124,7 @@ epd_result_t epd_rpc_open_target(const char *target, int timeout_ms, epd_rpc_t *
     return EPD_ERR_NOMEM;
   }
   snprintf(rpc->path, sizeof rpc->path, "%s", target);
-  return channel_open(rpc, target, timeout_ms, 1, out, err, errlen);
+  return channel_open(rpc, target, timeout_ms, 1, tls, out, err, errlen);
 }
 
 void epd_rpc_close(epd_rpc_t *rpc) {

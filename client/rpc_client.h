@@ -22,6 +22,15 @@ epd_result_t epd_rpc_open(const char *socket_path, int timeout_ms, epd_rpc_t **o
  * with a private subchannel pool so that a peer starting later is found quickly. */
 epd_result_t epd_rpc_open_target(const char *target, int timeout_ms, epd_rpc_t **out, char *err,
                                  size_t errlen);
+/* TLS of a channel to a target (PEM text, NUL-terminated): the server is verified against ca; cert and key
+ * (both or neither) are this side's certificate for a server that requires one (mutual TLS); server_name,
+ * when not NULL or empty, is the name the server's certificate must carry instead of the target's host. */
+typedef struct epd_rpc_tls {
+  const char *ca, *cert, *key, *server_name;
+} epd_rpc_tls_t;
+/* epd_rpc_open_target over TLS (tls NULL: plaintext, as epd_rpc_open_target). */
+epd_result_t epd_rpc_open_target_tls(const char *target, int timeout_ms, const epd_rpc_tls_t *tls, epd_rpc_t **out,
+                                     char *err, size_t errlen);
 void epd_rpc_close(epd_rpc_t *rpc);
 /* Unary call of method (e.g. "/epd.v1.Control/Attach"). On success *reply is a message of reply_desc
  * (free with protobuf_c_message_free_unpacked). gRPC errors map to epd codes; err gets the details. */

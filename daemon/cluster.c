@@ -44,6 +44,73 @@ typedef struct world {
   size_t id_len;
 } world_t;
 
+/* cluster.tls_*: the PEM files, read once at start-up (all three or none). */
+typedef struct tls_files {
+  char *ca, *cert, *key;
+} tls_files_t;
+#define PEM_MAX (1u << 20)
+
+static char *read_pem(const char *key, const char *path, char *err, size_t errlen) {
+  FILE *f = fopen(path, "r");
+  if (!f) {
+    snprintf(err, errlen, "%s %s: %s", key, path, strerror(errno));
+    return NULL;
+  }
+  char *buf = malloc(PEM_MAX + 1);
+  size_t n = buf ? fread(buf, 1, PEM_MAX + 1, f) : 0;
+  int bad = !buf || ferror(f);
+  fclose(f);
+  if (bad) {
+    snprintf(err, errlen, "%s %s: %s", key, path, buf ? "read error" : "out of memory");
+  } else if (n > PEM_MAX) {
+    snprintf(err, errlen, "%s %s: larger than %u bytes", key, path, PEM_MAX);
+    bad = 1;
+  } else {
+    buf[n] = 0;
+    if (!strstr(buf, "-----BEGIN ")) {
+      snprintf(err, errlen, "%s %s: not a PEM file (no \"-----BEGIN\" line)", key, path);
+      bad = 1;
+    }
+  }
+  if (bad) {
+    free(buf);
+    return NULL;
+  }
+  return buf;
+}
+
+static void tls_free(tls_files_t *t) {
+  free(t->ca);
+  free(t->cert);
+  if (t->key) explicit_bzero(t->key, strlen(t->key));
+  free(t->key);
+  memset(t, 0, sizeof *t);
+}
+
+/* 0 with t filled (all NULL: plaintext), -1 with err. */
+static int tls_load(const epd_conf_t *c, tls_files_t *t, char *err, size_t errlen) {
+  memset(t, 0, sizeof *t);
+  const int set = !!c->cluster_tls_ca[0] + !!c->cluster_tls_cert[0] + !!c->cluster_tls_key[0];
+  if (!set) return 0;
+  if (set != 3) {
+    snprintf(err, errlen, "cluster.tls_ca, cluster.tls_cert and cluster.tls_key: set all three or none (%s%s%s%s)",
+             c->cluster_tls_ca[0] ? "" : "tls_ca ", c->cluster_tls_cert[0] ? "" : "tls_cert ",
+             c->cluster_tls_key[0] ? "" : "tls_key ", "empty");
+    return -1;
+  }
+  if (!(t->ca = read_pem("cluster.tls_ca", c->cluster_tls_ca, err, errlen)) ||
+      !(t->cert = read_pem("cluster.tls_cert", c->cluster_tls_cert, err, errlen)) ||
+      !(t->key = read_pem("cluster.tls_key", c->cluster_tls_key, err, errlen))) {
+    tls_free(t);
+    return -1;
+  }
+  return 0;
+}
+
+int epd_cluster_tls(const epd_conf_t *c) {
+  return c->nodes > 1 && c->cluster_tls_ca[0] && c->cluster_tls_cert[0] && c->cluster_tls_key[0];
+}
+
 static uint64_t now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -181,19 +248,28 @@ static void missing_list(const int *joined, uint32_t nodes, char *out, size_t le
     }
 }
 
-static int coordinator(const epd_conf_t *conf, world_t *w, const char *agreed, char *err, size_t errlen) {
+static int coordinator(const epd_conf_t *conf, const tls_files_t *tls, world_t *w, const char *agreed, char *err,
+                       size_t errlen) {
   grpc_init();
   grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
   grpc_server *srv = grpc_server_create(NULL, NULL);
   void *method = grpc_server_register_method(srv, METHOD, NULL, GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
-  grpc_server_credentials *cr = grpc_insecure_server_credentials_create();
-  int port = grpc_server_add_http2_port(srv, conf->cluster_listen, cr);
-  grpc_server_credentials_release(cr);
+  grpc_server_credentials *cr;
+  if (tls->ca) {
+    /* mutual TLS: a node joins only with a certificate of cluster.tls_ca */
+    grpc_ssl_pem_key_cert_pair kp = {.private_key = tls->key, .cert_chain = tls->cert};
+    cr = grpc_ssl_server_credentials_create_ex(tls->ca, &kp, 1,
+                                               GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY, NULL);
+  } else {
+    cr = grpc_insecure_server_credentials_create();
+  }
+  int port = cr ? grpc_server_add_http2_port(srv, conf->cluster_listen, cr) : 0;
+  if (cr) grpc_server_credentials_release(cr);
   grpc_server_register_completion_queue(srv, cq, NULL);
   int rc = -1;
   if (!port) {
-    snprintf(err, errlen, "cluster.listen %s: cannot listen there (address in use or invalid)",
-             conf->cluster_listen);
+    snprintf(err, errlen, "cluster.listen %s: cannot listen there (address in use or invalid%s)",
+             conf->cluster_listen, tls->ca ? ", or the cluster.tls_* PEM files are invalid or do not match" : "");
     grpc_server_destroy(srv);
     grpc_completion_queue_shutdown(cq);
     while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
@@ -238,8 +314,11 @@ static int coordinator(const epd_conf_t *conf, world_t *w, const char *agreed, c
       if (njoined < w->nodes)
         snprintf(fatal, sizeof fatal,
                  "rendezvous incomplete after cluster.timeout_ms %u: node(s) %s did not join "
-                 "(coordinator listening on %s)",
-                 conf->cluster_timeout_ms, missing, conf->cluster_listen);
+                 "(coordinator listening on %s%s)",
+                 conf->cluster_timeout_ms, missing, conf->cluster_listen,
+                 tls->ca ? " over mutual TLS: a node without cluster.tls_* or with a certificate that "
+                           "cluster.tls_ca did not sign cannot connect"
+                         : "");
       else
         snprintf(fatal, sizeof fatal,
                  "rendezvous incomplete after cluster.timeout_ms %u: every node joined but "
@@ -386,8 +465,9 @@ static int coordinator(const epd_conf_t *conf, world_t *w, const char *agreed, c
 /* Ask the coordinator until every node has joined (or a final refusal, or cluster.timeout_ms). The
  * channel is reopened after UNAVAILABLE: gRPC backs a refused connection off for seconds, and a
  * coordinator that starts a little after this node must be found at the next poll. */
-static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const char *data_addr, char *err,
-                  size_t errlen) {
+static int joiner(const epd_conf_t *conf, const tls_files_t *tls, world_t *w, const char *agreed,
+                  const char *data_addr, char *err, size_t errlen) {
+  const epd_rpc_tls_t rt = {tls->ca, tls->cert, tls->key, conf->cluster_tls_server_name};
   Epd__V1__RendezvousRequest rq = EPD__V1__RENDEZVOUS_REQUEST__INIT;
   rq.protocol_version = EPD_PROTOCOL_VERSION;
   rq.node_rank = w->node_rank;
@@ -397,7 +477,7 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
   rq.data_addr = (char *)data_addr;
   rq.agreed_config = (char *)agreed;
   uint64_t deadline = now_ms() + conf->cluster_timeout_ms;
-  char last[512] = "never reached", why[320];
+  char last[1024] = "never reached", why[320];
   int rc = -1, reached = 0;
   epd_rpc_t *rpc = NULL;
   grpc_init(); /* held across the channel reopenings, so gRPC is not torn down between polls */
@@ -405,7 +485,9 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
            conf->cluster_coordinator);
   while (rc < 0) {
     ProtobufCMessage *m = NULL;
-    epd_result_t r = rpc ? EPD_OK : epd_rpc_open_target(conf->cluster_coordinator, 2000, &rpc, why, sizeof why);
+    epd_result_t r = rpc ? EPD_OK
+                         : epd_rpc_open_target_tls(conf->cluster_coordinator, 2000, tls->ca ? &rt : NULL, &rpc, why,
+                                                   sizeof why);
     if (r == EPD_OK) r = epd_rpc_call(rpc, METHOD, &rq.base, &epd__v1__rendezvous_reply__descriptor, &m, why,
                                       sizeof why);
     if (r == EPD_OK) {
@@ -433,8 +515,11 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
       protobuf_c_message_free_unpacked(m, NULL);
     } else if (r == EPD_ERR_CLOSED || r == EPD_ERR_TIMEOUT) {
       if (!reached)
-        snprintf(last, sizeof last, "coordinator (node 0) at %s not reachable: %s", conf->cluster_coordinator,
-                 why);
+        snprintf(last, sizeof last, "coordinator (node 0) at %s not reachable: %s (%s)", conf->cluster_coordinator,
+                 why,
+                 tls->ca ? "mutual TLS: is the coordinator on TLS, with a certificate of cluster.tls_ca for this "
+                           "host name or cluster.tls_server_name? are this node's cluster.tls_* files valid?"
+                         : "plaintext; a coordinator with cluster.tls_* set refuses it");
       epd_rpc_close(rpc);
       rpc = NULL;
     } else {
@@ -456,7 +541,13 @@ static int joiner(const epd_conf_t *conf, world_t *w, const char *agreed, const 
 int epd_cluster_init(const epd_conf_t *conf, epd_cluster_comm_id_fn make_comm_id, epd_net_t **net,
                      uint8_t *comm_id, char *err, size_t errlen) {
   *net = NULL;
-  if (conf->nodes <= 1) return 0;
+  if (conf->nodes <= 1) {
+    if (conf->cluster_tls_ca[0] || conf->cluster_tls_cert[0] || conf->cluster_tls_key[0])
+      EPD_LOGW(EPD_SUB_MAIN, "cluster.tls_*: ignored with cluster.nodes 1 (no rendezvous)");
+    return 0;
+  }
+  if (conf->cluster_tls_server_name[0] && !conf->cluster_tls_ca[0])
+    EPD_LOGW(EPD_SUB_MAIN, "cluster.tls_server_name: ignored without cluster.tls_ca, tls_cert and tls_key");
   if (conf->node_rank >= conf->nodes) {
     snprintf(err, errlen, "cluster.node_rank %u out of range [0, %u) (cluster.nodes %u)", conf->node_rank,
              conf->nodes, conf->nodes);
@@ -486,7 +577,12 @@ int epd_cluster_init(const epd_conf_t *conf, epd_cluster_comm_id_fn make_comm_id
     return -1;
   }
   char adv[EPD_NET_ADDR_MAX], agreed[1024];
-  if (epd_net_listen(conf->cluster_data_listen, net, adv, sizeof adv, err, errlen)) return -1;
+  tls_files_t tls;
+  if (tls_load(conf, &tls, err, errlen)) return -1;
+  if (epd_net_listen(conf->cluster_data_listen, net, adv, sizeof adv, err, errlen)) {
+    tls_free(&tls);
+    return -1;
+  }
   epd_cluster_agreed_config(conf, agreed, sizeof agreed);
   world_t *w = calloc(1, sizeof *w);
   if (!w) {
@@ -505,22 +601,24 @@ int epd_cluster_init(const epd_conf_t *conf, epd_cluster_comm_id_fn make_comm_id
     }
     /* backend cuda: the world communicator's id is made here, once, and handed to every node. */
     if (cuda && make_comm_id(w->id + ID_BYTES, err, errlen)) goto fail;
-    if (coordinator(conf, w, agreed, err, errlen)) goto fail;
-  } else if (joiner(conf, w, agreed, adv, err, errlen)) {
+    if (coordinator(conf, &tls, w, agreed, err, errlen)) goto fail;
+  } else if (joiner(conf, &tls, w, agreed, adv, err, errlen)) {
     goto fail;
   }
+  tls_free(&tls);
   uint64_t left = conf->cluster_timeout_ms; /* the links get a full timeout of their own */
   if (epd_net_connect(*net, w->nodes, w->node_rank, (const char(*)[EPD_NET_ADDR_MAX])w->addr, w->id,
                       (uint32_t)left, err, errlen))
     goto fail;
   if (cuda && comm_id) memcpy(comm_id, w->id + ID_BYTES, EPD_CLUSTER_COMM_ID_BYTES);
-  EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u of %u, %u world ranks, %s", w->node_rank, w->nodes,
-           w->nodes * w->ranks_per_node,
+  EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u of %u, %u world ranks, rendezvous %s, %s", w->node_rank, w->nodes,
+           w->nodes * w->ranks_per_node, epd_cluster_tls(conf) ? "over mutual TLS" : "plaintext",
            cuda ? "NCCL world communicator id received; inter-node transport nccl-p2p (control over the data links)"
                 : "inter-node transport host-tcp");
   free(w);
   return 0;
 fail:
+  tls_free(&tls);
   free(w);
   epd_net_destroy(*net);
   *net = NULL;

@@ -30,6 +30,8 @@ int epd_cluster_init(const epd_conf_t *conf, epd_cluster_comm_id_fn make_comm_id
 void epd_cluster_fini(epd_net_t *net);
 /* The keys that must agree across nodes as "key = value" lines, and their FNV-1a hash. */
 size_t epd_cluster_agreed_config(const epd_conf_t *conf, char *buf, size_t len);
+/* 1 when the rendezvous runs over mutual TLS (cluster.tls_ca, tls_cert and tls_key set, nodes > 1). */
+int epd_cluster_tls(const epd_conf_t *conf);
 uint64_t epd_cluster_hash(const char *text);
 
 #endif /* EPD_CLUSTER_H */

@@ -124,6 +124,17 @@ static const conf_key_t keys[] = {
     {"cluster.gin_probe", CT_UINT, 0, 1, "1", 0, F(gin_probe), NULL,
      "cuda backend: 1 asks NCCL at start-up for a GIN context on the world communicator and reports what "
      "it offers (epdctl status 'gin:'); a collective call, so the same on every node; 0: not asked"},
+    {"cluster.tls_ca", CT_STRING, 0, 0, "", 0, F(cluster_tls_ca), NULL,
+     "PEM file of the CA that signs every node's certificate; with tls_cert and tls_key: the rendezvous runs "
+     "over mutual TLS (the coordinator requires a client certificate of this CA, the others verify the "
+     "coordinator's); all three or none; empty: plaintext"},
+    {"cluster.tls_cert", CT_STRING, 0, 0, "", 0, F(cluster_tls_cert), NULL,
+     "PEM file of this node's certificate (chain), signed by cluster.tls_ca"},
+    {"cluster.tls_key", CT_STRING, 0, 0, "", 0, F(cluster_tls_key), NULL,
+     "PEM file of this node's private key (keep it mode 0600)"},
+    {"cluster.tls_server_name", CT_STRING, 0, 0, "", 0, F(cluster_tls_server_name), NULL,
+     "nodes 1..nodes-1: the name the coordinator's certificate must carry, when it is not the host of "
+     "cluster.coordinator (e.g. a DNS name for a coordinator given by IP address); empty: that host"},
     {"metrics.prometheus_listen", CT_STRING, 0, 0, "", 0, F(prometheus_listen), NULL,
      "host:port to serve /metrics over HTTP; empty: off (metrics stay available over the control RPC)"},
 };

@@ -49,6 +49,10 @@ typedef struct epd_conf {
   char cluster_data_listen[128];     /* this node's data-plane listener "host:port" (port 0: any) */
   uint32_t cluster_timeout_ms;       /* rendezvous and data connection set-up */
   uint32_t gin_probe;                /* cuda: ask NCCL at start-up whether it offers GIN (same on every node) */
+  char cluster_tls_ca[256];          /* PEM files of mutual TLS on the rendezvous: the CA both sides trust, */
+  char cluster_tls_cert[256];        /* this node's certificate and */
+  char cluster_tls_key[256];         /* its private key; all three or none ("" = plaintext) */
+  char cluster_tls_server_name[128]; /* joiners: name the coordinator's certificate must carry ("": its host) */
   /* [metrics] */
   char prometheus_listen[64];        /* "" = off, else "host:port" */
 } epd_conf_t;

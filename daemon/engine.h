@@ -41,6 +41,7 @@ typedef struct epd_engine_opts {
    * node owning world ranks node_rank * num_ranks ..; needs connected links (and comm_id for cuda). */
   uint32_t nodes, node_rank;
   uint32_t gin_probe; /* cuda across nodes: probe what NCCL offers for GIN at start-up (collective) */
+  uint32_t rendezvous_tls; /* reported only: the rendezvous ran over mutual TLS (cluster.tls_*) */
   struct epd_net *net;
   /* backend cuda across nodes: the world communicator's ncclUniqueId (128 bytes, from the rendezvous) */
   const uint8_t *comm_id;
@@ -193,6 +194,7 @@ typedef struct epd_engine_snap {
   uint32_t nodes, node_rank, world_ranks;
   const char *inter_node_transport; /* "none" (one node), "host-tcp" */
   const char *gin; /* cuda across nodes: the start-up GIN probe's line; NULL otherwise */
+  const char *rendezvous; /* across nodes: "mutual-tls" or "plaintext"; "" on one node */
   uint64_t net_tx_bytes, net_rx_bytes, net_tx_frames, net_rx_frames;
 } epd_engine_snap_t;
 epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out);

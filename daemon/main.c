@@ -334,7 +334,7 @@ static epd_cluster_comm_id_fn cluster_comm_id_fn(void) { return NULL; }
 #endif
 
 int main(int argc, char **argv) {
-  char err[1024];
+  char err[1536];
   int stage = 0, rc;
   if (parse_args(argc, argv) != 0) return 1;
   signal(SIGPIPE, SIG_IGN);
@@ -371,7 +371,7 @@ int main(int argc, char **argv) {
       .ht_sms = d.conf.ht_sms, .gin_probe = d.conf.gin_probe,
       .max_groups = d.conf.max_groups, .max_clients_per_rank = d.conf.max_clients_per_rank,
       .max_arena_bytes = d.conf.max_arena_bytes, .step_timeout_ms = d.conf.step_timeout_ms};
-  char eerr[512] = "";
+  char eerr[1280] = "";
   /* Scale-out: rendezvous and data links before the engine, so that READY means the world is formed. */
   static uint8_t comm_id[EPD_CLUSTER_COMM_ID_BYTES];
   if (epd_cluster_init(&d.conf, cluster_comm_id_fn(), &cluster_net, comm_id, eerr, sizeof eerr) != 0) {
@@ -381,6 +381,7 @@ int main(int argc, char **argv) {
   if (cluster_net) {
     eo.nodes = d.conf.nodes;
     eo.node_rank = d.conf.node_rank;
+    eo.rendezvous_tls = (uint32_t)epd_cluster_tls(&d.conf);
     eo.net = cluster_net;
     eo.ranks_per_node = d.conf.num_ranks; /* replicas on the source's node are preferred */
     /* auto stays host across nodes: every node must pick the same backend (it is an agreed key). */

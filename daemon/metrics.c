@@ -278,6 +278,7 @@ epd_result_t epd_metrics_status(const epd_engine_snap_t *snap, const epd_daemon_
   st->world_ranks = snap->world_ranks ? snap->world_ranks : snap->num_ranks;
   st->inter_node_transport = dup_str(snap->inter_node_transport ? snap->inter_node_transport : "none", &failed);
   st->gin = dup_str(snap->gin ? snap->gin : "", &failed);
+  st->rendezvous = dup_str(snap->rendezvous ? snap->rendezvous : "", &failed);
 
   if (snap->ngroups) {
     st->groups = calloc(snap->ngroups, sizeof *st->groups);
@@ -382,6 +383,7 @@ void epd_metrics_status_free(Epd__V1__StatusReply *st) {
   free(st->engine_mode);
   free(st->inter_node_transport);
   free(st->gin);
+  free(st->rendezvous);
   free(st->state);
   free(st->config);
   free(st);

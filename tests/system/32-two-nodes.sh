@@ -29,7 +29,7 @@ wait_for 15 test -S "$T/b/attach.sock" || fail "node 1 did not come up"
 
 echo "== status and metrics show the cluster"
 "$EPDCTL" -s "$T/b/control.sock" status > "$T/status.out" || fail "epdctl status"
-grep -q "cluster:  node 1 of 2, 4 world ranks, inter-node transport host-tcp" "$T/status.out" || fail "status: $(cat "$T/status.out")"
+grep -q "cluster:  node 1 of 2, 4 world ranks, inter-node transport host-tcp, rendezvous plaintext$" "$T/status.out" || fail "status: $(cat "$T/status.out")"
 grep -q "^gin:" "$T/status.out" && fail "the host backend shows a GIN line: $(cat "$T/status.out")"
 "$EPDCTL" -s "$T/a/control.sock" --json status > "$T/status.json" || fail "epdctl --json status"
 /usr/bin/python3 - "$T/status.json" <<'EOF' || fail "status json"

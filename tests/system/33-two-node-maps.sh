@@ -83,7 +83,9 @@ grep -q "expert 0: 0:3" "$T/ea.txt" || fail "group ex: not node 1's last map: $(
 echo "   node 1 staged versions $(version_of "$T/sb1.out") $(version_of "$T/sb2.out") $VB; active on both nodes: $VB"
 
 echo "== concurrent SetExpertMap on both nodes: distinct versions, the highest active on both"
-world cc 1500 --hidden 64
+# enough steps that the group still runs at its last check below (at ~1.3 ms a step; 1500 steps had ended
+# before it on a fast run, and the check then found no group cc)
+world cc 4000 --hidden 64
 wait_for 10 same_now cc 1 || fail "group cc did not come up on both nodes"
 VS=()
 for i in 1 2 3 4 5; do
@@ -107,8 +109,10 @@ for nd in a b; do
   grep -qi "slot\|twice\|invalid" "$T/bad$nd.out" || fail "invalid map at node $nd: $(cat "$T/bad$nd.out")"
 done
 echo "   refused: $(head -1 "$T/bada.out")"
+sleep 0.5
+same_now cc "$MAX" || fail "group cc changed after refused maps"
 # A weight copy between ranks of two nodes (a group with a weights region).
-world wt 1000 --hidden 64 --weights 4096
+world wt 3000 --hidden 64 --weights 4096
 wait_for 10 same_now wt 1 || fail "group wt did not come up on both nodes"
 { mapfile wt 0; echo "copy 0:0 -> 2:4"; } > "$T/xcopy.txt"
 for nd in a b; do
@@ -117,7 +121,6 @@ for nd in a b; do
 done
 echo "   refused: $(head -1 "$T/xca.out")"
 sleep 0.5
-same_now cc "$MAX" || fail "group cc changed after refused maps"
 same_now wt 1 || fail "group wt changed after a refused copy"
 expect_ok ex0 ex1 ex2 ex3 cc0 cc1 cc2 cc3 wt0 wt1 wt2 wt3
 grep -h "steps ok" "$T"/ex2.out "$T"/cc3.out "$T"/wt2.out
