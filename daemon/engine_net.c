@@ -1210,10 +1210,16 @@ typedef struct ctl_msg {
   char why[320];
 } ctl_msg_t;
 
+/* A map in a control frame: nrep[E], zero padding to 8 bytes, rep[E], copies[ncopies], so that rep and the
+ * copies lie at aligned offsets of the frame (parse_map points into it). */
+#define MAP_NREP_BYTES(E) (((size_t)(E) + 7u) & ~(size_t)7u)
+_Static_assert((sizeof(net_hdr_t) + sizeof(ctl_msg_t)) % 8 == 0, "a map's arrays start at an 8-byte offset");
+
 static int send_ctl(epd_net_t *net, uint32_t node, const char *group, const ctl_msg_t *m,
                     const epd_expert_map_t *map, const epd_weight_copy_t *cp) {
   uint32_t E = map ? m->num_experts : 0, nc = map ? m->ncopies : 0;
-  size_t len = sizeof(net_hdr_t) + sizeof *m + (size_t)E * (1 + sizeof *map->rep) + (size_t)nc * sizeof *cp;
+  size_t len = sizeof(net_hdr_t) + sizeof *m + MAP_NREP_BYTES(E) + (size_t)E * sizeof *map->rep +
+               (size_t)nc * sizeof *cp;
   uint8_t *b = calloc(1, len);
   if (!b) return -1;
   net_hdr_t h = {.magic = CTL_MAGIC, .src_node = net->node_rank};
@@ -1225,7 +1231,7 @@ static int send_ctl(epd_net_t *net, uint32_t node, const char *group, const ctl_
   p += sizeof *m;
   if (E) {
     memcpy(p, map->nrep, E);
-    p += E;
+    p += MAP_NREP_BYTES(E); /* the padding stays zero (calloc) */
     memcpy(p, map->rep, (size_t)E * sizeof *map->rep);
     p += (size_t)E * sizeof *map->rep;
   }
@@ -1238,7 +1244,7 @@ static int send_ctl(epd_net_t *net, uint32_t node, const char *group, const ctl_
 /* Parse a MAP_REQ / MAP_SET body into m (its arrays point into the frame; free nothing); -1 if
  * malformed. */
 static int parse_map(const net_frame_t *f, const ctl_msg_t *c, epd_expert_map_t *m, const epd_weight_copy_t **cp) {
-  size_t E = c->num_experts, need = sizeof(net_hdr_t) + sizeof *c + E * (1 + sizeof *m->rep) +
+  size_t E = c->num_experts, need = sizeof(net_hdr_t) + sizeof *c + MAP_NREP_BYTES(E) + E * sizeof *m->rep +
                                     (size_t)c->ncopies * sizeof **cp;
   if (!E || E > (1u << 20) || c->ncopies > (1u << 16) || f->len != need) return -1;
   memset(m, 0, sizeof *m);
@@ -1246,8 +1252,8 @@ static int parse_map(const net_frame_t *f, const ctl_msg_t *c, epd_expert_map_t 
   m->version = c->version;
   uint8_t *p = f->buf + sizeof(net_hdr_t) + sizeof *c;
   m->nrep = p;
-  m->rep = (epd_replica_t(*)[EPD_MAX_REPLICAS])(void *)(p + E);
-  *cp = c->ncopies ? (const epd_weight_copy_t *)(void *)(p + E + E * sizeof *m->rep) : NULL;
+  m->rep = (epd_replica_t(*)[EPD_MAX_REPLICAS])(void *)(p + MAP_NREP_BYTES(E));
+  *cp = c->ncopies ? (const epd_weight_copy_t *)(void *)(p + MAP_NREP_BYTES(E) + E * sizeof *m->rep) : NULL;
   return 0;
 }
 

@@ -367,6 +367,7 @@ void epd_metrics_status_free(Epd__V1__StatusReply *st) {
   if (!st) return;
   for (size_t i = 0; i < st->n_groups; i++) {
     free(st->groups[i]->name);
+    free(st->groups[i]->mode);
     free(st->groups[i]);
   }
   for (size_t i = 0; i < st->n_clients; i++) {
