@@ -91,7 +91,7 @@ GPU_TESTS := $(B)/bin/epd-gpu-tests
 BENCH := $(B)/bin/epd-bench
 WORKER := $(B)/bin/epd-worker
 
-.PHONY: all run test gpu-test gpu-sanitize bench install dist clean deps format fuzz
+.PHONY: all run test gpu-test gpu-sanitize gpu-check bench install dist clean deps format fuzz
 all: $(EPD) $(EPDCTL) $(LIBEPD) $(WORKER) $(TESTS) $(GPU_TESTS) $(B)/epd.pc
 
 $(B)/obj/gen/%.o: $(B)/gen/%.c $(GEN_H)
@@ -183,6 +183,9 @@ gpu-test: all
 
 gpu-sanitize: all
 	$(Q)tests/gpu/sanitize.sh $(B)
+
+gpu-check: all $(BENCH) $(BENCH_HT)
+	$(Q)tests/gpu/check-all.sh $(B)
 
 bench: all $(BENCH) $(BENCH_R4) $(if $(filter 1,$(WITH_CUDA)),$(BENCH_E2E))
 	$(Q)bench/bench.sh

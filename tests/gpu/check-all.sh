@@ -1,0 +1,51 @@
+#!/bin/bash
+# check-all.sh - one GPU-machine call that checks a build end to end (every step under a timeout, so a hung
+# kernel costs minutes, not the session): the GPU tests (make gpu-test), the kernel tests under
+# compute-sanitizer (quick list), the HT benchmark with every baseline and the LL benchmark. Results in
+# $OUT (default /tmp/epd-check): one file per step, env.txt (GPUs, driver, NCCL, date, commit).
+#   tests/gpu/check-all.sh DIR          DIR: a build directory, or a tree from deploy/dev-bundle.sh
+#   CHECK_STEPS="tests sanitize ht ll"  the steps to run (default: all four, in this order)
+# Ends with "N passed, N failed, N skipped" over the steps (a step that finds no GPUs counts as skipped).
+set -u
+cd "$(dirname "$0")/../.." || exit 1
+D=${1:?usage: tests/gpu/check-all.sh DIR}
+case "$D" in /*) ;; *) D="$PWD/$D" ;; esac
+OUT=${OUT:-/tmp/epd-check}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
+[ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
+{
+  date -u +%FT%TZ
+  git log -1 --format='commit %H' 2>/dev/null || echo "commit: unknown (not a git tree)"
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader 2>&1
+  ls "$NCCL_LIB" 2>/dev/null
+} > "$OUT/env.txt"
+pass=0 fail=0 skip=0
+step() { # name timeout_s command...: run, keep the output, count (77 or "no GPUs" = skipped)
+  local n=$1 t=$2 t0=$SECONDS
+  shift 2
+  echo "== $n: $*"
+  timeout "$t" "$@" > "$OUT/$n.txt" 2>&1
+  local rc=$?
+  tail -4 "$OUT/$n.txt" | sed 's/^/   /'
+  if [ $rc -eq 77 ] || grep -q "^0 passed, 0 failed, [1-9]" "$OUT/$n.txt"; then
+    echo "skip    $n ($((SECONDS - t0)) s)"; skip=$((skip + 1))
+  elif [ $rc -eq 0 ]; then
+    echo "ok      $n ($((SECONDS - t0)) s)"; pass=$((pass + 1))
+  else
+    echo "FAIL    $n: rc $rc$([ $rc -eq 124 ] && echo ' (timeout)') ($((SECONDS - t0)) s)"; fail=$((fail + 1))
+  fi
+}
+for s in ${CHECK_STEPS:-tests sanitize ht ll}; do
+  case $s in
+    tests) step gpu_tests 480 env EPD_BUILD="$D" EPD_SYSTEM_TESTS=tests/gpu "$D/bin/epd-gpu-tests" ;;
+    sanitize) step sanitize 240 env SANITIZE_QUICK=1 SANITIZE_LOG="$OUT/sanitize-logs" bash tests/gpu/sanitize.sh "$D" ;;
+    ht) step bench_ht 240 "$D/bin/epd-bench-ht" --blocks 24 --modes reg --iters 20 ;;
+    ll) mkdir -p "$OUT/bench_ll"; step bench_ll 240 env EPD_BENCH_CMD="tests/gpu/check-all.sh (epd-bench)" "$D/bin/epd-bench" "$OUT/bench_ll" ;;
+    *) echo "unknown step $s"; fail=$((fail + 1)) ;;
+  esac
+done
+echo "results: $OUT"
+echo "$pass passed, $fail failed, $skip skipped"
+[ $fail -eq 0 ]
