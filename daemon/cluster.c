@@ -107,6 +107,14 @@ static int tls_load(const epd_conf_t *c, tls_files_t *t, char *err, size_t errle
   return 0;
 }
 
+int epd_cluster_check_tls(const epd_conf_t *c, char *err, size_t errlen) {
+  if (c->nodes <= 1) return 0;
+  tls_files_t t;
+  if (tls_load(c, &t, err, errlen)) return -1;
+  tls_free(&t);
+  return 0;
+}
+
 int epd_cluster_tls(const epd_conf_t *c) {
   return c->nodes > 1 && c->cluster_tls_ca[0] && c->cluster_tls_cert[0] && c->cluster_tls_key[0];
 }

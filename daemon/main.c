@@ -346,6 +346,10 @@ int main(int argc, char **argv) {
   }
   if (d.check_only) {
     static char buf[16384];
+    if (epd_cluster_check_tls(&d.conf, err, sizeof err) != 0) {
+      fprintf(stderr, "epd: invalid configuration: %s\n", err);
+      return 1;
+    }
     epd_conf_dump(&d.conf, buf, sizeof buf);
     fputs(buf, stdout);
     return 0;

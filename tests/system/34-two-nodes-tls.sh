@@ -84,4 +84,9 @@ for n in tlsc1 rogue1 name1; do expect_log $n "not reachable: .*(mutual TLS: is 
 expect_log half "cluster.tls_ca, cluster.tls_cert and cluster.tls_key: set all three or none (tls_cert empty)"
 expect_log junk "cluster.tls_ca $C/junk.pem: not a PEM file"
 expect_log nofile "cluster.tls_cert $C/none.pem: No such file or directory"
+echo "== --check-config reads the TLS files"
+"$EPD" --check-config -o cluster.nodes=2 $(tls node1 ca) > /dev/null || fail "--check-config refused a valid TLS set"
+"$EPD" --check-config -o cluster.nodes=2 -o cluster.tls_ca="$C/junk.pem" -o cluster.tls_cert="$C/node1.pem" \
+  -o cluster.tls_key="$C/node1.key" > /dev/null 2> "$T/check.err" && fail "--check-config accepted a junk CA file"
+grep -q "cluster.tls_ca $C/junk.pem: not a PEM file" "$T/check.err" || fail "--check-config: $(cat "$T/check.err")"
 echo "34-two-nodes-tls: all checks passed"
