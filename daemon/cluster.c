@@ -131,9 +131,9 @@ size_t epd_cluster_agreed_config(const epd_conf_t *c, char *buf, size_t len) {
       "protocol_version = %u\ncluster.nodes = %u\nengine.num_ranks = %u\nengine.backend = %s\n"
       "engine.max_experts = %u\nengine.max_hidden = %u\nengine.max_topk = %u\n"
       "engine.max_tokens = %u\nengine.slots_factor_pct = %u\nengine.ht_capacity_factor = %u\n"
-      "cluster.gin_probe = %u\n",
+      "cluster.gin_probe = %u\nlink_format = %u\n",
       EPD_PROTOCOL_VERSION, c->nodes, c->num_ranks, c->backend, c->max_experts, c->max_hidden, c->max_topk,
-      c->max_tokens, c->slots_factor_pct, c->ht_capacity_factor, c->gin_probe);
+      c->max_tokens, c->slots_factor_pct, c->ht_capacity_factor, c->gin_probe, EPD_CLUSTER_LINK_FORMAT);
 }
 
 uint64_t epd_cluster_hash(const char *text) {
@@ -178,7 +178,8 @@ static void config_diff(const char *mine, const char *theirs, uint32_t me, uint3
 static const char *agreed_keys =
     "protocol version, cluster.nodes, engine.num_ranks, engine.backend, engine.max_experts, "
     "engine.max_hidden, "
-    "engine.max_topk, engine.max_tokens, engine.slots_factor_pct, engine.ht_capacity_factor, cluster.gin_probe";
+    "engine.max_topk, engine.max_tokens, engine.slots_factor_pct, engine.ht_capacity_factor, cluster.gin_probe, "
+    "link_format (the data links' frame layout: the same epd build on every node)";
 
 /* ---- coordinator ------------------------------------------------------------------------------------ */
 

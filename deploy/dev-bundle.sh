@@ -9,9 +9,14 @@ set -eu
 B=${B:-build}
 DIR=${1:?usage: deploy/dev-bundle.sh DIR}
 VERSION=${VERSION:-0.0.0-dev}
+if [ -e "$DIR" ] && [ ! -f "$DIR/.epd-dev-bundle" ]; then
+  echo "deploy/dev-bundle.sh: $DIR exists and is not a tree this script made: not replacing it" >&2
+  exit 1
+fi
 B="$B" sh deploy/dist.sh "$VERSION" > /dev/null
 rm -rf "$DIR"
 mkdir -p "$DIR"
+: > "$DIR/.epd-dev-bundle"
 tar -C "$DIR" -xzf "dist/epd-$VERSION-linux-$(uname -m).tar.gz" --strip-components=1
 for b in epd-gpu-tests epd-tests epd-bench epd-bench-r4 epd-bench-ht epd-bench-e2e epd-bench-map; do
   [ -x "$B/bin/$b" ] && cp "$B/bin/$b" "$DIR/bin/"

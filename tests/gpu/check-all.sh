@@ -5,11 +5,14 @@
 # $OUT (default /tmp/epd-check): one file per step, env.txt (GPUs, driver, NCCL, date, commit).
 #   tests/gpu/check-all.sh DIR          DIR: a build directory, or a tree from deploy/dev-bundle.sh
 #   CHECK_STEPS="tests sanitize ht ll"  the steps to run (default: all four, in this order)
+#   CHECK_BUDGET_S=570                  seconds for all steps (a device call allows 600): a step's own
+#                                       timeout is cut to what is left; once nothing is left, steps skip
+# After each step every process still running from DIR/bin (a hung test's daemon or worker) is killed.
 # Ends with "N passed, N failed, N skipped" over the steps (a step that finds no GPUs counts as skipped).
 set -u
-cd "$(dirname "$0")/../.." || exit 1
 D=${1:?usage: tests/gpu/check-all.sh DIR}
 case "$D" in /*) ;; *) D="$PWD/$D" ;; esac
+cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-/tmp/epd-check}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -22,14 +25,21 @@ NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/l
   ls "$NCCL_LIB" 2>/dev/null
 } > "$OUT/env.txt"
 pass=0 fail=0 skip=0
-step() { # name timeout_s command...: run, keep the output, count (77 or "no GPUs" = skipped)
+BUDGET=${CHECK_BUDGET_S:-570}
+step() { # name timeout_s command...: run, keep the output, count (77, or rc 0 with no test run = skipped)
   local n=$1 t=$2 t0=$SECONDS
   shift 2
-  echo "== $n: $*"
-  timeout "$t" "$@" > "$OUT/$n.txt" 2>&1
+  local left=$((BUDGET - SECONDS - 5))
+  if [ $left -lt 30 ]; then
+    echo "skip    $n (the budget of $BUDGET s is spent)"; skip=$((skip + 1)); return
+  fi
+  [ "$t" -gt "$left" ] && t=$left
+  echo "== $n (at most $t s): $*"
+  timeout -k 10 "$t" "$@" > "$OUT/$n.txt" 2>&1
   local rc=$?
+  pkill -KILL -f "^$D/bin/" 2>/dev/null # what a killed runner left (each test runs in a process group of its own)
   tail -4 "$OUT/$n.txt" | sed 's/^/   /'
-  if [ $rc -eq 77 ] || grep -q "^0 passed, 0 failed, [1-9]" "$OUT/$n.txt"; then
+  if [ $rc -eq 77 ] || { [ $rc -eq 0 ] && tail -1 "$OUT/$n.txt" | grep -q "^0 passed, 0 failed, [1-9]"; }; then
     echo "skip    $n ($((SECONDS - t0)) s)"; skip=$((skip + 1))
   elif [ $rc -eq 0 ]; then
     echo "ok      $n ($((SECONDS - t0)) s)"; pass=$((pass + 1))

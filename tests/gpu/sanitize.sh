@@ -19,21 +19,23 @@ T=$B/bin/epd-gpu-tests
 LOG=${SANITIZE_LOG:-$(mktemp -d)}
 mkdir -p "$LOG"
 pass=0 fail=0 skip=0
-if [ -z "$CS" ] || [ ! -x "$T" ] || [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ]; then
-  echo "skip: needs compute-sanitizer, $T and 2 GPUs"
+[ -x "$T" ] || { echo "FAIL: $T is not built"; echo "0 passed, 1 failed, 0 skipped"; exit 1; }
+if [ -z "$CS" ] || [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ]; then
+  echo "skip: needs compute-sanitizer and 2 GPUs"
   echo "0 passed, 0 failed, 1 skipped"
   exit 0
 fi
-run() { # tool timeout_s tests...
+run() { # tool timeout_s tests... (exact test names: the run must report one pass per name)
   local tool=$1 to=$2
   shift 2
-  local name="$tool:$(echo "$*" | tr ' ' ',')" out="$LOG/$tool-$(echo "$*" | tr ' ' '+' | cut -c1-120).txt"
+  local name="$tool:$(echo "$*" | tr ' ' ',')" out="$LOG/$tool-$(echo "$*" | tr ' ' '-' | cut -c1-120).txt"
   local t0=$SECONDS
   timeout "$to" "$CS" --tool "$tool" --report-api-errors no --print-limit 50 --error-exitcode 9 "$T" "$@" > "$out" 2>&1
   local rc=$?
   local sum
   sum=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out" | tail -1 | sed 's/^========= //')
-  if [ $rc -eq 0 ] && grep -q " 0 failed" "$out"; then
+  # every named test ran and passed (a filter that matches nothing, or a skip, is a failure here)
+  if [ $rc -eq 0 ] && grep -Eq "^$# passed, 0 failed, 0 skipped" "$out"; then
     printf 'ok      %-70s %4ds  %s\n' "$name" $((SECONDS - t0)) "$sum"
     pass=$((pass + 1))
   else

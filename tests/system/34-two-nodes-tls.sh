@@ -57,8 +57,8 @@ node plain0 0 2 "$P1" $TO $(tls node0 ca)     # TLS coordinator, plaintext node
 node plain1 1 2 "$P1" $TO
 node tlsc0 0 2 "$P2" $TO                       # plaintext coordinator, TLS node
 node tlsc1 1 2 "$P2" $TO $(tls node1 ca)
-node rogue0 0 2 "$P3" $TO $(tls node0 ca)     # a certificate of another CA
-node rogue1 1 2 "$P3" $TO $(tls rogue otherca)
+node rogue0 0 2 "$P3" $TO $(tls node0 ca)     # a node whose certificate another CA signed (it trusts ours:
+node rogue1 1 2 "$P3" $TO $(tls rogue ca)     # the coordinator must refuse its client certificate)
 node name0 0 2 "$P4" $TO $(tls node0 ca)      # the coordinator's certificate is not for that name
 node name1 1 2 "$P4" $TO $(tls node1 ca) -o cluster.tls_server_name=elsewhere.epd.test
 echo "not a certificate" > "$C/junk.pem"
