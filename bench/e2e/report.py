@@ -4,7 +4,8 @@ bench_e2e_h200x2.json and bench_e2e_h200x2.md.
 
     python3 bench/e2e/report.py RUN_DIR [OUT_DIR] [--command=TEXT] [--name=BASENAME]
 
-A run with PERSIST=1 (cases mps-launch and mps-persist) also gets a side-by-side table of the two modes.
+A run with PERSIST=1 (cases mps-launch and mps-persist) also gets a side-by-side table of the two modes,
+with the in-process path both without MPS and under MPS (inproc-mps), so that MPS's own costs are apart.
 
 Per-iteration arrays of the two ranks are merged by taking, per iteration, the slower rank (ranks run
 each step together); per-op arrays of the pipelined modes likewise. Figures are medians with p10-p90.
@@ -75,6 +76,10 @@ def main():
     if os.path.exists(pp):
         with open(pp) as f:
             res["inproc_p_raw"] = json.load(f)
+    pm = os.path.join(run, "inproc-mps", "bench_ll.json")
+    if os.path.exists(pm):
+        with open(pm) as f:
+            res["inproc_mps_raw"] = json.load(f)
     for cfg in ("nomps", "nomps-spin", "mps-spin", "mps-launch", "mps-persist", "mps-persist128"):
         c = {}
         pair = load_pair(os.path.join(run, cfg, "e2e"))
@@ -93,7 +98,7 @@ def main():
     res["configs"] = {k: v for k, v in res["configs"].items() if v}
     with open(os.path.join(outdir, name + ".json"), "w") as f:
         json.dump(res, f, indent=1)
-    write_md(res, inproc, os.path.join(outdir, name + ".md"), res.get("inproc_p_raw"))
+    write_md(res, inproc, os.path.join(outdir, name + ".md"), res.get("inproc_p_raw"), res.get("inproc_mps_raw"))
 
 
 def find(d, *names):
@@ -103,7 +108,7 @@ def find(d, *names):
     return None
 
 
-def write_md(res, inproc, path, inproc_p=None):
+def write_md(res, inproc, path, inproc_p=None, inproc_mps=None):
     def kern(dt, op, src=None):
         src = src or inproc
         k = {("fp8", "d"): "a_dispatch_fp8_kernel", ("fp8", "c"): "a_combine_kernel_after_fp8",
@@ -229,7 +234,8 @@ def write_md(res, inproc, path, inproc_p=None):
             cols.append((lab, c, src))
     if len(cols) >= 2:
         L.append("\n## Side by side: launch vs persistent mode (all under MPS), and in-process\n")
-        ips = [("in-process (128)", inproc)] + ([("in-process (%s)" % pb, ipp)] if ipp else [])
+        ips = [("in-process (128)", inproc)] + ([("in-process (%s)" % pb, ipp)] if ipp else []) + \
+              ([("in-process under MPS (128)", inproc_mps)] if inproc_mps else [])
         hdr = []
         for dt in ("FP8", "BF16"):
             hdr += ["%s: %s" % (dt, n) for n, _ in ips] + ["%s: %s" % (dt, lab) for lab, _, _ in cols]

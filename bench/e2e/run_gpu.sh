@@ -97,6 +97,13 @@ if [ "${PERSIST:-0}" = 1 ]; then
   echo "epd-bench rc $?"; tail -2 "$OUT/inproc-p/log.txt"
   echo "== MPS: launch mode vs persistent mode"
   if start_mps; then
+    # The in-process path under MPS too: the daemon's rows run under MPS, the in-process baseline above
+    # does not; this separates MPS's own launch and synchronisation costs from the daemon's.
+    echo "== in-process (epd-bench) under MPS, 128 blocks"
+    mkdir -p "$OUT/inproc-mps"
+    EPD_BENCH_CMD="epd-bench under MPS (bench/e2e/run_gpu.sh PERSIST=1)" timeout 150 "$D/bin/epd-bench" \
+      "$OUT/inproc-mps" > "$OUT/inproc-mps/log.txt" 2>&1
+    echo "epd-bench under MPS rc $?"; tail -2 "$OUT/inproc-mps/log.txt"
     for m in launch persist persist128; do
       case $m in
         launch) start_daemon mps-$m EPD_CUDA_MODE=launch EPD_CUDA_SPIN_NS=20000000 ;;
