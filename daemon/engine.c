@@ -753,8 +753,10 @@ void eng_mark_hung(eng_group_t *grp, int rank) {
 
 void epd_engine_set_draining(epd_engine_t *eng, int drain) {
   pthread_mutex_lock(&eng->mu);
+  const int was = eng->draining;
   eng->draining = drain != 0;
   if (eng->draining && eng->ops->sync_steps) eng->ops->sync_steps(eng, NULL); /* no step runs past it */
+  if (eng->o.nodes > 1 && was != eng->draining) eng_net_notify_drain(eng, eng->draining);
   pthread_mutex_unlock(&eng->mu);
 }
 

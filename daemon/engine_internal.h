@@ -239,6 +239,10 @@ epd_result_t eng_net_set_map(epd_engine_t *eng, const char *group, const epd_exp
 /* Start / stop the thread that serves map messages from the other nodes (host backend, nodes > 1). */
 epd_result_t eng_net_ctl_start(epd_engine_t *eng, char *err, size_t errlen);
 void eng_net_ctl_stop(epd_engine_t *eng);
+/* (mu) Host backend across nodes: tell every other node, per group, the first step this node will not
+ * take now that it drains (drain = 0: that it takes steps again); their steps fail with
+ * EPD_ERR_DRAINING at once instead of timing out. */
+void eng_net_notify_drain(epd_engine_t *eng, int drain);
 /* (mu) Free grp->net. */
 void eng_net_group_free(eng_group_t *grp);
 

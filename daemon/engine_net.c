@@ -532,6 +532,8 @@ typedef struct net_group {
   uint32_t *ht_local;        /* [W] this node's HT tokens per destination rank */
   net_frame_t *f[MAX_NODES]; /* frames of the step, taken when all are in */
   eng_map_vote_t vote; /* map switches (eng_vote_*) */
+  /* node n drains: it takes no step of this group numbered >= drain_from[n] (UINT64_MAX: not draining) */
+  uint64_t drain_from[MAX_NODES];
 } net_group_t;
 
 void eng_net_group_free(eng_group_t *grp) {
@@ -574,6 +576,7 @@ static net_group_t *group_state(epd_engine_t *eng, eng_group_t *grp) {
   if (!ng) return NULL;
   ng->sent_step = UINT64_MAX;
   ng->net = eng->o.net;
+  for (int n = 0; n < MAX_NODES; n++) ng->drain_from[n] = UINT64_MAX;
   const epd_ref_geom_t *g = &grp->g;
   uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank;
   int ok = epd_ref_plan_init(&ng->lplan, g) == EPD_OK;
@@ -1180,6 +1183,13 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
     if (n == me || ng->f[n]) continue;
     ng->f[n] = net_take(net, grp->name, grp->steps, n);
     if (ng->f[n]) continue;
+    if (ng->drain_from[n] <= grp->steps) {
+      /* its notice came after every frame it sent (one link, in order): this step's part will not come */
+      drop_frames(ng);
+      return fail(res, EPD_ERR_DRAINING, (int)(n * L),
+                  "node %u (ranks %u..%u) is draining: it takes no steps of group %s from step %llu on", n,
+                  n * L, n * L + L - 1, grp->name, (unsigned long long)ng->drain_from[n]);
+    }
     net_peer_t *p = &net->peer[n];
     if (atomic_load(&p->dead)) {
       drop_frames(ng);
@@ -1201,7 +1211,7 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
  * lock) and sends each staged map as MAP_SET to every other node, in version order on every link; a
  * MAP_REQ is answered with MAP_REP after the MAP_SET to the asking node, so a SetExpertMap that
  * returns a version has that map staged on its node. */
-enum { CTL_MAP_REQ = 1, CTL_MAP_SET = 2, CTL_MAP_REP = 3 };
+enum { CTL_MAP_REQ = 1, CTL_MAP_SET = 2, CTL_MAP_REP = 3, CTL_DRAIN = 4 };
 typedef struct ctl_msg {
   uint32_t kind, version;
   uint64_t req_id;
@@ -1304,6 +1314,20 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     pthread_mutex_unlock(&net->mu);
     return;
   }
+  if (c.kind == CTL_DRAIN) { /* host backend: req_id = the group's first step the sender will not take */
+    if (eng->ops != &eng_host_ops || f->src_node >= MAX_NODES) return;
+    pthread_mutex_lock(&eng->mu);
+    eng_group_t *grp = eng_find_group(eng, group);
+    net_group_t *ng = grp ? group_state(eng, grp) : NULL;
+    if (ng) ng->drain_from[f->src_node] = c.req_id;
+    pthread_mutex_unlock(&eng->mu);
+    if (ng && c.req_id != UINT64_MAX)
+      EPD_LOGI(EPD_SUB_ENGINE, "group %s: node %u is draining: its steps from %llu on fail here with "
+               "EPD_ERR_DRAINING", group, f->src_node, (unsigned long long)c.req_id);
+    else if (ng)
+      EPD_LOGI(EPD_SUB_ENGINE, "group %s: node %u takes steps again", group, f->src_node);
+    return;
+  }
   epd_expert_map_t m;
   const epd_weight_copy_t *cp = NULL;
   if ((c.kind != CTL_MAP_REQ && c.kind != CTL_MAP_SET) || parse_map(f, &c, &m, &cp)) {
@@ -1361,6 +1385,18 @@ static void *ctl_main(void *arg) {
   }
   pthread_mutex_unlock(&net->mu);
   return NULL;
+}
+
+void eng_net_notify_drain(epd_engine_t *eng, int drain) {
+  epd_net_t *net = eng->o.net;
+  if (eng->o.nodes <= 1 || !net || eng->ops != &eng_host_ops) return;
+  for (eng_group_t *g = eng->groups; g; g = g->next) {
+    /* a step some local rank already joined still runs here (engine_host.c refuses only a first arrival) */
+    ctl_msg_t m = {.kind = CTL_DRAIN, .req_id = drain ? g->steps + (g->narrived > 0 ? 1u : 0u) : UINT64_MAX};
+    for (uint32_t n = 0; n < eng->o.nodes; n++)
+      if (n != eng->o.node_rank && send_ctl(net, n, g->name, &m, NULL, NULL))
+        EPD_LOGW(EPD_SUB_ENGINE, "group %s: the drain notice to node %u was not sent (its link is down)", g->name, n);
+  }
 }
 
 epd_result_t eng_net_ctl_start(epd_engine_t *eng, char *err, size_t errlen) {

@@ -6,7 +6,8 @@
 #   single-node reference of the same world size and map: LL and HT, BF16 and FP8, skewed routing, two
 #   groups at once; status, epdctl and metrics show the cluster and the bytes that crossed the link;
 # - an attach of another node's rank is refused naming the node; a step whose other node never
-#   submits fails with EPD_ERR_TIMEOUT naming a rank of that node; a killed node fails steps with
+#   submits fails with EPD_ERR_TIMEOUT naming a rank of that node; a node that drains fails the other
+#   node's steps with EPD_ERR_DRAINING at once (not after the step timeout); a killed node fails steps with
 #   EPD_ERR_PEER promptly; a group with another geometry on each node fails with EPD_ERR_MISMATCH;
 # - start-up refusals: a node that never joins (both sides name it, within cluster.timeout_ms),
 #   disagreeing configurations (the key that differs is named), a duplicate node rank, backend cuda
@@ -88,6 +89,24 @@ MS=$(( ($(date +%s%N) - S) / 1000000 ))
 grep -q "EPD_ERR_TIMEOUT.*peer rank 2" "$T/to0.out" || fail "timeout does not name rank 2: $(cat "$T/to0.out")"
 [ $MS -lt 8000 ] || fail "timeout took $MS ms (step_timeout_ms 3000)"
 grep -q "node 1 (ranks 2..3) did not send" "$T/a.log" || fail "the log does not say node 1 was silent"
+
+echo "== node 1 drains: node 0's steps fail with EPD_ERR_DRAINING naming a rank of node 1, promptly"
+for r in 0 1; do worker dr$r a -g dr -r $r -n 4 --steps 100000; done
+for r in 2 3; do worker dr$r b -g dr -r $r -n 4 --steps 100000; done
+wait_for 10 grep -q "group dr created" "$T/b.log" || fail "group dr did not start on node 1"
+sleep 1
+"$EPDCTL" -s "$T/b/control.sock" drain > "$T/drain.out" 2>&1 || fail "epdctl drain: $(cat "$T/drain.out")"
+S=$(date +%s%N)
+for r in 0 1 2 3; do
+  eval "pid=\$W_dr$r"; wait "$pid"; rc=$?
+  [ $rc -eq 2 ] || fail "drain: worker $r exited $rc"
+  grep -q "EPD_ERR_DRAINING" "$T/dr$r.out" || fail "drain: worker $r: $(tail -2 "$T/dr$r.out")"
+done
+MS=$(( ($(date +%s%N) - S) / 1000000 ))
+grep -q "EPD_ERR_DRAINING.*peer rank 2" "$T/dr0.out" || fail "drain: node 0's error does not name rank 2: $(tail -2 "$T/dr0.out")"
+[ $MS -lt 2500 ] || fail "drain: node 0's workers failed only after $MS ms (step_timeout_ms 3000)"
+grep -q "group dr: node 1 is draining" "$T/a.log" || fail "node 0's log does not say node 1 drains"
+echo "   node 0's workers failed $MS ms after the drain: $(grep -o 'EPD_ERR_DRAINING.*' "$T/dr0.out" | head -1 | cut -c1-150)"
 
 echo "== node 1 killed: EPD_ERR_PEER naming a rank of node 1, promptly"
 kill -KILL "$P_b"; wait "$P_b" 2>/dev/null
