@@ -38,7 +38,7 @@ EPD_EXPORT const char *epd_strerror(int result) {
   case EPD_ERR_BUSY: return "EPD_ERR_BUSY: rank already attached, or a limit reached";
   case EPD_ERR_TIMEOUT: return "EPD_ERR_TIMEOUT: a wait ran out (the completion names the peer rank)";
   case EPD_ERR_PEER: return "EPD_ERR_PEER: a peer rank's client detached or failed mid-step";
-  case EPD_ERR_DRAINING: return "EPD_ERR_DRAINING: the daemon is draining";
+  case EPD_ERR_DRAINING: return "EPD_ERR_DRAINING: the daemon is draining (with a peer rank: that rank's node is)";
   case EPD_ERR_CUDA: return "EPD_ERR_CUDA: a CUDA call failed";
   case EPD_ERR_NCCL: return "EPD_ERR_NCCL: an NCCL call failed";
   case EPD_ERR_UNSUPPORTED: return "EPD_ERR_UNSUPPORTED: not available in this build, backend or mode";

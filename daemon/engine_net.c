@@ -82,6 +82,9 @@ struct epd_net {
   epd_engine_t *eng;
   ctl_wait_t *waits;
   uint64_t next_req;
+  /* (engine mu) host backend: node n drains; a group state made later fails its steps at once (a
+   * draining node takes no attach, so no step of a group created after its notice) */
+  int peer_draining[MAX_NODES];
 };
 
 typedef struct net_hdr {
@@ -576,7 +579,7 @@ static net_group_t *group_state(epd_engine_t *eng, eng_group_t *grp) {
   if (!ng) return NULL;
   ng->sent_step = UINT64_MAX;
   ng->net = eng->o.net;
-  for (int n = 0; n < MAX_NODES; n++) ng->drain_from[n] = UINT64_MAX;
+  for (int n = 0; n < MAX_NODES; n++) ng->drain_from[n] = eng->o.net->peer_draining[n] ? 0 : UINT64_MAX;
   const epd_ref_geom_t *g = &grp->g;
   uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank;
   int ok = epd_ref_plan_init(&ng->lplan, g) == EPD_OK;
@@ -1183,18 +1186,18 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
     if (n == me || ng->f[n]) continue;
     ng->f[n] = net_take(net, grp->name, grp->steps, n);
     if (ng->f[n]) continue;
+    net_peer_t *p = &net->peer[n];
+    if (atomic_load(&p->dead)) {
+      drop_frames(ng);
+      return fail(res, EPD_ERR_PEER, (int)(n * L), "the data link to node %u (ranks %u..%u) is down: %s", n,
+                  n * L, n * L + L - 1, p->why);
+    }
     if (ng->drain_from[n] <= grp->steps) {
       /* its notice came after every frame it sent (one link, in order): this step's part will not come */
       drop_frames(ng);
       return fail(res, EPD_ERR_DRAINING, (int)(n * L),
                   "node %u (ranks %u..%u) is draining: it takes no steps of group %s from step %llu on", n,
                   n * L, n * L + L - 1, grp->name, (unsigned long long)ng->drain_from[n]);
-    }
-    net_peer_t *p = &net->peer[n];
-    if (atomic_load(&p->dead)) {
-      drop_frames(ng);
-      return fail(res, EPD_ERR_PEER, (int)(n * L), "the data link to node %u (ranks %u..%u) is down: %s", n,
-                  n * L, n * L + L - 1, p->why);
     }
     return 0;
   }
@@ -1317,10 +1320,21 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
   if (c.kind == CTL_DRAIN) { /* host backend: req_id = the group's first step the sender will not take */
     if (eng->ops != &eng_host_ops || f->src_node >= MAX_NODES) return;
     pthread_mutex_lock(&eng->mu);
-    eng_group_t *grp = eng_find_group(eng, group);
+    eng_group_t *grp = group[0] ? eng_find_group(eng, group) : NULL;
     net_group_t *ng = grp ? group_state(eng, grp) : NULL;
     if (ng) ng->drain_from[f->src_node] = c.req_id;
+    if (!group[0]) {
+      /* the last notice of a drain (after one per group of the sender): a group of this node that the
+       * sender has not has no step it would take; nor has a group made here later */
+      net->peer_draining[f->src_node] = c.req_id != UINT64_MAX;
+      for (eng_group_t *g = eng->groups; g; g = g->next) {
+        net_group_t *gn = g->net;
+        if (gn && (c.req_id == UINT64_MAX || gn->drain_from[f->src_node] == UINT64_MAX))
+          gn->drain_from[f->src_node] = c.req_id;
+      }
+    }
     pthread_mutex_unlock(&eng->mu);
+    if (!group[0]) return;
     if (ng && c.req_id != UINT64_MAX)
       EPD_LOGI(EPD_SUB_ENGINE, "group %s: node %u is draining: its steps from %llu on fail here with "
                "EPD_ERR_DRAINING", group, f->src_node, (unsigned long long)c.req_id);
@@ -1397,6 +1411,10 @@ void eng_net_notify_drain(epd_engine_t *eng, int drain) {
       if (n != eng->o.node_rank && send_ctl(net, n, g->name, &m, NULL, NULL))
         EPD_LOGW(EPD_SUB_ENGINE, "group %s: the drain notice to node %u was not sent (its link is down)", g->name, n);
   }
+  /* then one for every group, those that do not exist here included (group ""; step 0: all of them) */
+  ctl_msg_t m = {.kind = CTL_DRAIN, .req_id = drain ? 0 : UINT64_MAX};
+  for (uint32_t n = 0; n < eng->o.nodes; n++)
+    if (n != eng->o.node_rank) send_ctl(net, n, "", &m, NULL, NULL);
 }
 
 epd_result_t eng_net_ctl_start(epd_engine_t *eng, char *err, size_t errlen) {

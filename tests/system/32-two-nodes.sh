@@ -93,8 +93,14 @@ grep -q "node 1 (ranks 2..3) did not send" "$T/a.log" || fail "the log does not 
 echo "== node 1 drains: node 0's steps fail with EPD_ERR_DRAINING naming a rank of node 1, promptly"
 for r in 0 1; do worker dr$r a -g dr -r $r -n 4 --steps 100000; done
 for r in 2 3; do worker dr$r b -g dr -r $r -n 4 --steps 100000; done
-wait_for 10 grep -q "group dr created" "$T/b.log" || fail "group dr did not start on node 1"
-sleep 1
+# both nodes' group dr has taken steps (so every rank attached on both before the drain)
+stepping() {
+  "$EPDCTL" -s "$T/$1/control.sock" --json status | /usr/bin/python3 -c 'import json, sys
+s = json.load(sys.stdin)
+sys.exit(0 if any(g["name"] == "dr" and g["steps"] > 2 for g in s.get("groups", [])) else 1)'
+}
+wait_for 20 stepping a || fail "group dr does not step on node 0"
+wait_for 20 stepping b || fail "group dr does not step on node 1"
 "$EPDCTL" -s "$T/b/control.sock" drain > "$T/drain.out" 2>&1 || fail "epdctl drain: $(cat "$T/drain.out")"
 S=$(date +%s%N)
 for r in 0 1 2 3; do
@@ -107,6 +113,16 @@ grep -q "EPD_ERR_DRAINING.*peer rank 2" "$T/dr0.out" || fail "drain: node 0's er
 [ $MS -lt 2500 ] || fail "drain: node 0's workers failed only after $MS ms (step_timeout_ms 3000)"
 grep -q "group dr: node 1 is draining" "$T/a.log" || fail "node 0's log does not say node 1 drains"
 echo "   node 0's workers failed $MS ms after the drain: $(grep -o 'EPD_ERR_DRAINING.*' "$T/dr0.out" | head -1 | cut -c1-150)"
+# a group made on node 0 after the drain: node 1 will never take its steps either
+worker nd0 a -g nd -r 0 -n 4 --steps 1
+worker nd1 a -g nd -r 1 -n 4 --steps 1
+S=$(date +%s%N)
+wait "$W_nd0"; R0=$?
+wait "$W_nd1"; R1=$?
+MS=$(( ($(date +%s%N) - S) / 1000000 ))
+[ $R0 -eq 2 ] && [ $R1 -eq 2 ] || fail "new group after the drain: workers exited $R0 $R1"
+grep -q "EPD_ERR_DRAINING.*peer rank 2" "$T/nd0.out" || fail "new group after the drain: $(tail -1 "$T/nd0.out")"
+[ $MS -lt 2500 ] || fail "new group after the drain: failed only after $MS ms"
 
 echo "== node 1 killed: EPD_ERR_PEER naming a rank of node 1, promptly"
 kill -KILL "$P_b"; wait "$P_b" 2>/dev/null
