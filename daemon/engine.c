@@ -660,6 +660,7 @@ epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, e
   eng->nclients++;
   grp->client[c->rank] = c;
   grp->lost[c->rank] = 0;
+  if (created && eng->o.nodes > 1) eng_net_group_created(eng, grp);
   map_table_write(c);
   memset(info, 0, sizeof *info);
   info->client_id = c->id;

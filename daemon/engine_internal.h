@@ -243,6 +243,9 @@ void eng_net_ctl_stop(epd_engine_t *eng);
  * take now that it drains (drain = 0: that it takes steps again); their steps fail with
  * EPD_ERR_DRAINING at once instead of timing out. */
 void eng_net_notify_drain(epd_engine_t *eng, int drain);
+/* (mu) A group was just created on this node (its first attach succeeded): stage the newest map node 0
+ * sent for it while it did not exist here, so that every node reports the same staged map. */
+void eng_net_group_created(epd_engine_t *eng, eng_group_t *grp);
 /* (mu) Free grp->net. */
 void eng_net_group_free(eng_group_t *grp);
 

@@ -85,7 +85,23 @@ struct epd_net {
   /* (engine mu) host backend: node n drains; a group state made later fails its steps at once (a
    * draining node takes no attach, so no step of a group created after its notice) */
   int peer_draining[MAX_NODES];
+  /* (engine mu) maps node 0 sent for groups this node did not have yet: staged when one is created */
+  struct pending_map *pending;
 };
+
+typedef struct pending_map {
+  struct pending_map *next;
+  char group[EPD_GROUP_NAME_MAX];
+  epd_expert_map_t map;
+  epd_weight_copy_t *copies;
+  uint32_t ncopies;
+} pending_map_t;
+
+static void pending_free(pending_map_t *p) {
+  epd_expert_map_free(&p->map);
+  free(p->copies);
+  free(p);
+}
 
 typedef struct net_hdr {
   uint32_t magic, src_node;
@@ -400,6 +416,11 @@ void epd_net_destroy(epd_net_t *net) {
     net->ctl_head = f->next;
     free(f->buf);
     free(f);
+  }
+  while (net->pending) {
+    pending_map_t *p = net->pending;
+    net->pending = p->next;
+    pending_free(p);
   }
   pthread_cond_destroy(&net->ctl_cv);
   pthread_cond_destroy(&net->wait_cv);
@@ -1292,6 +1313,54 @@ static epd_result_t stage_and_send(epd_engine_t *eng, const char *group, const e
   return EPD_OK;
 }
 
+/* (engine mu) Keep a map for a group this node does not have yet (the newest version per group). */
+static int pending_put(epd_net_t *net, const char *group, const epd_expert_map_t *m, const epd_weight_copy_t *cp,
+                       uint32_t ncopies) {
+  pending_map_t **pp = &net->pending;
+  for (; *pp; pp = &(*pp)->next)
+    if (!strcmp((*pp)->group, group)) break;
+  if (*pp && (*pp)->map.version >= m->version) return 0;
+  pending_map_t *p = calloc(1, sizeof *p);
+  if (!p || epd_ref_map_copy(&p->map, m) != EPD_OK) {
+    free(p);
+    return -1;
+  }
+  p->map.version = m->version;
+  if (ncopies && !(p->copies = malloc(sizeof *cp * ncopies))) {
+    pending_free(p);
+    return -1;
+  }
+  if (ncopies) memcpy(p->copies, cp, sizeof *cp * ncopies);
+  p->ncopies = ncopies;
+  snprintf(p->group, sizeof p->group, "%s", group);
+  if (*pp) { /* replace the older one in place */
+    p->next = (*pp)->next;
+    pending_free(*pp);
+  }
+  *pp = p;
+  return 0;
+}
+
+void eng_net_group_created(epd_engine_t *eng, eng_group_t *grp) {
+  epd_net_t *net = eng->o.net;
+  if (eng->o.nodes <= 1 || !net) return;
+  for (pending_map_t **pp = &net->pending; *pp; pp = &(*pp)->next) {
+    pending_map_t *p = *pp;
+    if (strcmp(p->group, grp->name)) continue;
+    *pp = p->next;
+    char err[320] = "";
+    epd_result_t rc = eng_stage_map(eng, grp, &p->map, p->copies, p->ncopies, p->map.version, 0, NULL, err, sizeof err);
+    if (rc)
+      EPD_LOGE(EPD_SUB_ENGINE, "group %s: expert map version %u kept from node 0 refused at the group's creation on "
+               "node %u: %s (no node switches to it)", grp->name, p->map.version, net->node_rank, err);
+    else
+      EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u kept from node 0 staged at the group's creation",
+               grp->name, p->map.version);
+    pending_free(p);
+    return;
+  }
+}
+
 static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
   epd_net_t *net = eng->o.net;
   const net_hdr_t *h = (const net_hdr_t *)f->buf;
@@ -1367,10 +1436,14 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
   eng_group_t *grp = eng_find_group(eng, group);
   epd_result_t rc = grp ? eng_stage_map(eng, grp, &m, cp, c.ncopies, c.version, 0, NULL, err, sizeof err)
                         : EPD_ERR_NOT_FOUND;
+  int kept = !grp && pending_put(net, group, &m, cp, c.ncopies) == 0;
   pthread_mutex_unlock(&eng->mu);
-  if (rc == EPD_ERR_NOT_FOUND)
+  if (rc == EPD_ERR_NOT_FOUND && kept)
+    EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u from node 0 kept: the group does not exist on node "
+             "%u yet; it is staged when the group is created here", group, c.version, net->node_rank);
+  else if (rc == EPD_ERR_NOT_FOUND)
     EPD_LOGW(EPD_SUB_ENGINE, "group %s: expert map version %u from node 0 ignored: the group does not exist on "
-             "node %u (no node switches to it; attach on every node before SetExpertMap)", group, c.version,
+             "node %u and keeping the map failed (out of memory; no node switches to it)", group, c.version,
              net->node_rank);
   else if (rc)
     EPD_LOGE(EPD_SUB_ENGINE, "group %s: expert map version %u from node 0 refused on node %u: %s (no node "

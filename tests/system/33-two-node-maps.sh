@@ -9,6 +9,8 @@
 # - SetExpertMap sent to node 1's daemon, and to both daemons at once (concurrent calls get distinct
 #   versions; the highest one ends active on both nodes, with the same placements); the daemons'
 #   "dispatches with expert map version" mismatch check never fires;
+# - SetExpertMap while the group exists on node 0 only: node 1 keeps the map and stages it when its first
+#   client creates the group there, and both nodes switch to it at the same step;
 # - an invalid map is refused on every node, a weight copy between ranks of two nodes is refused, and
 #   neither changes any node's map.
 set -u
@@ -81,6 +83,21 @@ VB=$(version_of "$T/sb3.out")
 wait_same ex "$VB"
 grep -q "expert 0: 0:3" "$T/ea.txt" || fail "group ex: not node 1's last map: $(head -3 "$T/ea.txt")"
 echo "   node 1 staged versions $(version_of "$T/sb1.out") $(version_of "$T/sb2.out") $VB; active on both nodes: $VB"
+
+echo "== SetExpertMap before the group exists on node 1: node 1 stages it when the group is created there"
+for r in 0 1; do worker "lt$r" a -g lt -r $r -n 4 --steps 400 --seed 21 --experts 10 --topk 3 --tokens 24 --node-ranks 2 --hidden 64; done
+wait_for 10 grep -q "group lt created" "$T/a.log" || fail "group lt was not created on node 0"
+mapfile lt 7 > "$T/lt.txt"
+ctl a set-map "$T/lt.txt" > "$T/lt.out" 2>&1 || fail "set-map lt: $(cat "$T/lt.out")"
+VL=$(version_of "$T/lt.out")
+wait_for 10 grep -q "group lt: expert map version $VL from node 0 kept" "$T/b.log" ||
+  fail "node 1 did not keep map $VL of group lt: $(grep 'group lt' "$T/b.log" | tail -2)"
+for r in 2 3; do worker "lt$r" b -g lt -r $r -n 4 --steps 400 --seed 21 --experts 10 --topk 3 --tokens 24 --node-ranks 2 --hidden 64; done
+expect_ok lt0 lt1 lt2 lt3
+switches lt a > "$T/swla.txt"; switches lt b > "$T/swlb.txt"
+grep -q "1 -> $VL at step" "$T/swla.txt" || fail "node 0 did not switch group lt to $VL: $(cat "$T/swla.txt")"
+cmp -s "$T/swla.txt" "$T/swlb.txt" || fail "group lt switched at different steps: $(cat "$T/swla.txt") / $(cat "$T/swlb.txt")"
+echo "   $(cat "$T/swla.txt") on both nodes"
 
 echo "== concurrent SetExpertMap on both nodes: distinct versions, the highest active on both"
 # enough steps that the group still runs at its last check below (at ~1.3 ms a step; 1500 steps had ended
