@@ -92,14 +92,11 @@ struct epd_net {
 typedef struct pending_map {
   struct pending_map *next;
   char group[EPD_GROUP_NAME_MAX];
-  epd_expert_map_t map;
-  epd_weight_copy_t *copies;
-  uint32_t ncopies;
+  epd_expert_map_t map; /* without weight copies: a map with copies is not kept */
 } pending_map_t;
 
 static void pending_free(pending_map_t *p) {
   epd_expert_map_free(&p->map);
-  free(p->copies);
   free(p);
 }
 
@@ -1313,25 +1310,29 @@ static epd_result_t stage_and_send(epd_engine_t *eng, const char *group, const e
   return EPD_OK;
 }
 
-/* (engine mu) Keep a map for a group this node does not have yet (the newest version per group). */
-static int pending_put(epd_net_t *net, const char *group, const epd_expert_map_t *m, const epd_weight_copy_t *cp,
+/* (engine mu) Keep a map for a group this node does not have yet: the last one node 0 sent per group
+ * (node 0 sends them in staging order over one link; a lower version than a kept one means the group
+ * was re-created on node 0, whose numbering restarted). At most engine.max_groups are kept, the oldest
+ * dropped first. A map with weight copies is not kept (-2): copies staged on one incarnation of a group
+ * must not run on another. */
+static int pending_put(epd_engine_t *eng, epd_net_t *net, const char *group, const epd_expert_map_t *m,
                        uint32_t ncopies) {
+  if (ncopies) return -2;
   pending_map_t **pp = &net->pending;
-  for (; *pp; pp = &(*pp)->next)
+  uint32_t n = 0;
+  for (; *pp; pp = &(*pp)->next, n++)
     if (!strcmp((*pp)->group, group)) break;
-  if (*pp && (*pp)->map.version >= m->version) return 0;
+  if (!*pp && n >= (eng->o.max_groups ? eng->o.max_groups : 8) && net->pending) {
+    pending_map_t *old = net->pending; /* the oldest: entries are appended */
+    net->pending = old->next;
+    if (pp == &old->next) pp = &net->pending;
+    pending_free(old);
+  }
   pending_map_t *p = calloc(1, sizeof *p);
   if (!p || epd_ref_map_copy(&p->map, m) != EPD_OK) {
     free(p);
     return -1;
   }
-  p->map.version = m->version;
-  if (ncopies && !(p->copies = malloc(sizeof *cp * ncopies))) {
-    pending_free(p);
-    return -1;
-  }
-  if (ncopies) memcpy(p->copies, cp, sizeof *cp * ncopies);
-  p->ncopies = ncopies;
   snprintf(p->group, sizeof p->group, "%s", group);
   if (*pp) { /* replace the older one in place */
     p->next = (*pp)->next;
@@ -1349,7 +1350,7 @@ void eng_net_group_created(epd_engine_t *eng, eng_group_t *grp) {
     if (strcmp(p->group, grp->name)) continue;
     *pp = p->next;
     char err[320] = "";
-    epd_result_t rc = eng_stage_map(eng, grp, &p->map, p->copies, p->ncopies, p->map.version, 0, NULL, err, sizeof err);
+    epd_result_t rc = eng_stage_map(eng, grp, &p->map, NULL, 0, p->map.version, 0, NULL, err, sizeof err);
     if (rc)
       EPD_LOGE(EPD_SUB_ENGINE, "group %s: expert map version %u kept from node 0 refused at the group's creation on "
                "node %u: %s (no node switches to it)", grp->name, p->map.version, net->node_rank, err);
@@ -1436,15 +1437,16 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
   eng_group_t *grp = eng_find_group(eng, group);
   epd_result_t rc = grp ? eng_stage_map(eng, grp, &m, cp, c.ncopies, c.version, 0, NULL, err, sizeof err)
                         : EPD_ERR_NOT_FOUND;
-  int kept = !grp && pending_put(net, group, &m, cp, c.ncopies) == 0;
+  const int kept = grp ? 1 : pending_put(eng, net, group, &m, c.ncopies);
   pthread_mutex_unlock(&eng->mu);
-  if (rc == EPD_ERR_NOT_FOUND && kept)
+  if (rc == EPD_ERR_NOT_FOUND && kept == 0)
     EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u from node 0 kept: the group does not exist on node "
              "%u yet; it is staged when the group is created here", group, c.version, net->node_rank);
   else if (rc == EPD_ERR_NOT_FOUND)
     EPD_LOGW(EPD_SUB_ENGINE, "group %s: expert map version %u from node 0 ignored: the group does not exist on "
-             "node %u and keeping the map failed (out of memory; no node switches to it)", group, c.version,
-             net->node_rank);
+             "node %u, and the map %s (no node switches to it; set it again once the group exists on every node)",
+             group, c.version, net->node_rank,
+             kept == -2 ? "carries weight copies, which are not kept" : "could not be kept (out of memory)");
   else if (rc)
     EPD_LOGE(EPD_SUB_ENGINE, "group %s: expert map version %u from node 0 refused on node %u: %s (no node "
              "switches to it)", group, c.version, net->node_rank, err);

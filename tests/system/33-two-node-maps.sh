@@ -14,7 +14,8 @@
 # - an invalid map is refused on every node, a weight copy between ranks of two nodes is refused, and
 #   neither changes any node's map.
 set -u
-STEP_TIMEOUT_MS=5000 WORKER_TIMEOUT=90
+# a long step timeout: node 0's first step of group lt waits for node 1's workers, started after a set-map
+STEP_TIMEOUT_MS=30000 WORKER_TIMEOUT=120
 . "$(dirname "$0")/cluster-lib.sh"
 world() { # GROUP STEPS ARGS...: ranks 0-1 at node a, 2-3 at node b
   local g=$1 s=$2; shift 2
