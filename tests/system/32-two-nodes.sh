@@ -78,14 +78,21 @@ done
 grep -q "group geo has num_experts 16, hidden 256, topk 4, max_tokens 64 on node 1 but 16, 128, 4, 64 on node 0" "$T/a.log" ||
   fail "the log does not explain the geometry mismatch"
 
+# node0_step GROUP CASE: ranks 0 and 1 of GROUP at node 0 run one step, which must fail (both exit 2);
+# MS gets how long they took.
+node0_step() {
+  worker "${1}0" a -g "$1" -r 0 -n 4 --steps 1
+  worker "${1}1" a -g "$1" -r 1 -n 4 --steps 1
+  local S=$(date +%s%N) R0 R1 w0 w1
+  eval "w0=\$W_${1}0 w1=\$W_${1}1"
+  wait "$w0"; R0=$?
+  wait "$w1"; R1=$?
+  MS=$(( ($(date +%s%N) - S) / 1000000 ))
+  [ $R0 -eq 2 ] && [ $R1 -eq 2 ] || fail "$2: workers exited $R0 $R1"
+}
+
 echo "== node 1 never submits: EPD_ERR_TIMEOUT naming a rank of node 1"
-worker to0 a -g to -r 0 -n 4 --steps 1
-worker to1 a -g to -r 1 -n 4 --steps 1
-S=$(date +%s%N)
-wait "$W_to0"; R0=$?
-wait "$W_to1"; R1=$?
-MS=$(( ($(date +%s%N) - S) / 1000000 ))
-[ $R0 -eq 2 ] && [ $R1 -eq 2 ] || fail "timeout case: workers exited $R0 $R1"
+node0_step to "timeout case"
 grep -q "EPD_ERR_TIMEOUT.*peer rank 2" "$T/to0.out" || fail "timeout does not name rank 2: $(cat "$T/to0.out")"
 [ $MS -lt 8000 ] || fail "timeout took $MS ms (step_timeout_ms 3000)"
 grep -q "node 1 (ranks 2..3) did not send" "$T/a.log" || fail "the log does not say node 1 was silent"
@@ -114,26 +121,14 @@ grep -q "EPD_ERR_DRAINING.*peer rank 2" "$T/dr0.out" || fail "drain: node 0's er
 grep -q "group dr: node 1 is draining" "$T/a.log" || fail "node 0's log does not say node 1 drains"
 echo "   node 0's workers failed $MS ms after the drain: $(grep -o 'EPD_ERR_DRAINING.*' "$T/dr0.out" | head -1 | cut -c1-150)"
 # a group made on node 0 after the drain: node 1 will never take its steps either
-worker nd0 a -g nd -r 0 -n 4 --steps 1
-worker nd1 a -g nd -r 1 -n 4 --steps 1
-S=$(date +%s%N)
-wait "$W_nd0"; R0=$?
-wait "$W_nd1"; R1=$?
-MS=$(( ($(date +%s%N) - S) / 1000000 ))
-[ $R0 -eq 2 ] && [ $R1 -eq 2 ] || fail "new group after the drain: workers exited $R0 $R1"
+node0_step nd "new group after the drain"
 grep -q "EPD_ERR_DRAINING.*peer rank 2" "$T/nd0.out" || fail "new group after the drain: $(tail -1 "$T/nd0.out")"
 [ $MS -lt 2500 ] || fail "new group after the drain: failed only after $MS ms"
 
 echo "== node 1 killed: EPD_ERR_PEER naming a rank of node 1, promptly"
 kill -KILL "$P_b"; wait "$P_b" 2>/dev/null
 wait_for 5 grep -q "data link to node 1 lost" "$T/a.log" || fail "node 0 did not notice the lost link"
-worker pe0 a -g pe -r 0 -n 4 --steps 1
-worker pe1 a -g pe -r 1 -n 4 --steps 1
-S=$(date +%s%N)
-wait "$W_pe0"; R0=$?
-wait "$W_pe1"; R1=$?
-MS=$(( ($(date +%s%N) - S) / 1000000 ))
-[ $R0 -eq 2 ] && [ $R1 -eq 2 ] || fail "lost node: workers exited $R0 $R1"
+node0_step pe "lost node"
 grep -q "EPD_ERR_PEER.*peer rank 2" "$T/pe0.out" || fail "lost node: no EPD_ERR_PEER naming rank 2: $(cat "$T/pe0.out")"
 [ $MS -lt 2500 ] || fail "lost node: the step failed only after $MS ms"
 "$EPDCTL" -s "$T/a/control.sock" status > /dev/null || fail "node 0 stopped serving after losing node 1"
@@ -152,15 +147,7 @@ node dup1 1 3 "$P4" -o cluster.timeout_ms=2500
 wait_for 3 grep -q "node 1 joined" "$T/dup0.log" || fail "dup1 did not join"
 node dup1b 1 3 "$P4" -o cluster.timeout_ms=2500
 node cuda 0 2 "$P5" -o engine.backend=cuda -o cluster.timeout_ms=1500
-S=$(date +%s%N)
-for n in lone0 lone1 cfg0 cfg1 dup0 dup1 dup1b cuda; do
-  eval "pid=\$P_$n"
-  wait "$pid"; rc=$?
-  [ $rc -eq 1 ] || fail "$n exited $rc, want 1"
-done
-MS=$(( ($(date +%s%N) - S) / 1000000 ))
-[ $MS -lt 7000 ] || fail "refusals took $MS ms"
-expect_log() { grep -q -- "$2" "$T/$1.log" || fail "$1: no \"$2\" in its log"; }
+refused 7000 lone0 lone1 cfg0 cfg1 dup0 dup1 dup1b cuda
 expect_log lone0 "start-up failed: cluster (node 0 of 2): rendezvous incomplete after cluster.timeout_ms 1500: node(s) 1 did not join"
 expect_log lone1 "rendezvous incomplete after cluster.timeout_ms 1500: coordinator (node 0) at 127.0.0.1:$P2 not reachable"
 expect_log cfg0 "node 1's configuration disagrees with the coordinator's: engine.max_tokens (node 0: 256, node 1: 128)"

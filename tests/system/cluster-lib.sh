@@ -1,5 +1,6 @@
-# cluster-lib.sh - sourced by the two-node scripts (32-two-nodes.sh, 33-two-node-maps.sh): two daemons on
-# this host as nodes of one EP world with the host backend, and epd-worker processes at them.
+# cluster-lib.sh - sourced by the two-node scripts (32-two-nodes.sh, 33-two-node-maps.sh,
+# 34-two-nodes-tls.sh): two daemons on this host as nodes of one EP world with the host backend, and
+# epd-worker processes at them.
 # Before sourcing: STEP_TIMEOUT_MS (the daemons' engine.step_timeout_ms), WORKER_TIMEOUT (seconds a
 # worker may run). Skips (exit 77) when the binaries are not built.
 B=${EPD_BUILD:-build}
@@ -46,3 +47,17 @@ worker() {
   eval "W_$n=$!"
 }
 . "$(dirname "${BASH_SOURCE[0]}")/../worker-lib.sh"
+# refused LIMIT_MS NAME...: each daemon NAME (started with node) exits 1, all within LIMIT_MS of the call.
+refused() {
+  local lim=$1 n pid rc S=$(date +%s%N)
+  shift
+  for n in "$@"; do
+    eval "pid=\$P_$n"
+    wait "$pid"; rc=$?
+    [ $rc -eq 1 ] || fail "$n exited $rc, want 1"
+  done
+  local ms=$(( ($(date +%s%N) - S) / 1000000 ))
+  [ $ms -lt "$lim" ] || fail "refusals took $ms ms"
+}
+# expect_log NAME PATTERN: daemon NAME's log has a line matching PATTERN (grep).
+expect_log() { grep -q -- "$2" "$T/$1.log" || fail "$1: no \"$2\" in its log"; }
