@@ -4,6 +4,7 @@
 # systemd units and man pages. Binaries carry RPATH $ORIGIN/../lib, so the tree runs from anywhere
 # (Debian 12, Ubuntu 24.04). NCCL and the CUDA driver are not bundled: they come from the host
 # (set LD_LIBRARY_PATH to the directory of libnccl.so.2 2.28.x if it is not on the loader path).
+# DIST_EXTRA_BINS: more binaries of the build to put in bin/ with their libraries (deploy/dev-bundle.sh).
 set -eu
 VERSION=${1:-0.0.0}
 B=${B:-build}
@@ -12,6 +13,9 @@ stage=dist/$name
 rm -rf "$stage" && mkdir -p "$stage"
 DESTDIR="" B="$B" sh deploy/install.sh "$PWD/$stage" "" >/dev/null
 cp "$B/bin/epd-worker" "$stage/bin/" 2>/dev/null || true
+for b in ${DIST_EXTRA_BINS:-}; do
+  [ -x "$B/bin/$b" ] && cp "$B/bin/$b" "$stage/bin/"
+done
 # Libraries that every supported system has (glibc, libstdc++, libgcc, the CUDA driver, NCCL) stay out.
 skip='^(linux-vdso|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|ld-linux|libgcc_s|libstdc\+\+|libcuda\.so|libnccl\.so)'
 for bin in "$stage"/bin/* "$stage"/lib/libepd.so.1; do
