@@ -93,9 +93,9 @@ static int tls_load(const epd_conf_t *c, tls_files_t *t, char *err, size_t errle
   const int set = !!c->cluster_tls_ca[0] + !!c->cluster_tls_cert[0] + !!c->cluster_tls_key[0];
   if (!set) return 0;
   if (set != 3) {
-    snprintf(err, errlen, "cluster.tls_ca, cluster.tls_cert and cluster.tls_key: set all three or none (%s%s%s%s)",
+    snprintf(err, errlen, "cluster.tls_ca, cluster.tls_cert and cluster.tls_key: set all three or none (%s%s%sempty)",
              c->cluster_tls_ca[0] ? "" : "tls_ca ", c->cluster_tls_cert[0] ? "" : "tls_cert ",
-             c->cluster_tls_key[0] ? "" : "tls_key ", "empty");
+             c->cluster_tls_key[0] ? "" : "tls_key ");
     return -1;
   }
   if (!(t->ca = read_pem("cluster.tls_ca", c->cluster_tls_ca, err, errlen)) ||

@@ -1334,7 +1334,7 @@ static int pending_put(epd_engine_t *eng, epd_net_t *net, const char *group, con
     return -1;
   }
   snprintf(p->group, sizeof p->group, "%s", group);
-  if (*pp) { /* replace the older one in place */
+  if (*pp) { /* replace the kept one in place */
     p->next = (*pp)->next;
     pending_free(*pp);
   }
