@@ -124,7 +124,8 @@ typedef enum epd_mode { EPD_MODE_LL = 0, EPD_MODE_HT = 1 } epd_mode_t;
 
 /* Dispatch num_tokens tokens of bank's x/topk buffers. stream == NULL: run and wait, return the op's
  * status. stream != NULL (CUDA backend, a cudaStream_t): enqueue on the stream, return EPD_OK; the
- * status is read with epd_op_status() after the stream is synchronised. flags: EPD_DESC_*. */
+ * status is read with epd_op_status() after the stream is synchronised. flags: EPD_DESC_* (EPD_DESC_FP8;
+ * EPD_DESC_HT_DENSE for an HT dispatch: every rank receives every token, docs/SEMANTICS.md). */
 epd_result_t epd_dispatch(epd_ep_t *ep, epd_mode_t mode, uint32_t num_tokens, uint32_t flags,
                           unsigned bank, void *stream);
 /* Combine the bank's expert outputs back into the bank's OUT buffer; same stream rules. */

@@ -56,6 +56,9 @@ enum {
 enum {
   EPD_DESC_FP8 = 1u << 0, /* dispatch: send FP8 e4m3 with per-128-channel f32 scales (recv_x holds
                            * fp8 bytes, recv_scales the scales); x stays BF16 */
+  EPD_DESC_HT_DENSE = 1u << 1, /* HT dispatch: dense layout, every rank receives every token of every rank
+                                * (rows ordered by (src, t); entries of other ranks -1): the receive
+                                * rows are known before routing, so BF16 rows move with the copy engines */
 };
 
 /* Queue flags (epd_queue_t.qflags). */

@@ -700,8 +700,11 @@ EPD_EXPORT epd_result_t epd_dispatch(epd_ep_t *ep, epd_mode_t mode, uint32_t num
   if (num_tokens > ep->max_tokens)
     return fail(ep->err, EPD_ERR_TOO_MANY_TOKENS, "num_tokens %u: out of range [0, %u] (the group's max_tokens)",
                 num_tokens, ep->max_tokens);
-  if (flags & ~(uint32_t)EPD_DESC_FP8)
-    return fail(ep->err, EPD_ERR_INVALID, "flags 0x%x: only EPD_DESC_FP8 (0x%x) is defined", flags, EPD_DESC_FP8);
+  if (flags & ~(uint32_t)(EPD_DESC_FP8 | EPD_DESC_HT_DENSE))
+    return fail(ep->err, EPD_ERR_INVALID, "flags 0x%x: only EPD_DESC_FP8 (0x%x) and EPD_DESC_HT_DENSE (0x%x) are defined",
+                flags, EPD_DESC_FP8, EPD_DESC_HT_DENSE);
+  if ((flags & EPD_DESC_HT_DENSE) && mode != EPD_MODE_HT)
+    return fail(ep->err, EPD_ERR_INVALID, "flags: EPD_DESC_HT_DENSE is for HT dispatches (mode %d)", (int)mode);
   if ((flags & EPD_DESC_FP8) && ep->hidden % 128)
     return fail(ep->err, EPD_ERR_INVALID, "flags: EPD_DESC_FP8 needs hidden a multiple of 128 (hidden %u)", ep->hidden);
   epd_desc_t d;

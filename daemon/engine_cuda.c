@@ -407,6 +407,9 @@ static epd_result_t grank_teardown(epd_cc_t *cc, int rank, void *argp) {
   grp_setup_arg_t *a = argp;
   cuda_grank_t *gr = &a->cg->rk[rank];
   if (gr->k) epd_k_ll_destroy(gr->k);
+  if (gr->kh && epd_k_ht_ce_ops(gr->kh))
+    EPD_LOGI(EPD_SUB_CUDA, "group %s rank %d: %llu dense HT dispatches moved their BF16 rows with the copy engines",
+             a->cg->name, rank, (unsigned long long)epd_k_ht_ce_ops(gr->kh));
   if (gr->kh) epd_k_ht_destroy(gr->kh);
   if (gr->map_dev) cudaFree(gr->map_dev);
   if (gr->comp_host) cudaFreeHost(gr->comp_host);
@@ -605,9 +608,15 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
       fail_collect(eng, be, cg, is_ht ? EPD_ERR_UNSUPPORTED : EPD_ERR_INVALID, (int)r, why);
       return;
     }
-    if (d->op != d0->op || d->bank != d0->bank) {
-      snprintf(why, sizeof why, "rank %u submitted op %u bank %u, rank 0 op %u bank %u", r, d->op, d->bank,
-               d0->op, d0->bank);
+    const int is_disp = d->op == EPD_OP_LL_DISPATCH || d->op == EPD_OP_HT_DISPATCH;
+    if (is_disp && (d->flags & ~(uint32_t)(EPD_DESC_FP8 | (d->op == EPD_OP_HT_DISPATCH ? EPD_DESC_HT_DENSE : 0)))) {
+      snprintf(why, sizeof why, "rank %u: unknown flags 0x%x", r, d->flags);
+      fail_collect(eng, be, cg, EPD_ERR_INVALID, (int)r, why);
+      return;
+    }
+    if (d->op != d0->op || d->bank != d0->bank || (is_disp && d->flags != d0->flags)) {
+      snprintf(why, sizeof why, "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x", r,
+               d->op, d->bank, d->flags, d0->op, d0->bank, d0->flags);
       fail_collect(eng, be, cg, EPD_ERR_MISMATCH, (int)r, why);
       return;
     }
@@ -735,8 +744,12 @@ static epd_result_t launch(cuda_be_t *be, cuda_grp_t *cg, int r, char *err, size
      * else no rank gets any peer arena (every rank of the step decides the same: staging). */
     int direct = 1;
     for (uint32_t q = 0; q < cg->g.num_ranks && q < EPD_K_MAX_RANKS; q++) direct &= cg->cc[q] && cg->cc[q]->peer_access;
-    for (uint32_t q = 0; q < cg->g.num_ranks && q < EPD_K_MAX_RANKS; q++)
+    for (uint32_t q = 0; q < cg->g.num_ranks && q < EPD_K_MAX_RANKS; q++) {
       hop.peer_arena[q] = direct ? (uint64_t)cg->cc[q]->arena_dev : 0;
+      hop.rank_tokens[q] = cg->desc[q].num_tokens;
+    }
+    /* dense BF16 rows by the copy engines (the kernels fall back to register copies where they cannot) */
+    if (d->op == EPD_OP_HT_DISPATCH && (d->flags & EPD_DESC_HT_DENSE)) hop.copy = EPD_K_HT_COPY_CE;
     if ((rc = epd_k_ht_launch(gr->kh, &a, &hop, rk->stream, err, errlen))) return rc;
   } else {
     epd_k_ll_op_t op = {.op = d->op, .flags = d->flags, .num_tokens = d->num_tokens, .bank = d->bank,

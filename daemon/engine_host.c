@@ -141,7 +141,8 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
       snprintf(why, sizeof why, "rank %u: bank %u out of range [0, %u)", r, d->bank, EPD_NUM_BANKS);
       return fail_step(eng, grp, EPD_ERR_INVALID, (int)r, why);
     }
-    if (op_is_dispatch(d->op) && (d->flags & ~(uint32_t)EPD_DESC_FP8)) {
+    if (op_is_dispatch(d->op) &&
+        (d->flags & ~(uint32_t)(EPD_DESC_FP8 | (d->op == EPD_OP_HT_DISPATCH ? EPD_DESC_HT_DENSE : 0)))) {
       snprintf(why, sizeof why, "rank %u: unknown flags 0x%x", r, d->flags);
       return fail_step(eng, grp, EPD_ERR_INVALID, (int)r, why);
     }
@@ -150,7 +151,7 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
   for (uint32_t r = 1; r < R; r++) {
     const epd_desc_t *d = &grp->desc[r];
     if (d->op != d0->op || d->bank != d0->bank ||
-        (op_is_dispatch(d->op) && (d->flags & EPD_DESC_FP8) != (d0->flags & EPD_DESC_FP8))) {
+        (op_is_dispatch(d->op) && d->flags != d0->flags)) {
       snprintf(why, sizeof why, "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x",
                r, d->op, d->bank, d->flags, d0->op, d0->bank, d0->flags);
       return fail_step(eng, grp, EPD_ERR_MISMATCH, (int)r, why);
@@ -201,6 +202,7 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
       rc = epd_ref_ll_dispatch(plan, in, fp8, out);
       for (uint32_t r = 0; r < R; r++) num_recv[r] = plan->ll_recv[r];
     } else {
+      if (d0->flags & EPD_DESC_HT_DENSE) epd_ref_ht_dense(plan);
       rc = epd_ref_ht_dispatch(plan, in, fp8, out, &bad);
       for (uint32_t r = 0; r < R; r++) num_recv[r] = plan->ht_recv[r];
     }

@@ -360,6 +360,17 @@ epd_result_t epd_ref_ll_combine(const epd_ref_plan_t *p, const uint16_t *const *
   return EPD_OK;
 }
 
+void epd_ref_ht_dense(epd_ref_plan_t *p) {
+  const epd_ref_geom_t *g = &p->g;
+  uint32_t R = g->num_ranks, M = g->max_tokens, N = 0;
+  for (uint32_t src = 0; src < R; src++) {
+    for (uint32_t t = 0; t < p->num_tokens[src]; t++)
+      for (uint32_t r = 0; r < R; r++) p->ht_pos[((size_t)src * M + t) * R + r] = (int32_t)(N + t);
+    N += p->num_tokens[src];
+  }
+  for (uint32_t r = 0; r < R; r++) p->ht_recv[r] = N;
+}
+
 epd_result_t epd_ref_ht_dispatch(epd_ref_plan_t *p, const epd_ref_in_t *in, int fp8,
                                  epd_ref_out_t *const *out, int *bad_rank) {
   const epd_ref_geom_t *g = &p->g;
@@ -398,16 +409,20 @@ epd_result_t epd_ref_ht_dispatch(epd_ref_plan_t *p, const epd_ref_in_t *in, int 
 
 epd_result_t epd_ref_ht_combine(const epd_ref_plan_t *p, const uint16_t *const *y, uint16_t *const *out) {
   const epd_ref_geom_t *g = &p->g;
-  uint32_t R = g->num_ranks, M = g->max_tokens, H = g->hidden;
+  uint32_t R = g->num_ranks, M = g->max_tokens, H = g->hidden, K = g->topk;
   float *acc = malloc(sizeof(float) * (H ? H : 1));
   if (!acc) return EPD_ERR_NOMEM;
   for (uint32_t src = 0; src < R; src++) {
     if (!out[src]) continue;
     for (uint32_t t = 0; t < p->num_tokens[src]; t++) {
       const int32_t *hp = &p->ht_pos[((size_t)src * M + t) * R];
+      const int32_t *dr = &p->dst_rank[((size_t)src * M + t) * K];
       for (uint32_t h = 0; h < H; h++) acc[h] = 0;
       for (uint32_t r = 0; r < R; r++) {
-        if (hp[r] < 0) continue;
+        /* the ranks holding an entry of t (a dense layout's other rows are not partials) */
+        int routed = 0;
+        for (uint32_t k = 0; k < K; k++) routed |= dr[k] == (int32_t)r;
+        if (hp[r] < 0 || !routed) continue;
         const uint16_t *yr = y[r] + (size_t)hp[r] * H;
         for (uint32_t h = 0; h < H; h++) acc[h] += epd_bf16_to_f32(yr[h]);
       }

@@ -80,7 +80,11 @@ epd_result_t epd_ref_ll_combine(const epd_ref_plan_t *p, const uint16_t *const *
  * receive more than C tokens. */
 epd_result_t epd_ref_ht_dispatch(epd_ref_plan_t *p, const epd_ref_in_t *in, int fp8,
                                  epd_ref_out_t *const *out, int *bad_rank);
-/* HT combine: y[r] is rank r's HT_Y [C, H] bf16; out[r] = OUT [M, H] bf16 (NULL: skip). */
+/* HT dense layout (EPD_DESC_HT_DENSE) of a built plan: every rank receives every token, row
+ * sum(T of the ranks before src) + t; the entries of other ranks stay -1 (call before the dispatch). */
+void epd_ref_ht_dense(epd_ref_plan_t *p);
+/* HT combine: y[r] is rank r's HT_Y [C, H] bf16; out[r] = OUT [M, H] bf16 (NULL: skip). Sums the rows
+ * of the ranks that hold an entry of the token. */
 epd_result_t epd_ref_ht_combine(const epd_ref_plan_t *p, const uint16_t *const *y, uint16_t *const *out);
 
 /* Number of 128-channel scale blocks of a row (ceil(H/128)). */

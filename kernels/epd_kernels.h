@@ -285,12 +285,15 @@ typedef struct epd_k_ht_op {
    * rows straight into the receivers' arenas and combine reads the partials from them (no staging copy).
    * Any zero: rows pass through the peers' staging windows (the path without peer access). */
   uint64_t peer_arena[EPD_K_MAX_RANKS];
-  uint32_t copy; /* EPD_K_HT_COPY_REG (0, default) or EPD_K_HT_COPY_TMA */
+  uint32_t copy; /* EPD_K_HT_COPY_REG (0, default), EPD_K_HT_COPY_TMA or EPD_K_HT_COPY_CE */
+  /* EPD_K_HT_COPY_CE: every rank's num_tokens of this op (the copies' sizes and receive rows). */
+  uint32_t rank_tokens[EPD_K_MAX_RANKS];
   uint64_t *trace; /* optional (NULL), zeroed by the caller: %globaltimer stamps (profiling). Dispatch:
                     * [0] route start, [1] data kernel start, [2] counts, [3] plan messages read, [4] rows
                     * start (block 0: its metadata written), [5] rows issued and [6] rows complete (latest
                     * block), [7] peers' flags, [8] receive pass, [9] completion, [10] rows issued by the
-                    * earliest block (stored complemented: ~stamp). Combine: [0] start, [1] peers' HT_Y ready,
+                    * earliest block (stored complemented: ~stamp), [11] copy-engine rows seen landed
+                    * (EPD_K_HT_COPY_CE, latest block). Combine: [0] start, [1] peers' HT_Y ready,
                     * [2] pulled and reduced (latest block), [3] peers done, [4] completion. */
 } epd_k_ht_op_t;
 #define EPD_K_HT_COPY_REG 0u /* 16-byte register loads and stores (the default) */
@@ -299,6 +302,16 @@ typedef struct epd_k_ht_op {
  * tokens per block; slower than register copies at these sizes (bench/results/bench_ht_h200x2.md,
  * sanitizer_h200x2_s17.md, which also has the combine fault fixed in session 17). */
 #define EPD_K_HT_COPY_TMA 1u
+/* A dense (EPD_DESC_HT_DENSE) BF16 dispatch with peer arenas: each rank's x goes to every other rank's
+ * receive rows in one cudaMemcpyAsync per dest (the GPU's copy engines, no SM), on a stream of its own
+ * forked from and joined to the op's stream; a stream memory operation after each copy tells the data
+ * kernel, which writes the metadata and its own rows meanwhile. Needs rank_tokens; any other op, or a
+ * dense dispatch past the capacity (EPD_ERR_OVERFLOW, nothing copied), runs as EPD_K_HT_COPY_REG. */
+#define EPD_K_HT_COPY_CE 2u
+/* Copies (streams) per dest rank of EPD_K_HT_COPY_CE; $EPD_HT_CE_SPLIT (1..4) at epd_k_ht_create overrides. */
+#define EPD_K_HT_CE_SPLIT 1
+/* Dispatches that moved their rows with the copy engines so far. */
+uint64_t epd_k_ht_ce_ops(const epd_k_ht_t *k);
 
 /* Launch one HT op on `stream`: host checks return EPD_ERR_INVALID, launch failures EPD_ERR_CUDA;
  * device outcomes land in op->comp. */

@@ -59,10 +59,12 @@
  */
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <nccl_device.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "epd_dev.cuh"
@@ -89,6 +91,7 @@ static_assert(EPD_HT_FP8_V >= 1 && EPD_HT_FP8_V <= 8, "EPD_HT_FP8_V: 1..8 vector
 constexpr uint32_t META_WARPS = EPD_HT_META_WARPS; /* warps writing the last tile's metadata during the rows */
 constexpr int NO_TIMEOUT = 0x7fffffff;
 constexpr int CNT_LD = 8; /* token masks loaded together by a thread of the dispatch's counts */
+constexpr uint32_t CE_SPLIT_MAX = 4; /* copy-engine streams per dest rank (EPD_HT_CE_SPLIT) */
 
 enum : uint32_t { ERRB_BAD_EXPERT = 1u, ERRB_TOO_MANY = 2u, ERRB_BAD_MAP = 4u };
 
@@ -124,6 +127,8 @@ struct HTState {
   uint32_t drdy[EPD_K_HT_MAX_BLOCKS];      /* dispatch: seq once the block's positions (pos) are written */
   uint32_t dcur[EPD_K_HT_MAX_BLOCKS];      /* dispatch: tokens of the block's chunk taken (0 between ops) */
   uint32_t ccur[EPD_K_HT_MAX_BLOCKS];      /* combine (direct): the same */
+  uint64_t ce_done[EPD_K_MAX_RANKS][CE_SPLIT_MAX]; /* dense BF16 dispatch: part i of the copy-engine rows to
+                                                    * dest r landed (a stream memory operation writes ce_seq) */
 };
 
 struct HTLayout {
@@ -156,6 +161,10 @@ struct HTParams {
   uint32_t lag;                         /* dispatch: bulk-store groups left reading (1, 2 or 4) */
   uint32_t cw, nch;                     /* combine: bytes per column chunk, chunks per row */
   uint32_t ncw;                         /* combine: consumer warps of the TMA ring (ns is a multiple) */
+  uint32_t dense;                       /* dispatch: EPD_DESC_HT_DENSE (every token to every rank) */
+  uint32_t ce;                          /* dense BF16 dispatch: rows to the other ranks by copy engines, in
+                                         * ce parts (streams) per dest */
+  uint64_t ce_seq;                      /* the value their completion writes into st->ce_done[dest] */
   uint64_t *trace;                      /* epd_k_ht_op_t.trace */
 };
 
@@ -309,8 +318,10 @@ __global__ void __launch_bounds__(NTHR) ht_route_kernel(const HTParams p) {
     rt->slot[lane] = (uint16_t)s;
   }
   if (lane == 0) {
-    rt->mask = mask | (errb << 24);
-    ((uint32_t *)(local_bank(p) + p.lay.tmask))[t] = mask | (errb << 24);
+    rt->mask = mask | (errb << 24); /* the ranks holding an entry of t: what the combine sums */
+    /* the rows it gets: dense, every rank (the receivers' entries of other ranks are -1) */
+    const uint32_t rows = p.dense ? (1u << R) - 1u : mask;
+    ((uint32_t *)(local_bank(p) + p.lay.tmask))[t] = rows | (errb << 24);
   }
 }
 
@@ -994,7 +1005,9 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
         const char *xrow = x + (uint64_t)t * rowb;
         if (mm && fp8)
           send_row_fp8(p, xrow, mm, jj, sh_dr, (float *)(dsm + p.sm.fsc) + warp * (H / 128), lane);
-        else if (mm)
+        else if (p.ce && (mm & (1u << me)))
+          send_row_bf16(p, xrow, 1u << me, jj, sh_dr, lane); /* the copy engines carry the others */
+        else if (mm && !p.ce)
           send_row_bf16(p, xrow, mm, jj, sh_dr, lane);
         t = take_token(st->dcur, v, per, T, lane);
       }
@@ -1015,6 +1028,24 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
         if (v) atomicAdd((uint32_t *)((r == me ? lb : peer_bank(p, (int)r)) + p.lay.slotc) + (i - r * S), v);
       }
     }
+  }
+  if (p.ce && tid == 0) {
+    /* the copy engines' rows of this op landed on every dest (a stream memory operation after the copy
+     * writes ce_done; it fences like __threadfence_system first). Waited for on failures too: the
+     * next op must not start while they are in flight. */
+    for (uint32_t r = 0; r < R; r++) {
+      if (r == me) continue;
+      bool ok = false;
+      for (uint32_t i = 0;;) {
+        if (ld_acquire_sys(&st->ce_done[r][i]) >= p.ce_seq && ++i == p.ce) { ok = true; break; }
+        if (gtimer() > deadline) break;
+      }
+      if (!ok && code == 0) {
+        code = EPD_ERR_TIMEOUT;
+        peer = (int)me;
+      }
+    }
+    TR_LATEST(11);
   }
   signal_peers(p, p.lay.dflag, seq, code != 0 || sh_abort);
   {
@@ -1510,7 +1541,91 @@ struct epd_k_ht {
   char *local;
   size_t win_off;
   HTLayout lay;
+  /* EPD_K_HT_COPY_CE: ce_split streams per dest rank (made at the first such op), fork and join events */
+  cudaStream_t ce_stream[EPD_K_MAX_RANKS][CE_SPLIT_MAX];
+  cudaEvent_t ce_fork, ce_join[EPD_K_MAX_RANKS][CE_SPLIT_MAX];
+  uint32_t ce_split;
+  int have_ce;
+  uint64_t ce_seq, ce_ops;
 };
+
+typedef CUresult (*write_value64_fn)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+
+/* cuStreamWriteValue64 through the runtime's driver entry point (the kernels link only cudart). */
+static write_value64_fn write_value64(void) {
+  static write_value64_fn fn;
+  static int tried;
+  if (!tried) {
+    void *f = NULL;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = (write_value64_fn)f;
+    tried = 1;
+  }
+  return fn;
+}
+
+static void ce_free(epd_k_ht_t *k) {
+  for (int r = 0; r < EPD_K_MAX_RANKS; r++)
+    for (uint32_t i = 0; i < CE_SPLIT_MAX; i++) {
+      if (k->ce_stream[r][i]) cudaStreamDestroy(k->ce_stream[r][i]);
+      if (k->ce_join[r][i]) cudaEventDestroy(k->ce_join[r][i]);
+      k->ce_stream[r][i] = NULL;
+      k->ce_join[r][i] = NULL;
+    }
+  if (k->ce_fork) cudaEventDestroy(k->ce_fork);
+  k->ce_fork = NULL;
+  k->have_ce = 0;
+}
+
+/* The copy-engine rows of a dense BF16 dispatch (EPD_K_HT_COPY_CE): my T rows of x to rows base .. base +
+ * T - 1 of each dest rank's HT_RECV_X (base: the tokens of the ranks before me, as the data kernel
+ * computes sendbase), in p.ce parts of about T / p.ce rows, each a copy on its own stream followed by
+ * st->ce_done[dest][part] = p.ce_seq. Forked from `s` here; joined by ce_join. */
+static epd_result_t ce_rows(epd_k_ht_t *k, const HTParams &p, const uint32_t *rank_tokens, cudaStream_t s, char *err,
+                            size_t errlen) {
+  cudaError_t e = cudaSuccess;
+  const write_value64_fn wv = write_value64();
+  if (!wv) return set_err(err, errlen, EPD_ERR_CUDA, "%s: cuStreamWriteValue64 not found (%ld %ld)", "HT copy engines", 0, 0);
+  if (!k->have_ce) {
+    e = cudaEventCreateWithFlags(&k->ce_fork, cudaEventDisableTiming);
+    for (uint32_t r = 0; r < p.R && e == cudaSuccess; r++)
+      for (uint32_t i = 0; i < CE_SPLIT_MAX && r != p.rank && e == cudaSuccess; i++) {
+        e = cudaStreamCreateWithFlags(&k->ce_stream[r][i], cudaStreamNonBlocking);
+        if (e == cudaSuccess) e = cudaEventCreateWithFlags(&k->ce_join[r][i], cudaEventDisableTiming);
+      }
+    if (e != cudaSuccess) {
+      ce_free(k);
+      if (err && errlen) snprintf(err, errlen, "HT copy-engine streams: %s", cudaGetErrorString(e));
+      return EPD_ERR_CUDA;
+    }
+    k->have_ce = 1;
+  }
+  uint64_t base = 0;
+  for (uint32_t q = 0; q < p.rank; q++) base += rank_tokens[q];
+  const uint64_t rowb = 2ull * p.H;
+  const char *x = (const char *)(uintptr_t)(p.arena.base + p.arena.off[p.bank][EPD_BUF_X]);
+  const HTState *st = (const HTState *)(p.local + p.bank * p.lay.bank_bytes + p.lay.st);
+  e = cudaEventRecord(k->ce_fork, s);
+  for (uint32_t r = 0; r < p.R && e == cudaSuccess; r++)
+    for (uint32_t i = 0; i < p.ce && r != p.rank && e == cudaSuccess; i++) {
+      cudaStream_t cs = k->ce_stream[r][i];
+      const uint64_t r0 = (uint64_t)p.T * i / p.ce, r1 = (uint64_t)p.T * (i + 1) / p.ce;
+      e = cudaStreamWaitEvent(cs, k->ce_fork, 0);
+      char *dst = (char *)(uintptr_t)(p.peer_arena[r] + p.arena.off[p.bank][EPD_BUF_HT_RECV_X]) + (base + r0) * rowb;
+      if (e == cudaSuccess && r1 > r0) e = cudaMemcpyAsync(dst, x + r0 * rowb, (r1 - r0) * rowb, cudaMemcpyDeviceToDevice, cs);
+      if (e == cudaSuccess && wv((CUstream)cs, (CUdeviceptr)(uintptr_t)&st->ce_done[r][i], p.ce_seq, 0) != CUDA_SUCCESS)
+        return set_err(err, errlen, EPD_ERR_CUDA, "%s: cuStreamWriteValue64 failed (dest %ld, part %ld)",
+                       "HT copy engines", (long)r, (long)i);
+      if (e == cudaSuccess) e = cudaEventRecord(k->ce_join[r][i], cs);
+    }
+  if (e != cudaSuccess) {
+    if (err && errlen) snprintf(err, errlen, "HT copy-engine rows: %s", cudaGetErrorString(e));
+    return EPD_ERR_CUDA;
+  }
+  return EPD_OK;
+}
 
 static uint32_t ht_blocks(const epd_k_ht_geom_t *g) { return g->blocks ? g->blocks : EPD_K_HT_BLOCKS; }
 
@@ -1559,6 +1674,12 @@ epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm
   k->local = (char *)window_local + window_offset;
   k->win_off = window_offset;
   k->lay = make_layout(&k->g, k->g.blocks);
+  {
+    /* copy-engine streams per dest rank of a dense BF16 dispatch (a tuning knob, 1..4) */
+    const char *sp = getenv("EPD_HT_CE_SPLIT");
+    const long v = sp ? strtol(sp, NULL, 10) : EPD_K_HT_CE_SPLIT;
+    k->ce_split = v >= 1 && v <= (long)CE_SPLIT_MAX ? (uint32_t)v : EPD_K_HT_CE_SPLIT;
+  }
   /* The device communicator only checks that the LSA team is what the geometry says. */
   ncclDevCommRequirements_t req;
   memset(&req, 0, sizeof(req));
@@ -1611,6 +1732,7 @@ epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm
 
 void epd_k_ht_destroy(epd_k_ht_t *k) {
   if (!k) return;
+  ce_free(k);
   if (k->have_dev) ncclDevCommDestroy(k->comm, &k->dev);
   free(k);
 }
@@ -1624,6 +1746,8 @@ epd_result_t epd_k_ht_reset(epd_k_ht_t *k, void *stream) {
 }
 
 const epd_k_ht_geom_t *epd_k_ht_geom(const epd_k_ht_t *k) { return &k->g; }
+
+uint64_t epd_k_ht_ce_ops(const epd_k_ht_t *k) { return k ? k->ce_ops : 0; }
 
 epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const epd_k_ht_op_t *op, void *stream,
                              char *err, size_t errlen) {
@@ -1657,6 +1781,25 @@ epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const ep
   cudaStream_t s = (cudaStream_t)stream;
   if (op->op == EPD_OP_HT_DISPATCH) {
     uint32_t T = p.T > p.M ? 0 : p.T;
+    p.dense = (p.flags & EPD_DESC_HT_DENSE) != 0;
+    if (p.dense && p.direct && !(p.flags & EPD_DESC_FP8) && op->copy == EPD_K_HT_COPY_CE && T == p.T &&
+        op->rank_tokens[p.rank] == T) {
+      /* the copy engines, unless a rank's count is off (its kernel reports it) or the rows overflow */
+      uint64_t tot = 0;
+      bool ok = true;
+      for (uint32_t q = 0; q < p.R; q++) {
+        tot += op->rank_tokens[q];
+        ok &= op->rank_tokens[q] <= p.M;
+      }
+      p.ce = ok && tot <= p.C ? k->ce_split : 0u;
+    }
+    if (p.ce) {
+      p.tma = 0;
+      p.ce_seq = ++k->ce_seq;
+      k->ce_ops++;
+      epd_result_t rc = ce_rows(k, p, op->rank_tokens, s, err, errlen);
+      if (rc) return rc;
+    }
     plan_kernel_smem(p, true, (p.flags & EPD_DESC_FP8) != 0);
     ht_route_kernel<<<T ? (T + NWARP - 1) / NWARP : 1, NTHR, 0, s>>>(p);
     /* programmatic dependent launch: the data kernel's launch overlaps the route kernel */
@@ -1676,6 +1819,11 @@ epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const ep
       cudaGetLastError();
       kern<<<p.G, NTHR, p.sm.total, s>>>(p);
     }
+    /* stream completion implies the copies' (the kernel waited for their flags; this keeps the order
+     * on the stream for whatever follows, even after a timeout) */
+    for (uint32_t r = 0; r < p.R && p.ce; r++)
+      for (uint32_t i = 0; i < p.ce && r != p.rank; i++)
+        if (cudaStreamWaitEvent(s, k->ce_join[r][i], 0) != cudaSuccess) break; /* reported below */
   } else {
     plan_kernel_smem(p, false, false);
     ht_combine_kernel<<<p.G, NTHR, p.direct ? p.sm.total : 0, s>>>(p);

@@ -154,6 +154,7 @@ typedef struct world {
   uint64_t seed;
   int steps;
   int skew;
+  int dense; /* HT dispatches with EPD_DESC_HT_DENSE (every token to every rank) */
   epd_expert_map_t map; /* expected map */
 } world_t;
 
@@ -208,7 +209,8 @@ static void *rank_main(void *arg) {
     /* Poison the outputs: stale data must not pass for results. */
     memset(buf(c, ht ? EPD_BUF_HT_RECV_X : EPD_BUF_LL_RECV_X, bank), 0x5a, ht ? (size_t)C * H * 2 : rows_ll * H * 2);
     memset(buf(c, EPD_BUF_OUT, bank), 0x5a, (size_t)M * H * 2);
-    epd_comp_t comp = run_op(c, ht ? EPD_OP_HT_DISPATCH : EPD_OP_LL_DISPATCH, T[me], fp8 ? EPD_DESC_FP8 : 0, bank);
+    const uint32_t dflags = (fp8 ? EPD_DESC_FP8 : 0) | (ht && w->dense ? EPD_DESC_HT_DENSE : 0);
+    epd_comp_t comp = run_op(c, ht ? EPD_OP_HT_DISPATCH : EPD_OP_LL_DISPATCH, T[me], dflags, bank);
     ASSERT_EQ(comp.status, EPD_OK);
     ASSERT_EQ(comp.peer, -1);
     ASSERT_EQ(comp.step, (uint64_t)step * 2);
@@ -218,12 +220,18 @@ static void *rank_main(void *arg) {
     outs[me] = &mine;
     int bad = -1;
     ASSERT_OK(epd_ref_plan_build(&plan, &w->map, in, &bad, (char[128]){0}, 128));
+    if (ht && w->dense) epd_ref_ht_dense(&plan);
     if (ht)
       ASSERT_OK(epd_ref_ht_dispatch(&plan, in, fp8, outs, &bad));
     else
       ASSERT_OK(epd_ref_ll_dispatch(&plan, in, fp8, outs));
     uint32_t nrecv = ht ? plan.ht_recv[me] : plan.ll_recv[me];
     ASSERT_EQ(comp.num_recv, nrecv);
+    if (ht && w->dense) {
+      uint32_t all = 0;
+      for (uint32_t r = 0; r < R; r++) all += T[r];
+      ASSERT_EQ(nrecv, all); /* every token of every rank */
+    }
     int32_t *cnt = buf(c, ht ? EPD_BUF_HT_RECV_COUNT : EPD_BUF_LL_RECV_COUNT, bank);
     ASSERT(!memcmp(cnt, mine.recv_count, (size_t)S * 4));
     size_t rowb = (size_t)H * 2, nb = epd_ref_scale_blocks(H);
@@ -246,9 +254,14 @@ static void *rank_main(void *arg) {
           float xv = fp8 ? epd_e4m3_to_f32(rx[j * rowb + h]) * rs[j * nb + h / 128]
                          : epd_bf16_to_f32(((uint16_t *)rx)[j * H + h]);
           float acc = 0;
+          int local = 0;
           for (uint32_t k = 0; k < K; k++)
-            if (ti[(size_t)j * K + k] >= 0) acc += tw[(size_t)j * K + k] * expert_scale((uint32_t)me, (uint32_t)ti[(size_t)j * K + k]);
-          y[(size_t)j * H + h] = epd_f32_to_bf16(acc * xv);
+            if (ti[(size_t)j * K + k] >= 0) {
+              acc += tw[(size_t)j * K + k] * expert_scale((uint32_t)me, (uint32_t)ti[(size_t)j * K + k]);
+              local = 1;
+            }
+          /* a dense row of a token with no entry here is not a partial: NaN shows a combine that sums it */
+          y[(size_t)j * H + h] = local ? epd_f32_to_bf16(acc * xv) : 0x7fc1;
         }
       }
     } else {
@@ -357,6 +370,31 @@ EPD_TEST(engine_two_ranks_equal_ref) {
   unmap(&w.c[1]);
   ASSERT_OK(epd_engine_detach(w.eng, w.c[0].info.client_id, 0));
   ASSERT_OK(epd_engine_detach(w.eng, w.c[1].info.client_id, 0));
+  epd_engine_destroy(w.eng);
+}
+
+EPD_TEST(engine_ht_dense_layout) {
+  world_t w;
+  world_up(&w, 12, 256, 3, 20, 100);
+  w.seed = 77;
+  w.skew = 1;
+  w.dense = 1;
+  w.steps = 8; /* HT steps dense, BF16 and FP8; LL steps in between */
+  run_world(&w);
+  /* one rank dense and the other not: both fail with EPD_ERR_MISMATCH naming rank 1; an LL dispatch
+   * with the flag: EPD_ERR_INVALID */
+  submit(&w.c[0], EPD_OP_HT_DISPATCH, 4, EPD_DESC_HT_DENSE, 0, 1);
+  submit(&w.c[1], EPD_OP_HT_DISPATCH, 4, 0, 0, 2);
+  epd_comp_t a = wait_done(&w.c[0], 5000), b = wait_done(&w.c[1], 5000);
+  ASSERT_EQ(a.status, EPD_ERR_MISMATCH);
+  ASSERT_EQ(b.status, EPD_ERR_MISMATCH);
+  ASSERT_EQ(a.peer, 1);
+  submit(&w.c[0], EPD_OP_LL_DISPATCH, 4, EPD_DESC_HT_DENSE, 1, 3);
+  submit(&w.c[1], EPD_OP_LL_DISPATCH, 4, EPD_DESC_HT_DENSE, 1, 4);
+  a = wait_done(&w.c[0], 5000);
+  ASSERT_EQ(a.status, EPD_ERR_INVALID);
+  ASSERT_EQ(a.peer, 0);
+  ASSERT_EQ(wait_done(&w.c[1], 5000).status, EPD_ERR_INVALID);
   epd_engine_destroy(w.eng);
 }
 
@@ -469,6 +507,29 @@ EPD_TEST(engine_ht_overflow) {
   ASSERT_EQ(a.peer, 1);
   ASSERT_EQ(b.num_recv, 16u); /* the count needed */
   ASSERT_EQ(((uint8_t *)buf(&c[1], EPD_BUF_HT_RECV_SRC, 0))[0], 0x5a);
+  /* dense: 5 + 4 rows on every rank pass C = 8 where compact fits (rank 1 gets 5 + 4 tokens of expert 3,
+   * rank 0 none): EPD_ERR_OVERFLOW naming rank 0, nothing written; 4 + 4 fit */
+  for (int r = 0; r < NR; r++)
+    for (int t = 0; t < 8; t++) ((int64_t *)buf(&c[r], EPD_BUF_TOPK_IDX, 0))[t] = 3;
+  submit(&c[0], EPD_OP_HT_DISPATCH, 5, EPD_DESC_HT_DENSE, 0, 3);
+  submit(&c[1], EPD_OP_HT_DISPATCH, 4, EPD_DESC_HT_DENSE, 0, 4);
+  a = wait_done(&c[0], 5000);
+  b = wait_done(&c[1], 5000);
+  ASSERT_EQ(a.status, EPD_ERR_OVERFLOW);
+  ASSERT_EQ(b.status, EPD_ERR_OVERFLOW);
+  ASSERT_EQ(a.peer, 0);
+  ASSERT_EQ(a.num_recv, 9u);
+  ASSERT_EQ(((uint8_t *)buf(&c[0], EPD_BUF_HT_RECV_SRC, 0))[0], 0x5a);
+  submit(&c[0], EPD_OP_HT_DISPATCH, 4, EPD_DESC_HT_DENSE, 0, 5);
+  submit(&c[1], EPD_OP_HT_DISPATCH, 4, EPD_DESC_HT_DENSE, 0, 6);
+  a = wait_done(&c[0], 5000);
+  ASSERT_EQ(a.status, EPD_OK);
+  ASSERT_EQ(a.num_recv, 8u); /* every token, though none has an entry on rank 0 */
+  ASSERT_EQ(wait_done(&c[1], 5000).num_recv, 8u);
+  int32_t *src0 = buf(&c[0], EPD_BUF_HT_RECV_SRC, 0);
+  int64_t *ti0 = buf(&c[0], EPD_BUF_HT_RECV_TOPK_IDX, 0);
+  ASSERT_EQ(src0[5], EPD_SRC_PACK(1, 1));
+  ASSERT_EQ(ti0[5], -1);
   epd_engine_destroy(eng);
 }
 

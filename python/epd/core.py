@@ -493,8 +493,12 @@ class Endpoint:
         # wait", so name the legacy stream explicitly (CU_STREAM_LEGACY) to stay stream-ordered.
         return handle if handle != 0 else 1
 
-    def dispatch(self, num_tokens, mode="ll", fp8=False, bank=0, stream=None):
+    def dispatch(self, num_tokens, mode="ll", fp8=False, bank=0, stream=None, dense=False):
         """Dispatch num_tokens tokens of the bank's X/TOPK_* buffers (collective: every rank calls it).
+
+        dense=True (mode "ht" only): the dense HT layout, every rank receives every token of every rank
+        (rows ordered by (src, t), entries of other ranks -1); its BF16 rows move with the GPU's copy
+        engines on the CUDA backend.
 
         stream=None: host backend, run and wait, returning the OpStatus (raises the EpdError of a
         failed step); CUDA backend, enqueue on torch's current stream (capturable in torch.cuda.graph)
@@ -504,7 +508,7 @@ class Endpoint:
         m = _mode(mode)
         n = _as_int("num_tokens", num_tokens, lo=0, hi=0xFFFFFFFF)
         b = self._bank(bank)
-        flags = _lib.EPD_DESC_FP8 if fp8 else 0
+        flags = (_lib.EPD_DESC_FP8 if fp8 else 0) | (_lib.EPD_DESC_HT_DENSE if dense else 0)
         s = self._stream(stream)
         rc = self._lib.epd_dispatch(self._h, m, n, flags, b, s)
         return self._after(rc, s, "dispatch")

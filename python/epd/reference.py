@@ -28,7 +28,8 @@ def default_placement(num_experts, num_ranks):
 class Plan:
     """Routing of one step (validated), as SEMANTICS.md defines it."""
 
-    def __init__(self, g, inputs, placement=None):
+    def __init__(self, g, inputs, placement=None, dense=False):
+        """dense: the HT rows of the dense layout (EPD_DESC_HT_DENSE): every rank receives every token."""
         self.g = g
         R, E, M, K, S = g.num_ranks, g.num_experts, g.max_tokens, g.topk, g.slots_per_rank
         placement = placement or default_placement(E, R)
@@ -70,12 +71,13 @@ class Plan:
         self.ll_count = np.zeros((R, S), np.int32)
         for (r, s), lst in lists.items():
             self.ll_count[r, s] = len(lst)
-        # HT: rank r receives (src, t) once if any valid k goes to r, ordered by (src, t).
+        # HT: rank r receives (src, t) once if any valid k goes to r (dense: every token), ordered by
+        # (src, t).
         self.ht_rows = [[] for _ in range(R)]
         self.ht_pos = {}
         for src in range(R):
             for t, row in enumerate(self.dest[src]):
-                for r in sorted({rs[0] for rs in row if rs is not None}):
+                for r in (range(R) if dense else sorted({rs[0] for rs in row if rs is not None})):
                     self.ht_pos[(src, t, r)] = len(self.ht_rows[r])
                     self.ht_rows[r].append((src, t))
         self.expert_tokens = np.zeros(E, np.int64)
@@ -147,9 +149,10 @@ class Plan:
         T = len(self.inputs[rank][0])
         out = np.zeros((T, self.g.hidden), np.float32)
         for t in range(T):
+            holders = {rs[0] for rs in self.dest[rank][t] if rs is not None}  # a dense row elsewhere is no partial
             for r in range(self.g.num_ranks):
                 j = self.ht_pos.get((rank, t, r))
-                if j is not None:
+                if j is not None and r in holders:
                     out[t] += formats.bf16_to_f32(ys[r][j])
         return out
 

@@ -33,6 +33,16 @@ worker wi0 -g ht16 -r 0 -n 2 --steps 8 --seed 8 --mode ht --skew --experts 256 -
 worker wi1 -g ht16 -r 1 -n 2 --steps 8 --seed 8 --mode ht --skew --experts 256 --hidden 7168 --topk 8 --tokens 256
 expect_ok wh0; expect_ok wh1; expect_ok wi0; expect_ok wi1
 
+echo "== HT dense layout: BF16 rows by the copy engines, and FP8 (kernel rows), 256 tokens (two groups at once)"
+worker wj0 -g htd16 -r 0 -n 2 --steps 6 --seed 21 --mode ht --dense --skew --experts 256 --hidden 7168 --topk 8 --tokens 256
+worker wj1 -g htd16 -r 1 -n 2 --steps 6 --seed 21 --mode ht --dense --skew --experts 256 --hidden 7168 --topk 8 --tokens 256
+worker wl0 -g htd8 -r 0 -n 2 --steps 4 --seed 22 --mode ht --dense --fp8 --experts 256 --hidden 7168 --topk 8 --tokens 256
+worker wl1 -g htd8 -r 1 -n 2 --steps 4 --seed 22 --mode ht --dense --fp8 --experts 256 --hidden 7168 --topk 8 --tokens 256
+expect_ok wj0; expect_ok wj1; expect_ok wl0; expect_ok wl1
+wait_for 5 grep -q "group htd16 rank 1: 6 dense HT dispatches moved their BF16 rows with the copy engines" "$LOG" ||
+  fail "group htd16: the daemon's dense BF16 dispatches did not all use the copy engines"
+grep -q "group htd8 rank .*copy engines" "$LOG" && fail "group htd8 (FP8): copy engines used for FP8 rows"
+
 echo "== submission through the queue's device twin in launch mode (EPD_SUBMIT=kernel): the daemon's CPU"
 echo "   completes only the host copy, libepd's wait kernels must see it there (LL FP8, HT, graph replays)"
 EPD_SUBMIT=kernel worker wk0 -g tw -r 0 -n 2 --steps 12 --seed 12 --fp8 --hidden 512 --experts 32 --topk 4 --ht-every 3

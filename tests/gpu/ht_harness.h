@@ -15,6 +15,7 @@ typedef struct hth {
   epd_k_ht_t *k[EPD_K_MAX_RANKS];
   int staging;   /* 1: no peer arenas in the ops (rows through the staging windows) */
   uint32_t copy; /* epd_k_ht_op_t.copy */
+  uint32_t dense; /* dispatches with EPD_DESC_HT_DENSE */
   uint64_t *trace[EPD_K_MAX_RANKS]; /* epd_k_ht_op_t.trace of each rank (device, optional) */
 } hth_t;
 
@@ -88,13 +89,14 @@ static int hth_launch(hth_t *h, unsigned rank_mask, uint32_t opc, uint32_t bank,
     epd_k_ht_op_t op;
     memset(&op, 0, sizeof op);
     op.op = opc;
-    op.flags = flags;
+    op.flags = flags | (h->dense && opc == EPD_OP_HT_DISPATCH ? EPD_DESC_HT_DENSE : 0u);
     op.num_tokens = ntok ? ntok[r] : 0;
     op.bank = bank;
     op.timeout_ns = timeout_ns;
     op.map = h->kh.map_dev[r];
     op.comp = h->kh.comp[r] + (opc == EPD_OP_HT_DISPATCH ? 0 : 1);
     for (int q = 0; q < h->kh.R && !h->staging; q++) op.peer_arena[q] = (uint64_t)(uintptr_t)h->kh.arena[q];
+    for (int q = 0; q < h->kh.R && ntok; q++) op.rank_tokens[q] = ntok[q];
     op.copy = h->copy;
     op.trace = h->trace[r];
     int res = epd_k_ht_launch(h->k[r], &h->kh.ar[r], &op, h->kh.st[r], h->kh.err, sizeof h->kh.err);

@@ -3,7 +3,8 @@
  * (daemon/ref.h): random and skewed routing with -1 and duplicate entries, empty ranks, 1 token, 4096 and
  * 8192 tokens, hidden 7168 and 4096, top-8, BF16 and FP8, poisoned outputs, overflow past the receive
  * capacity (nothing written), bad expert ids, too many tokens; rows straight into the peers' arenas (register
- * copies, or the opt-in bulk-copy engine) and through the staging windows. Skips without 2 GPUs.
+ * copies, or the opt-in bulk-copy engine) and through the staging windows; the dense layout
+ * (EPD_DESC_HT_DENSE) with BF16 rows by the copy engines. Skips without 2 GPUs.
  */
 #if EPD_WITH_CUDA
 #include <math.h>
@@ -112,7 +113,7 @@ static void upload(unsigned bank) {
 }
 
 static void exec(uint32_t opc, unsigned bank, int fp8) {
-  CK(hth_launch(&T_.h, 3, opc, bank, T_.ntok, fp8 ? EPD_DESC_FP8 : 0, 5000000000ull));
+  CK(hth_launch(&T_.h, 3, opc, bank, T_.ntok, fp8 ? EPD_DESC_FP8 : 0, 5000000000ull)); /* + h.dense */
   CK(hth_sync(&T_.h, 3));
 }
 
@@ -148,6 +149,7 @@ static void dispatch_check(unsigned bank, int fp8) {
   int bad = -1;
   char err[256];
   CK(epd_ref_plan_build(&T_.plan, &T_.map, in, &bad, err, sizeof err));
+  if (T_.h.dense) epd_ref_ht_dense(&T_.plan);
   epd_ref_out_t *outs[2] = {&T_.ro[0], &T_.ro[1]};
   CK(epd_ref_ht_dispatch(&T_.plan, in, fp8, outs, &bad));
   for (int r = 0; r < 2; r++) {
@@ -209,6 +211,12 @@ static void combine_check(unsigned bank) {
     cudaSetDevice(epd_cc_device(h->kh.cc, r));
     for (size_t i = 0; i < N * H; i++)
       T_.y[r][i] = epd_f32_to_bf16((float)((epd_ref_rand(&rng) >> 40) / 16777216.0 * 4.0 - 2.0));
+    /* dense: the rows of tokens with no entry on this rank are not partials; NaN shows a sum that uses them */
+    for (size_t j = 0; j < N && T_.h.dense; j++) {
+      int local = 0;
+      for (uint32_t k = 0; k < T_.rg.topk; k++) local |= T_.ro[r].recv_topk_idx[j * T_.rg.topk + k] >= 0;
+      for (size_t i = 0; i < H && !local; i++) T_.y[r][j * H + i] = 0x7fc1;
+    }
     if (N) CUCK(cudaMemcpy(hth_buf(h, r, bank, EPD_BUF_HT_Y), T_.y[r], N * H * 2, cudaMemcpyHostToDevice));
     CUCK(cudaStreamSynchronize(0));
   }
@@ -232,8 +240,8 @@ static void combine_check(unsigned bank) {
 }
 
 static void step(uint64_t seed, uint64_t s, uint32_t t0, uint32_t t1, int skew, int fp8) {
-  fprintf(stderr, "step seed %llu s %llu tokens %u/%u skew %d fp8 %d staging %d copy %u\n", (unsigned long long)seed,
-          (unsigned long long)s, t0, t1, skew, fp8, T_.h.staging, T_.h.copy);
+  fprintf(stderr, "step seed %llu s %llu tokens %u/%u skew %d fp8 %d staging %d copy %u dense %u\n",
+          (unsigned long long)seed, (unsigned long long)s, t0, t1, skew, fp8, T_.h.staging, T_.h.copy, T_.h.dense);
   gen(seed, s, t0, t1, skew);
   unsigned bank = (unsigned)s % 2;
   upload(bank);
@@ -264,6 +272,21 @@ EPD_TEST_T(gpu_ht_h7168_4096_bf16_fp8_skew_empty_one, 300) {
   step(7, 13, 4096, 2000, 1, 1);
   T_.h.copy = EPD_K_HT_COPY_REG;
   step(8, 14, 4096, 4096, 1, 0);
+  /* dense layout: BF16 rows by the copy engines (uneven and empty ranks), FP8 and register rows, staging */
+  T_.h.dense = 1;
+  T_.h.copy = EPD_K_HT_COPY_CE;
+  step(9, 15, 4096, 4096, 0, 0);
+  step(9, 16, 4096, 3000, 1, 0);
+  step(9, 17, 0, 4096, 1, 0);
+  step(9, 18, 1, 0, 0, 0);
+  step(9, 19, 4096, 2500, 1, 1); /* FP8: kernel rows */
+  T_.h.copy = EPD_K_HT_COPY_REG;
+  step(10, 20, 3000, 4096, 1, 0);
+  T_.h.staging = 1;
+  step(10, 21, 4096, 4000, 0, 0);
+  T_.h.staging = 0;
+  T_.h.dense = 0;
+  step(8, 22, 4096, 4096, 1, 0);
   hth_destroy(&T_.h);
 }
 
@@ -370,6 +393,33 @@ EPD_TEST_T(gpu_ht_overflow_bad_expert_too_many, 180) {
   exec(EPD_OP_HT_DISPATCH, 0, 0);
   expect_fail(EPD_ERR_TOO_MANY_TOKENS, 0, 0, 0);
   step(25, 1, 280, 280, 0, 0);
+  /* dense, BF16 rows by the copy engines: 400 + 300 rows on every rank pass the capacity of 600 (compact
+   * would fit): EPD_ERR_OVERFLOW naming rank 0, and nothing copied */
+  T_.h.dense = 1;
+  T_.h.copy = EPD_K_HT_COPY_CE;
+  gen(26, 0, 400, 300, 0);
+  upload(0);
+  exec(EPD_OP_HT_DISPATCH, 0, 0);
+  expect_fail(EPD_ERR_OVERFLOW, 0, 0, 0);
+  /* a bad expert id: every rank fails; the copy engines may have written the rows (a failed dispatch's
+   * receive rows are undefined), never a row past the sum of the tokens */
+  gen(27, 0, 200, 250, 0);
+  T_.topk[1][7 * 8 + 1] = 64;
+  upload(0);
+  exec(EPD_OP_HT_DISPATCH, 0, 0);
+  for (int r = 0; r < 2; r++) {
+    epd_comp_t c;
+    CK(hth_comp(&T_.h, r, 0, &c));
+    if (c.status != EPD_ERR_BAD_EXPERT || c.peer != 1)
+      epd_test_fail(__FILE__, __LINE__, "rank %d: status %d peer %d, expected %d peer 1", r, c.status, c.peer,
+                    EPD_ERR_BAD_EXPERT);
+    check_untouched(r, 0, 450);
+  }
+  step(28, 1, 250, 300, 1, 0);
+  step(28, 0, 300, 300, 0, 0);
+  T_.h.dense = 0;
+  T_.h.copy = EPD_K_HT_COPY_REG;
+  step(29, 1, 280, 280, 0, 0);
   hth_destroy(&T_.h);
 }
 

@@ -11,6 +11,8 @@
  *        --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] [--map-every N] [--bench N]
  *        [--ht-every N] [-v]
  * --ht-every N: every N-th step is an HT dispatch/combine (the rest LL) in the same group.
+ * --dense: HT dispatches with EPD_DESC_HT_DENSE (every token to every rank); the rows of tokens with no
+ * entry here get NaN partials, which the combine must leave out.
  * --map-every N: rank 0 stages a new random expert map (redundant replicas included) through
  * SetExpertMap after every N-th step; every rank reads the map of each step from libepd's mapped map
  * table (epd_expert_slots, no round trip) and checks the step against the reference with it.
@@ -50,10 +52,10 @@ typedef struct args {
   uint64_t seed;
   uint32_t experts, hidden, topk, tokens;
   uint64_t weights;
-  int graph, ht_every, node_ranks;
+  int graph, ht_every, node_ranks, dense;
 } args_t;
 
-static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0, 0, 0};
+static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0, 0, 0, 0};
 
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
@@ -518,7 +520,7 @@ static uint32_t tokens_of(uint64_t step, uint32_t rank, uint32_t M) {
 static void usage(void) {
   fprintf(stderr, "usage: epd-worker -s SOCKET -g GROUP -r RANK -n NRANKS --steps N --seed S [--experts E "
                   "--hidden H --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] "
-                  "[--map-every N] [--node-ranks N] [--weights BYTES] [--graph] [--bench N] [--ht-every N] [-v]\n");
+                  "[--map-every N] [--node-ranks N] [--weights BYTES] [--graph] [--bench N] [--ht-every N] [--dense] [-v]\n");
   exit(2);
 }
 
@@ -528,7 +530,7 @@ static void parse(int argc, char **argv) {
       {"steps", 1, 0, 'S'},    {"seed", 1, 0, 'e'},   {"experts", 1, 0, 'E'}, {"hidden", 1, 0, 'H'},
       {"topk", 1, 0, 'K'},     {"tokens", 1, 0, 'T'}, {"mode", 1, 0, 'm'},   {"fp8", 0, 0, 'f'},
       {"skew", 0, 0, 'k'},     {"die-at-step", 1, 0, 'd'}, {"verbose", 0, 0, 'v'}, {"map-every", 1, 0, 'M'}, {"node-ranks", 1, 0, 'N'},
-      {"weights", 1, 0, 'W'},  {"graph", 0, 0, 'G'},  {"bench", 1, 0, 'B'}, {"ht-every", 1, 0, 'X'},
+      {"weights", 1, 0, 'W'},  {"graph", 0, 0, 'G'},  {"bench", 1, 0, 'B'}, {"ht-every", 1, 0, 'X'}, {"dense", 0, 0, 'D'},
       {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "s:g:r:n:v", lo, NULL)) != -1) {
@@ -558,6 +560,7 @@ static void parse(int argc, char **argv) {
     case 'G': A.graph = 1; break;
     case 'B': A.bench = atoi(optarg); break;
     case 'X': A.ht_every = atoi(optarg); break;
+    case 'D': A.dense = 1; break;
     default: usage();
     }
   }
@@ -714,7 +717,8 @@ int main(int argc, char **argv) {
       _exit(3);
     }
     double t0 = now_us();
-    rc = A.graph ? graph_run(ep, 0, bank, &comp) : epd_dispatch(ep, mode, T, flags, bank, NULL);
+    rc = A.graph ? graph_run(ep, 0, bank, &comp)
+                 : epd_dispatch(ep, mode, T, flags | (ht && A.dense ? EPD_DESC_HT_DENSE : 0), bank, NULL);
     double t1 = now_us();
     if (rc) {
       fprintf(stderr, "rank %d step %d: dispatch failed: %s\n", A.rank, step, A.graph ? epd_strerror(rc) : epd_last_error(ep));
@@ -760,6 +764,7 @@ int main(int argc, char **argv) {
       fprintf(stderr, "rank %d step %d: reference: %s\n", A.rank, step, err);
       return 2;
     }
+    if (ht && A.dense) epd_ref_ht_dense(&plan);
     if (ht) epd_ref_ht_dispatch(&plan, in, A.fp8, outs, &bad);
     else epd_ref_ll_dispatch(&plan, in, A.fp8, outs);
     /* Compare this rank's received buffers with the reference. */
@@ -812,8 +817,13 @@ int main(int argc, char **argv) {
                       : epd_bf16_to_f32(((uint16_t *)got_x)[(size_t)row * H + h]);
       float f = 0;
       if (ht) {
+        int local = 0;
         for (uint32_t k = 0; k < K; k++)
-          if (got_ti[(size_t)row * K + k] >= 0) f += got_tw[(size_t)row * K + k] * slot_scale(me, (uint32_t)got_ti[(size_t)row * K + k], wbuf, slot_f);
+          if (got_ti[(size_t)row * K + k] >= 0) {
+            f += got_tw[(size_t)row * K + k] * slot_scale(me, (uint32_t)got_ti[(size_t)row * K + k], wbuf, slot_f);
+            local = 1;
+          }
+        if (!local) f = NAN; /* a dense row of a token with no entry here: not a partial */
       } else {
         f = slot_scale(me, s, wbuf, slot_f);
       }
