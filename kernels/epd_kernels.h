@@ -292,8 +292,8 @@ typedef struct epd_k_ht_op {
                     * [0] route start, [1] data kernel start, [2] counts, [3] plan messages read, [4] rows
                     * start (block 0: its metadata written), [5] rows issued and [6] rows complete (latest
                     * block), [7] peers' flags, [8] receive pass, [9] completion, [10] rows issued by the
-                    * earliest block (stored complemented: ~stamp), [11] copy-engine rows seen landed
-                    * (EPD_K_HT_COPY_CE, latest block). Combine: [0] start, [1] peers' HT_Y ready,
+                    * earliest block (stored complemented: ~stamp), [11] the last block saw its copy-engine
+                    * rows landed (EPD_K_HT_COPY_CE). Combine: [0] start, [1] peers' HT_Y ready,
                     * [2] pulled and reduced (latest block), [3] peers done, [4] completion. */
 } epd_k_ht_op_t;
 #define EPD_K_HT_COPY_REG 0u /* 16-byte register loads and stores (the default) */

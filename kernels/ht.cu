@@ -36,6 +36,8 @@
  *   dflag [R][G] u64      dispatch data landed from (src, block): seq << 32
  *   cflag [R][G] u64      combine: partials landed (staging) / done reading my HT_Y (direct): seq << 32
  *   rflag [R][G] u64      combine (direct): HT_Y of (rank, block) ready to be read: seq << 32
+ *   xflag [R] u64         dispatch: src's last block is done, its copy-engine rows (dense) landed here:
+ *                         seq << 32 (| FLAG_BAD: it failed)
  *   --- private to this rank ---
  *   route [M] TokRoute    dest mask, per-k dest rank and slot of my token t
  *   tmask [M] u32         dest mask | error bits << 24 of my token t (compact copy for the counts)
@@ -133,7 +135,7 @@ struct HTState {
 
 struct HTLayout {
   uint64_t bank_bytes, ctrl_bytes;
-  uint64_t cmsg, dflag, cflag, rflag, route, tmask, pos, rsrc, slotc, st, xstg, mstg, cstg;
+  uint64_t cmsg, dflag, cflag, rflag, xflag, route, tmask, pos, rsrc, slotc, st, xstg, mstg, cstg;
 };
 
 /* Dynamic shared memory of a data kernel (byte offsets; 0 bytes where unused). */
@@ -1029,24 +1031,6 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       }
     }
   }
-  if (p.ce && tid == 0) {
-    /* the copy engines' rows of this op landed on every dest (a stream memory operation after the copy
-     * writes ce_done; it fences like __threadfence_system first). Waited for on failures too: the
-     * next op must not start while they are in flight. */
-    for (uint32_t r = 0; r < R; r++) {
-      if (r == me) continue;
-      bool ok = false;
-      for (uint32_t i = 0;;) {
-        if (ld_acquire_sys(&st->ce_done[r][i]) >= p.ce_seq && ++i == p.ce) { ok = true; break; }
-        if (gtimer() > deadline) break;
-      }
-      if (!ok && code == 0) {
-        code = EPD_ERR_TIMEOUT;
-        peer = (int)me;
-      }
-    }
-    TR_LATEST(11);
-  }
   signal_peers(p, p.lay.dflag, seq, code != 0 || sh_abort);
   {
     int bad;
@@ -1119,8 +1103,57 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
   __syncthreads();
   if (!sh_last) return;
   __threadfence();
-  const int c = atomicAdd(&st->err[0], 0);
-  const int pe = atomicAdd(&st->errpeer[0], 0);
+  int c = atomicAdd(&st->err[0], 0);
+  int pe = atomicAdd(&st->errpeer[0], 0);
+  if (tid == 0) {
+    /* The last block alone: my copy-engine rows landed on every dest (a stream memory operation after
+     * each copy writes ce_done; it fences like __threadfence_system first; waited for on failures too,
+     * so that nothing is in flight when the op completes), then every peer is told, and when this op
+     * moves rows with the copy engines every peer's word is waited for: its rows landed here (every rank
+     * decides p.ce != 0 alike: from the same flags, token counts and capacity). The other blocks are gone
+     * long before (their SMs are free). */
+    int xto = NO_TIMEOUT, xbad = NO_TIMEOUT;
+    for (uint32_t r = 0; r < R && p.ce; r++) {
+      if (r == me) continue;
+      bool ok = false;
+      for (uint32_t i = 0;;) {
+        if (ld_acquire_sys(&st->ce_done[r][i]) >= p.ce_seq && ++i == p.ce) { ok = true; break; }
+        if (gtimer() > deadline) break;
+      }
+      if (!ok) xto = (int)me;
+    }
+    if (p.trace) p.trace[11] = gtimer();
+    __threadfence_system();
+    for (uint32_t r = 0; r < R; r++)
+      if (r != me)
+        st_relaxed_sys((uint64_t *)(peer_bank(p, (int)r) + p.lay.xflag) + me,
+                       ((uint64_t)seq << 32) | (c != 0 || xto != NO_TIMEOUT ? FLAG_BAD : 0ull));
+    for (uint32_t r = 0; r < R && p.ce; r++) {
+      if (r == me) continue;
+      const uint64_t *xf = (const uint64_t *)(lb + p.lay.xflag) + r;
+      uint64_t v = 0;
+      bool ok = false;
+      for (;;) {
+        v = ld_acquire_sys(xf);
+        if ((uint32_t)(v >> 32) == seq) { ok = true; break; }
+        if (gtimer() > deadline) break;
+      }
+      if (!ok && xto == NO_TIMEOUT) xto = (int)r;
+      else if (ok && (v & FLAG_BAD) && xbad == NO_TIMEOUT) xbad = (int)r;
+    }
+    if (c == 0 && xto != NO_TIMEOUT) {
+      c = EPD_ERR_TIMEOUT;
+      pe = xto;
+    } else if (c == 0 && xbad != NO_TIMEOUT) {
+      c = EPD_ERR_PEER;
+      pe = xbad;
+    }
+    sh_code = c;
+    sh_peer = pe;
+  }
+  __syncthreads();
+  c = sh_code;
+  pe = sh_peer;
   if (c == 0) {
     int32_t *cnt = arena_buf<int32_t>(p, EPD_BUF_HT_RECV_COUNT);
     for (uint32_t s = tid; s < S; s += NTHR) {
@@ -1441,6 +1474,7 @@ HTLayout make_layout(const epd_k_ht_geom_t *g, uint32_t G) {
   l.cmsg = take(R * 128);
   l.dflag = take(R * G * 8);
   l.cflag = take(R * G * 8);
+  l.xflag = take(R * 8);
   l.rflag = take(R * G * 8);
   l.route = take(M * sizeof(TokRoute));
   l.tmask = take(M * 4);

@@ -51,7 +51,7 @@ for s in ${CHECK_STEPS:-tests sanitize ht ll}; do
   case $s in
     tests) step gpu_tests 480 env EPD_BUILD="$D" EPD_SYSTEM_TESTS=tests/gpu "$D/bin/epd-gpu-tests" ;;
     sanitize) step sanitize 240 env SANITIZE_QUICK=1 SANITIZE_LOG="$OUT/sanitize-logs" bash tests/gpu/sanitize.sh "$D" ;;
-    ht) step bench_ht 240 "$D/bin/epd-bench-ht" --blocks 24 --modes reg --iters 20 ;;
+    ht) step bench_ht 240 "$D/bin/epd-bench-ht" --blocks 24 --modes reg,dense,dense-reg --iters 20 ;;
     ll) mkdir -p "$OUT/bench_ll"; step bench_ll 240 env EPD_BENCH_CMD="tests/gpu/check-all.sh (epd-bench)" "$D/bin/epd-bench" "$OUT/bench_ll" ;;
     *) echo "unknown step $s"; fail=$((fail + 1)) ;;
   esac
