@@ -305,8 +305,11 @@ typedef struct epd_k_ht_op {
 /* A dense (EPD_DESC_HT_DENSE) BF16 dispatch with peer arenas: each rank's x goes to every other rank's
  * receive rows in one cudaMemcpyAsync per dest (the GPU's copy engines, no SM), on a stream of its own
  * forked from and joined to the op's stream; a stream memory operation after each copy tells the data
- * kernel, which writes the metadata and its own rows meanwhile. Needs rank_tokens; any other op, or a
- * dense dispatch past the capacity (EPD_ERR_OVERFLOW, nothing copied), runs as EPD_K_HT_COPY_REG. */
+ * kernel, which writes the metadata and its own rows meanwhile. Needs rank_tokens, and every rank's
+ * previous op on the bank complete before the launch (the copies are issued at once, before this step's
+ * plan exchange; the daemon and the tests guarantee it). Any other op, a dense dispatch past the capacity
+ * (EPD_ERR_OVERFLOW, nothing copied), or a driver without stream memory operations runs as
+ * EPD_K_HT_COPY_REG. */
 #define EPD_K_HT_COPY_CE 2u
 /* Copies (streams) per dest rank of EPD_K_HT_COPY_CE; $EPD_HT_CE_SPLIT (1..4) at epd_k_ht_create overrides. */
 #define EPD_K_HT_CE_SPLIT 1

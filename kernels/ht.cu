@@ -54,8 +54,12 @@
  * Ordering: one system fence per block after a bar.sync (cumulativity, as in ll.cu) before the relaxed
  * flag stores; the reader's acquire loads pair with it; bulk (async-proxy) stores are waited for and
  * fenced to the generic proxy first. Sequence numbers live on the device (graph replay needs no host
- * counter). A step's rows are written only after every rank published its plan message of that step (so
- * the receiver launched this step: its client released the bank), and a combine reads a peer's HT_Y only
+ * counter; the copy-engine rows use a host counter, ce_seq). A step's rows are written only after every
+ * rank published its plan message of that step (so the receiver launched this step: its client released
+ * the bank), except the copy-engine rows of a dense BF16 dispatch, issued at launch: their caller launches
+ * a step only when every rank's previous op on that bank completed (the daemon starts a step once every
+ * rank submitted it, and a client submits after its previous op's DONE; the tests and epd-bench-ht
+ * synchronise between ops: EPD_K_HT_COPY_CE in epd_kernels.h). A combine reads a peer's HT_Y only
  * after that peer's combine started, and completes only after every peer is done reading its HT_Y.
  * Every wait has a deadline: on expiry the op reports EPD_ERR_TIMEOUT and the rank waited for.
  */
@@ -167,6 +171,7 @@ struct HTParams {
   uint32_t ce;                          /* dense BF16 dispatch: rows to the other ranks by copy engines, in
                                          * ce parts (streams) per dest */
   uint64_t ce_seq;                      /* the value their completion writes into st->ce_done[dest] */
+  uint32_t ce_any;                      /* dense BF16 over peer arenas with EPD_K_HT_COPY_CE: peers may copy */
   uint64_t *trace;                      /* epd_k_ht_op_t.trace */
 };
 
@@ -327,6 +332,16 @@ __global__ void __launch_bounds__(NTHR) ht_route_kernel(const HTParams p) {
   }
 }
 
+/* Wait until the sequence number in the upper half of *f is seq (acquire, system scope): true, with *v
+ * the word read; false past the deadline. */
+__device__ __forceinline__ bool wait_seq(const uint64_t *f, uint32_t seq, uint64_t deadline, uint64_t *v) {
+  for (;;) {
+    *v = ld_acquire_sys(f);
+    if ((uint32_t)(*v >> 32) == seq) return true;
+    if (gtimer() > deadline) return false;
+  }
+}
+
 /* Wait (whole block) for flags[src][g] == seq of every src != me; lowest missing src or NO_TIMEOUT.
  * *bad: lowest src whose block signalled that it failed (its stores did not all happen: FLAG_BAD), or
  * NO_TIMEOUT. */
@@ -338,13 +353,8 @@ __device__ int wait_peers(const HTParams &p, const uint64_t *flags, uint32_t seq
   for (uint32_t i = threadIdx.x; i < p.R * p.G; i += blockDim.x) {
     uint32_t src = i / p.G;
     if (src == p.rank) continue;
-    bool ok = false;
     uint64_t v;
-    for (;;) {
-      v = ld_acquire_sys(flags + i);
-      if ((uint32_t)(v >> 32) == seq) { ok = true; break; }
-      if (gtimer() > deadline) break;
-    }
+    const bool ok = wait_seq(flags + i, seq, deadline, &v);
     if (!ok) atomicMin(&sh_to, (int)src);
     else if (v & FLAG_BAD) atomicMin(&sh_bad, (int)src);
   }
@@ -849,12 +859,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
   if (tid < R) {
     const uint64_t *msg = (const uint64_t *)(lb + p.lay.cmsg + (uint64_t)tid * 128);
     uint64_t v = 0;
-    bool ok = false;
-    for (;;) {
-      v = ld_acquire_sys(msg);
-      if ((uint32_t)(v >> 32) == seq) { ok = true; break; }
-      if (gtimer() > deadline) break;
-    }
+    const bool ok = wait_seq(msg, seq, deadline, &v);
     if (!ok) {
       atomicMin(&sh_timeout, (int)tid);
       sh_srcerr[tid] = 0;
@@ -1109,9 +1114,9 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
     /* The last block alone: my copy-engine rows landed on every dest (a stream memory operation after
      * each copy writes ce_done; it fences like __threadfence_system first; waited for on failures too,
      * so that nothing is in flight when the op completes), then every peer is told, and when this op
-     * moves rows with the copy engines every peer's word is waited for: its rows landed here (every rank
-     * decides p.ce != 0 alike: from the same flags, token counts and capacity). The other blocks are gone
-     * long before (their SMs are free). */
+     * may move rows with the copy engines (p.ce_any: any rank might, whatever this one decided) every
+     * peer's word is waited for: its rows landed here. The other blocks are gone long before (their SMs
+     * are free). */
     int xto = NO_TIMEOUT, xbad = NO_TIMEOUT;
     for (uint32_t r = 0; r < R && p.ce; r++) {
       if (r == me) continue;
@@ -1128,16 +1133,10 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       if (r != me)
         st_relaxed_sys((uint64_t *)(peer_bank(p, (int)r) + p.lay.xflag) + me,
                        ((uint64_t)seq << 32) | (c != 0 || xto != NO_TIMEOUT ? FLAG_BAD : 0ull));
-    for (uint32_t r = 0; r < R && p.ce; r++) {
+    for (uint32_t r = 0; r < R && p.ce_any; r++) {
       if (r == me) continue;
-      const uint64_t *xf = (const uint64_t *)(lb + p.lay.xflag) + r;
       uint64_t v = 0;
-      bool ok = false;
-      for (;;) {
-        v = ld_acquire_sys(xf);
-        if ((uint32_t)(v >> 32) == seq) { ok = true; break; }
-        if (gtimer() > deadline) break;
-      }
+      const bool ok = wait_seq((const uint64_t *)(lb + p.lay.xflag) + r, seq, deadline, &v);
       if (!ok && xto == NO_TIMEOUT) xto = (int)r;
       else if (ok && (v & FLAG_BAD) && xbad == NO_TIMEOUT) xbad = (int)r;
     }
@@ -1268,14 +1267,8 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
       /* FLAG_BAD: my dispatch failed, my HT_Y rows are not the peers' to read */
       st_relaxed_sys((uint64_t *)(peer_bank(p, (int)tid) + p.lay.rflag) + (uint64_t)me * G + blockIdx.x,
                      ((uint64_t)seq << 32) | (derr != 0 ? FLAG_BAD : 0ull));
-      const uint64_t *f = (const uint64_t *)(lb + p.lay.rflag) + (uint64_t)tid * G + blockIdx.x;
-      bool ok = false;
       uint64_t v;
-      for (;;) {
-        v = ld_acquire_sys(f);
-        if ((uint32_t)(v >> 32) == seq) { ok = true; break; }
-        if (gtimer() > deadline) break;
-      }
+      const bool ok = wait_seq((const uint64_t *)(lb + p.lay.rflag) + (uint64_t)tid * G + blockIdx.x, seq, deadline, &v);
       if (!ok) atomicMin(&sh_to, (int)tid);
       else if (v & FLAG_BAD) atomicMin(&sh_bad, (int)tid);
     }
@@ -1587,16 +1580,16 @@ typedef CUresult (*write_value64_fn)(CUstream, CUdeviceptr, cuuint64_t, unsigned
 
 /* cuStreamWriteValue64 through the runtime's driver entry point (the kernels link only cudart). */
 static write_value64_fn write_value64(void) {
-  static write_value64_fn fn;
-  static int tried;
-  if (!tried) {
+  /* a function-local static: initialised once, thread-safe (the rank threads launch concurrently) */
+  static const write_value64_fn fn = [] {
     void *f = NULL;
     cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
-        q == cudaDriverEntryPointSuccess)
-      fn = (write_value64_fn)f;
-    tried = 1;
-  }
+    return cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &f, 12000, cudaEnableDefault, &q) ==
+                   cudaSuccess &&
+                   q == cudaDriverEntryPointSuccess
+               ? (write_value64_fn)f
+               : (write_value64_fn)NULL;
+  }();
   return fn;
 }
 
@@ -1611,6 +1604,13 @@ static void ce_free(epd_k_ht_t *k) {
   if (k->ce_fork) cudaEventDestroy(k->ce_fork);
   k->ce_fork = NULL;
   k->have_ce = 0;
+}
+
+/* After a failed issue: wait for the copies already queued (nothing of the op may stay in flight). */
+static void ce_drain(epd_k_ht_t *k, const HTParams &p) {
+  for (uint32_t r = 0; r < p.R; r++)
+    for (uint32_t i = 0; i < CE_SPLIT_MAX; i++)
+      if (k->ce_stream[r][i]) cudaStreamSynchronize(k->ce_stream[r][i]);
 }
 
 /* The copy-engine rows of a dense BF16 dispatch (EPD_K_HT_COPY_CE): my T rows of x to rows base .. base +
@@ -1649,12 +1649,15 @@ static epd_result_t ce_rows(epd_k_ht_t *k, const HTParams &p, const uint32_t *ra
       e = cudaStreamWaitEvent(cs, k->ce_fork, 0);
       char *dst = (char *)(uintptr_t)(p.peer_arena[r] + p.arena.off[p.bank][EPD_BUF_HT_RECV_X]) + (base + r0) * rowb;
       if (e == cudaSuccess && r1 > r0) e = cudaMemcpyAsync(dst, x + r0 * rowb, (r1 - r0) * rowb, cudaMemcpyDeviceToDevice, cs);
-      if (e == cudaSuccess && wv((CUstream)cs, (CUdeviceptr)(uintptr_t)&st->ce_done[r][i], p.ce_seq, 0) != CUDA_SUCCESS)
+      if (e == cudaSuccess && wv((CUstream)cs, (CUdeviceptr)(uintptr_t)&st->ce_done[r][i], p.ce_seq, 0) != CUDA_SUCCESS) {
+        ce_drain(k, p);
         return set_err(err, errlen, EPD_ERR_CUDA, "%s: cuStreamWriteValue64 failed (dest %ld, part %ld)",
                        "HT copy engines", (long)r, (long)i);
+      }
       if (e == cudaSuccess) e = cudaEventRecord(k->ce_join[r][i], cs);
     }
   if (e != cudaSuccess) {
+    ce_drain(k, p);
     if (err && errlen) snprintf(err, errlen, "HT copy-engine rows: %s", cudaGetErrorString(e));
     return EPD_ERR_CUDA;
   }
@@ -1816,8 +1819,8 @@ epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const ep
   if (op->op == EPD_OP_HT_DISPATCH) {
     uint32_t T = p.T > p.M ? 0 : p.T;
     p.dense = (p.flags & EPD_DESC_HT_DENSE) != 0;
-    if (p.dense && p.direct && !(p.flags & EPD_DESC_FP8) && op->copy == EPD_K_HT_COPY_CE && T == p.T &&
-        op->rank_tokens[p.rank] == T) {
+    p.ce_any = p.dense && p.direct && !(p.flags & EPD_DESC_FP8) && op->copy == EPD_K_HT_COPY_CE;
+    if (p.ce_any && T == p.T && op->rank_tokens[p.rank] == T && write_value64()) {
       /* the copy engines, unless a rank's count is off (its kernel reports it) or the rows overflow */
       uint64_t tot = 0;
       bool ok = true;

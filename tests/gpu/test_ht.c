@@ -143,7 +143,11 @@ static void check_untouched(int r, unsigned bank, size_t from) {
 static void dispatch_check(unsigned bank, int fp8) {
   hth_t *h = &T_.h;
   uint32_t H = T_.rg.hidden, K = T_.rg.topk, S = T_.rg.slots_per_rank, nb = H / 128;
+  uint64_t ce0[2] = {epd_k_ht_ce_ops(T_.h.k[0]), epd_k_ht_ce_ops(T_.h.k[1])};
   exec(EPD_OP_HT_DISPATCH, bank, fp8);
+  /* the dense BF16 rows over peer arenas go by the copy engines (and nothing else does) */
+  const uint64_t want_ce = T_.h.dense && T_.h.copy == EPD_K_HT_COPY_CE && !fp8 && !T_.h.staging;
+  for (int r = 0; r < 2; r++) ASSERT_EQ(epd_k_ht_ce_ops(T_.h.k[r]) - ce0[r], want_ce);
   epd_ref_in_t in[2];
   for (int r = 0; r < 2; r++) in[r] = (epd_ref_in_t){T_.ntok[r], T_.x[r], T_.topk[r], T_.w[r]};
   int bad = -1;
