@@ -708,7 +708,7 @@ int main(int argc, char **argv) {
     fill(bufp(ep, EPD_BUF_OUT, bank, (size_t)M * H * 2), 0xa5, (size_t)M * H * 2);
     landed();
     if (step == A.die_at) {
-      dying_t d = {ep, T, flags, bank};
+      dying_t d = {ep, T, flags | (A.ht && A.dense ? EPD_DESC_HT_DENSE : 0u), bank};
       pthread_t th;
       pthread_create(&th, NULL, dispatch_thread, &d);
       usleep(100000);
@@ -903,7 +903,8 @@ int main(int argc, char **argv) {
     double *dt = calloc((size_t)A.bench * 2, sizeof *dt), sd = 0, sc = 0;
     for (int i = 0; i < A.bench && dt && !rc; i++) {
       double b0 = now_us();
-      rc = epd_dispatch(ep, A.ht ? EPD_MODE_HT : EPD_MODE_LL, last_T, flags, last_bank, NULL);
+      rc = epd_dispatch(ep, A.ht ? EPD_MODE_HT : EPD_MODE_LL, last_T,
+                        flags | (A.ht && A.dense ? EPD_DESC_HT_DENSE : 0u), last_bank, NULL);
       double b1 = now_us();
       if (!rc) rc = epd_combine(ep, A.ht ? EPD_MODE_HT : EPD_MODE_LL, last_bank, NULL);
       dt[i] = b1 - b0;
