@@ -101,9 +101,9 @@ cmp -s "$T/swla.txt" "$T/swlb.txt" || fail "group lt switched at different steps
 echo "   $(cat "$T/swla.txt") on both nodes"
 
 echo "== concurrent SetExpertMap on both nodes: distinct versions, the highest active on both"
-# enough steps that the group still runs at its last check below (at ~1.3 ms a step; 1500 steps had ended
-# before it on a fast run, and the check then found no group cc)
-world cc 4000 --hidden 64
+# enough steps that the group still runs at its last check below (at ~1-1.3 ms a step; 1500 steps had ended
+# before it on a fast run, and 4000 on a loaded 2-core CI machine: the check then found no group cc)
+world cc 12000 --hidden 64
 wait_for 10 same_now cc 1 || fail "group cc did not come up on both nodes"
 VS=()
 for i in 1 2 3 4 5; do
