@@ -609,7 +609,7 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
       return;
     }
     const int is_disp = d->op == EPD_OP_LL_DISPATCH || d->op == EPD_OP_HT_DISPATCH;
-    if (is_disp && (d->flags & ~(uint32_t)(EPD_DESC_FP8 | (d->op == EPD_OP_HT_DISPATCH ? EPD_DESC_HT_DENSE : 0)))) {
+    if (is_disp && (d->flags & ~eng_dispatch_flags(d->op))) {
       snprintf(why, sizeof why, "rank %u: unknown flags 0x%x", r, d->flags);
       fail_collect(eng, be, cg, EPD_ERR_INVALID, (int)r, why);
       return;

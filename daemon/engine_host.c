@@ -141,8 +141,7 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
       snprintf(why, sizeof why, "rank %u: bank %u out of range [0, %u)", r, d->bank, EPD_NUM_BANKS);
       return fail_step(eng, grp, EPD_ERR_INVALID, (int)r, why);
     }
-    if (op_is_dispatch(d->op) &&
-        (d->flags & ~(uint32_t)(EPD_DESC_FP8 | (d->op == EPD_OP_HT_DISPATCH ? EPD_DESC_HT_DENSE : 0)))) {
+    if (op_is_dispatch(d->op) && (d->flags & ~eng_dispatch_flags(d->op))) {
       snprintf(why, sizeof why, "rank %u: unknown flags 0x%x", r, d->flags);
       return fail_step(eng, grp, EPD_ERR_INVALID, (int)r, why);
     }

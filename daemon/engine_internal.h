@@ -196,6 +196,10 @@ int eng_client_memfd(const eng_client_t *c, const char *what, uint64_t bytes, vo
                      size_t errlen);
 /* (mu) Write the header of c's fresh (zeroed: every slot FREE) queue q and start c's ring at slot 0. */
 void eng_queue_init(eng_client_t *c, epd_queue_t *q);
+/* The descriptor flags a dispatch `op` may carry (EPD_DESC_HT_DENSE: HT only); any other bit is invalid. */
+static inline uint32_t eng_dispatch_flags(uint32_t op) {
+  return EPD_DESC_FP8 | (op == EPD_OP_HT_DISPATCH ? (uint32_t)EPD_DESC_HT_DENSE : 0u);
+}
 /* A slot's state word (acquire: the descriptor written before SUBMITTED is visible after). */
 static inline uint32_t eng_slot_state(epd_slot_t *s) {
   return atomic_load_explicit((_Atomic uint32_t *)&s->state, memory_order_acquire);

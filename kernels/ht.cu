@@ -1012,10 +1012,8 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
         const char *xrow = x + (uint64_t)t * rowb;
         if (mm && fp8)
           send_row_fp8(p, xrow, mm, jj, sh_dr, (float *)(dsm + p.sm.fsc) + warp * (H / 128), lane);
-        else if (p.ce && (mm & (1u << me)))
-          send_row_bf16(p, xrow, 1u << me, jj, sh_dr, lane); /* the copy engines carry the others */
-        else if (mm && !p.ce)
-          send_row_bf16(p, xrow, mm, jj, sh_dr, lane);
+        else if (const uint32_t ms = p.ce ? mm & (1u << me) : mm) /* the copy engines carry the others */
+          send_row_bf16(p, xrow, ms, jj, sh_dr, lane);
         t = take_token(st->dcur, v, per, T, lane);
       }
     }
@@ -1572,7 +1570,6 @@ struct epd_k_ht {
   cudaStream_t ce_stream[EPD_K_MAX_RANKS][CE_SPLIT_MAX];
   cudaEvent_t ce_fork, ce_join[EPD_K_MAX_RANKS][CE_SPLIT_MAX];
   uint32_t ce_split;
-  int have_ce;
   uint64_t ce_seq, ce_ops;
 };
 
@@ -1603,7 +1600,6 @@ static void ce_free(epd_k_ht_t *k) {
     }
   if (k->ce_fork) cudaEventDestroy(k->ce_fork);
   k->ce_fork = NULL;
-  k->have_ce = 0;
 }
 
 /* After a failed issue: wait for the copies already queued (nothing of the op may stay in flight). */
@@ -1620,9 +1616,8 @@ static void ce_drain(epd_k_ht_t *k, const HTParams &p) {
 static epd_result_t ce_rows(epd_k_ht_t *k, const HTParams &p, const uint32_t *rank_tokens, cudaStream_t s, char *err,
                             size_t errlen) {
   cudaError_t e = cudaSuccess;
-  const write_value64_fn wv = write_value64();
-  if (!wv) return set_err(err, errlen, EPD_ERR_CUDA, "%s: cuStreamWriteValue64 not found (%ld %ld)", "HT copy engines", 0, 0);
-  if (!k->have_ce) {
+  const write_value64_fn wv = write_value64(); /* found: the launcher checked */
+  if (!k->ce_fork) { /* the streams and events, made at the first such op */
     e = cudaEventCreateWithFlags(&k->ce_fork, cudaEventDisableTiming);
     for (uint32_t r = 0; r < p.R && e == cudaSuccess; r++)
       for (uint32_t i = 0; i < CE_SPLIT_MAX && r != p.rank && e == cudaSuccess; i++) {
@@ -1634,7 +1629,6 @@ static epd_result_t ce_rows(epd_k_ht_t *k, const HTParams &p, const uint32_t *ra
       if (err && errlen) snprintf(err, errlen, "HT copy-engine streams: %s", cudaGetErrorString(e));
       return EPD_ERR_CUDA;
     }
-    k->have_ce = 1;
   }
   uint64_t base = 0;
   for (uint32_t q = 0; q < p.rank; q++) base += rank_tokens[q];
@@ -1833,9 +1827,9 @@ epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const ep
     if (p.ce) {
       p.tma = 0;
       p.ce_seq = ++k->ce_seq;
-      k->ce_ops++;
       epd_result_t rc = ce_rows(k, p, op->rank_tokens, s, err, errlen);
       if (rc) return rc;
+      k->ce_ops++;
     }
     plan_kernel_smem(p, true, (p.flags & EPD_DESC_FP8) != 0);
     ht_route_kernel<<<T ? (T + NWARP - 1) / NWARP : 1, NTHR, 0, s>>>(p);
