@@ -689,6 +689,7 @@ int main(int argc, char **argv) {
     const int ht = A.ht || (A.ht_every > 0 && step % A.ht_every == A.ht_every - 1);
     const epd_mode_t mode = ht ? EPD_MODE_HT : EPD_MODE_LL;
     if (ht && !A.ht) nht++;
+    const uint32_t dflags = flags | (ht && A.dense ? (uint32_t)EPD_DESC_HT_DENSE : 0u); /* this step's dispatch */
     rows = ht ? C : (size_t)S * R * M;
     unsigned bank = (unsigned)step % EPD_NUM_BANKS;
     for (uint32_t r = 0; r < R; r++) {
@@ -708,7 +709,7 @@ int main(int argc, char **argv) {
     fill(bufp(ep, EPD_BUF_OUT, bank, (size_t)M * H * 2), 0xa5, (size_t)M * H * 2);
     landed();
     if (step == A.die_at) {
-      dying_t d = {ep, T, flags | (A.ht && A.dense ? EPD_DESC_HT_DENSE : 0u), bank};
+      dying_t d = {ep, T, flags | (A.ht && A.dense ? EPD_DESC_HT_DENSE : 0u), bank}; /* sent in A.ht's mode */
       pthread_t th;
       pthread_create(&th, NULL, dispatch_thread, &d);
       usleep(100000);
@@ -717,8 +718,7 @@ int main(int argc, char **argv) {
       _exit(3);
     }
     double t0 = now_us();
-    rc = A.graph ? graph_run(ep, 0, bank, &comp)
-                 : epd_dispatch(ep, mode, T, flags | (ht && A.dense ? EPD_DESC_HT_DENSE : 0), bank, NULL);
+    rc = A.graph ? graph_run(ep, 0, bank, &comp) : epd_dispatch(ep, mode, T, dflags, bank, NULL);
     double t1 = now_us();
     if (rc) {
       fprintf(stderr, "rank %d step %d: dispatch failed: %s\n", A.rank, step, A.graph ? epd_strerror(rc) : epd_last_error(ep));
