@@ -150,9 +150,9 @@ typedef struct epd_k_pctl {
 enum {
   EPD_K_PEXIT_NONE = 0,
   EPD_K_PEXIT_LIMIT = 1,    /* *dlimit reached, or ctl.abort set */
-  EPD_K_PEXIT_OP = 2,       /* its slot holds an op the kernel does not run (HT, bad bank, unknown) */
+  EPD_K_PEXIT_OP = 2,       /* its slot holds an op the kernel does not run (HT, bad bank, unknown op or dispatch flag) */
   EPD_K_PEXIT_PEER = 3,     /* a peer (exit_peer) stopped at this index */
-  EPD_K_PEXIT_MISMATCH = 4, /* peer exit_peer announced another op or bank */
+  EPD_K_PEXIT_MISMATCH = 4, /* peer exit_peer announced another op, bank or FP8 flag */
   EPD_K_PEXIT_ERROR = 5,    /* its last op failed with EPD_ERR_TIMEOUT/EPD_ERR_PEER */
   EPD_K_PEXIT_SYNC_TIMEOUT = 6 /* peer exit_peer announced nothing for 4 x timeout_ns */
 };
@@ -311,7 +311,8 @@ typedef struct epd_k_ht_op {
  * (EPD_ERR_OVERFLOW, nothing copied), or a driver without stream memory operations runs as
  * EPD_K_HT_COPY_REG. */
 #define EPD_K_HT_COPY_CE 2u
-/* Copies (streams) per dest rank of EPD_K_HT_COPY_CE; $EPD_HT_CE_SPLIT (1..4) at epd_k_ht_create overrides. */
+/* Copies (streams) per dest rank of EPD_K_HT_COPY_CE; $EPD_HT_CE_SPLIT (1..4) at epd_k_ht_create overrides.
+ * $EPD_HT_CE_DELAY_US (tests, read at create): every copy stream spins that long before its copy. */
 #define EPD_K_HT_CE_SPLIT 1
 /* Dispatches that moved their rows with the copy engines so far. */
 uint64_t epd_k_ht_ce_ops(const epd_k_ht_t *k);

@@ -1571,7 +1571,15 @@ struct epd_k_ht {
   cudaEvent_t ce_fork, ce_join[EPD_K_MAX_RANKS][CE_SPLIT_MAX];
   uint32_t ce_split;
   uint64_t ce_seq, ce_ops;
+  uint32_t ce_delay_us; /* $EPD_HT_CE_DELAY_US (tests): each copy stream first spins this long */
 };
+
+/* EPD_HT_CE_DELAY_US: spin on a copy stream before its copy (one thread; tests only). */
+static __global__ void ce_delay_kernel(uint64_t ns) {
+  const uint64_t t0 = gtimer();
+  while (gtimer() - t0 < ns) {
+  }
+}
 
 typedef CUresult (*write_value64_fn)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
@@ -1641,6 +1649,10 @@ static epd_result_t ce_rows(epd_k_ht_t *k, const HTParams &p, const uint32_t *ra
       cudaStream_t cs = k->ce_stream[r][i];
       const uint64_t r0 = (uint64_t)p.T * i / p.ce, r1 = (uint64_t)p.T * (i + 1) / p.ce;
       e = cudaStreamWaitEvent(cs, k->ce_fork, 0);
+      if (e == cudaSuccess && k->ce_delay_us) {
+        ce_delay_kernel<<<1, 1, 0, cs>>>((uint64_t)k->ce_delay_us * 1000u);
+        e = cudaGetLastError();
+      }
       char *dst = (char *)(uintptr_t)(p.peer_arena[r] + p.arena.off[p.bank][EPD_BUF_HT_RECV_X]) + (base + r0) * rowb;
       if (e == cudaSuccess && r1 > r0) e = cudaMemcpyAsync(dst, x + r0 * rowb, (r1 - r0) * rowb, cudaMemcpyDeviceToDevice, cs);
       if (e == cudaSuccess && wv((CUstream)cs, (CUdeviceptr)(uintptr_t)&st->ce_done[r][i], p.ce_seq, 0) != CUDA_SUCCESS) {
@@ -1710,6 +1722,10 @@ epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm
     const char *sp = getenv("EPD_HT_CE_SPLIT");
     const long v = sp ? strtol(sp, NULL, 10) : EPD_K_HT_CE_SPLIT;
     k->ce_split = v >= 1 && v <= (long)CE_SPLIT_MAX ? (uint32_t)v : EPD_K_HT_CE_SPLIT;
+    /* tests: every copy stream first spins this long (a copy that lands late, or past the timeout) */
+    const char *dl = getenv("EPD_HT_CE_DELAY_US");
+    const long d = dl ? strtol(dl, NULL, 10) : 0;
+    k->ce_delay_us = d > 0 && d <= 60000000L ? (uint32_t)d : 0u;
   }
   /* The device communicator only checks that the LSA team is what the geometry says. */
   ncclDevCommRequirements_t req;

@@ -981,7 +981,7 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
     }
     const int lasterr = opn && !aborted ? *(volatile int32_t *)&pd->last_err : 0;
     int run = 0, rpeer = -1;
-    uint32_t reason = 0, s = pos, op = 0, bank = 0;
+    uint32_t reason = 0, s = pos, op = 0, bank = 0, fp8 = 0;
     uint64_t t0 = 0;
     uint32_t dw = 0; /* lane < 16: word `lane` of the descriptor */
     if (aborted) {
@@ -1032,17 +1032,23 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
           __syncwarp(); /* ... ordered before every lane's descriptor load */
           dw = lane < 16 ? ((volatile const uint32_t *)&dq->slot[s].desc)[lane] : 0u;
           op = __shfl_sync(FULL, dw, 0);
+          const uint32_t fl = __shfl_sync(FULL, dw, 1);
           bank = __shfl_sync(FULL, dw, 3);
           t0 = gtimer();
-          if ((op == EPD_OP_LL_DISPATCH || op == EPD_OP_LL_COMBINE) && bank < EPD_NUM_BANKS) run = 1;
-          else reason = EPD_K_PEXIT_OP;
+          /* a dispatch with a flag it does not know (any but FP8; the launch mode refuses it with the
+           * reason) is an op it does not run; the ranks agree on FP8 with the op and bank below */
+          if ((op == EPD_OP_LL_DISPATCH && !(fl & ~(uint32_t)EPD_DESC_FP8)) || op == EPD_OP_LL_COMBINE) {
+            run = bank < EPD_NUM_BANKS;
+            fp8 = op == EPD_OP_LL_DISPATCH && (fl & EPD_DESC_FP8);
+          }
+          if (!run) reason = EPD_K_PEXIT_OP;
           break;
         }
       }
     }
     /* Lanes 0..PR_WORDS-1 release the op (or the stop) to the body blocks as the tagged record; lanes
      * PR_WORDS.. announce it to every rank at the same time (this rank's word in each window). */
-    const uint64_t word = ((idx + 1) << 16) | (run ? 0u : 0x100u) | ((op & 0xfu) << 4) | (bank & 0xfu);
+    const uint64_t word = ((idx + 1) << 16) | (fp8 ? 0x200u : 0u) | (run ? 0u : 0x100u) | ((op & 0xfu) << 4) | (bank & 0xfu);
     /* the map version the completion reports (a combine: its bank's dispatch version) */
     uint32_t repver = 0;
     if (run) {
@@ -1087,7 +1093,7 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
       }
       const bool in = lane < base.R;
       const uint32_t bex = __ballot_sync(FULL, in && v && ((v & 0x100u) || (v >> 16) != idx + 1));
-      const uint32_t bmm = __ballot_sync(FULL, in && v && (v & 0xffu) != (word & 0xffu));
+      const uint32_t bmm = __ballot_sync(FULL, in && v && (v & 0x2ffu) != (word & 0x2ffu)); /* op, bank, FP8 */
       const uint32_t bto = __ballot_sync(FULL, in && !v);
       if (bex) {
         run = 0;

@@ -284,6 +284,8 @@ EPD_TEST_T(gpu_ht_h7168_4096_bf16_fp8_skew_empty_one, 300) {
   step(9, 17, 0, 4096, 1, 0);
   step(9, 18, 1, 0, 0, 0);
   step(9, 19, 4096, 2500, 1, 1); /* FP8: kernel rows */
+  step(9, 23, 0, 4096, 0, 1);
+  step(9, 24, 1, 7, 1, 1);
   T_.h.copy = EPD_K_HT_COPY_REG;
   step(10, 20, 3000, 4096, 1, 0);
   T_.h.staging = 1;
@@ -465,6 +467,51 @@ EPD_TEST_T(gpu_ht_peer_timeout, 180) {
     step(34 + staging, 2, 512, 512, 1, 1 - staging);
   }
   T_.h.staging = 0;
+  hth_destroy(&T_.h);
+}
+
+/* The copy engines' rows of a dense BF16 dispatch land late ($EPD_HT_CE_DELAY_US, read at create: every
+ * copy stream spins first): the data kernels wait for them (the receive rows are poisoned first and
+ * checked); copies later than the op's timeout end it with EPD_ERR_TIMEOUT on every rank (its own copies
+ * did not land), and after a reset the steps work. */
+EPD_TEST_T(gpu_ht_dense_ce_late_copy, 180) {
+  setenv("EPD_HT_CE_DELAY_US", "20000", 1); /* 20 ms (each test runs in a process of its own) */
+  setup(64, 1024, 8, 512, 32, 1200, 8);
+  unsetenv("EPD_HT_CE_DELAY_US");
+  T_.h.dense = 1;
+  T_.h.copy = EPD_K_HT_COPY_CE;
+  step(41, 0, 512, 300, 0, 0);
+  step(41, 1, 200, 512, 1, 0);
+  step(41, 2, 0, 512, 0, 0);
+  hth_destroy(&T_.h);
+  setenv("EPD_HT_CE_DELAY_US", "300000", 1); /* 300 ms, past the op's 50 ms */
+  setup(64, 1024, 8, 512, 32, 1200, 8);
+  unsetenv("EPD_HT_CE_DELAY_US");
+  T_.h.dense = 1;
+  T_.h.copy = EPD_K_HT_COPY_CE;
+  gen(42, 0, 300, 300, 0);
+  upload(0);
+  const uint64_t ce0 = epd_k_ht_ce_ops(T_.h.k[0]);
+  CK(hth_launch(&T_.h, 3, EPD_OP_HT_DISPATCH, 0, T_.ntok, 0, 50000000ull));
+  CK(hth_sync(&T_.h, 3)); /* the op's stream waits for its copies (joined) */
+  ASSERT_EQ(epd_k_ht_ce_ops(T_.h.k[0]) - ce0, 1);
+  for (int r = 0; r < 2; r++) {
+    epd_comp_t c;
+    CK(hth_comp(&T_.h, r, 0, &c));
+    if (c.status != EPD_ERR_TIMEOUT || c.peer != r)
+      epd_test_fail(__FILE__, __LINE__, "rank %d: status %d peer %d, expected %d peer %d", r, c.status, c.peer,
+                    EPD_ERR_TIMEOUT, r);
+  }
+  for (int r = 0; r < 2; r++) {
+    cudaSetDevice(epd_cc_device(T_.h.kh.cc, r));
+    CK(epd_k_ht_reset(T_.h.k[r], T_.h.kh.st[r]));
+  }
+  CK(hth_sync(&T_.h, 3));
+  step(43, 1, 300, 290, 1, 0); /* late (300 ms) but within the steps' 5 s */
+  step(43, 0, 300, 300, 0, 0);
+  T_.h.dense = 0;
+  T_.h.copy = EPD_K_HT_COPY_REG;
+  step(44, 1, 280, 280, 0, 0);
   hth_destroy(&T_.h);
 }
 

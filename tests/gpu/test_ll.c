@@ -544,11 +544,12 @@ static void pwait_exit(cudaStream_t *ps) {
 }
 
 /* Submit a raw descriptor into ring slot si of rank r's device queue. */
-static void psubmit(int r, uint32_t si, uint32_t op, uint32_t bank) {
+static void psubmit(int r, uint32_t si, uint32_t op, uint32_t bank, uint32_t flags) {
   cudaSetDevice(epd_cc_device(C.h.kh.cc, r));
   epd_desc_t d;
   memset(&d, 0, sizeof d);
   d.op = op;
+  d.flags = flags;
   d.bank = bank;
   d.num_tokens = 1;
   CUCK(cudaMemcpy(&g_q[r]->slot[si].desc, &d, sizeof d, cudaMemcpyHostToDevice));
@@ -563,8 +564,10 @@ static uint32_t pslot_state(int r, uint32_t si) {
 }
 
 /* The persistent kernel serving a device queue per rank: dispatch/combine steps, both banks and dtypes
- * (completion step numbers, progress records); an HT op and a mismatched pair stop BOTH kernels at the
- * same index with the slots left SUBMITTED; relaunched with a fresh index they go on; limit stops them. */
+ * (completion step numbers, progress records); an HT op, a mismatched pair, a dispatch with a flag it does
+ * not know (a raw-queue client's) and an FP8 dispatch against a BF16 one stop BOTH kernels at the same
+ * index with the slots left SUBMITTED (the launch mode answers them); relaunched with a fresh index they
+ * go on; limit stops them. */
 EPD_TEST_T(gpu_ll_persistent_queue, 120) {
   setup(64, 2048, 8, 128, 32, 0);
   llh_t *h = &C.h;
@@ -603,8 +606,8 @@ EPD_TEST_T(gpu_ll_persistent_queue, 120) {
   }
   /* an HT op on both ranks: neither kernel runs it */
   uint32_t si = g_qpos % EPD_QUEUE_SLOTS;
-  psubmit(0, si, EPD_OP_HT_DISPATCH, 0);
-  psubmit(1, si, EPD_OP_HT_DISPATCH, 0);
+  psubmit(0, si, EPD_OP_HT_DISPATCH, 0, 0);
+  psubmit(1, si, EPD_OP_HT_DISPATCH, 0, 0);
   pwait_exit(ps);
   uint64_t ix = g_prog[0]->exit_index;
   for (int r = 0; r < 2; r++) {
@@ -616,8 +619,8 @@ EPD_TEST_T(gpu_ll_persistent_queue, 120) {
   ASSERT(g_prog[0]->reason == EPD_K_PEXIT_OP || g_prog[0]->reason == EPD_K_PEXIT_PEER);
   ASSERT(g_prog[0]->reason == EPD_K_PEXIT_OP || g_prog[1]->reason == EPD_K_PEXIT_OP);
   /* the host ran it elsewhere: free the slots, relaunch; a dispatch against a combine stops both */
-  psubmit(0, si, EPD_OP_LL_DISPATCH, 0);
-  psubmit(1, si, EPD_OP_LL_COMBINE, 0);
+  psubmit(0, si, EPD_OP_LL_DISPATCH, 0, 0);
+  psubmit(1, si, EPD_OP_LL_COMBINE, 0, 0);
   plaunch(ps, ix + 1, 124);
   pwait_exit(ps);
   for (int r = 0; r < 2; r++) {
@@ -630,8 +633,34 @@ EPD_TEST_T(gpu_ll_persistent_queue, 120) {
     uint32_t fr = EPD_SLOT_FREE;
     CUCK(cudaMemcpy(&g_q[r]->slot[si].state, &fr, 4, cudaMemcpyHostToDevice));
   }
-  /* relaunched, the team's state is intact: two more checked steps, then limit stops both */
+  /* a dispatch with an unknown flag on both ranks: neither kernel runs it */
+  psubmit(0, si, EPD_OP_LL_DISPATCH, 0, 0x80u);
+  psubmit(1, si, EPD_OP_LL_DISPATCH, 0, 0x80u | EPD_DESC_FP8);
   plaunch(ps, ix + 2, 124);
+  pwait_exit(ps);
+  for (int r = 0; r < 2; r++) {
+    ASSERT_EQ(g_prog[r]->exit_index, ix + 2);
+    ASSERT_EQ(g_prog[r]->ops, 0u);
+    ASSERT_EQ(pslot_state(r, si), (uint32_t)EPD_SLOT_SUBMITTED);
+  }
+  ASSERT(g_prog[0]->reason == EPD_K_PEXIT_OP || g_prog[1]->reason == EPD_K_PEXIT_OP);
+  /* FP8 against BF16: both stop, each naming the other */
+  psubmit(0, si, EPD_OP_LL_DISPATCH, 0, EPD_DESC_FP8);
+  psubmit(1, si, EPD_OP_LL_DISPATCH, 0, 0);
+  plaunch(ps, ix + 3, 124);
+  pwait_exit(ps);
+  for (int r = 0; r < 2; r++) {
+    ASSERT_EQ(g_prog[r]->reason, (uint32_t)EPD_K_PEXIT_MISMATCH);
+    ASSERT_EQ(g_prog[r]->exit_peer, 1 - r);
+    ASSERT_EQ(g_prog[r]->exit_index, ix + 3);
+    ASSERT_EQ(g_prog[r]->ops, 0u);
+    ASSERT_EQ(pslot_state(r, si), (uint32_t)EPD_SLOT_SUBMITTED);
+    cudaSetDevice(epd_cc_device(h->kh.cc, r));
+    uint32_t fr = EPD_SLOT_FREE;
+    CUCK(cudaMemcpy(&g_q[r]->slot[si].state, &fr, 4, cudaMemcpyHostToDevice));
+  }
+  /* relaunched, the team's state is intact: two more checked steps, then limit stops both */
+  plaunch(ps, ix + 4, 124);
   for (int s = 12; s < 14; s++) {
     uint32_t nt[2] = {100u, 128u};
     gen(81, (uint64_t)s, nt, ROUTE_RANDOM);
