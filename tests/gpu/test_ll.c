@@ -563,6 +563,21 @@ static uint32_t pslot_state(int r, uint32_t si) {
   return stv;
 }
 
+/* Both kernels stopped at index `at` on mismatched ops of slot si, each naming the other, the slot left
+ * SUBMITTED; then freed (the host ran it elsewhere). */
+static void expect_mismatch_stop(uint32_t si, uint64_t at) {
+  for (int r = 0; r < 2; r++) {
+    ASSERT_EQ(g_prog[r]->reason, (uint32_t)EPD_K_PEXIT_MISMATCH);
+    ASSERT_EQ(g_prog[r]->exit_peer, 1 - r);
+    ASSERT_EQ(g_prog[r]->exit_index, at);
+    ASSERT_EQ(g_prog[r]->ops, 0u);
+    ASSERT_EQ(pslot_state(r, si), (uint32_t)EPD_SLOT_SUBMITTED);
+    cudaSetDevice(epd_cc_device(C.h.kh.cc, r));
+    uint32_t fr = EPD_SLOT_FREE;
+    CUCK(cudaMemcpy(&g_q[r]->slot[si].state, &fr, 4, cudaMemcpyHostToDevice));
+  }
+}
+
 /* The persistent kernel serving a device queue per rank: dispatch/combine steps, both banks and dtypes
  * (completion step numbers, progress records); an HT op, a mismatched pair, a dispatch with a flag it does
  * not know (a raw-queue client's) and an FP8 dispatch against a BF16 one stop BOTH kernels at the same
@@ -623,16 +638,7 @@ EPD_TEST_T(gpu_ll_persistent_queue, 120) {
   psubmit(1, si, EPD_OP_LL_COMBINE, 0, 0);
   plaunch(ps, ix + 1, 124);
   pwait_exit(ps);
-  for (int r = 0; r < 2; r++) {
-    ASSERT_EQ(g_prog[r]->reason, (uint32_t)EPD_K_PEXIT_MISMATCH);
-    ASSERT_EQ(g_prog[r]->exit_peer, 1 - r);
-    ASSERT_EQ(g_prog[r]->exit_index, ix + 1);
-    ASSERT_EQ(g_prog[r]->ops, 0u);
-    ASSERT_EQ(pslot_state(r, si), (uint32_t)EPD_SLOT_SUBMITTED);
-    cudaSetDevice(epd_cc_device(h->kh.cc, r));
-    uint32_t fr = EPD_SLOT_FREE;
-    CUCK(cudaMemcpy(&g_q[r]->slot[si].state, &fr, 4, cudaMemcpyHostToDevice));
-  }
+  expect_mismatch_stop(si, ix + 1);
   /* a dispatch with an unknown flag on both ranks: neither kernel runs it */
   psubmit(0, si, EPD_OP_LL_DISPATCH, 0, 0x80u);
   psubmit(1, si, EPD_OP_LL_DISPATCH, 0, 0x80u | EPD_DESC_FP8);
@@ -649,16 +655,7 @@ EPD_TEST_T(gpu_ll_persistent_queue, 120) {
   psubmit(1, si, EPD_OP_LL_DISPATCH, 0, 0);
   plaunch(ps, ix + 3, 124);
   pwait_exit(ps);
-  for (int r = 0; r < 2; r++) {
-    ASSERT_EQ(g_prog[r]->reason, (uint32_t)EPD_K_PEXIT_MISMATCH);
-    ASSERT_EQ(g_prog[r]->exit_peer, 1 - r);
-    ASSERT_EQ(g_prog[r]->exit_index, ix + 3);
-    ASSERT_EQ(g_prog[r]->ops, 0u);
-    ASSERT_EQ(pslot_state(r, si), (uint32_t)EPD_SLOT_SUBMITTED);
-    cudaSetDevice(epd_cc_device(h->kh.cc, r));
-    uint32_t fr = EPD_SLOT_FREE;
-    CUCK(cudaMemcpy(&g_q[r]->slot[si].state, &fr, 4, cudaMemcpyHostToDevice));
-  }
+  expect_mismatch_stop(si, ix + 3);
   /* relaunched, the team's state is intact: two more checked steps, then limit stops both */
   plaunch(ps, ix + 4, 124);
   for (int s = 12; s < 14; s++) {
