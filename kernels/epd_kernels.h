@@ -124,14 +124,14 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
  * SUBMITTED slot in the queue's device twin (client/epd_abi.h; the first one in ring order from its
  * position, as the launch mode: a CUDA graph replays the same slots), releases it to the op blocks at
  * once and announces it to every rank through an announcement word per (index, rank) in the window; then
- * all ranks agree on the op: every rank runs it only if every rank announced the same LL op and bank for
- * that index. The op blocks run the op's local part while the ranks agree (dispatch: the first token's
+ * all ranks agree on the op: every rank runs it only if every rank announced the same LL op, bank and
+ * FP8 flag for that index. The op blocks run the op's local part while the ranks agree (dispatch: the first token's
  * loads and routing; combine: the sums of this rank's own tokens, which stay on this GPU) and wait for the
  * verdict before their first store into a peer, so an op the ranks do not agree on leaves no trace in any
  * peer (each rank's agreement has its own deadline: when one rank times out waiting for an announcement
  * that another rank then sees, that rank runs the op and fails on its flag wait; the host resets the team
  * after a SYNC_TIMEOUT exit or when the ranks' op counts differ). Otherwise (a rank was told to stop, a slot holds an op it does not run - HT,
- * a bad bank, an unknown op - or the ops differ) EVERY rank stops at the same boundary and leaves its
+ * a bad bank, an unknown op, a dispatch flag other than FP8 - or the ops or FP8 flags differ) EVERY rank stops at the same boundary and leaves its
  * slot SUBMITTED for the host (which runs it in launch mode and later relaunches the kernels with a
  * fresh index). A rank also stops after an op that failed with EPD_ERR_TIMEOUT or EPD_ERR_PEER (the
  * team needs epd_k_ll_reset). An op's last block writes the completion (status, peer, num_recv,
@@ -311,11 +311,13 @@ typedef struct epd_k_ht_op {
  * (EPD_ERR_OVERFLOW, nothing copied), or a driver without stream memory operations runs as
  * EPD_K_HT_COPY_REG. */
 #define EPD_K_HT_COPY_CE 2u
-/* Copies (streams) per dest rank of EPD_K_HT_COPY_CE; $EPD_HT_CE_SPLIT (1..4) at epd_k_ht_create overrides.
- * $EPD_HT_CE_DELAY_US (tests, read at create): every copy stream spins that long before its copy. */
+/* Copies (streams) per dest rank of EPD_K_HT_COPY_CE; $EPD_HT_CE_SPLIT (1..4) at epd_k_ht_create overrides. */
 #define EPD_K_HT_CE_SPLIT 1
 /* Dispatches that moved their rows with the copy engines so far. */
 uint64_t epd_k_ht_ce_ops(const epd_k_ht_t *k);
+/* Tests only: from now on each copy-engine stream of k spins `us` microseconds (at most 60 s) before its
+ * copy (0: none), so that its rows land late. */
+void epd_k_ht_test_ce_delay(epd_k_ht_t *k, uint32_t us);
 
 /* Launch one HT op on `stream`: host checks return EPD_ERR_INVALID, launch failures EPD_ERR_CUDA;
  * device outcomes land in op->comp. */

@@ -1571,10 +1571,10 @@ struct epd_k_ht {
   cudaEvent_t ce_fork, ce_join[EPD_K_MAX_RANKS][CE_SPLIT_MAX];
   uint32_t ce_split;
   uint64_t ce_seq, ce_ops;
-  uint32_t ce_delay_us; /* $EPD_HT_CE_DELAY_US (tests): each copy stream first spins this long */
+  uint32_t ce_delay_us; /* epd_k_ht_test_ce_delay (tests): each copy stream first spins this long */
 };
 
-/* EPD_HT_CE_DELAY_US: spin on a copy stream before its copy (one thread; tests only). */
+/* epd_k_ht_test_ce_delay: spin on a copy stream before its copy (one thread; tests only). */
 static __global__ void ce_delay_kernel(uint64_t ns) {
   const uint64_t t0 = gtimer();
   while (gtimer() - t0 < ns) {
@@ -1722,10 +1722,6 @@ epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm
     const char *sp = getenv("EPD_HT_CE_SPLIT");
     const long v = sp ? strtol(sp, NULL, 10) : EPD_K_HT_CE_SPLIT;
     k->ce_split = v >= 1 && v <= (long)CE_SPLIT_MAX ? (uint32_t)v : EPD_K_HT_CE_SPLIT;
-    /* tests: every copy stream first spins this long (a copy that lands late, or past the timeout) */
-    const char *dl = getenv("EPD_HT_CE_DELAY_US");
-    const long d = dl ? strtol(dl, NULL, 10) : 0;
-    k->ce_delay_us = d > 0 && d <= 60000000L ? (uint32_t)d : 0u;
   }
   /* The device communicator only checks that the LSA team is what the geometry says. */
   ncclDevCommRequirements_t req;
@@ -1795,6 +1791,10 @@ epd_result_t epd_k_ht_reset(epd_k_ht_t *k, void *stream) {
 const epd_k_ht_geom_t *epd_k_ht_geom(const epd_k_ht_t *k) { return &k->g; }
 
 uint64_t epd_k_ht_ce_ops(const epd_k_ht_t *k) { return k ? k->ce_ops : 0; }
+
+void epd_k_ht_test_ce_delay(epd_k_ht_t *k, uint32_t us) {
+  if (k) k->ce_delay_us = us < 60000000u ? us : 60000000u;
+}
 
 epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const epd_k_ht_op_t *op, void *stream,
                              char *err, size_t errlen) {

@@ -1077,7 +1077,7 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
     if (lane == PLANE) pr->announced = idx + 1;
     __syncwarp();
     if (run) {
-      /* agree: every rank announced this index with the same op and bank */
+      /* agree: every rank announced this index with the same op, bank and FP8 flag */
       const uint64_t tmo = base.timeout_ns * 4, deadline = gtimer() + tmo;
       uint64_t v = 0;
       if (lane < base.R) {

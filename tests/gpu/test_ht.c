@@ -470,32 +470,47 @@ EPD_TEST_T(gpu_ht_peer_timeout, 180) {
   hth_destroy(&T_.h);
 }
 
-/* The copy engines' rows of a dense BF16 dispatch land late ($EPD_HT_CE_DELAY_US, read at create: every
- * copy stream spins first): the data kernels wait for them (the receive rows are poisoned first and
- * checked); copies later than the op's timeout end it with EPD_ERR_TIMEOUT on every rank (its own copies
- * did not land), and after a reset the steps work. */
+/* The copy engines' rows of a dense BF16 dispatch land late (epd_k_ht_test_ce_delay: a copy stream spins
+ * first). Rank 1's copies 50 ms late, rank 0's on time: rank 0's op still waits for rank 1's rows (once
+ * rank 0's stream is done, before rank 1's is waited for, rank 0 holds rank 1's rows, poisoned before, and
+ * a good completion); whole checked steps with both ranks' copies late; copies later than the op's timeout
+ * end it with EPD_ERR_TIMEOUT on every rank (its own copies did not land), and after a reset the steps
+ * work. */
 EPD_TEST_T(gpu_ht_dense_ce_late_copy, 180) {
-  setenv("EPD_HT_CE_DELAY_US", "20000", 1); /* 20 ms (each test runs in a process of its own) */
   setup(64, 1024, 8, 512, 32, 1200, 8);
-  unsetenv("EPD_HT_CE_DELAY_US");
+  const uint32_t H = T_.rg.hidden;
   T_.h.dense = 1;
   T_.h.copy = EPD_K_HT_COPY_CE;
+  epd_k_ht_test_ce_delay(T_.h.k[1], 50000);
+  gen(40, 0, 300, 400, 0);
+  upload(0);
+  CK(hth_launch(&T_.h, 3, EPD_OP_HT_DISPATCH, 0, T_.ntok, 0, 5000000000ull));
+  CK(hth_sync(&T_.h, 1)); /* rank 0's stream only */
+  {
+    epd_comp_t c;
+    CK(hth_comp(&T_.h, 0, 0, &c));
+    ASSERT_EQ(c.status, 0);
+    ASSERT_EQ(c.num_recv, 700u);
+    /* dense: rank 1's token t is row 300 + t of rank 0, the BF16 row as rank 1 sent it */
+    cudaSetDevice(epd_cc_device(T_.h.kh.cc, 0));
+    const size_t n = (size_t)400 * H * 2;
+    CUCK(cudaMemcpy(T_.gx, (char *)hth_buf(&T_.h, 0, 0, EPD_BUF_HT_RECV_X) + (size_t)300 * H * 2, n,
+                    cudaMemcpyDeviceToHost));
+    if (memcmp(T_.gx, T_.x[1], n)) epd_test_fail(__FILE__, __LINE__, "rank 0 completed before rank 1's rows landed");
+  }
+  CK(hth_sync(&T_.h, 3));
+  for (int r = 0; r < 2; r++) epd_k_ht_test_ce_delay(T_.h.k[r], 20000); /* 20 ms */
   step(41, 0, 512, 300, 0, 0);
   step(41, 1, 200, 512, 1, 0);
   step(41, 2, 0, 512, 0, 0);
-  hth_destroy(&T_.h);
-  setenv("EPD_HT_CE_DELAY_US", "300000", 1); /* 300 ms, past the op's 50 ms */
-  setup(64, 1024, 8, 512, 32, 1200, 8);
-  unsetenv("EPD_HT_CE_DELAY_US");
-  T_.h.dense = 1;
-  T_.h.copy = EPD_K_HT_COPY_CE;
+  for (int r = 0; r < 2; r++) epd_k_ht_test_ce_delay(T_.h.k[r], 300000); /* 300 ms, past the op's 50 ms */
   gen(42, 0, 300, 300, 0);
   upload(0);
-  const uint64_t ce0 = epd_k_ht_ce_ops(T_.h.k[0]);
+  uint64_t ce0[2] = {epd_k_ht_ce_ops(T_.h.k[0]), epd_k_ht_ce_ops(T_.h.k[1])};
   CK(hth_launch(&T_.h, 3, EPD_OP_HT_DISPATCH, 0, T_.ntok, 0, 50000000ull));
   CK(hth_sync(&T_.h, 3)); /* the op's stream waits for its copies (joined) */
-  ASSERT_EQ(epd_k_ht_ce_ops(T_.h.k[0]) - ce0, 1);
   for (int r = 0; r < 2; r++) {
+    ASSERT_EQ(epd_k_ht_ce_ops(T_.h.k[r]) - ce0[r], 1);
     epd_comp_t c;
     CK(hth_comp(&T_.h, r, 0, &c));
     if (c.status != EPD_ERR_TIMEOUT || c.peer != r)

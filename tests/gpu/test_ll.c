@@ -639,17 +639,19 @@ EPD_TEST_T(gpu_ll_persistent_queue, 120) {
   plaunch(ps, ix + 1, 124);
   pwait_exit(ps);
   expect_mismatch_stop(si, ix + 1);
-  /* a dispatch with an unknown flag on both ranks: neither kernel runs it */
+  /* a dispatch with an unknown flag on both ranks (with FP8 on one): neither kernel runs it, each stops on
+   * its own slot before any agreement (the slots stay SUBMITTED; the next psubmit rewrites them) */
   psubmit(0, si, EPD_OP_LL_DISPATCH, 0, 0x80u);
   psubmit(1, si, EPD_OP_LL_DISPATCH, 0, 0x80u | EPD_DESC_FP8);
   plaunch(ps, ix + 2, 124);
   pwait_exit(ps);
   for (int r = 0; r < 2; r++) {
+    ASSERT_EQ(g_prog[r]->reason, (uint32_t)EPD_K_PEXIT_OP);
+    ASSERT_EQ(g_prog[r]->exit_peer, -1);
     ASSERT_EQ(g_prog[r]->exit_index, ix + 2);
     ASSERT_EQ(g_prog[r]->ops, 0u);
     ASSERT_EQ(pslot_state(r, si), (uint32_t)EPD_SLOT_SUBMITTED);
   }
-  ASSERT(g_prog[0]->reason == EPD_K_PEXIT_OP || g_prog[1]->reason == EPD_K_PEXIT_OP);
   /* FP8 against BF16: both stop, each naming the other */
   psubmit(0, si, EPD_OP_LL_DISPATCH, 0, EPD_DESC_FP8);
   psubmit(1, si, EPD_OP_LL_DISPATCH, 0, 0);
