@@ -868,6 +868,13 @@ static int wait_frames(cnet_t *cn, uint64_t now) {
       complete_all(cn, EPD_ERR_PEER, (int)(n * L), why);
       return 1;
     }
+    if (cn->grp->drain_from[n] <= cn->step && op_dispatch(cn->ldesc[0].op)) {
+      /* its notice came after every frame it sent (one link, in order): its part would say DRAINING */
+      snprintf(why, sizeof why, "node %u (ranks %u..%u) is draining: it takes no dispatch of group %s from step %llu on",
+               n, n * L, n * L + L - 1, cn->gname, (unsigned long long)cn->grp->drain_from[n]);
+      complete_all(cn, EPD_ERR_DRAINING, (int)(n * L), why);
+      return 1;
+    }
     if (now > cn->first_ns && now - cn->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
       snprintf(why, sizeof why,
                "waited %u ms for rank %u: node %u (ranks %u..%u) did not send its part of the step",

@@ -79,6 +79,9 @@ struct eng_group {
   uint64_t arrive_ns[EPD_MAX_RANKS];
   uint64_t first_arrive_ns;
   void *net; /* scale-out state (engine_net.c), NULL on one node */
+  /* Scale-out: node n drains (its notice, engine_net.c): it takes no step of this group numbered >=
+   * drain_from[n] (host backend), no dispatch (cuda backend); UINT64_MAX: not draining. */
+  uint64_t drain_from[EPD_MAX_RANKS];
 };
 
 typedef struct eng_rank_stats {

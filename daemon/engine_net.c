@@ -553,8 +553,6 @@ typedef struct net_group {
   uint32_t *ht_local;        /* [W] this node's HT tokens per destination rank */
   net_frame_t *f[MAX_NODES]; /* frames of the step, taken when all are in */
   eng_map_vote_t vote; /* map switches (eng_vote_*) */
-  /* node n drains: it takes no step of this group numbered >= drain_from[n] (UINT64_MAX: not draining) */
-  uint64_t drain_from[MAX_NODES];
 } net_group_t;
 
 void eng_net_group_free(eng_group_t *grp) {
@@ -597,7 +595,6 @@ static net_group_t *group_state(epd_engine_t *eng, eng_group_t *grp) {
   if (!ng) return NULL;
   ng->sent_step = UINT64_MAX;
   ng->net = eng->o.net;
-  for (int n = 0; n < MAX_NODES; n++) ng->drain_from[n] = eng->o.net->peer_draining[n] ? 0 : UINT64_MAX;
   const epd_ref_geom_t *g = &grp->g;
   uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank;
   int ok = epd_ref_plan_init(&ng->lplan, g) == EPD_OK;
@@ -1213,12 +1210,12 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
       return fail(res, EPD_ERR_PEER, (int)(n * L), "the data link to node %u (ranks %u..%u) is down: %s", n,
                   n * L, n * L + L - 1, p->why);
     }
-    if (ng->drain_from[n] <= grp->steps) {
+    if (grp->drain_from[n] <= grp->steps) {
       /* its notice came after every frame it sent (one link, in order): this step's part will not come */
       drop_frames(ng);
       return fail(res, EPD_ERR_DRAINING, (int)(n * L),
                   "node %u (ranks %u..%u) is draining: it takes no steps of group %s from step %llu on", n,
-                  n * L, n * L + L - 1, grp->name, (unsigned long long)ng->drain_from[n]);
+                  n * L, n * L + L - 1, grp->name, (unsigned long long)grp->drain_from[n]);
     }
     return 0;
   }
@@ -1348,6 +1345,9 @@ static int pending_put(epd_engine_t *eng, epd_net_t *net, const char *group, con
 void eng_net_group_created(epd_engine_t *eng, eng_group_t *grp) {
   epd_net_t *net = eng->o.net;
   if (eng->o.nodes <= 1 || !net) return;
+  /* a node that drains takes no step of a group made here after its notice */
+  for (uint32_t n = 0; n < eng->o.nodes && n < MAX_NODES && n < EPD_MAX_RANKS; n++)
+    if (net->peer_draining[n]) grp->drain_from[n] = 0;
   for (pending_map_t **pp = &net->pending; *pp; pp = &(*pp)->next) {
     pending_map_t *p = *pp;
     if (strcmp(p->group, grp->name)) continue;
@@ -1390,28 +1390,30 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     pthread_mutex_unlock(&net->mu);
     return;
   }
-  if (c.kind == CTL_DRAIN) { /* host backend: req_id = the group's first step the sender will not take */
-    if (eng->ops != &eng_host_ops || f->src_node >= MAX_NODES) return;
+  if (c.kind == CTL_DRAIN) { /* req_id = the group's first step the sender will not take (cuda: dispatch) */
+    if (f->src_node >= MAX_NODES || f->src_node >= EPD_MAX_RANKS) return;
     pthread_mutex_lock(&eng->mu);
     eng_group_t *grp = group[0] ? eng_find_group(eng, group) : NULL;
-    net_group_t *ng = grp ? group_state(eng, grp) : NULL;
-    if (ng) ng->drain_from[f->src_node] = c.req_id;
+    if (grp) grp->drain_from[f->src_node] = c.req_id;
     if (!group[0]) {
       /* the last notice of a drain (after one per group of the sender): a group of this node that the
        * sender has not has no step it would take; nor has a group made here later */
       net->peer_draining[f->src_node] = c.req_id != UINT64_MAX;
-      for (eng_group_t *g = eng->groups; g; g = g->next) {
-        net_group_t *gn = g->net;
-        if (gn && (c.req_id == UINT64_MAX || gn->drain_from[f->src_node] == UINT64_MAX))
-          gn->drain_from[f->src_node] = c.req_id;
-      }
+      for (eng_group_t *g = eng->groups; g; g = g->next)
+        if (c.req_id == UINT64_MAX || g->drain_from[f->src_node] == UINT64_MAX) g->drain_from[f->src_node] = c.req_id;
     }
     pthread_mutex_unlock(&eng->mu);
-    if (!group[0]) return;
-    if (ng && c.req_id != UINT64_MAX)
-      EPD_LOGI(EPD_SUB_ENGINE, "group %s: node %u is draining: its steps from %llu on fail here with "
-               "EPD_ERR_DRAINING", group, f->src_node, (unsigned long long)c.req_id);
-    else if (ng)
+    const char *what = eng->ops == &eng_host_ops ? "steps" : "dispatches";
+    if (!group[0]) {
+      if (c.req_id != UINT64_MAX)
+        EPD_LOGI(EPD_SUB_ENGINE, "node %u is draining: the %s of groups it does not have fail here with "
+                 "EPD_ERR_DRAINING", f->src_node, what);
+      return;
+    }
+    if (grp && c.req_id != UINT64_MAX)
+      EPD_LOGI(EPD_SUB_ENGINE, "group %s: node %u is draining: its %s from step %llu on fail here with "
+               "EPD_ERR_DRAINING", group, f->src_node, what, (unsigned long long)c.req_id);
+    else if (grp)
       EPD_LOGI(EPD_SUB_ENGINE, "group %s: node %u takes steps again", group, f->src_node);
     return;
   }
@@ -1481,10 +1483,14 @@ static void *ctl_main(void *arg) {
 
 void eng_net_notify_drain(epd_engine_t *eng, int drain) {
   epd_net_t *net = eng->o.net;
-  if (eng->o.nodes <= 1 || !net || eng->ops != &eng_host_ops) return;
+  if (eng->o.nodes <= 1 || !net) return;
+  const int host = eng->ops == &eng_host_ops;
   for (eng_group_t *g = eng->groups; g; g = g->next) {
-    /* a step some local rank already joined still runs here (engine_host.c refuses only a first arrival) */
-    ctl_msg_t m = {.kind = CTL_DRAIN, .req_id = drain ? g->steps + (g->narrived > 0 ? 1u : 0u) : UINT64_MAX};
+    /* host: a step some local rank already joined still runs here (engine_host.c refuses only a first
+     * arrival); cuda: every dispatch from the group's next step on fails here (its frame says
+     * EPD_ERR_DRAINING, and a frame sent before the drain reaches the peers before this notice) */
+    ctl_msg_t m = {.kind = CTL_DRAIN,
+                   .req_id = !drain ? UINT64_MAX : host ? g->steps + (g->narrived > 0 ? 1u : 0u) : g->steps};
     for (uint32_t n = 0; n < eng->o.nodes; n++)
       if (n != eng->o.node_rank && send_ctl(net, n, g->name, &m, NULL, NULL))
         EPD_LOGW(EPD_SUB_ENGINE, "group %s: the drain notice to node %u was not sent (its link is down)", g->name, n);

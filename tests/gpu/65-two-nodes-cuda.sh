@@ -8,7 +8,8 @@
 #   (256 tokens; BF16 also 4096 tokens with 16 experts); status shows transport nccl-p2p, the NCCL log shows
 #   NET/Socket; expert maps staged through either node's daemon (rank 0 every 3 LL / 4 HT steps; epdctl
 #   set-map at node 1) become active on both nodes at the same step, weight copies refused on both; node 1
-#   silent -> EPD_ERR_TIMEOUT naming rank 1; a second group is refused meanwhile;
+#   silent -> EPD_ERR_TIMEOUT naming rank 1; a second group is refused meanwhile; node 1 drains -> node 0's
+#   dispatch in a group node 1 does not have fails with EPD_ERR_DRAINING naming rank 1 at once (its notice);
 #   node 1 gone -> EPD_ERR_PEER naming rank 1 within 3 s.
 # Then (TWO_NODES_BASELINE=1, default) the same LL steps on ONE daemon driving both GPUs over NVLink.
 # TWO_NODES_QUICK=1: the LL cases only; TWO_NODES_NCCL_ENV: extra NCCL variables for the daemons.
@@ -23,6 +24,19 @@ start_nodes
 grep -h "inter-node transport nccl-p2p" "$T/node0.log" | sed 's/^.*scale-out/   scale-out/' | head -1
 
 COMMON="--experts 256 --hidden 7168 --topk 8"
+
+# One step of group $4 on node 0 alone must fail with $1 naming rank 1 within $2 ms ($3: the case).
+node0_fails() {
+  local code=$1 limit=$2 what=$3 g=$4 s rc ms
+  s=$(date +%s%N)
+  CUDA_VISIBLE_DEVICES=$(gpu_of 0) timeout 30 "$WORKER" -s "$T/n0/control.sock" -g "$g" -r 0 -n 2 --steps 1 --hidden 256 > "$T/$g.out" 2>&1
+  rc=$?
+  ms=$(( ($(date +%s%N) - s) / 1000000 ))
+  [ $rc -eq 2 ] || fail "$what: worker exited $rc"
+  grep -q "$code.*peer rank 1" "$T/$g.out" || fail "$what: no $code naming rank 1: $(tail -2 "$T/$g.out")"
+  [ $ms -lt "$limit" ] || fail "$what: the step failed only after $ms ms"
+  echo "   ok in $ms ms: $(grep -h "$code" "$T/$g.out" | head -1 | cut -c1-150)"
+}
 echo "== LL BF16, skewed routing, 128 tokens, 20 steps"
 start_workers llb --steps 20 --seed 5 --skew $COMMON --tokens 128 --bench 200
 expect_ok llb0 llb1
@@ -108,6 +122,12 @@ wait "$W_TO"; RC=$?
 grep -q "EPD_ERR_TIMEOUT.*peer rank 1" "$T/to.out" || fail "timeout does not name rank 1: $(cat "$T/to.out")"
 grep -q "node 1 (ranks 1..1) did not send" "$T/node0.log" || fail "the log does not say node 1 was silent"
 echo "   ok: $(grep -h EPD_ERR_TIMEOUT "$T/to.out" | head -1)"
+
+echo "== node 1 drains: node 0's dispatch in a group node 1 will not step fails with EPD_ERR_DRAINING at once"
+"$EPDCTL" -s "$T/n1/control.sock" drain > "$T/drain.out" 2>&1 || fail "epdctl drain: $(cat "$T/drain.out")"
+wait_for 10 grep -q "node 1 is draining: the dispatches of groups it does not have fail here" "$T/node0.log" ||
+  fail "node 0's log does not say node 1 drains"
+node0_fails EPD_ERR_DRAINING 4000 "drain (step_timeout_ms 5000)" nd
 fi
 "$EPDCTL" -s "$T/n0/control.sock" metrics > "$T/metrics.out" || fail "metrics"
 grep -q '^epd_cluster_info{transport="nccl-p2p"} 1$' "$T/metrics.out" || fail "metrics: transport"
@@ -116,14 +136,7 @@ if [ "${TWO_NODES_QUICK:-0}" != 1 ]; then
   echo "== node 1 stops: EPD_ERR_PEER naming rank 1, promptly; node 0 keeps serving and stops cleanly"
   kill -TERM "$P_1"; wait "$P_1"; R1=$? # its NCCL log lines reach the file; then it is gone for good
   wait_for 5 grep -q "data link to node 1 lost" "$T/node0.log" || fail "node 0 did not notice the lost link"
-  S=$(date +%s%N)
-  CUDA_VISIBLE_DEVICES=$(gpu_of 0) timeout 30 "$WORKER" -s "$T/n0/control.sock" -g pe -r 0 -n 2 --steps 1 --hidden 256 > "$T/pe.out" 2>&1
-  RC=$?
-  MS=$(( ($(date +%s%N) - S) / 1000000 ))
-  [ $RC -eq 2 ] || fail "lost node: worker exited $RC"
-  grep -q "EPD_ERR_PEER.*peer rank 1" "$T/pe.out" || fail "lost node: no EPD_ERR_PEER naming rank 1: $(cat "$T/pe.out")"
-  [ $MS -lt 3000 ] || fail "lost node: the step failed only after $MS ms"
-  echo "   ok in $MS ms: $(grep -h EPD_ERR_PEER "$T/pe.out" | head -1)"
+  node0_fails EPD_ERR_PEER 3000 "lost node" pe
   "$EPDCTL" -s "$T/n0/control.sock" status > /dev/null || fail "node 0 stopped serving after losing node 1"
   kill -TERM "$P_0"
 else
