@@ -246,9 +246,11 @@ epd_result_t eng_net_set_map(epd_engine_t *eng, const char *group, const epd_exp
 /* Start / stop the thread that serves map messages from the other nodes (host backend, nodes > 1). */
 epd_result_t eng_net_ctl_start(epd_engine_t *eng, char *err, size_t errlen);
 void eng_net_ctl_stop(epd_engine_t *eng);
-/* (mu) Host backend across nodes: tell every other node, per group, the first step this node will not
- * take now that it drains (drain = 0: that it takes steps again); their steps fail with
- * EPD_ERR_DRAINING at once instead of timing out. */
+/* (mu) Across nodes: tell every other node, per group, the first step this node will not take now that
+ * it drains (cuda backend: the first dispatch; drain = 0: that it takes steps again); their steps fail
+ * with EPD_ERR_DRAINING at once instead of timing out. Nothing lifts a drain today (every caller of
+ * epd_engine_set_draining passes 1): with the cuda backend a lift would have to reconcile the steps
+ * the peers already refused, whose frames the node would otherwise wait for in its NCCL exchange. */
 void eng_net_notify_drain(epd_engine_t *eng, int drain);
 /* (mu) A group was just created on this node (its first attach succeeded): stage the newest map node 0
  * sent for it while it did not exist here, so that every node reports the same staged map. */

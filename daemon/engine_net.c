@@ -73,7 +73,7 @@ struct epd_net {
   net_frame_t *frames;
   atomic_int stop;
   _Atomic uint64_t tx_bytes, rx_bytes, tx_frames, rx_frames;
-  /* Control frames (host backend's expert maps), served in arrival order by one thread (engine_net.c's
+  /* Control frames (expert maps, drain notices), served in arrival order by one thread (engine_net.c's
    * ctl_main) that may take the engine lock: the receivers never do, so they always drain the links. */
   pthread_cond_t ctl_cv, wait_cv;
   net_frame_t *ctl_head, *ctl_tail;
@@ -82,7 +82,7 @@ struct epd_net {
   epd_engine_t *eng;
   ctl_wait_t *waits;
   uint64_t next_req;
-  /* (engine mu) host backend: node n drains; a group state made later fails its steps at once (a
+  /* (engine mu) node n drains; a group made here later fails its steps (cuda: dispatches) at once (a
    * draining node takes no attach, so no step of a group created after its notice) */
   int peer_draining[MAX_NODES];
   /* (engine mu) maps node 0 sent for groups this node did not have yet: staged when one is created */
