@@ -609,9 +609,9 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
       return;
     }
     const int is_disp = d->op == EPD_OP_LL_DISPATCH || d->op == EPD_OP_HT_DISPATCH;
-    if (is_disp && (d->flags & ~eng_dispatch_flags(d->op))) {
-      snprintf(why, sizeof why, "rank %u: unknown flags 0x%x", r, d->flags);
-      fail_collect(eng, be, cg, EPD_ERR_INVALID, (int)r, why);
+    const int fl = eng_check_flags(d, r, 0, why, sizeof why);
+    if (fl) {
+      fail_collect(eng, be, cg, fl, (int)r, why);
       return;
     }
     if (d->op != d0->op || d->bank != d0->bank || (is_disp && d->flags != d0->flags)) {

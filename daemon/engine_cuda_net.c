@@ -513,11 +513,9 @@ static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
       FAIL(EPD_ERR_INVALID, (int)r, "rank %u: op %u out of range [1, %u]", r, d[r].op, EPD_OP_MAX - 1);
     if (d[r].bank >= EPD_NUM_BANKS)
       FAIL(EPD_ERR_INVALID, (int)r, "rank %u: bank %u out of range [0, %u)", r, d[r].bank, EPD_NUM_BANKS);
-    if (d[r].op == EPD_OP_HT_DISPATCH && (d[r].flags & EPD_DESC_HT_DENSE))
-      FAIL(EPD_ERR_UNSUPPORTED, (int)r, "rank %u: the dense HT layout (flags 0x%x) is not available across nodes", r,
-           d[r].flags);
-    if (op_dispatch(d[r].op) && (d[r].flags & ~(uint32_t)EPD_DESC_FP8))
-      FAIL(EPD_ERR_INVALID, (int)r, "rank %u: unknown flags 0x%x", r, d[r].flags);
+    char fwhy[160];
+    const int fl = eng_check_flags(&d[r], r, 1, fwhy, sizeof fwhy);
+    if (fl) FAIL(fl, (int)r, "%s", fwhy);
   }
   for (uint32_t r = 1; r < W; r++)
     if (d[r].op != d[0].op || d[r].bank != d[0].bank ||

@@ -141,10 +141,8 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
       snprintf(why, sizeof why, "rank %u: bank %u out of range [0, %u)", r, d->bank, EPD_NUM_BANKS);
       return fail_step(eng, grp, EPD_ERR_INVALID, (int)r, why);
     }
-    if (op_is_dispatch(d->op) && (d->flags & ~eng_dispatch_flags(d->op))) {
-      snprintf(why, sizeof why, "rank %u: unknown flags 0x%x", r, d->flags);
-      return fail_step(eng, grp, EPD_ERR_INVALID, (int)r, why);
-    }
+    const int fl = eng_check_flags(d, r, 0, why, sizeof why);
+    if (fl) return fail_step(eng, grp, fl, (int)r, why);
   }
   const epd_desc_t *d0 = &grp->desc[0];
   for (uint32_t r = 1; r < R; r++) {

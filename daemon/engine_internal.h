@@ -14,6 +14,7 @@
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "engine.h"
 #include "ref.h"
@@ -202,6 +203,21 @@ void eng_queue_init(eng_client_t *c, epd_queue_t *q);
 /* The descriptor flags a dispatch `op` may carry (EPD_DESC_HT_DENSE: HT only); any other bit is invalid. */
 static inline uint32_t eng_dispatch_flags(uint32_t op) {
   return EPD_DESC_FP8 | (op == EPD_OP_HT_DISPATCH ? (uint32_t)EPD_DESC_HT_DENSE : 0u);
+}
+/* The flags of rank r's descriptor d (every backend checks them this way): EPD_OK for any op but a
+ * dispatch; EPD_ERR_UNSUPPORTED for the dense HT layout across nodes (across_nodes); EPD_ERR_INVALID for a
+ * flag the dispatch does not take. why (wl bytes) says which. */
+static inline int eng_check_flags(const epd_desc_t *d, uint32_t r, int across_nodes, char *why, size_t wl) {
+  if (d->op != EPD_OP_LL_DISPATCH && d->op != EPD_OP_HT_DISPATCH) return EPD_OK;
+  if (across_nodes && d->op == EPD_OP_HT_DISPATCH && (d->flags & EPD_DESC_HT_DENSE)) {
+    snprintf(why, wl, "rank %u: the dense HT layout (flags 0x%x) is not available across nodes", r, d->flags);
+    return EPD_ERR_UNSUPPORTED;
+  }
+  if (d->flags & ~eng_dispatch_flags(d->op)) {
+    snprintf(why, wl, "rank %u: unknown flags 0x%x", r, d->flags);
+    return EPD_ERR_INVALID;
+  }
+  return EPD_OK;
 }
 /* A slot's state word (acquire: the descriptor written before SUBMITTED is visible after). */
 static inline uint32_t eng_slot_state(epd_slot_t *s) {

@@ -989,11 +989,9 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
     if (d[r].bank >= EPD_NUM_BANKS)
       return fail(res, EPD_ERR_INVALID, (int)r, "rank %u: bank %u out of range [0, %u)", r, d[r].bank,
                   EPD_NUM_BANKS);
-    if (d[r].op == EPD_OP_HT_DISPATCH && (d[r].flags & EPD_DESC_HT_DENSE))
-      return fail(res, EPD_ERR_UNSUPPORTED, (int)r, "rank %u: the dense HT layout (flags 0x%x) is not available across nodes",
-                  r, d[r].flags);
-    if (op_dispatch(d[r].op) && (d[r].flags & ~(uint32_t)EPD_DESC_FP8))
-      return fail(res, EPD_ERR_INVALID, (int)r, "rank %u: unknown flags 0x%x", r, d[r].flags);
+    char why[160];
+    const int fl = eng_check_flags(&d[r], r, 1, why, sizeof why);
+    if (fl) return fail(res, fl, (int)r, "%s", why);
   }
   for (uint32_t r = 1; r < W; r++)
     if (d[r].op != d[0].op || d[r].bank != d[0].bank ||

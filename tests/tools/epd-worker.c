@@ -57,6 +57,9 @@ typedef struct args {
 
 static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0, 0, 0, 0};
 
+/* The flags of a dispatch in HT mode (ht) or LL: flags, plus EPD_DESC_HT_DENSE for HT with --dense. */
+static uint32_t dispatch_flags(uint32_t flags, int ht) { return flags | (ht && A.dense ? (uint32_t)EPD_DESC_HT_DENSE : 0u); }
+
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
@@ -689,7 +692,7 @@ int main(int argc, char **argv) {
     const int ht = A.ht || (A.ht_every > 0 && step % A.ht_every == A.ht_every - 1);
     const epd_mode_t mode = ht ? EPD_MODE_HT : EPD_MODE_LL;
     if (ht && !A.ht) nht++;
-    const uint32_t dflags = flags | (ht && A.dense ? (uint32_t)EPD_DESC_HT_DENSE : 0u); /* this step's dispatch */
+    const uint32_t dflags = dispatch_flags(flags, ht); /* this step's dispatch */
     rows = ht ? C : (size_t)S * R * M;
     unsigned bank = (unsigned)step % EPD_NUM_BANKS;
     for (uint32_t r = 0; r < R; r++) {
@@ -709,7 +712,7 @@ int main(int argc, char **argv) {
     fill(bufp(ep, EPD_BUF_OUT, bank, (size_t)M * H * 2), 0xa5, (size_t)M * H * 2);
     landed();
     if (step == A.die_at) {
-      dying_t d = {ep, T, flags | (A.ht && A.dense ? EPD_DESC_HT_DENSE : 0u), bank}; /* sent in A.ht's mode */
+      dying_t d = {ep, T, dispatch_flags(flags, A.ht), bank}; /* sent in A.ht's mode */
       pthread_t th;
       pthread_create(&th, NULL, dispatch_thread, &d);
       usleep(100000);
@@ -903,8 +906,7 @@ int main(int argc, char **argv) {
     double *dt = calloc((size_t)A.bench * 2, sizeof *dt), sd = 0, sc = 0;
     for (int i = 0; i < A.bench && dt && !rc; i++) {
       double b0 = now_us();
-      rc = epd_dispatch(ep, A.ht ? EPD_MODE_HT : EPD_MODE_LL, last_T,
-                        flags | (A.ht && A.dense ? EPD_DESC_HT_DENSE : 0u), last_bank, NULL);
+      rc = epd_dispatch(ep, A.ht ? EPD_MODE_HT : EPD_MODE_LL, last_T, dispatch_flags(flags, A.ht), last_bank, NULL);
       double b1 = now_us();
       if (!rc) rc = epd_combine(ep, A.ht ? EPD_MODE_HT : EPD_MODE_LL, last_bank, NULL);
       dt[i] = b1 - b0;
