@@ -8,6 +8,7 @@
 #define EPD_DEV_CUH
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <nccl.h>
 #include <nccl_device.h>
 #include <stdint.h>
@@ -64,13 +65,42 @@ __device__ __forceinline__ int4 ld_nc_v4(const void *p) {
   return v;
 }
 __device__ __forceinline__ float bf16_to_f(uint32_t v16) { return __uint_as_float(v16 << 16); }
-/* x / scale rounded to nearest even, as IEEE division (the reference's __fdiv_rn), from inv = 1/scale
- * (rounded): q0 = x * inv is within an ulp, the FMA residual corrects it (Markstein); exact for every
- * quotient above 2^-100 (checked exhaustively over BF16 inputs), smaller ones are 0 in e4m3 either way. */
-__device__ __forceinline__ float div_by_scale(float x, float scale, float inv) {
-  const float q0 = __fmul_rn(x, inv);
-  const float r = __fmaf_rn(-q0, scale, x);
-  return q0 == 0.f ? q0 : __fmaf_rn(r, inv, q0);
+/* ---- FP8 e4m3 quantisation of a 128-channel group (SEMANTICS.md: scale = max(amax, 1e-4) / 448,
+ * q = e4m3_satfinite_rne(x / scale), both divisions IEEE) without a division: the kernels' quantisers
+ * are bound by their instructions (HT FP8 dispatch on 24 SMs). epd_k_fp8_check compares every result
+ * with __fdiv_rn for every BF16 amax and every BF16 x. ---- */
+
+/* RN(max(amax, 1e-4) / 448): the product with c = RN(1/448) is within an ulp, one FMA with the exact
+ * residual corrects it (Markstein); +inf stays +inf. */
+__device__ __forceinline__ float fp8_scale(float amax) {
+  const float a = fmaxf(amax, EPD_K_FP8_AMAX_MIN), c = 1.0f / EPD_K_FP8_MAX;
+  const float q = __fmul_rn(a, c);
+  const float s = __fmaf_rn(__fmaf_rn(-q, EPD_K_FP8_MAX, a), c, q);
+  return a <= 3.402823466e38f ? s : a;
+}
+/* What a group's quotients need of its scale, computed once per group: RN(1/scale), and the scale for
+ * the residual (0 for an infinite scale, so that finite x / inf comes out as a zero of x's sign and
+ * inf / inf as NaN, as the division gives). */
+struct Fp8Div {
+  float inv, res;
+};
+__device__ __forceinline__ Fp8Div fp8_div(float scale) {
+  return {__frcp_rn(scale), scale <= 3.402823466e38f ? scale : 0.f};
+}
+/* x / scale rounded to nearest even, as IEEE division, in three instructions: q0 = x * inv is within an
+ * ulp, the FMA with the exact residual x - q0 * scale (computed negated, which keeps a zero's sign:
+ * -0 / scale is -0) corrects it; NaN stays NaN. */
+__device__ __forceinline__ float fp8_quot(float x, Fp8Div d) {
+  const float q0 = __fmul_rn(x, d.inv);
+  return __fmaf_rn(-__fmaf_rn(q0, d.res, -x), d.inv, q0);
+}
+/* The e4m3 bytes (satfinite) of v0..v3 / scale, in memory order. */
+__device__ __forceinline__ uint32_t fp8_quant4(float v0, float v1, float v2, float v3, Fp8Div d) {
+  const __nv_fp8x2_storage_t a =
+      __nv_cvt_float2_to_fp8x2(make_float2(fp8_quot(v0, d), fp8_quot(v1, d)), __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t b =
+      __nv_cvt_float2_to_fp8x2(make_float2(fp8_quot(v2, d), fp8_quot(v3, d)), __NV_SATFINITE, __NV_E4M3);
+  return (uint32_t)a | ((uint32_t)b << 16);
 }
 __device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
   __nv_bfloat162 h = __floats2bfloat162_rn(a, b);

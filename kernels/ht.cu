@@ -571,20 +571,9 @@ __device__ __forceinline__ void send_row_fp8(const HTParams &p, const char *xrow
 #pragma unroll
       for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
       if (g >= nsc) continue;
-      const float scale = __fdiv_rn(fmaxf(amax, EPD_K_FP8_AMAX_MIN), EPD_K_FP8_MAX);
-      const float inv = __frcp_rn(scale);
-      uint32_t qw[2];
-#pragma unroll
-      for (int q = 0; q < 2; q++) {
-        __nv_fp8x2_storage_t a = __nv_cvt_float2_to_fp8x2(
-            make_float2(div_by_scale(f[4 * q], scale, inv), div_by_scale(f[4 * q + 1], scale, inv)), __NV_SATFINITE,
-            __NV_E4M3);
-        __nv_fp8x2_storage_t b = __nv_cvt_float2_to_fp8x2(
-            make_float2(div_by_scale(f[4 * q + 2], scale, inv), div_by_scale(f[4 * q + 3], scale, inv)),
-            __NV_SATFINITE, __NV_E4M3);
-        qw[q] = (uint32_t)a | ((uint32_t)b << 16);
-      }
-      const uint2 qv = make_uint2(qw[0], qw[1]);
+      const float scale = fp8_scale(amax);
+      const Fp8Div d = fp8_div(scale);
+      const uint2 qv = make_uint2(fp8_quant4(f[0], f[1], f[2], f[3], d), fp8_quant4(f[4], f[5], f[6], f[7], d));
 #pragma unroll
       for (int r = 0; r < EPD_K_MAX_RANKS; r++)
         if (xd[r]) *(uint2 *)(xd[r] + g * 128 + (lane & 15) * 8) = qv;

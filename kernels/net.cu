@@ -50,14 +50,9 @@ __global__ void __launch_bounds__(NET_THREADS)
       float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      const float scale = fmaxf(amax, EPD_K_FP8_AMAX_MIN) / EPD_K_FP8_MAX, inv = __frcp_rn(scale);
-      __nv_fp8x2_storage_t q01 = __nv_cvt_float2_to_fp8x2(
-          make_float2(epd_dev::div_by_scale(v0, scale, inv), epd_dev::div_by_scale(v1, scale, inv)), __NV_SATFINITE,
-          __NV_E4M3);
-      __nv_fp8x2_storage_t q23 = __nv_cvt_float2_to_fp8x2(
-          make_float2(epd_dev::div_by_scale(v2, scale, inv), epd_dev::div_by_scale(v3, scale, inv)), __NV_SATFINITE,
-          __NV_E4M3);
-      *(uint32_t *)((char *)r.dst + g * EPD_K_FP8_BLOCK + lane * 4) = (uint32_t)q01 | ((uint32_t)q23 << 16);
+      const float scale = epd_dev::fp8_scale(amax);
+      *(uint32_t *)((char *)r.dst + g * EPD_K_FP8_BLOCK + lane * 4) =
+          epd_dev::fp8_quant4(v0, v1, v2, v3, epd_dev::fp8_div(scale));
       if (lane == 0) ((float *)r.scales)[g] = scale;
     }
   }

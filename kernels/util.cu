@@ -3,7 +3,7 @@
  */
 #include <cuda_runtime.h>
 
-#include "epd_kernels.h"
+#include "epd_dev.cuh"
 
 namespace {
 /* Hold a stream until *flag >= value (a host-mapped word), or until timeout_ns passed. */
@@ -31,6 +31,44 @@ __global__ void __launch_bounds__(512) rewrite_rows_kernel(char *base, const int
     __stcg(rows + i, __ldcg(rows + i)); /* intrinsics: a plain x = x could be dropped as a no-op */
   }
 }
+/* epd_k_fp8_check: one thread per non-negative BF16 amax pattern (NaN patterns skipped: a group's amax is
+ * never NaN, fmaxf drops NaN), every BF16 x pattern that can be in a group of that amax (|x| <= amax, or
+ * NaN) for each. The reference is IEEE division and the
+ * e4m3 conversion of the reference quantiser (a NaN quotient is 0x7f). */
+__global__ void fp8_check_kernel(unsigned long long *bad, unsigned long long *first) {
+  const uint32_t ab = blockIdx.x * blockDim.x + threadIdx.x;
+  if (ab >= 0x8000u || (ab & 0x7f80u) == 0x7f80u && (ab & 0x7fu)) return;
+  const float amax = epd_dev::bf16_to_f(ab);
+  const float want_s = __fdiv_rn(fmaxf(amax, EPD_K_FP8_AMAX_MIN), EPD_K_FP8_MAX);
+  const float got_s = epd_dev::fp8_scale(amax);
+  unsigned long long nbad = 0, at = ~0ull;
+  if (__float_as_uint(got_s) != __float_as_uint(want_s)) {
+    nbad++;
+    at = (unsigned long long)ab << 32 | 0x10000u;
+  }
+  const epd_dev::Fp8Div d = epd_dev::fp8_div(want_s);
+  for (uint32_t x0 = 0; x0 < 0x10000u; x0 += 4) {
+    float v[4];
+    uint32_t want = 0, care = 0;
+    for (int i = 0; i < 4; i++) {
+      v[i] = epd_dev::bf16_to_f(x0 + i);
+      if (fabsf(v[i]) <= amax || isnan(v[i])) care |= 0xffu << (8 * i); /* x can be in a group of this amax */
+      const float q = __fdiv_rn(v[i], want_s);
+      const uint32_t b = isnan(q) ? 0x7fu : (uint32_t)__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+      want |= b << (8 * i);
+    }
+    const uint32_t got = epd_dev::fp8_quant4(v[0], v[1], v[2], v[3], d);
+    for (int i = 0; i < 4; i++)
+      if ((((got ^ want) & care) >> (8 * i)) & 0xffu) {
+        nbad++;
+        if (at == ~0ull) at = (unsigned long long)ab << 32 | (x0 + i);
+      }
+  }
+  if (nbad) {
+    atomicAdd(bad, nbad);
+    atomicMin(first, at);
+  }
+}
 } /* namespace */
 
 extern "C" epd_result_t epd_k_gate(const uint32_t *flag, uint32_t value, uint64_t timeout_ns, void *stream) {
@@ -49,4 +87,21 @@ extern "C" epd_result_t epd_k_rewrite_rows(void *base, const int32_t *counts, ui
   rewrite_rows_kernel<<<slots, 512, 0, (cudaStream_t)stream>>>((char *)base, counts, fixed, stride, row_bytes,
                                                                 max_rows);
   return cudaGetLastError() == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
+}
+
+extern "C" epd_result_t epd_k_fp8_check(uint64_t *mismatches, uint32_t *first_amax, uint32_t *first_x) {
+  unsigned long long *d = NULL, h[2] = {0, ~0ull};
+  if (cudaMalloc((void **)&d, sizeof h) != cudaSuccess) return EPD_ERR_CUDA;
+  cudaError_t ce = cudaMemcpy(d, h, sizeof h, cudaMemcpyHostToDevice);
+  if (ce == cudaSuccess) {
+    fp8_check_kernel<<<0x8000 / 256, 256>>>(d, d + 1);
+    ce = cudaGetLastError();
+  }
+  if (ce == cudaSuccess) ce = cudaMemcpy(h, d, sizeof h, cudaMemcpyDeviceToHost);
+  cudaFree(d);
+  if (ce != cudaSuccess) return EPD_ERR_CUDA;
+  *mismatches = h[0];
+  *first_amax = h[1] == ~0ull ? 0u : (uint32_t)(h[1] >> 32);
+  *first_x = h[1] == ~0ull ? 0u : (uint32_t)h[1];
+  return EPD_OK;
 }
