@@ -68,7 +68,7 @@ __device__ __forceinline__ float bf16_to_f(uint32_t v16) { return __uint_as_floa
 /* ---- FP8 e4m3 quantisation of a 128-channel group (SEMANTICS.md: scale = max(amax, 1e-4) / 448,
  * q = e4m3_satfinite_rne(x / scale), both divisions IEEE) without a division: the kernels' quantisers
  * are bound by their instructions (HT FP8 dispatch on 24 SMs). epd_k_fp8_check compares every result
- * with __fdiv_rn for every BF16 amax and every BF16 x. ---- */
+ * with __fdiv_rn for every BF16 amax and every BF16 x of a group with that amax. ---- */
 
 /* RN(max(amax, 1e-4) / 448): the product with c = RN(1/448) is within an ulp, one FMA with the exact
  * residual corrects it (Markstein); +inf stays +inf. */
@@ -78,18 +78,25 @@ __device__ __forceinline__ float fp8_scale(float amax) {
   const float s = __fmaf_rn(__fmaf_rn(-q, EPD_K_FP8_MAX, a), c, q);
   return a <= 3.402823466e38f ? s : a;
 }
-/* What a group's quotients need of its scale, computed once per group: RN(1/scale), and the scale for
- * the residual (0 for an infinite scale, so that finite x / inf comes out as a zero of x's sign and
- * inf / inf as NaN, as the division gives). */
+/* What a group's quotients need of its scale, computed once per group: its reciprocal (the hardware's
+ * approximation and one Newton step: within an ulp of 1/scale, which the quotient's correction absorbs
+ * for every scale a BF16 amax gives; 0 for an infinite scale), and the scale for the residual (0 for an
+ * infinite scale, so that finite x / inf comes out as a zero of x's sign and inf / inf as NaN, as the
+ * division gives). */
 struct Fp8Div {
   float inv, res;
 };
 __device__ __forceinline__ Fp8Div fp8_div(float scale) {
-  return {__frcp_rn(scale), scale <= 3.402823466e38f ? scale : 0.f};
+  float r0;
+  asm("rcp.approx.f32 %0, %1;" : "=f"(r0) : "f"(scale));
+  const float r1 = __fmaf_rn(r0, __fmaf_rn(-scale, r0, 1.0f), r0);
+  const bool fin = scale <= 3.402823466e38f;
+  return {fin ? r1 : 0.f, fin ? scale : 0.f};
 }
-/* x / scale rounded to nearest even, as IEEE division, in three instructions: q0 = x * inv is within an
- * ulp, the FMA with the exact residual x - q0 * scale (computed negated, which keeps a zero's sign:
- * -0 / scale is -0) corrects it; NaN stays NaN. */
+/* x / scale rounded to nearest even, as IEEE division, in three instructions: q0 = x * inv is close, the
+ * FMA with the exact residual x - q0 * scale (computed negated, which keeps a zero's sign: -0 / scale is
+ * -0) corrects it (Markstein); NaN stays NaN. Exact for the quantiser's inputs by exhaustion
+ * (epd_k_fp8_check), not by a proof for every float. */
 __device__ __forceinline__ float fp8_quot(float x, Fp8Div d) {
   const float q0 = __fmul_rn(x, d.inv);
   return __fmaf_rn(-__fmaf_rn(q0, d.res, -x), d.inv, q0);
