@@ -8,8 +8,9 @@
 #   (256 tokens; BF16 also 4096 tokens with 16 experts); status shows transport nccl-p2p, the NCCL log shows
 #   NET/Socket; expert maps staged through either node's daemon (rank 0 every 3 LL / 4 HT steps; epdctl
 #   set-map at node 1) become active on both nodes at the same step, weight copies refused on both; node 1
-#   silent -> EPD_ERR_TIMEOUT naming rank 1; a second group is refused meanwhile; node 1 drains -> node 0's
-#   dispatch in a group node 1 does not have fails with EPD_ERR_DRAINING naming rank 1 at once (its notice);
+#   silent -> EPD_ERR_TIMEOUT naming rank 1; a second group is refused meanwhile; node 1 drains while a group
+#   of both nodes steps -> both workers stop on EPD_ERR_DRAINING, node 0's at once (the per-group notice);
+#   then node 0's dispatch in a group node 1 does not have fails with EPD_ERR_DRAINING naming rank 1 at once;
 #   node 1 gone -> EPD_ERR_PEER naming rank 1 within 3 s.
 # Then (TWO_NODES_BASELINE=1, default) the same LL steps on ONE daemon driving both GPUs over NVLink.
 # TWO_NODES_QUICK=1: the LL cases only; TWO_NODES_NCCL_ENV: extra NCCL variables for the daemons.
@@ -123,8 +124,25 @@ grep -q "EPD_ERR_TIMEOUT.*peer rank 1" "$T/to.out" || fail "timeout does not nam
 grep -q "node 1 (ranks 1..1) did not send" "$T/node0.log" || fail "the log does not say node 1 was silent"
 echo "   ok: $(grep -h EPD_ERR_TIMEOUT "$T/to.out" | head -1)"
 
-echo "== node 1 drains: node 0's dispatch in a group node 1 will not step fails with EPD_ERR_DRAINING at once"
+echo "== node 1 drains while a group of both nodes steps: both workers stop on EPD_ERR_DRAINING, node 0's at once"
+start_workers dr --steps 100000 --seed 9 --hidden 256
+wait_for 20 grep -q "group dr" "$T/node1.log" || fail "group dr did not start on node 1"
+sleep 1
+kill -0 "$W_dr0" 2> /dev/null && kill -0 "$W_dr1" 2> /dev/null || fail "group dr stopped before the drain: $(tail -2 "$T/dr0.out")"
+s=$(date +%s%N)
 "$EPDCTL" -s "$T/n1/control.sock" drain > "$T/drain.out" 2>&1 || fail "epdctl drain: $(cat "$T/drain.out")"
+wait "$W_dr0"; RC=$?
+ms=$(( ($(date +%s%N) - s) / 1000000 ))
+[ $RC -eq 2 ] || fail "drain of a running group: node 0's worker exited $RC: $(tail -2 "$T/dr0.out")"
+grep -q "EPD_ERR_DRAINING.*peer rank 1" "$T/dr0.out" || fail "drain of a running group, node 0: $(tail -2 "$T/dr0.out")"
+[ $ms -lt 4000 ] || fail "drain of a running group: node 0's step failed only after $ms ms"
+wait "$W_dr1"; RC=$?
+[ $RC -eq 2 ] || fail "drain of a running group: node 1's worker exited $RC: $(tail -2 "$T/dr1.out")"
+grep -q "EPD_ERR_DRAINING" "$T/dr1.out" || fail "drain of a running group, node 1: $(tail -2 "$T/dr1.out")"
+echo "   ok: node 0 in $ms ms: $(grep -h EPD_ERR_DRAINING "$T/dr0.out" | head -1 | cut -c1-150)"
+echo "   node 1: $(grep -h EPD_ERR_DRAINING "$T/dr1.out" | head -1 | cut -c1-150)"
+
+echo "== node 1 drains: node 0's dispatch in a group node 1 will not step fails with EPD_ERR_DRAINING at once"
 wait_for 10 grep -q "node 1 is draining: the dispatches of groups it does not have fail here" "$T/node0.log" ||
   fail "node 0's log does not say node 1 drains"
 node0_fails EPD_ERR_DRAINING 4000 "drain (step_timeout_ms 5000)" nd
