@@ -63,7 +63,10 @@ void epd_ref_quant_row(const uint16_t *x, uint32_t hidden, uint8_t *q, float *sc
   for (uint32_t b = 0; b * 128 < hidden; b++) {
     uint32_t end = b * 128 + 128 < hidden ? b * 128 + 128 : hidden;
     float amax = 0;
-    for (uint32_t i = b * 128; i < end; i++) amax = fmaxf(amax, fabsf(epd_bf16_to_f32(x[i])));
+    for (uint32_t i = b * 128; i < end; i++) { /* NaN skipped: glibc's fmaxf returns NaN for a signalling one */
+      float v = fabsf(epd_bf16_to_f32(x[i]));
+      if (!isnan(v)) amax = fmaxf(amax, v);
+    }
     float scale = fmaxf(amax, 1e-4f) / 448.0f;
     scales[b] = scale;
     for (uint32_t i = b * 128; i < end; i++) q[i] = epd_f32_to_e4m3(epd_bf16_to_f32(x[i]) / scale);

@@ -79,8 +79,9 @@ __device__ __forceinline__ float fp8_scale(float amax) {
   return a <= 3.402823466e38f ? s : a;
 }
 /* What a group's quotients need of its scale, computed once per group: its reciprocal (the hardware's
- * approximation and one Newton step: within an ulp of 1/scale, which the quotient's correction absorbs
- * for every scale a BF16 amax gives; 0 for an infinite scale), and the scale for the residual (0 for an
+ * approximation, within an ulp by PTX's bound, and one Newton step: RN(1/scale) for every scale a BF16 amax
+ * gives, as a CPU emulation from any start within 2 ulp found in session 20, and the quotient's correction
+ * would absorb an ulp anyway; 0 for an infinite scale), and the scale for the residual (0 for an
  * infinite scale, so that finite x / inf comes out as a zero of x's sign and inf / inf as NaN, as the
  * division gives). */
 struct Fp8Div {

@@ -235,11 +235,12 @@ epd_result_t epd_k_rewrite_rows(void *base, const int32_t *counts, uint32_t fixe
 /* The geometry a context was created with. */
 const epd_k_ll_geom_t *epd_k_ll_geom(const epd_k_ll_t *k);
 
-/* Test helper: the kernels' FP8 quantiser (LL, HT and scale-out) against its definition
- * (docs/SEMANTICS.md: IEEE divisions, e4m3 satfinite round-to-nearest-even): the scale of every
- * non-negative BF16 amax, and for each the e4m3 byte of every BF16 x with |x| <= amax or NaN. *mismatches counts the differences;
- * the first one's amax and x bit patterns (x = 0x10000: the scale itself). Synchronous, current device. */
-epd_result_t epd_k_fp8_check(uint64_t *mismatches, uint32_t *first_amax, uint32_t *first_x);
+/* Test helper: the kernels' FP8 quantiser (LL, HT and scale-out) against IEEE division (docs/SEMANTICS.md):
+ * the scale of every non-negative BF16 amax (NaN patterns too: a group of NaNs), and for each the e4m3 byte
+ * of every BF16 x with |x| <= amax or NaN, converted by the same instruction on both sides. *mismatches
+ * counts the differences, *compared the bytes compared (1073790594 when every pair ran); the first
+ * difference's amax and x bit patterns (x = 0x10000: the scale itself). Synchronous, current device. */
+epd_result_t epd_k_fp8_check(uint64_t *mismatches, uint64_t *compared, uint32_t *first_amax, uint32_t *first_x);
 
 /* ---- HT (high-throughput) data path: docs/SEMANTICS.md "HT dispatch"/"HT combine" ----
  * Per rank of a node-local (LSA) team: an HT staging window (epd_k_ht_window_bytes: capacity rows of

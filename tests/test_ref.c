@@ -129,6 +129,27 @@ EPD_TEST(ref_e4m3_conversion) {
   }
 }
 
+/* NaN values do not take part in a group's amax, signalling ones included (glibc's fmaxf returns NaN for
+ * those, after which the next value would replace the max), as in the kernels; a group of NaNs alone gets
+ * the smallest scale. */
+EPD_TEST(ref_quant_nan_in_group) {
+  uint16_t x[256];
+  uint8_t q[256];
+  float sc[2];
+  for (int i = 0; i < 256; i++) x[i] = epd_f32_to_bf16(i < 128 ? 1.0f : 2.0f);
+  x[0] = epd_f32_to_bf16(1000.0f);
+  x[1] = 0x7f81; /* signalling NaN */
+  x[2] = 0xffc0; /* quiet NaN, negative */
+  for (int i = 128; i < 256; i++) x[i] = 0x7fa0; /* second group: signalling NaNs only */
+  epd_ref_quant_row(x, 256, q, sc);
+  const float want[2] = {1000.0f / 448.0f, 1e-4f / 448.0f};
+  ASSERT(memcmp(sc, want, sizeof want) == 0);
+  ASSERT_EQ(q[0], 0x7e);
+  ASSERT_EQ(q[1], 0x7f);
+  ASSERT_EQ(q[2], 0x7f);
+  ASSERT_EQ(q[128], 0x7f);
+}
+
 /* LL: every valid (src, t, k) delivered once to dest(t, k), in (src, t) order, rows intact. */
 static void check_ll(world_t *w, int fp8) {
   const epd_ref_geom_t *g = &w->g;

@@ -305,16 +305,20 @@ static void steps(uint64_t seed, int nsteps, uint32_t t0, uint32_t t1, int route
 }
 
 /* The FP8 quantiser of every kernel (LL, HT, scale-out) against its definition, for every BF16 amax and
- * every BF16 x of a group with that amax: scale and e4m3 byte as IEEE division gives them. */
+ * every BF16 x of a group with that amax: scale and e4m3 byte as IEEE division gives them. The pairs
+ * compared: for each finite or infinite amax pattern a (0 .. 0x7f80), both signs of every magnitude up to
+ * a and the 254 NaN patterns; for each of the 127 NaN amax patterns the 254 NaN x. */
 EPD_TEST_T(gpu_fp8_quantiser_exhaustive, 60) {
   if (llh_gpus() < 1) epd_test_skip("needs a GPU");
-  uint64_t bad = 0;
+  uint64_t bad = 0, cmp = 0, want = 127ull * 254;
+  for (uint64_t a = 0; a <= 0x7f80; a++) want += 2 * (a + 1) + 254;
   uint32_t a = 0, x = 0;
   CUCK(cudaSetDevice(0));
-  CK(epd_k_fp8_check(&bad, &a, &x));
+  CK(epd_k_fp8_check(&bad, &cmp, &a, &x));
   if (bad)
     epd_test_fail(__FILE__, __LINE__, "%llu mismatches; first: amax 0x%04x, x 0x%05x (0x10000: the scale)",
                   (unsigned long long)bad, a, x);
+  ASSERT_EQ(cmp, want);
 }
 
 EPD_TEST_T(gpu_ll_bf16_h2048_k8, 120) {
