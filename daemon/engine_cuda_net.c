@@ -345,7 +345,6 @@ static void send_frame(cnet_t *cn) {
     snprintf(h.why, sizeof h.why, "node %u: the engine failed: %s", cn->node, epd_engine_failure(eng));
   } else if (eng->draining && op_dispatch(d0->op)) {
     h.status = EPD_ERR_DRAINING;
-    h.bad_rank = (int32_t)(cn->node * L); /* the other nodes name it; this node's clients get no peer */
     snprintf(h.why, sizeof h.why, "node %u is draining", cn->node);
   }
   if (dispatch && !h.status) eng_vote_switch(eng, grp, &cn->vote, cn->step);
@@ -486,9 +485,11 @@ static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
         peers[np++] = (eng_map_peer_t){h[n]->staged_version, h[n]->map_version, h[n]->staged_hash, h[n]->map_hash};
     eng_vote_agree(&cn->vote, peers, np, cn->step);
   }
+  /* a draining node's frame: the other nodes name its first rank, its own clients get no peer */
   for (uint32_t n = 0; n < nodes; n++)
     if (h[n]->status)
-      FAIL(h[n]->status, h[n]->status == EPD_ERR_DRAINING && n == cn->node ? -1 : h[n]->bad_rank, "%.*s",
+      FAIL(h[n]->status,
+           h[n]->status != EPD_ERR_DRAINING ? h[n]->bad_rank : n == cn->node ? -1 : (int)(n * L), "%.*s",
            (int)sizeof h[n]->why, h[n]->why);
   for (uint32_t n = 0; n < nodes; n++) {
     if (h[n]->num_experts != cn->g.num_experts || h[n]->hidden != cn->g.hidden || h[n]->topk != K ||

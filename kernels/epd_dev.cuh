@@ -9,6 +9,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+#include <float.h>
 #include <nccl.h>
 #include <nccl_device.h>
 #include <stdint.h>
@@ -76,7 +77,7 @@ __device__ __forceinline__ float fp8_scale(float amax) {
   const float a = fmaxf(amax, EPD_K_FP8_AMAX_MIN), c = 1.0f / EPD_K_FP8_MAX;
   const float q = __fmul_rn(a, c);
   const float s = __fmaf_rn(__fmaf_rn(-q, EPD_K_FP8_MAX, a), c, q);
-  return a <= 3.402823466e38f ? s : a;
+  return a <= FLT_MAX ? s : a;
 }
 /* What a group's quotients need of its scale, computed once per group: its reciprocal (the hardware's
  * approximation, within an ulp by PTX's bound, and one Newton step: RN(1/scale) for every scale a BF16 amax
@@ -91,7 +92,7 @@ __device__ __forceinline__ Fp8Div fp8_div(float scale) {
   float r0;
   asm("rcp.approx.f32 %0, %1;" : "=f"(r0) : "f"(scale));
   const float r1 = __fmaf_rn(r0, __fmaf_rn(-scale, r0, 1.0f), r0);
-  const bool fin = scale <= 3.402823466e38f;
+  const bool fin = scale <= FLT_MAX;
   return {fin ? r1 : 0.f, fin ? scale : 0.f};
 }
 /* x / scale rounded to nearest even, as IEEE division, in three instructions: q0 = x * inv is close, the
