@@ -73,7 +73,7 @@ echo "   $NS switches of group ll, the same (version, step) on both nodes; last:
 grep -q "staged from node 0" "$T/b.log" || fail "node 1 did not log maps staged from node 0"
 
 echo "== SetExpertMap sent to node 1's daemon while steps run"
-world ex 1500 --hidden 64
+world ex 6000 --hidden 64
 wait_for 10 same_now ex 1 || fail "group ex did not come up on both nodes"
 for s in 1 2 3; do
   mapfile ex $s > "$T/m$s.txt"
