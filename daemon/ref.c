@@ -469,3 +469,45 @@ void epd_ref_gen_input(uint64_t seed, uint64_t step, uint32_t rank, const epd_re
       topk_weights[(size_t)t * K + k] = 0.05f + 0.95f * rand_unit(&st);
     }
 }
+
+/* Special groups: each pattern fills the 128 values of one scale group. */
+static uint16_t spec_value(uint32_t pat, uint32_t i, uint64_t *st) {
+  const uint64_t u = epd_ref_rand(st);
+  const uint16_t sign = (u >> 20) & 1 ? 0x8000 : 0;
+  const uint16_t normal = epd_f32_to_bf16(rand_unit(st) * 4.0f - 2.0f);
+  static const uint16_t nans[] = {0x7fc0, 0xffc0, 0x7f81, 0xff81, 0x7fff, 0xffff, 0x7fa5};
+  switch (pat) {
+  case 0: /* signed zeros: amax 0, the floor scale */
+    return sign;
+  case 1: /* BF16 subnormals: amax below the floor */
+    return sign | (uint16_t)(1 + u % 127);
+  case 2: /* one +inf: an infinite scale, finite values give signed zeros, inf / inf NaN */
+    return i == 37 ? 0x7f80 : normal;
+  case 3: /* both infinities and a NaN */
+    return i == 5 ? 0xff80 : i == 90 ? 0x7f80 : i == 91 ? 0x7fc1 : normal;
+  case 4: /* NaNs (quiet, signalling, both signs) among normals: the amax skips them */
+    return i % 9 == 4 ? nans[u % 7] : normal;
+  case 5: /* every value NaN */
+    return sign | 0x7f80 | (uint16_t)(1 + u % 127);
+  case 6: /* around the floor 1e-4 */
+    return sign | epd_f32_to_bf16(1e-4f * (0.5f + rand_unit(st)));
+  case 7: /* large finite values (2^100 scale) */
+    return sign | epd_f32_to_bf16(ldexpf(0.5f + rand_unit(st), 100));
+  default: /* one value of 1, the others tiny: quotients in e4m3's subnormal range and below it */
+    return i == 64 ? (uint16_t)(sign | 0x3f80) : (uint16_t)(sign | epd_f32_to_bf16(ldexpf(rand_unit(st), -6 - (int)(u % 10))));
+  }
+}
+
+void epd_ref_gen_specials(uint64_t seed, uint64_t step, uint32_t rank, uint32_t num_tokens, uint32_t hidden,
+                          uint16_t *x) {
+  uint64_t st = seed * 0x9e3779b97f4a7c15ull ^ (step << 24) ^ ((uint64_t)rank << 52) ^ 0x3c6ef372fe94f82bull;
+  const uint32_t nb = hidden / 128;
+  if (!nb) return;
+  for (uint32_t t = 0; t < num_tokens; t++) {
+    uint64_t u = epd_ref_rand(&st);
+    if (u % 3) continue;
+    uint32_t b = (uint32_t)((u >> 8) % nb), pat = (uint32_t)((u >> 32) % EPD_REF_SPECIALS);
+    for (uint32_t i = 0; i < 128; i++) x[(size_t)t * hidden + b * 128 + i] = spec_value(pat, i, &st);
+  }
+}
+

@@ -130,6 +130,14 @@ static inline epd_replica_t epd_ref_map_dest(const epd_expert_map_t *m, uint32_t
  * every rank's input. */
 void epd_ref_gen_input(uint64_t seed, uint64_t step, uint32_t rank, const epd_ref_geom_t *g,
                        uint32_t num_tokens, int skew, uint16_t *x, int64_t *topk_idx, float *topk_weights);
+/* Special values for the FP8 quantiser, over inputs made by epd_ref_gen_input: about a third of the
+ * tokens get one 128-channel group replaced by one of EPD_REF_SPECIALS patterns (signed zeros, BF16
+ * subnormals, +inf, both infinities with a NaN, NaNs among normals, all NaN, values around the 1e-4
+ * floor, 2^100-scale values, one 1 among tiny values). Deterministic in (seed, step, rank); hidden a
+ * multiple of 128 (else nothing changes). */
+#define EPD_REF_SPECIALS 9
+void epd_ref_gen_specials(uint64_t seed, uint64_t step, uint32_t rank, uint32_t num_tokens, uint32_t hidden,
+                          uint16_t *x);
 /* splitmix64 step, for tests that need their own random numbers. */
 uint64_t epd_ref_rand(uint64_t *state);
 

@@ -26,9 +26,9 @@ worker wc0 -g big16 -r 0 -n 2 --steps 20 --seed 6 --experts 256 --hidden 7168 --
 worker wc1 -g big16 -r 1 -n 2 --steps 20 --seed 6 --experts 256 --hidden 7168 --topk 8 --tokens 128
 expect_ok wb0; expect_ok wb1; expect_ok wc0; expect_ok wc1
 
-echo "== HT FP8 and BF16 (skewed), H 7168, 256 experts, top-8, 256 tokens (two groups at once)"
-worker wh0 -g ht8 -r 0 -n 2 --steps 8 --seed 4 --mode ht --fp8 --experts 256 --hidden 7168 --topk 8 --tokens 256
-worker wh1 -g ht8 -r 1 -n 2 --steps 8 --seed 4 --mode ht --fp8 --experts 256 --hidden 7168 --topk 8 --tokens 256
+echo "== HT FP8 (special values in some groups) and BF16 (skewed), H 7168, 256 experts, top-8, 256 tokens (two groups at once)"
+worker wh0 -g ht8 -r 0 -n 2 --steps 8 --seed 4 --mode ht --fp8 --experts 256 --hidden 7168 --topk 8 --tokens 256 --specials
+worker wh1 -g ht8 -r 1 -n 2 --steps 8 --seed 4 --mode ht --fp8 --experts 256 --hidden 7168 --topk 8 --tokens 256 --specials
 worker wi0 -g ht16 -r 0 -n 2 --steps 8 --seed 8 --mode ht --skew --experts 256 --hidden 7168 --topk 8 --tokens 256
 worker wi1 -g ht16 -r 1 -n 2 --steps 8 --seed 8 --mode ht --skew --experts 256 --hidden 7168 --topk 8 --tokens 256
 expect_ok wh0; expect_ok wh1; expect_ok wi0; expect_ok wi1

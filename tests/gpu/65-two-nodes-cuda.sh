@@ -41,12 +41,12 @@ node0_fails() {
 echo "== LL BF16, skewed routing, 128 tokens, 20 steps"
 start_workers llb --steps 20 --seed 5 --skew $COMMON --tokens 128 --bench 200
 expect_ok llb0 llb1
-echo "== LL FP8, uniform routing, 128 tokens, 20 steps"
-start_workers llf --steps 20 --seed 7 --fp8 $COMMON --tokens 128 --bench 200
+echo "== LL FP8 (special values in some groups), uniform routing, 128 tokens, 20 steps"
+start_workers llf --steps 20 --seed 7 --fp8 --specials $COMMON --tokens 128 --bench 200
 expect_ok llf0 llf1
 if [ "${TWO_NODES_QUICK:-0}" != 1 ]; then
 echo "== HT FP8 skewed and HT BF16 (256 tokens, 8 steps), HT BF16 4096 tokens (16 experts, top-4, 2 steps)"
-start_workers htf --steps 8 --seed 4 --mode ht --fp8 --skew $COMMON --tokens 256 --bench 50
+start_workers htf --steps 8 --seed 4 --mode ht --fp8 --skew --specials $COMMON --tokens 256 --bench 50
 expect_ok htf0 htf1
 start_workers htb --steps 8 --seed 8 --mode ht $COMMON --tokens 256 --bench 50
 expect_ok htb0 htb1
@@ -59,7 +59,7 @@ expect_ok lls0 lls1
 echo "== expert maps across nodes: rank 0 stages a new map through node 0's daemon every 3 LL / 4 HT steps"
 start_workers lm --steps 90 --seed 11 --skew --hidden 256 --map-every 3
 expect_ok lm0 lm1
-start_workers hm --steps 40 --seed 12 --mode ht --fp8 --skew --hidden 256 --map-every 4
+start_workers hm --steps 40 --seed 12 --mode ht --fp8 --skew --specials --hidden 256 --map-every 4
 expect_ok hm0 hm1
 for g in lm hm; do
   want=8; [ $g = lm ] && want=25

@@ -88,6 +88,7 @@ static void setup(uint32_t E, uint32_t H, uint32_t K, uint32_t M, uint32_t S, in
 }
 
 static uint64_t rng_state = 0x1234;
+static int g_specials; /* gen: special values in some scale groups (epd_ref_gen_specials) */
 
 /* Inputs of one step; route as above. */
 static void gen(uint64_t seed, uint64_t step, const uint32_t ntok[2], int route) {
@@ -95,6 +96,9 @@ static void gen(uint64_t seed, uint64_t step, const uint32_t ntok[2], int route)
     C.ntok[r] = ntok[r];
     epd_ref_gen_input(seed, step, (uint32_t)r, &C.rg, ntok[r] > C.rg.max_tokens ? C.rg.max_tokens : ntok[r],
                       route == ROUTE_SKEW, C.x[r], C.topk[r], C.w[r]);
+    if (g_specials)
+      epd_ref_gen_specials(seed, step, (uint32_t)r, ntok[r] > C.rg.max_tokens ? C.rg.max_tokens : ntok[r],
+                           C.rg.hidden, C.x[r]);
     if (route == ROUTE_ALL_TO_ONE)
       for (uint32_t t = 0; t < ntok[r] && t < C.rg.max_tokens; t++)
         for (uint32_t k = 0; k < C.rg.topk; k++) C.topk[r][(size_t)t * C.rg.topk + k] = k % 3 == 2 ? -1 : (int64_t)k;
@@ -178,13 +182,6 @@ static int get_comp(int r, int which, epd_comp_t *c) {
   return llh_comp(&C.h, r, which, c);
 }
 
-static int fp8_close(uint8_t a, uint8_t b) {
-  if (a == b) return 1;
-  if ((a & 0x80) != (b & 0x80)) return (a & 0x7f) == 0 && (b & 0x7f) == 0;
-  int d = (int)(a & 0x7f) - (int)(b & 0x7f);
-  return d == 1 || d == -1;
-}
-
 /* Dispatch on both ranks and compare with the reference. */
 static void run_dispatch_check(unsigned bank, int fp8) {
   llh_t *h = &C.h;
@@ -227,13 +224,14 @@ static void run_dispatch_check(unsigned bank, int fp8) {
           if (memcmp(gr, rr, (size_t)H * 2))
             epd_test_fail(__FILE__, __LINE__, "rank %d slot %u row %d: BF16 row differs", r, s, j);
         } else {
+          /* the same bytes and scales as the reference (IEEE division, SEMANTICS.md) */
           for (uint32_t c = 0; c < H; c++)
-            if (!fp8_close(gr[c], rr[c]))
+            if (gr[c] != rr[c])
               epd_test_fail(__FILE__, __LINE__, "rank %d slot %u row %d ch %u: fp8 %02x vs %02x", r, s, j, c, gr[c], rr[c]);
           for (uint32_t b = 0; b < H / 128; b++) {
             float a = sc[(size_t)j * (H / 128) + b], e = C.ref_out[r].recv_scales[((size_t)s * RM + j) * (H / 128) + b];
-            if (!(fabsf(a - e) <= 1e-6f * fabsf(e)))
-              epd_test_fail(__FILE__, __LINE__, "rank %d slot %u row %d block %u: scale %g vs %g", r, s, j, b, a, e);
+            if (memcmp(&a, &e, 4))
+              epd_test_fail(__FILE__, __LINE__, "rank %d slot %u row %d block %u: scale %a vs %a", r, s, j, b, a, e);
           }
         }
       }
@@ -319,6 +317,19 @@ EPD_TEST_T(gpu_fp8_quantiser_exhaustive, 60) {
     epd_test_fail(__FILE__, __LINE__, "%llu mismatches; first: amax 0x%04x, x 0x%05x (0x10000: the scale)",
                   (unsigned long long)bad, a, x);
   ASSERT_EQ(cmp, want);
+}
+
+/* Special values in a third of the tokens (one scale group each: signed zeros, subnormals, infinities,
+ * NaNs, an all-NaN group, the 1e-4 floor, 2^100, quotients in e4m3's subnormal range): FP8 bytes and
+ * scales equal the reference's, and BF16 rows arrive bit for bit. */
+EPD_TEST_T(gpu_ll_fp8_special_values, 180) {
+  setup(64, 7168, 8, 128, 32, 0);
+  g_specials = 1;
+  steps(71, 3, 128, 128, ROUTE_RANDOM, 1);
+  steps(72, 1, 128, 7, ROUTE_SKEW, 0);
+  steps(73, 2, 1, 128, ROUTE_ALL_TO_ONE, 1);
+  g_specials = 0;
+  llh_destroy(&C.h);
 }
 
 EPD_TEST_T(gpu_ll_bf16_h2048_k8, 120) {

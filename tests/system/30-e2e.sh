@@ -43,18 +43,18 @@ worker wa0 -g ll -r 0 -n 2 --steps 12 --seed 5 --skew
 worker wa1 -g ll -r 1 -n 2 --steps 12 --seed 5 --skew
 expect_ok wa0; expect_ok wa1
 
-echo "== two groups at once: HT + FP8 + skew, and LL + FP8 (detach and re-attach of the same ranks)"
+echo "== two groups at once: HT + FP8 + skew, and LL + FP8 with special values (detach and re-attach of the same ranks)"
 worker wb0 -g ht -r 0 -n 2 --steps 8 --seed 9 --mode ht --fp8 --skew --experts 12 --topk 3 --tokens 40
 worker wb1 -g ht -r 1 -n 2 --steps 8 --seed 9 --mode ht --fp8 --skew --experts 12 --topk 3 --tokens 40
-worker wc0 -g ll -r 0 -n 2 --steps 8 --seed 6 --fp8
-worker wc1 -g ll -r 1 -n 2 --steps 8 --seed 6 --fp8
+worker wc0 -g ll -r 0 -n 2 --steps 8 --seed 6 --fp8 --specials
+worker wc1 -g ll -r 1 -n 2 --steps 8 --seed 6 --fp8 --specials
 expect_ok wb0; expect_ok wb1; expect_ok wc0; expect_ok wc1
 
 echo "== HT dense layout (EPD_DESC_HT_DENSE), BF16 and FP8, uneven token counts: every rank gets every token"
 worker wn0 -g htd -r 0 -n 2 --steps 8 --seed 19 --mode ht --dense --skew --experts 12 --topk 3 --tokens 40 -v
 worker wn1 -g htd -r 1 -n 2 --steps 8 --seed 19 --mode ht --dense --skew --experts 12 --topk 3 --tokens 40 -v
-worker wo0 -g htd8 -r 0 -n 2 --steps 6 --seed 20 --mode ht --dense --fp8 --experts 16 --hidden 256 --topk 4 --tokens 24
-worker wo1 -g htd8 -r 1 -n 2 --steps 6 --seed 20 --mode ht --dense --fp8 --experts 16 --hidden 256 --topk 4 --tokens 24
+worker wo0 -g htd8 -r 0 -n 2 --steps 6 --seed 20 --mode ht --dense --fp8 --experts 16 --hidden 256 --topk 4 --tokens 24 --specials
+worker wo1 -g htd8 -r 1 -n 2 --steps 6 --seed 20 --mode ht --dense --fp8 --experts 16 --hidden 256 --topk 4 --tokens 24 --specials
 expect_ok wn0; expect_ok wn1; expect_ok wo0; expect_ok wo1
 # num_recv is the sum of both ranks' tokens (the worker checks every row against the reference's dense plan)
 grep -q "recv=" "$T/wn0.out" || fail "no verbose step lines from the dense worker"

@@ -48,7 +48,7 @@ world ht 8 --skew --mode ht --fp8
 expect_ok ll0 ll1 ll2 ll3 ht0 ht1 ht2 ht3
 grep -h "steps ok" "$T"/ll0.out "$T"/ht2.out
 echo "== LL FP8 and HT BF16, uniform routing, 12 tokens max"
-world lf 6 --fp8 --tokens 12
+world lf 6 --fp8 --tokens 12 --specials
 world hb 6 --mode ht --tokens 12
 expect_ok lf0 lf1 lf2 lf3 hb0 hb1 hb2 hb3
 "$EPDCTL" -s "$T/a/control.sock" metrics > "$T/metrics.out" || fail "epdctl metrics"

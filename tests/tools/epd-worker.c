@@ -28,6 +28,10 @@
  * at max_tokens; with --map-every the same graphs keep replaying across the map switches.
  * --node-ranks N: the world spans nodes of N ranks each (scale-out): the reference picks replicas the
  * way the daemons do (those on the source's node first).
+ * --specials: about a third of each rank's tokens get one 128-channel group of special values
+ * (epd_ref_gen_specials: signed zeros, subnormals, infinities, NaNs, an all-NaN group, ...); FP8 rows
+ * must still equal the reference byte for byte, and the combine must give NaN / the infinity where the
+ * reference does.
  * Exit: 0 all steps matched; 1 a result differed; 2 an op or the attach failed; 3 --die-at-step.
  */
 #define _GNU_SOURCE
@@ -52,10 +56,10 @@ typedef struct args {
   uint64_t seed;
   uint32_t experts, hidden, topk, tokens;
   uint64_t weights;
-  int graph, ht_every, node_ranks, dense;
+  int graph, ht_every, node_ranks, dense, specials;
 } args_t;
 
-static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0, 0, 0, 0};
+static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0, 0, 0, 0, 0};
 
 /* The flags of a dispatch in HT mode (ht) or LL: flags, plus EPD_DESC_HT_DENSE for HT with --dense. */
 static uint32_t dispatch_flags(uint32_t flags, int ht) { return flags | (ht && A.dense ? (uint32_t)EPD_DESC_HT_DENSE : 0u); }
@@ -523,7 +527,7 @@ static uint32_t tokens_of(uint64_t step, uint32_t rank, uint32_t M) {
 static void usage(void) {
   fprintf(stderr, "usage: epd-worker -s SOCKET -g GROUP -r RANK -n NRANKS --steps N --seed S [--experts E "
                   "--hidden H --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] "
-                  "[--map-every N] [--node-ranks N] [--weights BYTES] [--graph] [--bench N] [--ht-every N] [--dense] [-v]\n");
+                  "[--map-every N] [--node-ranks N] [--weights BYTES] [--graph] [--bench N] [--ht-every N] [--dense] [--specials] [-v]\n");
   exit(2);
 }
 
@@ -534,7 +538,7 @@ static void parse(int argc, char **argv) {
       {"topk", 1, 0, 'K'},     {"tokens", 1, 0, 'T'}, {"mode", 1, 0, 'm'},   {"fp8", 0, 0, 'f'},
       {"skew", 0, 0, 'k'},     {"die-at-step", 1, 0, 'd'}, {"verbose", 0, 0, 'v'}, {"map-every", 1, 0, 'M'}, {"node-ranks", 1, 0, 'N'},
       {"weights", 1, 0, 'W'},  {"graph", 0, 0, 'G'},  {"bench", 1, 0, 'B'}, {"ht-every", 1, 0, 'X'}, {"dense", 0, 0, 'D'},
-      {0, 0, 0, 0}};
+      {"specials", 0, 0, 'Z'}, {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "s:g:r:n:v", lo, NULL)) != -1) {
     switch (c) {
@@ -564,6 +568,7 @@ static void parse(int argc, char **argv) {
     case 'B': A.bench = atoi(optarg); break;
     case 'X': A.ht_every = atoi(optarg); break;
     case 'D': A.dense = 1; break;
+    case 'Z': A.specials = 1; break;
     default: usage();
     }
   }
@@ -698,6 +703,7 @@ int main(int argc, char **argv) {
     for (uint32_t r = 0; r < R; r++) {
       uint32_t T = tokens_of((uint64_t)step, r, M);
       epd_ref_gen_input(A.seed, (uint64_t)step, r, &g, T, A.skew, xs[r], is[r], ws[r]);
+      if (A.specials) epd_ref_gen_specials(A.seed, (uint64_t)step, r, T, H, xs[r]);
       in[r] = (epd_ref_in_t){T, xs[r], is[r], ws[r]};
     }
     uint32_t T = in[me].num_tokens;
@@ -878,7 +884,9 @@ int main(int argc, char **argv) {
           mag += fabsf(term);
         }
         float gotv = epd_bf16_to_f32(out[(size_t)t * H + h]);
-        if (!(fabsf(gotv - wantv) <= mag / 64 + 1e-6f) && oerrs++ < 5)
+        /* special inputs: NaN where the reference has NaN, the same infinity */
+        int ok = isnan(wantv) ? isnan(gotv) : isinf(wantv) ? gotv == wantv : fabsf(gotv - wantv) <= mag / 64 + 1e-6f;
+        if (!ok && oerrs++ < 5)
           fprintf(stderr, "rank %d step %d: out[%u][%u] = %g, want %g\n", A.rank, step, t, h, gotv, wantv);
       }
     }
