@@ -40,7 +40,7 @@ static void usage(FILE *f) {
           "  experts [GROUP]    active expert map (GROUP default: \"default\")\n"
           "  set-map FILE       stage an expert map (format: the output of `epdctl experts`, plus optional\n"
           "                     \"copy R:S -> R:S\" weight-migration lines; '-' = stdin)\n"
-          "  drain [--exit]     refuse new attaches and steps; --exit: exit when the last client left\n"
+          "  drain [--exit]     refuse new attaches and dispatches (combines still run); --exit: exit when the last client left\n"
           "  health [SERVICE]   grpc.health.v1 status (exit 1 unless SERVING)\n"
           "  watch [--count N]  print events as they happen (N: stop after N events)\n"
           "  top [--iterations N] [--interval-ms MS]\n"

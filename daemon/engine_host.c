@@ -279,7 +279,8 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
   epd_slot_t *s = &c->queue->slot[c->next_slot];
   if (eng_slot_state(s) != EPD_SLOT_SUBMITTED) return 0;
   epd_desc_t d = s->desc;
-  if (grp->narrived == 0 && eng->draining) {
+  if (grp->narrived == 0 && eng->draining && (d.op == EPD_OP_LL_DISPATCH || d.op == EPD_OP_HT_DISPATCH)) {
+    /* draining: no new dispatch; the combines of dispatches that ran still run */
     c->in_step = 1;
     complete_slot(eng, c, &d, EPD_ERR_DRAINING, -1, grp->map.version, 0, grp->steps, 0, 0);
     return 1;

@@ -1208,11 +1208,13 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
       return fail(res, EPD_ERR_PEER, (int)(n * L), "the data link to node %u (ranks %u..%u) is down: %s", n,
                   n * L, n * L + L - 1, p->why);
     }
-    if (grp->drain_from[n] <= grp->steps) {
-      /* its notice came after every frame it sent (one link, in order): this step's part will not come */
+    const uint32_t op = grp->desc[base].op; /* every local rank has arrived with the same op */
+    if (grp->drain_from[n] <= grp->steps && (op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH)) {
+      /* its notice came after every frame it sent (one link, in order): this dispatch's part will not
+       * come (a draining node still runs combines: their parts come as usual) */
       drop_frames(ng);
       return fail(res, EPD_ERR_DRAINING, (int)(n * L),
-                  "node %u (ranks %u..%u) is draining: it takes no steps of group %s from step %llu on", n,
+                  "node %u (ranks %u..%u) is draining: it takes no dispatch of group %s from step %llu on", n,
                   n * L, n * L + L - 1, grp->name, (unsigned long long)grp->drain_from[n]);
     }
     return 0;
@@ -1401,16 +1403,15 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
         if (c.req_id == UINT64_MAX || g->drain_from[f->src_node] == UINT64_MAX) g->drain_from[f->src_node] = c.req_id;
     }
     pthread_mutex_unlock(&eng->mu);
-    const char *what = eng->ops == &eng_host_ops ? "steps" : "dispatches";
     if (!group[0]) {
       if (c.req_id != UINT64_MAX)
-        EPD_LOGI(EPD_SUB_ENGINE, "node %u is draining: the %s of groups it does not have fail here with "
-                 "EPD_ERR_DRAINING", f->src_node, what);
+        EPD_LOGI(EPD_SUB_ENGINE, "node %u is draining: the dispatches of groups it does not have fail here "
+                 "with EPD_ERR_DRAINING", f->src_node);
       return;
     }
     if (grp && c.req_id != UINT64_MAX)
-      EPD_LOGI(EPD_SUB_ENGINE, "group %s: node %u is draining: its %s from step %llu on fail here with "
-               "EPD_ERR_DRAINING", group, f->src_node, what, (unsigned long long)c.req_id);
+      EPD_LOGI(EPD_SUB_ENGINE, "group %s: node %u is draining: its dispatches from step %llu on fail here "
+               "with EPD_ERR_DRAINING", group, f->src_node, (unsigned long long)c.req_id);
     else if (grp)
       EPD_LOGI(EPD_SUB_ENGINE, "group %s: node %u takes steps again", group, f->src_node);
     return;
@@ -1484,9 +1485,10 @@ void eng_net_notify_drain(epd_engine_t *eng, int drain) {
   if (eng->o.nodes <= 1 || !net) return;
   const int host = eng->ops == &eng_host_ops;
   for (eng_group_t *g = eng->groups; g; g = g->next) {
-    /* host: a step some local rank already joined still runs here (engine_host.c refuses only a first
-     * arrival); cuda: every dispatch from the group's next step on fails here (its frame says
-     * EPD_ERR_DRAINING, and a frame sent before the drain reaches the peers before this notice) */
+    /* both backends refuse dispatches only (combines still run). host: a step some local rank already
+     * joined still runs here (engine_host.c refuses only a first arrival); cuda: every dispatch from the
+     * group's next step on fails here (its frame says EPD_ERR_DRAINING, and a frame sent before the drain
+     * reaches the peers before this notice) */
     ctl_msg_t m = {.kind = CTL_DRAIN,
                    .req_id = !drain ? UINT64_MAX : host ? g->steps + (g->narrived > 0 ? 1u : 0u) : g->steps};
     for (uint32_t n = 0; n < eng->o.nodes; n++)

@@ -216,8 +216,8 @@ static void begin_drain(int exit_when_idle, const char *why) {
     epd_engine_set_draining(d.eng, 1);
     epd_rpc_set_serving(0);
     epd_events_publish("drain", "", -1, 0, 0, 0, 0, "draining (%s)", why);
-    EPD_LOGI(EPD_SUB_MAIN, "draining (%s): no new attach or step", why);
-    epd_notify_status("draining: no new attach or step");
+    EPD_LOGI(EPD_SUB_MAIN, "draining (%s): no new attach or dispatch", why);
+    epd_notify_status("draining: no new attach or dispatch");
   }
   if (!exit_when_idle || d.exit_pending) return;
   d.exit_pending = 1;
@@ -283,7 +283,7 @@ static void reload(void) {
     EPD_LOGD(EPD_SUB_CONF, "log level is now %s", epd_log_level_name(now.log_level));
   }
   if (atomic_load(&d.state) == ST_DRAINING)
-    epd_notify_ready("draining: no new attach or step");
+    epd_notify_ready("draining: no new attach or dispatch");
   else
     ready_status();
 }

@@ -99,7 +99,7 @@ epd_result_t epd_metrics_text(const epd_engine_snap_t *snap, const epd_daemon_in
     sb_printf(&sb, "epd_state{state=\"%s\"} %d\n", states[i], !strcmp(state, states[i]));
   sb_head(&sb, "epd_uptime_seconds", "gauge", "Seconds since the daemon started.");
   sb_printf(&sb, "epd_uptime_seconds %.3f\n", info ? (double)info->uptime_ms / 1e3 : 0.0);
-  sb_head(&sb, "epd_draining", "gauge", "1 while the daemon refuses new attaches and steps.");
+  sb_head(&sb, "epd_draining", "gauge", "1 while the daemon refuses new attaches and dispatches.");
   sb_printf(&sb, "epd_draining %d\n", snap->draining ? 1 : 0);
   sb_head(&sb, "epd_ranks", "gauge", "Ranks (GPUs or host threads) owned by this daemon.");
   sb_printf(&sb, "epd_ranks %u\n", snap->num_ranks);

@@ -111,6 +111,15 @@ __device__ __forceinline__ uint32_t fp8_quant4(float v0, float v1, float v2, flo
       __nv_cvt_float2_to_fp8x2(make_float2(fp8_quot(v2, d), fp8_quot(v3, d)), __NV_SATFINITE, __NV_E4M3);
   return (uint32_t)a | ((uint32_t)b << 16);
 }
+/* A 128-channel group quantised by one warp, 4 values per lane (the LL and scale-out kernels): the
+ * group's amax over the 32 lanes, its scale (*scale, every lane) and this lane's 4 e4m3 bytes. */
+__device__ __forceinline__ uint32_t fp8_group_warp(float v0, float v1, float v2, float v3, float *scale) {
+  float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
+#pragma unroll
+  for (int sh = 16; sh > 0; sh >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, sh));
+  *scale = fp8_scale(amax);
+  return fp8_quant4(v0, v1, v2, v3, fp8_div(*scale));
+}
 __device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
   __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
   return *(uint32_t *)&h;

@@ -535,11 +535,8 @@ __device__ bool ll_dispatch_body(const LLParams &p, const LLOp &o) {
                                    : make_uint2((uint32_t)xb[jg >> 1].x, (uint32_t)xb[jg >> 1].y);
         float v0 = bf16_to_f(raw.x & 0xffff), v1 = bf16_to_f(raw.x >> 16);
         float v2 = bf16_to_f(raw.y & 0xffff), v3 = bf16_to_f(raw.y >> 16);
-        float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
-#pragma unroll
-        for (int sh = 16; sh > 0; sh >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, sh));
-        const float scale = fp8_scale(amax);
-        const uint32_t q = fp8_quant4(v0, v1, v2, v3, fp8_div(scale));
+        float scale;
+        const uint32_t q = fp8_group_warp(v0, v1, v2, v3, &scale);
         for (uint32_t r = 0; r < R; r++) {
           if (sh_meta[r].n == 0) continue;
           *(uint32_t *)(peer_bank(p, o, r) + row_off + g * 128 + lane * 4) = q;

@@ -47,12 +47,8 @@ __global__ void __launch_bounds__(NET_THREADS)
     for (uint32_t g = warp; g < H / EPD_K_FP8_BLOCK; g += NET_THREADS / 32) {
       uint2 raw = s[g * 32 + lane];
       float v0 = bf(raw.x & 0xffff), v1 = bf(raw.x >> 16), v2 = bf(raw.y & 0xffff), v3 = bf(raw.y >> 16);
-      float amax = fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3)));
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      const float scale = epd_dev::fp8_scale(amax);
-      *(uint32_t *)((char *)r.dst + g * EPD_K_FP8_BLOCK + lane * 4) =
-          epd_dev::fp8_quant4(v0, v1, v2, v3, epd_dev::fp8_div(scale));
+      float scale;
+      *(uint32_t *)((char *)r.dst + g * EPD_K_FP8_BLOCK + lane * 4) = epd_dev::fp8_group_warp(v0, v1, v2, v3, &scale);
       if (lane == 0) ((float *)r.scales)[g] = scale;
     }
   }

@@ -725,16 +725,24 @@ EPD_TEST(engine_limits) {
   ASSERT_STR_CONTAINS(err, "num_ranks 0");
 }
 
-EPD_TEST(engine_draining_refuses_new_steps) {
+/* Both ranks submit op and must get status. */
+static void both_ranks(world_t *w, uint32_t op, uint32_t T, uint64_t tag, int status) {
+  for (int r = 0; r < 2; r++) submit(&w->c[r], op, T, 0, 0, tag);
+  for (int r = 0; r < 2; r++) ASSERT_EQ(wait_done(&w->c[r], 5000).status, status);
+}
+
+/* Draining refuses new dispatches (LL and HT); the combine of a dispatch that ran still runs. */
+EPD_TEST(engine_draining_refuses_dispatches_runs_combines) {
   world_t w;
   world_up(&w, 4, 16, 2, 8, 100);
+  both_ranks(&w, EPD_OP_LL_DISPATCH, 1, 1, EPD_OK);
   epd_engine_set_draining(w.eng, 1);
-  submit(&w.c[0], EPD_OP_LL_DISPATCH, 1, 0, 0, 1);
+  both_ranks(&w, EPD_OP_LL_COMBINE, 0, 2, EPD_OK);
+  submit(&w.c[0], EPD_OP_LL_DISPATCH, 1, 0, 0, 3);
   ASSERT_EQ(wait_done(&w.c[0], 5000).status, EPD_ERR_DRAINING);
+  submit(&w.c[1], EPD_OP_HT_DISPATCH, 1, 0, 0, 4);
+  ASSERT_EQ(wait_done(&w.c[1], 5000).status, EPD_ERR_DRAINING);
   epd_engine_set_draining(w.eng, 0);
-  submit(&w.c[0], EPD_OP_LL_DISPATCH, 1, 0, 0, 1);
-  submit(&w.c[1], EPD_OP_LL_DISPATCH, 1, 0, 0, 1);
-  ASSERT_EQ(wait_done(&w.c[0], 5000).status, EPD_OK);
-  ASSERT_EQ(wait_done(&w.c[1], 5000).status, EPD_OK);
+  both_ranks(&w, EPD_OP_LL_DISPATCH, 1, 5, EPD_OK);
   epd_engine_destroy(w.eng);
 }

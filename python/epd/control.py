@@ -221,7 +221,7 @@ class Control:
         return reply.version
 
     def drain(self, exit=False):
-        """Drain: no new attach or step; exit once idle if exit. Returns clients still attached."""
+        """Drain: no new attach or dispatch (combines still run); exit once idle if exit. Returns clients still attached."""
         pb = self._pb
         return self._call("Drain", pb.DrainRequest(protocol_version=PROTOCOL_VERSION, exit=exit),
                           pb.DrainReply).clients

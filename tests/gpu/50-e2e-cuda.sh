@@ -19,9 +19,9 @@ worker wa0 -g ll -r 0 -n 2 --steps 20 --seed 5 --skew --hidden 256
 worker wa1 -g ll -r 1 -n 2 --steps 20 --seed 5 --skew --hidden 256
 expect_ok wa0; expect_ok wa1
 
-echo "== LL FP8 and BF16, H 7168, 256 experts, top-8, 128 tokens (two groups at once)"
-worker wb0 -g big8 -r 0 -n 2 --steps 20 --seed 9 --fp8 --experts 256 --hidden 7168 --topk 8 --tokens 128
-worker wb1 -g big8 -r 1 -n 2 --steps 20 --seed 9 --fp8 --experts 256 --hidden 7168 --topk 8 --tokens 128
+echo "== LL FP8 (special values in some groups) and BF16, H 7168, 256 experts, top-8, 128 tokens (two groups at once)"
+worker wb0 -g big8 -r 0 -n 2 --steps 20 --seed 9 --fp8 --experts 256 --hidden 7168 --topk 8 --tokens 128 --specials
+worker wb1 -g big8 -r 1 -n 2 --steps 20 --seed 9 --fp8 --experts 256 --hidden 7168 --topk 8 --tokens 128 --specials
 worker wc0 -g big16 -r 0 -n 2 --steps 20 --seed 6 --experts 256 --hidden 7168 --topk 8 --tokens 128
 worker wc1 -g big16 -r 1 -n 2 --steps 20 --seed 6 --experts 256 --hidden 7168 --topk 8 --tokens 128
 expect_ok wb0; expect_ok wb1; expect_ok wc0; expect_ok wc1

@@ -9,7 +9,8 @@
 #   NET/Socket; expert maps staged through either node's daemon (rank 0 every 3 LL / 4 HT steps; epdctl
 #   set-map at node 1) become active on both nodes at the same step, weight copies refused on both; node 1
 #   silent -> EPD_ERR_TIMEOUT naming rank 1; a second group is refused meanwhile; node 1 drains while a group
-#   of both nodes steps -> both workers stop on EPD_ERR_DRAINING, node 0's at once (the per-group notice);
+#   of both nodes holds between a dispatch and its combine -> the combines run, then both workers stop on
+#   EPD_ERR_DRAINING at their next dispatch, node 0's at once (the per-group notice);
 #   then node 0's dispatch in a group node 1 does not have fails with EPD_ERR_DRAINING naming rank 1 at once;
 #   node 1 gone -> EPD_ERR_PEER naming rank 1 within 3 s.
 # Then (TWO_NODES_BASELINE=1, default) the same LL steps on ONE daemon driving both GPUs over NVLink.
@@ -124,22 +125,26 @@ grep -q "EPD_ERR_TIMEOUT.*peer rank 1" "$T/to.out" || fail "timeout does not nam
 grep -q "node 1 (ranks 1..1) did not send" "$T/node0.log" || fail "the log does not say node 1 was silent"
 echo "   ok: $(grep -h EPD_ERR_TIMEOUT "$T/to.out" | head -1)"
 
-echo "== node 1 drains while a group of both nodes steps: both workers stop on EPD_ERR_DRAINING, node 0's at once"
-start_workers dr --steps 100000 --seed 9 --hidden 256
-wait_for 20 grep -q "group dr" "$T/node1.log" || fail "group dr did not start on node 1"
-sleep 1
-kill -0 "$W_dr0" 2> /dev/null && kill -0 "$W_dr1" 2> /dev/null || fail "group dr stopped before the drain: $(tail -2 "$T/dr0.out")"
-s=$(date +%s%N)
+echo "== node 1 drains between a dispatch and its combine: the combines run, then both workers stop on EPD_ERR_DRAINING, node 0's at once"
+start_workers dr --steps 100000 --seed 9 --hidden 256 --hold-at 5 --hold-file "$T/dr.go"
+held() { [ "$(cat "$T"/dr[01].out 2>/dev/null | grep -c "holding before the combine of step 5")" -eq 2 ]; }
+wait_for 30 held || fail "group dr did not reach the hold on both nodes: $(tail -qn1 "$T"/dr[01].out)"
 "$EPDCTL" -s "$T/n1/control.sock" drain > "$T/drain.out" 2>&1 || fail "epdctl drain: $(cat "$T/drain.out")"
+wait_for 5 grep -q "group dr: node 1 is draining" "$T/node0.log" || fail "node 0's log does not say node 1 drains"
+touch "$T/dr.go"
+s=$(date +%s%N)
 wait "$W_dr0"; RC=$?
 ms=$(( ($(date +%s%N) - s) / 1000000 ))
 [ $RC -eq 2 ] || fail "drain of a running group: node 0's worker exited $RC: $(tail -2 "$T/dr0.out")"
-grep -q "EPD_ERR_DRAINING.*peer rank 1" "$T/dr0.out" || fail "drain of a running group, node 0: $(tail -2 "$T/dr0.out")"
+grep -q "step 6: dispatch failed.*EPD_ERR_DRAINING.*peer rank 1" "$T/dr0.out" || fail "drain of a running group, node 0: $(tail -2 "$T/dr0.out")"
 [ $ms -lt 4000 ] || fail "drain of a running group: node 0's step failed only after $ms ms"
 wait "$W_dr1"; RC=$?
 [ $RC -eq 2 ] || fail "drain of a running group: node 1's worker exited $RC: $(tail -2 "$T/dr1.out")"
-grep -q "EPD_ERR_DRAINING" "$T/dr1.out" || fail "drain of a running group, node 1: $(tail -2 "$T/dr1.out")"
-echo "   ok: node 0 in $ms ms: $(grep -h EPD_ERR_DRAINING "$T/dr0.out" | head -1 | cut -c1-150)"
+grep -q "step 6: dispatch failed.*EPD_ERR_DRAINING" "$T/dr1.out" || fail "drain of a running group, node 1: $(tail -2 "$T/dr1.out")"
+for r in 0 1; do
+  grep -q "the combine of step 5 after the hold: ok" "$T/dr$r.out" || fail "node $r's combine after the drain: $(tail -3 "$T/dr$r.out")"
+done
+echo "   ok: the combines of step 5 ran after the drain; node 0 stopped $ms ms after the release: $(grep -h EPD_ERR_DRAINING "$T/dr0.out" | head -1 | cut -c1-150)"
 echo "   node 1: $(grep -h EPD_ERR_DRAINING "$T/dr1.out" | head -1 | cut -c1-150)"
 
 echo "== node 1 drains: node 0's dispatch in a group node 1 will not step fails with EPD_ERR_DRAINING at once"

@@ -6,8 +6,10 @@
 #   single-node reference of the same world size and map: LL and HT, BF16 and FP8, skewed routing, two
 #   groups at once; status, epdctl and metrics show the cluster and the bytes that crossed the link;
 # - an attach of another node's rank is refused naming the node; a step whose other node never
-#   submits fails with EPD_ERR_TIMEOUT naming a rank of that node; a node that drains fails the other
-#   node's steps with EPD_ERR_DRAINING at once (not after the step timeout); a killed node fails steps with
+#   submits fails with EPD_ERR_TIMEOUT naming a rank of that node; a node that drains between a
+#   dispatch and its combine (every worker held there) still runs the combine (equal to the reference),
+#   then the other node's next dispatches fail with EPD_ERR_DRAINING at once (not after the step
+#   timeout), and so does a group made after the drain; a killed node fails steps with
 #   EPD_ERR_PEER promptly; a group with another geometry on each node fails with EPD_ERR_MISMATCH;
 # - start-up refusals: a node that never joins (both sides name it, within cluster.timeout_ms),
 #   disagreeing configurations (the key that differs is named), a duplicate node rank, backend cuda
@@ -97,29 +99,26 @@ grep -q "EPD_ERR_TIMEOUT.*peer rank 2" "$T/to0.out" || fail "timeout does not na
 [ $MS -lt 8000 ] || fail "timeout took $MS ms (step_timeout_ms 3000)"
 grep -q "node 1 (ranks 2..3) did not send" "$T/a.log" || fail "the log does not say node 1 was silent"
 
-echo "== node 1 drains: node 0's steps fail with EPD_ERR_DRAINING naming a rank of node 1, promptly"
-for r in 0 1; do worker dr$r a -g dr -r $r -n 4 --steps 100000; done
-for r in 2 3; do worker dr$r b -g dr -r $r -n 4 --steps 100000; done
-# both nodes' group dr has taken steps (so every rank attached on both before the drain)
-stepping() {
-  "$EPDCTL" -s "$T/$1/control.sock" --json status | /usr/bin/python3 -c 'import json, sys
-s = json.load(sys.stdin)
-sys.exit(0 if any(g["name"] == "dr" and g["steps"] > 2 for g in s.get("groups", [])) else 1)'
-}
-wait_for 20 stepping a || fail "group dr does not step on node 0"
-wait_for 20 stepping b || fail "group dr does not step on node 1"
+echo "== node 1 drains between a dispatch and its combine: the combine runs, the next dispatch fails with EPD_ERR_DRAINING"
+# every rank holds after the dispatch of step 5 (every rank attached on both nodes and stepping)
+for r in 0 1; do worker dr$r a -g dr -r $r -n 4 --steps 100000 --hold-at 5 --hold-file "$T/dr.go"; done
+for r in 2 3; do worker dr$r b -g dr -r $r -n 4 --steps 100000 --hold-at 5 --hold-file "$T/dr.go"; done
+held() { [ "$(cat "$T"/dr[0-3].out 2>/dev/null | grep -c "holding before the combine of step 5")" -eq 4 ]; }
+wait_for 20 held || fail "group dr did not reach the hold on every rank: $(tail -qn1 "$T"/dr[0-3].out)"
 "$EPDCTL" -s "$T/b/control.sock" drain > "$T/drain.out" 2>&1 || fail "epdctl drain: $(cat "$T/drain.out")"
+wait_for 5 grep -q "group dr: node 1 is draining" "$T/a.log" || fail "node 0's log does not say node 1 drains"
+touch "$T/dr.go"
 S=$(date +%s%N)
 for r in 0 1 2 3; do
   eval "pid=\$W_dr$r"; wait "$pid"; rc=$?
   [ $rc -eq 2 ] || fail "drain: worker $r exited $rc"
-  grep -q "EPD_ERR_DRAINING" "$T/dr$r.out" || fail "drain: worker $r: $(tail -2 "$T/dr$r.out")"
+  grep -q "the combine of step 5 after the hold: ok" "$T/dr$r.out" || fail "drain: worker $r's combine after the drain: $(tail -3 "$T/dr$r.out")"
+  grep -q "step 6: dispatch failed.*EPD_ERR_DRAINING" "$T/dr$r.out" || fail "drain: worker $r: $(tail -2 "$T/dr$r.out")"
 done
 MS=$(( ($(date +%s%N) - S) / 1000000 ))
 grep -q "EPD_ERR_DRAINING.*peer rank 2" "$T/dr0.out" || fail "drain: node 0's error does not name rank 2: $(tail -2 "$T/dr0.out")"
 [ $MS -lt 2500 ] || fail "drain: node 0's workers failed only after $MS ms (step_timeout_ms 3000)"
-grep -q "group dr: node 1 is draining" "$T/a.log" || fail "node 0's log does not say node 1 drains"
-echo "   node 0's workers failed $MS ms after the drain: $(grep -o 'EPD_ERR_DRAINING.*' "$T/dr0.out" | head -1 | cut -c1-150)"
+echo "   the combines of step 5 ran after the drain; node 0's workers failed $MS ms after the release: $(grep -o 'EPD_ERR_DRAINING.*' "$T/dr0.out" | head -1 | cut -c1-150)"
 # a group made on node 0 after the drain: node 1 will never take its steps either
 node0_step nd "new group after the drain"
 grep -q "EPD_ERR_DRAINING.*peer rank 2" "$T/nd0.out" || fail "new group after the drain: $(tail -1 "$T/nd0.out")"

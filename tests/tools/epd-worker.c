@@ -32,6 +32,9 @@
  * (epd_ref_gen_specials: signed zeros, subnormals, infinities, NaNs, an all-NaN group, ...); FP8 rows
  * must still equal the reference byte for byte, and the combine must give NaN / the infinity where the
  * reference does.
+ * --hold-at K --hold-file PATH: after the dispatch of step K is checked, print "holding before the
+ * combine of step K" and wait (up to 60 s) until PATH exists, then go on (a drain between the two: the
+ * combine must still run and match, the next dispatch fail with EPD_ERR_DRAINING).
  * Exit: 0 all steps matched; 1 a result differed; 2 an op or the attach failed; 3 --die-at-step.
  */
 #define _GNU_SOURCE
@@ -56,10 +59,11 @@ typedef struct args {
   uint64_t seed;
   uint32_t experts, hidden, topk, tokens;
   uint64_t weights;
-  int graph, ht_every, node_ranks, dense, specials;
+  int graph, ht_every, node_ranks, dense, specials, hold_at;
+  const char *hold_file;
 } args_t;
 
-static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0, 0, 0, 0, 0};
+static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0, 0, 0, 0, 0, -1, NULL};
 
 /* The flags of a dispatch in HT mode (ht) or LL: flags, plus EPD_DESC_HT_DENSE for HT with --dense. */
 static uint32_t dispatch_flags(uint32_t flags, int ht) { return flags | (ht && A.dense ? (uint32_t)EPD_DESC_HT_DENSE : 0u); }
@@ -527,7 +531,7 @@ static uint32_t tokens_of(uint64_t step, uint32_t rank, uint32_t M) {
 static void usage(void) {
   fprintf(stderr, "usage: epd-worker -s SOCKET -g GROUP -r RANK -n NRANKS --steps N --seed S [--experts E "
                   "--hidden H --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] "
-                  "[--map-every N] [--node-ranks N] [--weights BYTES] [--graph] [--bench N] [--ht-every N] [--dense] [--specials] [-v]\n");
+                  "[--map-every N] [--node-ranks N] [--weights BYTES] [--graph] [--bench N] [--ht-every N] [--dense] [--specials] [--hold-at K --hold-file PATH] [-v]\n");
   exit(2);
 }
 
@@ -538,7 +542,7 @@ static void parse(int argc, char **argv) {
       {"topk", 1, 0, 'K'},     {"tokens", 1, 0, 'T'}, {"mode", 1, 0, 'm'},   {"fp8", 0, 0, 'f'},
       {"skew", 0, 0, 'k'},     {"die-at-step", 1, 0, 'd'}, {"verbose", 0, 0, 'v'}, {"map-every", 1, 0, 'M'}, {"node-ranks", 1, 0, 'N'},
       {"weights", 1, 0, 'W'},  {"graph", 0, 0, 'G'},  {"bench", 1, 0, 'B'}, {"ht-every", 1, 0, 'X'}, {"dense", 0, 0, 'D'},
-      {"specials", 0, 0, 'Z'}, {0, 0, 0, 0}};
+      {"specials", 0, 0, 'Z'}, {"hold-at", 1, 0, 'h'}, {"hold-file", 1, 0, 'F'}, {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "s:g:r:n:v", lo, NULL)) != -1) {
     switch (c) {
@@ -569,12 +573,18 @@ static void parse(int argc, char **argv) {
     case 'X': A.ht_every = atoi(optarg); break;
     case 'D': A.dense = 1; break;
     case 'Z': A.specials = 1; break;
+    case 'h': A.hold_at = atoi(optarg); break;
+    case 'F': A.hold_file = optarg; break;
     default: usage();
     }
   }
   if (A.rank < 0 || A.nranks < 1 || A.rank >= A.nranks || A.steps < 0) usage();
   if (A.graph && (A.ht || A.die_at >= 0 || A.bench)) {
     fprintf(stderr, "epd-worker: --graph runs LL steps (no --mode ht, no --die-at-step, no --bench)\n");
+    exit(2);
+  }
+  if ((A.hold_at >= 0) != (A.hold_file != NULL) || (A.hold_at >= 0 && A.graph)) {
+    fprintf(stderr, "epd-worker: --hold-at and --hold-file go together (and not with --graph)\n");
     exit(2);
   }
   if (A.weights % 4 || (A.weights && A.weights < 4)) {
@@ -847,6 +857,15 @@ int main(int argc, char **argv) {
       wr(dy + r0 * H, y + r0 * H, (size_t)seg_n[sg] * H * 2);
     }
     landed();
+    if (step == A.hold_at) {
+      printf("rank %d: holding before the combine of step %d\n", A.rank, step);
+      fflush(NULL);
+      for (int i = 0; i < 6000 && access(A.hold_file, F_OK); i++) usleep(10000);
+      if (access(A.hold_file, F_OK)) {
+        fprintf(stderr, "rank %d step %d: %s did not appear within 60 s\n", A.rank, step, A.hold_file);
+        return 2;
+      }
+    }
     double t2 = now_us();
     epd_comp_t ccomp;
     rc = A.graph ? graph_run(ep, 1, bank, &ccomp) : epd_combine(ep, mode, bank, NULL);
@@ -893,6 +912,10 @@ int main(int argc, char **argv) {
     if (oerrs) {
       bad_steps += errs ? 0 : 1;
       fprintf(stderr, "rank %d step %d: combine result differs from the reference (%d errors)\n", A.rank, step, oerrs);
+    }
+    if (step == A.hold_at) {
+      printf("rank %d: the combine of step %d after the hold: %s\n", A.rank, step, errs || oerrs ? "differs" : "ok");
+      fflush(NULL);
     }
     if (A.verbose)
       printf("rank %d step %d: %s%s T=%u recv=%u map v%u %s\n", A.rank, step, ht ? "HT" : "LL", A.fp8 ? " fp8" : "",
