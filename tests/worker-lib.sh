@@ -27,3 +27,23 @@ expect_ok() {
     grep -h "steps ok\|bench\|seen\|in between" "$T/$n.out" | sed "s/^/   $n: /"
   done
 }
+# Drain between a dispatch and its combine (workers started with --hold-at K --hold-file FILE):
+# all_holding K NAME...: every named worker printed that it holds before the combine of step K.
+all_holding() {
+  local k=$1 n; shift
+  for n in "$@"; do grep -q "holding before the combine of step $k\$" "$T/$n.out" || return 1; done
+}
+# expect_drained K NAME...: each worker exited 2 after its combine of step K ran after the hold and
+# matched the reference, on its next dispatch failing with EPD_ERR_DRAINING.
+expect_drained() {
+  local k=$1 n pid rc; shift
+  for n in "$@"; do
+    eval "pid=\$W_$n"
+    wait "$pid"; rc=$?
+    [ $rc -eq 2 ] || fail "drain: worker $n exited $rc: $(tail -2 "$T/$n.out")"
+    grep -q "the combine of step $k after the hold: ok" "$T/$n.out" ||
+      fail "drain: worker $n's combine after the drain: $(tail -3 "$T/$n.out")"
+    grep -q "step $((k + 1)): dispatch failed.*EPD_ERR_DRAINING" "$T/$n.out" ||
+      fail "drain: worker $n's next dispatch: $(tail -2 "$T/$n.out")"
+  done
+}

@@ -1,8 +1,10 @@
 #!/bin/bash
 # 50-e2e-cuda.sh - the real daemon with engine.backend=cuda on 2 GPUs and epd-worker processes checking
 # every LL and HT (on engine.ht_sms = 20 SMs) step against the reference (BF16 and FP8, skewed routing, H 7168 x 256 experts x top-8 x 128
-# tokens), and a worker killed mid-step: its peer gets EPD_ERR_PEER/EPD_ERR_TIMEOUT naming rank 1, the
-# daemon keeps serving and a new client of that rank runs. Optionally under CUDA MPS (E2E_MPS=1).
+# tokens; FP8 with special values in some groups), and a worker killed mid-step: its peer gets
+# EPD_ERR_PEER/EPD_ERR_TIMEOUT naming rank 1, the daemon keeps serving and a new client of that rank runs;
+# last, a drain while two workers hold between a dispatch and its combine: the combines run and match,
+# the next dispatches fail with EPD_ERR_DRAINING. Optionally under CUDA MPS (E2E_MPS=1).
 # Usage (repository root, on the GPU machine): bash tests/gpu/50-e2e-cuda.sh [build-dir]
 set -u
 B=${1:-${EPD_BUILD:-build}}
@@ -91,6 +93,15 @@ echo "== a new client of the dead rank attaches and runs"
 worker we0 -g die -r 0 -n 2 --steps 6 --seed 4 --hidden 256
 worker we1 -g die -r 1 -n 2 --steps 6 --seed 4 --hidden 256
 expect_ok we0; expect_ok we1
+
+echo "== drain between a dispatch and its combine: the combines run and match, the next dispatches fail with EPD_ERR_DRAINING"
+worker wf0 -g drn -r 0 -n 2 --steps 50 --seed 6 --fp8 --hidden 512 --experts 32 --topk 4 --hold-at 3 --hold-file "$T/drn.go"
+worker wf1 -g drn -r 1 -n 2 --steps 50 --seed 6 --fp8 --hidden 512 --experts 32 --topk 4 --hold-at 3 --hold-file "$T/drn.go"
+wait_for 30 all_holding 3 wf0 wf1 || fail "group drn did not reach the hold: $(tail -qn1 "$T"/wf[01].out)"
+"$CTL" -s "$SOCK" drain > "$T/drain.out" 2>&1 || fail "epdctl drain: $(cat "$T/drain.out")"
+touch "$T/drn.go"
+expect_drained 3 wf0 wf1
+grep -h "EPD_ERR_DRAINING" "$T/wf0.out" | head -1 | cut -c1-150 | sed 's/^/   /'
 
 stop_daemon
 stop_mps

@@ -2,7 +2,9 @@
 # 30-e2e: the real daemon (host backend) with epd-worker processes checking every step against the
 # reference: LL with skewed routing, HT with FP8, two groups at once, detach and re-attach of the same
 # ranks, and a worker killed mid-step: its peer gets a clear error (EPD_ERR_PEER or EPD_ERR_TIMEOUT)
-# promptly, the daemon keeps serving, and a new client of that rank attaches and runs.
+# promptly, the daemon keeps serving, and a new client of that rank attaches and runs; SIGTERM while two
+# workers hold between a dispatch and its combine: the combines run and match, the next dispatches fail
+# with EPD_ERR_DRAINING, and the daemon exits 0.
 set -u
 B=${EPD_BUILD:-build}
 EPD=$B/bin/epd
@@ -81,8 +83,16 @@ worker we0 -g die -r 0 -n 2 --steps 6 --seed 4 --mode ht
 worker we1 -g die -r 1 -n 2 --steps 6 --seed 4 --mode ht
 expect_ok we0; expect_ok we1
 
-echo "== SIGTERM"
+echo "== SIGTERM between a dispatch and its combine: the combines run and match, the next dispatches fail with EPD_ERR_DRAINING"
+worker wf0 -g drn -r 0 -n 2 --steps 50 --seed 6 --fp8 --hold-at 3 --hold-file "$T/drn.go"
+worker wf1 -g drn -r 1 -n 2 --steps 50 --seed 6 --fp8 --hold-at 3 --hold-file "$T/drn.go"
+wait_for 20 all_holding 3 wf0 wf1 || fail "group drn did not reach the hold: $(tail -qn1 "$T"/wf[01].out)"
 kill -TERM "$PID"
+wait_for 5 grep -q "draining (" "$LOG" || fail "the daemon does not say it drains: $(tail -3 "$LOG")"
+touch "$T/drn.go"
+expect_drained 3 wf0 wf1
+echo "   $(grep -h "EPD_ERR_DRAINING" "$T/wf0.out" | head -1 | cut -c1-150)"
+echo "== the daemon exits 0 once the workers left"
 wait "$PID"; rc=$?
 PID=
 [ $rc -eq 0 ] || fail "daemon exited $rc on SIGTERM"

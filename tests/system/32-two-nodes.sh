@@ -103,18 +103,12 @@ echo "== node 1 drains between a dispatch and its combine: the combine runs, the
 # every rank holds after the dispatch of step 5 (every rank attached on both nodes and stepping)
 for r in 0 1; do worker dr$r a -g dr -r $r -n 4 --steps 100000 --hold-at 5 --hold-file "$T/dr.go"; done
 for r in 2 3; do worker dr$r b -g dr -r $r -n 4 --steps 100000 --hold-at 5 --hold-file "$T/dr.go"; done
-held() { [ "$(cat "$T"/dr[0-3].out 2>/dev/null | grep -c "holding before the combine of step 5")" -eq 4 ]; }
-wait_for 20 held || fail "group dr did not reach the hold on every rank: $(tail -qn1 "$T"/dr[0-3].out)"
+wait_for 20 all_holding 5 dr0 dr1 dr2 dr3 || fail "group dr did not reach the hold on every rank: $(tail -qn1 "$T"/dr[0-3].out)"
 "$EPDCTL" -s "$T/b/control.sock" drain > "$T/drain.out" 2>&1 || fail "epdctl drain: $(cat "$T/drain.out")"
 wait_for 5 grep -q "group dr: node 1 is draining" "$T/a.log" || fail "node 0's log does not say node 1 drains"
 touch "$T/dr.go"
 S=$(date +%s%N)
-for r in 0 1 2 3; do
-  eval "pid=\$W_dr$r"; wait "$pid"; rc=$?
-  [ $rc -eq 2 ] || fail "drain: worker $r exited $rc"
-  grep -q "the combine of step 5 after the hold: ok" "$T/dr$r.out" || fail "drain: worker $r's combine after the drain: $(tail -3 "$T/dr$r.out")"
-  grep -q "step 6: dispatch failed.*EPD_ERR_DRAINING" "$T/dr$r.out" || fail "drain: worker $r: $(tail -2 "$T/dr$r.out")"
-done
+expect_drained 5 dr0 dr1 dr2 dr3
 MS=$(( ($(date +%s%N) - S) / 1000000 ))
 grep -q "EPD_ERR_DRAINING.*peer rank 2" "$T/dr0.out" || fail "drain: node 0's error does not name rank 2: $(tail -2 "$T/dr0.out")"
 [ $MS -lt 2500 ] || fail "drain: node 0's workers failed only after $MS ms (step_timeout_ms 3000)"
