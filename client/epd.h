@@ -36,8 +36,8 @@ typedef enum epd_result {
   EPD_ERR_BUSY = -7,         /* rank already attached, or a limit reached */
   EPD_ERR_TIMEOUT = -8,      /* a wait ran out; the completion names the peer rank */
   EPD_ERR_PEER = -9,         /* a peer rank's client detached or failed mid-step */
-  EPD_ERR_DRAINING = -10,    /* the daemon is draining: no new attach or step (across nodes: the peer
-                              * rank's node is) */
+  EPD_ERR_DRAINING = -10,    /* the daemon is draining: no new attach or dispatch (combines of
+                              * dispatches that ran still run; across nodes: the peer rank's node is) */
   EPD_ERR_CUDA = -11,        /* a CUDA call failed */
   EPD_ERR_NCCL = -12,        /* an NCCL call failed */
   EPD_ERR_UNSUPPORTED = -13, /* not available in this build, backend or mode */

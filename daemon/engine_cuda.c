@@ -165,6 +165,9 @@ typedef struct cuda_grp {
   /* Map version of each bank's last LL dispatch, and the version the current op reports: a combine
    * reports its bank's dispatch version even when a later dispatch (other bank) switched the map. */
   uint32_t bank_map_version[EPD_NUM_BANKS], op_map_version;
+  /* [LL/HT][bank]: the bank's last dispatch was refused on the host (no kernel ran, so the kernels' own
+   * record of the bank's dispatch is an older one): its combine fails with EPD_ERR_STATE */
+  uint8_t disp_refused[2][EPD_NUM_BANKS];
   /* persistent mode */
   int pstate;          /* PS_* */
   int pfail;           /* a persistent launch failed: launch mode for good */
@@ -566,6 +569,11 @@ static void fail_collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int s
   cg->step = cg->grp ? cg->grp->steps : 0;
   cg->phase = PH_RUN;
   cg->run_seq = be->next_run_seq++;
+  for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
+    const epd_desc_t *d = &cg->desc[r];
+    if (cg->arrived[r] && eng_op_dispatch(d->op) && d->bank < EPD_NUM_BANKS)
+      cg->disp_refused[d->op == EPD_OP_HT_DISPATCH][d->bank] = 1;
+  }
   uint32_t n = cg->narrived;
   for (int r = 0; r < (int)cg->g.num_ranks && n; r++)
     if (cg->arrived[r]) {
@@ -631,8 +639,15 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
       return;
     }
   }
-  if (eng->draining && (d0->op == EPD_OP_LL_DISPATCH || d0->op == EPD_OP_HT_DISPATCH)) {
+  const int ht = d0->op == EPD_OP_HT_DISPATCH || d0->op == EPD_OP_HT_COMBINE;
+  if (eng->draining && eng_op_dispatch(d0->op)) {
     fail_collect(eng, be, cg, EPD_ERR_DRAINING, -1, "the daemon is draining");
+    return;
+  }
+  if (!eng_op_dispatch(d0->op) && cg->disp_refused[ht][d0->bank]) {
+    snprintf(why, sizeof why, "%s combine of bank %u after a refused %s dispatch of that bank",
+             ht ? "HT" : "LL", d0->bank, ht ? "HT" : "LL");
+    fail_collect(eng, be, cg, EPD_ERR_STATE, -1, why);
     return;
   }
   if (cg->setup_failed) {
@@ -647,6 +662,7 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
     }
     cg->map_version = grp->map.version;
   }
+  if (eng_op_dispatch(d0->op)) cg->disp_refused[ht][d0->bank] = 0; /* its kernel records how it went */
   if (d0->op == EPD_OP_LL_DISPATCH) cg->bank_map_version[d0->bank % EPD_NUM_BANKS] = cg->map_version;
   cg->op_map_version = d0->op == EPD_OP_LL_COMBINE && cg->bank_map_version[d0->bank % EPD_NUM_BANKS]
                            ? cg->bank_map_version[d0->bank % EPD_NUM_BANKS]
@@ -801,6 +817,10 @@ static int pers_eligible(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
   if (cg->pcarry_ns && t > cg->pcarry_ns && t - cg->pcarry_ns > 2 * be->timeout_ns) cg->pcarry_ns = 0;
   if (cg->phase != PH_COLLECT || cg->narrived || cg->need_reset || cg->pcarry_ns) return 0;
   if (eng->draining || epd_engine_failure(eng) || grp->has_staged || grp->steps < cg->presume_step) return 0;
+  /* a bank whose last LL dispatch was refused: its combine must be refused too, which the kernels cannot
+   * tell (their record of the bank is an older dispatch's); launch mode until a dispatch of it runs */
+  for (uint32_t b = 0; b < EPD_NUM_BANKS; b++)
+    if (cg->disp_refused[0][b]) return 0;
   for (int r = 0; r < be->ndev; r++)
     if (be->rank[r].inflight == cg) return 0;
   for (uint32_t r = 0; r < cg->g.num_ranks; r++) {

@@ -94,9 +94,6 @@ struct cnet {
 static int op_ok(uint32_t op) {
   return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE;
 }
-static int op_dispatch(uint32_t op) {
-  return op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH;
-}
 
 /* ---- create / destroy ----------------------------------------------------------------------------- */
 
@@ -331,7 +328,7 @@ static void send_frame(cnet_t *cn) {
   const epd_desc_t *d0 = &cn->ldesc[0];
   int same = 1;
   for (uint32_t l = 0; l < L; l++) same &= cn->ldesc[l].op == d0->op && cn->ldesc[l].bank == d0->bank;
-  int dispatch = same && op_dispatch(d0->op) && d0->bank < EPD_NUM_BANKS;
+  int dispatch = same && eng_op_dispatch(d0->op) && d0->bank < EPD_NUM_BANKS;
   cnet_fhdr_t h = {.magic = FRAME_MAGIC,
                    .bad_rank = -1,
                    .nlocal = L,
@@ -343,7 +340,7 @@ static void send_frame(cnet_t *cn) {
   if (epd_engine_failure(eng)) {
     h.status = EPD_ERR_INTERNAL;
     snprintf(h.why, sizeof h.why, "node %u: the engine failed: %s", cn->node, epd_engine_failure(eng));
-  } else if (eng->draining && op_dispatch(d0->op)) {
+  } else if (eng->draining && eng_op_dispatch(d0->op)) {
     h.status = EPD_ERR_DRAINING;
     snprintf(h.why, sizeof h.why, "node %u is draining", cn->node);
   }
@@ -523,17 +520,17 @@ static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
   }
   for (uint32_t r = 1; r < W; r++)
     if (d[r].op != d[0].op || d[r].bank != d[0].bank ||
-        (op_dispatch(d[r].op) && (d[r].flags & EPD_DESC_FP8) != (d[0].flags & EPD_DESC_FP8)))
+        (eng_op_dispatch(d[r].op) && (d[r].flags & EPD_DESC_FP8) != (d[0].flags & EPD_DESC_FP8)))
       FAIL(EPD_ERR_MISMATCH, (int)r,
            "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x", r, d[r].op,
            d[r].bank, d[r].flags, d[0].op, d[0].bank, d[0].flags);
   cn->op = d[0].op;
   cn->bank = d[0].bank;
-  cn->fp8 = op_dispatch(cn->op) && (d[0].flags & EPD_DESC_FP8);
+  cn->fp8 = eng_op_dispatch(cn->op) && (d[0].flags & EPD_DESC_FP8);
   cn->mode = cn->op <= EPD_OP_LL_COMBINE ? EPD_MODE_LL : EPD_MODE_HT;
   const char *mn = cn->mode == EPD_MODE_LL ? "LL" : "HT";
   epd_ref_plan_t *plan = &cn->plan[cn->bank];
-  if (!op_dispatch(cn->op)) {
+  if (!eng_op_dispatch(cn->op)) {
     if (!cn->plan_valid[cn->bank] || plan->mode != (int)cn->mode)
       FAIL(EPD_ERR_STATE, -1, "%s combine of bank %u without a successful %s dispatch of that bank", mn,
            cn->bank, mn);
@@ -755,7 +752,7 @@ static void start_run(cnet_t *cn) {
   if (!rc) {
     fill_addr(cn);
     const epd_ref_plan_t *plan = &cn->plan[cn->bank];
-    rc = op_dispatch(cn->op)
+    rc = eng_op_dispatch(cn->op)
              ? cnet_build_dispatch(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cn->mode, (int)cn->fp8,
                                    cn->addr)
              : cnet_build_combine(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cn->mode, cn->addr);
@@ -802,7 +799,7 @@ static int poll_run(cnet_t *cn, uint64_t now) {
   }
   if (ready) {
     eng_group_t *grp = grp_alive(cn) ? cn->grp : NULL;
-    if (grp && op_dispatch(cn->op)) {
+    if (grp && eng_op_dispatch(cn->op)) {
       /* Statistics count this node's ranks' tokens (as the host backend's scale-out does). */
       const epd_ref_plan_t *p = &cn->plan[cn->bank];
       uint32_t M = cn->g.max_tokens, K = cn->g.topk, S = cn->g.slots_per_rank;
@@ -829,7 +826,7 @@ static int poll_run(cnet_t *cn, uint64_t now) {
         rx += (uint64_t)cn->prog.side[l].recv_rows[n] * cn->prog.row_bytes;
       }
     epd_net_add_bytes(eng->o.net, tx, rx);
-    int o = !op_dispatch(cn->op);
+    int o = !eng_op_dispatch(cn->op);
     uint64_t t_done = eng_now_ns();
     cn->prof_n[o]++;
     cn->prof_ns[o][0] += cn->t_sent - cn->last_ns;
@@ -870,7 +867,7 @@ static int wait_frames(cnet_t *cn, uint64_t now) {
       complete_all(cn, EPD_ERR_PEER, (int)(n * L), why);
       return 1;
     }
-    if (cn->grp->drain_from[n] <= cn->step && op_dispatch(cn->ldesc[0].op)) {
+    if (cn->grp->drain_from[n] <= cn->step && eng_op_dispatch(cn->ldesc[0].op)) {
       /* its notice came after every frame it sent (one link, in order): its part would say DRAINING */
       snprintf(why, sizeof why, "node %u (ranks %u..%u) is draining: it takes no dispatch of group %s from step %llu on",
                n, n * L, n * L + L - 1, cn->gname, (unsigned long long)cn->grp->drain_from[n]);

@@ -102,7 +102,6 @@ static void finish_step(epd_engine_t *eng, eng_group_t *grp, int status, int pee
 }
 
 static int op_valid(uint32_t op) { return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE; }
-static int op_is_dispatch(uint32_t op) { return op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH; }
 
 static void fail_step(epd_engine_t *eng, eng_group_t *grp, int status, int peer, const char *why) {
   uint32_t op = 0;
@@ -110,7 +109,7 @@ static void fail_step(epd_engine_t *eng, eng_group_t *grp, int status, int peer,
     if (grp->arrived[r]) op = grp->desc[r].op;
   /* A failed dispatch leaves its bank without routing: a combine of it must fail, not reuse old state. */
   for (uint32_t r = 0; r < grp->g.num_ranks; r++)
-    if (grp->arrived[r] && op_is_dispatch(grp->desc[r].op) && grp->desc[r].bank < EPD_NUM_BANKS)
+    if (grp->arrived[r] && eng_op_dispatch(grp->desc[r].op) && grp->desc[r].bank < EPD_NUM_BANKS)
       grp->plan_valid[grp->desc[r].bank] = 0;
   const char *kind = status == EPD_ERR_TIMEOUT ? "timeout" : "error";
   eng_emit(eng, kind, grp, peer, 0, 0, 0, grp->steps, "group %s step %llu (op %u) failed: %s: %s", grp->name,
@@ -148,7 +147,7 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
   for (uint32_t r = 1; r < R; r++) {
     const epd_desc_t *d = &grp->desc[r];
     if (d->op != d0->op || d->bank != d0->bank ||
-        (op_is_dispatch(d->op) && d->flags != d0->flags)) {
+        (eng_op_dispatch(d->op) && d->flags != d0->flags)) {
       snprintf(why, sizeof why, "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x",
                r, d->op, d->bank, d->flags, d0->op, d0->bank, d0->flags);
       return fail_step(eng, grp, EPD_ERR_MISMATCH, (int)r, why);
@@ -162,7 +161,7 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
   uint64_t bytes[EPD_MAX_RANKS] = {0};
   epd_result_t rc;
   int bad = -1;
-  if (op_is_dispatch(op)) {
+  if (eng_op_dispatch(op)) {
     if (fp8 && g->hidden % 128) {
       snprintf(why, sizeof why, "FP8 dispatch needs hidden a multiple of 128 (hidden %u)", g->hidden);
       return fail_step(eng, grp, EPD_ERR_INVALID, -1, why);
@@ -279,8 +278,10 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
   epd_slot_t *s = &c->queue->slot[c->next_slot];
   if (eng_slot_state(s) != EPD_SLOT_SUBMITTED) return 0;
   epd_desc_t d = s->desc;
-  if (grp->narrived == 0 && eng->draining && (d.op == EPD_OP_LL_DISPATCH || d.op == EPD_OP_HT_DISPATCH)) {
-    /* draining: no new dispatch; the combines of dispatches that ran still run */
+  if (grp->narrived == 0 && eng->draining && eng_op_dispatch(d.op)) {
+    /* draining: no new dispatch; the combines of dispatches that ran still run, and a combine of this
+     * refused one fails (EPD_ERR_STATE), not on the bank's older routing */
+    if (d.bank < EPD_NUM_BANKS) grp->plan_valid[d.bank] = 0;
     c->in_step = 1;
     complete_slot(eng, c, &d, EPD_ERR_DRAINING, -1, grp->map.version, 0, grp->steps, 0, 0);
     return 1;

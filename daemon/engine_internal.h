@@ -80,8 +80,8 @@ struct eng_group {
   uint64_t arrive_ns[EPD_MAX_RANKS];
   uint64_t first_arrive_ns;
   void *net; /* scale-out state (engine_net.c), NULL on one node */
-  /* Scale-out: node n drains (its notice, engine_net.c): it takes no step of this group numbered >=
-   * drain_from[n] (host backend), no dispatch (cuda backend); UINT64_MAX: not draining. */
+  /* Scale-out: node n drains (its notice, engine_net.c): it takes no dispatch of this group numbered >=
+   * drain_from[n] (it still runs combines); UINT64_MAX: not draining. */
   uint64_t drain_from[EPD_MAX_RANKS];
 };
 
@@ -120,7 +120,7 @@ typedef struct eng_backend_ops {
    * regions are CPU-visible (c->arena) and the core copies them with memmove. */
   uint64_t (*copy_weights)(epd_engine_t *eng, eng_group_t *grp);
   /* (mu) Optional: what the next step of grp (NULL: of every group) must do changed - a map was staged
-   * (it switches at the next executing dispatch), draining began (no new step); return once no step
+   * (it switches at the next executing dispatch), draining began (no new dispatch); return once no step
    * can execute without seeing it (a backend that runs steps without its threads stops doing so). */
   void (*sync_steps)(epd_engine_t *eng, eng_group_t *grp);
   /* Optional: across nodes, what the start-up probe found for GIN (NULL: not applicable). */
@@ -302,5 +302,10 @@ void eng_vote_agree(eng_map_vote_t *v, const eng_map_peer_t *peers, uint32_t npe
 void eng_vote_switch(epd_engine_t *eng, eng_group_t *grp, eng_map_vote_t *v, uint64_t step);
 /* Free the reported map and forget the vote. */
 void eng_vote_reset(eng_map_vote_t *v);
+
+/* A dispatch op (LL or HT). */
+static inline int eng_op_dispatch(uint32_t op) {
+  return op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH;
+}
 
 #endif /* EPD_ENGINE_INTERNAL_H */

@@ -82,8 +82,8 @@ struct epd_net {
   epd_engine_t *eng;
   ctl_wait_t *waits;
   uint64_t next_req;
-  /* (engine mu) node n drains; a group made here later fails its steps (cuda: dispatches) at once (a
-   * draining node takes no attach, so no step of a group created after its notice) */
+  /* (engine mu) node n drains; a group made here later fails its dispatches at once (a draining node
+   * takes no attach, so no step of a group created after its notice) */
   int peer_draining[MAX_NODES];
   /* (engine mu) maps node 0 sent for groups this node did not have yet: staged when one is created */
   struct pending_map *pending;
@@ -618,9 +618,6 @@ static net_group_t *group_state(epd_engine_t *eng, eng_group_t *grp) {
 static int op_ok(uint32_t op) {
   return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE;
 }
-static int op_dispatch(uint32_t op) {
-  return op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH;
-}
 
 uint64_t epd_net_map_hash(const epd_expert_map_t *m) {
   uint64_t h = 1469598103934665603ull;
@@ -772,7 +769,8 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
   ng->lbad = -1;
   ng->lwhy[0] = 0;
   memset(ng->ht_local, 0, sizeof *ng->ht_local * W);
-  int dispatch = same && op_dispatch(d0->op), mode = d0->op <= EPD_OP_LL_COMBINE ? EPD_MODE_LL : EPD_MODE_HT;
+  int dispatch = same && eng_op_dispatch(d0->op),
+      mode = d0->op <= EPD_OP_LL_COMBINE ? EPD_MODE_LL : EPD_MODE_HT;
   if (dispatch) {
     eng_vote_switch(eng, grp, &ng->vote, grp->steps);
     epd_ref_in_t in[EPD_MAX_RANKS];
@@ -995,7 +993,7 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
   }
   for (uint32_t r = 1; r < W; r++)
     if (d[r].op != d[0].op || d[r].bank != d[0].bank ||
-        (op_dispatch(d[r].op) && (d[r].flags & EPD_DESC_FP8) != (d[0].flags & EPD_DESC_FP8)))
+        (eng_op_dispatch(d[r].op) && (d[r].flags & EPD_DESC_FP8) != (d[0].flags & EPD_DESC_FP8)))
       return fail(res, EPD_ERR_MISMATCH, (int)r,
                   "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x", r, d[r].op,
                   d[r].bank, d[r].flags, d[0].op, d[0].bank, d[0].flags);
@@ -1003,7 +1001,7 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
   int fp8 = (d[0].flags & EPD_DESC_FP8) != 0, mode = op <= EPD_OP_LL_COMBINE ? EPD_MODE_LL : EPD_MODE_HT;
   epd_ref_plan_t *plan = &grp->plan[bank];
   res->map_version = grp->map.version;
-  if (op_dispatch(op)) {
+  if (eng_op_dispatch(op)) {
     if (fp8 && H % 128)
       return fail(res, EPD_ERR_INVALID, -1, "FP8 dispatch needs hidden a multiple of 128 (hidden %u)", H);
     uint64_t mh = epd_net_map_hash(&grp->map);
@@ -1208,8 +1206,8 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
       return fail(res, EPD_ERR_PEER, (int)(n * L), "the data link to node %u (ranks %u..%u) is down: %s", n,
                   n * L, n * L + L - 1, p->why);
     }
-    const uint32_t op = grp->desc[base].op; /* every local rank has arrived with the same op */
-    if (grp->drain_from[n] <= grp->steps && (op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH)) {
+    /* the local ranks' op (desc[base]'s; run_step checks that they agree) */
+    if (grp->drain_from[n] <= grp->steps && eng_op_dispatch(grp->desc[base].op)) {
       /* its notice came after every frame it sent (one link, in order): this dispatch's part will not
        * come (a draining node still runs combines: their parts come as usual) */
       drop_frames(ng);
@@ -1390,7 +1388,7 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     pthread_mutex_unlock(&net->mu);
     return;
   }
-  if (c.kind == CTL_DRAIN) { /* req_id = the group's first step the sender will not take (cuda: dispatch) */
+  if (c.kind == CTL_DRAIN) { /* req_id = the group's first step from which the sender takes no dispatch */
     if (f->src_node >= MAX_NODES || f->src_node >= EPD_MAX_RANKS) return;
     pthread_mutex_lock(&eng->mu);
     eng_group_t *grp = group[0] ? eng_find_group(eng, group) : NULL;

@@ -494,7 +494,8 @@ static uint16_t spec_value(uint32_t pat, uint32_t i, uint64_t *st) {
   case 7: /* large finite values (2^100 scale) */
     return sign | epd_f32_to_bf16(ldexpf(0.5f + rand_unit(st), 100));
   default: /* one value of 1, the others tiny: quotients in e4m3's subnormal range and below it */
-    return i == 64 ? (uint16_t)(sign | 0x3f80) : (uint16_t)(sign | epd_f32_to_bf16(ldexpf(rand_unit(st), -6 - (int)(u % 10))));
+    return i == 64 ? (uint16_t)(sign | 0x3f80)
+                   : (uint16_t)(sign | epd_f32_to_bf16(ldexpf(rand_unit(st), -6 - (int)(u % 10))));
   }
 }
 
@@ -502,7 +503,7 @@ void epd_ref_gen_specials(uint64_t seed, uint64_t step, uint32_t rank, uint32_t 
                           uint16_t *x) {
   uint64_t st = seed * 0x9e3779b97f4a7c15ull ^ (step << 24) ^ ((uint64_t)rank << 52) ^ 0x3c6ef372fe94f82bull;
   const uint32_t nb = hidden / 128;
-  if (!nb) return;
+  if (hidden % 128 || !nb) return;
   for (uint32_t t = 0; t < num_tokens; t++) {
     uint64_t u = epd_ref_rand(&st);
     if (u % 3) continue;
@@ -510,4 +511,3 @@ void epd_ref_gen_specials(uint64_t seed, uint64_t step, uint32_t rank, uint32_t 
     for (uint32_t i = 0; i < 128; i++) x[(size_t)t * hidden + b * 128 + i] = spec_value(pat, i, &st);
   }
 }
-

@@ -48,7 +48,8 @@ __global__ void __launch_bounds__(NET_THREADS)
       uint2 raw = s[g * 32 + lane];
       float v0 = bf(raw.x & 0xffff), v1 = bf(raw.x >> 16), v2 = bf(raw.y & 0xffff), v3 = bf(raw.y >> 16);
       float scale;
-      *(uint32_t *)((char *)r.dst + g * EPD_K_FP8_BLOCK + lane * 4) = epd_dev::fp8_group_warp(v0, v1, v2, v3, &scale);
+      *(uint32_t *)((char *)r.dst + g * EPD_K_FP8_BLOCK + lane * 4) =
+          epd_dev::fp8_group_warp(v0, v1, v2, v3, &scale);
       if (lane == 0) ((float *)r.scales)[g] = scale;
     }
   }

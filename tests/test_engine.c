@@ -731,7 +731,8 @@ static void both_ranks(world_t *w, uint32_t op, uint32_t T, uint64_t tag, int st
   for (int r = 0; r < 2; r++) ASSERT_EQ(wait_done(&w->c[r], 5000).status, status);
 }
 
-/* Draining refuses new dispatches (LL and HT); the combine of a dispatch that ran still runs. */
+/* Draining refuses new dispatches (LL and HT); the combine of a dispatch that ran still runs, the combine
+ * of a refused one fails with EPD_ERR_STATE. */
 EPD_TEST(engine_draining_refuses_dispatches_runs_combines) {
   world_t w;
   world_up(&w, 4, 16, 2, 8, 100);
@@ -742,7 +743,10 @@ EPD_TEST(engine_draining_refuses_dispatches_runs_combines) {
   ASSERT_EQ(wait_done(&w.c[0], 5000).status, EPD_ERR_DRAINING);
   submit(&w.c[1], EPD_OP_HT_DISPATCH, 1, 0, 0, 4);
   ASSERT_EQ(wait_done(&w.c[1], 5000).status, EPD_ERR_DRAINING);
+  /* the combine of the refused dispatch fails: its bank has no routing (not the older step's) */
+  both_ranks(&w, EPD_OP_LL_COMBINE, 0, 5, EPD_ERR_STATE);
   epd_engine_set_draining(w.eng, 0);
-  both_ranks(&w, EPD_OP_LL_DISPATCH, 1, 5, EPD_OK);
+  both_ranks(&w, EPD_OP_LL_DISPATCH, 1, 6, EPD_OK);
+  both_ranks(&w, EPD_OP_LL_COMBINE, 0, 7, EPD_OK);
   epd_engine_destroy(w.eng);
 }

@@ -155,14 +155,15 @@ EPD_TEST(ref_quant_nan_in_group) {
  * the 1e-4 floor, every finite byte within half an e4m3 step of x / scale). */
 EPD_TEST(ref_specials_patterns) {
   enum { T = 900, H = 512 };
-  epd_ref_geom_t g = {.num_ranks = 2, .num_experts = 16, .hidden = H, .topk = 4, .max_tokens = T, .slots_per_rank = 8};
+  epd_ref_geom_t g = {
+      .num_ranks = 2, .num_experts = 16, .hidden = H, .topk = 4, .max_tokens = T, .slots_per_rank = 8};
   uint16_t *x0 = malloc((size_t)T * H * 2), *x = malloc((size_t)T * H * 2);
   int64_t *idx = malloc((size_t)T * 4 * 8);
   float *w = malloc((size_t)T * 4 * 4);
   epd_ref_gen_input(3, 1, 1, &g, T, 0, x0, idx, w);
   memcpy(x, x0, (size_t)T * H * 2);
   epd_ref_gen_specials(3, 1, 1, T, H, x);
-  int seen[9] = {0}, changed_tokens = 0;
+  int seen[EPD_REF_SPECIALS] = {0}, changed_tokens = 0;
   const float floor_scale = 1e-4f / 448.0f;
   for (uint32_t t = 0; t < T; t++) {
     int groups = 0;
@@ -195,19 +196,23 @@ EPD_TEST(ref_specials_patterns) {
       else if (amax >= 0x1p100f) seen[7]++;
       else if (one == 1 && amax == 1.0f) seen[8]++;
       else if (amax < 2e-4f) seen[6]++;
+      else epd_test_fail(__FILE__, __LINE__, "token %u group %u: a changed group of no pattern", t, b);
       if (pinf || ninf) ASSERT(isinf(sc) && sc > 0);
       else ASSERT(memcmp(&sc, &(float){fmaxf(amax, 1e-4f) / 448.0f}, 4) == 0);
       if (amax < 1e-4f && !pinf && !ninf) ASSERT(memcmp(&sc, &floor_scale, 4) == 0);
       for (int i = 0; i < 128; i++) {
         float f = epd_bf16_to_f32(v[i]);
         if (isnan(f) || isinf(f)) {
-          if (q[i] != 0x7f) epd_test_fail(__FILE__, __LINE__, "token %u group %u value %04x: byte %02x, want 0x7f", t, b, v[i], q[i]);
+          if (q[i] != 0x7f)
+            epd_test_fail(__FILE__, __LINE__, "token %u group %u value %04x: byte %02x, want 0x7f", t, b,
+                          v[i], q[i]);
         } else if (isinf(sc)) {
           ASSERT_EQ(q[i], signbit(f) ? 0x80 : 0x00);
         } else {
           float got = epd_e4m3_to_f32(q[i]) * sc, step = fmaxf(ldexpf(fabsf(f), -4), ldexpf(sc, -10));
           if (!(fabsf(got - f) <= step * 1.0001f) || (f != 0 && signbit(got) != signbit(f) && got != 0))
-            epd_test_fail(__FILE__, __LINE__, "token %u group %u value %g: byte %02x gives %g", t, b, f, q[i], got);
+            epd_test_fail(__FILE__, __LINE__, "token %u group %u value %g: byte %02x gives %g", t, b, f, q[i],
+                          got);
         }
       }
     }
@@ -215,7 +220,7 @@ EPD_TEST(ref_specials_patterns) {
     changed_tokens += groups;
   }
   ASSERT(changed_tokens > T / 4 && changed_tokens < T / 2);
-  for (int p = 0; p < 9; p++)
+  for (int p = 0; p < EPD_REF_SPECIALS; p++)
     if (!seen[p]) epd_test_fail(__FILE__, __LINE__, "pattern %d never generated", p);
   free(x0);
   free(x);

@@ -231,7 +231,8 @@ static void run_dispatch_check(unsigned bank, int fp8) {
           for (uint32_t b = 0; b < H / 128; b++) {
             float a = sc[(size_t)j * (H / 128) + b], e = C.ref_out[r].recv_scales[((size_t)s * RM + j) * (H / 128) + b];
             if (memcmp(&a, &e, 4))
-              epd_test_fail(__FILE__, __LINE__, "rank %d slot %u row %d block %u: scale %a vs %a", r, s, j, b, a, e);
+              epd_test_fail(__FILE__, __LINE__, "rank %d slot %u row %d block %u: scale %a vs %a", r, s, j, b,
+                            a, e);
           }
         }
       }

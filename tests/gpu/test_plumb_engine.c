@@ -399,6 +399,48 @@ EPD_TEST_T(plumb_engine_timeout_and_peer_lost, 120) {
   epd_engine_destroy(eng);
 }
 
+/* A dispatch refused on the host (mismatched banks; draining) runs no kernel: the combine of its bank
+ * must fail with EPD_ERR_STATE, not run on the bank's older dispatch. While draining, the combine of a
+ * dispatch that ran still runs. */
+EPD_TEST_T(plumb_engine_refused_dispatch_and_drain, 120) {
+  need_gpus(NR);
+  epd_engine_t *eng = engine_up(2000);
+  geom_t g = {16, 256, 4, 32, 0};
+  gclient_t c[NR];
+  for (int r = 0; r < NR; r++) {
+    attach(eng, "rd", r, g.E, g.H, g.K, g.M, &c[r]);
+    CK(cudaSetDevice(r));
+    for (uint32_t b = 0; b < EPD_NUM_BANKS; b++)
+      CK(cudaMemset(buf(&c[r], EPD_BUF_TOPK_IDX, b, NULL), 0xff, (size_t)g.M * g.K * 8)); /* all -1 */
+  }
+  uint64_t tag = 1;
+  /* op on every rank (bank per rank), every completion's status */
+  static const struct {
+    uint32_t op, bank[NR];
+    int draining, want;
+  } seq[] = {
+      {EPD_OP_LL_DISPATCH, {0, 0}, 0, EPD_OK},         {EPD_OP_LL_COMBINE, {0, 0}, 0, EPD_OK},
+      {EPD_OP_LL_DISPATCH, {0, 1}, 0, EPD_ERR_MISMATCH}, {EPD_OP_LL_COMBINE, {0, 0}, 0, EPD_ERR_STATE},
+      {EPD_OP_LL_DISPATCH, {0, 0}, 0, EPD_OK},         {EPD_OP_LL_COMBINE, {0, 0}, 1, EPD_OK},
+      {EPD_OP_LL_DISPATCH, {1, 1}, 1, EPD_ERR_DRAINING}, {EPD_OP_LL_COMBINE, {1, 1}, 1, EPD_ERR_STATE},
+      {EPD_OP_LL_DISPATCH, {1, 1}, 0, EPD_OK},         {EPD_OP_LL_COMBINE, {1, 1}, 0, EPD_OK},
+  };
+  for (size_t i = 0; i < sizeof seq / sizeof seq[0]; i++) {
+    epd_engine_set_draining(eng, seq[i].draining);
+    for (int r = 0; r < NR; r++) submit(&c[r], seq[i].op, seq[i].bank[r], 4, 0, tag);
+    for (int r = 0; r < NR; r++) {
+      epd_comp_t comp = finish(&c[r], 10);
+      if (comp.status != seq[i].want)
+        epd_test_fail(__FILE__, __LINE__, "op %zu (op %u) rank %d: status %d, want %d", i, seq[i].op, r,
+                      comp.status, seq[i].want);
+      ASSERT_EQ(comp.user_tag, tag);
+    }
+    tag++;
+  }
+  for (int r = 0; r < NR; r++) detach(eng, &c[r], 0);
+  epd_engine_destroy(eng);
+}
+
 #else /* !EPD_WITH_CUDA */
 #include "../test.h"
 EPD_TEST(gpu_plumb_engine_without_cuda) { epd_test_skip("built without CUDA (WITH_CUDA=0)"); }

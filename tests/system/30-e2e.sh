@@ -26,7 +26,7 @@ fail() {
 wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }
 
 "$EPD" -s "$SOCK" -f -o engine.backend=host -o engine.num_ranks=2 -o engine.step_timeout_ms=4000 \
-  -o daemon.attach_socket="$T/run/attach.sock" -o daemon.drain_timeout_ms=2000 2> "$LOG" &
+  -o daemon.attach_socket="$T/run/attach.sock" -o daemon.drain_timeout_ms=10000 2> "$LOG" &
 PID=$!
 wait_for 15 test -S "$SOCK" || fail "no control socket"
 wait_for 5 test -S "$T/run/attach.sock" || fail "no attach socket"
@@ -96,4 +96,5 @@ echo "== the daemon exits 0 once the workers left"
 wait "$PID"; rc=$?
 PID=
 [ $rc -eq 0 ] || fail "daemon exited $rc on SIGTERM"
+grep -q "drained: no client attached" "$LOG" || fail "the daemon did not exit because its clients left: $(tail -3 "$LOG")"
 echo "30-e2e: all ok"

@@ -63,7 +63,8 @@ typedef struct args {
   const char *hold_file;
 } args_t;
 
-static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0, 0, 0, 0, 0, -1, NULL};
+static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0, 0, 0, 0, 0,
+                   -1, NULL};
 
 /* The flags of a dispatch in HT mode (ht) or LL: flags, plus EPD_DESC_HT_DENSE for HT with --dense. */
 static uint32_t dispatch_flags(uint32_t flags, int ht) { return flags | (ht && A.dense ? (uint32_t)EPD_DESC_HT_DENSE : 0u); }
@@ -531,7 +532,8 @@ static uint32_t tokens_of(uint64_t step, uint32_t rank, uint32_t M) {
 static void usage(void) {
   fprintf(stderr, "usage: epd-worker -s SOCKET -g GROUP -r RANK -n NRANKS --steps N --seed S [--experts E "
                   "--hidden H --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] "
-                  "[--map-every N] [--node-ranks N] [--weights BYTES] [--graph] [--bench N] [--ht-every N] [--dense] [--specials] [--hold-at K --hold-file PATH] [-v]\n");
+                  "[--map-every N] [--node-ranks N] [--weights BYTES] [--graph] [--bench N] [--ht-every N] "
+                  "[--dense] [--specials] [--hold-at K --hold-file PATH] [-v]\n");
   exit(2);
 }
 
@@ -904,7 +906,9 @@ int main(int argc, char **argv) {
         }
         float gotv = epd_bf16_to_f32(out[(size_t)t * H + h]);
         /* special inputs: NaN where the reference has NaN, the same infinity */
-        int ok = isnan(wantv) ? isnan(gotv) : isinf(wantv) ? gotv == wantv : fabsf(gotv - wantv) <= mag / 64 + 1e-6f;
+        int ok = isnan(wantv)   ? isnan(gotv)
+                 : isinf(wantv) ? gotv == wantv
+                                : fabsf(gotv - wantv) <= mag / 64 + 1e-6f;
         if (!ok && oerrs++ < 5)
           fprintf(stderr, "rank %d step %d: out[%u][%u] = %g, want %g\n", A.rank, step, t, h, gotv, wantv);
       }
@@ -914,7 +918,8 @@ int main(int argc, char **argv) {
       fprintf(stderr, "rank %d step %d: combine result differs from the reference (%d errors)\n", A.rank, step, oerrs);
     }
     if (step == A.hold_at) {
-      printf("rank %d: the combine of step %d after the hold: %s\n", A.rank, step, errs || oerrs ? "differs" : "ok");
+      printf("rank %d: the combine of step %d after the hold: %s\n", A.rank, step,
+             errs || oerrs ? "differs" : "ok");
       fflush(NULL);
     }
     if (A.verbose)
