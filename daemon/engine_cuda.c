@@ -616,7 +616,7 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
       fail_collect(eng, be, cg, is_ht ? EPD_ERR_UNSUPPORTED : EPD_ERR_INVALID, (int)r, why);
       return;
     }
-    const int is_disp = d->op == EPD_OP_LL_DISPATCH || d->op == EPD_OP_HT_DISPATCH;
+    const int is_disp = eng_op_dispatch(d->op);
     const int fl = eng_check_flags(d, r, 0, why, sizeof why);
     if (fl) {
       fail_collect(eng, be, cg, fl, (int)r, why);
@@ -633,7 +633,7 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
       fail_collect(eng, be, cg, EPD_ERR_INVALID, (int)r, why);
       return;
     }
-    if ((d->op == EPD_OP_LL_DISPATCH || d->op == EPD_OP_HT_DISPATCH) && d->num_tokens > cg->g.max_tokens) {
+    if (is_disp && d->num_tokens > cg->g.max_tokens) {
       snprintf(why, sizeof why, "rank %u: num_tokens %u over max_tokens %u", r, d->num_tokens, cg->g.max_tokens);
       fail_collect(eng, be, cg, EPD_ERR_TOO_MANY_TOKENS, (int)r, why);
       return;
@@ -654,7 +654,7 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
     fail_collect(eng, be, cg, EPD_ERR_CUDA, -1, "the group's GPU resources could not be set up (see log)");
     return;
   }
-  if ((d0->op == EPD_OP_LL_DISPATCH || d0->op == EPD_OP_HT_DISPATCH) && grp) {
+  if (eng_op_dispatch(d0->op) && grp) {
     eng_apply_staged_map(eng, grp);
     if (map_img_update(cg, grp)) {
       fail_collect(eng, be, cg, EPD_ERR_INTERNAL, -1, "could not build the device expert map");
@@ -737,7 +737,7 @@ static epd_result_t launch(cuda_be_t *be, cuda_grp_t *cg, int r, char *err, size
   const epd_desc_t *d = &cg->desc[r];
   cudaError_t e;
   epd_result_t rc;
-  if (gr->map_version != cg->map_img_version && (d->op == EPD_OP_LL_DISPATCH || d->op == EPD_OP_HT_DISPATCH)) {
+  if (gr->map_version != cg->map_img_version && eng_op_dispatch(d->op)) {
     if ((e = cudaMemcpy(gr->map_dev, cg->map_img, epd_k_map_bytes(cg->g.num_experts), cudaMemcpyHostToDevice)))
       return cuda_err(e, "cudaMemcpy (expert map)", err, errlen);
     gr->map_version = cg->map_img_version;

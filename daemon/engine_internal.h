@@ -200,6 +200,11 @@ int eng_client_memfd(const eng_client_t *c, const char *what, uint64_t bytes, vo
                      size_t errlen);
 /* (mu) Write the header of c's fresh (zeroed: every slot FREE) queue q and start c's ring at slot 0. */
 void eng_queue_init(eng_client_t *c, epd_queue_t *q);
+/* A dispatch op (LL or HT). */
+static inline int eng_op_dispatch(uint32_t op) {
+  return op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH;
+}
+
 /* The descriptor flags a dispatch `op` may carry (EPD_DESC_HT_DENSE: HT only); any other bit is invalid. */
 static inline uint32_t eng_dispatch_flags(uint32_t op) {
   return EPD_DESC_FP8 | (op == EPD_OP_HT_DISPATCH ? (uint32_t)EPD_DESC_HT_DENSE : 0u);
@@ -208,7 +213,7 @@ static inline uint32_t eng_dispatch_flags(uint32_t op) {
  * dispatch; EPD_ERR_UNSUPPORTED for the dense HT layout across nodes (across_nodes); EPD_ERR_INVALID for a
  * flag the dispatch does not take. why (wl bytes) says which. */
 static inline int eng_check_flags(const epd_desc_t *d, uint32_t r, int across_nodes, char *why, size_t wl) {
-  if (d->op != EPD_OP_LL_DISPATCH && d->op != EPD_OP_HT_DISPATCH) return EPD_OK;
+  if (!eng_op_dispatch(d->op)) return EPD_OK;
   if (across_nodes && d->op == EPD_OP_HT_DISPATCH && (d->flags & EPD_DESC_HT_DENSE)) {
     snprintf(why, wl, "rank %u: the dense HT layout (flags 0x%x) is not available across nodes", r, d->flags);
     return EPD_ERR_UNSUPPORTED;
@@ -262,9 +267,9 @@ epd_result_t eng_net_set_map(epd_engine_t *eng, const char *group, const epd_exp
 /* Start / stop the thread that serves map messages from the other nodes (host backend, nodes > 1). */
 epd_result_t eng_net_ctl_start(epd_engine_t *eng, char *err, size_t errlen);
 void eng_net_ctl_stop(epd_engine_t *eng);
-/* (mu) Across nodes: tell every other node, per group, the first step this node will not take now that
- * it drains (cuda backend: the first dispatch; drain = 0: that it takes steps again); their steps fail
- * with EPD_ERR_DRAINING at once instead of timing out. Nothing lifts a drain today (every caller of
+/* (mu) Across nodes: tell every other node, per group, the first step from which this node takes no
+ * dispatch now that it drains (drain = 0: that it takes steps again); their dispatches from there on fail
+ * with EPD_ERR_DRAINING at once instead of timing out, their combines still run. Nothing lifts a drain today (every caller of
  * epd_engine_set_draining passes 1): with the cuda backend a lift would have to reconcile the steps
  * the peers already refused, whose frames the node would otherwise wait for in its NCCL exchange. */
 void eng_net_notify_drain(epd_engine_t *eng, int drain);
@@ -302,10 +307,5 @@ void eng_vote_agree(eng_map_vote_t *v, const eng_map_peer_t *peers, uint32_t npe
 void eng_vote_switch(epd_engine_t *eng, eng_group_t *grp, eng_map_vote_t *v, uint64_t step);
 /* Free the reported map and forget the vote. */
 void eng_vote_reset(eng_map_vote_t *v);
-
-/* A dispatch op (LL or HT). */
-static inline int eng_op_dispatch(uint32_t op) {
-  return op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH;
-}
 
 #endif /* EPD_ENGINE_INTERNAL_H */
