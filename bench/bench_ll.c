@@ -14,7 +14,8 @@
  *   (e) the byte floor at 450 GB/s per direction: the bytes the busiest GPU must send to (or receive
  *       from) all its peers together over NVLink.
  * Sweeps tokens 1..128. Writes JSON and a Markdown table (bench_ll.*, 4 ranks: bench_ll_r4.*) to the
- * directory of argv[1] (default "."). Exits 77 with fewer GPUs than ranks.
+ * directory of argv[1] (default "."). Exits 77 with fewer GPUs than ranks. EPD_BENCH_QUICK=1: (a) at the main
+ * setting only, printed (A/B runs of kernel builds).
  */
 #if EPD_WITH_CUDA
 #define _GNU_SOURCE
@@ -711,6 +712,14 @@ int main(int argc, char **argv) {
     kernel_times(M_, EPD_DESC_FP8, NULL, &d8a, &c8a);
     printf("standalone kernels, event-timed (a): dispatch FP8 %.2f combine %.2f\n", d8a.p50, c8a.p50);
     if (!strcmp(getenv("EPD_BENCH_PERSIST"), "only")) return 0;
+  }
+  if (getenv("EPD_BENCH_QUICK")) { /* (a) alone at the main setting: for A/B runs of kernel builds */
+    stat3_t qd8, qc8, qd16, qc16;
+    kernel_times(M_, EPD_DESC_FP8, NULL, &qd8, &qc8);
+    kernel_times(M_, 0, NULL, &qd16, &qc16);
+    printf("quick (a) p50 us: dispatch FP8 %.2f combine %.2f dispatch BF16 %.2f combine %.2f\n", qd8.p50, qc8.p50,
+           qd16.p50, qc16.p50);
+    return 0;
   }
   /* main setting */
   stat3_t d8, c8, d16, c16, e2e8, e2e16;

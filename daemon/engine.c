@@ -168,6 +168,120 @@ static void map_table_write(eng_client_t *c) {
   atomic_store_explicit(seq, (s0 | 1u) + 1u, memory_order_release);
 }
 
+int eng_rank_local(const epd_engine_t *eng, uint32_t r) {
+  return eng->o.nodes <= 1 || r / (uint32_t)eng->o.num_ranks == eng->o.node_rank;
+}
+
+epd_result_t eng_slot_weights_io(epd_engine_t *eng, eng_group_t *grp, uint32_t rank, uint32_t slot, void *host,
+                                 int write, char *err, size_t errlen) {
+  const uint64_t wb = grp->weight_bytes_per_slot;
+  uint64_t woff = UINT64_MAX;
+  for (uint32_t i = 0; i < grp->nbufs; i++)
+    if (grp->bufs[i].kind == EPD_BUF_EXPERT_WEIGHTS) woff = grp->bufs[i].offset;
+  eng_client_t *c = rank < grp->g.num_ranks ? grp->client[rank] : NULL;
+  if (!wb || woff == UINT64_MAX || slot >= grp->g.slots_per_rank) {
+    snprintf(err, errlen, "group %s has no expert-weights region or no slot %u", grp->name, slot);
+    return EPD_ERR_INVALID;
+  }
+  if (!c || !eng_rank_local(eng, rank)) {
+    snprintf(err, errlen, "rank %u has no attached client on node %u", rank, eng->o.node_rank);
+    return EPD_ERR_NOT_FOUND;
+  }
+  if (eng->ops->arena_io) return eng->ops->arena_io(eng, c, woff + slot * wb, host, wb, write, err, errlen);
+  uint8_t *w = (uint8_t *)eng_buf(c, EPD_BUF_EXPERT_WEIGHTS, 0) + slot * wb;
+  if (write)
+    memcpy(w, host, wb);
+  else
+    memcpy(host, w, wb);
+  return EPD_OK;
+}
+
+static int same_copy(const epd_weight_copy_t *a, const epd_weight_copy_t *b) {
+  return a->src_rank == b->src_rank && a->src_slot == b->src_slot && a->dst_rank == b->dst_rank &&
+         a->dst_slot == b->dst_slot;
+}
+
+static void wblob_free(eng_wblob_t *b) {
+  free(b->data);
+  free(b);
+}
+
+void eng_wblob_put(eng_group_t *grp, const epd_weight_copy_t *cp, uint32_t version, int status, const char *why,
+                   uint8_t *data, uint64_t bytes) {
+  for (eng_wblob_t **pp = &grp->wblobs; *pp; pp = &(*pp)->next)
+    if (same_copy(&(*pp)->cp, cp) && (*pp)->version == version) {
+      eng_wblob_t *old = *pp;
+      *pp = old->next;
+      wblob_free(old);
+      break;
+    }
+  eng_wblob_t *b = calloc(1, sizeof *b);
+  if (!b) {
+    free(data);
+    return; /* the map waits: this node does not report it ready */
+  }
+  b->cp = *cp;
+  b->version = version;
+  b->status = status;
+  snprintf(b->why, sizeof b->why, "%s", why ? why : "");
+  b->data = data;
+  b->bytes = bytes;
+  b->next = grp->wblobs;
+  grp->wblobs = b;
+}
+
+/* The received bytes of staged copy i (NULL: not yet). */
+static eng_wblob_t *wblob_of(const eng_group_t *grp, uint32_t i) {
+  for (eng_wblob_t *b = grp->wblobs; b; b = b->next)
+    if (same_copy(&b->cp, &grp->staged_copies[i]) && b->version == grp->staged_copy_ver[i]) return b;
+  return NULL;
+}
+
+static int copy_from_node(const epd_engine_t *eng, const epd_weight_copy_t *cp) {
+  return eng_rank_local(eng, cp->dst_rank) && !eng_rank_local(eng, cp->src_rank);
+}
+
+int eng_weights_ready(const epd_engine_t *eng, const eng_group_t *grp) {
+  for (uint32_t i = 0; i < grp->nstaged_copies; i++)
+    if (copy_from_node(eng, &grp->staged_copies[i]) && !wblob_of(grp, i)) return 0;
+  return 1;
+}
+
+uint64_t eng_weights_from_node(epd_engine_t *eng, eng_group_t *grp, uint32_t i) {
+  const epd_weight_copy_t *cp = &grp->staged_copies[i];
+  eng_wblob_t *b = wblob_of(grp, i);
+  char why[200] = "";
+  if (!b)
+    snprintf(why, sizeof why, "its weights did not come from node %u", cp->src_rank / (uint32_t)eng->o.num_ranks);
+  else if (b->status)
+    snprintf(why, sizeof why, "node %u could not read them: %s", cp->src_rank / (uint32_t)eng->o.num_ranks, b->why);
+  else if (b->bytes != grp->weight_bytes_per_slot)
+    snprintf(why, sizeof why, "%llu bytes came for a slot of %llu", (unsigned long long)b->bytes,
+             (unsigned long long)grp->weight_bytes_per_slot);
+  else
+    eng_slot_weights_io(eng, grp, cp->dst_rank, cp->dst_slot, b->data, 1, why, sizeof why);
+  if (why[0]) {
+    eng_emit(eng, "error", grp, (int)cp->dst_rank, 0, 0, 0, grp->steps,
+             "group %s: weight copy (%u,%u) -> (%u,%u) skipped: %s", grp->name, cp->src_rank, cp->src_slot,
+             cp->dst_rank, cp->dst_slot, why);
+    return 0;
+  }
+  return grp->weight_bytes_per_slot;
+}
+
+/* After a switch to version v: the received weights of copies of v or older are used or stale. */
+static void wblobs_drop_upto(eng_group_t *grp, uint32_t v) {
+  for (eng_wblob_t **pp = &grp->wblobs; *pp;) {
+    if ((*pp)->version <= v) {
+      eng_wblob_t *b = *pp;
+      *pp = b->next;
+      wblob_free(b);
+    } else {
+      pp = &(*pp)->next;
+    }
+  }
+}
+
 /* The host backend's weight copies: memcpy between the clients' weights regions (every rank of the group
  * is attached: a step is being executed). Returns bytes copied. */
 static uint64_t do_weight_copies(epd_engine_t *eng, eng_group_t *grp) {
@@ -175,8 +289,13 @@ static uint64_t do_weight_copies(epd_engine_t *eng, eng_group_t *grp) {
   uint64_t bytes = 0, wb = grp->weight_bytes_per_slot;
   for (uint32_t i = 0; i < grp->nstaged_copies; i++) {
     const epd_weight_copy_t *cp = &grp->staged_copies[i];
-    /* Scale-out: a node copies only into its own ranks (a copy never crosses nodes on this backend). */
-    if (eng->o.nodes > 1 && cp->dst_rank / (uint32_t)eng->o.num_ranks != eng->o.node_rank) continue;
+    /* Scale-out: a node copies only into its own ranks, with the bytes the source's node sent where the
+     * source is elsewhere. */
+    if (!eng_rank_local(eng, cp->dst_rank)) continue;
+    if (!eng_rank_local(eng, cp->src_rank)) {
+      bytes += eng_weights_from_node(eng, grp, i);
+      continue;
+    }
     eng_client_t *src = grp->client[cp->src_rank], *dst = grp->client[cp->dst_rank];
     uint8_t *sw = src ? eng_buf(src, EPD_BUF_EXPERT_WEIGHTS, 0) : NULL;
     uint8_t *dw = dst ? eng_buf(dst, EPD_BUF_EXPERT_WEIGHTS, 0) : NULL;
@@ -201,12 +320,16 @@ static void switch_map(epd_engine_t *eng, eng_group_t *grp, epd_expert_map_t *m,
   uint64_t copied = do_weight_copies(eng, grp);
   if (unstage) grp->has_staged = 0;
   grp->nstaged_copies = all - ncopies;
-  if (grp->nstaged_copies)
+  if (grp->nstaged_copies) {
     memmove(grp->staged_copies, grp->staged_copies + ncopies, sizeof *grp->staged_copies * grp->nstaged_copies);
-  else {
+    memmove(grp->staged_copy_ver, grp->staged_copy_ver + ncopies, sizeof *grp->staged_copy_ver * grp->nstaged_copies);
+  } else {
     free(grp->staged_copies);
+    free(grp->staged_copy_ver);
     grp->staged_copies = NULL;
+    grp->staged_copy_ver = NULL;
   }
+  wblobs_drop_upto(grp, m->version);
   grp->weight_bytes_copied += copied;
   grp->map_switches++;
   epd_expert_map_free(&grp->map);
@@ -366,6 +489,12 @@ static void group_free(eng_group_t *g) {
   free(g->expert_tokens);
   free(g->slot_tokens);
   free(g->staged_copies);
+  free(g->staged_copy_ver);
+  while (g->wblobs) {
+    eng_wblob_t *b = g->wblobs;
+    g->wblobs = b->next;
+    wblob_free(b);
+  }
   free(g);
 }
 
@@ -861,21 +990,6 @@ static epd_result_t check_copies(epd_engine_t *eng, const eng_group_t *grp, cons
   return EPD_OK;
 }
 
-/* Scale-out with the host backend: a copy whose ranks are on two nodes is refused (no transfer of
- * weights between nodes). */
-static epd_result_t check_copies_nodes(const epd_engine_t *eng, const epd_weight_copy_t *cp, uint32_t n,
-                                       char *err, size_t errlen) {
-  uint32_t L = (uint32_t)eng->o.num_ranks;
-  for (uint32_t i = 0; i < n; i++)
-    if (cp[i].src_rank / L != cp[i].dst_rank / L) {
-      snprintf(err, errlen, "copies[%u]: (rank %u, slot %u) -> (rank %u, slot %u) crosses nodes (node %u -> node %u): "
-               "the host backend copies expert weights only between ranks of one node", i, cp[i].src_rank,
-               cp[i].src_slot, cp[i].dst_rank, cp[i].dst_slot, cp[i].src_rank / L, cp[i].dst_rank / L);
-      return EPD_ERR_UNSUPPORTED;
-    }
-  return EPD_OK;
-}
-
 eng_group_t *eng_find_group(epd_engine_t *eng, const char *name) {
   return find_group(eng, name);
 }
@@ -890,25 +1004,24 @@ epd_result_t eng_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert
   if ((rc = epd_ref_map_validate(map, grp->g.num_experts, grp->g.num_ranks, grp->g.slots_per_rank, errbuf,
                                  errlen)))
     return rc;
-  if (eng->o.nodes > 1 && eng->ops == &eng_host_ops && (rc = check_copies_nodes(eng, copies, ncopies, errbuf, errlen)))
-    return rc;
-  if (eng->o.nodes > 1 && eng->ops != &eng_host_ops && ncopies) {
-    snprintf(errbuf, errlen, "expert-weight copies are not supported across nodes on the cuda backend (%u given): move "
-             "the weights in the workers, then set the map without copies", ncopies);
-    return EPD_ERR_UNSUPPORTED;
-  }
   if (check && (rc = check_copies(eng, grp, map, copies, ncopies, errbuf, errlen))) return rc;
   uint32_t nall = grp->nstaged_copies + ncopies;
   epd_weight_copy_t *all = NULL;
-  if (nall && !(all = malloc(sizeof *all * nall))) {
+  uint32_t *allv = NULL;
+  if (nall && (!(all = malloc(sizeof *all * nall)) || !(allv = malloc(sizeof *allv * nall)))) {
+    free(all);
     snprintf(errbuf, errlen, "out of memory");
     return EPD_ERR_NOMEM;
   }
-  if (grp->nstaged_copies) memcpy(all, grp->staged_copies, sizeof *all * grp->nstaged_copies);
+  if (grp->nstaged_copies) {
+    memcpy(all, grp->staged_copies, sizeof *all * grp->nstaged_copies);
+    memcpy(allv, grp->staged_copy_ver, sizeof *allv * grp->nstaged_copies);
+  }
   if (ncopies) memcpy(all + grp->nstaged_copies, copies, sizeof *all * ncopies);
   epd_expert_map_t m;
   if ((rc = epd_ref_map_copy(&m, map))) {
     free(all);
+    free(allv);
     snprintf(errbuf, errlen, "out of memory");
     return rc;
   }
@@ -920,8 +1033,11 @@ epd_result_t eng_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert
   if (grp->has_staged) epd_expert_map_free(&grp->staged);
   grp->staged = m;
   grp->has_staged = 1;
+  for (uint32_t i = grp->nstaged_copies; i < nall; i++) allv[i] = m.version;
   free(grp->staged_copies);
+  free(grp->staged_copy_ver);
   grp->staged_copies = all;
+  grp->staged_copy_ver = allv;
   grp->nstaged_copies = nall;
   if (version_out) *version_out = m.version;
   /* A backend that runs steps without the engine thread (CUDA persistent kernels) must stop before the

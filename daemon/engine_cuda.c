@@ -1739,16 +1739,17 @@ static uint64_t cuda_copy_weights(epd_engine_t *eng, eng_group_t *grp) {
   for (uint32_t i = 0; i < grp->nbufs; i++)
     if (grp->bufs[i].kind == EPD_BUF_EXPERT_WEIGHTS) woff = grp->bufs[i].offset;
   int used[EPD_MAX_RANKS] = {0}, dev0 = 0;
-  if (be->net) { /* scale-out: SetExpertMap refuses copies there (eng_stage_map); kept as a guard */
-    eng_emit(eng, "error", grp, -1, 0, 0, 0, grp->steps,
-             "group %s: %u expert-weight copies skipped: not supported across nodes on the cuda backend",
-             grp->name, grp->nstaged_copies);
-    return 0;
-  }
   if (grp->nstaged_copies) pers_quiesce_all(eng, be); /* the copies must not wait behind persistent kernels */
   cudaGetDevice(&dev0); /* a rank thread calls this: give it its device back */
   for (uint32_t i = 0; i < grp->nstaged_copies && woff != UINT64_MAX; i++) {
     const epd_weight_copy_t *cp = &grp->staged_copies[i];
+    /* Scale-out: this node fills its own ranks' slots; a source on another node sent its bytes */
+    if (!eng_rank_local(eng, cp->dst_rank)) continue;
+    if (!eng_rank_local(eng, cp->src_rank)) {
+      bytes += eng_weights_from_node(eng, grp, i);
+      continue;
+    }
+    const int ld = local_rank(eng, (int)cp->dst_rank);
     eng_client_t *src = grp->client[cp->src_rank], *dst = grp->client[cp->dst_rank];
     cuda_client_t *sc = src ? src->be : NULL, *dc = dst ? dst->be : NULL;
     const char *why = !sc || !dc ? "has no attached client"
@@ -1760,7 +1761,7 @@ static uint64_t cuda_copy_weights(epd_engine_t *eng, eng_group_t *grp) {
       cudaSetDevice(dc->device);
       e = cudaMemcpyAsync((void *)(uintptr_t)(dc->arena_dev + woff + cp->dst_slot * wb),
                           (const void *)(uintptr_t)(sc->arena_dev + woff + cp->src_slot * wb), wb,
-                          cudaMemcpyDeviceToDevice, be->rank[cp->dst_rank].copy_stream);
+                          cudaMemcpyDeviceToDevice, be->rank[ld].copy_stream);
       if (e) why = cudaGetErrorString(e);
     }
     if (why) {
@@ -1769,7 +1770,7 @@ static uint64_t cuda_copy_weights(epd_engine_t *eng, eng_group_t *grp) {
                cp->src_slot, cp->dst_rank, cp->dst_slot, sc ? cp->dst_rank : cp->src_rank, why);
       continue;
     }
-    used[cp->dst_rank] = 1;
+    used[ld] = 1;
     bytes += wb;
   }
   for (int r = 0; r < be->ndev; r++) {
@@ -1780,6 +1781,30 @@ static uint64_t cuda_copy_weights(epd_engine_t *eng, eng_group_t *grp) {
   }
   cudaSetDevice(dev0);
   return bytes;
+}
+
+/* (mu) Weights of a slot to or from host memory (eng_slot_weights_io: scale-out copies between nodes). */
+static epd_result_t cuda_arena_io(epd_engine_t *eng, eng_client_t *c, uint64_t off, void *host, uint64_t n,
+                                  int write, char *err, size_t errlen) {
+  (void)eng;
+  cuda_client_t *cc = c->be;
+  if (!cc || off + n > cc->arena_size) {
+    snprintf(err, errlen, "rank %d: %llu bytes at %llu are outside its arena", c->rank, (unsigned long long)n,
+             (unsigned long long)off);
+    return EPD_ERR_INVALID;
+  }
+  int dev0 = 0;
+  cudaGetDevice(&dev0);
+  cudaSetDevice(cc->device);
+  void *d = (void *)(uintptr_t)(cc->arena_dev + off);
+  cudaError_t e = write ? cudaMemcpy(d, host, n, cudaMemcpyHostToDevice) : cudaMemcpy(host, d, n, cudaMemcpyDeviceToHost);
+  cudaSetDevice(dev0);
+  if (e) {
+    snprintf(err, errlen, "rank %d: copying weights %s its arena: %s", c->rank, write ? "into" : "out of",
+             cudaGetErrorString(e));
+    return EPD_ERR_CUDA;
+  }
+  return EPD_OK;
 }
 
 /* (mu) A map was staged (grp) or draining began (NULL): the kernels stop before the call returns, so
@@ -1833,6 +1858,7 @@ const eng_backend_ops_t eng_cuda_ops = {
     .client_leave = cuda_client_leave,
     .client_free = cuda_client_free,
     .copy_weights = cuda_copy_weights,
+    .arena_io = cuda_arena_io,
     .sync_steps = cuda_sync_steps,
     .group_mode = cuda_group_mode,
 };

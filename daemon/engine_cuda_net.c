@@ -345,7 +345,7 @@ static void send_frame(cnet_t *cn) {
     snprintf(h.why, sizeof h.why, "node %u is draining", cn->node);
   }
   if (dispatch && !h.status) eng_vote_switch(eng, grp, &cn->vote, cn->step);
-  eng_vote_report(grp, &cn->vote);
+  eng_vote_report(eng, grp, &cn->vote);
   h.map_version = grp->map.version;
   h.map_hash = epd_net_map_hash(&grp->map);
   h.staged_version = cn->vote.rep.version;

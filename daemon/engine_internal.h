@@ -47,6 +47,19 @@ struct eng_client {
   int hung;
 };
 
+/* Scale-out: the weights of a staged copy whose source rank is on another node, sent by that node when it
+ * staged the map (engine_net.c, CTL_WEIGHTS) and kept here, on the destination's node, until the switch
+ * writes them into the destination slot. */
+typedef struct eng_wblob {
+  struct eng_wblob *next;
+  epd_weight_copy_t cp;
+  uint32_t version; /* the map version whose copies carried it (the copy's grp->staged_copy_ver) */
+  int status;       /* EPD_OK, or why the source node could not read them (then no bytes) */
+  char why[160];
+  uint64_t bytes;
+  uint8_t *data;
+} eng_wblob_t;
+
 struct eng_group {
   eng_group_t *next;
   uint64_t serial; /* unique per engine: a re-created group is a different one even at the same address */
@@ -67,7 +80,9 @@ struct eng_group {
    * needs before it becomes active (done at the switch, the switch waits for them), counters. */
   uint64_t weight_bytes_per_slot;      /* 0: no EPD_BUF_EXPERT_WEIGHTS */
   epd_weight_copy_t *staged_copies;
+  uint32_t *staged_copy_ver; /* [nstaged_copies]: the version of the map that asked for each copy */
   uint32_t nstaged_copies;
+  eng_wblob_t *wblobs; /* scale-out: weights received from other nodes for staged copies into this node */
   uint64_t map_switches, weight_bytes_copied;
   /* Arena layout of every client of the group. */
   uint32_t nbufs;
@@ -119,6 +134,10 @@ typedef struct eng_backend_ops {
    * EPD_BUF_EXPERT_WEIGHTS regions and return when they are done; returns bytes copied. NULL: the
    * regions are CPU-visible (c->arena) and the core copies them with memmove. */
   uint64_t (*copy_weights)(epd_engine_t *eng, eng_group_t *grp);
+  /* (mu) Optional: copy n bytes at offset off of client c's arena to host memory (write 0) or from it
+   * (write 1), synchronously. NULL: c->arena is CPU-visible. */
+  epd_result_t (*arena_io)(epd_engine_t *eng, eng_client_t *c, uint64_t off, void *host, uint64_t n, int write,
+                           char *err, size_t errlen);
   /* (mu) Optional: what the next step of grp (NULL: of every group) must do changed - a map was staged
    * (it switches at the next executing dispatch), draining began (no new dispatch); return once no step
    * can execute without seeing it (a backend that runs steps without its threads stops doing so). */
@@ -186,6 +205,22 @@ eng_group_t *eng_find_group(epd_engine_t *eng, const char *name);
 epd_result_t eng_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert_map_t *map,
                            const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t version, int check,
                            uint32_t *version_out, char *errbuf, size_t errlen);
+/* Scale-out weight copies (engine.c). A copy is local to a node where its rank is; a copy whose source is
+ * on another node gets its bytes from that node (eng_wblob_t).
+ * (mu) Read (write 0) or write (write 1) the weights of (rank, slot) of grp's attached client on this
+ * node, into or from host memory of grp->weight_bytes_per_slot bytes. */
+epd_result_t eng_slot_weights_io(epd_engine_t *eng, eng_group_t *grp, uint32_t rank, uint32_t slot, void *host,
+                                 int write, char *err, size_t errlen);
+/* 1 if world rank r is on this node. */
+int eng_rank_local(const epd_engine_t *eng, uint32_t r);
+/* (mu) Keep received weights (takes data; replaces a blob of the same copy and version). */
+void eng_wblob_put(eng_group_t *grp, const epd_weight_copy_t *cp, uint32_t version, int status, const char *why,
+                   uint8_t *data, uint64_t bytes);
+/* (mu) 1 if every staged copy into this node from another node has its bytes (or its source's error). */
+int eng_weights_ready(const epd_engine_t *eng, const eng_group_t *grp);
+/* (mu) Staged copy i, into this node from another node: write the received bytes into its destination
+ * slot (an event tells why not); returns bytes written. */
+uint64_t eng_weights_from_node(epd_engine_t *eng, eng_group_t *grp, uint32_t i);
 /* Account one finished op of one rank (status, bytes it sent, latency). */
 void eng_record_op(epd_engine_t *eng, int rank, uint32_t op, int status, uint64_t bytes,
                    uint64_t latency_ns);
@@ -298,7 +333,7 @@ typedef struct eng_map_peer {
 } eng_map_peer_t;
 /* (mu) Remember the staged map this node reports in its frame (a newer one staged later replaces it only
  * at the next frame, so the map every node reported is still at hand when they agree on it). */
-void eng_vote_report(const eng_group_t *grp, eng_map_vote_t *v);
+void eng_vote_report(epd_engine_t *eng, const eng_group_t *grp, eng_map_vote_t *v);
 /* (mu) Decide from the other nodes' frames of step `step` (all in) what the next dispatch switches to:
  * the staged map every node reported, or, for a node left behind (a step that failed on it but not
  * elsewhere), the map another node already runs and this one still has staged. */

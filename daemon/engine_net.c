@@ -87,6 +87,7 @@ struct epd_net {
   int peer_draining[MAX_NODES];
   /* (engine mu) maps node 0 sent for groups this node did not have yet: staged when one is created */
   struct pending_map *pending;
+  _Atomic uint32_t weights_delay_ms; /* epd_net_test_weights_delay */
 };
 
 typedef struct pending_map {
@@ -707,8 +708,10 @@ void eng_vote_switch(epd_engine_t *eng, eng_group_t *grp, eng_map_vote_t *v, uin
   v->agree = 0;
 }
 
-void eng_vote_report(const eng_group_t *grp, eng_map_vote_t *v) {
-  uint32_t sv = grp->has_staged ? grp->staged.version : 0;
+void eng_vote_report(epd_engine_t *eng, const eng_group_t *grp, eng_map_vote_t *v) {
+  /* a map whose copies into this node wait for bytes from another node is not reported yet: no node
+   * switches to it before every destination holds what it needs */
+  uint32_t sv = grp->has_staged && eng_weights_ready(eng, grp) ? grp->staged.version : 0;
   if (sv == v->rep.version) return;
   epd_expert_map_free(&v->rep);
   memset(&v->rep, 0, sizeof v->rep);
@@ -784,7 +787,7 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
     ng->lstatus = epd_ref_plan_build(&ng->lplan, &grp->map, in, &ng->lbad, ng->lwhy, sizeof ng->lwhy);
     if (!ng->lstatus) memcpy(ng->ht_local, ng->lplan.ht_recv, sizeof *ng->ht_local * W);
   }
-  eng_vote_report(grp, &ng->vote);
+  eng_vote_report(eng, grp, &ng->vote);
   const epd_ref_plan_t *gp = &grp->plan[d0->bank < EPD_NUM_BANKS ? d0->bank : 0];
   int combine = same && !dispatch && grp->plan_valid[d0->bank] && gp->mode == mode;
   if (same && !dispatch && !combine) {
@@ -1230,7 +1233,7 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
  * lock) and sends each staged map as MAP_SET to every other node, in version order on every link; a
  * MAP_REQ is answered with MAP_REP after the MAP_SET to the asking node, so a SetExpertMap that
  * returns a version has that map staged on its node. */
-enum { CTL_MAP_REQ = 1, CTL_MAP_SET = 2, CTL_MAP_REP = 3, CTL_DRAIN = 4 };
+enum { CTL_MAP_REQ = 1, CTL_MAP_SET = 2, CTL_MAP_REP = 3, CTL_DRAIN = 4, CTL_WEIGHTS = 5 };
 typedef struct ctl_msg {
   uint32_t kind, version;
   uint64_t req_id;
@@ -1270,6 +1273,125 @@ static int send_ctl(epd_net_t *net, uint32_t node, const char *group, const ctl_
   return rc;
 }
 
+/* ---- expert weights between nodes ----
+ * A node that stages a map (node 0 first, then every other node as its MAP_SET comes) reads, for each of
+ * the map's copies whose source rank is its own and whose destination is on another node, the source
+ * slot's weights (they are final: the source holds its expert in the active map and no staged copy
+ * fills it) and sends them to the destination's node as a CTL_WEIGHTS frame: ctl_msg_t (version: the
+ * map's; req_id: the copy, 16 bits each of src rank, src slot, dst rank, dst slot; status and why: a
+ * source that could not be read), then the bytes. The destination keeps them (eng_wblob_put) and
+ * reports the map in its step frames only once every copy into it has its bytes (eng_vote_report), so
+ * every node switches when every destination can write its slots; the switch writes them. */
+typedef struct wout {
+  struct wout *next;
+  uint32_t node;
+  ctl_msg_t m;
+  uint8_t *data;
+  uint64_t bytes;
+} wout_t;
+
+static uint64_t copy_id(const epd_weight_copy_t *cp) {
+  return (uint64_t)(cp->src_rank & 0xffffu) << 48 | (uint64_t)(cp->src_slot & 0xffffu) << 32 |
+         (uint64_t)(cp->dst_rank & 0xffffu) << 16 | (cp->dst_slot & 0xffffu);
+}
+
+/* (mu) After grp staged `version` with these copies: the frames this node owes other nodes. */
+static wout_t *weights_out(epd_engine_t *eng, eng_group_t *grp, const epd_weight_copy_t *cp, uint32_t n,
+                           uint32_t version) {
+  wout_t *head = NULL, **tail = &head;
+  const uint32_t L = (uint32_t)eng->o.num_ranks;
+  for (uint32_t i = 0; i < n; i++) {
+    if (!eng_rank_local(eng, cp[i].src_rank) || eng_rank_local(eng, cp[i].dst_rank)) continue;
+    wout_t *w = calloc(1, sizeof *w);
+    if (!w) break; /* the destination never reports the map: no node switches to it (logged there) */
+    w->node = cp[i].dst_rank / L;
+    w->m = (ctl_msg_t){.kind = CTL_WEIGHTS, .version = version, .req_id = copy_id(&cp[i])};
+    w->bytes = grp->weight_bytes_per_slot;
+    w->data = w->bytes ? malloc(w->bytes) : NULL;
+    if (!w->data) {
+      w->m.status = EPD_ERR_NOMEM;
+      snprintf(w->m.why, sizeof w->m.why, "out of memory for %llu bytes", (unsigned long long)w->bytes);
+    } else {
+      w->m.status = eng_slot_weights_io(eng, grp, cp[i].src_rank, cp[i].src_slot, w->data, 0, w->m.why,
+                                        sizeof w->m.why);
+    }
+    if (w->m.status) {
+      free(w->data);
+      w->data = NULL;
+      w->bytes = 0;
+    }
+    *tail = w;
+    tail = &w->next;
+  }
+  return head;
+}
+
+void epd_net_test_weights_delay(epd_net_t *net, uint32_t ms) {
+  atomic_store(&net->weights_delay_ms, ms);
+}
+
+/* Send (outside the engine lock: the bytes may be many) and free. */
+static void weights_send(epd_net_t *net, const char *group, wout_t *w) {
+  const uint32_t delay = atomic_load(&net->weights_delay_ms);
+  if (w && delay) usleep(delay * 1000u);
+  while (w) {
+    wout_t *next = w->next;
+    size_t len = sizeof(net_hdr_t) + sizeof w->m + w->bytes;
+    uint8_t *b = malloc(len);
+    net_hdr_t h = {.magic = CTL_MAGIC, .src_node = net->node_rank};
+    snprintf(h.group, sizeof h.group, "%s", group);
+    int rc = -1;
+    if (b) {
+      memcpy(b, &h, sizeof h);
+      memcpy(b + sizeof h, &w->m, sizeof w->m);
+      if (w->bytes) memcpy(b + sizeof h + sizeof w->m, w->data, w->bytes);
+      rc = net_send(net, w->node, b, len);
+    }
+    if (rc)
+      EPD_LOGE(EPD_SUB_ENGINE, "group %s: the weights of a copy for map version %u not sent to node %u (%s): no "
+               "node switches to it", group, w->m.version, w->node, b ? "link down" : "out of memory");
+    free(b);
+    free(w->data);
+    free(w);
+    w = next;
+  }
+}
+
+/* A CTL_WEIGHTS frame (the control thread). */
+static void weights_in(epd_engine_t *eng, const net_frame_t *f, const ctl_msg_t *c, const char *group) {
+  const size_t hl = sizeof(net_hdr_t) + sizeof *c;
+  const uint64_t bytes = f->len - hl;
+  const epd_weight_copy_t cp = {(uint32_t)(c->req_id >> 48), (uint32_t)(c->req_id >> 32) & 0xffffu,
+                                (uint32_t)(c->req_id >> 16) & 0xffffu, (uint32_t)c->req_id & 0xffffu};
+  pthread_mutex_lock(&eng->mu);
+  eng_group_t *grp = eng_find_group(eng, group);
+  const char *bad = !grp                                                    ? "the group does not exist here"
+                    : cp.dst_rank >= grp->g.num_ranks || !eng_rank_local(eng, cp.dst_rank) ||
+                              cp.src_rank >= grp->g.num_ranks || eng_rank_local(eng, cp.src_rank)
+                        ? "its ranks are not a copy from that node into this one"
+                    : cp.dst_slot >= grp->g.slots_per_rank || cp.src_slot >= grp->g.slots_per_rank ? "a slot is out of range"
+                    : !c->status && bytes != grp->weight_bytes_per_slot ? "its size is not the group's weights per slot"
+                                                                        : NULL;
+  uint8_t *data = NULL;
+  if (!bad && !c->status && bytes && !(data = malloc(bytes))) bad = "out of memory";
+  if (!bad) {
+    if (data) memcpy(data, f->buf + hl, bytes);
+    eng_wblob_put(grp, &cp, c->version, c->status, c->why, data, c->status ? 0 : bytes);
+  }
+  pthread_mutex_unlock(&eng->mu);
+  if (bad)
+    EPD_LOGW(EPD_SUB_ENGINE, "group %s: weights of copy (%u,%u) -> (%u,%u) for map version %u from node %u "
+             "dropped: %s", group, cp.src_rank, cp.src_slot, cp.dst_rank, cp.dst_slot, c->version, f->src_node, bad);
+  else if (c->status)
+    EPD_LOGW(EPD_SUB_ENGINE, "group %s: weights of copy (%u,%u) -> (%u,%u) for map version %u: node %u could not "
+             "read them (%s); the copy is skipped at the switch", group, cp.src_rank, cp.src_slot, cp.dst_rank,
+             cp.dst_slot, c->version, f->src_node, c->why);
+  else
+    EPD_LOGI(EPD_SUB_ENGINE, "group %s: weights of copy (%u,%u) -> (%u,%u) for map version %u received from node %u "
+             "(%llu bytes)", group, cp.src_rank, cp.src_slot, cp.dst_rank, cp.dst_slot, c->version, f->src_node,
+             (unsigned long long)bytes);
+}
+
 /* Parse a MAP_REQ / MAP_SET body into m (its arrays point into the frame; free nothing); -1 if
  * malformed. */
 static int parse_map(const net_frame_t *f, const ctl_msg_t *c, epd_expert_map_t *m, const epd_weight_copy_t **cp) {
@@ -1288,8 +1410,8 @@ static int parse_map(const net_frame_t *f, const ctl_msg_t *c, epd_expert_map_t 
 
 /* (eng->mu, node 0) Stage a map with the next version and send it to every other node. */
 static epd_result_t stage_and_send(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
-                                   const epd_weight_copy_t *cp, uint32_t ncopies, uint32_t *version, char *err,
-                                   size_t errlen) {
+                                   const epd_weight_copy_t *cp, uint32_t ncopies, uint32_t *version, wout_t **wo,
+                                   char *err, size_t errlen) {
   epd_net_t *net = eng->o.net;
   eng_group_t *grp = eng_find_group(eng, group);
   if (!grp) {
@@ -1305,6 +1427,7 @@ static epd_result_t stage_and_send(epd_engine_t *eng, const char *group, const e
                "switches to it", group, *version, n);
   EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u staged and sent to every node (%u weight copies)",
            group, *version, ncopies);
+  *wo = weights_out(eng, grp, cp, ncopies, *version); /* sent by the caller, after the engine lock */
   return EPD_OK;
 }
 
@@ -1414,6 +1537,10 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
       EPD_LOGI(EPD_SUB_ENGINE, "group %s: node %u takes steps again", group, f->src_node);
     return;
   }
+  if (c.kind == CTL_WEIGHTS) {
+    weights_in(eng, f, &c, group);
+    return;
+  }
   epd_expert_map_t m;
   const epd_weight_copy_t *cp = NULL;
   if ((c.kind != CTL_MAP_REQ && c.kind != CTL_MAP_SET) || parse_map(f, &c, &m, &cp)) {
@@ -1426,9 +1553,11 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
       r.status = EPD_ERR_PROTOCOL;
       snprintf(r.why, sizeof r.why, "node %u is not node 0", net->node_rank);
     } else {
+      wout_t *wo = NULL;
       pthread_mutex_lock(&eng->mu);
-      r.status = stage_and_send(eng, group, &m, cp, c.ncopies, &r.version, r.why, sizeof r.why);
+      r.status = stage_and_send(eng, group, &m, cp, c.ncopies, &r.version, &wo, r.why, sizeof r.why);
       pthread_mutex_unlock(&eng->mu);
+      weights_send(net, group, wo);
     }
     send_ctl(net, f->src_node, group, &r, NULL, NULL);
     return;
@@ -1440,7 +1569,9 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
   epd_result_t rc = grp ? eng_stage_map(eng, grp, &m, cp, c.ncopies, c.version, 0, NULL, err, sizeof err)
                         : EPD_ERR_NOT_FOUND;
   const int kept = grp ? 1 : pending_put(eng, net, group, &m, c.ncopies);
+  wout_t *wo = rc == EPD_OK ? weights_out(eng, grp, cp, c.ncopies, c.version) : NULL;
   pthread_mutex_unlock(&eng->mu);
+  weights_send(net, group, wo);
   if (rc == EPD_ERR_NOT_FOUND && kept == 0)
     EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u from node 0 kept: the group does not exist on node "
              "%u yet; it is staged when the group is created here", group, c.version, net->node_rank);
@@ -1545,9 +1676,11 @@ epd_result_t eng_net_set_map(epd_engine_t *eng, const char *group, const epd_exp
   uint32_t version = 0;
   epd_result_t rc;
   if (net->node_rank == 0) {
+    wout_t *wo = NULL;
     pthread_mutex_lock(&eng->mu);
-    rc = stage_and_send(eng, group, map, copies, ncopies, &version, errbuf, errlen);
+    rc = stage_and_send(eng, group, map, copies, ncopies, &version, &wo, errbuf, errlen);
     pthread_mutex_unlock(&eng->mu);
+    weights_send(net, group, wo);
     if (!rc && version_out) *version_out = version;
     return rc;
   }

@@ -53,6 +53,9 @@ void epd_net_add_bytes(epd_net_t *net, uint64_t tx, uint64_t rx);
 int epd_net_node_dead(epd_net_t *net, uint32_t node, char *why, size_t len);
 /* Drop every queued frame of a group (it was removed). */
 void epd_net_drop_group(epd_net_t *net, const char *group);
+/* Tests: delay every send of expert weights to another node by this many ms (0: none), so that steps
+ * run while the bytes are on their way. */
+void epd_net_test_weights_delay(epd_net_t *net, uint32_t ms);
 /* FNV-1a hash of an expert map (version and every replica): nodes compare maps by it. */
 struct epd_expert_map;
 uint64_t epd_net_map_hash(const struct epd_expert_map *m);

@@ -346,7 +346,7 @@ EPD_TEST(cluster_two_nodes_equal_ref) {
   }
   ASSERT_EQ(last, v4);
   /* Refused on every node, changing nothing: an invalid map (two experts on one slot), and a weight
-   * copy between ranks of two nodes (asked at node 1, refused by node 0 with its reason). */
+   * copy in a group without a weights region (asked at node 1, refused by node 0 with its reason). */
   epd_expert_map_t bad;
   ASSERT_OK(epd_ref_map_copy(&bad, &m2));
   bad.rep[1][0] = bad.rep[0][0];
@@ -356,8 +356,8 @@ EPD_TEST(cluster_two_nodes_equal_ref) {
   }
   epd_weight_copy_t xc = {0, 0, 2, 0};
   for (int n = 0; n < 2; n++) {
-    ASSERT_EQ(epd_engine_set_map_copies(cl.eng[n], "g", &m2, &xc, 1, &v, err, sizeof err), EPD_ERR_UNSUPPORTED);
-    ASSERT_STR_CONTAINS(err, "crosses nodes");
+    ASSERT_EQ(epd_engine_set_map_copies(cl.eng[n], "g", &m2, &xc, 1, &v, err, sizeof err), EPD_ERR_INVALID);
+    ASSERT_STR_CONTAINS(err, "no expert-weights region");
   }
   for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
   for (int r = 0; r < W; r++) ASSERT_EQ(cwait(&cl.c[r]).map_version, v4);
@@ -388,20 +388,52 @@ EPD_TEST(cluster_two_nodes_equal_ref) {
 
 /* Weight copies across nodes: each node runs the copies into its own ranks when the map switches (the
  * same step everywhere); the other slots keep their bytes. */
+/* Byte b of slot sl's weights on rank r before any copy. */
+static uint8_t wbyte(int r, uint32_t sl, uint32_t b) {
+  return (uint8_t)(r * 16 + (int)sl + (int)(b * 7));
+}
+
+/* A cluster whose group has WB bytes of weights per slot and twice the slots its experts need (the
+ * default map leaves slots free), every slot filled with wbyte; returns slots per rank. */
+static uint32_t cluster_up_weights(cluster_t *cl, uint32_t E, uint32_t WB) {
+  cl_weight_bytes = WB;
+  cl_slots_pct = 200;
+  cluster_up(cl, E, 64, 2, 4, 0);
+  cl_weight_bytes = 0;
+  cl_slots_pct = 0;
+  const uint32_t S = cl->g.slots_per_rank;
+  for (int r = 0; r < W; r++) {
+    uint8_t *w = cbuf(&cl->c[r], EPD_BUF_EXPERT_WEIGHTS, 0);
+    for (uint32_t sl = 0; sl < S; sl++)
+      for (uint32_t b = 0; b < WB; b++) w[sl * WB + b] = wbyte(r, sl, b);
+  }
+  return S;
+}
+
+/* Every slot holds its own bytes, or its source's where one of the n copies filled it. */
+static void check_weights(cluster_t *cl, uint32_t S, uint32_t WB, const epd_weight_copy_t *cp, uint32_t n) {
+  for (int r = 0; r < W; r++) {
+    const uint8_t *w = cbuf(&cl->c[r], EPD_BUF_EXPERT_WEIGHTS, 0);
+    for (uint32_t sl = 0; sl < S; sl++) {
+      int fr = r;
+      uint32_t fs = sl;
+      for (uint32_t i = 0; i < n; i++)
+        if (cp[i].dst_rank == (uint32_t)r && cp[i].dst_slot == sl) {
+          fr = (int)cp[i].src_rank;
+          fs = cp[i].src_slot;
+        }
+      for (uint32_t b = 0; b < WB; b++)
+        if (w[sl * WB + b] != wbyte(fr, fs, b))
+          epd_test_fail(__FILE__, __LINE__, "rank %d slot %u byte %u = %d, want %d (rank %d slot %u)", r, sl, b,
+                        w[sl * WB + b], wbyte(fr, fs, b), fr, fs);
+    }
+  }
+}
+
 EPD_TEST(cluster_map_weight_copies_same_node) {
   cluster_t cl;
   const uint32_t E = 8, WB = 64;
-  cl_weight_bytes = WB;
-  cl_slots_pct = 200;
-  cluster_up(&cl, E, 64, 2, 4, 0);
-  cl_weight_bytes = 0;
-  cl_slots_pct = 0;
-  uint32_t S = cl.g.slots_per_rank;
-  ASSERT_EQ(S, 4u); /* default map: expert e on (e / 2, e % 2); slots 2, 3 free */
-  for (int r = 0; r < W; r++) {
-    uint8_t *w = cbuf(&cl.c[r], EPD_BUF_EXPERT_WEIGHTS, 0);
-    for (uint32_t sl = 0; sl < S; sl++) memset(w + sl * WB, r * 16 + (int)sl, WB);
-  }
+  const uint32_t S = cluster_up_weights(&cl, E, WB);
   epd_expert_map_t m;
   ASSERT_OK(epd_engine_get_map(cl.eng[0], "g", &m));
   m.rep[0][1] = (epd_replica_t){1, 3}; /* expert 0 also on rank 1 (node 0) */
@@ -420,17 +452,53 @@ EPD_TEST(cluster_map_weight_copies_same_node) {
       ASSERT_EQ(comp.map_version, i ? v : 1u);
     }
   }
-  for (int r = 0; r < W; r++) {
-    const uint8_t *w = cbuf(&cl.c[r], EPD_BUF_EXPERT_WEIGHTS, 0);
-    for (uint32_t sl = 0; sl < S; sl++) {
-      int want = r * 16 + (int)sl;
-      if (r == 1 && sl == 3) want = 0;      /* copied from (0, 0) on node 0 */
-      if (r == 3 && sl == 2) want = 2 * 16; /* copied from (2, 0) on node 1 */
-      for (uint32_t b = 0; b < WB; b++)
-        if (w[sl * WB + b] != want)
-          epd_test_fail(__FILE__, __LINE__, "rank %d slot %u byte %u = %d, want %d", r, sl, b, w[sl * WB + b], want);
+  check_weights(&cl, S, WB, cp, 2);
+  epd_expert_map_free(&m);
+  cluster_down(&cl);
+}
+
+/* Weight copies between the ranks of two nodes: the source's node sends the slot's bytes when it stages
+ * the map, the destination's writes them at the switch. Both nodes switch at the same step, and only once
+ * the bytes are there; the copy within node 1 runs beside them. */
+EPD_TEST(cluster_map_weight_copies_across_nodes) {
+  cluster_t cl;
+  const uint32_t E = 8, WB = 4096;
+  const uint32_t S = cluster_up_weights(&cl, E, WB);
+  ASSERT_EQ(S, 4u); /* default map: expert e on (e / 2, e % 2); slots 2, 3 free */
+  epd_expert_map_t m;
+  ASSERT_OK(epd_engine_get_map(cl.eng[0], "g", &m));
+  m.rep[0][1] = (epd_replica_t){3, 2}; /* expert 0 (rank 0, node 0) also on rank 3 (node 1) */
+  m.nrep[0] = 2;
+  m.rep[5][1] = (epd_replica_t){1, 3}; /* expert 5 (rank 2, node 1) also on rank 1 (node 0) */
+  m.nrep[5] = 2;
+  m.rep[6][1] = (epd_replica_t){2, 3}; /* expert 6 (rank 3, node 1) also on rank 2: within node 1 */
+  m.nrep[6] = 2;
+  epd_weight_copy_t cp[3] = {{0, 0, 3, 2}, {2, 1, 1, 3}, {3, 0, 2, 3}};
+  uint32_t v = 0;
+  char err[256] = "";
+  /* node 1 sends its bytes 300 ms after it staged the map: the steps meanwhile stay on the old map */
+  epd_net_test_weights_delay(cl.net[1], 300);
+  ASSERT_OK(epd_engine_set_map_copies(cl.eng[0], "g", &m, cp, 3, &v, err, sizeof err));
+  const uint64_t t0 = ms_now();
+  uint32_t seen = 0;
+  int old_steps = 0;
+  for (int i = 0; i < 500 && seen != v; i++) {
+    for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
+    for (int r = 0; r < W; r++) {
+      epd_comp_t comp = cwait(&cl.c[r]);
+      ASSERT_EQ(comp.status, EPD_OK);
+      if (r == 0) seen = comp.map_version;
+      ASSERT_EQ(comp.map_version, seen); /* every rank of both nodes switches at the same step */
+    }
+    if (seen != v) {
+      old_steps++;
+      usleep(2000);
     }
   }
+  ASSERT_EQ(seen, v);
+  ASSERT_GE(old_steps, 5);
+  ASSERT_GE(ms_now() - t0, 250u); /* not before node 1's bytes could be there */
+  check_weights(&cl, S, WB, cp, 3);
   epd_expert_map_free(&m);
   cluster_down(&cl);
 }

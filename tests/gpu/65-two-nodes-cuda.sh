@@ -7,7 +7,9 @@
 #   LL BF16 and FP8 (H 7168, 256 experts, top-8, 128 tokens, skewed and uniform), HT BF16 and FP8
 #   (256 tokens; BF16 also 4096 tokens with 16 experts); status shows transport nccl-p2p, the NCCL log shows
 #   NET/Socket; expert maps staged through either node's daemon (rank 0 every 3 LL / 4 HT steps; epdctl
-#   set-map at node 1) become active on both nodes at the same step, weight copies refused on both; node 1
+#   set-map at node 1) become active on both nodes at the same step, expert weights move with the maps
+#   between the nodes (--weights: copies whose bytes the source's daemon sends), a copy into a group
+#   without weights refused on both; node 1
 #   silent -> EPD_ERR_TIMEOUT naming rank 1; a second group is refused meanwhile; node 1 drains while a group
 #   of both nodes holds between a dispatch and its combine -> the combines run, then both workers stop on
 #   EPD_ERR_DRAINING at their next dispatch, node 0's at once (the per-group notice);
@@ -20,6 +22,8 @@
 set -u
 B=${1:-${EPD_BUILD:-build}}
 GPN=1
+# twice the slots an expert needs: the free slots the weight migrations (--weights --map-every) move experts into
+TWO_NODES_DAEMON_OPTS="-o engine.slots_factor_pct=200"
 . "$(dirname "$0")/two-nodes-lib.sh"
 
 start_nodes
@@ -71,6 +75,13 @@ for g in lm hm; do
   cmp -s "$T/sw0.txt" "$T/sw1.txt" || fail "$g: the nodes switched at different steps: $(diff "$T/sw0.txt" "$T/sw1.txt" | head -4)"
   echo "   $g: $(wc -l < "$T/sw0.txt") switches, the same (version, step) on both nodes; node 1's worker saw $seen"
 done
+echo "== expert weights move with the maps across nodes: 60 LL steps, a map every 3 with weight copies"
+# every copy between the two ranks crosses nodes (one GPU per node): the source's daemon reads the slot
+# from its GPU and sends it, the destination's writes it into its GPU at the switch; every worker checks
+# at every step that each slot holds its expert's weights, and its toy experts compute with them
+start_workers wm --steps 60 --seed 14 --hidden 256 --weights 4096 --map-every 3
+expect_ok wm0 wm1
+weights_moved wm 5
 echo "== SetExpertMap sent to node 1's daemon while steps run: staged by node 0, active on both nodes"
 start_workers ex --steps 8000 --seed 13 --hidden 256
 experts_same() { # GROUP VERSION: both nodes run the same map of GROUP, at VERSION
@@ -82,7 +93,7 @@ ex_running() { [ "$(ex_steps)" -ge 20 ]; }
 version_of() { sed -n 's/.*version \([0-9][0-9]*\).*/\1/p' "$1" | head -1; }
 wait_for 30 ex_running || fail "group ex did not run 20 steps on node 0"
 S0=$(ex_steps)
-for sh in 1 2 3; do # 16 experts over 2 ranks x 8 slots: expert e on slot (e + sh) % 16
+for sh in 1 2 3; do # 16 experts over the first 8 slots of each rank: expert e on slot (e + sh) % 16
   { echo "group ex"; for e in $(seq 0 15); do i=$(( (e + sh) % 16 )); echo "expert $e: $((i / 8)):$((i % 8))"; done; } > "$T/map$sh.txt"
   "$EPDCTL" -s "$T/n1/control.sock" set-map "$T/map$sh.txt" > "$T/sm$sh.out" 2>&1 || fail "set-map at node 1: $(cat "$T/sm$sh.out")"
 done
@@ -91,10 +102,10 @@ VB=$(version_of "$T/sm3.out")
 wait_for 20 experts_same ex "$VB" || fail "group ex: the nodes do not both run version $VB: $(head -2 "$T/e0.txt" | tr '\n' ' ') / $(head -2 "$T/e1.txt" | tr '\n' ' ')"
 grep -q "^expert 0: 0:3$" "$T/e0.txt" || fail "group ex: not node 1's last map: $(head -3 "$T/e0.txt")"
 grep -q "group ex: expert map version $VB staged from node 0" "$T/node1.log" || fail "node 1 did not log version $VB staged from node 0"
-{ cat "$T/map1.txt"; echo "copy 0:0 -> 1:4"; } > "$T/xcopy.txt" # weight copies: refused across nodes on cuda
+{ cat "$T/map1.txt"; echo "copy 0:0 -> 1:4"; } > "$T/xcopy.txt" # weight copies: refused, group ex has no weights
 for n in 0 1; do
   "$EPDCTL" -s "$T/n$n/control.sock" set-map "$T/xcopy.txt" > "$T/xc$n.out" 2>&1 && fail "a weight copy was accepted at node $n"
-  grep -q "not supported across nodes on the cuda backend" "$T/xc$n.out" || fail "weight copy at node $n: $(cat "$T/xc$n.out")"
+  grep -q "no expert-weights region" "$T/xc$n.out" || fail "weight copy at node $n: $(cat "$T/xc$n.out")"
 done
 # the refused maps took no version: the next map (set at node 0 this time) gets VB + 1 and becomes active
 { echo "group ex"; for e in $(seq 0 15); do i=$(( (e + 2) % 16 )); echo "expert $e: $((i / 8)):$((i % 8))"; done; } > "$T/map4.txt"
@@ -106,7 +117,7 @@ grep -q "^expert 0: 0:2$" "$T/e1.txt" || fail "group ex: not node 0's map: $(hea
 S1=$(ex_steps)
 [ -n "$S1" ] || fail "group ex finished before the checks did (raise its --steps)"
 expect_ok ex0 ex1
-echo "   versions $(version_of "$T/sm1.out") .. $VB staged at node 1, then $V4 at node 0 (weight copies refused on both), active on both nodes; steps $S0 .. $S1 meanwhile"
+echo "   versions $(version_of "$T/sm1.out") .. $VB staged at node 1, then $V4 at node 0 (a weight copy into a group without weights refused on both), active on both nodes; steps $S0 .. $S1 meanwhile"
 for n in 0 1; do
   grep -q "dispatches with expert map version" "$T/node$n.log" && fail "the map mismatch check fired on node $n"
 done

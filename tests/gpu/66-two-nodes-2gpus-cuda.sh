@@ -9,13 +9,16 @@
 # Four epd-worker processes (world ranks 0..3, rank r on GPU r at node r / 2) check every step against
 # the reference: LL BF16 skewed and FP8 (H 7168, 256 experts, top-8, 128 tokens), HT FP8 skewed and BF16
 # (256 tokens), small LL steps with a new expert map every 3 steps staged through node 0's daemon (both
-# nodes must log the same switches); status shows 4 world ranks and transport nccl-p2p; both daemons stop
+# nodes must log the same switches), the same with expert weights that move with the maps (copies between
+# the GPUs of a node and between nodes); status shows 4 world ranks and transport nccl-p2p; both daemons stop
 # cleanly. Skips without 4 GPUs.
 # Usage (repository root, GPU machine): bash tests/gpu/66-two-nodes-2gpus-cuda.sh [build-dir]; logs go to
 # $TWO_NODES_OUT if set. Set-up, daemons and workers: two-nodes-lib.sh.
 set -u
 B=${1:-${EPD_BUILD:-build}}
 GPN=2
+# twice the slots an expert needs: the free slots the weight migrations (--weights --map-every) move experts into
+TWO_NODES_DAEMON_OPTS="-o engine.slots_factor_pct=200"
 . "$(dirname "$0")/two-nodes-lib.sh"
 
 start_nodes
@@ -39,6 +42,10 @@ for n in 0 1; do grep -o "group lm switched expert map [0-9]* -> [0-9]* at step 
 [ "$(wc -l < "$T/sw0.txt")" -ge 15 ] || fail "lm: node 0 logged $(wc -l < "$T/sw0.txt") switches"
 cmp -s "$T/sw0.txt" "$T/sw1.txt" || fail "lm: the nodes switched at different steps: $(diff "$T/sw0.txt" "$T/sw1.txt" | head -4)"
 echo "   lm: $(wc -l < "$T/sw0.txt") switches, the same (version, step) on both nodes"
+echo "== expert weights move with the maps: copies between GPUs of one node (NVLink) and of two (the daemons' link)"
+start_workers wm --steps 60 --seed 14 --hidden 256 --weights 4096 --map-every 3
+expect_ok wm0 wm1 wm2 wm3
+weights_moved wm 5
 
 kill -TERM "$P_0" "$P_1"
 wait "$P_1"; R1=$?

@@ -5,7 +5,8 @@
 # inherited CUDA_VISIBLE_DEVICES: gpu_of); with one GPU per node NCCL_P2P_DISABLE=1 too (with two, the
 # node's GPUs need P2P for their LSA team; the different host ids keep the nodes apart). Before sourcing:
 # B (build directory), GPN (GPUs per node). Skips (exit 77) without the binaries or 2 x GPN GPUs. Logs go
-# to $TWO_NODES_OUT if set; TWO_NODES_NCCL_ENV: extra NCCL variables for the daemons.
+# to $TWO_NODES_OUT if set; TWO_NODES_NCCL_ENV: extra NCCL variables for the daemons; TWO_NODES_DAEMON_OPTS:
+# extra daemon options (the scripts set engine.slots_factor_pct=200: free slots for weight migrations).
 EPD=$B/bin/epd
 WORKER=$B/bin/epd-worker
 EPDCTL=$B/bin/epdctl
@@ -44,7 +45,7 @@ node() {
     timeout 280 "$EPD" -s "$T/n$n/control.sock" -f -o daemon.attach_socket="$T/n$n/attach.sock" \
     -o engine.backend=cuda -o engine.num_ranks="$GPN" -o engine.step_timeout_ms=5000 -o engine.max_tokens=4096 \
     -o cluster.nodes=2 -o cluster.node_rank="$n" -o cluster.data_listen=127.0.0.1:0 \
-    -o cluster.timeout_ms=60000 -o daemon.drain_timeout_ms=1000 $where > "$T/node$n.log" 2>&1 &
+    -o cluster.timeout_ms=60000 -o daemon.drain_timeout_ms=1000 $where ${TWO_NODES_DAEMON_OPTS:-} > "$T/node$n.log" 2>&1 &
   PIDS+=($!)
   eval "P_$n=$!"
 }
@@ -71,12 +72,29 @@ start_nodes() {
   grep -qF "GIN: $(sed -n 's/^gin: *//p' "$T/status.out" | cut -c1-40)" "$T/node1.log" || fail "the log lacks the GIN line"
 }
 # start_workers NAME ARGS...: the 2 x GPN world ranks of a group, rank r at node r / GPN on GPU r; the
-# worker of rank r writes $T/NAMEr.out, its pid in W_NAMEr.
+# worker of rank r writes $T/NAMEr.out, its pid in W_NAMEr; --node-ranks GPN: the reference picks replicas
+# (maps with --map-every have some) as the daemons do.
 start_workers() {
   local g=$1 r; shift
   for r in $(seq 0 $((2 * GPN - 1))); do
-    CUDA_VISIBLE_DEVICES=$(gpu_of $r) timeout 200 "$WORKER" -s "$T/n$((r / GPN))/control.sock" -g "$g" -r $r -n $((2 * GPN)) "$@" \
+    CUDA_VISIBLE_DEVICES=$(gpu_of $r) timeout 200 "$WORKER" -s "$T/n$((r / GPN))/control.sock" -g "$g" -r $r -n $((2 * GPN)) --node-ranks "$GPN" "$@" \
       > "$T/$g$r.out" 2>&1 &
     eval "W_$g$r=$!"
   done
+}
+# weights_moved GROUP MIN: after workers with --weights --map-every: at least MIN copies' bytes crossed
+# between the nodes (their "received from node" lines), both nodes copied weights at their switches and
+# skipped none, and both switched at the same (version, step).
+weights_moved() {
+  local g=$1 min=$2 across n
+  across=$(cat "$T/node0.log" "$T/node1.log" | grep -c "group $g: weights of copy .* received from node")
+  [ "$across" -ge "$min" ] || fail "$g: only $across weight copies crossed nodes"
+  for n in 0 1; do
+    grep -o "group $g switched expert map [0-9]* -> [0-9]* at step [0-9]*" "$T/node$n.log" > "$T/wsw$n.txt"
+    grep -Eq "group $g switched expert map .* \([1-9][0-9]* weight bytes copied\)" "$T/node$n.log" ||
+      fail "$g: node $n copied no weights"
+    grep -q "weight copy .* skipped" "$T/node$n.log" && fail "$g: node $n skipped a copy: $(grep -m1 'skipped' "$T/node$n.log")"
+  done
+  cmp -s "$T/wsw0.txt" "$T/wsw1.txt" || fail "$g: the nodes switched at different steps"
+  echo "   $g: $(wc -l < "$T/wsw0.txt") switches on both nodes at the same steps, $across copies across nodes; $(grep -h 'weight copies asked' "$T/${g}0.out" | sed 's/.*staged, //')"
 }

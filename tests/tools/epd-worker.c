@@ -418,6 +418,7 @@ static int weights_check(uint8_t *wbuf, const epd_expert_map_t *m, uint32_t E, u
 /* --weights with --map-every: from the active map, move 1-3 experts' replicas into free slots, copying
  * the weights from a replica the active map has (copies never chain: sources hold an expert now,
  * destinations are free now); half the time the expert's old replica is dropped (a move). */
+static uint32_t copies_across; /* --weights --map-every --node-ranks: staged copies whose ranks are on two nodes */
 static uint32_t stage_migration_map(const epd_expert_map_t *cur, uint32_t E, uint32_t R, uint32_t S, int step,
                                     uint32_t *ncopies) {
   uint64_t st = A.seed * 104729 + (uint64_t)step;
@@ -488,6 +489,8 @@ static uint32_t stage_migration_map(const epd_expert_map_t *cur, uint32_t E, uin
   }
   uint32_t v = send_map(plp, E, wcp, ncp, step);
   *ncopies = (uint32_t)ncp;
+  for (size_t i = 0; i < ncp && A.node_ranks > 0 && v; i++) /* copies between ranks of two nodes */
+    copies_across += wc[i].src_rank / (uint32_t)A.node_ranks != wc[i].dst_rank / (uint32_t)A.node_ranks;
   (void)m;
   free(held);
   free(pl);
@@ -934,8 +937,8 @@ int main(int argc, char **argv) {
     }
   }
   if (A.map_every > 0)
-    printf("rank %d: %d map switches seen, %d maps staged, %u weight copies asked\n", A.rank, nswitch, nstaged,
-           total_copies);
+    printf("rank %d: %d map switches seen, %d maps staged, %u weight copies asked (%u across nodes)\n", A.rank,
+           nswitch, nstaged, total_copies, copies_across);
   /* --bench N: N more steps of the last bank's inputs, unchecked, back to back: no reference work between
    * ops, so the time is the ops' own (every rank waits for the slowest), not the workers' skew. */
   if (A.bench > 0 && !bad_steps) {
