@@ -233,7 +233,7 @@ void eng_wblob_put(eng_group_t *grp, const epd_weight_copy_t *cp, uint32_t versi
 /* The received bytes of staged copy i (NULL: not yet). */
 static eng_wblob_t *wblob_of(const eng_group_t *grp, uint32_t i) {
   for (eng_wblob_t *b = grp->wblobs; b; b = b->next)
-    if (same_copy(&b->cp, &grp->staged_copies[i]) && b->version == grp->staged_copy_ver[i]) return b;
+    if (same_copy(&b->cp, &grp->staged_copies[i]) && b->version == grp->staged_copy_meta[i].version) return b;
   return NULL;
 }
 
@@ -241,10 +241,26 @@ static int copy_from_node(const epd_engine_t *eng, const epd_weight_copy_t *cp) 
   return eng_rank_local(eng, cp->dst_rank) && !eng_rank_local(eng, cp->src_rank);
 }
 
+uint32_t eng_weights_wait_ms(const epd_engine_t *eng) {
+  const uint64_t w = 4ull * eng->o.step_timeout_ms;
+  return w > 10000 ? (uint32_t)(w < UINT32_MAX ? w : UINT32_MAX) : 10000u;
+}
+
 int eng_weights_ready(const epd_engine_t *eng, const eng_group_t *grp) {
+  const uint64_t now = eng_now_ns(), wait = (uint64_t)eng_weights_wait_ms(eng) * 1000000ull;
   for (uint32_t i = 0; i < grp->nstaged_copies; i++)
-    if (copy_from_node(eng, &grp->staged_copies[i]) && !wblob_of(grp, i)) return 0;
+    if (copy_from_node(eng, &grp->staged_copies[i]) && !wblob_of(grp, i) &&
+        now - grp->staged_copy_meta[i].staged_ns < wait)
+      return 0;
   return 1;
+}
+
+int eng_slot_being_filled(const eng_group_t *grp, uint32_t rank, uint32_t slot, uint32_t v) {
+  for (uint32_t i = 0; i < grp->nstaged_copies; i++)
+    if (grp->staged_copies[i].dst_rank == rank && grp->staged_copies[i].dst_slot == slot &&
+        grp->staged_copy_meta[i].version < v)
+      return 1;
+  return 0;
 }
 
 uint64_t eng_weights_from_node(epd_engine_t *eng, eng_group_t *grp, uint32_t i) {
@@ -252,7 +268,8 @@ uint64_t eng_weights_from_node(epd_engine_t *eng, eng_group_t *grp, uint32_t i) 
   eng_wblob_t *b = wblob_of(grp, i);
   char why[200] = "";
   if (!b)
-    snprintf(why, sizeof why, "its weights did not come from node %u", cp->src_rank / (uint32_t)eng->o.num_ranks);
+    snprintf(why, sizeof why, "its weights did not come from node %u within %u ms",
+             cp->src_rank / (uint32_t)eng->o.num_ranks, eng_weights_wait_ms(eng));
   else if (b->status)
     snprintf(why, sizeof why, "node %u could not read them: %s", cp->src_rank / (uint32_t)eng->o.num_ranks, b->why);
   else if (b->bytes != grp->weight_bytes_per_slot)
@@ -322,12 +339,12 @@ static void switch_map(epd_engine_t *eng, eng_group_t *grp, epd_expert_map_t *m,
   grp->nstaged_copies = all - ncopies;
   if (grp->nstaged_copies) {
     memmove(grp->staged_copies, grp->staged_copies + ncopies, sizeof *grp->staged_copies * grp->nstaged_copies);
-    memmove(grp->staged_copy_ver, grp->staged_copy_ver + ncopies, sizeof *grp->staged_copy_ver * grp->nstaged_copies);
+    memmove(grp->staged_copy_meta, grp->staged_copy_meta + ncopies, sizeof *grp->staged_copy_meta * grp->nstaged_copies);
   } else {
     free(grp->staged_copies);
-    free(grp->staged_copy_ver);
+    free(grp->staged_copy_meta);
     grp->staged_copies = NULL;
-    grp->staged_copy_ver = NULL;
+    grp->staged_copy_meta = NULL;
   }
   wblobs_drop_upto(grp, m->version);
   grp->weight_bytes_copied += copied;
@@ -489,11 +506,16 @@ static void group_free(eng_group_t *g) {
   free(g->expert_tokens);
   free(g->slot_tokens);
   free(g->staged_copies);
-  free(g->staged_copy_ver);
+  free(g->staged_copy_meta);
   while (g->wblobs) {
     eng_wblob_t *b = g->wblobs;
     g->wblobs = b->next;
     wblob_free(b);
+  }
+  while (g->wdefer) {
+    eng_wdefer_t *d = g->wdefer;
+    g->wdefer = d->next;
+    free(d);
   }
   free(g);
 }
@@ -1007,7 +1029,7 @@ epd_result_t eng_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert
   if (check && (rc = check_copies(eng, grp, map, copies, ncopies, errbuf, errlen))) return rc;
   uint32_t nall = grp->nstaged_copies + ncopies;
   epd_weight_copy_t *all = NULL;
-  uint32_t *allv = NULL;
+  eng_copy_meta_t *allv = NULL;
   if (nall && (!(all = malloc(sizeof *all * nall)) || !(allv = malloc(sizeof *allv * nall)))) {
     free(all);
     snprintf(errbuf, errlen, "out of memory");
@@ -1015,7 +1037,7 @@ epd_result_t eng_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert
   }
   if (grp->nstaged_copies) {
     memcpy(all, grp->staged_copies, sizeof *all * grp->nstaged_copies);
-    memcpy(allv, grp->staged_copy_ver, sizeof *allv * grp->nstaged_copies);
+    memcpy(allv, grp->staged_copy_meta, sizeof *allv * grp->nstaged_copies);
   }
   if (ncopies) memcpy(all + grp->nstaged_copies, copies, sizeof *all * ncopies);
   epd_expert_map_t m;
@@ -1028,16 +1050,30 @@ epd_result_t eng_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert
   m.num_ranks = grp->g.num_ranks;
   m.slots_per_rank = grp->g.slots_per_rank;
   m.ranks_per_node = eng->o.ranks_per_node;
+  const uint32_t prev_last = grp->last_version;
   m.version = version ? version : grp->last_version + 1;
   grp->last_version = m.version;
   if (grp->has_staged) epd_expert_map_free(&grp->staged);
   grp->staged = m;
   grp->has_staged = 1;
-  for (uint32_t i = grp->nstaged_copies; i < nall; i++) allv[i] = m.version;
+  const uint64_t now = eng_now_ns();
+  for (uint32_t i = grp->nstaged_copies; i < nall; i++) allv[i] = (eng_copy_meta_t){m.version, now};
+  /* node 0 numbered this map below one this node staged before: the group was re-created there (its
+   * numbering restarted); weights received for those versions belong to the old incarnation */
+  if (version && version <= prev_last)
+    for (eng_wblob_t **pp = &grp->wblobs; *pp;) {
+      if ((*pp)->version >= version) {
+        eng_wblob_t *b = *pp;
+        *pp = b->next;
+        wblob_free(b);
+      } else {
+        pp = &(*pp)->next;
+      }
+    }
   free(grp->staged_copies);
-  free(grp->staged_copy_ver);
+  free(grp->staged_copy_meta);
   grp->staged_copies = all;
-  grp->staged_copy_ver = allv;
+  grp->staged_copy_meta = allv;
   grp->nstaged_copies = nall;
   if (version_out) *version_out = m.version;
   /* A backend that runs steps without the engine thread (CUDA persistent kernels) must stop before the

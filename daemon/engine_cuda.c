@@ -1797,7 +1797,12 @@ static epd_result_t cuda_arena_io(epd_engine_t *eng, eng_client_t *c, uint64_t o
   cudaGetDevice(&dev0);
   cudaSetDevice(cc->device);
   void *d = (void *)(uintptr_t)(cc->arena_dev + off);
-  cudaError_t e = write ? cudaMemcpy(d, host, n, cudaMemcpyHostToDevice) : cudaMemcpy(host, d, n, cudaMemcpyDeviceToHost);
+  /* waited for on this thread's stream: a pageable host-to-device cudaMemcpy may return before the bytes
+   * reach the GPU, and the ops after the switch run on other (non-blocking) streams */
+  cudaError_t e = cudaMemcpyAsync(write ? d : host, write ? host : d, n,
+                                  write ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, cudaStreamPerThread);
+  cudaError_t w = cudaStreamSynchronize(cudaStreamPerThread);
+  if (!e) e = w;
   cudaSetDevice(dev0);
   if (e) {
     snprintf(err, errlen, "rank %d: copying weights %s its arena: %s", c->rank, write ? "into" : "out of",

@@ -53,12 +53,27 @@ struct eng_client {
 typedef struct eng_wblob {
   struct eng_wblob *next;
   epd_weight_copy_t cp;
-  uint32_t version; /* the map version whose copies carried it (the copy's grp->staged_copy_ver) */
+  uint32_t version; /* the map version whose copies carried it (the copy's staged_copy_meta version) */
   int status;       /* EPD_OK, or why the source node could not read them (then no bytes) */
   char why[160];
   uint64_t bytes;
   uint8_t *data;
 } eng_wblob_t;
+
+/* Per staged weight copy (parallel to eng_group.staged_copies). */
+typedef struct eng_copy_meta {
+  uint32_t version;   /* the map version that asked for it */
+  uint64_t staged_ns; /* when this node staged it (eng_now_ns) */
+} eng_copy_meta_t;
+
+/* Scale-out: a copy from one of this node's ranks into another node whose source slot could not be read
+ * when the map was staged (its client not attached, or an older staged copy still fills it); retried at
+ * every step frame of the group (engine_net.c). */
+typedef struct eng_wdefer {
+  struct eng_wdefer *next;
+  epd_weight_copy_t cp;
+  uint32_t version;
+} eng_wdefer_t;
 
 struct eng_group {
   eng_group_t *next;
@@ -80,9 +95,10 @@ struct eng_group {
    * needs before it becomes active (done at the switch, the switch waits for them), counters. */
   uint64_t weight_bytes_per_slot;      /* 0: no EPD_BUF_EXPERT_WEIGHTS */
   epd_weight_copy_t *staged_copies;
-  uint32_t *staged_copy_ver; /* [nstaged_copies]: the version of the map that asked for each copy */
+  eng_copy_meta_t *staged_copy_meta; /* [nstaged_copies] */
   uint32_t nstaged_copies;
-  eng_wblob_t *wblobs; /* scale-out: weights received from other nodes for staged copies into this node */
+  eng_wblob_t *wblobs;   /* scale-out: weights received from other nodes for staged copies into this node */
+  eng_wdefer_t *wdefer;  /* scale-out: reads of this node's source slots still to do */
   uint64_t map_switches, weight_bytes_copied;
   /* Arena layout of every client of the group. */
   uint32_t nbufs;
@@ -216,8 +232,13 @@ int eng_rank_local(const epd_engine_t *eng, uint32_t r);
 /* (mu) Keep received weights (takes data; replaces a blob of the same copy and version). */
 void eng_wblob_put(eng_group_t *grp, const epd_weight_copy_t *cp, uint32_t version, int status, const char *why,
                    uint8_t *data, uint64_t bytes);
-/* (mu) 1 if every staged copy into this node from another node has its bytes (or its source's error). */
+/* (mu) 1 if every staged copy into this node from another node has its bytes (or its source's error), or
+ * has waited for them longer than eng_weights_wait_ms (the switch then skips it with an event). */
 int eng_weights_ready(const epd_engine_t *eng, const eng_group_t *grp);
+uint32_t eng_weights_wait_ms(const epd_engine_t *eng);
+/* (mu) 1 if (rank, slot) is the destination of a staged copy of a map older than version v (its contents
+ * are not final until that copy ran here). */
+int eng_slot_being_filled(const eng_group_t *grp, uint32_t rank, uint32_t slot, uint32_t v);
 /* (mu) Staged copy i, into this node from another node: write the received bytes into its destination
  * slot (an event tells why not); returns bytes written. */
 uint64_t eng_weights_from_node(epd_engine_t *eng, eng_group_t *grp, uint32_t i);
@@ -333,7 +354,7 @@ typedef struct eng_map_peer {
 } eng_map_peer_t;
 /* (mu) Remember the staged map this node reports in its frame (a newer one staged later replaces it only
  * at the next frame, so the map every node reported is still at hand when they agree on it). */
-void eng_vote_report(epd_engine_t *eng, const eng_group_t *grp, eng_map_vote_t *v);
+void eng_vote_report(epd_engine_t *eng, eng_group_t *grp, eng_map_vote_t *v);
 /* (mu) Decide from the other nodes' frames of step `step` (all in) what the next dispatch switches to:
  * the staged map every node reported, or, for a node left behind (a step that failed on it but not
  * elsewhere), the map another node already runs and this one still has staged. */

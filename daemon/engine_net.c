@@ -88,6 +88,8 @@ struct epd_net {
   /* (engine mu) maps node 0 sent for groups this node did not have yet: staged when one is created */
   struct pending_map *pending;
   _Atomic uint32_t weights_delay_ms; /* epd_net_test_weights_delay */
+  /* expert weights to send (net->mu): sent in order by the control thread, never under the engine lock */
+  struct wq *wq_head, *wq_tail;
 };
 
 typedef struct pending_map {
@@ -699,6 +701,10 @@ static void *oput(obuf_t *b, const void *src, size_t n) {
 
 /* ---- expert-map switches (both backends; engine_internal.h) ---- */
 
+struct wout; /* expert weights owed to other nodes (below) */
+static struct wout *weights_retry(epd_engine_t *eng, eng_group_t *grp);
+static void weights_queue(epd_net_t *net, const char *group, struct wout *w);
+
 void eng_vote_switch(epd_engine_t *eng, eng_group_t *grp, eng_map_vote_t *v, uint64_t step) {
   if (!v->agree || v->agree_step + 1 != step) return;
   if (v->rep.version != v->agree_version || v->rep_hash != v->agree_hash) return;
@@ -708,10 +714,17 @@ void eng_vote_switch(epd_engine_t *eng, eng_group_t *grp, eng_map_vote_t *v, uin
   v->agree = 0;
 }
 
-void eng_vote_report(epd_engine_t *eng, const eng_group_t *grp, eng_map_vote_t *v) {
-  /* a map whose copies into this node wait for bytes from another node is not reported yet: no node
-   * switches to it before every destination holds what it needs */
-  uint32_t sv = grp->has_staged && eng_weights_ready(eng, grp) ? grp->staged.version : 0;
+void eng_vote_report(epd_engine_t *eng, eng_group_t *grp, eng_map_vote_t *v) {
+  /* weights this node owes other nodes and could not read when it staged their map */
+  if (grp->wdefer && eng->o.net) weights_queue(eng->o.net, grp->name, weights_retry(eng, grp));
+  /* a map whose copies into this node wait for bytes from another node is not reported yet, so no node
+   * switches to it before every destination holds what it needs; the map reported before stays reported
+   * while it is not active (its copies are the first rep_copies staged ones, their bytes are here) */
+  uint32_t sv = grp->has_staged ? grp->staged.version : 0;
+  if (sv && !eng_weights_ready(eng, grp)) {
+    if (v->rep.version > grp->map.version) return;
+    sv = 0;
+  }
   if (sv == v->rep.version) return;
   epd_expert_map_free(&v->rep);
   memset(&v->rep, 0, sizeof v->rep);
@@ -1290,38 +1303,99 @@ typedef struct wout {
   uint64_t bytes;
 } wout_t;
 
+/* A group's frames queued for the control thread. */
+typedef struct wq {
+  struct wq *next;
+  char group[EPD_GROUP_NAME_MAX];
+  wout_t *w;
+} wq_t;
+
 static uint64_t copy_id(const epd_weight_copy_t *cp) {
   return (uint64_t)(cp->src_rank & 0xffffu) << 48 | (uint64_t)(cp->src_slot & 0xffffu) << 32 |
          (uint64_t)(cp->dst_rank & 0xffffu) << 16 | (cp->dst_slot & 0xffffu);
 }
+_Static_assert(EPD_MAX_RANKS <= 0x10000, "copy_id packs ranks in 16 bits");
 
-/* (mu) After grp staged `version` with these copies: the frames this node owes other nodes. */
+static int copy_out(const epd_engine_t *eng, const epd_weight_copy_t *cp) {
+  return eng_rank_local(eng, cp->src_rank) && !eng_rank_local(eng, cp->dst_rank);
+}
+
+/* The frame of one copy: its source slot's bytes, or (status != 0) why there are none. */
+static wout_t *wout_make(epd_engine_t *eng, eng_group_t *grp, const epd_weight_copy_t *cp, uint32_t version,
+                         int status, const char *why) {
+  wout_t *w = calloc(1, sizeof *w);
+  if (!w) return NULL;
+  w->node = cp->dst_rank / (uint32_t)eng->o.num_ranks;
+  w->m = (ctl_msg_t){.kind = CTL_WEIGHTS, .version = version, .req_id = copy_id(cp), .status = status};
+  if (status) {
+    snprintf(w->m.why, sizeof w->m.why, "%s", why);
+    return w;
+  }
+  w->bytes = grp->weight_bytes_per_slot;
+  w->data = w->bytes ? malloc(w->bytes) : NULL;
+  if (!w->data) {
+    w->m.status = EPD_ERR_NOMEM;
+    snprintf(w->m.why, sizeof w->m.why, "out of memory for %llu bytes", (unsigned long long)w->bytes);
+  } else {
+    w->m.status = eng_slot_weights_io(eng, grp, cp->src_rank, cp->src_slot, w->data, 0, w->m.why, sizeof w->m.why);
+  }
+  if (w->m.status) {
+    free(w->data);
+    w->data = NULL;
+    w->bytes = 0;
+  }
+  return w;
+}
+
+/* (mu) Whether this node can read the source of a copy of map `version` now: its client is attached and no
+ * older staged copy still fills the slot. */
+static int source_ready(const eng_group_t *grp, const epd_weight_copy_t *cp, uint32_t version) {
+  return cp->src_rank < grp->g.num_ranks && grp->client[cp->src_rank] &&
+         !eng_slot_being_filled(grp, cp->src_rank, cp->src_slot, version);
+}
+
+/* (mu) After this node staged `version` with these copies (grp NULL or status != 0: it could not stage it,
+ * so the destinations learn why at once instead of waiting): the frames it owes other nodes. A source it
+ * cannot read yet is kept in grp->wdefer and read at a later step frame (weights_retry). */
 static wout_t *weights_out(epd_engine_t *eng, eng_group_t *grp, const epd_weight_copy_t *cp, uint32_t n,
-                           uint32_t version) {
+                           uint32_t version, int status, const char *why) {
   wout_t *head = NULL, **tail = &head;
-  const uint32_t L = (uint32_t)eng->o.num_ranks;
   for (uint32_t i = 0; i < n; i++) {
-    if (!eng_rank_local(eng, cp[i].src_rank) || eng_rank_local(eng, cp[i].dst_rank)) continue;
-    wout_t *w = calloc(1, sizeof *w);
-    if (!w) break; /* the destination never reports the map: no node switches to it (logged there) */
-    w->node = cp[i].dst_rank / L;
-    w->m = (ctl_msg_t){.kind = CTL_WEIGHTS, .version = version, .req_id = copy_id(&cp[i])};
-    w->bytes = grp->weight_bytes_per_slot;
-    w->data = w->bytes ? malloc(w->bytes) : NULL;
-    if (!w->data) {
-      w->m.status = EPD_ERR_NOMEM;
-      snprintf(w->m.why, sizeof w->m.why, "out of memory for %llu bytes", (unsigned long long)w->bytes);
-    } else {
-      w->m.status = eng_slot_weights_io(eng, grp, cp[i].src_rank, cp[i].src_slot, w->data, 0, w->m.why,
-                                        sizeof w->m.why);
+    if (!copy_out(eng, &cp[i])) continue;
+    if (!status && grp && !source_ready(grp, &cp[i], version)) {
+      eng_wdefer_t *d = calloc(1, sizeof *d);
+      if (d) {
+        *d = (eng_wdefer_t){grp->wdefer, cp[i], version};
+        grp->wdefer = d;
+        continue;
+      }
+      status = EPD_ERR_NOMEM;
+      why = "out of memory";
     }
-    if (w->m.status) {
-      free(w->data);
-      w->data = NULL;
-      w->bytes = 0;
-    }
+    wout_t *w = wout_make(eng, grp, &cp[i], version, status ? status : !grp ? EPD_ERR_NOT_FOUND : 0,
+                          status ? why : "the group does not exist on the source's node");
+    if (!w) break; /* the destination waits eng_weights_wait_ms, then skips the copy */
     *tail = w;
     tail = &w->next;
+  }
+  return head;
+}
+
+/* (mu) The deferred sources that can be read now. */
+static wout_t *weights_retry(epd_engine_t *eng, eng_group_t *grp) {
+  wout_t *head = NULL, **tail = &head;
+  for (eng_wdefer_t **pp = &grp->wdefer; *pp;) {
+    eng_wdefer_t *d = *pp;
+    if (!source_ready(grp, &d->cp, d->version)) {
+      pp = &d->next;
+      continue;
+    }
+    wout_t *w = wout_make(eng, grp, &d->cp, d->version, 0, NULL);
+    if (!w) break;
+    *tail = w;
+    tail = &w->next;
+    *pp = d->next;
+    free(d);
   }
   return head;
 }
@@ -1330,7 +1404,42 @@ void epd_net_test_weights_delay(epd_net_t *net, uint32_t ms) {
   atomic_store(&net->weights_delay_ms, ms);
 }
 
-/* Send (outside the engine lock: the bytes may be many) and free. */
+static void wout_free(wout_t *w) {
+  while (w) {
+    wout_t *next = w->next;
+    free(w->data);
+    free(w);
+    w = next;
+  }
+}
+
+/* Hand the frames to the control thread (any thread, engine lock held or not). */
+static void weights_queue(epd_net_t *net, const char *group, wout_t *w) {
+  if (!w) return;
+  wq_t *q = calloc(1, sizeof *q);
+  if (!q) { /* the destinations wait eng_weights_wait_ms, then skip the copies */
+    wout_free(w);
+    return;
+  }
+  snprintf(q->group, sizeof q->group, "%s", group);
+  q->w = w;
+  pthread_mutex_lock(&net->mu);
+  if (!net->ctl_on) { /* stopping: nothing sends any more */
+    pthread_mutex_unlock(&net->mu);
+    wout_free(w);
+    free(q);
+    return;
+  }
+  if (net->wq_tail)
+    net->wq_tail->next = q;
+  else
+    net->wq_head = q;
+  net->wq_tail = q;
+  pthread_cond_signal(&net->ctl_cv);
+  pthread_mutex_unlock(&net->mu);
+}
+
+/* Send and free (the control thread). */
 static void weights_send(epd_net_t *net, const char *group, wout_t *w) {
   const uint32_t delay = atomic_load(&net->weights_delay_ms);
   if (w && delay) usleep(delay * 1000u);
@@ -1348,8 +1457,9 @@ static void weights_send(epd_net_t *net, const char *group, wout_t *w) {
       rc = net_send(net, w->node, b, len);
     }
     if (rc)
-      EPD_LOGE(EPD_SUB_ENGINE, "group %s: the weights of a copy for map version %u not sent to node %u (%s): no "
-               "node switches to it", group, w->m.version, w->node, b ? "link down" : "out of memory");
+      EPD_LOGE(EPD_SUB_ENGINE, "group %s: the weights of a copy for map version %u not sent to node %u (%s): it "
+               "waits %u ms for them, then skips the copy", group, w->m.version, w->node,
+               b ? "link down" : "out of memory", eng_weights_wait_ms(net->eng));
     free(b);
     free(w->data);
     free(w);
@@ -1367,7 +1477,8 @@ static void weights_in(epd_engine_t *eng, const net_frame_t *f, const ctl_msg_t 
   eng_group_t *grp = eng_find_group(eng, group);
   const char *bad = !grp                                                    ? "the group does not exist here"
                     : cp.dst_rank >= grp->g.num_ranks || !eng_rank_local(eng, cp.dst_rank) ||
-                              cp.src_rank >= grp->g.num_ranks || eng_rank_local(eng, cp.src_rank)
+                              cp.src_rank >= grp->g.num_ranks ||
+                              cp.src_rank / (uint32_t)eng->o.num_ranks != f->src_node
                         ? "its ranks are not a copy from that node into this one"
                     : cp.dst_slot >= grp->g.slots_per_rank || cp.src_slot >= grp->g.slots_per_rank ? "a slot is out of range"
                     : !c->status && bytes != grp->weight_bytes_per_slot ? "its size is not the group's weights per slot"
@@ -1427,7 +1538,7 @@ static epd_result_t stage_and_send(epd_engine_t *eng, const char *group, const e
                "switches to it", group, *version, n);
   EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u staged and sent to every node (%u weight copies)",
            group, *version, ncopies);
-  *wo = weights_out(eng, grp, cp, ncopies, *version); /* sent by the caller, after the engine lock */
+  *wo = weights_out(eng, grp, cp, ncopies, *version, 0, NULL); /* queued by the caller */
   return EPD_OK;
 }
 
@@ -1557,7 +1668,7 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
       pthread_mutex_lock(&eng->mu);
       r.status = stage_and_send(eng, group, &m, cp, c.ncopies, &r.version, &wo, r.why, sizeof r.why);
       pthread_mutex_unlock(&eng->mu);
-      weights_send(net, group, wo);
+      weights_queue(net, group, wo);
     }
     send_ctl(net, f->src_node, group, &r, NULL, NULL);
     return;
@@ -1569,9 +1680,11 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
   epd_result_t rc = grp ? eng_stage_map(eng, grp, &m, cp, c.ncopies, c.version, 0, NULL, err, sizeof err)
                         : EPD_ERR_NOT_FOUND;
   const int kept = grp ? 1 : pending_put(eng, net, group, &m, c.ncopies);
-  wout_t *wo = rc == EPD_OK ? weights_out(eng, grp, cp, c.ncopies, c.version) : NULL;
+  /* the copies whose source is here: their bytes, or why this node cannot give them */
+  wout_t *wo = weights_out(eng, grp, cp, c.ncopies, c.version, rc == EPD_ERR_NOT_FOUND ? 0 : (int)rc,
+                           rc ? err : NULL);
   pthread_mutex_unlock(&eng->mu);
-  weights_send(net, group, wo);
+  weights_queue(net, group, wo);
   if (rc == EPD_ERR_NOT_FOUND && kept == 0)
     EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u from node 0 kept: the group does not exist on node "
              "%u yet; it is staged when the group is created here", group, c.version, net->node_rank);
@@ -1594,8 +1707,18 @@ static void *ctl_main(void *arg) {
   pthread_setname_np(pthread_self(), "epd-netctl");
   pthread_mutex_lock(&net->mu);
   for (;;) {
-    while (!net->ctl_head && !net->ctl_stop) pthread_cond_wait(&net->ctl_cv, &net->mu);
+    while (!net->ctl_head && !net->wq_head && !net->ctl_stop) pthread_cond_wait(&net->ctl_cv, &net->mu);
     if (net->ctl_stop) break;
+    if (net->wq_head) { /* expert weights out first: a destination's switch waits for them */
+      wq_t *q = net->wq_head;
+      net->wq_head = q->next;
+      if (!net->wq_head) net->wq_tail = NULL;
+      pthread_mutex_unlock(&net->mu);
+      weights_send(net, q->group, q->w);
+      free(q);
+      pthread_mutex_lock(&net->mu);
+      continue;
+    }
     net_frame_t *f = net->ctl_head;
     net->ctl_head = f->next;
     if (!net->ctl_head) net->ctl_tail = NULL;
@@ -1665,8 +1788,16 @@ void eng_net_ctl_stop(epd_engine_t *eng) {
     free(f);
   }
   net->ctl_tail = NULL;
+  wq_t *q = net->wq_head;
+  net->wq_head = net->wq_tail = NULL;
   net->eng = NULL;
   pthread_mutex_unlock(&net->mu);
+  while (q) {
+    wq_t *next = q->next;
+    wout_free(q->w);
+    free(q);
+    q = next;
+  }
 }
 
 epd_result_t eng_net_set_map(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
@@ -1680,7 +1811,7 @@ epd_result_t eng_net_set_map(epd_engine_t *eng, const char *group, const epd_exp
     pthread_mutex_lock(&eng->mu);
     rc = stage_and_send(eng, group, map, copies, ncopies, &version, &wo, errbuf, errlen);
     pthread_mutex_unlock(&eng->mu);
-    weights_send(net, group, wo);
+    weights_queue(net, group, wo);
     if (!rc && version_out) *version_out = version;
     return rc;
   }

@@ -94,6 +94,33 @@ static void *connect_main(void *arg) {
   return NULL;
 }
 
+/* Attach world rank r's client at its node (and check that the other node refuses it). */
+static void cluster_attach(cluster_t *cl, int r, uint32_t E, uint32_t H, uint32_t K, uint32_t M) {
+  char err[256] = "";
+  epd_attach_req_t req;
+  memset(&req, 0, sizeof req);
+  snprintf(req.group, sizeof req.group, "g");
+  snprintf(req.name, sizeof req.name, "r%d", r);
+  req.rank = r;
+  req.num_experts = E;
+  req.hidden = H;
+  req.topk = K;
+  req.max_tokens = M;
+  req.weight_bytes_per_slot = cl_weight_bytes;
+  cl_client_t *c = &cl->c[r];
+  memset(c, 0, sizeof *c);
+  /* A rank of the other node is refused, naming the node. */
+  epd_attach_info_t dummy;
+  ASSERT_EQ(epd_engine_attach(cl->eng[1 - r / L], &req, &dummy, err, sizeof err), EPD_ERR_INVALID);
+  ASSERT_STR_CONTAINS(err, "owns world ranks");
+  if (epd_engine_attach(cl->eng[r / L], &req, &c->info, err, sizeof err))
+    epd_test_fail(__FILE__, __LINE__, "attach %d: %s", r, err);
+  c->q = mmap(NULL, c->info.queue_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, c->info.queue_fd, 0);
+  c->arena = mmap(NULL, c->info.arena_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, c->info.arena_fd, 0);
+  ASSERT(c->q != MAP_FAILED && c->arena != MAP_FAILED);
+  ASSERT_EQ(c->info.num_ranks, W);
+}
+
 static void cluster_up(cluster_t *cl, uint32_t E, uint32_t H, uint32_t K, uint32_t M, uint32_t ht_factor) {
   memset(cl, 0, sizeof *cl);
   char peers[2][EPD_NET_ADDR_MAX], err[256] = "";
@@ -133,29 +160,7 @@ static void cluster_up(cluster_t *cl, uint32_t E, uint32_t H, uint32_t K, uint32
       epd_test_fail(__FILE__, __LINE__, "engine %d: %s", n, err);
     ASSERT_EQ(epd_engine_world_ranks(cl->eng[n]), W);
   }
-  for (int r = 0; r < W; r++) {
-    epd_attach_req_t req;
-    memset(&req, 0, sizeof req);
-    snprintf(req.group, sizeof req.group, "g");
-    snprintf(req.name, sizeof req.name, "r%d", r);
-    req.rank = r;
-    req.num_experts = E;
-    req.hidden = H;
-    req.topk = K;
-    req.max_tokens = M;
-    req.weight_bytes_per_slot = cl_weight_bytes;
-    cl_client_t *c = &cl->c[r];
-    /* A rank of the other node is refused, naming the node. */
-    epd_attach_info_t dummy;
-    ASSERT_EQ(epd_engine_attach(cl->eng[1 - r / L], &req, &dummy, err, sizeof err), EPD_ERR_INVALID);
-    ASSERT_STR_CONTAINS(err, "owns world ranks");
-    if (epd_engine_attach(cl->eng[r / L], &req, &c->info, err, sizeof err))
-      epd_test_fail(__FILE__, __LINE__, "attach %d: %s", r, err);
-    c->q = mmap(NULL, c->info.queue_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, c->info.queue_fd, 0);
-    c->arena = mmap(NULL, c->info.arena_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, c->info.arena_fd, 0);
-    ASSERT(c->q != MAP_FAILED && c->arena != MAP_FAILED);
-    ASSERT_EQ(c->info.num_ranks, W);
-  }
+  for (int r = 0; r < W; r++) cluster_attach(cl, r, E, H, K, M);
   epd_attach_info_t *i = &cl->c[0].info;
   cl->g = (epd_ref_geom_t){i->num_ranks,  i->num_experts,    i->hidden,     i->topk,
                            i->max_tokens, i->slots_per_rank, i->ht_capacity};
@@ -393,6 +398,12 @@ static uint8_t wbyte(int r, uint32_t sl, uint32_t b) {
   return (uint8_t)(r * 16 + (int)sl + (int)(b * 7));
 }
 
+static void fill_weights(cluster_t *cl, int r, uint32_t S, uint32_t WB) {
+  uint8_t *w = cbuf(&cl->c[r], EPD_BUF_EXPERT_WEIGHTS, 0);
+  for (uint32_t sl = 0; sl < S; sl++)
+    for (uint32_t b = 0; b < WB; b++) w[sl * WB + b] = wbyte(r, sl, b);
+}
+
 /* A cluster whose group has WB bytes of weights per slot and twice the slots its experts need (the
  * default map leaves slots free), every slot filled with wbyte; returns slots per rank. */
 static uint32_t cluster_up_weights(cluster_t *cl, uint32_t E, uint32_t WB) {
@@ -402,11 +413,7 @@ static uint32_t cluster_up_weights(cluster_t *cl, uint32_t E, uint32_t WB) {
   cl_weight_bytes = 0;
   cl_slots_pct = 0;
   const uint32_t S = cl->g.slots_per_rank;
-  for (int r = 0; r < W; r++) {
-    uint8_t *w = cbuf(&cl->c[r], EPD_BUF_EXPERT_WEIGHTS, 0);
-    for (uint32_t sl = 0; sl < S; sl++)
-      for (uint32_t b = 0; b < WB; b++) w[sl * WB + b] = wbyte(r, sl, b);
-  }
+  for (int r = 0; r < W; r++) fill_weights(cl, r, S, WB);
   return S;
 }
 
@@ -499,6 +506,44 @@ EPD_TEST(cluster_map_weight_copies_across_nodes) {
   ASSERT_GE(old_steps, 5);
   ASSERT_GE(ms_now() - t0, 250u); /* not before node 1's bytes could be there */
   check_weights(&cl, S, WB, cp, 3);
+  epd_expert_map_free(&m);
+  cluster_down(&cl);
+}
+
+/* A copy whose source rank has no client when its node stages the map: that node reads the slot once the
+ * rank is back (at its next step frame) and sends it then; the destination's node waits for the bytes, so
+ * the switch finds them. */
+EPD_TEST(cluster_map_weight_copy_source_detached) {
+  cluster_t cl;
+  const uint32_t E = 8, WB = 256;
+  const uint32_t S = cluster_up_weights(&cl, E, WB);
+  ASSERT_OK(epd_engine_detach(cl.eng[1], cl.c[2].info.client_id, 0));
+  munmap(cl.c[2].q, cl.c[2].info.queue_bytes);
+  munmap(cl.c[2].arena, cl.c[2].info.arena_bytes);
+  epd_expert_map_t m;
+  ASSERT_OK(epd_engine_get_map(cl.eng[0], "g", &m));
+  m.rep[4][1] = (epd_replica_t){0, 3}; /* expert 4 (rank 2, node 1) also on rank 0 (node 0) */
+  m.nrep[4] = 2;
+  epd_weight_copy_t cp = {2, 0, 0, 3};
+  uint32_t v = 0;
+  char err[256] = "";
+  ASSERT_OK(epd_engine_set_map_copies(cl.eng[0], "g", &m, &cp, 1, &v, err, sizeof err));
+  usleep(100000); /* node 1 staged it meanwhile, with nothing to read */
+  cluster_attach(&cl, 2, E, 64, 2, 4);
+  fill_weights(&cl, 2, S, WB);
+  uint32_t seen = 0;
+  for (int i = 0; i < 500 && seen != v; i++) {
+    for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
+    for (int r = 0; r < W; r++) {
+      epd_comp_t comp = cwait(&cl.c[r]);
+      ASSERT_EQ(comp.status, EPD_OK);
+      if (r == 0) seen = comp.map_version;
+      ASSERT_EQ(comp.map_version, seen);
+    }
+    if (seen != v) usleep(2000);
+  }
+  ASSERT_EQ(seen, v);
+  check_weights(&cl, S, WB, &cp, 1);
   epd_expert_map_free(&m);
   cluster_down(&cl);
 }
