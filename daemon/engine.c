@@ -250,9 +250,15 @@ int eng_weights_ready(const epd_engine_t *eng, const eng_group_t *grp) {
   const uint64_t now = eng_now_ns(), wait = (uint64_t)eng_weights_wait_ms(eng) * 1000000ull;
   for (uint32_t i = 0; i < grp->nstaged_copies; i++)
     if (copy_from_node(eng, &grp->staged_copies[i]) && !wblob_of(grp, i) &&
-        now - grp->staged_copy_meta[i].staged_ns < wait)
+        (!grp->staged_copy_meta[i].staged_ns || now - grp->staged_copy_meta[i].staged_ns < wait))
       return 0;
   return 1;
+}
+
+void eng_weights_clock(eng_group_t *grp) {
+  uint64_t now = 0;
+  for (uint32_t i = 0; i < grp->nstaged_copies; i++)
+    if (!grp->staged_copy_meta[i].staged_ns) grp->staged_copy_meta[i].staged_ns = now ? now : (now = eng_now_ns());
 }
 
 int eng_slot_being_filled(const eng_group_t *grp, uint32_t rank, uint32_t slot, uint32_t v) {
@@ -1056,8 +1062,8 @@ epd_result_t eng_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert
   if (grp->has_staged) epd_expert_map_free(&grp->staged);
   grp->staged = m;
   grp->has_staged = 1;
-  const uint64_t now = eng_now_ns();
-  for (uint32_t i = grp->nstaged_copies; i < nall; i++) allv[i] = (eng_copy_meta_t){m.version, now};
+  /* staged_ns: 0 until this node's first step frame after staging (eng_weights_clock) */
+  for (uint32_t i = grp->nstaged_copies; i < nall; i++) allv[i] = (eng_copy_meta_t){m.version, 0};
   /* node 0 numbered this map below one this node staged before: the group was re-created there (its
    * numbering restarted); weights received for those versions belong to the old incarnation */
   if (version && version <= prev_last)

@@ -63,7 +63,7 @@ typedef struct eng_wblob {
 /* Per staged weight copy (parallel to eng_group.staged_copies). */
 typedef struct eng_copy_meta {
   uint32_t version;   /* the map version that asked for it */
-  uint64_t staged_ns; /* when this node staged it (eng_now_ns) */
+  uint64_t staged_ns; /* this node's first step frame after staging it (eng_now_ns), 0 before */
 } eng_copy_meta_t;
 
 /* Scale-out: a copy from one of this node's ranks into another node whose source slot could not be read
@@ -236,6 +236,9 @@ void eng_wblob_put(eng_group_t *grp, const epd_weight_copy_t *cp, uint32_t versi
  * has waited for them longer than eng_weights_wait_ms (the switch then skips it with an event). */
 int eng_weights_ready(const epd_engine_t *eng, const eng_group_t *grp);
 uint32_t eng_weights_wait_ms(const epd_engine_t *eng);
+/* (mu) At a step frame of grp on this node: the staged copies' wait for bytes starts now if not yet (every
+ * rank is attached then, so every source node can read its slots from here on). */
+void eng_weights_clock(eng_group_t *grp);
 /* (mu) 1 if (rank, slot) is the destination of a staged copy of a map older than version v (its contents
  * are not final until that copy ran here). */
 int eng_slot_being_filled(const eng_group_t *grp, uint32_t rank, uint32_t slot, uint32_t v);

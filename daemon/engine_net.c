@@ -717,11 +717,15 @@ void eng_vote_switch(epd_engine_t *eng, eng_group_t *grp, eng_map_vote_t *v, uin
 void eng_vote_report(epd_engine_t *eng, eng_group_t *grp, eng_map_vote_t *v) {
   /* weights this node owes other nodes and could not read when it staged their map */
   if (grp->wdefer && eng->o.net) weights_queue(eng->o.net, grp->name, weights_retry(eng, grp));
-  /* a map whose copies into this node wait for bytes from another node is not reported yet, so no node
-   * switches to it before every destination holds what it needs; the map reported before stays reported
-   * while it is not active (its copies are the first rep_copies staged ones, their bytes are here) */
+  eng_weights_clock(grp);
+  /* a map whose copies into this node wait for bytes from another node, or whose copies from this node
+   * still wait to be read here, is not reported yet, so no node switches to it before every destination
+   * holds what it needs; the map reported before stays reported while it is not active (its copies are
+   * the first rep_copies staged ones, their bytes are here): a node left behind still catches up */
   uint32_t sv = grp->has_staged ? grp->staged.version : 0;
-  if (sv && !eng_weights_ready(eng, grp)) {
+  int owed = 0;
+  for (const eng_wdefer_t *d = grp->wdefer; d && sv; d = d->next) owed |= d->version <= sv;
+  if (sv && (owed || !eng_weights_ready(eng, grp))) {
     if (v->rep.version > grp->map.version) return;
     sv = 0;
   }
@@ -1362,18 +1366,19 @@ static wout_t *weights_out(epd_engine_t *eng, eng_group_t *grp, const epd_weight
   wout_t *head = NULL, **tail = &head;
   for (uint32_t i = 0; i < n; i++) {
     if (!copy_out(eng, &cp[i])) continue;
-    if (!status && grp && !source_ready(grp, &cp[i], version)) {
+    int st = status ? status : !grp ? EPD_ERR_NOT_FOUND : 0;
+    const char *wy = status ? why : "the group does not exist on the source's node";
+    if (!st && !source_ready(grp, &cp[i], version)) {
       eng_wdefer_t *d = calloc(1, sizeof *d);
       if (d) {
         *d = (eng_wdefer_t){grp->wdefer, cp[i], version};
         grp->wdefer = d;
         continue;
       }
-      status = EPD_ERR_NOMEM;
-      why = "out of memory";
+      st = EPD_ERR_NOMEM;
+      wy = "out of memory";
     }
-    wout_t *w = wout_make(eng, grp, &cp[i], version, status ? status : !grp ? EPD_ERR_NOT_FOUND : 0,
-                          status ? why : "the group does not exist on the source's node");
+    wout_t *w = wout_make(eng, grp, &cp[i], version, st, wy);
     if (!w) break; /* the destination waits eng_weights_wait_ms, then skips the copy */
     *tail = w;
     tail = &w->next;
@@ -1381,11 +1386,17 @@ static wout_t *weights_out(epd_engine_t *eng, eng_group_t *grp, const epd_weight
   return head;
 }
 
-/* (mu) The deferred sources that can be read now. */
+/* (mu) The deferred sources that can be read now (those of maps already active are dropped: their switch
+ * skipped the copy). */
 static wout_t *weights_retry(epd_engine_t *eng, eng_group_t *grp) {
   wout_t *head = NULL, **tail = &head;
   for (eng_wdefer_t **pp = &grp->wdefer; *pp;) {
     eng_wdefer_t *d = *pp;
+    if (d->version <= grp->map.version) {
+      *pp = d->next;
+      free(d);
+      continue;
+    }
     if (!source_ready(grp, &d->cp, d->version)) {
       pp = &d->next;
       continue;
@@ -1483,6 +1494,7 @@ static void weights_in(epd_engine_t *eng, const net_frame_t *f, const ctl_msg_t 
                     : cp.dst_slot >= grp->g.slots_per_rank || cp.src_slot >= grp->g.slots_per_rank ? "a slot is out of range"
                     : !c->status && bytes != grp->weight_bytes_per_slot ? "its size is not the group's weights per slot"
                                                                         : NULL;
+  if (!bad && c->version <= grp->map.version) bad = "its map version is already active here";
   uint8_t *data = NULL;
   if (!bad && !c->status && bytes && !(data = malloc(bytes))) bad = "out of memory";
   if (!bad) {
@@ -1709,7 +1721,8 @@ static void *ctl_main(void *arg) {
   for (;;) {
     while (!net->ctl_head && !net->wq_head && !net->ctl_stop) pthread_cond_wait(&net->ctl_cv, &net->mu);
     if (net->ctl_stop) break;
-    if (net->wq_head) { /* expert weights out first: a destination's switch waits for them */
+    if (!net->ctl_head && net->wq_head) { /* expert weights out once the incoming frames are handled (a
+                                           * MAP_REP must not wait behind a large transfer) */
       wq_t *q = net->wq_head;
       net->wq_head = q->next;
       if (!net->wq_head) net->wq_tail = NULL;
