@@ -85,6 +85,7 @@ typedef struct conn_arg {
 /* Options of the next cluster_up (a test sets them and resets them to 0). */
 static uint64_t cl_weight_bytes;
 static uint32_t cl_slots_pct;
+static uint32_t cl_step_timeout_ms;
 
 static void *connect_main(void *arg) {
   conn_arg_t *a = arg;
@@ -149,7 +150,7 @@ static void cluster_up(cluster_t *cl, uint32_t E, uint32_t H, uint32_t K, uint32
     o.max_groups = 4;
     o.max_clients_per_rank = 4;
     o.max_arena_bytes = 1ull << 30;
-    o.step_timeout_ms = 5000;
+    o.step_timeout_ms = cl_step_timeout_ms ? cl_step_timeout_ms : 5000;
     o.ht_capacity_factor = ht_factor;
     o.ranks_per_node = L;
     o.slots_factor_pct = cl_slots_pct;
@@ -544,6 +545,47 @@ EPD_TEST(cluster_map_weight_copy_source_detached) {
   }
   ASSERT_EQ(seen, v);
   check_weights(&cl, S, WB, &cp, 1);
+  epd_expert_map_free(&m);
+  cluster_down(&cl);
+}
+
+/* Bytes that do not come: a destination waits max(10 s, 4 x step timeout) from its first step frame after
+ * staging, then every node switches and the copy is skipped (the slot keeps what it held); the copy inside
+ * the destination's node runs. Node 1 sends its bytes only after 11.5 s, so they come too late. */
+EPD_TEST(cluster_map_weight_copy_wait_limit) {
+  cluster_t cl;
+  const uint32_t E = 8, WB = 64;
+  cl_step_timeout_ms = 1000; /* the wait limit is then its floor, 10 s */
+  const uint32_t S = cluster_up_weights(&cl, E, WB);
+  cl_step_timeout_ms = 0;
+  epd_net_test_weights_delay(cl.net[1], 11500);
+  epd_expert_map_t m;
+  ASSERT_OK(epd_engine_get_map(cl.eng[0], "g", &m));
+  m.rep[4][1] = (epd_replica_t){0, 3}; /* expert 4 (rank 2, node 1) also on rank 0 (node 0) */
+  m.nrep[4] = 2;
+  m.rep[0][1] = (epd_replica_t){1, 2}; /* expert 0 (rank 0) also on rank 1: within node 0 */
+  m.nrep[0] = 2;
+  epd_weight_copy_t cp[2] = {{2, 0, 0, 3}, {0, 0, 1, 2}};
+  uint32_t v = 0;
+  char err[256] = "";
+  ASSERT_OK(epd_engine_set_map_copies(cl.eng[0], "g", &m, cp, 2, &v, err, sizeof err));
+  const uint64_t t0 = ms_now();
+  uint32_t seen = 0;
+  while (seen != v && ms_now() - t0 < 20000) {
+    for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
+    for (int r = 0; r < W; r++) {
+      epd_comp_t comp = cwait(&cl.c[r]);
+      ASSERT_EQ(comp.status, EPD_OK);
+      if (r == 0) seen = comp.map_version;
+      ASSERT_EQ(comp.map_version, seen);
+    }
+    if (seen != v) usleep(20000);
+  }
+  ASSERT_EQ(seen, v);
+  const uint64_t took = ms_now() - t0;
+  ASSERT_GE(took, 9500u);  /* not before the limit */
+  ASSERT_LT(took, 11500u); /* and not by waiting for the late bytes */
+  check_weights(&cl, S, WB, &cp[1], 1); /* (0, 3) keeps its bytes; (1, 2) got (0, 0)'s */
   epd_expert_map_free(&m);
   cluster_down(&cl);
 }
