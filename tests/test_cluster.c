@@ -438,6 +438,28 @@ static void check_weights(cluster_t *cl, uint32_t S, uint32_t WB, const epd_weig
   }
 }
 
+/* Dispatch steps on every rank until their completions carry map version v (every rank the same version at
+ * every step), pausing pause_us between steps, for at most max_ms; returns the steps run before. */
+static int steps_until_version(cluster_t *cl, uint32_t v, uint32_t max_ms, uint32_t pause_us) {
+  const uint64_t t0 = ms_now();
+  uint32_t seen = 0;
+  int before = 0;
+  while (ms_now() - t0 < max_ms) {
+    for (int r = 0; r < W; r++) csubmit(&cl->c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
+    for (int r = 0; r < W; r++) {
+      epd_comp_t comp = cwait(&cl->c[r]);
+      ASSERT_EQ(comp.status, EPD_OK);
+      if (r == 0) seen = comp.map_version;
+      ASSERT_EQ(comp.map_version, seen); /* every rank of both nodes switches at the same step */
+    }
+    if (seen == v) break;
+    before++;
+    usleep(pause_us);
+  }
+  ASSERT_EQ(seen, v);
+  return before;
+}
+
 EPD_TEST(cluster_map_weight_copies_same_node) {
   cluster_t cl;
   const uint32_t E = 8, WB = 64;
@@ -488,23 +510,7 @@ EPD_TEST(cluster_map_weight_copies_across_nodes) {
   epd_net_test_weights_delay(cl.net[1], 300);
   ASSERT_OK(epd_engine_set_map_copies(cl.eng[0], "g", &m, cp, 3, &v, err, sizeof err));
   const uint64_t t0 = ms_now();
-  uint32_t seen = 0;
-  int old_steps = 0;
-  for (int i = 0; i < 500 && seen != v; i++) {
-    for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
-    for (int r = 0; r < W; r++) {
-      epd_comp_t comp = cwait(&cl.c[r]);
-      ASSERT_EQ(comp.status, EPD_OK);
-      if (r == 0) seen = comp.map_version;
-      ASSERT_EQ(comp.map_version, seen); /* every rank of both nodes switches at the same step */
-    }
-    if (seen != v) {
-      old_steps++;
-      usleep(2000);
-    }
-  }
-  ASSERT_EQ(seen, v);
-  ASSERT_GE(old_steps, 5);
+  ASSERT_GE(steps_until_version(&cl, v, 5000, 2000), 5);
   ASSERT_GE(ms_now() - t0, 250u); /* not before node 1's bytes could be there */
   check_weights(&cl, S, WB, cp, 3);
   epd_expert_map_free(&m);
@@ -532,18 +538,7 @@ EPD_TEST(cluster_map_weight_copy_source_detached) {
   usleep(100000); /* node 1 staged it meanwhile, with nothing to read */
   cluster_attach(&cl, 2, E, 64, 2, 4);
   fill_weights(&cl, 2, S, WB);
-  uint32_t seen = 0;
-  for (int i = 0; i < 500 && seen != v; i++) {
-    for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
-    for (int r = 0; r < W; r++) {
-      epd_comp_t comp = cwait(&cl.c[r]);
-      ASSERT_EQ(comp.status, EPD_OK);
-      if (r == 0) seen = comp.map_version;
-      ASSERT_EQ(comp.map_version, seen);
-    }
-    if (seen != v) usleep(2000);
-  }
-  ASSERT_EQ(seen, v);
+  steps_until_version(&cl, v, 5000, 2000);
   check_weights(&cl, S, WB, &cp, 1);
   epd_expert_map_free(&m);
   cluster_down(&cl);
@@ -570,18 +565,7 @@ EPD_TEST(cluster_map_weight_copy_wait_limit) {
   char err[256] = "";
   ASSERT_OK(epd_engine_set_map_copies(cl.eng[0], "g", &m, cp, 2, &v, err, sizeof err));
   const uint64_t t0 = ms_now();
-  uint32_t seen = 0;
-  while (seen != v && ms_now() - t0 < 20000) {
-    for (int r = 0; r < W; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
-    for (int r = 0; r < W; r++) {
-      epd_comp_t comp = cwait(&cl.c[r]);
-      ASSERT_EQ(comp.status, EPD_OK);
-      if (r == 0) seen = comp.map_version;
-      ASSERT_EQ(comp.map_version, seen);
-    }
-    if (seen != v) usleep(20000);
-  }
-  ASSERT_EQ(seen, v);
+  steps_until_version(&cl, v, 20000, 20000);
   const uint64_t took = ms_now() - t0;
   ASSERT_GE(took, 9500u);  /* not before the limit */
   ASSERT_LT(took, 11500u); /* and not by waiting for the late bytes */
