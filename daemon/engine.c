@@ -174,10 +174,7 @@ int eng_rank_local(const epd_engine_t *eng, uint32_t r) {
 
 epd_result_t eng_slot_weights_io(epd_engine_t *eng, eng_group_t *grp, uint32_t rank, uint32_t slot, void *host,
                                  int write, char *err, size_t errlen) {
-  const uint64_t wb = grp->weight_bytes_per_slot;
-  uint64_t woff = UINT64_MAX;
-  for (uint32_t i = 0; i < grp->nbufs; i++)
-    if (grp->bufs[i].kind == EPD_BUF_EXPERT_WEIGHTS) woff = grp->bufs[i].offset;
+  const uint64_t wb = grp->weight_bytes_per_slot, woff = eng_buf_offset(grp, EPD_BUF_EXPERT_WEIGHTS, 0);
   eng_client_t *c = rank < grp->g.num_ranks ? grp->client[rank] : NULL;
   if (!wb || woff == UINT64_MAX || slot >= grp->g.slots_per_rank) {
     snprintf(err, errlen, "group %s has no expert-weights region or no slot %u", grp->name, slot);
@@ -418,12 +415,15 @@ const char *eng_result_name(int result) {
   return result <= 0 && result > EPD_ERR_MIN ? names[-result] : "EPD_ERR_UNKNOWN";
 }
 
-void *eng_buf(const eng_client_t *c, uint32_t kind, uint32_t bank) {
-  const eng_group_t *g = c->grp;
-  if (!c->arena) return NULL;
+uint64_t eng_buf_offset(const eng_group_t *g, uint32_t kind, uint32_t bank) {
   for (uint32_t i = 0; i < g->nbufs; i++)
-    if (g->bufs[i].kind == kind && g->bufs[i].bank == bank) return c->arena + g->bufs[i].offset;
-  return NULL;
+    if (g->bufs[i].kind == kind && g->bufs[i].bank == bank) return g->bufs[i].offset;
+  return UINT64_MAX;
+}
+
+void *eng_buf(const eng_client_t *c, uint32_t kind, uint32_t bank) {
+  const uint64_t off = eng_buf_offset(c->grp, kind, bank);
+  return c->arena && off != UINT64_MAX ? c->arena + off : NULL;
 }
 
 /* ---- create / destroy --------------------------------------------------------------------------- */

@@ -1735,9 +1735,7 @@ static void cuda_client_free(epd_engine_t *eng, eng_client_t *c) {
  * event and skipped (as on the host backend). */
 static uint64_t cuda_copy_weights(epd_engine_t *eng, eng_group_t *grp) {
   cuda_be_t *be = eng->be;
-  uint64_t wb = grp->weight_bytes_per_slot, woff = UINT64_MAX, bytes = 0;
-  for (uint32_t i = 0; i < grp->nbufs; i++)
-    if (grp->bufs[i].kind == EPD_BUF_EXPERT_WEIGHTS) woff = grp->bufs[i].offset;
+  uint64_t wb = grp->weight_bytes_per_slot, woff = eng_buf_offset(grp, EPD_BUF_EXPERT_WEIGHTS, 0), bytes = 0;
   int used[EPD_MAX_RANKS] = {0}, dev0 = 0;
   if (grp->nstaged_copies) pers_quiesce_all(eng, be); /* the copies must not wait behind persistent kernels */
   cudaGetDevice(&dev0); /* a rank thread calls this: give it its device back */

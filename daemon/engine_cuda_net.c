@@ -320,12 +320,6 @@ static void complete_all(cnet_t *cn, int status, int peer, const char *why) {
 
 /* ---- collect -------------------------------------------------------------------------------------- */
 
-static uint64_t buf_off(const eng_group_t *grp, uint32_t kind, uint32_t bank) {
-  for (uint32_t i = 0; i < grp->nbufs; i++)
-    if (grp->bufs[i].kind == kind && grp->bufs[i].bank == bank) return grp->bufs[i].offset;
-  return UINT64_MAX;
-}
-
 /* (mu) Every local rank submitted: build this node's frame (own copy kept) and send it to every node. */
 static void send_frame(cnet_t *cn) {
   epd_engine_t *eng = cn->eng;
@@ -376,7 +370,7 @@ static void send_frame(cnet_t *cn) {
   /* Every local rank's top-k ids and weights: asynchronous reads into pinned memory on every GPU at once,
    * then one wait per GPU (two synchronous pageable reads per rank took ~40 us of the dispatch's frame). */
   cudaError_t te[EPD_MAX_RANKS] = {cudaSuccess};
-  const uint64_t oi = buf_off(grp, EPD_BUF_TOPK_IDX, d0->bank), ow = buf_off(grp, EPD_BUF_TOPK_WEIGHTS, d0->bank);
+  const uint64_t oi = eng_buf_offset(grp, EPD_BUF_TOPK_IDX, d0->bank), ow = eng_buf_offset(grp, EPD_BUF_TOPK_WEIGHTS, d0->bank);
   for (uint32_t l = 0; l < L; l++) {
     cnet_dev_t *d = &cn->d[l];
     if (!rows[l]) continue;

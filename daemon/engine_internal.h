@@ -250,6 +250,8 @@ void eng_record_op(epd_engine_t *eng, int rank, uint32_t op, int status, uint64_
                    uint64_t latency_ns);
 /* Name of a result code ("EPD_ERR_TIMEOUT"); the daemon does not link libepd's epd_strerror. */
 const char *eng_result_name(int result);
+/* Offset of buffer (kind, bank) in the arenas of grp's clients, UINT64_MAX if it has none. */
+uint64_t eng_buf_offset(const eng_group_t *g, uint32_t kind, uint32_t bank);
 /* Address of buffer (kind, bank) in a client's CPU-visible arena. */
 void *eng_buf(const eng_client_t *c, uint32_t kind, uint32_t bank);
 

@@ -1303,9 +1303,10 @@ typedef struct wout {
   struct wout *next;
   uint32_t node;
   ctl_msg_t m;
-  uint8_t *data;
+  uint8_t *frame; /* net_hdr_t and ctl_msg_t (written when sent), then the bytes: read in place */
   uint64_t bytes;
 } wout_t;
+#define WOUT_HDR (sizeof(net_hdr_t) + sizeof(ctl_msg_t))
 
 /* A group's frames queued for the control thread. */
 typedef struct wq {
@@ -1336,16 +1337,17 @@ static wout_t *wout_make(epd_engine_t *eng, eng_group_t *grp, const epd_weight_c
     return w;
   }
   w->bytes = grp->weight_bytes_per_slot;
-  w->data = w->bytes ? malloc(w->bytes) : NULL;
-  if (!w->data) {
+  w->frame = w->bytes ? malloc(WOUT_HDR + w->bytes) : NULL;
+  if (!w->frame) {
     w->m.status = EPD_ERR_NOMEM;
     snprintf(w->m.why, sizeof w->m.why, "out of memory for %llu bytes", (unsigned long long)w->bytes);
   } else {
-    w->m.status = eng_slot_weights_io(eng, grp, cp->src_rank, cp->src_slot, w->data, 0, w->m.why, sizeof w->m.why);
+    w->m.status = eng_slot_weights_io(eng, grp, cp->src_rank, cp->src_slot, w->frame + WOUT_HDR, 0, w->m.why,
+                                      sizeof w->m.why);
   }
   if (w->m.status) {
-    free(w->data);
-    w->data = NULL;
+    free(w->frame);
+    w->frame = NULL;
     w->bytes = 0;
   }
   return w;
@@ -1418,7 +1420,7 @@ void epd_net_test_weights_delay(epd_net_t *net, uint32_t ms) {
 static void wout_free(wout_t *w) {
   while (w) {
     wout_t *next = w->next;
-    free(w->data);
+    free(w->frame);
     free(w);
     w = next;
   }
@@ -1456,23 +1458,21 @@ static void weights_send(epd_net_t *net, const char *group, wout_t *w) {
   if (w && delay) usleep(delay * 1000u);
   while (w) {
     wout_t *next = w->next;
-    size_t len = sizeof(net_hdr_t) + sizeof w->m + w->bytes;
-    uint8_t *b = malloc(len);
+    /* an error frame has no bytes: its header alone */
+    uint8_t *b = w->frame ? w->frame : malloc(WOUT_HDR);
     net_hdr_t h = {.magic = CTL_MAGIC, .src_node = net->node_rank};
     snprintf(h.group, sizeof h.group, "%s", group);
     int rc = -1;
     if (b) {
       memcpy(b, &h, sizeof h);
       memcpy(b + sizeof h, &w->m, sizeof w->m);
-      if (w->bytes) memcpy(b + sizeof h + sizeof w->m, w->data, w->bytes);
-      rc = net_send(net, w->node, b, len);
+      rc = net_send(net, w->node, b, WOUT_HDR + w->bytes);
     }
     if (rc)
       EPD_LOGE(EPD_SUB_ENGINE, "group %s: the weights of a copy for map version %u not sent to node %u (%s): it "
                "waits %u ms for them, then skips the copy", group, w->m.version, w->node,
                b ? "link down" : "out of memory", eng_weights_wait_ms(net->eng));
     free(b);
-    free(w->data);
     free(w);
     w = next;
   }
