@@ -58,13 +58,11 @@ typedef struct cnet_dev {
   size_t off[9]; /* offsets of the 9 tables in the staging buffer */
 } cnet_dev_t;
 
-struct cnet {
-  epd_engine_t *eng;
-  epd_cc_t *cc;
-  uint32_t L, nodes, node, W;
-  char gin[2048]; /* the start-up GIN probe's line (epd_cc_gin_probe): every local rank's result when they differ */
-  cnet_dev_t d[EPD_MAX_RANKS];
-  /* the group served (one at a time) */
+enum { PH_READY = 3 }; /* every frame in, verdict OK: the exchange waits for its turn (schedule) */
+
+/* One group served: the step it collects, decides or runs. */
+typedef struct cnet_grp {
+  struct cnet_grp *next;
   eng_group_t *grp;
   uint64_t grp_serial; /* grp->serial when taken up (see grp_alive) */
   char gname[EPD_GROUP_NAME_MAX];
@@ -78,20 +76,44 @@ struct cnet {
   epd_desc_t ldesc[EPD_MAX_RANKS]; /* local ranks' descriptors */
   uint32_t narrived;
   uint64_t first_ns, last_ns, run_ns;
+  uint64_t ready_seq, ready_ns; /* PH_READY: in which order (node 0 orders by it) and since when */
   uint8_t *frame[CNET_MAX_NODES]; /* every node's payload of the step (own included) */
   size_t flen[CNET_MAX_NODES];
   int plan_init;
   epd_ref_plan_t plan[EPD_NUM_BANKS];
   int plan_valid[EPD_NUM_BANKS];
   uint32_t op, bank, fp8, mode, op_version;
-  cnet_addr_t addr[EPD_MAX_RANKS];
-  cnet_prog_t prog;
   /* Where a step's time goes (logged when the group goes away), per dispatch [0] / combine [1]: last
    * local arrival -> frame sent, -> every frame in, -> work issued (plan, tables, launches), -> GPUs
    * done. */
   uint64_t t_sent, t_in, t_issued;
   uint64_t prof_n[2], prof_ns[2][4];
+  uint64_t behind; /* steps that found another group's exchange running or ready (logged with the profile) */
   eng_map_vote_t vote; /* expert-map switches, the protocol of both backends (engine_internal.h) */
+} cnet_grp_t;
+
+/* Node 0's word on the next exchange (a payload of group "" numbered by cnet.go_seq): every node runs the
+ * groups' exchanges in this order, so the NCCL calls on the world communicator match. */
+typedef struct cnet_go {
+  char group[EPD_GROUP_NAME_MAX];
+  uint64_t step;
+} cnet_go_t;
+
+struct cnet {
+  epd_engine_t *eng;
+  epd_cc_t *cc;
+  uint32_t L, nodes, node, W;
+  char gin[2048]; /* the start-up GIN probe's line (epd_cc_gin_probe): every local rank's result when they differ */
+  cnet_dev_t d[EPD_MAX_RANKS];
+  cnet_grp_t *groups; /* the groups served (those with a client on this node) */
+  cnet_grp_t *run;    /* the group whose step runs: one exchange at a time */
+  uint64_t run_end_ns;
+  uint64_t go_seq;    /* node 0: exchanges ordered so far; other nodes: the number of the next GO */
+  uint64_t ready_ctr;
+  cnet_go_t go;       /* other nodes: GO go_seq, taken, its step not yet ready here */
+  int go_have;
+  cnet_addr_t addr[EPD_MAX_RANKS];
+  cnet_prog_t prog;
 };
 
 static int op_ok(uint32_t op) {
@@ -154,47 +176,46 @@ static void dev_free(cnet_t *cn) {
 }
 
 /* (mu) Answer the step's slots and start collecting the next one. */
-static void complete_all(cnet_t *cn, int status, int peer, const char *why);
+static void complete_all(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const char *why);
 
 /* (mu) The group is still the one the stage took up: same address and serial (a group removed and
  * created again may get the freed memory back). */
-static int grp_alive(cnet_t *cn) {
+static int grp_alive(cnet_t *cn, cnet_grp_t *cg) {
   for (eng_group_t *g = cn->eng->groups; g; g = g->next)
-    if (g == cn->grp && g->serial == cn->grp_serial) return 1;
+    if (g == cg->grp && g->serial == cg->grp_serial) return 1;
   return 0;
 }
 
-/* (mu) Forget the group (it was removed): plans, buffers, its queued frames. */
-static void group_reset(cnet_t *cn) {
+/* (mu) Forget a group (it was removed, or the daemon stops): plans, its queued frames; unlinked and freed.
+ * The exchange buffers go with the last group. */
+static void group_free(cnet_t *cn, cnet_grp_t *cg) {
   for (int o = 0; o < 2; o++)
-    if (cn->prof_n[o]) {
-      double n = (double)cn->prof_n[o] * 1000.0;
+    if (cg->prof_n[o]) {
+      double n = (double)cg->prof_n[o] * 1000.0;
       EPD_LOGI(
           EPD_SUB_CUDA,
           "group %s: %llu %s steps, mean us: frame sent %.1f, frames in %.1f, plan+issue %.1f, GPU+NCCL %.1f",
-          cn->gname, (unsigned long long)cn->prof_n[o], o ? "combine" : "dispatch", cn->prof_ns[o][0] / n,
-          cn->prof_ns[o][1] / n, cn->prof_ns[o][2] / n, cn->prof_ns[o][3] / n);
+          cg->gname, (unsigned long long)cg->prof_n[o], o ? "combine" : "dispatch", cg->prof_ns[o][0] / n,
+          cg->prof_ns[o][1] / n, cg->prof_ns[o][2] / n, cg->prof_ns[o][3] / n);
     }
-  memset(cn->prof_n, 0, sizeof cn->prof_n);
-  memset(cn->prof_ns, 0, sizeof cn->prof_ns);
+  if (cg->prof_n[0] + cg->prof_n[1])
+    EPD_LOGI(EPD_SUB_CUDA, "group %s: %llu steps ready while another group's exchange ran or waited its turn",
+             cg->gname, (unsigned long long)cg->behind);
   for (uint32_t l = 0; l < cn->L; l++)
-    if (cn->arrived[l]) eng_cuda_client_unhold(cn->hold[l]);
-  if (cn->plan_init)
-    for (unsigned b = 0; b < EPD_NUM_BANKS; b++) epd_ref_plan_free(&cn->plan[b]);
-  cn->plan_init = 0;
-  memset(cn->plan_valid, 0, sizeof cn->plan_valid);
-  for (uint32_t n = 0; n < cn->nodes; n++) {
-    free(cn->frame[n]);
-    cn->frame[n] = NULL;
-  }
-  if (cn->gname[0]) epd_net_drop_group(cn->eng->o.net, cn->gname);
-  eng_vote_reset(&cn->vote);
-  dev_free(cn);
-  cn->grp = NULL;
-  cn->gname[0] = 0;
-  cn->phase = PH_COLLECT;
-  cn->narrived = 0;
-  memset(cn->arrived, 0, sizeof cn->arrived);
+    if (cg->arrived[l]) eng_cuda_client_unhold(cg->hold[l]);
+  if (cg->plan_init)
+    for (unsigned b = 0; b < EPD_NUM_BANKS; b++) epd_ref_plan_free(&cg->plan[b]);
+  for (uint32_t n = 0; n < cn->nodes; n++) free(cg->frame[n]);
+  if (cg->gname[0]) epd_net_drop_group(cn->eng->o.net, cg->gname);
+  eng_vote_reset(&cg->vote);
+  for (cnet_grp_t **pp = &cn->groups; *pp; pp = &(*pp)->next)
+    if (*pp == cg) {
+      *pp = cg->next;
+      break;
+    }
+  if (cn->run == cg) cn->run = NULL;
+  free(cg);
+  if (!cn->groups) dev_free(cn);
 }
 
 const char *eng_cuda_net_gin(const cnet_t *cn) { return cn->gin; }
@@ -217,8 +238,11 @@ void eng_cuda_net_destroy(cnet_t *cn) {
     cudaStreamSynchronize(cn->d[l].stream);
   }
   pthread_mutex_lock(&eng->mu);
-  if (cn->narrived) complete_all(cn, EPD_ERR_CLOSED, -1, "the daemon is stopping");
-  group_reset(cn);
+  while (cn->groups) {
+    cnet_grp_t *cg = cn->groups;
+    if (cg->narrived) complete_all(cn, cg, EPD_ERR_CLOSED, -1, "the daemon is stopping");
+    group_free(cn, cg);
+  }
   pthread_mutex_unlock(&eng->mu);
   for (uint32_t l = 0; l < cn->L; l++) {
     cnet_dev_t *d = &cn->d[l];
@@ -238,17 +262,6 @@ void eng_cuda_net_destroy(cnet_t *cn) {
 /* ---- attach / leave ------------------------------------------------------------------------------- */
 
 epd_result_t eng_cuda_net_attach(cnet_t *cn, eng_group_t *grp, char *err, size_t errlen) {
-  for (eng_group_t *g = cn->eng->groups; g; g = g->next) {
-    if (g == grp) continue;
-    for (uint32_t r = 0; r < g->g.num_ranks; r++)
-      if (g->client[r]) {
-        snprintf(err, errlen,
-                 "engine.backend cuda across nodes serves one group at a time (group %s is attached): the "
-                 "inter-node exchanges of two groups could be ordered differently on two nodes",
-                 g->name);
-        return EPD_ERR_UNSUPPORTED;
-      }
-  }
   if (grp->g.num_ranks != cn->W) {
     snprintf(err, errlen, "group %s has %u ranks, the world %u", grp->name, grp->g.num_ranks, cn->W);
     return EPD_ERR_INVALID;
@@ -257,45 +270,47 @@ epd_result_t eng_cuda_net_attach(cnet_t *cn, eng_group_t *grp, char *err, size_t
 }
 
 void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost) {
-  if (c->grp != cn->grp || cn->phase != PH_COLLECT) return; /* later phases: the step goes on (memory held) */
+  cnet_grp_t *cg = cn->groups;
+  while (cg && (cg->grp != c->grp || cg->grp_serial != c->grp->serial)) cg = cg->next;
+  if (!cg || cg->phase != PH_COLLECT) return; /* later phases: the step goes on (memory held) */
   uint32_t l = (uint32_t)c->rank - cn->node * cn->L;
-  if (l >= cn->L || !cn->arrived[l] || cn->cl[l] != c) return;
-  cn->arrived[l] = 0;
-  eng_cuda_client_unhold(cn->hold[l]);
-  cn->narrived--;
-  if (cn->narrived) {
+  if (l >= cn->L || !cg->arrived[l] || cg->cl[l] != c) return;
+  cg->arrived[l] = 0;
+  eng_cuda_client_unhold(cg->hold[l]);
+  cg->narrived--;
+  if (cg->narrived) {
     char why[160];
     snprintf(why, sizeof why, "client %llu of rank %d %s mid-step", (unsigned long long)c->id, c->rank,
              lost ? "died" : "detached");
-    complete_all(cn, EPD_ERR_PEER, c->rank, why);
+    complete_all(cn, cg, EPD_ERR_PEER, c->rank, why);
   }
 }
 
 /* ---- completion ----------------------------------------------------------------------------------- */
 
-static void complete_all(cnet_t *cn, int status, int peer, const char *why) {
+static void complete_all(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const char *why) {
   epd_engine_t *eng = cn->eng;
-  int alive = grp_alive(cn);
-  eng_group_t *grp = alive ? cn->grp : NULL;
+  int alive = grp_alive(cn, cg);
+  eng_group_t *grp = alive ? cg->grp : NULL;
   uint64_t now = eng_now_ns();
   if (status && grp)
-    eng_emit(eng, status == EPD_ERR_TIMEOUT ? "timeout" : "error", grp, peer, 0, 0, 0, cn->step,
-             "group %s step %llu: %s", grp->name, (unsigned long long)cn->step, why ? why : "");
+    eng_emit(eng, status == EPD_ERR_TIMEOUT ? "timeout" : "error", grp, peer, 0, 0, 0, cg->step,
+             "group %s step %llu: %s", grp->name, (unsigned long long)cg->step, why ? why : "");
   for (uint32_t l = 0; l < cn->L; l++) {
-    if (!cn->arrived[l]) continue;
+    if (!cg->arrived[l]) continue;
     uint32_t r = cn->node * cn->L + l;
-    eng_client_t *c = cn->cl[l];
-    if (grp && grp->client[r] == c && c->id == cn->cid[l] && c->queue) {
+    eng_client_t *c = cg->cl[l];
+    if (grp && grp->client[r] == c && c->id == cg->cid[l] && c->queue) {
       epd_slot_t *s = &c->queue->slot[c->next_slot];
       epd_comp_t comp;
       memset(&comp, 0, sizeof comp);
       comp.status = status;
       comp.peer = status ? peer : -1;
-      comp.map_version = cn->op_version ? cn->op_version : grp->map.version;
+      comp.map_version = cg->op_version ? cg->op_version : grp->map.version;
       comp.num_recv = status ? 0 : cn->prog.side[l].num_recv;
-      comp.step = cn->step;
-      comp.user_tag = cn->ldesc[l].user_tag;
-      comp.latency_ns = now > cn->last_ns ? now - cn->last_ns : 0;
+      comp.step = cg->step;
+      comp.user_tag = cg->ldesc[l].user_tag;
+      comp.latency_ns = now > cg->last_ns ? now - cg->last_ns : 0;
       eng_slot_complete(c->queue, s, &comp, grp->map.version);
       c->next_slot = (c->next_slot + 1) % EPD_QUEUE_SLOTS;
       c->ops++;
@@ -303,38 +318,42 @@ static void complete_all(cnet_t *cn, int status, int peer, const char *why) {
       if (!status)
         for (uint32_t n = 0; n < cn->nodes; n++)
           bytes += (uint64_t)cn->prog.side[l].send_rows[n] * cn->prog.row_bytes;
-      eng_record_op(eng, (int)r, cn->ldesc[l].op, status, bytes, comp.latency_ns);
+      eng_record_op(eng, (int)r, cg->ldesc[l].op, status, bytes, comp.latency_ns);
     }
-    eng_cuda_client_unhold(cn->hold[l]);
-    cn->arrived[l] = 0;
+    eng_cuda_client_unhold(cg->hold[l]);
+    cg->arrived[l] = 0;
   }
   if (grp) grp->steps++;
-  cn->narrived = 0;
-  cn->op_version = 0;
-  cn->phase = PH_COLLECT;
+  cg->narrived = 0;
+  cg->op_version = 0;
+  cg->phase = PH_COLLECT;
   for (uint32_t n = 0; n < cn->nodes; n++) {
-    free(cn->frame[n]);
-    cn->frame[n] = NULL;
+    free(cg->frame[n]);
+    cg->frame[n] = NULL;
+  }
+  if (cn->run == cg) {
+    cn->run = NULL;
+    cn->run_end_ns = now;
   }
 }
 
 /* ---- collect -------------------------------------------------------------------------------------- */
 
 /* (mu) Every local rank submitted: build this node's frame (own copy kept) and send it to every node. */
-static void send_frame(cnet_t *cn) {
+static void send_frame(cnet_t *cn, cnet_grp_t *cg) {
   epd_engine_t *eng = cn->eng;
-  eng_group_t *grp = cn->grp;
-  uint32_t L = cn->L, K = cn->g.topk, M = cn->g.max_tokens;
-  const epd_desc_t *d0 = &cn->ldesc[0];
+  eng_group_t *grp = cg->grp;
+  uint32_t L = cn->L, K = cg->g.topk, M = cg->g.max_tokens;
+  const epd_desc_t *d0 = &cg->ldesc[0];
   int same = 1;
-  for (uint32_t l = 0; l < L; l++) same &= cn->ldesc[l].op == d0->op && cn->ldesc[l].bank == d0->bank;
+  for (uint32_t l = 0; l < L; l++) same &= cg->ldesc[l].op == d0->op && cg->ldesc[l].bank == d0->bank;
   int dispatch = same && eng_op_dispatch(d0->op) && d0->bank < EPD_NUM_BANKS;
   cnet_fhdr_t h = {.magic = FRAME_MAGIC,
                    .bad_rank = -1,
                    .nlocal = L,
                    .world = cn->W,
-                   .num_experts = cn->g.num_experts,
-                   .hidden = cn->g.hidden,
+                   .num_experts = cg->g.num_experts,
+                   .hidden = cg->g.hidden,
                    .topk = K,
                    .max_tokens = M};
   if (epd_engine_failure(eng)) {
@@ -344,16 +363,16 @@ static void send_frame(cnet_t *cn) {
     h.status = EPD_ERR_DRAINING;
     snprintf(h.why, sizeof h.why, "node %u is draining", cn->node);
   }
-  if (dispatch && !h.status) eng_vote_switch(eng, grp, &cn->vote, cn->step);
-  eng_vote_report(eng, grp, &cn->vote);
+  if (dispatch && !h.status) eng_vote_switch(eng, grp, &cg->vote, cg->step);
+  eng_vote_report(eng, grp, &cg->vote);
   h.map_version = grp->map.version;
   h.map_hash = epd_net_map_hash(&grp->map);
-  h.staged_version = cn->vote.rep.version;
-  h.staged_hash = cn->vote.rep_hash;
+  h.staged_version = cg->vote.rep.version;
+  h.staged_hash = cg->vote.rep_hash;
   size_t len = sizeof h + L * sizeof(cnet_desc_t), rows[EPD_MAX_RANKS] = {0};
   if (dispatch && !h.status)
     for (uint32_t l = 0; l < L; l++) {
-      rows[l] = cn->ldesc[l].num_tokens < M ? cn->ldesc[l].num_tokens : M;
+      rows[l] = cg->ldesc[l].num_tokens < M ? cg->ldesc[l].num_tokens : M;
       len += rows[l] * K * 12;
     }
   uint8_t *b = calloc(1, len);
@@ -375,7 +394,7 @@ static void send_frame(cnet_t *cn) {
     cnet_dev_t *d = &cn->d[l];
     if (!rows[l]) continue;
     const size_t need = rows[l] * K * 12;
-    uint64_t arena = eng_cuda_client_arena(cn->hold[l]);
+    uint64_t arena = eng_cuda_client_arena(cg->hold[l]);
     cudaSetDevice(d->device);
     if (oi == UINT64_MAX || ow == UINT64_MAX) {
       te[l] = cudaErrorInvalidValue;
@@ -397,7 +416,7 @@ static void send_frame(cnet_t *cn) {
                               cudaMemcpyDeviceToHost, d->tkstream);
   }
   for (uint32_t l = 0; l < L; l++) {
-    dd[l] = (cnet_desc_t){cn->ldesc[l].op, cn->ldesc[l].bank, cn->ldesc[l].flags, cn->ldesc[l].num_tokens};
+    dd[l] = (cnet_desc_t){cg->ldesc[l].op, cg->ldesc[l].bank, cg->ldesc[l].flags, cg->ldesc[l].num_tokens};
     if (!rows[l]) continue;
     cudaError_t e = te[l];
     if (cn->d[l].tk_cap) { /* whatever was issued is waited for, even after an error */
@@ -416,21 +435,21 @@ static void send_frame(cnet_t *cn) {
   }
   memcpy(b, &h, sizeof h);
   for (uint32_t n = 0; n < cn->nodes; n++)
-    if (n != cn->node) epd_net_send_payload(eng->o.net, n, grp->name, cn->step, b, len);
-  free(cn->frame[cn->node]);
-  cn->frame[cn->node] = b;
-  cn->flen[cn->node] = len;
+    if (n != cn->node) epd_net_send_payload(eng->o.net, n, grp->name, cg->step, b, len);
+  free(cg->frame[cn->node]);
+  cg->frame[cn->node] = b;
+  cg->flen[cn->node] = len;
 }
 
 /* (mu) Poll the local clients' slots; 1 if something moved. */
-static int collect(cnet_t *cn, uint64_t now) {
+static int collect(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   epd_engine_t *eng = cn->eng;
-  eng_group_t *grp = cn->grp;
+  eng_group_t *grp = cg->grp;
   int moved = 0;
   for (uint32_t l = 0; l < cn->L; l++) {
     uint32_t r = cn->node * cn->L + l;
     eng_client_t *c = grp->client[r];
-    if (!c || cn->arrived[l] || !c->queue || !c->be) continue;
+    if (!c || cg->arrived[l] || !c->queue || !c->be) continue;
     uint32_t k = 0;
     while (k < EPD_QUEUE_SLOTS &&
            eng_slot_state(&c->queue->slot[(c->next_slot + k) % EPD_QUEUE_SLOTS]) != EPD_SLOT_SUBMITTED)
@@ -438,39 +457,39 @@ static int collect(cnet_t *cn, uint64_t now) {
     if (k > 0 && k < EPD_QUEUE_SLOTS) c->next_slot = (c->next_slot + k) % EPD_QUEUE_SLOTS;
     epd_slot_t *s = &c->queue->slot[c->next_slot];
     if (eng_slot_state(s) != EPD_SLOT_SUBMITTED) continue;
-    if (!cn->narrived) cn->step = grp->steps;
-    cn->ldesc[l] = s->desc;
-    cn->arrived[l] = 1;
-    cn->cl[l] = c;
-    cn->cid[l] = c->id;
-    cn->hold[l] = eng_cuda_client_hold(c);
+    if (!cg->narrived) cg->step = grp->steps;
+    cg->ldesc[l] = s->desc;
+    cg->arrived[l] = 1;
+    cg->cl[l] = c;
+    cg->cid[l] = c->id;
+    cg->hold[l] = eng_cuda_client_hold(c);
     c->hung = 0;
-    if (cn->narrived++ == 0) cn->first_ns = now;
-    cn->last_ns = now;
+    if (cg->narrived++ == 0) cg->first_ns = now;
+    cg->last_ns = now;
     moved = 1;
   }
-  if (cn->narrived == cn->L) {
-    cn->step = grp->steps;
-    send_frame(cn);
-    cn->t_sent = eng_now_ns();
-    cn->phase = PH_WAIT;
+  if (cg->narrived == cn->L) {
+    cg->step = grp->steps;
+    send_frame(cn, cg);
+    cg->t_sent = eng_now_ns();
+    cg->phase = PH_WAIT;
     return 1;
   }
-  if (!cn->narrived) return moved;
+  if (!cg->narrived) return moved;
   char why[160];
   int lost = eng_lost_rank(grp, why, sizeof why);
   if (lost >= 0) {
-    complete_all(cn, EPD_ERR_PEER, lost, why);
+    complete_all(cn, cg, EPD_ERR_PEER, lost, why);
     return 1;
   }
-  if (now > cn->first_ns && now - cn->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
+  if (now > cg->first_ns && now - cg->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
     int missing = -1;
     for (uint32_t l = 0; l < cn->L && missing < 0; l++)
-      if (!cn->arrived[l]) missing = (int)(cn->node * cn->L + l);
+      if (!cg->arrived[l]) missing = (int)(cn->node * cn->L + l);
     snprintf(why, sizeof why, "waited %u ms for rank %d", eng->o.step_timeout_ms, missing);
     eng_mark_hung(grp, missing);
     if (missing >= 0) eng->rank[missing].timeouts++;
-    complete_all(cn, EPD_ERR_TIMEOUT, missing, why);
+    complete_all(cn, cg, EPD_ERR_TIMEOUT, missing, why);
     return 1;
   }
   return moved;
@@ -486,18 +505,18 @@ static int collect(cnet_t *cn, uint64_t now) {
   } while (0)
 
 /* (mu) Every node's frame is in: the same verdict on every node. EPD_OK: run the step. */
-static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
-  eng_group_t *grp = cn->grp;
-  uint32_t L = cn->L, W = cn->W, nodes = cn->nodes, M = cn->g.max_tokens, K = cn->g.topk;
+static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
+  eng_group_t *grp = cg->grp;
+  uint32_t L = cn->L, W = cn->W, nodes = cn->nodes, M = cg->g.max_tokens, K = cg->g.topk;
   const cnet_fhdr_t *h[CNET_MAX_NODES];
   const cnet_desc_t *dd[CNET_MAX_NODES];
   epd_desc_t d[EPD_MAX_RANKS];
   *peer = -1;
   for (uint32_t n = 0; n < nodes; n++) {
-    h[n] = (const cnet_fhdr_t *)cn->frame[n];
+    h[n] = (const cnet_fhdr_t *)cg->frame[n];
     if (!h[n]) /* this node could not build its own frame (out of memory) */
       FAIL(EPD_ERR_NOMEM, (int)(n * L), "node %u: out of memory for the step's control frame", n);
-    if (cn->flen[n] < sizeof(cnet_fhdr_t) || h[n]->magic != FRAME_MAGIC)
+    if (cg->flen[n] < sizeof(cnet_fhdr_t) || h[n]->magic != FRAME_MAGIC)
       FAIL(EPD_ERR_PEER, (int)(n * L), "node %u sent a malformed control frame", n);
   }
   {
@@ -506,7 +525,7 @@ static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
     for (uint32_t n = 0; n < nodes; n++)
       if (n != cn->node)
         peers[np++] = (eng_map_peer_t){h[n]->staged_version, h[n]->map_version, h[n]->staged_hash, h[n]->map_hash};
-    eng_vote_agree(&cn->vote, peers, np, cn->step);
+    eng_vote_agree(&cg->vote, peers, np, cg->step);
   }
   /* a draining node's frame: the other nodes name its first rank, its own clients get no peer */
   for (uint32_t n = 0; n < nodes; n++)
@@ -515,14 +534,14 @@ static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
            h[n]->status != EPD_ERR_DRAINING ? h[n]->bad_rank : n == cn->node ? -1 : (int)(n * L), "%.*s",
            (int)sizeof h[n]->why, h[n]->why);
   for (uint32_t n = 0; n < nodes; n++) {
-    if (h[n]->num_experts != cn->g.num_experts || h[n]->hidden != cn->g.hidden || h[n]->topk != K ||
+    if (h[n]->num_experts != cg->g.num_experts || h[n]->hidden != cg->g.hidden || h[n]->topk != K ||
         h[n]->max_tokens != M)
       FAIL(EPD_ERR_MISMATCH, (int)(n * L),
            "group %s has num_experts %u, hidden %u, topk %u, max_tokens %u on node %u but %u, %u, %u, %u on "
            "node %u (the first attach on each node fixes it)",
-           grp->name, h[n]->num_experts, h[n]->hidden, h[n]->topk, h[n]->max_tokens, n, cn->g.num_experts,
-           cn->g.hidden, K, M, cn->node);
-    if (h[n]->nlocal != L || h[n]->world != W || cn->flen[n] < sizeof(cnet_fhdr_t) + L * sizeof(cnet_desc_t))
+           grp->name, h[n]->num_experts, h[n]->hidden, h[n]->topk, h[n]->max_tokens, n, cg->g.num_experts,
+           cg->g.hidden, K, M, cn->node);
+    if (h[n]->nlocal != L || h[n]->world != W || cg->flen[n] < sizeof(cnet_fhdr_t) + L * sizeof(cnet_desc_t))
       FAIL(EPD_ERR_MISMATCH, (int)(n * L),
            "node %u sent a frame for %u ranks of %u, this node expects %u of %u (engine.num_ranks differs?)",
            n, h[n]->nlocal, h[n]->world, L, W);
@@ -550,17 +569,17 @@ static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
       FAIL(EPD_ERR_MISMATCH, (int)r,
            "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x", r, d[r].op,
            d[r].bank, d[r].flags, d[0].op, d[0].bank, d[0].flags);
-  cn->op = d[0].op;
-  cn->bank = d[0].bank;
-  cn->fp8 = eng_op_dispatch(cn->op) && (d[0].flags & EPD_DESC_FP8);
-  cn->mode = cn->op <= EPD_OP_LL_COMBINE ? EPD_MODE_LL : EPD_MODE_HT;
-  const char *mn = cn->mode == EPD_MODE_LL ? "LL" : "HT";
-  epd_ref_plan_t *plan = &cn->plan[cn->bank];
-  if (!eng_op_dispatch(cn->op)) {
-    if (!cn->plan_valid[cn->bank] || plan->mode != (int)cn->mode)
+  cg->op = d[0].op;
+  cg->bank = d[0].bank;
+  cg->fp8 = eng_op_dispatch(cg->op) && (d[0].flags & EPD_DESC_FP8);
+  cg->mode = cg->op <= EPD_OP_LL_COMBINE ? EPD_MODE_LL : EPD_MODE_HT;
+  const char *mn = cg->mode == EPD_MODE_LL ? "LL" : "HT";
+  epd_ref_plan_t *plan = &cg->plan[cg->bank];
+  if (!eng_op_dispatch(cg->op)) {
+    if (!cg->plan_valid[cg->bank] || plan->mode != (int)cg->mode)
       FAIL(EPD_ERR_STATE, -1, "%s combine of bank %u without a successful %s dispatch of that bank", mn,
-           cn->bank, mn);
-    cn->op_version = plan->map_version;
+           cg->bank, mn);
+    cg->op_version = plan->map_version;
     return EPD_OK;
   }
   for (uint32_t n = 0; n < nodes; n++)
@@ -572,7 +591,7 @@ static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
            h[n]->map_version == h[cn->node]->map_version ? " but different placements" : "");
   epd_ref_in_t in[EPD_MAX_RANKS];
   for (uint32_t n = 0; n < nodes; n++) {
-    const uint8_t *p = (const uint8_t *)(dd[n] + L), *end = cn->frame[n] + cn->flen[n];
+    const uint8_t *p = (const uint8_t *)(dd[n] + L), *end = cg->frame[n] + cg->flen[n];
     for (uint32_t i = 0; i < L; i++) {
       uint32_t r = n * L + i, rows = d[r].num_tokens < M ? d[r].num_tokens : M;
       if ((size_t)(end - p) < (size_t)rows * K * 12)
@@ -582,20 +601,20 @@ static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
       p += (size_t)rows * K * 12;
     }
   }
-  cn->plan_valid[cn->bank] = 0;
+  cg->plan_valid[cg->bank] = 0;
   int bad = -1;
   epd_result_t rc = epd_ref_plan_build(plan, &grp->map, in, &bad, why, wl);
   if (rc) {
     *peer = bad;
     return rc;
   }
-  plan->mode = (int)cn->mode;
-  if (cn->mode == EPD_MODE_HT)
+  plan->mode = (int)cg->mode;
+  if (cg->mode == EPD_MODE_HT)
     for (uint32_t r = 0; r < W; r++)
-      if (plan->ht_recv[r] > cn->g.ht_capacity)
+      if (plan->ht_recv[r] > cg->g.ht_capacity)
         FAIL(EPD_ERR_OVERFLOW, (int)r, "rank %u would receive %u tokens, HT capacity %u", r, plan->ht_recv[r],
-             cn->g.ht_capacity);
-  cn->op_version = plan->map_version;
+             cg->g.ht_capacity);
+  cg->op_version = plan->map_version;
   return EPD_OK;
 }
 #undef FAIL
@@ -603,15 +622,15 @@ static int decide(cnet_t *cn, int *peer, char *why, size_t wl) {
 /* ---- running -------------------------------------------------------------------------------------- */
 
 /* (mu) Addresses of the step's buffers on every local rank; 0 or -1 (a buffer is missing). */
-static int fill_addr(cnet_t *cn) {
-  eng_group_t *grp = cn->grp;
-  uint32_t M = cn->g.max_tokens, H = cn->g.hidden;
+static int fill_addr(cnet_t *cn, cnet_grp_t *cg) {
+  eng_group_t *grp = cg->grp;
+  uint32_t M = cg->g.max_tokens, H = cg->g.hidden;
   for (uint32_t l = 0; l < cn->L; l++) {
     cnet_addr_t *a = &cn->addr[l];
     memset(a, 0, sizeof *a);
-    uint64_t base = eng_cuda_client_arena(cn->hold[l]);
+    uint64_t base = eng_cuda_client_arena(cg->hold[l]);
     for (uint32_t i = 0; i < grp->nbufs; i++)
-      if (grp->bufs[i].bank == cn->bank && grp->bufs[i].kind < EPD_BUF_KINDS)
+      if (grp->bufs[i].bank == cg->bank && grp->bufs[i].kind < EPD_BUF_KINDS)
         a->buf[grp->bufs[i].kind] = base + grp->bufs[i].offset;
     for (uint32_t n = 0; n < cn->nodes; n++) {
       uint64_t o = (uint64_t)n * M * H * 4;
@@ -623,8 +642,8 @@ static int fill_addr(cnet_t *cn) {
 }
 
 /* (mu) Exchange buffers for the group's geometry. */
-static epd_result_t dev_alloc(cnet_t *cn, char *err, size_t errlen) {
-  size_t need = (size_t)cn->nodes * cn->g.max_tokens * cn->g.hidden * 4;
+static epd_result_t dev_alloc(cnet_t *cn, cnet_grp_t *cg, char *err, size_t errlen) {
+  size_t need = (size_t)cn->nodes * cg->g.max_tokens * cg->g.hidden * 4;
   for (uint32_t l = 0; l < cn->L; l++) {
     cnet_dev_t *d = &cn->d[l];
     if (d->xbytes >= need) continue;
@@ -680,9 +699,9 @@ static epd_result_t upload(cnet_dev_t *d, const cnet_side_t *s, char *err, size_
 #define TAB(d, i, type) ((const type *)((d)->tab_dev + (d)->off[i]))
 
 /* Issue the step on every local GPU (no mu: the clients' memory is held, the program is ours). */
-static epd_result_t issue(cnet_t *cn, char *err, size_t errlen) {
+static epd_result_t issue(cnet_t *cn, cnet_grp_t *cg, char *err, size_t errlen) {
   cnet_prog_t *pg = &cn->prog;
-  uint32_t L = cn->L, H = cn->g.hidden;
+  uint32_t L = cn->L, H = cg->g.hidden;
   int combine = pg->combine;
   epd_result_t rc;
   for (uint32_t l = 0; l < L; l++) {
@@ -694,7 +713,7 @@ static epd_result_t issue(cnet_t *cn, char *err, size_t errlen) {
              ? epd_k_net_wsum(TAB(d, 3, uint32_t), TAB(d, 4, epd_k_net_term_t), TAB(d, 5, uint64_t),
                               cnet_count(&s->pre_out, 8), H, 1, d->stream)
              : epd_k_net_rows(TAB(d, 0, epd_k_net_row_t), cnet_count(&s->pre_rows, sizeof(epd_k_net_row_t)),
-                              H, (int)cn->fp8, d->stream);
+                              H, (int)cg->fp8, d->stream);
     if (rc) {
       snprintf(err, errlen, "launching the %s kernel on GPU %d failed", combine ? "partial-sum" : "pack",
                d->device);
@@ -709,7 +728,7 @@ static epd_result_t issue(cnet_t *cn, char *err, size_t errlen) {
     ncclComm_t comm = epd_cc_world(cn->cc, (int)l);
     for (uint32_t n = 0; n < cn->nodes && nr == ncclSuccess; n++) {
       if (n == cn->node) continue;
-      size_t o = (size_t)n * cn->g.max_tokens * H * 4;
+      size_t o = (size_t)n * cg->g.max_tokens * H * 4;
       int peer = (int)(n * L + l);
       if (s->send_rows[n])
         nr = ncclSend(d->xsend + o, s->send_rows[n] * pg->row_bytes, ncclUint8, peer, comm, d->stream);
@@ -744,7 +763,7 @@ static epd_result_t issue(cnet_t *cn, char *err, size_t errlen) {
                           cnet_count(&s->post_out, 8), H, 0, d->stream);
     } else {
       rc = epd_k_net_rows(TAB(d, 1, epd_k_net_row_t), cnet_count(&s->post_rows, sizeof(epd_k_net_row_t)), H,
-                          (int)cn->fp8, d->stream);
+                          (int)cg->fp8, d->stream);
       if (!rc)
         rc = epd_k_net_put(TAB(d, 2, epd_k_net_put_t), cnet_count(&s->puts, sizeof(epd_k_net_put_t)),
                            d->stream);
@@ -763,49 +782,43 @@ static epd_result_t issue(cnet_t *cn, char *err, size_t errlen) {
   return EPD_OK;
 }
 
-/* (mu) Frames complete: decide, and run the step (mu released while issuing). */
-static void start_run(cnet_t *cn) {
+/* (mu) The step's turn (schedule): run it (mu released while issuing). */
+static void start_run(cnet_t *cn, cnet_grp_t *cg) {
   epd_engine_t *eng = cn->eng;
-  char why[256] = "";
-  int peer = -1;
-  int st = decide(cn, &peer, why, sizeof why);
-  if (st) {
-    complete_all(cn, st, peer, why);
-    return;
-  }
   char err[256] = "";
-  epd_result_t rc = dev_alloc(cn, err, sizeof err);
+  epd_result_t rc = dev_alloc(cn, cg, err, sizeof err);
   if (!rc) {
-    fill_addr(cn);
-    const epd_ref_plan_t *plan = &cn->plan[cn->bank];
-    rc = eng_op_dispatch(cn->op)
-             ? cnet_build_dispatch(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cn->mode, (int)cn->fp8,
+    fill_addr(cn, cg);
+    const epd_ref_plan_t *plan = &cg->plan[cg->bank];
+    rc = eng_op_dispatch(cg->op)
+             ? cnet_build_dispatch(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cg->mode, (int)cg->fp8,
                                    cn->addr)
-             : cnet_build_combine(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cn->mode, cn->addr);
+             : cnet_build_combine(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cg->mode, cn->addr);
     if (rc) snprintf(err, sizeof err, "building the step program failed (%d)", rc);
   }
   if (rc) {
     /* Every node decided to run: a node that cannot makes the others' exchange hang, so fail for good. */
-    eng_fail(eng, "group %s step %llu: %s", cn->gname, (unsigned long long)cn->step, err);
-    complete_all(cn, rc, -1, err);
+    eng_fail(eng, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, err);
+    complete_all(cn, cg, rc, -1, err);
     return;
   }
-  cn->phase = PH_RUN;
-  cn->run_ns = eng_now_ns();
+  cg->phase = PH_RUN;
+  cg->run_ns = eng_now_ns();
+  cn->run = cg;
   pthread_mutex_unlock(&eng->mu);
-  rc = issue(cn, err, sizeof err);
-  cn->t_issued = eng_now_ns();
+  rc = issue(cn, cg, err, sizeof err);
+  cg->t_issued = eng_now_ns();
   pthread_mutex_lock(&eng->mu);
   if (rc) {
-    EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cn->gname, (unsigned long long)cn->step, err);
-    eng_fail(eng, "group %s step %llu: inter-node stage: %s", cn->gname, (unsigned long long)cn->step, err);
+    EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, err);
+    eng_fail(eng, "group %s step %llu: inter-node stage: %s", cg->gname, (unsigned long long)cg->step, err);
     epd_cc_abort(cn->cc);
-    complete_all(cn, rc, -1, err);
+    complete_all(cn, cg, rc, -1, err);
   }
 }
 
 /* (mu) The step's GPU work: done, failed, or past the timeout. */
-static int poll_run(cnet_t *cn, uint64_t now) {
+static int poll_run(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   epd_engine_t *eng = cn->eng;
   int ready = 1;
   for (uint32_t l = 0; l < cn->L; l++) {
@@ -816,20 +829,20 @@ static int poll_run(cnet_t *cn, uint64_t now) {
       continue;
     }
     if (e != cudaSuccess) {
-      EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: GPU %d failed: %s", cn->gname, (unsigned long long)cn->step,
+      EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: GPU %d failed: %s", cg->gname, (unsigned long long)cg->step,
                cn->d[l].device, cudaGetErrorString(e));
       eng_fail(eng, "GPU %d: inter-node stage failed: %s", cn->d[l].device, cudaGetErrorString(e));
-      complete_all(cn, EPD_ERR_CUDA, -1, cudaGetErrorString(e));
+      complete_all(cn, cg, EPD_ERR_CUDA, -1, cudaGetErrorString(e));
       return 1;
     }
   }
   if (ready) {
-    eng_group_t *grp = grp_alive(cn) ? cn->grp : NULL;
-    if (grp && eng_op_dispatch(cn->op)) {
+    eng_group_t *grp = grp_alive(cn, cg) ? cg->grp : NULL;
+    if (grp && eng_op_dispatch(cg->op)) {
       /* Statistics count this node's ranks' tokens (as the host backend's scale-out does). */
-      const epd_ref_plan_t *p = &cn->plan[cn->bank];
-      uint32_t M = cn->g.max_tokens, K = cn->g.topk, S = cn->g.slots_per_rank;
-      const uint8_t *f = cn->frame[cn->node] + sizeof(cnet_fhdr_t) + cn->L * sizeof(cnet_desc_t);
+      const epd_ref_plan_t *p = &cg->plan[cg->bank];
+      uint32_t M = cg->g.max_tokens, K = cg->g.topk, S = cg->g.slots_per_rank;
+      const uint8_t *f = cg->frame[cn->node] + sizeof(cnet_fhdr_t) + cn->L * sizeof(cnet_desc_t);
       for (uint32_t l = 0; l < cn->L; l++) {
         uint32_t src = cn->node * cn->L + l;
         const int64_t *idx = (const int64_t *)f;
@@ -839,11 +852,11 @@ static int poll_run(cnet_t *cn, uint64_t now) {
             size_t row = ((size_t)src * M + t) * K + k;
             if (p->dst_rank[row] < 0) continue;
             int64_t e = idx[(size_t)t * K + k];
-            if (e >= 0 && e < (int64_t)cn->g.num_experts) grp->expert_tokens[e]++;
+            if (e >= 0 && e < (int64_t)cg->g.num_experts) grp->expert_tokens[e]++;
             grp->slot_tokens[(size_t)p->dst_rank[row] * S + (size_t)p->dst_slot[row]]++;
           }
       }
-      cn->plan_valid[cn->bank] = 1;
+      cg->plan_valid[cg->bank] = 1;
     }
     uint64_t tx = 0, rx = 0; /* the exchange's payload counts with the control frames (metrics) */
     for (uint32_t l = 0; l < cn->L; l++)
@@ -852,67 +865,165 @@ static int poll_run(cnet_t *cn, uint64_t now) {
         rx += (uint64_t)cn->prog.side[l].recv_rows[n] * cn->prog.row_bytes;
       }
     epd_net_add_bytes(eng->o.net, tx, rx);
-    int o = !eng_op_dispatch(cn->op);
+    int o = !eng_op_dispatch(cg->op);
     uint64_t t_done = eng_now_ns();
-    cn->prof_n[o]++;
-    cn->prof_ns[o][0] += cn->t_sent - cn->last_ns;
-    cn->prof_ns[o][1] += cn->t_in - cn->t_sent;
-    cn->prof_ns[o][2] += cn->t_issued - cn->t_in;
-    cn->prof_ns[o][3] += t_done - cn->t_issued;
-    complete_all(cn, EPD_OK, -1, NULL);
+    cg->prof_n[o]++;
+    cg->prof_ns[o][0] += cg->t_sent - cg->last_ns;
+    cg->prof_ns[o][1] += cg->t_in - cg->t_sent;
+    cg->prof_ns[o][2] += cg->t_issued - cg->t_in;
+    cg->prof_ns[o][3] += t_done - cg->t_issued;
+    complete_all(cn, cg, EPD_OK, -1, NULL);
     return 1;
   }
-  if (now > cn->run_ns && now - cn->run_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
+  if (now > cg->run_ns && now - cg->run_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
     char why[200];
     snprintf(why, sizeof why,
              "the inter-node exchange did not finish within %u ms (a node stopped mid-step?): world "
              "communicator aborted",
              eng->o.step_timeout_ms);
-    EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cn->gname, (unsigned long long)cn->step, why);
+    EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
     epd_cc_abort(cn->cc);
-    eng_fail(eng, "group %s step %llu: %s", cn->gname, (unsigned long long)cn->step, why);
-    complete_all(cn, EPD_ERR_TIMEOUT, -1, why);
+    eng_fail(eng, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
+    complete_all(cn, cg, EPD_ERR_TIMEOUT, -1, why);
     return 1;
   }
   return 0;
 }
 
 /* (mu) Wait for every node's frame of the step. */
-static int wait_frames(cnet_t *cn, uint64_t now) {
+static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   epd_engine_t *eng = cn->eng;
   epd_net_t *net = eng->o.net;
   uint32_t L = cn->L;
   for (uint32_t n = 0; n < cn->nodes; n++) {
-    if (n == cn->node || cn->frame[n]) continue;
-    cn->frame[n] = epd_net_take_payload(net, cn->gname, cn->step, n, &cn->flen[n]);
-    if (cn->frame[n]) continue;
+    if (n == cn->node || cg->frame[n]) continue;
+    cg->frame[n] = epd_net_take_payload(net, cg->gname, cg->step, n, &cg->flen[n]);
+    if (cg->frame[n]) continue;
     char why[256], lw[160];
     if (epd_net_node_dead(net, n, lw, sizeof lw)) {
       snprintf(why, sizeof why, "the data link to node %u (ranks %u..%u) is down: %s", n, n * L,
                n * L + L - 1, lw);
-      complete_all(cn, EPD_ERR_PEER, (int)(n * L), why);
+      complete_all(cn, cg, EPD_ERR_PEER, (int)(n * L), why);
       return 1;
     }
-    if (cn->grp->drain_from[n] <= cn->step && eng_op_dispatch(cn->ldesc[0].op)) {
+    if (cg->grp->drain_from[n] <= cg->step && eng_op_dispatch(cg->ldesc[0].op)) {
       /* its notice came after every frame it sent (one link, in order): its part would say DRAINING */
       snprintf(why, sizeof why, "node %u (ranks %u..%u) is draining: it takes no dispatch of group %s from step %llu on",
-               n, n * L, n * L + L - 1, cn->gname, (unsigned long long)cn->grp->drain_from[n]);
-      complete_all(cn, EPD_ERR_DRAINING, (int)(n * L), why);
+               n, n * L, n * L + L - 1, cg->gname, (unsigned long long)cg->grp->drain_from[n]);
+      complete_all(cn, cg, EPD_ERR_DRAINING, (int)(n * L), why);
       return 1;
     }
-    if (now > cn->first_ns && now - cn->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
+    if (now > cg->first_ns && now - cg->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
       snprintf(why, sizeof why,
                "waited %u ms for rank %u: node %u (ranks %u..%u) did not send its part of the step",
                eng->o.step_timeout_ms, n * L, n, n * L, n * L + L - 1);
-      EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cn->gname, (unsigned long long)cn->step, why);
+      EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
       eng->rank[n * L].timeouts++;
-      complete_all(cn, EPD_ERR_TIMEOUT, (int)(n * L), why);
+      complete_all(cn, cg, EPD_ERR_TIMEOUT, (int)(n * L), why);
       return 1;
     }
     return 0;
   }
-  cn->t_in = eng_now_ns();
-  start_run(cn);
+  cg->t_in = eng_now_ns();
+  char why[256] = "";
+  int peer = -1;
+  int st = decide(cn, cg, &peer, why, sizeof why);
+  if (st) {
+    complete_all(cn, cg, st, peer, why);
+    return 1;
+  }
+  int behind = cn->run != NULL;
+  for (cnet_grp_t *o = cn->groups; o && !behind; o = o->next) behind = o != cg && o->phase == PH_READY;
+  cg->behind += (uint64_t)behind;
+  cg->phase = PH_READY;
+  cg->ready_seq = ++cn->ready_ctr;
+  cg->ready_ns = cg->t_in;
+  return 1;
+}
+
+/* (mu) The group served for grp (its current incarnation), or NULL. */
+static cnet_grp_t *grp_of(cnet_t *cn, const eng_group_t *grp) {
+  for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
+    if (cg->grp == grp && cg->grp_serial == grp->serial) return cg;
+  return NULL;
+}
+
+/* (mu) No exchange runs: start the next one. Node 0 takes the step that became ready first and tells
+ * every other node (GO, numbered); the others run steps in GO order only, so every node issues the
+ * groups' NCCL calls on the world communicator in the same order. */
+static int schedule(cnet_t *cn) {
+  epd_engine_t *eng = cn->eng;
+  epd_net_t *net = eng->o.net;
+  if (cn->node == 0) {
+    cnet_grp_t *next = NULL;
+    for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
+      if (cg->phase == PH_READY && (!next || cg->ready_seq < next->ready_seq)) next = cg;
+    if (!next) return 0;
+    cnet_go_t go;
+    memset(&go, 0, sizeof go);
+    snprintf(go.group, sizeof go.group, "%s", next->gname);
+    go.step = next->step;
+    for (uint32_t n = 1; n < cn->nodes; n++)
+      if (epd_net_send_payload(net, n, "", cn->go_seq, &go, sizeof go)) /* its link is down: it fails the step */
+        EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: the exchange order not sent to node %u (link down)",
+                 next->gname, (unsigned long long)next->step, n);
+    cn->go_seq++;
+    start_run(cn, next);
+    return 1;
+  }
+  if (!cn->go_have) {
+    size_t len = 0;
+    uint8_t *b = epd_net_take_payload(net, "", cn->go_seq, 0, &len);
+    if (!b) return 0;
+    if (len == sizeof cn->go) {
+      memcpy(&cn->go, b, sizeof cn->go);
+      cn->go.group[sizeof cn->go.group - 1] = 0;
+      cn->go_have = 1;
+    } else {
+      EPD_LOGW(EPD_SUB_CUDA, "node 0 sent a malformed exchange order (%zu bytes): ignored", len);
+      cn->go_seq++;
+    }
+    free(b);
+    if (!cn->go_have) return 1;
+  }
+  cnet_grp_t *cg = cn->groups;
+  while (cg && strcmp(cg->gname, cn->go.group)) cg = cg->next;
+  if (cg && cg->phase == PH_READY && cg->step == cn->go.step) {
+    cn->go_have = 0;
+    cn->go_seq++;
+    start_run(cn, cg);
+    return 1;
+  }
+  /* A step this node already finished or failed (or of a group gone here): node 0's exchange has no
+   * partner here (it fails by its timeout); the next order may be runnable. */
+  const uint64_t cur = !cg ? UINT64_MAX : cg->phase == PH_COLLECT && !cg->narrived && grp_alive(cn, cg) ? cg->grp->steps : cg->step;
+  if (cur > cn->go.step) {
+    EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: node 0 ordered its exchange, but %s here: ignored", cn->go.group,
+             (unsigned long long)cn->go.step, cg ? "this node is past that step" : "the group is not served");
+    cn->go_have = 0;
+    cn->go_seq++;
+    return 1;
+  }
+  return 0;
+}
+
+/* (mu) A step ready here waits for node 0's order at most the step timeout while no exchange runs (a
+ * lost link to node 0 fails it at once). */
+static int ready_expired(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
+  epd_engine_t *eng = cn->eng;
+  const uint64_t since = cg->ready_ns > cn->run_end_ns ? cg->ready_ns : cn->run_end_ns;
+  char why[256], lw[160];
+  if (cn->node != 0 && epd_net_node_dead(eng->o.net, 0, lw, sizeof lw)) {
+    snprintf(why, sizeof why, "the data link to node 0 (ranks 0..%u), which orders the exchanges, is down: %s",
+             cn->L - 1, lw);
+    complete_all(cn, cg, EPD_ERR_PEER, 0, why);
+    return 1;
+  }
+  if (cn->node == 0 || cn->run || now <= since || now - since <= (uint64_t)eng->o.step_timeout_ms * 1000000ull)
+    return 0;
+  snprintf(why, sizeof why, "waited %u ms for node 0 (rank 0) to order the step's exchange", eng->o.step_timeout_ms);
+  EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
+  complete_all(cn, cg, EPD_ERR_TIMEOUT, 0, why);
   return 1;
 }
 
@@ -921,28 +1032,42 @@ int eng_cuda_net_poll(cnet_t *cn) {
   int moved = 0;
   pthread_mutex_lock(&eng->mu);
   uint64_t now = eng_now_ns();
-  if (cn->grp && cn->phase != PH_RUN && !grp_alive(cn)) group_reset(cn);
-  if (!cn->grp)
-    for (eng_group_t *g = eng->groups; g && !cn->grp; g = g->next)
-      for (uint32_t l = 0; l < cn->L; l++)
-        if (g->g.num_ranks == cn->W && g->client[cn->node * cn->L + l]) {
-          cn->grp = g;
-          cn->grp_serial = g->serial;
-          cn->g = g->g;
-          snprintf(cn->gname, sizeof cn->gname, "%s", g->name);
-          cn->phase = PH_COLLECT;
-          int ok = 1;
-          for (unsigned b = 0; b < EPD_NUM_BANKS; b++)
-            ok &= epd_ref_plan_init(&cn->plan[b], &cn->g) == EPD_OK;
-          cn->plan_init = 1;
-          if (!ok) eng_fail(eng, "out of memory for the routing plans of group %s", g->name);
-          break;
-        }
-  if (cn->grp) {
-    if (cn->phase == PH_COLLECT && grp_alive(cn)) moved = collect(cn, now);
-    if (cn->phase == PH_WAIT) moved |= wait_frames(cn, now);
-    if (cn->phase == PH_RUN) moved |= poll_run(cn, now);
+  /* groups removed (not while their exchange runs) */
+  for (cnet_grp_t *cg = cn->groups, *next; cg; cg = next) {
+    next = cg->next;
+    if (cg != cn->run && !grp_alive(cn, cg)) group_free(cn, cg);
   }
+  /* groups with a client here, taken up */
+  for (eng_group_t *g = eng->groups; g; g = g->next) {
+    if (g->g.num_ranks != cn->W || grp_of(cn, g)) continue;
+    int here = 0;
+    for (uint32_t l = 0; l < cn->L; l++) here |= g->client[cn->node * cn->L + l] != NULL;
+    if (!here) continue;
+    cnet_grp_t *cg = calloc(1, sizeof *cg);
+    if (!cg) {
+      eng_fail(eng, "out of memory for the scale-out state of group %s", g->name);
+      break;
+    }
+    cg->grp = g;
+    cg->grp_serial = g->serial;
+    cg->g = g->g;
+    snprintf(cg->gname, sizeof cg->gname, "%s", g->name);
+    cg->phase = PH_COLLECT;
+    int ok = 1;
+    for (unsigned b = 0; b < EPD_NUM_BANKS; b++) ok &= epd_ref_plan_init(&cg->plan[b], &cg->g) == EPD_OK;
+    cg->plan_init = 1;
+    if (!ok) eng_fail(eng, "out of memory for the routing plans of group %s", g->name);
+    cnet_grp_t **tail = &cn->groups;
+    while (*tail) tail = &(*tail)->next;
+    *tail = cg;
+  }
+  if (cn->run) moved |= poll_run(cn, cn->run, now);
+  for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next) {
+    if (cg->phase == PH_COLLECT && grp_alive(cn, cg)) moved |= collect(cn, cg, now);
+    if (cg->phase == PH_WAIT) moved |= wait_frames(cn, cg, now);
+    if (cg->phase == PH_READY) moved |= ready_expired(cn, cg, now);
+  }
+  if (!cn->run) moved |= schedule(cn);
   pthread_mutex_unlock(&eng->mu);
   return moved;
 }

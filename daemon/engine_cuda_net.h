@@ -14,8 +14,11 @@
  *      world communicator (any NCCL transport, sockets included), expansion / reduction kernels;
  *   4. complete the slots when the GPUs are done (an exchange that hangs past engine.step_timeout_ms
  *      aborts the world communicator and fails the engine).
- * One group at a time: NCCL point-to-point calls of two groups could be issued in different orders on
- * two nodes, so a second group's attach is refused while a group exists.
+ * Several groups: each collects and decides its steps on its own, but their exchanges share the world
+ * communicator, whose NCCL calls must come in the same order on every node. So one exchange runs at a
+ * time, and node 0 orders them: it runs the step that became ready first and sends every other node a
+ * numbered GO frame (group, step); the other nodes run ready steps in GO order only. A step ready on
+ * another node waits for its GO at most engine.step_timeout_ms while no exchange runs there.
  */
 #ifndef EPD_ENGINE_CUDA_NET_H
 #define EPD_ENGINE_CUDA_NET_H
@@ -42,7 +45,7 @@ const char *eng_cuda_net_gin(const cnet_t *cn);
 void eng_cuda_net_destroy(cnet_t *cn);
 /* One pass of the step protocol (rank thread 0; takes eng->mu itself); 1 if something moved. */
 int eng_cuda_net_poll(cnet_t *cn);
-/* (mu) May a client of grp attach? EPD_ERR_UNSUPPORTED (err says why) while another group exists. */
+/* (mu) May a client of grp attach? EPD_ERR_INVALID (err says why) unless the group spans the world. */
 epd_result_t eng_cuda_net_attach(cnet_t *cn, eng_group_t *grp, char *err, size_t errlen);
 /* (mu) A client leaves: withdraw its submitted slot and fail the local peers of a step being collected. */
 void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost);

@@ -10,7 +10,8 @@
 #   set-map at node 1) become active on both nodes at the same step, expert weights move with the maps
 #   between the nodes (--weights: copies whose bytes the source's daemon sends), a copy into a group
 #   without weights refused on both; node 1
-#   silent -> EPD_ERR_TIMEOUT naming rank 1; a second group is refused meanwhile; node 1 drains while a group
+#   silent -> EPD_ERR_TIMEOUT naming rank 1 while a second group runs; four groups at once (their
+#   exchanges in node 0's order); node 1 drains while a group
 #   of both nodes holds between a dispatch and its combine -> the combines run, then both workers stop on
 #   EPD_ERR_DRAINING at their next dispatch, node 0's at once (the per-group notice);
 #   then node 0's dispatch in a group node 1 does not have fails with EPD_ERR_DRAINING naming rank 1 at once;
@@ -49,6 +50,25 @@ expect_ok llb0 llb1
 echo "== LL FP8 (special values in some groups), uniform routing, 128 tokens, 20 steps"
 start_workers llf --steps 20 --seed 7 --fp8 --specials $COMMON --tokens 128 --bench 200
 expect_ok llf0 llf1
+echo "== four groups at once on both nodes (LL FP8 H 7168, HT BF16 256 tokens, LL small with a new map every 3 steps, HT FP8 small)"
+# their NCCL exchanges share the world communicator: every node runs them in node 0's order (GO frames);
+# in another order two groups' sends and receives of different sizes would meet (errors or a hang)
+start_workers ga --steps 30 --seed 21 --fp8 --skew $COMMON --tokens 128
+start_workers gb --steps 12 --seed 22 --mode ht $COMMON --tokens 256
+start_workers gc --steps 150 --seed 23 --hidden 256 --map-every 3
+start_workers gd --steps 150 --seed 24 --mode ht --fp8 --hidden 512 --tokens 96
+expect_ok ga0 ga1 gb0 gb1 gc0 gc1 gd0 gd1
+for n in 0 1; do
+  grep -q "ordered its exchange, but\|to order the step's exchange" "$T/node$n.log" && fail "node $n: $(grep -m1 'ordered its exchange, but\|to order the step' "$T/node$n.log")"
+  grep -o "group gc switched expert map [0-9]* -> [0-9]* at step [0-9]*" "$T/node$n.log" > "$T/gsw$n.txt"
+done
+[ "$(wc -l < "$T/gsw0.txt")" -ge 40 ] || fail "gc: node 0 logged $(wc -l < "$T/gsw0.txt") switches"
+cmp -s "$T/gsw0.txt" "$T/gsw1.txt" || fail "gc: the nodes switched at different steps"
+# the groups went away when their workers left: each logged how many of its steps waited for another's exchange
+wait_for 10 grep -q "group ga: [0-9]* steps ready while another" "$T/node1.log" || fail "no contention line for ga on node 1"
+behind=$(cat "$T/node0.log" "$T/node1.log" | sed -n 's/.*group g[abcd]: \([0-9]*\) steps ready while another.*/\1/p' | awk '{ s += $1 } END { print s + 0 }')
+[ "$behind" -gt 0 ] || fail "the four groups never overlapped (0 steps ready behind another group's exchange)"
+echo "   ok: $(wc -l < "$T/gsw0.txt") switches of gc at the same steps on both nodes; $behind steps (both nodes) were ready while another group's exchange ran"
 if [ "${TWO_NODES_QUICK:-0}" != 1 ]; then
 echo "== HT FP8 skewed and HT BF16 (256 tokens, 8 steps), HT BF16 4096 tokens (16 experts, top-4, 2 steps)"
 start_workers htf --steps 8 --seed 4 --mode ht --fp8 --skew --specials $COMMON --tokens 256 --bench 50
@@ -122,14 +142,12 @@ for n in 0 1; do
   grep -q "dispatches with expert map version" "$T/node$n.log" && fail "the map mismatch check fired on node $n"
 done
 
-echo "== node 1 never submits: EPD_ERR_TIMEOUT naming rank 1; meanwhile a second group is refused"
+echo "== node 1 never submits: EPD_ERR_TIMEOUT naming rank 1; meanwhile a second group of both nodes runs"
 CUDA_VISIBLE_DEVICES=$(gpu_of 0) timeout 30 "$WORKER" -s "$T/n0/control.sock" -g to -r 0 -n 2 --steps 1 --hidden 256 > "$T/to.out" 2>&1 &
 W_TO=$!
 sleep 1
-CUDA_VISIBLE_DEVICES=$(gpu_of 0) timeout 30 "$WORKER" -s "$T/n0/control.sock" -g two -r 0 -n 2 --steps 1 --hidden 256 > "$T/two.out" 2>&1
-RC=$?
-[ $RC -eq 2 ] || fail "second group: worker exited $RC"
-grep -q "one group at a time" "$T/two.out" || fail "second group: $(cat "$T/two.out")"
+start_workers two --steps 20 --seed 15 --hidden 256
+expect_ok two0 two1
 wait "$W_TO"; RC=$?
 [ $RC -eq 2 ] || fail "timeout case: worker exited $RC"
 grep -q "EPD_ERR_TIMEOUT.*peer rank 1" "$T/to.out" || fail "timeout does not name rank 1: $(cat "$T/to.out")"
