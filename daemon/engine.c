@@ -172,24 +172,29 @@ int eng_rank_local(const epd_engine_t *eng, uint32_t r) {
   return eng->o.nodes <= 1 || r / (uint32_t)eng->o.num_ranks == eng->o.node_rank;
 }
 
-epd_result_t eng_slot_weights_io(epd_engine_t *eng, eng_group_t *grp, uint32_t rank, uint32_t slot, void *host,
-                                 int write, char *err, size_t errlen) {
+epd_result_t eng_slot_weights_io(epd_engine_t *eng, eng_group_t *grp, uint32_t rank, uint32_t slot, uint64_t off,
+                                 uint64_t len, void *host, int write, char *err, size_t errlen) {
   const uint64_t wb = grp->weight_bytes_per_slot, woff = eng_buf_offset(grp, EPD_BUF_EXPERT_WEIGHTS, 0);
   eng_client_t *c = rank < grp->g.num_ranks ? grp->client[rank] : NULL;
   if (!wb || woff == UINT64_MAX || slot >= grp->g.slots_per_rank) {
     snprintf(err, errlen, "group %s has no expert-weights region or no slot %u", grp->name, slot);
     return EPD_ERR_INVALID;
   }
+  if (off > wb || len > wb - off) {
+    snprintf(err, errlen, "bytes %llu..%llu are outside a slot of %llu", (unsigned long long)off,
+             (unsigned long long)(off + len), (unsigned long long)wb);
+    return EPD_ERR_INVALID;
+  }
   if (!c || !eng_rank_local(eng, rank)) {
     snprintf(err, errlen, "rank %u has no attached client on node %u", rank, eng->o.node_rank);
     return EPD_ERR_NOT_FOUND;
   }
-  if (eng->ops->arena_io) return eng->ops->arena_io(eng, c, woff + slot * wb, host, wb, write, err, errlen);
-  uint8_t *w = (uint8_t *)eng_buf(c, EPD_BUF_EXPERT_WEIGHTS, 0) + slot * wb;
+  if (eng->ops->arena_io) return eng->ops->arena_io(eng, c, woff + slot * wb + off, host, len, write, err, errlen);
+  uint8_t *w = (uint8_t *)eng_buf(c, EPD_BUF_EXPERT_WEIGHTS, 0) + slot * wb + off;
   if (write)
-    memcpy(w, host, wb);
+    memcpy(w, host, len);
   else
-    memcpy(host, w, wb);
+    memcpy(host, w, len);
   return EPD_OK;
 }
 
@@ -279,7 +284,7 @@ uint64_t eng_weights_from_node(epd_engine_t *eng, eng_group_t *grp, uint32_t i) 
     snprintf(why, sizeof why, "%llu bytes came for a slot of %llu", (unsigned long long)b->bytes,
              (unsigned long long)grp->weight_bytes_per_slot);
   else
-    eng_slot_weights_io(eng, grp, cp->dst_rank, cp->dst_slot, b->data, 1, why, sizeof why);
+    eng_slot_weights_io(eng, grp, cp->dst_rank, cp->dst_slot, 0, b->bytes, b->data, 1, why, sizeof why);
   if (why[0]) {
     eng_emit(eng, "error", grp, (int)cp->dst_rank, 0, 0, 0, grp->steps,
              "group %s: weight copy (%u,%u) -> (%u,%u) skipped: %s", grp->name, cp->src_rank, cp->src_slot,

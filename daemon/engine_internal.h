@@ -223,10 +223,10 @@ epd_result_t eng_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert
                            uint32_t *version_out, char *errbuf, size_t errlen);
 /* Scale-out weight copies (engine.c). A copy is local to a node where its rank is; a copy whose source is
  * on another node gets its bytes from that node (eng_wblob_t).
- * (mu) Read (write 0) or write (write 1) the weights of (rank, slot) of grp's attached client on this
- * node, into or from host memory of grp->weight_bytes_per_slot bytes. */
-epd_result_t eng_slot_weights_io(epd_engine_t *eng, eng_group_t *grp, uint32_t rank, uint32_t slot, void *host,
-                                 int write, char *err, size_t errlen);
+ * (mu) Read (write 0) or write (write 1) bytes off .. off + len of the weights of (rank, slot) of grp's
+ * attached client on this node (a slot holds grp->weight_bytes_per_slot), into or from host memory. */
+epd_result_t eng_slot_weights_io(epd_engine_t *eng, eng_group_t *grp, uint32_t rank, uint32_t slot, uint64_t off,
+                                 uint64_t len, void *host, int write, char *err, size_t errlen);
 /* 1 if world rank r is on this node. */
 int eng_rank_local(const epd_engine_t *eng, uint32_t r);
 /* (mu) Keep received weights (takes data; replaces a blob of the same copy and version). */

@@ -1294,7 +1294,7 @@ static int send_ctl(epd_net_t *net, uint32_t node, const char *group, const ctl_
  * A node that stages a map (node 0 first, then every other node as its MAP_SET comes) reads, for each of
  * the map's copies whose source rank is its own and whose destination is on another node, the source
  * slot's weights (they are final: the source holds its expert in the active map and no staged copy
- * fills it) and sends them to the destination's node as a CTL_WEIGHTS frame: ctl_msg_t (version: the
+ * fills it; its control thread reads them, weights_read) and sends them to the destination's node as a CTL_WEIGHTS frame: ctl_msg_t (version: the
  * map's; req_id: the copy, 16 bits each of src rank, src slot, dst rank, dst slot; status and why: a
  * source that could not be read), then the bytes. The destination keeps them (eng_wblob_put) and
  * reports the map in its step frames only once every copy into it has its bytes (eng_vote_report), so
@@ -1305,7 +1305,11 @@ typedef struct wout {
   ctl_msg_t m;
   uint8_t *frame; /* net_hdr_t and ctl_msg_t (written when sent), then the bytes: read in place */
   uint64_t bytes;
+  /* the source slot, read by the control thread (weights_read) from this group incarnation's client */
+  epd_weight_copy_t cp;
+  uint64_t gserial, client_id;
 } wout_t;
+#define WREAD_CHUNK (4ull << 20) /* bytes read under one hold of the engine lock */
 #define WOUT_HDR (sizeof(net_hdr_t) + sizeof(ctl_msg_t))
 
 /* A group's frames queued for the control thread. */
@@ -1325,7 +1329,8 @@ static int copy_out(const epd_engine_t *eng, const epd_weight_copy_t *cp) {
   return eng_rank_local(eng, cp->src_rank) && !eng_rank_local(eng, cp->dst_rank);
 }
 
-/* The frame of one copy: its source slot's bytes, or (status != 0) why there are none. */
+/* (mu) The frame of one copy: its source slot's bytes (read later, by the control thread), or (status != 0)
+ * why there are none. */
 static wout_t *wout_make(epd_engine_t *eng, eng_group_t *grp, const epd_weight_copy_t *cp, uint32_t version,
                          int status, const char *why) {
   wout_t *w = calloc(1, sizeof *w);
@@ -1338,16 +1343,16 @@ static wout_t *wout_make(epd_engine_t *eng, eng_group_t *grp, const epd_weight_c
   }
   w->bytes = grp->weight_bytes_per_slot;
   w->frame = w->bytes ? malloc(WOUT_HDR + w->bytes) : NULL;
-  if (!w->frame) {
+  w->cp = *cp;
+  w->gserial = grp->serial;
+  eng_client_t *c = cp->src_rank < grp->g.num_ranks ? grp->client[cp->src_rank] : NULL;
+  w->client_id = c ? c->id : 0;
+  if (!w->bytes) {
+    w->m.status = EPD_ERR_INVALID;
+    snprintf(w->m.why, sizeof w->m.why, "group %s has no expert-weights region", grp->name);
+  } else if (!w->frame) {
     w->m.status = EPD_ERR_NOMEM;
     snprintf(w->m.why, sizeof w->m.why, "out of memory for %llu bytes", (unsigned long long)w->bytes);
-  } else {
-    w->m.status = eng_slot_weights_io(eng, grp, cp->src_rank, cp->src_slot, w->frame + WOUT_HDR, 0, w->m.why,
-                                      sizeof w->m.why);
-  }
-  if (w->m.status) {
-    free(w->frame);
-    w->frame = NULL;
     w->bytes = 0;
   }
   return w;
@@ -1452,12 +1457,46 @@ static void weights_queue(epd_net_t *net, const char *group, wout_t *w) {
   pthread_mutex_unlock(&net->mu);
 }
 
-/* Send and free (the control thread). */
+/* Read a frame's source slot (the control thread): WREAD_CHUNK bytes per hold of the engine lock, so the
+ * node's steps wait at most one chunk's copy (from the GPU on cuda), not the whole slot's. Every chunk
+ * comes from the same client of the same group incarnation; else the frame says why there are no bytes.
+ * The bytes cannot change meanwhile: no node switches to the map (so no copy can fill this slot) before
+ * the destination has them. */
+static void weights_read(epd_net_t *net, const char *group, wout_t *w) {
+  epd_engine_t *eng = net->eng;
+  for (uint64_t off = 0; off < w->bytes && !w->m.status; off += WREAD_CHUNK) {
+    const uint64_t n = w->bytes - off < WREAD_CHUNK ? w->bytes - off : WREAD_CHUNK;
+    pthread_mutex_lock(&eng->mu);
+    eng_group_t *grp = eng_find_group(eng, group);
+    eng_client_t *c = grp && w->cp.src_rank < grp->g.num_ranks ? grp->client[w->cp.src_rank] : NULL;
+    if (!grp || grp->serial != w->gserial) {
+      w->m.status = EPD_ERR_NOT_FOUND;
+      snprintf(w->m.why, sizeof w->m.why, "group %s was removed on node %u before the slot was read", group,
+               net->node_rank);
+    } else if (!c || c->id != w->client_id) {
+      w->m.status = EPD_ERR_PEER;
+      snprintf(w->m.why, sizeof w->m.why, "the client of rank %u %s while its slot was read", w->cp.src_rank,
+               c ? "was replaced" : "left");
+    } else {
+      w->m.status = eng_slot_weights_io(eng, grp, w->cp.src_rank, w->cp.src_slot, off, n, w->frame + WOUT_HDR + off,
+                                        0, w->m.why, sizeof w->m.why);
+    }
+    pthread_mutex_unlock(&eng->mu);
+  }
+  if (w->m.status) {
+    free(w->frame);
+    w->frame = NULL;
+    w->bytes = 0;
+  }
+}
+
+/* Read, send and free (the control thread). */
 static void weights_send(epd_net_t *net, const char *group, wout_t *w) {
   const uint32_t delay = atomic_load(&net->weights_delay_ms);
   if (w && delay) usleep(delay * 1000u);
   while (w) {
     wout_t *next = w->next;
+    if (!w->m.status) weights_read(net, group, w);
     /* an error frame has no bytes: its header alone */
     uint8_t *b = w->frame ? w->frame : malloc(WOUT_HDR);
     net_hdr_t h = {.magic = CTL_MAGIC, .src_node = net->node_rank};

@@ -488,11 +488,12 @@ EPD_TEST(cluster_map_weight_copies_same_node) {
 }
 
 /* Weight copies between the ranks of two nodes: the source's node sends the slot's bytes when it stages
- * the map, the destination's writes them at the switch. Both nodes switch at the same step, and only once
- * the bytes are there; the copy within node 1 runs beside them. */
-EPD_TEST(cluster_map_weight_copies_across_nodes) {
+ * the map (its control thread reads them in chunks), the destination's writes them at the switch. Both
+ * nodes switch at the same step, and only once the bytes are there; the copy within node 1 runs beside
+ * them. Node 1 sends its bytes delay_ms after it staged the map. */
+static void weight_copies_across_nodes(uint32_t WB, uint32_t delay_ms) {
   cluster_t cl;
-  const uint32_t E = 8, WB = 4096;
+  const uint32_t E = 8;
   const uint32_t S = cluster_up_weights(&cl, E, WB);
   ASSERT_EQ(S, 4u); /* default map: expert e on (e / 2, e % 2); slots 2, 3 free */
   epd_expert_map_t m;
@@ -506,15 +507,26 @@ EPD_TEST(cluster_map_weight_copies_across_nodes) {
   epd_weight_copy_t cp[3] = {{0, 0, 3, 2}, {2, 1, 1, 3}, {3, 0, 2, 3}};
   uint32_t v = 0;
   char err[256] = "";
-  /* node 1 sends its bytes 300 ms after it staged the map: the steps meanwhile stay on the old map */
-  epd_net_test_weights_delay(cl.net[1], 300);
+  if (delay_ms) epd_net_test_weights_delay(cl.net[1], delay_ms);
   ASSERT_OK(epd_engine_set_map_copies(cl.eng[0], "g", &m, cp, 3, &v, err, sizeof err));
   const uint64_t t0 = ms_now();
-  ASSERT_GE(steps_until_version(&cl, v, 5000, 2000), 5);
-  ASSERT_GE(ms_now() - t0, 250u); /* not before node 1's bytes could be there */
+  const int before = steps_until_version(&cl, v, 10000, 2000);
+  if (delay_ms) { /* the steps meanwhile stay on the old map */
+    ASSERT_GE(before, 5);
+    ASSERT_GE(ms_now() - t0, delay_ms - 50u); /* not before node 1's bytes could be there */
+  }
   check_weights(&cl, S, WB, cp, 3);
   epd_expert_map_free(&m);
   cluster_down(&cl);
+}
+
+EPD_TEST(cluster_map_weight_copies_across_nodes) {
+  weight_copies_across_nodes(4096, 300);
+}
+
+/* Slots of several read chunks (4 MiB each) and a partial last one: every byte crosses. */
+EPD_TEST(cluster_map_weight_copies_across_nodes_large_slots) {
+  weight_copies_across_nodes((9u << 20) + 4096u + 36u, 0);
 }
 
 /* A copy whose source rank has no client when its node stages the map: that node reads the slot once the
