@@ -112,6 +112,7 @@ struct cnet {
   uint64_t ready_ctr;
   cnet_go_t go;       /* other nodes: GO go_seq, taken, its step not yet ready here */
   int go_have;
+  uint64_t go_ns;     /* when go was taken */
   cnet_addr_t addr[EPD_MAX_RANKS];
   cnet_prog_t prog;
 };
@@ -951,9 +952,22 @@ static cnet_grp_t *grp_of(cnet_t *cn, const eng_group_t *grp) {
 /* (mu) No exchange runs: start the next one. Node 0 takes the step that became ready first and tells
  * every other node (GO, numbered); the others run steps in GO order only, so every node issues the
  * groups' NCCL calls on the world communicator in the same order. */
-static int schedule(cnet_t *cn) {
+static int schedule(cnet_t *cn, uint64_t now) {
   epd_engine_t *eng = cn->eng;
   epd_net_t *net = eng->o.net;
+  if (epd_engine_failure(eng)) {
+    /* After a failure nothing more is issued here (the world communicator may be aborted, its buffers
+     * in use by the failed exchange): ready steps end with the reason, and node 0 orders nothing. */
+    char why[256];
+    snprintf(why, sizeof why, "node %u: the engine failed: %s", cn->node, epd_engine_failure(eng));
+    int moved = 0;
+    for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
+      if (cg->phase == PH_READY) {
+        complete_all(cn, cg, EPD_ERR_INTERNAL, -1, why);
+        moved = 1;
+      }
+    return moved;
+  }
   if (cn->node == 0) {
     cnet_grp_t *next = NULL;
     for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
@@ -979,6 +993,7 @@ static int schedule(cnet_t *cn) {
       memcpy(&cn->go, b, sizeof cn->go);
       cn->go.group[sizeof cn->go.group - 1] = 0;
       cn->go_have = 1;
+      cn->go_ns = now;
     } else {
       EPD_LOGW(EPD_SUB_CUDA, "node 0 sent a malformed exchange order (%zu bytes): ignored", len);
       cn->go_seq++;
@@ -986,8 +1001,8 @@ static int schedule(cnet_t *cn) {
     free(b);
     if (!cn->go_have) return 1;
   }
-  cnet_grp_t *cg = cn->groups;
-  while (cg && strcmp(cg->gname, cn->go.group)) cg = cg->next;
+  cnet_grp_t *cg = cn->groups; /* the live one: a removed copy (its last exchange just ended) is skipped */
+  while (cg && (strcmp(cg->gname, cn->go.group) || !grp_alive(cn, cg))) cg = cg->next;
   if (cg && cg->phase == PH_READY && cg->step == cn->go.step) {
     cn->go_have = 0;
     cn->go_seq++;
@@ -996,10 +1011,21 @@ static int schedule(cnet_t *cn) {
   }
   /* A step this node already finished or failed (or of a group gone here): node 0's exchange has no
    * partner here (it fails by its timeout); the next order may be runnable. */
-  const uint64_t cur = !cg ? UINT64_MAX : cg->phase == PH_COLLECT && !cg->narrived && grp_alive(cn, cg) ? cg->grp->steps : cg->step;
+  const uint64_t cur = !cg ? UINT64_MAX : cg->phase == PH_COLLECT && !cg->narrived ? cg->grp->steps : cg->step;
   if (cur > cn->go.step) {
     EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: node 0 ordered its exchange, but %s here: ignored", cn->go.group,
              (unsigned long long)cn->go.step, cg ? "this node is past that step" : "the group is not served");
+    cn->go_have = 0;
+    cn->go_seq++;
+    return 1;
+  }
+  /* Held past the step timeout and still not ready here (the group was created again here, and its
+   * steps count from 0 while node 0's are on): never runnable, so it gives way to the next order. */
+  if (now > cn->go_ns && now - cn->go_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
+    EPD_LOGW(EPD_SUB_CUDA,
+             "group %s step %llu: node 0 ordered its exchange, but that step was not ready here within %u ms "
+             "(at step %llu here): dropped",
+             cn->go.group, (unsigned long long)cn->go.step, eng->o.step_timeout_ms, (unsigned long long)cur);
     cn->go_have = 0;
     cn->go_seq++;
     return 1;
@@ -1065,9 +1091,11 @@ int eng_cuda_net_poll(cnet_t *cn) {
   for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next) {
     if (cg->phase == PH_COLLECT && grp_alive(cn, cg)) moved |= collect(cn, cg, now);
     if (cg->phase == PH_WAIT) moved |= wait_frames(cn, cg, now);
-    if (cg->phase == PH_READY) moved |= ready_expired(cn, cg, now);
   }
-  if (!cn->run) moved |= schedule(cn);
+  if (!cn->run) moved |= schedule(cn, now);
+  /* after schedule: an order that arrived in time is taken before a ready step is given up */
+  for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
+    if (cg->phase == PH_READY) moved |= ready_expired(cn, cg, now);
   pthread_mutex_unlock(&eng->mu);
   return moved;
 }
