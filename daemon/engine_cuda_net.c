@@ -90,6 +90,13 @@ typedef struct cnet_grp {
   uint64_t prof_n[2], prof_ns[2][4];
   uint64_t behind; /* steps that found another group's exchange running or ready (logged with the profile) */
   eng_map_vote_t vote; /* expert-map switches, the protocol of both backends (engine_internal.h) */
+  /* The group removed here (its last local client left) while its step was past collect: what the step
+   * still needs of the group, kept so that it is decided and its exchange runs as on the other nodes
+   * (whose NCCL calls would otherwise find no partner here). Valid if orphan. */
+  int orphan;
+  epd_expert_map_t omap;
+  epd_buffer_desc_t obufs[EPD_MAX_BUFFERS];
+  uint32_t onbufs;
 } cnet_grp_t;
 
 /* Node 0's word on the next exchange (a payload of group "" numbered by cnet.go_seq): every node runs the
@@ -207,6 +214,7 @@ static void group_free(cnet_t *cn, cnet_grp_t *cg) {
   if (cg->plan_init)
     for (unsigned b = 0; b < EPD_NUM_BANKS; b++) epd_ref_plan_free(&cg->plan[b]);
   for (uint32_t n = 0; n < cn->nodes; n++) free(cg->frame[n]);
+  if (cg->orphan) epd_expert_map_free(&cg->omap);
   if (cg->gname[0]) epd_net_drop_group(cn->eng->o.net, cg->gname);
   eng_vote_reset(&cg->vote);
   for (cnet_grp_t **pp = &cn->groups; *pp; pp = &(*pp)->next)
@@ -273,7 +281,22 @@ epd_result_t eng_cuda_net_attach(cnet_t *cn, eng_group_t *grp, char *err, size_t
 void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost) {
   cnet_grp_t *cg = cn->groups;
   while (cg && (cg->grp != c->grp || cg->grp_serial != c->grp->serial)) cg = cg->next;
-  if (!cg || cg->phase != PH_COLLECT) return; /* later phases: the step goes on (memory held) */
+  if (!cg) return;
+  if (cg->phase != PH_COLLECT) { /* later phases: the step goes on (memory held) */
+    int last = 1;
+    for (uint32_t r = 0; r < c->grp->g.num_ranks; r++) last &= !c->grp->client[r] || c->grp->client[r] == c;
+    if (last && cg != cn->run && !cg->orphan) {
+      /* the group goes with this client: keep what its step needs */
+      cg->orphan = epd_ref_map_copy(&cg->omap, &c->grp->map) == EPD_OK;
+      cg->onbufs = c->grp->nbufs;
+      memcpy(cg->obufs, c->grp->bufs, sizeof cg->obufs[0] * c->grp->nbufs);
+      EPD_LOGW(EPD_SUB_CUDA,
+               "group %s step %llu: its last client here left after the step's frame was sent: the step's "
+               "exchange still runs with the other nodes (results dropped)%s",
+               cg->gname, (unsigned long long)cg->step, cg->orphan ? "" : " - out of memory, it cannot");
+    }
+    return;
+  }
   uint32_t l = (uint32_t)c->rank - cn->node * cn->L;
   if (l >= cn->L || !cg->arrived[l] || cg->cl[l] != c) return;
   cg->arrived[l] = 0;
@@ -507,7 +530,7 @@ static int collect(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
 
 /* (mu) Every node's frame is in: the same verdict on every node. EPD_OK: run the step. */
 static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
-  eng_group_t *grp = cg->grp;
+  const epd_expert_map_t *map = grp_alive(cn, cg) ? &cg->grp->map : cg->orphan ? &cg->omap : NULL;
   uint32_t L = cn->L, W = cn->W, nodes = cn->nodes, M = cg->g.max_tokens, K = cg->g.topk;
   const cnet_fhdr_t *h[CNET_MAX_NODES];
   const cnet_desc_t *dd[CNET_MAX_NODES];
@@ -540,7 +563,7 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
       FAIL(EPD_ERR_MISMATCH, (int)(n * L),
            "group %s has num_experts %u, hidden %u, topk %u, max_tokens %u on node %u but %u, %u, %u, %u on "
            "node %u (the first attach on each node fixes it)",
-           grp->name, h[n]->num_experts, h[n]->hidden, h[n]->topk, h[n]->max_tokens, n, cg->g.num_experts,
+           cg->gname, h[n]->num_experts, h[n]->hidden, h[n]->topk, h[n]->max_tokens, n, cg->g.num_experts,
            cg->g.hidden, K, M, cn->node);
     if (h[n]->nlocal != L || h[n]->world != W || cg->flen[n] < sizeof(cnet_fhdr_t) + L * sizeof(cnet_desc_t))
       FAIL(EPD_ERR_MISMATCH, (int)(n * L),
@@ -590,6 +613,7 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
            "every node)",
            n, h[n]->map_version, cn->node, h[cn->node]->map_version,
            h[n]->map_version == h[cn->node]->map_version ? " but different placements" : "");
+  if (!map) FAIL(EPD_ERR_PEER, -1, "group %s was removed here mid-step", cg->gname);
   epd_ref_in_t in[EPD_MAX_RANKS];
   for (uint32_t n = 0; n < nodes; n++) {
     const uint8_t *p = (const uint8_t *)(dd[n] + L), *end = cg->frame[n] + cg->flen[n];
@@ -604,7 +628,7 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
   }
   cg->plan_valid[cg->bank] = 0;
   int bad = -1;
-  epd_result_t rc = epd_ref_plan_build(plan, &grp->map, in, &bad, why, wl);
+  epd_result_t rc = epd_ref_plan_build(plan, map, in, &bad, why, wl);
   if (rc) {
     *peer = bad;
     return rc;
@@ -624,15 +648,16 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
 
 /* (mu) Addresses of the step's buffers on every local rank; 0 or -1 (a buffer is missing). */
 static int fill_addr(cnet_t *cn, cnet_grp_t *cg) {
-  eng_group_t *grp = cg->grp;
+  const int alive = grp_alive(cn, cg);
+  const epd_buffer_desc_t *bufs = alive ? cg->grp->bufs : cg->obufs;
+  const uint32_t nbufs = alive ? cg->grp->nbufs : cg->orphan ? cg->onbufs : 0;
   uint32_t M = cg->g.max_tokens, H = cg->g.hidden;
   for (uint32_t l = 0; l < cn->L; l++) {
     cnet_addr_t *a = &cn->addr[l];
     memset(a, 0, sizeof *a);
     uint64_t base = eng_cuda_client_arena(cg->hold[l]);
-    for (uint32_t i = 0; i < grp->nbufs; i++)
-      if (grp->bufs[i].bank == cg->bank && grp->bufs[i].kind < EPD_BUF_KINDS)
-        a->buf[grp->bufs[i].kind] = base + grp->bufs[i].offset;
+    for (uint32_t i = 0; i < nbufs; i++)
+      if (bufs[i].bank == cg->bank && bufs[i].kind < EPD_BUF_KINDS) a->buf[bufs[i].kind] = base + bufs[i].offset;
     for (uint32_t n = 0; n < cn->nodes; n++) {
       uint64_t o = (uint64_t)n * M * H * 4;
       a->xsend[n] = a->psend[n] = (uint64_t)(uintptr_t)cn->d[l].xsend + o;
@@ -907,7 +932,7 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
       complete_all(cn, cg, EPD_ERR_PEER, (int)(n * L), why);
       return 1;
     }
-    if (cg->grp->drain_from[n] <= cg->step && eng_op_dispatch(cg->ldesc[0].op)) {
+    if (grp_alive(cn, cg) && cg->grp->drain_from[n] <= cg->step && eng_op_dispatch(cg->ldesc[0].op)) {
       /* its notice came after every frame it sent (one link, in order): its part would say DRAINING */
       snprintf(why, sizeof why, "node %u (ranks %u..%u) is draining: it takes no dispatch of group %s from step %llu on",
                n, n * L, n * L + L - 1, cg->gname, (unsigned long long)cg->grp->drain_from[n]);
@@ -1001,8 +1026,13 @@ static int schedule(cnet_t *cn, uint64_t now) {
     free(b);
     if (!cn->go_have) return 1;
   }
-  cnet_grp_t *cg = cn->groups; /* the live one: a removed copy (its last exchange just ended) is skipped */
-  while (cg && (strcmp(cg->gname, cn->go.group) || !grp_alive(cn, cg))) cg = cg->next;
+  /* the step the GO names (a removed group's orphaned step too), else the group's live copy */
+  cnet_grp_t *cg = cn->groups;
+  while (cg && (strcmp(cg->gname, cn->go.group) || cg->phase != PH_READY || cg->step != cn->go.step)) cg = cg->next;
+  if (!cg) {
+    cg = cn->groups;
+    while (cg && (strcmp(cg->gname, cn->go.group) || !grp_alive(cn, cg))) cg = cg->next;
+  }
   if (cg && cg->phase == PH_READY && cg->step == cn->go.step) {
     cn->go_have = 0;
     cn->go_seq++;
@@ -1061,7 +1091,8 @@ int eng_cuda_net_poll(cnet_t *cn) {
   /* groups removed (not while their exchange runs) */
   for (cnet_grp_t *cg = cn->groups, *next; cg; cg = next) {
     next = cg->next;
-    if (cg != cn->run && !grp_alive(cn, cg)) group_free(cn, cg);
+    if (cg != cn->run && !grp_alive(cn, cg) && !(cg->orphan && (cg->phase == PH_WAIT || cg->phase == PH_READY)))
+      group_free(cn, cg);
   }
   /* groups with a client here, taken up */
   for (eng_group_t *g = eng->groups; g; g = g->next) {
