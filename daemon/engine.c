@@ -651,7 +651,7 @@ static epd_result_t group_create(epd_engine_t *eng, const char *name, const epd_
   eng_group_t *g = calloc(1, sizeof *g);
   if (!g) return EPD_ERR_NOMEM;
   g->serial = ++eng->next_group_serial;
-  for (int n = 0; n < EPD_MAX_RANKS; n++) g->drain_from[n] = UINT64_MAX;
+  for (int n = 0; n < EPD_MAX_RANKS; n++) g->drain_from[n] = g->gone_from[n] = UINT64_MAX;
   snprintf(g->name, sizeof g->name, "%s", name);
   uint32_t R = (uint32_t)o->num_ranks * o->nodes, E = req->num_experts; /* world ranks */
   uint32_t per = (E + R - 1) / R;
@@ -894,6 +894,7 @@ static void detach_locked(epd_engine_t *eng, eng_client_t *c, int lost, int repl
     if (grp->client[r]) empty = 0;
   if (empty && !replaced) {
     EPD_LOGI(EPD_SUB_ENGINE, "group %s has no clients left: removed", grp->name);
+    if (eng->o.nodes > 1) eng_net_group_removed(eng, grp);
     group_unlink(eng, grp);
     group_free(grp);
   }

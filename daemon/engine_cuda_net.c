@@ -939,6 +939,11 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
       complete_all(cn, cg, EPD_ERR_DRAINING, (int)(n * L), why);
       return 1;
     }
+    if (grp_alive(cn, cg) && eng_net_gone(cg->grp, n, L, cg->step, why, sizeof why)) {
+      EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
+      complete_all(cn, cg, EPD_ERR_PEER, (int)(n * L), why);
+      return 1;
+    }
     if (now > cg->first_ns && now - cg->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
       snprintf(why, sizeof why,
                "waited %u ms for rank %u: node %u (ranks %u..%u) did not send its part of the step",

@@ -114,6 +114,10 @@ struct eng_group {
   /* Scale-out: node n drains (its notice, engine_net.c): it takes no dispatch of this group numbered >=
    * drain_from[n] (it still runs combines); UINT64_MAX: not draining. */
   uint64_t drain_from[EPD_MAX_RANKS];
+  /* Scale-out: node n has no client of this group since its step gone_from[n] (its notice; the group was
+   * removed there): a step numbered >= that whose part from node n is not in fails here at once with
+   * EPD_ERR_PEER. UINT64_MAX: the group exists there (or nothing was heard). */
+  uint64_t gone_from[EPD_MAX_RANKS];
 };
 
 typedef struct eng_rank_stats {
@@ -339,6 +343,13 @@ void eng_net_notify_drain(epd_engine_t *eng, int drain);
 void eng_net_group_created(epd_engine_t *eng, eng_group_t *grp);
 /* (mu) Free grp->net. */
 void eng_net_group_free(eng_group_t *grp);
+/* (mu) grp is about to be removed on this node (its last client left): tell the other nodes from which
+ * step on no part of it comes from here (grp->steps: a part of that step already sent reaches them first,
+ * one link in order); eng_net_group_created tells them when it exists again. */
+void eng_net_group_removed(epd_engine_t *eng, eng_group_t *grp);
+/* The verdict on node n's missing part of step `step` of grp: 1 (why filled) if node n said the group
+ * is gone there from that step on. */
+int eng_net_gone(const eng_group_t *grp, uint32_t n, uint32_t L, uint64_t step, char *why, size_t len);
 
 /* Expert-map switches across nodes (engine_net.c; both backends run this protocol over their step
  * frames): each node reports the map it has staged in its frame of every step; when the frames of a

@@ -1235,6 +1235,11 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
                   "node %u (ranks %u..%u) is draining: it takes no dispatch of group %s from step %llu on", n,
                   n * L, n * L + L - 1, grp->name, (unsigned long long)grp->drain_from[n]);
     }
+    char why[256];
+    if (eng_net_gone(grp, n, L, grp->steps, why, sizeof why)) {
+      drop_frames(ng);
+      return fail(res, EPD_ERR_PEER, (int)(n * L), "%s", why);
+    }
     return 0;
   }
   int done = run_step(eng, grp, ng, res);
@@ -1250,7 +1255,7 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
  * lock) and sends each staged map as MAP_SET to every other node, in version order on every link; a
  * MAP_REQ is answered with MAP_REP after the MAP_SET to the asking node, so a SetExpertMap that
  * returns a version has that map staged on its node. */
-enum { CTL_MAP_REQ = 1, CTL_MAP_SET = 2, CTL_MAP_REP = 3, CTL_DRAIN = 4, CTL_WEIGHTS = 5 };
+enum { CTL_MAP_REQ = 1, CTL_MAP_SET = 2, CTL_MAP_REP = 3, CTL_DRAIN = 4, CTL_WEIGHTS = 5, CTL_GONE = 6 };
 typedef struct ctl_msg {
   uint32_t kind, version;
   uint64_t req_id;
@@ -1625,9 +1630,34 @@ static int pending_put(epd_engine_t *eng, epd_net_t *net, const char *group, con
   return 0;
 }
 
+/* (mu) To every other node: group grp is gone here from step `from` on (UINT64_MAX: it exists again). */
+static void send_gone(epd_engine_t *eng, const eng_group_t *grp, uint64_t from) {
+  epd_net_t *net = eng->o.net;
+  ctl_msg_t m = {.kind = CTL_GONE, .req_id = from};
+  for (uint32_t n = 0; n < eng->o.nodes; n++)
+    if (n != eng->o.node_rank && send_ctl(net, n, grp->name, &m, NULL, NULL) && from != UINT64_MAX)
+      EPD_LOGW(EPD_SUB_ENGINE, "group %s: the notice of its removal to node %u was not sent (its link is down)",
+               grp->name, n);
+}
+
+void eng_net_group_removed(epd_engine_t *eng, eng_group_t *grp) {
+  if (eng->o.nodes <= 1 || !eng->o.net) return;
+  send_gone(eng, grp, grp->steps);
+}
+
+int eng_net_gone(const eng_group_t *grp, uint32_t n, uint32_t L, uint64_t step, char *why, size_t len) {
+  if (n >= EPD_MAX_RANKS || grp->gone_from[n] > step) return 0;
+  snprintf(why, len,
+           "node %u (ranks %u..%u) has no client of group %s since its step %llu (the group was removed there): "
+           "re-attach the group's clients on every node",
+           n, n * L, n * L + L - 1, grp->name, (unsigned long long)grp->gone_from[n]);
+  return 1;
+}
+
 void eng_net_group_created(epd_engine_t *eng, eng_group_t *grp) {
   epd_net_t *net = eng->o.net;
   if (eng->o.nodes <= 1 || !net) return;
+  send_gone(eng, grp, UINT64_MAX); /* a removal notice of an earlier group of that name no longer holds */
   /* a node that drains takes no step of a group made here after its notice */
   for (uint32_t n = 0; n < eng->o.nodes && n < MAX_NODES && n < EPD_MAX_RANKS; n++)
     if (net->peer_draining[n]) grp->drain_from[n] = 0;
@@ -1701,6 +1731,20 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
   }
   if (c.kind == CTL_WEIGHTS) {
     weights_in(eng, f, &c, group);
+    return;
+  }
+  if (c.kind == CTL_GONE) { /* req_id: the sender's first step without the group; UINT64_MAX: it exists again */
+    if (f->src_node >= MAX_NODES || f->src_node >= EPD_MAX_RANKS) return;
+    pthread_mutex_lock(&eng->mu);
+    eng_group_t *grp = eng_find_group(eng, group);
+    const uint64_t was = grp ? grp->gone_from[f->src_node] : UINT64_MAX;
+    if (grp) grp->gone_from[f->src_node] = c.req_id;
+    pthread_mutex_unlock(&eng->mu);
+    if (grp && c.req_id != UINT64_MAX)
+      EPD_LOGW(EPD_SUB_ENGINE, "group %s: removed on node %u at its step %llu (its last client there left): its "
+               "steps from then on fail here with EPD_ERR_PEER", group, f->src_node, (unsigned long long)c.req_id);
+    else if (grp && was != UINT64_MAX)
+      EPD_LOGI(EPD_SUB_ENGINE, "group %s: created again on node %u", group, f->src_node);
     return;
   }
   epd_expert_map_t m;

@@ -556,6 +556,82 @@ EPD_TEST(cluster_map_weight_copy_source_detached) {
   cluster_down(&cl);
 }
 
+static void cl_detach(cluster_t *cl, int r, int lost) {
+  ASSERT_OK(epd_engine_detach(cl->eng[r / L], cl->c[r].info.client_id, lost));
+  munmap(cl->c[r].q, cl->c[r].info.queue_bytes);
+  munmap(cl->c[r].arena, cl->c[r].info.arena_bytes);
+}
+
+/* One LL dispatch of T tokens with varied routing (-1 entries too) on the ranks [r0, r1). */
+static void cl_submit(cluster_t *cl, int r0, int r1, uint32_t T, uint32_t seed) {
+  for (int r = r0; r < r1; r++) {
+    int64_t *idx = cbuf(&cl->c[r], EPD_BUF_TOPK_IDX, 0);
+    float *w = cbuf(&cl->c[r], EPD_BUF_TOPK_WEIGHTS, 0);
+    for (uint32_t i = 0; i < T * cl->g.topk; i++) {
+      uint32_t h = (seed + 7u * (uint32_t)r + 13u * i) * 2654435761u;
+      idx[i] = h % 5 == 0 ? -1 : (int64_t)(h % cl->g.num_experts);
+      w[i] = 0.25f + (float)(h % 3);
+    }
+    csubmit(&cl->c[r], EPD_OP_LL_DISPATCH, T, 0, 0);
+  }
+}
+
+/* A group removed on one node (its last clients there left) fails the other node's next step at once with
+ * EPD_ERR_PEER naming the node's first rank (the removal notice), not after the 10 s step timeout; the
+ * part of a step that node sent before its clients left is still used. A group removed and created again
+ * on a node before any step (its clients restarted) steps with the other node as before (the creation
+ * notice clears the removal's). */
+EPD_TEST(cluster_group_removed_on_a_node_fails_the_others_at_once) {
+  cluster_t cl;
+  cl_step_timeout_ms = 10000;
+  cluster_up(&cl, 8, 64, 2, 4, 2);
+  cl_step_timeout_ms = 0;
+  /* node 1's clients restart before the first step: node 0 submits first and waits for node 1's part */
+  cl_detach(&cl, 2, 1);
+  cl_detach(&cl, 3, 0);
+  cluster_attach(&cl, 2, 8, 64, 2, 4);
+  cluster_attach(&cl, 3, 8, 64, 2, 4);
+  usleep(100000);
+  cl_submit(&cl, 0, 2, 3, 1);
+  usleep(200000);
+  cl_submit(&cl, 2, 4, 3, 1);
+  for (int r = 0; r < W; r++) {
+    epd_comp_t comp = cwait(&cl.c[r]);
+    ASSERT_EQ(comp.status, EPD_OK);
+    ASSERT_EQ(comp.step, 0u);
+  }
+  /* node 1's ranks submit step 1 (node 1 sends its part), then both leave: node 0's step 1 runs */
+  cl_submit(&cl, 2, 4, 2, 2);
+  usleep(100000);
+  cl_detach(&cl, 2, 1);
+  cl_detach(&cl, 3, 1);
+  cl_submit(&cl, 0, 2, 2, 2);
+  for (int r = 0; r < 2; r++) ASSERT_EQ(cwait(&cl.c[r]).status, EPD_OK);
+  /* step 2: node 1 has no group any more */
+  usleep(100000);
+  const uint64_t t0 = ms_now();
+  cl_submit(&cl, 0, 2, 2, 3);
+  for (int r = 0; r < 2; r++) {
+    epd_comp_t comp = cwait(&cl.c[r]);
+    ASSERT_EQ(comp.status, EPD_ERR_PEER);
+    ASSERT_EQ(comp.peer, 2);
+    ASSERT_EQ(comp.step, 2u);
+  }
+  ASSERT_LT(ms_now() - t0, 3000u);
+  /* every node's clients attach again: new groups on both, steps from 0 */
+  cl_detach(&cl, 0, 0);
+  cl_detach(&cl, 1, 0);
+  for (int r = 0; r < W; r++) cluster_attach(&cl, r, 8, 64, 2, 4);
+  usleep(100000);
+  cl_submit(&cl, 0, W, 3, 4);
+  for (int r = 0; r < W; r++) {
+    epd_comp_t comp = cwait(&cl.c[r]);
+    ASSERT_EQ(comp.status, EPD_OK);
+    ASSERT_EQ(comp.step, 0u);
+  }
+  cluster_down(&cl);
+}
+
 /* Bytes that do not come: a destination waits max(10 s, 4 x step timeout) from its first step frame after
  * staging, then every node switches and the copy is skipped (the slot keeps what it held); the copy inside
  * the destination's node runs. Node 1 sends its bytes only after 11.5 s, so they come too late. */

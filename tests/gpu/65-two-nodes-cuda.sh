@@ -158,7 +158,8 @@ echo "== node 1's only client of a group dies after sending its part of a step: 
 # rank 0 holds before the combine of step 3; rank 1 has submitted that combine (node 1 sent its frame and
 # waits for node 0's) when it is killed, and node 1 removes the group. Node 0's combine then runs: node 1
 # must take part in its NCCL exchange, or node 0's exchange hangs until the step timeout and its engine
-# fails for every group (world communicator aborted).
+# fails for every group (world communicator aborted). Node 1's removal notice then fails node 0's next
+# step at once with EPD_ERR_PEER (not after the step timeout).
 CUDA_VISIBLE_DEVICES=$(gpu_of 0) timeout 60 "$WORKER" -s "$T/n0/control.sock" -g gh -r 0 -n 2 --steps 8 --seed 16 --hidden 256 \
   --hold-at 3 --hold-file "$T/gh.go" > "$T/gh0.out" 2>&1 &
 W_GH0=$!
@@ -170,17 +171,20 @@ sleep 0.5 # rank 1 checked its dispatch of step 3 and submitted the combine
 pkill -KILL -P "$W_GH1"
 wait_for 10 grep -q "group gh has no clients left" "$T/node1.log" || fail "gh: node 1 did not remove the group"
 touch "$T/gh.go"
+s=$(date +%s%N)
 wait "$W_GH0"; RC=$?
+ms=$(( ($(date +%s%N) - s) / 1000000 ))
 [ $RC -eq 2 ] || fail "gh: rank 0's worker exited $RC: $(tail -3 "$T/gh0.out")"
 grep -q "the combine of step 3 after the hold: ok" "$T/gh0.out" || fail "gh: rank 0's combine of step 3 (node 1's client gone): $(tail -3 "$T/gh0.out")"
-grep -q "step 4: dispatch failed.*peer rank 1" "$T/gh0.out" || fail "gh: rank 0's next dispatch did not fail naming rank 1: $(tail -3 "$T/gh0.out")"
+grep -q "step 4: dispatch failed.*EPD_ERR_PEER.*peer rank 1" "$T/gh0.out" || fail "gh: rank 0's next dispatch did not fail with EPD_ERR_PEER naming rank 1: $(tail -3 "$T/gh0.out")"
+[ $ms -lt 3000 ] || fail "gh: rank 0's next dispatch failed only after $ms ms (node 1's removal notice; step timeout 5000 ms)"
 grep -q "group gh step [0-9]*: its last client here left after the step's frame was sent" "$T/node1.log" ||
   fail "gh: node 1 did not keep the step of the removed group: $(grep 'group gh' "$T/node1.log" | tail -3)"
 grep -q "did not finish within\|engine failed" "$T/node0.log" && fail "gh: node 0's engine failed: $(grep -m1 'did not finish within\|engine failed' "$T/node0.log")"
 "$EPDCTL" -s "$T/n0/control.sock" health > "$T/gh-health.out" 2>&1 || fail "gh: node 0 not serving: $(cat "$T/gh-health.out")"
 start_workers gz --steps 20 --seed 17 --hidden 256
 expect_ok gz0 gz1
-echo "   ok: rank 0's combine of step 3 ran with node 1's part; then $(grep -h 'step 4: dispatch failed' "$T/gh0.out" | cut -c1-140)"
+echo "   ok: rank 0's combine of step 3 ran with node 1's part; then in $ms ms $(grep -h 'step 4: dispatch failed' "$T/gh0.out" | cut -c1-140)"
 
 echo "== node 1 drains between a dispatch and its combine: the combines run, then both workers stop on EPD_ERR_DRAINING, node 0's at once"
 start_workers dr --steps 100000 --seed 9 --hidden 256 --hold-at 5 --hold-file "$T/dr.go"
