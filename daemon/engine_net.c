@@ -1737,14 +1737,21 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     if (f->src_node >= MAX_NODES || f->src_node >= EPD_MAX_RANKS) return;
     pthread_mutex_lock(&eng->mu);
     eng_group_t *grp = eng_find_group(eng, group);
-    const uint64_t was = grp ? grp->gone_from[f->src_node] : UINT64_MAX;
-    if (grp) grp->gone_from[f->src_node] = c.req_id;
+    const uint64_t was = grp ? grp->gone_from[f->src_node] : UINT64_MAX, steps = grp ? grp->steps : 0;
+    /* created again there: its steps count from 0, so it steps with this group only if this one has
+     * not stepped either (its clients restarted before the first step); else this group's steps keep
+     * failing at once until it is created again here too */
+    if (grp && (c.req_id != UINT64_MAX || steps == 0)) grp->gone_from[f->src_node] = c.req_id;
     pthread_mutex_unlock(&eng->mu);
     if (grp && c.req_id != UINT64_MAX)
       EPD_LOGW(EPD_SUB_ENGINE, "group %s: removed on node %u at its step %llu (its last client there left): its "
                "steps from then on fail here with EPD_ERR_PEER", group, f->src_node, (unsigned long long)c.req_id);
-    else if (grp && was != UINT64_MAX)
+    else if (grp && was != UINT64_MAX && steps == 0)
       EPD_LOGI(EPD_SUB_ENGINE, "group %s: created again on node %u", group, f->src_node);
+    else if (grp && was != UINT64_MAX)
+      EPD_LOGW(EPD_SUB_ENGINE, "group %s: created again on node %u, its steps numbered from 0, while this node's "
+               "group is at step %llu: its steps keep failing here with EPD_ERR_PEER until its clients here "
+               "re-attach too", group, f->src_node, (unsigned long long)steps);
     return;
   }
   epd_expert_map_t m;

@@ -580,7 +580,8 @@ static void cl_submit(cluster_t *cl, int r0, int r1, uint32_t T, uint32_t seed) 
  * EPD_ERR_PEER naming the node's first rank (the removal notice), not after the 10 s step timeout; the
  * part of a step that node sent before its clients left is still used. A group removed and created again
  * on a node before any step (its clients restarted) steps with the other node as before (the creation
- * notice clears the removal's). */
+ * notice clears the removal's); created again after steps, the other node's group keeps failing at once
+ * (the new group's steps count from 0) until its clients re-attach too. */
 EPD_TEST(cluster_group_removed_on_a_node_fails_the_others_at_once) {
   cluster_t cl;
   cl_step_timeout_ms = 10000;
@@ -618,6 +619,21 @@ EPD_TEST(cluster_group_removed_on_a_node_fails_the_others_at_once) {
     ASSERT_EQ(comp.step, 2u);
   }
   ASSERT_LT(ms_now() - t0, 3000u);
+  /* node 1's clients attach again (a new group there, its steps from 0): node 0's group, at step 3,
+   * cannot step with it and still fails at once */
+  cluster_attach(&cl, 2, 8, 64, 2, 4);
+  cluster_attach(&cl, 3, 8, 64, 2, 4);
+  usleep(100000);
+  const uint64_t t1 = ms_now();
+  cl_submit(&cl, 0, 2, 2, 5);
+  for (int r = 0; r < 2; r++) {
+    epd_comp_t comp = cwait(&cl.c[r]);
+    ASSERT_EQ(comp.status, EPD_ERR_PEER);
+    ASSERT_EQ(comp.peer, 2);
+  }
+  ASSERT_LT(ms_now() - t1, 3000u);
+  cl_detach(&cl, 2, 0);
+  cl_detach(&cl, 3, 0);
   /* every node's clients attach again: new groups on both, steps from 0 */
   cl_detach(&cl, 0, 0);
   cl_detach(&cl, 1, 0);
