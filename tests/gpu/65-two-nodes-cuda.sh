@@ -186,26 +186,27 @@ start_workers gz --steps 20 --seed 17 --hidden 256
 expect_ok gz0 gz1
 echo "   ok: rank 0's combine of step 3 ran with node 1's part; then in $ms ms $(grep -h 'step 4: dispatch failed' "$T/gh0.out" | cut -c1-140)"
 
-echo "== node 1's worker killed at a random moment of its steps, 8 times: node 0's worker stops with an error at once, no engine fails"
-# each phase of node 1's step (collecting, waiting for node 0's part, ready, exchange running) is hit
-# over the rounds: node 0's engine must never fail, and a fresh group of both nodes runs at the end
+echo "== a worker killed at a random moment of its steps, 8 rounds (node 1's, then node 0's: the node that orders the exchanges): the other node's worker stops with an error at once, no engine fails"
+# each phase of the victim's step (collecting, waiting for the other part, ready, exchange running) may
+# be hit over the rounds: no engine may fail, and a fresh group of both nodes runs at the end
 for i in 1 2 3 4 5 6 7 8; do
+  v=$(( i % 2 )); o=$(( 1 - v )) # the victim's rank (= node), the other's
   start_workers "k$i" --steps 100000 --seed $((30 + i)) --hidden 512 --tokens 32 -v
-  wait_for 30 grep -q "^rank 1 step 3:" "$T/k${i}1.out" || fail "k$i: node 1's worker did not reach step 3: $(tail -2 "$T/k${i}1.out")"
+  wait_for 30 grep -q "^rank $v step 3:" "$T/k${i}$v.out" || fail "k$i: rank $v's worker did not reach step 3: $(tail -2 "$T/k${i}$v.out")"
   sleep "0.0$((RANDOM % 10))$((RANDOM % 10))"
-  pkill -KILL -P "$(eval echo \$W_k${i}1)"
+  pkill -KILL -P "$(eval echo \$W_k${i}$v)"
   s=$(date +%s%N)
-  eval "wait \$W_k${i}0"; RC=$?
+  eval "wait \$W_k${i}$o"; RC=$?
   ms=$(( ($(date +%s%N) - s) / 1000000 ))
-  [ $RC -eq 2 ] || fail "k$i: node 0's worker exited $RC: $(tail -2 "$T/k${i}0.out")"
-  grep -q "failed.*peer rank 1" "$T/k${i}0.out" || fail "k$i: node 0's worker stopped without naming rank 1: $(tail -2 "$T/k${i}0.out")"
-  [ $ms -lt 3000 ] || fail "k$i: node 0's worker stopped only after $ms ms: $(tail -1 "$T/k${i}0.out")"
+  [ $RC -eq 2 ] || fail "k$i: rank $o's worker exited $RC: $(tail -2 "$T/k${i}$o.out")"
+  grep -q "failed.*peer rank $v" "$T/k${i}$o.out" || fail "k$i: rank $o's worker stopped without naming rank $v: $(tail -2 "$T/k${i}$o.out")"
+  [ $ms -lt 3000 ] || fail "k$i: rank $o's worker stopped only after $ms ms: $(tail -1 "$T/k${i}$o.out")"
   grep -q "did not finish within\|engine failed" "$T/node0.log" "$T/node1.log" && fail "k$i: an engine failed: $(grep -h -m1 'did not finish within\|engine failed' "$T/node0.log" "$T/node1.log")"
-  echo "   k$i: $(grep -h 'failed' "$T/k${i}0.out" | head -1 | cut -c1-110) ($ms ms)"
-done
+  echo "   k$i: rank $v killed: $(grep -h 'failed' "$T/k${i}$o.out" | head -1 | cut -c1-100) ($ms ms)"
+done 2>/dev/null # bash's "Killed" notices
 "$EPDCTL" -s "$T/n0/control.sock" health > /dev/null 2>&1 || fail "node 0 not serving after the kills"
 "$EPDCTL" -s "$T/n1/control.sock" health > /dev/null 2>&1 || fail "node 1 not serving after the kills"
-echo "   kept steps of removed groups on node 1: $(grep -c "its last client here left after the step's frame was sent" "$T/node1.log")"
+echo "   steps of removed groups kept (node 0, node 1; the held-combine case's included): $(grep -c "its last client here left after the step's frame was sent" "$T/node0.log"), $(grep -c "its last client here left after the step's frame was sent" "$T/node1.log")"
 start_workers kz --steps 20 --seed 39 --hidden 512 --tokens 32
 expect_ok kz0 kz1
 
