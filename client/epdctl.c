@@ -171,6 +171,7 @@ static void print_status_json(const Epd__V1__StatusReply *s) {
     jkv_u("steps", gr->steps, &g);
     jkv_u("map_version", gr->map_version, &g);
     jkv_s("mode", gr->mode, &g);
+    jkv_s("nodes", gr->nodes ? gr->nodes : "", &g);
     putchar('}');
   }
   putchar(']');
@@ -221,6 +222,7 @@ static void print_status_human(const Epd__V1__StatusReply *s) {
     const Epd__V1__GroupStatus *g = s->groups[i];
     printf("  %-16s %7u %6u %4u %10u %5u %10" PRIu64 " %4u  %s\n", g->name, g->num_experts, g->hidden, g->topk,
            g->max_tokens, g->attached_ranks, g->steps, g->map_version, g->mode && *g->mode ? g->mode : "-");
+    if (g->nodes && *g->nodes) printf("  %-16s across nodes: %s\n", "", g->nodes);
   }
   printf("clients:  %zu\n", s->n_clients);
   if (s->n_clients) {

@@ -1195,6 +1195,16 @@ epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out) {
     s->map_version = g->map.version;
     s->steps = g->steps;
     snprintf(s->mode, sizeof s->mode, "%s", eng->ops->group_mode ? eng->ops->group_mode(eng, g) : eng->ops->mode(eng));
+    size_t nl = 0;
+    for (uint32_t n = 0; n < eng->o.nodes && n < EPD_MAX_RANKS; n++) {
+      char one[64] = "";
+      if (g->gone_from[n] != UINT64_MAX)
+        snprintf(one, sizeof one, "node %u removed it at step %llu", n, (unsigned long long)g->gone_from[n]);
+      else if (g->drain_from[n] != UINT64_MAX)
+        snprintf(one, sizeof one, "node %u drains from step %llu", n, (unsigned long long)g->drain_from[n]);
+      if (one[0] && nl < sizeof s->nodes)
+        nl += (size_t)snprintf(s->nodes + nl, sizeof s->nodes - nl, "%s%s", nl ? "; " : "", one);
+    }
     s->expert_tokens = malloc(sizeof(uint64_t) * g->g.num_experts);
     if (!s->expert_tokens) goto nomem;
     memcpy(s->expert_tokens, g->expert_tokens, sizeof(uint64_t) * g->g.num_experts);

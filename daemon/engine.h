@@ -159,6 +159,9 @@ typedef struct epd_group_snap {
   uint64_t *slot_tokens;   /* [num_ranks * slots_per_rank] tokens routed to each physical slot (replica) */
   uint64_t map_switches, weight_bytes_copied;
   char mode[16]; /* how its steps run now ("persistent": in the CUDA backend's persistent kernels) */
+  /* Across nodes: the other nodes that removed the group or drain ("node 1 removed it at step 7; node 2
+   * drains from step 12"); empty when none (or one node). */
+  char nodes[160];
 } epd_group_snap_t;
 typedef struct epd_client_snap {
   uint64_t client_id;

@@ -302,6 +302,7 @@ epd_result_t epd_metrics_status(const epd_engine_snap_t *snap, const epd_daemon_
     g->steps = s->steps;
     g->map_version = s->map_version;
     g->mode = dup_str(s->mode, &failed);
+    g->nodes = dup_str(s->nodes, &failed);
   }
   if (snap->nclients) {
     st->clients = calloc(snap->nclients, sizeof *st->clients);
@@ -368,6 +369,7 @@ void epd_metrics_status_free(Epd__V1__StatusReply *st) {
   for (size_t i = 0; i < st->n_groups; i++) {
     free(st->groups[i]->name);
     free(st->groups[i]->mode);
+    free(st->groups[i]->nodes);
     free(st->groups[i]);
   }
   for (size_t i = 0; i < st->n_clients; i++) {

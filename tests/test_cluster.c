@@ -619,6 +619,11 @@ EPD_TEST(cluster_group_removed_on_a_node_fails_the_others_at_once) {
     ASSERT_EQ(comp.step, 2u);
   }
   ASSERT_LT(ms_now() - t0, 3000u);
+  epd_engine_snap_t snap;
+  ASSERT_OK(epd_engine_snapshot(cl.eng[0], &snap));
+  ASSERT_EQ(snap.ngroups, 1u);
+  ASSERT_STR_CONTAINS(snap.groups[0].nodes, "node 1 removed it at step 2");
+  epd_engine_snapshot_free(&snap);
   /* node 1's clients attach again (a new group there, its steps from 0): node 0's group, at step 3,
    * cannot step with it and still fails at once */
   cluster_attach(&cl, 2, 8, 64, 2, 4);

@@ -109,6 +109,12 @@ for r in 2 3; do worker dr$r b -g dr -r $r -n 4 --steps 100000 --hold-at 5 --hol
 wait_for 20 all_holding 5 dr0 dr1 dr2 dr3 || fail "group dr did not reach the hold on every rank: $(tail -qn1 "$T"/dr[0-3].out)"
 "$EPDCTL" -s "$T/b/control.sock" drain > "$T/drain.out" 2>&1 || fail "epdctl drain: $(cat "$T/drain.out")"
 wait_for 5 grep -q "group dr: node 1 is draining" "$T/a.log" || fail "node 0's log does not say node 1 drains"
+# node 0's status says so, per group (text and JSON)
+"$EPDCTL" -s "$T/a/control.sock" status > "$T/drstatus.out" || fail "epdctl status during the drain"
+grep -Eq "across nodes: node 1 drains from step [0-9]+$" "$T/drstatus.out" || fail "status of group dr during the drain: $(cat "$T/drstatus.out")"
+"$EPDCTL" -s "$T/a/control.sock" --json status > "$T/drstatus.json" || fail "epdctl --json status during the drain"
+/usr/bin/python3 -c 'import json, sys; g = [x for x in json.load(open(sys.argv[1]))["groups"] if x["name"] == "dr"]; assert g and g[0]["nodes"].startswith("node 1 drains from step "), g' \
+  "$T/drstatus.json" || fail "JSON status of group dr during the drain: $(cat "$T/drstatus.json")"
 touch "$T/dr.go"
 S=$(date +%s%N)
 expect_drained 5 dr0 dr1 dr2 dr3
