@@ -137,6 +137,7 @@ static void print_status_json(const Epd__V1__StatusReply *s) {
   jkv_s("inter_node_transport", s->inter_node_transport && *s->inter_node_transport ? s->inter_node_transport : "none", &f);
   jkv_s("gin", s->gin ? s->gin : "", &f);
   jkv_s("rendezvous", s->rendezvous ? s->rendezvous : "", &f);
+  jkv_s("links", s->links ? s->links : "", &f);
   jkv_u("uptime_ms", s->uptime_ms, &f);
   jkey("draining", &f);
   printf("%s", s->draining ? "true" : "false");
@@ -205,6 +206,7 @@ static void print_status_human(const Epd__V1__StatusReply *s) {
     printf("cluster:  node %u of %u, %u world ranks, inter-node transport %s%s%s\n", s->node_rank, s->nodes,
            s->world_ranks, s->inter_node_transport, s->rendezvous && *s->rendezvous ? ", rendezvous " : "",
            s->rendezvous ? s->rendezvous : "");
+  if (s->links && *s->links) printf("links:    %s\n", s->links);
   if (s->gin && *s->gin) printf("gin:      %s\n", s->gin);
   printf("  %4s %6s %14s %16s %7s %10s  %s\n", "RANK", "DEVICE", "BUFFERS", "BUFFER_BYTES", "CLIENTS", "OPS", "GPU");
   for (size_t i = 0; i < s->n_ranks; i++) {

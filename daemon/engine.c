@@ -1235,6 +1235,7 @@ epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out) {
   out->inter_node_transport = eng->o.nodes <= 1 ? "none" : eng->ops == &eng_host_ops ? "host-tcp" : "nccl-p2p";
   out->gin = eng->ops->gin ? eng->ops->gin(eng) : NULL;
   out->rendezvous = eng->o.nodes <= 1 ? "" : eng->o.rendezvous_tls ? "mutual-tls" : "plaintext";
+  if (eng->o.nodes > 1) epd_net_links(eng->o.net, out->links, sizeof out->links, &out->links_down);
   epd_net_counters(eng->o.net, &out->net_tx_bytes, &out->net_rx_bytes, &out->net_tx_frames, &out->net_rx_frames);
   for (int li = 0; li < eng->o.num_ranks; li++) {
     epd_rank_snap_t *s = &out->ranks[li];

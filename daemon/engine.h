@@ -198,6 +198,8 @@ typedef struct epd_engine_snap {
   const char *inter_node_transport; /* "none" (one node), "host-tcp" */
   const char *gin; /* cuda across nodes: the start-up GIN probe's line; NULL otherwise */
   const char *rendezvous; /* across nodes: "mutual-tls" or "plaintext"; "" on one node */
+  char links[512];    /* across nodes: "node 0 up; node 2 down: <why>" (epd_net_links); "" on one node */
+  uint64_t links_down; /* bit n: the link to node n is down */
   uint64_t net_tx_bytes, net_rx_bytes, net_tx_frames, net_rx_frames;
 } epd_engine_snap_t;
 epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out);

@@ -526,6 +526,21 @@ int epd_net_node_dead(epd_net_t *net, uint32_t node, char *why, size_t len) {
   return 1;
 }
 
+void epd_net_links(epd_net_t *net, char *out, size_t len, uint64_t *down) {
+  size_t n = 0;
+  *down = 0;
+  if (len) out[0] = 0;
+  for (uint32_t i = 0; net && i < net->nodes && i < MAX_NODES && i < 64; i++) {
+    if (i == net->node_rank) continue;
+    char why[160] = "";
+    const int dead = epd_net_node_dead(net, i, why, sizeof why);
+    if (dead) *down |= 1ull << i;
+    if (n < len)
+      n += (size_t)snprintf(out + n, len - n, "%snode %u %s%s%s", n ? "; " : "", i, dead ? "down" : "up",
+                            dead ? ": " : net->peer_draining[i] ? ", draining" : "", dead ? why : "");
+  }
+}
+
 void epd_net_drop_group(epd_net_t *net, const char *group) {
   pthread_mutex_lock(&net->mu);
   for (net_frame_t **pp = &net->frames; *pp;) {

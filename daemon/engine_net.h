@@ -51,6 +51,9 @@ uint8_t *epd_net_take_payload(epd_net_t *net, const char *group, uint64_t step, 
 void epd_net_add_bytes(epd_net_t *net, uint64_t tx, uint64_t rx);
 /* 1 (why set) if the link to node is down. */
 int epd_net_node_dead(epd_net_t *net, uint32_t node, char *why, size_t len);
+/* (engine mu) The links to the other nodes for status: "node 0 up; node 2 down: <why>; node 3 up,
+ * draining" in out; bit n of *down set where the link to node n is down. */
+void epd_net_links(epd_net_t *net, char *out, size_t len, uint64_t *down);
 /* Drop every queued frame of a group (it was removed). */
 void epd_net_drop_group(epd_net_t *net, const char *group);
 /* Tests: delay every send of expert weights to another node by this many ms (0: none), so that steps

@@ -113,6 +113,12 @@ epd_result_t epd_metrics_text(const epd_engine_snap_t *snap, const epd_daemon_in
   sb_printf(&sb, "epd_cluster_info{transport=\"");
   sb_label(&sb, snap->inter_node_transport ? snap->inter_node_transport : "none");
   sb_printf(&sb, "\"} 1\n");
+  if (snap->nodes > 1) {
+    sb_head(&sb, "epd_cluster_link_up", "gauge", "The data link to another node is up (1) or down (0).");
+    for (uint32_t n = 0; n < snap->nodes && n < 64; n++)
+      if (n != snap->node_rank)
+        sb_printf(&sb, "epd_cluster_link_up{node=\"%u\"} %d\n", n, (snap->links_down >> n) & 1 ? 0 : 1);
+  }
   sb_head(&sb, "epd_cluster_bytes_total", "counter", "Data-plane bytes to and from the other nodes (cuda: the NCCL exchange plus the control frames).");
   sb_printf(&sb, "epd_cluster_bytes_total{direction=\"tx\"} %llu\n", (unsigned long long)snap->net_tx_bytes);
   sb_printf(&sb, "epd_cluster_bytes_total{direction=\"rx\"} %llu\n", (unsigned long long)snap->net_rx_bytes);
@@ -279,6 +285,7 @@ epd_result_t epd_metrics_status(const epd_engine_snap_t *snap, const epd_daemon_
   st->inter_node_transport = dup_str(snap->inter_node_transport ? snap->inter_node_transport : "none", &failed);
   st->gin = dup_str(snap->gin ? snap->gin : "", &failed);
   st->rendezvous = dup_str(snap->rendezvous ? snap->rendezvous : "", &failed);
+  st->links = dup_str(snap->links, &failed);
 
   if (snap->ngroups) {
     st->groups = calloc(snap->ngroups, sizeof *st->groups);
@@ -387,6 +394,7 @@ void epd_metrics_status_free(Epd__V1__StatusReply *st) {
   free(st->inter_node_transport);
   free(st->gin);
   free(st->rendezvous);
+  free(st->links);
   free(st->state);
   free(st->config);
   free(st);

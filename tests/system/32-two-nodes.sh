@@ -34,12 +34,13 @@ echo "== status and metrics show the cluster"
 "$EPDCTL" -s "$T/b/control.sock" status > "$T/status.out" || fail "epdctl status"
 grep -q "cluster:  node 1 of 2, 4 world ranks, inter-node transport host-tcp, rendezvous plaintext$" "$T/status.out" || fail "status: $(cat "$T/status.out")"
 grep -q "^gin:" "$T/status.out" && fail "the host backend shows a GIN line: $(cat "$T/status.out")"
+grep -q "^links:    node 0 up$" "$T/status.out" || fail "status: no 'links: node 0 up': $(cat "$T/status.out")"
 "$EPDCTL" -s "$T/a/control.sock" --json status > "$T/status.json" || fail "epdctl --json status"
 /usr/bin/python3 - "$T/status.json" <<'EOF' || fail "status json"
 import json, sys
 s = json.load(open(sys.argv[1]))
 want = {"nodes": 2, "node_rank": 0, "world_ranks": 4, "num_ranks": 2, "inter_node_transport": "host-tcp",
-        "gin": ""}
+        "gin": "", "links": "node 1 up"}
 bad = {k: (s.get(k), v) for k, v in want.items() if s.get(k) != v}
 assert not bad, bad
 EOF
@@ -57,6 +58,7 @@ expect_ok lf0 lf1 lf2 lf3 hb0 hb1 hb2 hb3
 grep -q '^epd_cluster_nodes 2$' "$T/metrics.out" || fail "metrics: no epd_cluster_nodes 2"
 grep -q '^epd_cluster_world_ranks 4$' "$T/metrics.out" || fail "metrics: no epd_cluster_world_ranks 4"
 grep -q '^epd_cluster_info{transport="host-tcp"} 1$' "$T/metrics.out" || fail "metrics: no transport"
+grep -q '^epd_cluster_link_up{node="1"} 1$' "$T/metrics.out" || fail "metrics: node 1's link not up: $(grep link_up "$T/metrics.out")"
 TX=$(sed -n 's/^epd_cluster_bytes_total{direction="tx"} //p' "$T/metrics.out")
 FR=$(sed -n 's/^epd_cluster_frames_total{direction="rx"} //p' "$T/metrics.out")
 [ "${TX:-0}" -gt 100000 ] || fail "metrics: only ${TX:-0} bytes sent to node 1"
@@ -109,8 +111,10 @@ for r in 2 3; do worker dr$r b -g dr -r $r -n 4 --steps 100000 --hold-at 5 --hol
 wait_for 20 all_holding 5 dr0 dr1 dr2 dr3 || fail "group dr did not reach the hold on every rank: $(tail -qn1 "$T"/dr[0-3].out)"
 "$EPDCTL" -s "$T/b/control.sock" drain > "$T/drain.out" 2>&1 || fail "epdctl drain: $(cat "$T/drain.out")"
 wait_for 5 grep -q "group dr: node 1 is draining" "$T/a.log" || fail "node 0's log does not say node 1 drains"
-# node 0's status says so, per group (text and JSON)
+# node 0's status says so, per group (text and JSON) and on the link
+wait_for 5 grep -q "node 1 is draining: the dispatches of groups it does not have" "$T/a.log" || fail "node 0's log lacks node 1's last drain notice"
 "$EPDCTL" -s "$T/a/control.sock" status > "$T/drstatus.out" || fail "epdctl status during the drain"
+grep -q "^links:    node 1 up, draining$" "$T/drstatus.out" || fail "status links during the drain: $(cat "$T/drstatus.out")"
 grep -Eq "across nodes: node 1 drains from step [0-9]+$" "$T/drstatus.out" || fail "status of group dr during the drain: $(cat "$T/drstatus.out")"
 "$EPDCTL" -s "$T/a/control.sock" --json status > "$T/drstatus.json" || fail "epdctl --json status during the drain"
 /usr/bin/python3 -c 'import json, sys; g = [x for x in json.load(open(sys.argv[1]))["groups"] if x["name"] == "dr"]; assert g and g[0]["nodes"].startswith("node 1 drains from step "), g' \
@@ -133,7 +137,11 @@ wait_for 5 grep -q "data link to node 1 lost" "$T/a.log" || fail "node 0 did not
 node0_step pe "lost node"
 grep -q "EPD_ERR_PEER.*peer rank 2" "$T/pe0.out" || fail "lost node: no EPD_ERR_PEER naming rank 2: $(cat "$T/pe0.out")"
 [ $MS -lt 2500 ] || fail "lost node: the step failed only after $MS ms"
-"$EPDCTL" -s "$T/a/control.sock" status > /dev/null || fail "node 0 stopped serving after losing node 1"
+"$EPDCTL" -s "$T/a/control.sock" status > "$T/lost-status.out" || fail "node 0 stopped serving after losing node 1"
+grep -q "^links:    node 1 down: " "$T/lost-status.out" || fail "status after losing node 1: $(cat "$T/lost-status.out")"
+"$EPDCTL" -s "$T/a/control.sock" metrics > "$T/lost-metrics.out" || fail "metrics after losing node 1"
+grep -q '^epd_cluster_link_up{node="1"} 0$' "$T/lost-metrics.out" || fail "metrics after losing node 1: $(grep link_up "$T/lost-metrics.out")"
+echo "   node 0's status: $(grep '^links:' "$T/lost-status.out")"
 kill -TERM "$P_a"; wait "$P_a"; RA=$?
 [ $RA -eq 0 ] || fail "node 0 exited $RA on SIGTERM"
 
