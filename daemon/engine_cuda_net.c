@@ -492,7 +492,7 @@ static int collect(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
     cg->last_ns = now;
     moved = 1;
   }
-  if (cg->narrived == cn->L) {
+  if (cg->narrived == cn->L && !eng_net_joining(eng, grp)) {
     cg->step = grp->steps;
     send_frame(cn, cg);
     cg->t_sent = eng_now_ns();

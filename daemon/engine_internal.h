@@ -118,6 +118,12 @@ struct eng_group {
    * removed there): a step numbered >= that whose part from node n is not in fails here at once with
    * EPD_ERR_PEER. UINT64_MAX: the group exists there (or nothing was heard). */
   uint64_t gone_from[EPD_MAX_RANKS];
+  /* Scale-out: made while the other nodes may step the group already (a worker restarted): its first
+   * part waits for every other node's reply (bit n of join_wait: node n's is due), and it takes the
+   * step the others are at (join_step; see eng_net_joining). */
+  uint64_t join_wait, join_step, join_ns;
+  uint32_t join_map_version; /* the map the node at join_step runs, and its hash */
+  uint64_t join_map_hash;
 };
 
 typedef struct eng_rank_stats {
@@ -347,6 +353,9 @@ void eng_net_group_free(eng_group_t *grp);
  * step on no part of it comes from here (grp->steps: a part of that step already sent reaches them first,
  * one link in order); eng_net_group_created tells them when it exists again. */
 void eng_net_group_removed(epd_engine_t *eng, eng_group_t *grp);
+/* (mu) 1 while grp, just made here, waits for the other nodes' replies before its first part goes out
+ * (both backends ask before sending a step's part); then it runs from the step they are at. */
+int eng_net_joining(epd_engine_t *eng, eng_group_t *grp);
 /* The verdict on node n's missing part of step `step` of grp: 1 (why filled) if node n said the group
  * is gone there from that step on. */
 int eng_net_gone(const eng_group_t *grp, uint32_t n, uint32_t L, uint64_t step, char *why, size_t len);

@@ -87,6 +87,9 @@ struct epd_net {
   int peer_draining[MAX_NODES];
   /* (engine mu) maps node 0 sent for groups this node did not have yet: staged when one is created */
   struct pending_map *pending;
+  /* (engine mu) groups removed here (the newest 64): made again, one waits for the other nodes' step */
+  char removed[64][EPD_GROUP_NAME_MAX];
+  uint32_t removed_next;
   _Atomic uint32_t weights_delay_ms; /* epd_net_test_weights_delay */
   /* expert weights to send (net->mu): sent in order by the control thread, never under the engine lock */
   struct wq *wq_head, *wq_tail;
@@ -1227,6 +1230,7 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
   net_group_t *ng = group_state(eng, grp);
   if (!ng) return fail(res, EPD_ERR_NOMEM, -1, "out of memory for the group's scale-out state");
   if (ng->sent_step != grp->steps) {
+    if (eng_net_joining(eng, grp)) return 0; /* made just now: the step number comes with the replies */
     drop_frames(ng);
     send_step(eng, grp, ng);
     ng->sent_step = grp->steps;
@@ -1270,13 +1274,14 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
  * lock) and sends each staged map as MAP_SET to every other node, in version order on every link; a
  * MAP_REQ is answered with MAP_REP after the MAP_SET to the asking node, so a SetExpertMap that
  * returns a version has that map staged on its node. */
-enum { CTL_MAP_REQ = 1, CTL_MAP_SET = 2, CTL_MAP_REP = 3, CTL_DRAIN = 4, CTL_WEIGHTS = 5, CTL_GONE = 6 };
+enum { CTL_MAP_REQ = 1, CTL_MAP_SET = 2, CTL_MAP_REP = 3, CTL_DRAIN = 4, CTL_WEIGHTS = 5, CTL_GONE = 6, CTL_JOIN = 7 };
 typedef struct ctl_msg {
   uint32_t kind, version;
   uint64_t req_id;
   int32_t status;
   uint32_t num_experts, ncopies, pad;
   char why[320];
+  uint64_t hash; /* CTL_JOIN: the hash of the sender's active map (its version in version) */
 } ctl_msg_t;
 
 /* A map in a control frame: nrep[E], zero padding to 8 bytes, rep[E], copies[ncopies], so that rep and the
@@ -1655,16 +1660,73 @@ static void send_gone(epd_engine_t *eng, const eng_group_t *grp, uint64_t from) 
                grp->name, n);
 }
 
+/* (engine mu) name was removed here (and forget it: take), or remember that it was (put). */
+static int removed_take(epd_net_t *net, const char *name) {
+  for (uint32_t i = 0; i < 64; i++)
+    if (net->removed[i][0] && !strcmp(net->removed[i], name)) {
+      net->removed[i][0] = 0;
+      return 1;
+    }
+  return 0;
+}
+
 void eng_net_group_removed(epd_engine_t *eng, eng_group_t *grp) {
-  if (eng->o.nodes <= 1 || !eng->o.net) return;
+  epd_net_t *net = eng->o.net;
+  if (eng->o.nodes <= 1 || !net) return;
   send_gone(eng, grp, grp->steps);
+  if (!removed_take(net, grp->name)) net->removed_next = (net->removed_next + 1) % 64;
+  snprintf(net->removed[net->removed_next], sizeof net->removed[0], "%s", grp->name);
+  /* made again here later, the group stages the newest map it had (the other nodes run it, or have it
+   * staged): the maps then agree again through the frames' votes (a map with weight copies is not kept) */
+  const epd_expert_map_t *m = grp->has_staged && !grp->nstaged_copies ? &grp->staged : &grp->map;
+  if (m->version > 1 && pending_put(eng, eng->o.net, grp->name, m, 0))
+    EPD_LOGW(EPD_SUB_ENGINE, "group %s: its expert map version %u is not kept for its next creation here",
+             grp->name, m->version);
+}
+
+/* (mu) Node n's reply to this node's creation notice: the step it is at (UINT64_MAX: none). */
+static void join_reply(eng_group_t *grp, uint32_t n, const ctl_msg_t *c) {
+  if (!(grp->join_wait >> n & 1)) return;
+  grp->join_wait &= ~(1ull << n);
+  if (c->req_id == UINT64_MAX || c->req_id < grp->join_step) return;
+  grp->join_step = c->req_id;
+  grp->join_map_version = c->version;
+  grp->join_map_hash = c->hash;
+}
+
+int eng_net_joining(epd_engine_t *eng, eng_group_t *grp) {
+  epd_net_t *net = eng->o.net;
+  if (grp->join_wait) {
+    char why[160];
+    for (uint32_t n = 0; n < eng->o.nodes && n < 64; n++)
+      if (grp->join_wait >> n & 1 && epd_net_node_dead(net, n, why, sizeof why)) grp->join_wait &= ~(1ull << n);
+    if (grp->join_wait && eng_now_ns() - grp->join_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
+      EPD_LOGW(EPD_SUB_ENGINE, "group %s: no reply to its creation notice from every node within %u ms: it "
+               "steps on from step %llu", grp->name, eng->o.step_timeout_ms, (unsigned long long)grp->steps);
+      grp->join_wait = 0;
+    }
+    if (grp->join_wait) return 1;
+  }
+  if (!grp->join_step) return 0;
+  if (grp->steps == 0) {
+    grp->steps = grp->join_step;
+    /* the map they run, kept here when the group went (eng_net_group_removed) and staged at its
+     * creation: active at once, so that the first dispatch's maps agree */
+    if (grp->has_staged && !grp->nstaged_copies && grp->staged.version == grp->join_map_version &&
+        epd_net_map_hash(&grp->staged) == grp->join_map_hash)
+      eng_apply_staged_map(eng, grp);
+    EPD_LOGI(EPD_SUB_ENGINE, "group %s: made again here while the other nodes step it: it runs from their "
+             "step %llu, expert map version %u", grp->name, (unsigned long long)grp->steps, grp->map.version);
+  }
+  grp->join_step = 0;
+  return 0;
 }
 
 int eng_net_gone(const eng_group_t *grp, uint32_t n, uint32_t L, uint64_t step, char *why, size_t len) {
   if (n >= EPD_MAX_RANKS || grp->gone_from[n] > step) return 0;
   snprintf(why, len,
            "node %u (ranks %u..%u) has no client of group %s since its step %llu (the group was removed there): "
-           "re-attach the group's clients on every node",
+           "its clients there must attach again",
            n, n * L, n * L + L - 1, grp->name, (unsigned long long)grp->gone_from[n]);
   return 1;
 }
@@ -1672,7 +1734,17 @@ int eng_net_gone(const eng_group_t *grp, uint32_t n, uint32_t L, uint64_t step, 
 void eng_net_group_created(epd_engine_t *eng, eng_group_t *grp) {
   epd_net_t *net = eng->o.net;
   if (eng->o.nodes <= 1 || !net) return;
-  send_gone(eng, grp, UINT64_MAX); /* a removal notice of an earlier group of that name no longer holds */
+  /* the other nodes forget an earlier removal here and reply with the step they are at; made again
+   * here (its workers restarted), the first part of the group waits for their replies and takes that
+   * step (eng_net_joining); made for the first time, every node starts at step 0 */
+  grp->join_wait = 0;
+  grp->join_step = 0;
+  grp->join_ns = eng_now_ns();
+  char why[160];
+  if (removed_take(net, grp->name))
+    for (uint32_t n = 0; n < eng->o.nodes && n < 64; n++)
+      if (n != eng->o.node_rank && !epd_net_node_dead(net, n, why, sizeof why)) grp->join_wait |= 1ull << n;
+  send_gone(eng, grp, UINT64_MAX);
   /* a node that drains takes no step of a group made here after its notice */
   for (uint32_t n = 0; n < eng->o.nodes && n < MAX_NODES && n < EPD_MAX_RANKS; n++)
     if (net->peer_draining[n]) grp->drain_from[n] = 0;
@@ -1753,20 +1825,31 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     pthread_mutex_lock(&eng->mu);
     eng_group_t *grp = eng_find_group(eng, group);
     const uint64_t was = grp ? grp->gone_from[f->src_node] : UINT64_MAX, steps = grp ? grp->steps : 0;
-    /* created again there: its steps count from 0, so it steps with this group only if this one has
-     * not stepped either (its clients restarted before the first step); else this group's steps keep
-     * failing at once until it is created again here too */
-    if (grp && (c.req_id != UINT64_MAX || steps == 0)) grp->gone_from[f->src_node] = c.req_id;
+    const uint32_t version = grp ? grp->map.version : 0;
+    const uint64_t hash = grp ? epd_net_map_hash(&grp->map) : 0;
+    if (grp) grp->gone_from[f->src_node] = c.req_id;
     pthread_mutex_unlock(&eng->mu);
+    if (c.req_id == UINT64_MAX) {
+      /* made there (again): tell it the step this node's group collects, which from now on waits for
+       * its part (it takes this number before its first part goes out) */
+      ctl_msg_t r = {.kind = CTL_JOIN, .req_id = grp ? steps : UINT64_MAX, .version = grp ? version : 0,
+                     .hash = grp ? hash : 0};
+      send_ctl(net, f->src_node, group, &r, NULL, NULL);
+    }
     if (grp && c.req_id != UINT64_MAX)
       EPD_LOGW(EPD_SUB_ENGINE, "group %s: removed on node %u at its step %llu (its last client there left): its "
                "steps from then on fail here with EPD_ERR_PEER", group, f->src_node, (unsigned long long)c.req_id);
-    else if (grp && was != UINT64_MAX && steps == 0)
-      EPD_LOGI(EPD_SUB_ENGINE, "group %s: created again on node %u", group, f->src_node);
     else if (grp && was != UINT64_MAX)
-      EPD_LOGW(EPD_SUB_ENGINE, "group %s: created again on node %u, its steps numbered from 0, while this node's "
-               "group is at step %llu: its steps keep failing here with EPD_ERR_PEER until its clients here "
-               "re-attach too", group, f->src_node, (unsigned long long)steps);
+      EPD_LOGI(EPD_SUB_ENGINE, "group %s: made again on node %u; its steps wait for that node again from step %llu",
+               group, f->src_node, (unsigned long long)steps);
+    return;
+  }
+  if (c.kind == CTL_JOIN) { /* req_id: the step the sender's group is at (UINT64_MAX: none there) */
+    if (f->src_node >= MAX_NODES || f->src_node >= 64) return;
+    pthread_mutex_lock(&eng->mu);
+    eng_group_t *grp = eng_find_group(eng, group);
+    if (grp) join_reply(grp, f->src_node, &c);
+    pthread_mutex_unlock(&eng->mu);
     return;
   }
   epd_expert_map_t m;

@@ -62,11 +62,11 @@ grep -q '^epd_cluster_link_up{node="1"} 1$' "$T/metrics.out" || fail "metrics: n
 TX=$(sed -n 's/^epd_cluster_bytes_total{direction="tx"} //p' "$T/metrics.out")
 FR=$(sed -n 's/^epd_cluster_frames_total{direction="rx"} //p' "$T/metrics.out")
 [ "${TX:-0}" -gt 100000 ] || fail "metrics: only ${TX:-0} bytes sent to node 1"
-# 4 groups x (dispatch + combine) x steps: one frame per step from the other node; and per group the
-# notices of its creation and removal on node 1 (removals may still be on their way).
+# 4 groups x (dispatch + combine) x steps: one frame per step from the other node; and per group node
+# 1's notice of its creation, its reply to node 0's, and its removal notice (which may still be on its way).
 STEPF=$(( (8 + 8 + 6 + 6) * 2 ))
-[ "${FR:-0}" -ge $((STEPF + 4)) ] && [ "${FR:-0}" -le $((STEPF + 8)) ] ||
-  fail "metrics: $FR frames from node 1, want $STEPF step frames and 4-8 group notices"
+[ "${FR:-0}" -ge $((STEPF + 8)) ] && [ "${FR:-0}" -le $((STEPF + 12)) ] ||
+  fail "metrics: $FR frames from node 1, want $STEPF step frames and 8-12 group notices"
 echo "   node 0 sent $TX bytes, received $FR frames"
 
 echo "== a rank of the other node is refused, naming the node"
