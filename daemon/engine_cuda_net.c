@@ -215,7 +215,11 @@ static void group_free(cnet_t *cn, cnet_grp_t *cg) {
     for (unsigned b = 0; b < EPD_NUM_BANKS; b++) epd_ref_plan_free(&cg->plan[b]);
   for (uint32_t n = 0; n < cn->nodes; n++) free(cg->frame[n]);
   if (cg->orphan) epd_expert_map_free(&cg->omap);
-  if (cg->gname[0]) epd_net_drop_group(cn->eng->o.net, cg->gname);
+  /* its queued frames go with it, unless the group was made again here meanwhile (they may be the new
+   * one's: it rejoined the other nodes at their step) */
+  int again = 0;
+  for (eng_group_t *g = cn->eng->groups; g && !again; g = g->next) again = !strcmp(g->name, cg->gname);
+  if (cg->gname[0] && !again) epd_net_drop_group(cn->eng->o.net, cg->gname);
   eng_vote_reset(&cg->vote);
   for (cnet_grp_t **pp = &cn->groups; *pp; pp = &(*pp)->next)
     if (*pp == cg) {

@@ -209,6 +209,24 @@ done 2>/dev/null # bash's "Killed" notices
 echo "   steps of removed groups kept (node 0, node 1; the held-combine case's included): $(grep -c "its last client here left after the step's frame was sent" "$T/node0.log"), $(grep -c "its last client here left after the step's frame was sent" "$T/node1.log")"
 start_workers kz --steps 20 --seed 39 --hidden 512 --tokens 32
 expect_ok kz0 kz1
+echo "== node 1's worker dies and restarts: the group made again there takes node 0's step and map, node 0's worker goes on"
+# node 0's worker skips the ops that fail meanwhile (--until-streak) and stops after 20 steps in a row
+# with the restarted worker; every step's inputs are step 0's (--same-inputs)
+RJ="--seed 40 --hidden 512 --tokens 32 --fp8 --same-inputs"
+CUDA_VISIBLE_DEVICES=$(gpu_of 0) timeout 120 "$WORKER" -s "$T/n0/control.sock" -g rj -r 0 -n 2 --steps 5000 $RJ --until-streak 20 > "$T/rj0.out" 2>&1 &
+W_rj0=$!
+CUDA_VISIBLE_DEVICES=$(gpu_of 1) timeout 120 "$WORKER" -s "$T/n1/control.sock" -g rj -r 1 -n 2 --steps 5000 $RJ -v > "$T/rj1.out" 2>&1 &
+W_rj1=$!
+wait_for 30 grep -q "^rank 1 step 10:" "$T/rj1.out" || fail "rejoin: rank 1 did not reach step 10: $(tail -2 "$T/rj1.out")"
+pkill -KILL -P "$W_rj1"
+wait_for 10 grep -q "rank 0 step [0-9]*: .* failed (skipped).*EPD_ERR_PEER" "$T/rj0.out" || fail "rejoin: node 0's worker did not fail meanwhile: $(tail -2 "$T/rj0.out")"
+CUDA_VISIBLE_DEVICES=$(gpu_of 1) timeout 120 "$WORKER" -s "$T/n1/control.sock" -g rj -r 1 -n 2 --steps 20 $RJ > "$T/rjb1.out" 2>&1 &
+W_rjb1=$!
+expect_ok rjb1 rj0
+grep -q "group rj: made again here while the other nodes step it: it runs from their step [1-9]" "$T/node1.log" ||
+  fail "rejoin: node 1's log: $(grep 'group rj' "$T/node1.log" | tail -3)"
+grep -q "did not finish within\|engine failed" "$T/node0.log" "$T/node1.log" && fail "rejoin: an engine failed"
+echo "   $(grep -o 'group rj: made again here.*' "$T/node1.log" | head -1); node 0's worker skipped $(grep -c 'failed (skipped)' "$T/rj0.out") ops meanwhile"
 
 echo "== node 1 drains between a dispatch and its combine: the combines run, then both workers stop on EPD_ERR_DRAINING, node 0's at once"
 start_workers dr --steps 100000 --seed 9 --hidden 256 --hold-at 5 --hold-file "$T/dr.go"

@@ -98,6 +98,22 @@ node0_step() {
   [ $R0 -eq 2 ] && [ $R1 -eq 2 ] || fail "$2: workers exited $R0 $R1"
 }
 
+echo "== node 1's workers die and restart: the group made again there takes node 0's step and map, node 0's workers go on"
+# node 0's workers skip the ops that fail meanwhile (--until-streak) and stop after 20 steps in a row with
+# the restarted workers; every step's inputs are step 0's (--same-inputs), so workers that started at
+# different steps check the same reference
+for r in 0 1; do worker "rj$r" a -g rj -r $r -n 4 --steps 3000 --seed 12 --same-inputs --until-streak 20; done
+for r in 2 3; do worker "rj$r" b -g rj -r $r -n 4 --steps 3000 --seed 12 --same-inputs -v; done
+wait_for 20 grep -q "^rank 2 step 10:" "$T/rj2.out" || fail "rejoin: rank 2 did not reach step 10: $(tail -2 "$T/rj2.out")"
+pkill -KILL -P "$W_rj2"; pkill -KILL -P "$W_rj3"
+wait_for 10 grep -q "group rj: removed on node 1" "$T/a.log" || fail "rejoin: node 0 did not hear of the removal"
+wait_for 10 grep -q "rank 0 step [0-9]*: dispatch failed (skipped).*EPD_ERR_PEER" "$T/rj0.out" || fail "rejoin: node 0's worker did not fail meanwhile: $(tail -2 "$T/rj0.out")"
+for r in 2 3; do worker "rjb$r" b -g rj -r $r -n 4 --steps 20 --seed 12 --same-inputs; done
+expect_ok rjb2 rjb3 rj0 rj1
+grep -q "group rj: made again here while the other nodes step it: it runs from their step [1-9]" "$T/b.log" ||
+  fail "rejoin: node 1's log: $(grep 'group rj' "$T/b.log" | tail -3)"
+echo "   $(grep -o 'group rj: made again here.*' "$T/b.log" | head -1); node 0's worker: $(grep -c 'failed (skipped)' "$T/rj0.out") ops skipped meanwhile"
+
 echo "== node 1 never submits: EPD_ERR_TIMEOUT naming a rank of node 1"
 node0_step to "timeout case"
 grep -q "EPD_ERR_TIMEOUT.*peer rank 2" "$T/to0.out" || fail "timeout does not name rank 2: $(cat "$T/to0.out")"

@@ -35,6 +35,11 @@
  * --hold-at K --hold-file PATH: after the dispatch of step K is checked, print "holding before the
  * combine of step K" and wait (up to 60 s) until PATH exists, then go on (a drain between the two: the
  * combine must still run and match, the next dispatch fail with EPD_ERR_DRAINING).
+ * --same-inputs: every step uses step 0's inputs and bank 0 (workers that start at different steps of the
+ * group, e.g. one restarted, still agree on the reference).
+ * --until-streak N: an op that fails is reported and skipped (after a failed dispatch the next step's
+ * dispatch follows, 20 ms later), and the worker stops, exit 0, once N steps in a row ran and matched
+ * after its last failure (at most 2000 failures; --steps bounds the steps tried).
  * Exit: 0 all steps matched; 1 a result differed; 2 an op or the attach failed; 3 --die-at-step.
  */
 #define _GNU_SOURCE
@@ -59,12 +64,12 @@ typedef struct args {
   uint64_t seed;
   uint32_t experts, hidden, topk, tokens;
   uint64_t weights;
-  int graph, ht_every, node_ranks, dense, specials, hold_at;
+  int graph, ht_every, node_ranks, dense, specials, hold_at, same_inputs, streak;
   const char *hold_file;
 } args_t;
 
 static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0, 0, 0, 0, 0,
-                   -1, NULL};
+                   -1, 0, 0, NULL};
 
 /* The flags of a dispatch in HT mode (ht) or LL: flags, plus EPD_DESC_HT_DENSE for HT with --dense. */
 static uint32_t dispatch_flags(uint32_t flags, int ht) { return flags | (ht && A.dense ? (uint32_t)EPD_DESC_HT_DENSE : 0u); }
@@ -547,7 +552,8 @@ static void parse(int argc, char **argv) {
       {"topk", 1, 0, 'K'},     {"tokens", 1, 0, 'T'}, {"mode", 1, 0, 'm'},   {"fp8", 0, 0, 'f'},
       {"skew", 0, 0, 'k'},     {"die-at-step", 1, 0, 'd'}, {"verbose", 0, 0, 'v'}, {"map-every", 1, 0, 'M'}, {"node-ranks", 1, 0, 'N'},
       {"weights", 1, 0, 'W'},  {"graph", 0, 0, 'G'},  {"bench", 1, 0, 'B'}, {"ht-every", 1, 0, 'X'}, {"dense", 0, 0, 'D'},
-      {"specials", 0, 0, 'Z'}, {"hold-at", 1, 0, 'h'}, {"hold-file", 1, 0, 'F'}, {0, 0, 0, 0}};
+      {"specials", 0, 0, 'Z'}, {"hold-at", 1, 0, 'h'}, {"hold-file", 1, 0, 'F'},
+      {"same-inputs", 0, 0, 'I'}, {"until-streak", 1, 0, 'U'}, {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "s:g:r:n:v", lo, NULL)) != -1) {
     switch (c) {
@@ -580,6 +586,8 @@ static void parse(int argc, char **argv) {
     case 'Z': A.specials = 1; break;
     case 'h': A.hold_at = atoi(optarg); break;
     case 'F': A.hold_file = optarg; break;
+    case 'I': A.same_inputs = 1; break;
+    case 'U': A.streak = atoi(optarg); break;
     default: usage();
     }
   }
@@ -707,18 +715,25 @@ int main(int argc, char **argv) {
   epd_comp_t comp;
   int nht = 0;
   uint64_t step0 = 0; /* group step of the first dispatch: every op is one group step */
+  int fails = 0, streak = 0, after_fail = 0, ok_steps = 0; /* --until-streak */
   for (int step = 0; step < A.steps; step++) {
+    if (A.streak > 0 && fails && streak >= A.streak) { /* --until-streak: N steps in a row after the last failure */
+      printf("rank %d: %d steps in a row after %d failed ops\n", A.rank, streak, fails);
+      A.steps = ok_steps;
+      break;
+    }
+    const uint64_t gstep = A.same_inputs ? 0 : (uint64_t)step; /* the step the inputs are made for */
     /* --ht-every N: every N-th step is an HT step in an LL group (same buffers, other kinds) */
     const int ht = A.ht || (A.ht_every > 0 && step % A.ht_every == A.ht_every - 1);
     const epd_mode_t mode = ht ? EPD_MODE_HT : EPD_MODE_LL;
     if (ht && !A.ht) nht++;
     const uint32_t dflags = dispatch_flags(flags, ht); /* this step's dispatch */
     rows = ht ? C : (size_t)S * R * M;
-    unsigned bank = (unsigned)step % EPD_NUM_BANKS;
+    unsigned bank = A.same_inputs ? 0u : (unsigned)step % EPD_NUM_BANKS;
     for (uint32_t r = 0; r < R; r++) {
-      uint32_t T = tokens_of((uint64_t)step, r, M);
-      epd_ref_gen_input(A.seed, (uint64_t)step, r, &g, T, A.skew, xs[r], is[r], ws[r]);
-      if (A.specials) epd_ref_gen_specials(A.seed, (uint64_t)step, r, T, H, xs[r]);
+      uint32_t T = tokens_of(gstep, r, M);
+      epd_ref_gen_input(A.seed, gstep, r, &g, T, A.skew, xs[r], is[r], ws[r]);
+      if (A.specials) epd_ref_gen_specials(A.seed, gstep, r, T, H, xs[r]);
       in[r] = (epd_ref_in_t){T, xs[r], is[r], ws[r]};
     }
     uint32_t T = in[me].num_tokens;
@@ -744,12 +759,21 @@ int main(int argc, char **argv) {
     double t0 = now_us();
     rc = A.graph ? graph_run(ep, 0, bank, &comp) : epd_dispatch(ep, mode, T, dflags, bank, NULL);
     double t1 = now_us();
+    if (rc && A.streak > 0 && ++fails <= 2000) {
+      printf("rank %d step %d: dispatch failed (skipped): %s\n", A.rank, step, epd_last_error(ep));
+      fflush(NULL);
+      streak = 0;
+      after_fail = 1;
+      usleep(20000);
+      continue;
+    }
     if (rc) {
       fprintf(stderr, "rank %d step %d: dispatch failed: %s\n", A.rank, step, A.graph ? epd_strerror(rc) : epd_last_error(ep));
       return 2;
     }
     if (!A.graph) epd_op_status(ep, &comp);
-    if (step == 0) step0 = comp.step;
+    if (step == 0 || after_fail) step0 = comp.step - 2 * (uint64_t)step;
+    after_fail = 0;
     if (comp.step != step0 + 2 * (uint64_t)step) {
       fprintf(stderr, "rank %d step %d: dispatch ran as group step %llu, want %llu\n", A.rank, step,
               (unsigned long long)comp.step, (unsigned long long)(step0 + 2 * (uint64_t)step));
@@ -875,10 +899,20 @@ int main(int argc, char **argv) {
     epd_comp_t ccomp;
     rc = A.graph ? graph_run(ep, 1, bank, &ccomp) : epd_combine(ep, mode, bank, NULL);
     t_ops += (t1 - t0) + (now_us() - t2);
+    if (rc && A.streak > 0 && ++fails <= 2000) {
+      printf("rank %d step %d: combine failed (skipped): %s\n", A.rank, step, epd_last_error(ep));
+      fflush(NULL);
+      streak = 0;
+      after_fail = 1;
+      usleep(20000);
+      continue;
+    }
     if (rc) {
       fprintf(stderr, "rank %d step %d: combine failed: %s\n", A.rank, step, A.graph ? epd_strerror(rc) : epd_last_error(ep));
       return 2;
     }
+    ok_steps++;
+    if (fails) streak++;
     if (!A.graph) epd_op_status(ep, &ccomp); /* graph replays: the record of the replayed slot */
     if (ccomp.step != comp.step + 1 || ccomp.map_version != comp.map_version) {
       fprintf(stderr, "rank %d step %d: combine ran as group step %llu map %u, want %llu map %u\n", A.rank, step,
