@@ -545,6 +545,16 @@ static void usage(void) {
   exit(2);
 }
 
+/* --until-streak: a failed op is reported and skipped (1), 20 ms later the next step's dispatch follows;
+ * 0 past 2000 failures. */
+static int skip_failed(const epd_ep_t *ep, const char *op, int step, int *fails) {
+  if (A.streak <= 0 || ++*fails > 2000) return 0;
+  printf("rank %d step %d: %s failed (skipped): %s\n", A.rank, step, op, epd_last_error(ep));
+  fflush(NULL);
+  usleep(20000);
+  return 1;
+}
+
 static void parse(int argc, char **argv) {
   static const struct option lo[] = {
       {"socket", 1, 0, 's'},   {"group", 1, 0, 'g'},  {"rank", 1, 0, 'r'},   {"nranks", 1, 0, 'n'},
@@ -759,12 +769,9 @@ int main(int argc, char **argv) {
     double t0 = now_us();
     rc = A.graph ? graph_run(ep, 0, bank, &comp) : epd_dispatch(ep, mode, T, dflags, bank, NULL);
     double t1 = now_us();
-    if (rc && A.streak > 0 && ++fails <= 2000) {
-      printf("rank %d step %d: dispatch failed (skipped): %s\n", A.rank, step, epd_last_error(ep));
-      fflush(NULL);
+    if (rc && skip_failed(ep, "dispatch", step, &fails)) {
       streak = 0;
       after_fail = 1;
-      usleep(20000);
       continue;
     }
     if (rc) {
@@ -899,12 +906,9 @@ int main(int argc, char **argv) {
     epd_comp_t ccomp;
     rc = A.graph ? graph_run(ep, 1, bank, &ccomp) : epd_combine(ep, mode, bank, NULL);
     t_ops += (t1 - t0) + (now_us() - t2);
-    if (rc && A.streak > 0 && ++fails <= 2000) {
-      printf("rank %d step %d: combine failed (skipped): %s\n", A.rank, step, epd_last_error(ep));
-      fflush(NULL);
+    if (rc && skip_failed(ep, "combine", step, &fails)) {
       streak = 0;
       after_fail = 1;
-      usleep(20000);
       continue;
     }
     if (rc) {
