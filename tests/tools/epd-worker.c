@@ -307,6 +307,10 @@ static int table_map(epd_ep_t *ep, epd_expert_map_t *m, uint32_t E, uint32_t R, 
   return 0;
 }
 
+/* SetExpertMap answered RESOURCE_EXHAUSTED: the last staged map's migration still holds a slot the new
+ * one names (it is built on the active map): staging waits for the next --map-every step. */
+static int map_busy;
+
 /* SetExpertMap over the control RPC: the map in `pl`, plus weight copies; its version or 0. */
 static uint32_t send_map(Epd__V1__ExpertPlacement **plp, uint32_t E, Epd__V1__WeightCopy **wcp, size_t ncp,
                          int step) {
@@ -323,11 +327,14 @@ static uint32_t send_map(Epd__V1__ExpertPlacement **plp, uint32_t E, Epd__V1__We
   uint32_t v = 0;
   epd_rpc_t *rpc = NULL;
   ProtobufCMessage *rep = NULL;
+  map_busy = 0;
   if (epd_rpc_open(A.sock, 10000, &rpc, err, sizeof err) ||
       epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &q.base, &epd__v1__set_expert_map_reply__descriptor, &rep, err,
-                   sizeof err))
-    fprintf(stderr, "rank %d step %d: SetExpertMap: %s\n", A.rank, step, err);
-  else
+                   sizeof err)) {
+    map_busy = ncp > 0 && strstr(err, "RESOURCE_EXHAUSTED") && strstr(err, "is being migrated");
+    fprintf(map_busy ? stdout : stderr, "rank %d step %d: SetExpertMap: %s%s\n", A.rank, step, err,
+            map_busy ? " (staged at the next step that stages a map)" : "");
+  } else
     v = ((Epd__V1__SetExpertMapReply *)rep)->version;
   if (rep) protobuf_c_message_free_unpacked(rep, NULL);
   if (rpc) epd_rpc_close(rpc);
@@ -968,10 +975,12 @@ int main(int argc, char **argv) {
              T, nrecv, comp.map_version, errs || oerrs ? "MISMATCH" : "ok");
     if (A.map_every > 0 && A.rank == 0 && (step + 1) % A.map_every == 0) {
       uint32_t nc = 0;
-      if (!(wbuf ? stage_migration_map(&map, g.num_experts, R, S, step, &nc) : stage_random_map(g.num_experts, R, S, step)))
+      if (wbuf ? stage_migration_map(&map, g.num_experts, R, S, step, &nc) : stage_random_map(g.num_experts, R, S, step)) {
+        total_copies += nc;
+        nstaged++;
+      } else if (!map_busy) {
         return 2;
-      total_copies += nc;
-      nstaged++;
+      }
     }
   }
   if (A.map_every > 0)
