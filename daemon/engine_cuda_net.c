@@ -217,9 +217,7 @@ static void group_free(cnet_t *cn, cnet_grp_t *cg) {
   if (cg->orphan) epd_expert_map_free(&cg->omap);
   /* its queued frames go with it, unless the group was made again here meanwhile (they may be the new
    * one's: it rejoined the other nodes at their step) */
-  int again = 0;
-  for (eng_group_t *g = cn->eng->groups; g && !again; g = g->next) again = !strcmp(g->name, cg->gname);
-  if (cg->gname[0] && !again) epd_net_drop_group(cn->eng->o.net, cg->gname);
+  if (cg->gname[0] && !eng_find_group(cn->eng, cg->gname)) epd_net_drop_group(cn->eng->o.net, cg->gname);
   eng_vote_reset(&cg->vote);
   for (cnet_grp_t **pp = &cn->groups; *pp; pp = &(*pp)->next)
     if (*pp == cg) {
@@ -925,6 +923,7 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   epd_engine_t *eng = cn->eng;
   epd_net_t *net = eng->o.net;
   uint32_t L = cn->L;
+  const int alive = grp_alive(cn, cg); /* a removed group's kept step (orphan) has no notices to heed */
   for (uint32_t n = 0; n < cn->nodes; n++) {
     if (n == cn->node || cg->frame[n]) continue;
     cg->frame[n] = epd_net_take_payload(net, cg->gname, cg->step, n, &cg->flen[n]);
@@ -936,14 +935,14 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
       complete_all(cn, cg, EPD_ERR_PEER, (int)(n * L), why);
       return 1;
     }
-    if (grp_alive(cn, cg) && cg->grp->drain_from[n] <= cg->step && eng_op_dispatch(cg->ldesc[0].op)) {
+    if (alive && cg->grp->drain_from[n] <= cg->step && eng_op_dispatch(cg->ldesc[0].op)) {
       /* its notice came after every frame it sent (one link, in order): its part would say DRAINING */
       snprintf(why, sizeof why, "node %u (ranks %u..%u) is draining: it takes no dispatch of group %s from step %llu on",
                n, n * L, n * L + L - 1, cg->gname, (unsigned long long)cg->grp->drain_from[n]);
       complete_all(cn, cg, EPD_ERR_DRAINING, (int)(n * L), why);
       return 1;
     }
-    if (grp_alive(cn, cg) && eng_net_gone(cg->grp, n, L, cg->step, why, sizeof why)) {
+    if (alive && eng_net_gone(cg->grp, n, L, cg->step, why, sizeof why)) {
       EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
       complete_all(cn, cg, EPD_ERR_PEER, (int)(n * L), why);
       return 1;

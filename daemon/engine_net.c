@@ -1825,18 +1825,19 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     pthread_mutex_lock(&eng->mu);
     eng_group_t *grp = eng_find_group(eng, group);
     const uint64_t was = grp ? grp->gone_from[f->src_node] : UINT64_MAX, steps = grp ? grp->steps : 0;
-    const uint32_t version = grp ? grp->map.version : 0;
-    const uint64_t hash = grp ? epd_net_map_hash(&grp->map) : 0;
+    /* a creation notice is answered with the map this node runs (a removal needs nothing back) */
+    const int made = c.req_id == UINT64_MAX;
+    const uint32_t version = grp && made ? grp->map.version : 0;
+    const uint64_t hash = grp && made ? epd_net_map_hash(&grp->map) : 0;
     if (grp) grp->gone_from[f->src_node] = c.req_id;
     pthread_mutex_unlock(&eng->mu);
-    if (c.req_id == UINT64_MAX) {
+    if (made) {
       /* made there (again): tell it the step this node's group collects, which from now on waits for
        * its part (it takes this number before its first part goes out) */
-      ctl_msg_t r = {.kind = CTL_JOIN, .req_id = grp ? steps : UINT64_MAX, .version = grp ? version : 0,
-                     .hash = grp ? hash : 0};
+      ctl_msg_t r = {.kind = CTL_JOIN, .req_id = grp ? steps : UINT64_MAX, .version = version, .hash = hash};
       send_ctl(net, f->src_node, group, &r, NULL, NULL);
     }
-    if (grp && c.req_id != UINT64_MAX)
+    if (grp && !made)
       EPD_LOGW(EPD_SUB_ENGINE, "group %s: removed on node %u at its step %llu (its last client there left): its "
                "steps from then on fail here with EPD_ERR_PEER", group, f->src_node, (unsigned long long)c.req_id);
     else if (grp && was != UINT64_MAX)

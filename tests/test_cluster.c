@@ -186,6 +186,13 @@ static void cluster_down(cluster_t *cl) {
   for (int n = 0; n < 2; n++) epd_net_destroy(cl->net[n]);
 }
 
+/* Detach world rank r's client at its node and unmap its queue and arena. */
+static void cl_detach(cluster_t *cl, int r, int lost) {
+  ASSERT_OK(epd_engine_detach(cl->eng[r / L], cl->c[r].info.client_id, lost));
+  munmap(cl->c[r].q, cl->c[r].info.queue_bytes);
+  munmap(cl->c[r].arena, cl->c[r].info.arena_bytes);
+}
+
 static uint64_t tx_of(epd_net_t *net) {
   uint64_t tx, rx, tf, rf;
   epd_net_counters(net, &tx, &rx, &tf, &rf);
@@ -546,9 +553,7 @@ EPD_TEST(cluster_map_weight_copy_source_detached) {
   cluster_t cl;
   const uint32_t E = 8, WB = 256;
   const uint32_t S = cluster_up_weights(&cl, E, WB);
-  ASSERT_OK(epd_engine_detach(cl.eng[1], cl.c[2].info.client_id, 0));
-  munmap(cl.c[2].q, cl.c[2].info.queue_bytes);
-  munmap(cl.c[2].arena, cl.c[2].info.arena_bytes);
+  cl_detach(&cl, 2, 0);
   epd_expert_map_t m;
   ASSERT_OK(epd_engine_get_map(cl.eng[0], "g", &m));
   m.rep[4][1] = (epd_replica_t){0, 3}; /* expert 4 (rank 2, node 1) also on rank 0 (node 0) */
@@ -564,12 +569,6 @@ EPD_TEST(cluster_map_weight_copy_source_detached) {
   check_weights(&cl, S, WB, &cp, 1);
   epd_expert_map_free(&m);
   cluster_down(&cl);
-}
-
-static void cl_detach(cluster_t *cl, int r, int lost) {
-  ASSERT_OK(epd_engine_detach(cl->eng[r / L], cl->c[r].info.client_id, lost));
-  munmap(cl->c[r].q, cl->c[r].info.queue_bytes);
-  munmap(cl->c[r].arena, cl->c[r].info.arena_bytes);
 }
 
 /* One LL dispatch of T tokens with varied routing (-1 entries too) on the ranks [r0, r1). */
