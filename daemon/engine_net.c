@@ -1674,7 +1674,8 @@ void eng_net_group_removed(epd_engine_t *eng, eng_group_t *grp) {
   epd_net_t *net = eng->o.net;
   if (eng->o.nodes <= 1 || !net) return;
   send_gone(eng, grp, grp->steps);
-  if (!removed_take(net, grp->name)) net->removed_next = (net->removed_next + 1) % 64;
+  removed_take(net, grp->name); /* one entry per name */
+  net->removed_next = (net->removed_next + 1) % 64;
   snprintf(net->removed[net->removed_next], sizeof net->removed[0], "%s", grp->name);
   /* made again here later, the group stages the newest map it had (the other nodes run it, or have it
    * staged): the maps then agree again through the frames' votes (a map with weight copies is not kept) */
