@@ -1,10 +1,14 @@
-# two-nodes-lib.sh - sourced by the two-node GPU scripts (65-two-nodes-cuda.sh: one GPU per node,
-# 66-two-nodes-2gpus-cuda.sh: two): two daemons with engine.backend=cuda on one host, told they are
-# different hosts (NCCL_HOSTID node0 / node1, NCCL_SHM_DISABLE=1, NCCL_IB_DISABLE=1, sockets on lo), so the
+# two-nodes-lib.sh - sourced by the multi-node GPU scripts (65-two-nodes-cuda.sh: one GPU per node,
+# 66-two-nodes-2gpus-cuda.sh: two, 67-three-nodes-cuda.sh: three nodes of one): NODES (default 2) daemons
+# with engine.backend=cuda on one host, told they are
+# different hosts (NCCL_HOSTID node0 / node1 / ..., NCCL_SHM_DISABLE=1, NCCL_IB_DISABLE=1, sockets on lo), so the
 # inter-node stage runs over NCCL's network transport. Node n owns GPUs n*GPN .. n*GPN+GPN-1 (through an
 # inherited CUDA_VISIBLE_DEVICES: gpu_of); with one GPU per node NCCL_P2P_DISABLE=1 too (with two, the
 # node's GPUs need P2P for their LSA team; the different host ids keep the nodes apart). Before sourcing:
-# B (build directory), GPN (GPUs per node). Skips (exit 77) without the binaries or 2 x GPN GPUs. Logs go
+# B (build directory), GPN (GPUs per node), optionally NODES. Skips (exit 77) without the binaries or
+# NODES x GPN GPUs. One GPU may stand for several: CUDA_VISIBLE_DEVICES=0,0 gives both nodes GPU 0 (their
+# processes then share it, time-sliced without MPS: steps take milliseconds, results must still be exact;
+# the two nodes' NCCL ranks pass NCCL's duplicate-GPU check because their host ids differ). Logs go
 # to $TWO_NODES_OUT if set; TWO_NODES_NCCL_ENV: extra NCCL variables for the daemons; TWO_NODES_DAEMON_OPTS:
 # extra daemon options (the scripts set engine.slots_factor_pct=200: free slots for weight migrations).
 EPD=$B/bin/epd
@@ -12,7 +16,9 @@ WORKER=$B/bin/epd-worker
 EPDCTL=$B/bin/epdctl
 for x in "$EPD" "$WORKER" "$EPDCTL"; do [ -x "$x" ] || { echo "skip: $x is not built"; exit 77; }; done
 . "$(dirname "${BASH_SOURCE[0]}")/../worker-lib.sh"
-[ "$(visible_gpus)" -ge $((2 * GPN)) ] || { echo "skip: needs $((2 * GPN)) GPUs (two nodes of $GPN)"; exit 77; }
+NODES=${NODES:-2}
+WR=$((NODES * GPN)) # world ranks
+[ "$(visible_gpus)" -ge $WR ] || { echo "skip: needs $WR GPUs ($NODES nodes of $GPN)"; exit 77; }
 NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
 [ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
 T=$(mktemp -d)
@@ -44,23 +50,23 @@ node() {
     NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_DEBUG=INFO \
     timeout 280 "$EPD" -s "$T/n$n/control.sock" -f -o daemon.attach_socket="$T/n$n/attach.sock" \
     -o engine.backend=cuda -o engine.num_ranks="$GPN" -o engine.step_timeout_ms=5000 -o engine.max_tokens=4096 \
-    -o cluster.nodes=2 -o cluster.node_rank="$n" -o cluster.data_listen=127.0.0.1:0 \
+    -o cluster.nodes=$NODES -o cluster.node_rank="$n" -o cluster.data_listen=127.0.0.1:0 \
     -o cluster.timeout_ms=60000 -o daemon.drain_timeout_ms=1000 $where ${TWO_NODES_DAEMON_OPTS:-} > "$T/node$n.log" 2>&1 &
   PIDS+=($!)
   eval "P_$n=$!"
 }
-# start_nodes: the daemons of both nodes, up (rendezvous and NCCL world communicator) within the limits;
-# node 1's status must say 2 x GPN world ranks over nccl-p2p.
+# start_nodes: the daemons of every node, up (rendezvous and NCCL world communicator) within the limits;
+# node 1's status must say NODES x GPN world ranks over nccl-p2p.
 start_nodes() {
   local s0
   s0=$(date +%s%N)
-  node 0
-  node 1
+  local n
+  for n in $(seq 0 $((NODES - 1))); do node $n; done
   wait_for 120 test -S "$T/n0/attach.sock" || fail "node 0 did not come up"
-  wait_for 60 test -S "$T/n1/attach.sock" || fail "node 1 did not come up"
-  echo "== both nodes up in $(( ($(date +%s%N) - s0) / 1000000 )) ms (rendezvous + NCCL world communicator)"
+  for n in $(seq 1 $((NODES - 1))); do wait_for 60 test -S "$T/n$n/attach.sock" || fail "node $n did not come up"; done
+  echo "== all $NODES nodes up in $(( ($(date +%s%N) - s0) / 1000000 )) ms (rendezvous + NCCL world communicator)"
   "$EPDCTL" -s "$T/n1/control.sock" status > "$T/status.out" || fail "epdctl status"
-  grep -q "node 1 of 2, $((2 * GPN)) world ranks, inter-node transport nccl-p2p" "$T/status.out" ||
+  grep -q "node 1 of $NODES, $WR world ranks, inter-node transport nccl-p2p" "$T/status.out" ||
     fail "status: $(cat "$T/status.out")"
   # the start-up GIN probe (NCCL asked for a GIN context on the world communicator): a line in status,
   # the same verdict on both nodes, and in the log
@@ -71,30 +77,30 @@ start_nodes() {
     "$T/status0.json" "$T/status1.json" || fail "GIN line missing or a different verdict on the two nodes"
   grep -qF "GIN: $(sed -n 's/^gin: *//p' "$T/status.out" | cut -c1-40)" "$T/node1.log" || fail "the log lacks the GIN line"
 }
-# start_workers NAME ARGS...: the 2 x GPN world ranks of a group, rank r at node r / GPN on GPU r; the
+# start_workers NAME ARGS...: the NODES x GPN world ranks of a group, rank r at node r / GPN on GPU r; the
 # worker of rank r writes $T/NAMEr.out, its pid in W_NAMEr; --node-ranks GPN: the reference picks replicas
 # (maps with --map-every have some) as the daemons do.
 start_workers() {
   local g=$1 r; shift
-  for r in $(seq 0 $((2 * GPN - 1))); do
-    CUDA_VISIBLE_DEVICES=$(gpu_of $r) timeout 200 "$WORKER" -s "$T/n$((r / GPN))/control.sock" -g "$g" -r $r -n $((2 * GPN)) --node-ranks "$GPN" "$@" \
+  for r in $(seq 0 $((WR - 1))); do
+    CUDA_VISIBLE_DEVICES=$(gpu_of $r) timeout 200 "$WORKER" -s "$T/n$((r / GPN))/control.sock" -g "$g" -r $r -n $WR --node-ranks "$GPN" "$@" \
       > "$T/$g$r.out" 2>&1 &
     eval "W_$g$r=$!"
   done
 }
 # weights_moved GROUP MIN: after workers with --weights --map-every: at least MIN copies' bytes crossed
-# between the nodes (their "received from node" lines), both nodes copied weights at their switches and
-# skipped none, and both switched at the same (version, step).
+# between the nodes (their "received from node" lines), every node copied weights at its switches and
+# skipped none, and all switched at the same (version, step).
 weights_moved() {
   local g=$1 min=$2 across n
-  across=$(cat "$T/node0.log" "$T/node1.log" | grep -c "group $g: weights of copy .* received from node")
+  across=$(cat "$T"/node[0-9].log | grep -c "group $g: weights of copy .* received from node")
   [ "$across" -ge "$min" ] || fail "$g: only $across weight copies crossed nodes"
-  for n in 0 1; do
+  for n in $(seq 0 $((NODES - 1))); do
     grep -o "group $g switched expert map [0-9]* -> [0-9]* at step [0-9]*" "$T/node$n.log" > "$T/wsw$n.txt"
     grep -Eq "group $g switched expert map .* \([1-9][0-9]* weight bytes copied\)" "$T/node$n.log" ||
       fail "$g: node $n copied no weights"
     grep -q "weight copy .* skipped" "$T/node$n.log" && fail "$g: node $n skipped a copy: $(grep -m1 'skipped' "$T/node$n.log")"
   done
-  cmp -s "$T/wsw0.txt" "$T/wsw1.txt" || fail "$g: the nodes switched at different steps"
-  echo "   $g: $(wc -l < "$T/wsw0.txt") switches on both nodes at the same steps, $across copies across nodes; $(grep -h 'weight copies asked' "$T/${g}0.out" | sed 's/.*staged, //')"
+  for n in $(seq 1 $((NODES - 1))); do cmp -s "$T/wsw0.txt" "$T/wsw$n.txt" || fail "$g: nodes 0 and $n switched at different steps"; done
+  echo "   $g: $(wc -l < "$T/wsw0.txt") switches on all $NODES nodes at the same steps, $across copies across nodes; $(grep -h 'weight copies asked' "$T/${g}0.out" | sed 's/.*staged, //')"
 }
