@@ -651,7 +651,7 @@ static epd_result_t group_create(epd_engine_t *eng, const char *name, const epd_
   eng_group_t *g = calloc(1, sizeof *g);
   if (!g) return EPD_ERR_NOMEM;
   g->serial = ++eng->next_group_serial;
-  for (int n = 0; n < EPD_MAX_RANKS; n++) g->drain_from[n] = g->gone_from[n] = UINT64_MAX;
+  for (int n = 0; n < EPD_MAX_RANKS; n++) g->drain_from[n] = g->gone_from[n] = g->lost_from[n] = UINT64_MAX;
   snprintf(g->name, sizeof g->name, "%s", name);
   uint32_t R = (uint32_t)o->num_ranks * o->nodes, E = req->num_experts; /* world ranks */
   uint32_t per = (E + R - 1) / R;
@@ -822,8 +822,10 @@ epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, e
   eng->clients = c;
   eng->nclients++;
   grp->client[c->rank] = c;
+  const int was_lost = grp->lost[c->rank];
   grp->lost[c->rank] = 0;
   if (created && eng->o.nodes > 1) eng_net_group_created(eng, grp);
+  else if (was_lost && eng->o.nodes > 1) eng_net_rank_back(eng, grp, c->rank);
   map_table_write(c);
   memset(info, 0, sizeof *info);
   info->client_id = c->id;
@@ -889,15 +891,19 @@ static void detach_locked(epd_engine_t *eng, eng_client_t *c, int lost, int repl
   eng->ops->client_free(eng, c);
   free(c);
   /* A group lives while it has clients: its geometry is then free to change. */
-  int empty = 1;
-  for (uint32_t r = 0; r < grp->g.num_ranks; r++)
-    if (grp->client[r]) empty = 0;
-  if (empty && !replaced) {
+  if (!eng_last_client(grp, NULL)) return;
+  if (!replaced) {
     EPD_LOGI(EPD_SUB_ENGINE, "group %s has no clients left: removed", grp->name);
     if (eng->o.nodes > 1) eng_net_group_removed(eng, grp);
     group_unlink(eng, grp);
     group_free(grp);
   }
+}
+
+int eng_last_client(const eng_group_t *grp, const eng_client_t *c) {
+  for (uint32_t r = 0; r < grp->g.num_ranks; r++)
+    if (grp->client[r] && grp->client[r] != c) return 0;
+  return 1;
 }
 
 epd_result_t epd_engine_detach(epd_engine_t *eng, uint64_t client_id, int lost) {

@@ -283,10 +283,13 @@ epd_result_t eng_cuda_net_attach(cnet_t *cn, eng_group_t *grp, char *err, size_t
 void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost) {
   cnet_grp_t *cg = cn->groups;
   while (cg && (cg->grp != c->grp || cg->grp_serial != c->grp->serial)) cg = cg->next;
+  const int last = eng_last_client(c->grp, c);
+  /* a group that stays here without this rank's client: the other nodes fail its steps at once from the
+   * first one whose part was not sent (a step past its collection goes on: its part was sent) */
+  if (lost && !last)
+    eng_net_rank_lost(cn->eng, c->grp, c->rank, cg && cg->phase != PH_COLLECT ? cg->step + 1 : c->grp->steps);
   if (!cg) return;
   if (cg->phase != PH_COLLECT) { /* later phases: the step goes on (memory held) */
-    int last = 1;
-    for (uint32_t r = 0; r < c->grp->g.num_ranks; r++) last &= !c->grp->client[r] || c->grp->client[r] == c;
     if (last && cg != cn->run && !cg->orphan) {
       /* the group goes with this client: keep what its step needs */
       cg->orphan = epd_ref_map_copy(&cg->omap, &c->grp->map) == EPD_OK;
@@ -926,6 +929,9 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   const int alive = grp_alive(cn, cg); /* a removed group's kept step (orphan) has no notices to heed */
   for (uint32_t n = 0; n < cn->nodes; n++) {
     if (n == cn->node || cg->frame[n]) continue;
+    /* looked for before the take: node n's part of this step, if it sent one, came before a later one */
+    uint64_t later = 0;
+    const int skipped = epd_net_newer(net, cg->gname, cg->step, n, &later);
     cg->frame[n] = epd_net_take_payload(net, cg->gname, cg->step, n, &cg->flen[n]);
     if (cg->frame[n]) continue;
     char why[256], lw[160];
@@ -942,9 +948,11 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
       complete_all(cn, cg, EPD_ERR_DRAINING, (int)(n * L), why);
       return 1;
     }
-    if (alive && eng_net_gone(cg->grp, n, L, cg->step, why, sizeof why)) {
+    const int gone = alive ? eng_net_gone(cg->grp, n, L, cg->step, why, sizeof why) : -1;
+    if (gone < 0 && skipped) eng_net_skipped(cg->gname, n, L, cg->step, later, why, sizeof why);
+    if (gone >= 0 || skipped) {
       EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
-      complete_all(cn, cg, EPD_ERR_PEER, (int)(n * L), why);
+      complete_all(cn, cg, EPD_ERR_PEER, gone >= 0 ? gone : (int)(n * L), why);
       return 1;
     }
     if (now > cg->first_ns && now - cg->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {

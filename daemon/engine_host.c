@@ -415,6 +415,9 @@ static epd_result_t host_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
 static void host_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
   eng_group_t *grp = c->grp;
   int r = c->rank;
+  /* across nodes, a group that stays here without this rank's client: the other nodes fail its steps at
+   * once from the first one whose part was not sent (not after their step timeout) */
+  if (lost && eng->o.nodes > 1 && !eng_last_client(grp, c)) eng_net_rank_lost(eng, grp, r, eng_net_first_unsent(eng, grp));
   if (c->in_step) {
     /* Its slot is going away: withdraw it from the step, never write there again. */
     grp->arrived[r] = 0;

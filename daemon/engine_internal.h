@@ -118,6 +118,10 @@ struct eng_group {
    * removed there): a step numbered >= that whose part from node n is not in fails here at once with
    * EPD_ERR_PEER. UINT64_MAX: the group exists there (or nothing was heard). */
   uint64_t gone_from[EPD_MAX_RANKS];
+  /* Scale-out: the client of world rank r (of another node) died there at that node's step lost_from[r]
+   * (its notice) and the group stays there for a new attach of the rank: a step numbered >= that whose
+   * part from that node is not in fails here at once with EPD_ERR_PEER naming r. UINT64_MAX: none. */
+  uint64_t lost_from[EPD_MAX_RANKS];
   /* Scale-out: made while the other nodes may step the group already (a worker restarted): its first
    * part waits for every other node's reply (bit n of join_wait: node n's is due), and it takes the
    * step the others are at (join_step; see eng_net_joining). */
@@ -356,9 +360,24 @@ void eng_net_group_removed(epd_engine_t *eng, eng_group_t *grp);
 /* (mu) 1 while grp, just made here, waits for the other nodes' replies before its first part goes out
  * (both backends ask before sending a step's part); then it runs from the step they are at. */
 int eng_net_joining(epd_engine_t *eng, eng_group_t *grp);
-/* The verdict on node n's missing part of step `step` of grp: 1 (why filled) if node n said the group
- * is gone there from that step on. */
+/* The verdict on node n's missing part of step `step` of grp: the world rank to name (why filled) if
+ * node n said the group is gone there from that step on, or that the client of one of its ranks died
+ * there by then; else -1. */
 int eng_net_gone(const eng_group_t *grp, uint32_t n, uint32_t L, uint64_t step, char *why, size_t len);
+/* The verdict on node n's part of `step`, missing while its part of a later step came: why filled, returned. */
+const char *eng_net_skipped(const char *group, uint32_t n, uint32_t L, uint64_t step, uint64_t later, char *why,
+                            size_t len);
+/* (mu) The client of local rank `rank` died and grp stays here (other clients remain): tell the other
+ * nodes that no part of grp comes from here from step `from` on (the first step whose part was not sent)
+ * until the rank is attached again (eng_net_rank_back). */
+void eng_net_rank_lost(epd_engine_t *eng, eng_group_t *grp, int rank, uint64_t from);
+/* (mu) A new client attached to local rank `rank` after its client died: the other nodes forget the loss
+ * and reply with the step they are at; the group here takes it if it is ahead (eng_net_joining). */
+void eng_net_rank_back(epd_engine_t *eng, eng_group_t *grp, int rank);
+/* (mu) Host backend: the first step of grp whose part this node has not sent. */
+uint64_t eng_net_first_unsent(epd_engine_t *eng, eng_group_t *grp);
+/* (mu) 1 if c is the only client of its group (the group goes with it). */
+int eng_last_client(const eng_group_t *grp, const eng_client_t *c);
 
 /* Expert-map switches across nodes (engine_net.c; both backends run this protocol over their step
  * frames): each node reports the map it has staged in its frame of every step; when the frames of a

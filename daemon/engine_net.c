@@ -483,6 +483,18 @@ static net_frame_t *net_take(epd_net_t *net, const char *group, uint64_t step, u
   return found;
 }
 
+int epd_net_newer(epd_net_t *net, const char *group, uint64_t step, uint32_t node, uint64_t *newer) {
+  int has = 0;
+  pthread_mutex_lock(&net->mu);
+  for (net_frame_t *f = net->frames; f; f = f->next)
+    if (f->src_node == node && f->step > step && !strcmp(f->group, group) && (!has || f->step < *newer)) {
+      *newer = f->step;
+      has = 1;
+    }
+  pthread_mutex_unlock(&net->mu);
+  return has;
+}
+
 static int net_has(epd_net_t *net, const char *group, uint64_t step, uint32_t node) {
   int has = 0;
   pthread_mutex_lock(&net->mu);
@@ -1237,6 +1249,9 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
   }
   for (uint32_t n = 0; n < eng->o.nodes; n++) {
     if (n == me || ng->f[n]) continue;
+    /* looked for before the take: node n's part of this step, if it sent one, came before a later one */
+    uint64_t later = 0;
+    const int skipped = epd_net_newer(net, grp->name, grp->steps, n, &later);
     ng->f[n] = net_take(net, grp->name, grp->steps, n);
     if (ng->f[n]) continue;
     net_peer_t *p = &net->peer[n];
@@ -1255,9 +1270,14 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
                   n * L, n * L + L - 1, grp->name, (unsigned long long)grp->drain_from[n]);
     }
     char why[256];
-    if (eng_net_gone(grp, n, L, grp->steps, why, sizeof why)) {
+    const int gone = eng_net_gone(grp, n, L, grp->steps, why, sizeof why);
+    if (gone >= 0) {
       drop_frames(ng);
-      return fail(res, EPD_ERR_PEER, (int)(n * L), "%s", why);
+      return fail(res, EPD_ERR_PEER, gone, "%s", why);
+    }
+    if (skipped) {
+      drop_frames(ng);
+      return fail(res, EPD_ERR_PEER, (int)(n * L), "%s", eng_net_skipped(grp->name, n, L, grp->steps, later, why, sizeof why));
     }
     return 0;
   }
@@ -1274,7 +1294,16 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
  * lock) and sends each staged map as MAP_SET to every other node, in version order on every link; a
  * MAP_REQ is answered with MAP_REP after the MAP_SET to the asking node, so a SetExpertMap that
  * returns a version has that map staged on its node. */
-enum { CTL_MAP_REQ = 1, CTL_MAP_SET = 2, CTL_MAP_REP = 3, CTL_DRAIN = 4, CTL_WEIGHTS = 5, CTL_GONE = 6, CTL_JOIN = 7 };
+enum {
+  CTL_MAP_REQ = 1,
+  CTL_MAP_SET = 2,
+  CTL_MAP_REP = 3,
+  CTL_DRAIN = 4,
+  CTL_WEIGHTS = 5,
+  CTL_GONE = 6,
+  CTL_JOIN = 7,
+  CTL_LOST = 8 /* version: a world rank of the sender; req_id: its first step without the rank's client (MAX: back) */
+};
 typedef struct ctl_msg {
   uint32_t kind, version;
   uint64_t req_id;
@@ -1718,18 +1747,77 @@ int eng_net_joining(epd_engine_t *eng, eng_group_t *grp) {
       eng_apply_staged_map(eng, grp);
     EPD_LOGI(EPD_SUB_ENGINE, "group %s: made again here while the other nodes step it: it runs from their "
              "step %llu, expert map version %u", grp->name, (unsigned long long)grp->steps, grp->map.version);
+  } else if (grp->join_step > grp->steps) {
+    /* a rank attached again after its client died: the others stepped on (failing) meanwhile */
+    EPD_LOGI(EPD_SUB_ENGINE, "group %s: a rank attached again here; the other nodes are at step %llu: it runs "
+             "from there (was at %llu)", grp->name, (unsigned long long)grp->join_step,
+             (unsigned long long)grp->steps);
+    grp->steps = grp->join_step;
   }
   grp->join_step = 0;
   return 0;
 }
 
 int eng_net_gone(const eng_group_t *grp, uint32_t n, uint32_t L, uint64_t step, char *why, size_t len) {
-  if (n >= EPD_MAX_RANKS || grp->gone_from[n] > step) return 0;
+  if (n >= EPD_MAX_RANKS) return -1;
+  /* a rank's dead client first: the group's removal there (its other clients leaving) may follow it */
+  for (uint32_t r = n * L; r < n * L + L && r < EPD_MAX_RANKS; r++)
+    if (grp->lost_from[r] <= step) {
+      snprintf(why, len,
+               "the client of rank %u died on node %u at its step %llu of group %s and has not been replaced", r, n,
+               (unsigned long long)grp->lost_from[r], grp->name);
+      return (int)r;
+    }
+  if (grp->gone_from[n] > step) return -1;
   snprintf(why, len,
            "node %u (ranks %u..%u) has no client of group %s since its step %llu (the group was removed there): "
            "its clients there must attach again",
            n, n * L, n * L + L - 1, grp->name, (unsigned long long)grp->gone_from[n]);
-  return 1;
+  return (int)(n * L);
+}
+
+const char *eng_net_skipped(const char *group, uint32_t n, uint32_t L, uint64_t step, uint64_t later, char *why,
+                            size_t len) {
+  snprintf(why, len,
+           "node %u (ranks %u..%u) sent its part of step %llu of group %s but none of step %llu (the step failed "
+           "there)",
+           n, n * L, n * L + L - 1, (unsigned long long)later, group, (unsigned long long)step);
+  return why;
+}
+
+/* (mu) To every other node: the client of local rank `rank` of grp is gone from step `from` on (UINT64_MAX:
+ * the rank has a client again). */
+static void send_lost(epd_engine_t *eng, const eng_group_t *grp, int rank, uint64_t from) {
+  ctl_msg_t m = {.kind = CTL_LOST, .req_id = from, .version = (uint32_t)rank};
+  for (uint32_t n = 0; n < eng->o.nodes; n++)
+    if (n != eng->o.node_rank && send_ctl(eng->o.net, n, grp->name, &m, NULL, NULL))
+      EPD_LOGW(EPD_SUB_ENGINE, "group %s: the notice that rank %d %s to node %u was not sent (its link is down)",
+               grp->name, rank, from == UINT64_MAX ? "has a client again" : "lost its client", n);
+}
+
+void eng_net_rank_lost(epd_engine_t *eng, eng_group_t *grp, int rank, uint64_t from) {
+  if (eng->o.nodes <= 1 || !eng->o.net) return;
+  EPD_LOGW(EPD_SUB_ENGINE, "group %s: the client of rank %d died at step %llu: the other nodes fail the group's "
+           "steps at once until the rank is attached again", grp->name, rank, (unsigned long long)from);
+  send_lost(eng, grp, rank, from);
+}
+
+void eng_net_rank_back(epd_engine_t *eng, eng_group_t *grp, int rank) {
+  epd_net_t *net = eng->o.net;
+  if (eng->o.nodes <= 1 || !net) return;
+  /* as at a creation: the others reply with the step they are at, taken here if it is ahead */
+  char why[160];
+  grp->join_wait = 0;
+  grp->join_step = 0;
+  grp->join_ns = eng_now_ns();
+  for (uint32_t n = 0; n < eng->o.nodes && n < 64; n++)
+    if (n != eng->o.node_rank && !epd_net_node_dead(net, n, why, sizeof why)) grp->join_wait |= 1ull << n;
+  send_lost(eng, grp, rank, UINT64_MAX);
+}
+
+uint64_t eng_net_first_unsent(epd_engine_t *eng, eng_group_t *grp) {
+  net_group_t *ng = group_state(eng, grp);
+  return ng && ng->sent_step == grp->steps ? grp->steps + 1 : grp->steps;
 }
 
 void eng_net_group_created(epd_engine_t *eng, eng_group_t *grp) {
@@ -1778,6 +1866,7 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
   c.why[sizeof c.why - 1] = 0;
   char group[EPD_GROUP_NAME_MAX];
   snprintf(group, sizeof group, "%s", f->group);
+  const uint32_t L = (uint32_t)eng->o.num_ranks; /* ranks per node */
   if (c.kind == CTL_MAP_REP) {
     pthread_mutex_lock(&net->mu);
     for (ctl_wait_t *w = net->waits; w; w = w->next)
@@ -1831,6 +1920,8 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     const uint32_t version = grp && made ? grp->map.version : 0;
     const uint64_t hash = grp && made ? epd_net_map_hash(&grp->map) : 0;
     if (grp) grp->gone_from[f->src_node] = c.req_id;
+    if (grp && made) /* a group made there has none of its ranks' clients lost */
+      for (uint32_t r = f->src_node * L; r < f->src_node * L + L && r < EPD_MAX_RANKS; r++) grp->lost_from[r] = UINT64_MAX;
     pthread_mutex_unlock(&eng->mu);
     if (made) {
       /* made there (again): tell it the step this node's group collects, which from now on waits for
@@ -1844,6 +1935,32 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     else if (grp && was != UINT64_MAX)
       EPD_LOGI(EPD_SUB_ENGINE, "group %s: made again on node %u; its steps wait for that node again from step %llu",
                group, f->src_node, (unsigned long long)steps);
+    return;
+  }
+  if (c.kind == CTL_LOST) {
+    const uint32_t r = c.version, n = f->src_node;
+    if (n >= MAX_NODES || r >= EPD_MAX_RANKS || r / L != n) {
+      EPD_LOGW(EPD_SUB_ENGINE, "node %u sent a notice about rank %u, not one of its ranks: ignored", n, r);
+      return;
+    }
+    const int back = c.req_id == UINT64_MAX;
+    pthread_mutex_lock(&eng->mu);
+    eng_group_t *grp = eng_find_group(eng, group);
+    const uint64_t steps = grp ? grp->steps : UINT64_MAX;
+    const uint32_t version = grp && back ? grp->map.version : 0;
+    const uint64_t hash = grp && back ? epd_net_map_hash(&grp->map) : 0;
+    if (grp) grp->lost_from[r] = c.req_id;
+    pthread_mutex_unlock(&eng->mu);
+    if (back) { /* the step this node collects, taken there if it is ahead (the creation notice's reply) */
+      ctl_msg_t rep = {.kind = CTL_JOIN, .req_id = steps, .version = version, .hash = hash};
+      send_ctl(net, n, group, &rep, NULL, NULL);
+    }
+    if (grp && !back)
+      EPD_LOGW(EPD_SUB_ENGINE, "group %s: the client of rank %u died on node %u at its step %llu: the group's steps "
+               "from then on fail here with EPD_ERR_PEER until the rank is attached again", group, r, n,
+               (unsigned long long)c.req_id);
+    else if (grp)
+      EPD_LOGI(EPD_SUB_ENGINE, "group %s: rank %u has a client again on node %u", group, r, n);
     return;
   }
   if (c.kind == CTL_JOIN) { /* req_id: the step the sender's group is at (UINT64_MAX: none there) */

@@ -47,6 +47,10 @@ void epd_net_counters(const epd_net_t *net, uint64_t *tx_bytes, uint64_t *rx_byt
 int epd_net_send_payload(epd_net_t *net, uint32_t node, const char *group, uint64_t step, const void *payload,
                          size_t len);
 uint8_t *epd_net_take_payload(epd_net_t *net, const char *group, uint64_t step, uint32_t node, size_t *len);
+/* 1 if node's frame of a step of group later than `step` is queued (the smallest such step in *newer): node
+ * then never sends `step`'s (one link, in order; a node numbers its parts in order and skips only a step
+ * that failed there). */
+int epd_net_newer(epd_net_t *net, const char *group, uint64_t step, uint32_t node, uint64_t *newer);
 /* Count bytes another transport moved between the nodes (the NCCL exchange) in the link counters. */
 void epd_net_add_bytes(epd_net_t *net, uint64_t tx, uint64_t rx);
 /* 1 (why set) if the link to node is down. */
