@@ -9,6 +9,8 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -257,8 +259,53 @@ static void missing_list(const int *joined, uint32_t nodes, char *out, size_t le
     }
 }
 
-static int coordinator(const epd_conf_t *conf, const tls_files_t *tls, world_t *w, const char *agreed, char *err,
-                       size_t errlen) {
+/* The coordinator's gRPC server, kept after the world formed to answer restarted nodes (rejoin_main). */
+typedef struct rv_server {
+  grpc_server *srv;
+  grpc_completion_queue *cq;
+  void *method;
+  rv_call_t *live, *pending;
+} rv_server_t;
+
+/* Shutdown order of DESIGN.md §10; then gRPC is released (grpc_init was called by its creator). */
+static void rv_shutdown(rv_server_t *s) {
+  static int shutdown_tag;
+  grpc_server_shutdown_and_notify(s->srv, s->cq, &shutdown_tag);
+  grpc_server_cancel_all_calls(s->srv);
+  for (int got = 0; !got;) {
+    grpc_event ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    if (ev.type != GRPC_OP_COMPLETE) continue;
+    if (ev.tag == &shutdown_tag)
+      got = 1;
+    else if (ev.tag == s->pending) {
+      rv_free(s->pending);
+      s->pending = NULL;
+    } else
+      for (rv_call_t **p = &s->live; *p; p = &(*p)->next)
+        if (ev.tag == &(*p)->reply_tag) {
+          rv_call_t *c = *p;
+          *p = c->next;
+          rv_free(c);
+          break;
+        }
+  }
+  grpc_server_destroy(s->srv);
+  grpc_completion_queue_shutdown(s->cq);
+  while (grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {
+  }
+  grpc_completion_queue_destroy(s->cq);
+  while (s->live) {
+    rv_call_t *c = s->live;
+    s->live = c->next;
+    rv_free(c);
+  }
+  if (s->pending) rv_free(s->pending);
+  s->pending = NULL;
+  grpc_shutdown();
+}
+
+static int coordinator(const epd_conf_t *conf, const tls_files_t *tls, world_t *w, const char *agreed,
+                       rv_server_t *keep, char *err, size_t errlen) {
   grpc_init();
   grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
   grpc_server *srv = grpc_server_create(NULL, NULL);
@@ -295,7 +342,7 @@ static int coordinator(const epd_conf_t *conf, const tls_files_t *tls, world_t *
   joined[0] = got_complete[0] = 1;
   uint32_t njoined = 1, ncomplete = 1;
   uint64_t deadline = now_ms() + conf->cluster_timeout_ms, fatal_until = 0;
-  char fatal[1024] = "", missing[256];
+  char fatal[2048] = "", missing[256];
   rv_call_t *live = NULL, *pending = NULL;
   Epd__V1__ClusterPeer peers[MAX_NODES], *pp[MAX_NODES];
   for (;;) {
@@ -432,41 +479,130 @@ static int coordinator(const epd_conf_t *conf, const tls_files_t *tls, world_t *
     snprintf(err, errlen, "%s", fatal);
   else if (rc)
     snprintf(err, errlen, "rendezvous: out of memory or the gRPC server failed");
-  /* Shutdown order of DESIGN.md §10. */
-  static int shutdown_tag;
-  grpc_server_shutdown_and_notify(srv, cq, &shutdown_tag);
-  grpc_server_cancel_all_calls(srv);
-  for (int got = 0; !got;) {
-    grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-    if (ev.type != GRPC_OP_COMPLETE) continue;
-    if (ev.tag == &shutdown_tag)
-      got = 1;
-    else if (ev.tag == pending) {
-      rv_free(pending);
-      pending = NULL;
-    } else
-      for (rv_call_t **p = &live; *p; p = &(*p)->next)
-        if (ev.tag == &(*p)->reply_tag) {
-          rv_call_t *c = *p;
-          *p = c->next;
-          rv_free(c);
-          break;
-        }
+  rv_server_t st = {srv, cq, method, live, pending};
+  if (rc == 0 && keep) { /* served on for restarted nodes (rejoin_main) */
+    *keep = st;
+    return 0;
   }
-  grpc_server_destroy(srv);
-  grpc_completion_queue_shutdown(cq);
-  while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
-         GRPC_QUEUE_SHUTDOWN) {
-  }
-  grpc_completion_queue_destroy(cq);
-  while (live) {
-    rv_call_t *c = live;
-    live = c->next;
-    rv_free(c);
-  }
-  if (pending) rv_free(pending);
-  grpc_shutdown();
+  rv_shutdown(&st);
   return rc;
+}
+
+/* ---- restarted nodes ------------------------------------------------------------------------------ */
+
+/* Node 0 keeps its Rendezvous server after the world formed: a node whose daemon restarted (its data link
+ * down here) calls it again and gets the world as it is (same id, every node's data address, running =
+ * true), then links to every node (their accept threads take it: epd_net_connect). Backend cuda refuses:
+ * the NCCL world communicator cannot take a node back (every node must restart). */
+typedef struct rejoin_srv {
+  rv_server_t s;
+  world_t w;
+  char agreed[1024], listen[EPD_NET_ADDR_MAX];
+  int cuda;
+  epd_net_t *net;
+  atomic_int stop;
+  pthread_t th;
+} rejoin_srv_t;
+static rejoin_srv_t *g_rejoin; /* one cluster per daemon */
+
+static void rejoin_answer(rejoin_srv_t *r, rv_call_t *c, const Epd__V1__RendezvousRequest *rq) {
+  world_t *w = &r->w;
+  char msg[2048], why[160];
+  if (!rq) {
+    rv_reply(c, GRPC_STATUS_INVALID_ARGUMENT, "malformed RendezvousRequest", NULL);
+    return;
+  }
+  if (rq->protocol_version != EPD_PROTOCOL_VERSION || rq->nodes != w->nodes || rq->ranks_per_node != w->ranks_per_node ||
+      rq->config_hash != epd_cluster_hash(r->agreed) || strcmp(rq->agreed_config ? rq->agreed_config : "", r->agreed)) {
+    char diff[700];
+    config_diff(r->agreed, rq->agreed_config ? rq->agreed_config : "", 0, rq->node_rank, diff, sizeof diff);
+    snprintf(msg, sizeof msg, "node %u's configuration disagrees with the running world's: %s (these keys must be "
+             "equal on every node: %s)", rq->node_rank, *diff ? diff : "config hash differs", agreed_keys);
+    EPD_LOGW(EPD_SUB_MAIN, "cluster: refused a restarted node: %s", msg);
+    rv_reply(c, GRPC_STATUS_FAILED_PRECONDITION, msg, NULL);
+    return;
+  }
+  const uint32_t n = rq->node_rank;
+  if (n == 0 || n >= w->nodes) {
+    snprintf(msg, sizeof msg, "node_rank %u: not a node that can join the running world (1..%u; 0 is the coordinator at %s)",
+             n, w->nodes - 1, r->listen);
+    rv_reply(c, GRPC_STATUS_ALREADY_EXISTS, msg, NULL);
+    return;
+  }
+  if (!epd_net_node_dead(r->net, n, why, sizeof why)) {
+    snprintf(msg, sizeof msg, "node %u is part of the running world and its data link is up: two daemons with "
+             "cluster.node_rank = %u?", n, n);
+    EPD_LOGW(EPD_SUB_MAIN, "cluster: refused a node: %s", msg);
+    rv_reply(c, GRPC_STATUS_ALREADY_EXISTS, msg, NULL);
+    return;
+  }
+  if (r->cuda) {
+    snprintf(msg, sizeof msg, "node %u restarted, but the world runs with engine.backend cuda: its NCCL world "
+             "communicator cannot take a node back; restart every node", n);
+    EPD_LOGW(EPD_SUB_MAIN, "cluster: refused a restarted node: %s", msg);
+    rv_reply(c, GRPC_STATUS_FAILED_PRECONDITION, msg, NULL);
+    return;
+  }
+  snprintf(w->addr[n], sizeof w->addr[n], "%s", rq->data_addr ? rq->data_addr : "");
+  Epd__V1__RendezvousReply rep = EPD__V1__RENDEZVOUS_REPLY__INIT;
+  Epd__V1__ClusterPeer peers[MAX_NODES], *pp[MAX_NODES];
+  for (uint32_t i = 0; i < w->nodes; i++) {
+    epd__v1__cluster_peer__init(&peers[i]);
+    peers[i].node_rank = i;
+    peers[i].data_addr = w->addr[i];
+    pp[i] = &peers[i];
+  }
+  rep.complete = 1;
+  rep.running = 1;
+  rep.n_peers = w->nodes;
+  rep.peers = pp;
+  rep.unique_id.data = w->id;
+  rep.unique_id.len = w->id_len;
+  EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u joins the running world again (its daemon restarted; data %s)", n, w->addr[n]);
+  rv_reply(c, GRPC_STATUS_OK, "", &rep.base);
+}
+
+static void *rejoin_main(void *arg) {
+  rejoin_srv_t *r = arg;
+  rv_server_t *s = &r->s;
+  pthread_setname_np(pthread_self(), "epd-rejoin");
+  while (!atomic_load(&r->stop)) {
+    if (!s->pending) {
+      rv_call_t *p = calloc(1, sizeof *p);
+      if (!p) break;
+      grpc_metadata_array_init(&p->md);
+      p->details = grpc_empty_slice();
+      p->node_complete = -1;
+      if (grpc_server_request_registered_call(s->srv, s->method, &p->call, &p->deadline, &p->md, &p->payload, s->cq,
+                                              s->cq, p) != GRPC_CALL_OK) {
+        rv_free(p);
+        break;
+      }
+      s->pending = p;
+    }
+    grpc_event ev = grpc_completion_queue_next(
+        s->cq, gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(200, GPR_TIMESPAN)), NULL);
+    if (ev.type != GRPC_OP_COMPLETE) continue;
+    if (ev.tag == s->pending) {
+      rv_call_t *c = s->pending;
+      s->pending = NULL;
+      c->next = s->live;
+      s->live = c;
+      if (!ev.success) continue;
+      Epd__V1__RendezvousRequest *rq = rv_unpack(c->payload);
+      rejoin_answer(r, c, rq);
+      if (rq) epd__v1__rendezvous_request__free_unpacked(rq, NULL);
+      continue;
+    }
+    for (rv_call_t **p = &s->live; *p; p = &(*p)->next)
+      if (ev.tag == &(*p)->reply_tag) {
+        rv_call_t *c = *p;
+        *p = c->next;
+        rv_free(c);
+        break;
+      }
+  }
+  return NULL;
 }
 
 /* ---- the other nodes -------------------------------------------------------------------------------- */
@@ -475,7 +611,7 @@ static int coordinator(const epd_conf_t *conf, const tls_files_t *tls, world_t *
  * channel is reopened after UNAVAILABLE: gRPC backs a refused connection off for seconds, and a
  * coordinator that starts a little after this node must be found at the next poll. */
 static int joiner(const epd_conf_t *conf, const tls_files_t *tls, world_t *w, const char *agreed,
-                  const char *data_addr, char *err, size_t errlen) {
+                  const char *data_addr, int *running, char *err, size_t errlen) {
   const epd_rpc_tls_t rt = {tls->ca, tls->cert, tls->key, conf->cluster_tls_server_name};
   Epd__V1__RendezvousRequest rq = EPD__V1__RENDEZVOUS_REQUEST__INIT;
   rq.protocol_version = EPD_PROTOCOL_VERSION;
@@ -514,6 +650,7 @@ static int joiner(const epd_conf_t *conf, const tls_files_t *tls, world_t *w, co
             snprintf(w->addr[rep->peers[i]->node_rank], EPD_NET_ADDR_MAX, "%s",
                      rep->peers[i]->data_addr ? rep->peers[i]->data_addr : "");
         memcpy(w->id, rep->unique_id.data, w->id_len);
+        *running = rep->running;
         rc = 0;
       } else {
         size_t l = (size_t)snprintf(last, sizeof last, "node(s) ");
@@ -586,6 +723,8 @@ int epd_cluster_init(const epd_conf_t *conf, epd_cluster_comm_id_fn make_comm_id
     return -1;
   }
   char adv[EPD_NET_ADDR_MAX], agreed[1024];
+  rejoin_srv_t *r = NULL;
+  int running = 0; /* the world already ran: this daemon restarted */
   tls_files_t tls;
   if (tls_load(conf, &tls, err, errlen)) return -1;
   if (epd_net_listen(conf->cluster_data_listen, net, adv, sizeof adv, err, errlen)) {
@@ -610,23 +749,48 @@ int epd_cluster_init(const epd_conf_t *conf, epd_cluster_comm_id_fn make_comm_id
     }
     /* backend cuda: the world communicator's id is made here, once, and handed to every node. */
     if (cuda && make_comm_id(w->id + ID_BYTES, err, errlen)) goto fail;
-    if (coordinator(conf, &tls, w, agreed, err, errlen)) goto fail;
-  } else if (joiner(conf, &tls, w, agreed, adv, err, errlen)) {
+    if (!(r = calloc(1, sizeof *r))) {
+      snprintf(err, errlen, "out of memory");
+      goto fail;
+    }
+    if (coordinator(conf, &tls, w, agreed, &r->s, err, errlen)) {
+      free(r);
+      r = NULL;
+      goto fail;
+    }
+  } else if (joiner(conf, &tls, w, agreed, adv, &running, err, errlen)) {
     goto fail;
   }
   tls_free(&tls);
   uint64_t left = conf->cluster_timeout_ms; /* the links get a full timeout of their own */
   if (epd_net_connect(*net, w->nodes, w->node_rank, (const char(*)[EPD_NET_ADDR_MAX])w->addr, w->id,
-                      (uint32_t)left, err, errlen))
+                      (uint32_t)left, running, err, errlen))
     goto fail;
   if (cuda && comm_id) memcpy(comm_id, w->id + ID_BYTES, EPD_CLUSTER_COMM_ID_BYTES);
-  EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u of %u, %u world ranks, rendezvous %s, %s", w->node_rank, w->nodes,
+  if (r) { /* node 0 answers restarted nodes from now on */
+    r->w = *w;
+    snprintf(r->agreed, sizeof r->agreed, "%s", agreed);
+    snprintf(r->listen, sizeof r->listen, "%s", conf->cluster_listen);
+    r->cuda = cuda;
+    r->net = *net;
+    if (pthread_create(&r->th, NULL, rejoin_main, r)) {
+      snprintf(err, errlen, "pthread_create: %s", strerror(errno));
+      goto fail;
+    }
+    g_rejoin = r;
+  }
+  EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u of %u, %u world ranks, rendezvous %s, %s%s", w->node_rank, w->nodes,
            w->nodes * w->ranks_per_node, epd_cluster_tls(conf) ? "over mutual TLS" : "plaintext",
            cuda ? "NCCL world communicator id received; inter-node transport nccl-p2p (control over the data links)"
-                : "inter-node transport host-tcp");
+                : "inter-node transport host-tcp",
+           running ? "; joined the running world again (this daemon restarted)" : "");
   free(w);
   return 0;
 fail:
+  if (r) {
+    rv_shutdown(&r->s);
+    free(r);
+  }
   tls_free(&tls);
   free(w);
   epd_net_destroy(*net);
@@ -635,5 +799,13 @@ fail:
 }
 
 void epd_cluster_fini(epd_net_t *net) {
+  rejoin_srv_t *r = g_rejoin;
+  if (r && r->net == net) { /* before the links: it asks them */
+    atomic_store(&r->stop, 1);
+    pthread_join(r->th, NULL);
+    rv_shutdown(&r->s);
+    free(r);
+    g_rejoin = NULL;
+  }
   epd_net_destroy(net);
 }

@@ -41,6 +41,7 @@ typedef struct net_frame {
   char group[EPD_GROUP_NAME_MAX];
   uint64_t step;
   uint32_t src_node;
+  int local; /* made by this daemon (a link's revival), not received */
   uint8_t *buf; /* whole frame after the length */
   size_t len;
 } net_frame_t;
@@ -91,6 +92,11 @@ struct epd_net {
   char removed[64][EPD_GROUP_NAME_MAX];
   uint32_t removed_next;
   _Atomic uint32_t weights_delay_ms; /* epd_net_test_weights_delay */
+  /* Restarted nodes: every node accepts a new link from a node whose link is down (accept_main); a node
+   * that joined a running world (rejoined) makes every group as one made again (eng_net_group_created). */
+  uint8_t secret[EPD_NET_SECRET_BYTES];
+  pthread_t acc_th;
+  int acc_started, rejoined;
   /* expert weights to send (net->mu): sent in order by the control thread, never under the engine lock */
   struct wq *wq_head, *wq_tail;
 };
@@ -118,6 +124,27 @@ typedef struct net_hdr {
   char why[184]; /* the header keeps its size (320 bytes) */
 } net_hdr_t;
 _Static_assert(sizeof(net_hdr_t) == 320, "net_hdr_t changed size");
+
+/* Control frames: see "expert maps across nodes" below. */
+enum {
+  CTL_MAP_REQ = 1,
+  CTL_MAP_SET = 2,
+  CTL_MAP_REP = 3,
+  CTL_DRAIN = 4,
+  CTL_WEIGHTS = 5,
+  CTL_GONE = 6,
+  CTL_JOIN = 7,
+  CTL_LOST = 8, /* version: a world rank of the sender; req_id: its first step without the rank's client (MAX: back) */
+  CTL_LINK_UP = 9 /* local only (revive): the link to src_node is up again */
+};
+typedef struct ctl_msg {
+  uint32_t kind, version;
+  uint64_t req_id;
+  int32_t status;
+  uint32_t num_experts, ncopies, pad;
+  char why[320];
+  uint64_t hash; /* CTL_JOIN: the hash of the sender's active map (its version in version) */
+} ctl_msg_t;
 
 typedef struct net_desc {
   uint32_t op, bank, flags, num_tokens;
@@ -250,6 +277,26 @@ static void peer_dead(net_peer_t *p, const char *fmt, const char *what) {
   if (!atomic_load(&p->net->stop)) EPD_LOGE(EPD_SUB_ENGINE, "data link to node %u lost: %s", p->node, p->why);
 }
 
+/* A control frame, in order, to the control thread: kept until it starts (a node that restarted gets
+ * node 0's maps at once), dropped (freed) once it stopped. */
+static void ctl_enqueue(epd_net_t *net, net_frame_t *f) {
+  pthread_mutex_lock(&net->mu);
+  const int keep = !net->ctl_stop;
+  if (keep) {
+    if (net->ctl_tail)
+      net->ctl_tail->next = f;
+    else
+      net->ctl_head = f;
+    net->ctl_tail = f;
+    pthread_cond_signal(&net->ctl_cv);
+  }
+  pthread_mutex_unlock(&net->mu);
+  if (!keep) {
+    free(f->buf);
+    free(f);
+  }
+}
+
 static void *recv_main(void *arg) {
   net_peer_t *p = arg;
   epd_net_t *net = p->net;
@@ -292,40 +339,36 @@ static void *recv_main(void *arg) {
     f->len = len;
     atomic_fetch_add(&net->rx_bytes, len + 8);
     atomic_fetch_add(&net->rx_frames, 1);
-    pthread_mutex_lock(&net->mu);
-    if (h->magic == CTL_MAGIC) { /* in order, to the control thread (none: nobody sends them then) */
-      if (net->ctl_on) {
-        if (net->ctl_tail)
-          net->ctl_tail->next = f;
-        else
-          net->ctl_head = f;
-        net->ctl_tail = f;
-        pthread_cond_signal(&net->ctl_cv);
-      } else {
-        free(f->buf);
-        free(f);
-      }
-    } else {
-      f->next = net->frames;
-      net->frames = f;
+    if (h->magic == CTL_MAGIC) {
+      ctl_enqueue(net, f);
+      continue;
     }
+    pthread_mutex_lock(&net->mu);
+    f->next = net->frames;
+    net->frames = f;
     pthread_mutex_unlock(&net->mu);
   }
 }
 
-epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
-                             const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret,
-                             uint32_t timeout_ms, char *err, size_t errlen) {
+static void *accept_main(void *arg);
+
+static epd_result_t net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
+                                const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret, uint32_t timeout_ms,
+                                int rejoin, char *err, size_t errlen) {
   net->nodes = nodes;
   net->node_rank = node_rank;
+  net->rejoined = rejoin;
+  memcpy(net->secret, secret, EPD_NET_SECRET_BYTES);
   uint64_t deadline = mono_ms() + timeout_ms;
   struct {
     uint32_t magic, node;
     uint8_t secret[EPD_NET_SECRET_BYTES];
   } hello = {HELLO_MAGIC, node_rank, {0}}, got;
   memcpy(hello.secret, secret, EPD_NET_SECRET_BYTES);
-  /* Connect to the lower nodes (their listeners exist: they bound before the rendezvous). */
-  for (uint32_t n = 0; n < node_rank; n++) {
+  /* Connect to the lower nodes (their listeners exist: they bound before the rendezvous); a node joining
+   * a running world connects to every other one (their accept_main takes it) */
+  for (uint32_t n = 0; n < (rejoin ? nodes : node_rank); n++) {
+    if (n == node_rank) continue;
     struct addrinfo *ai;
     if (resolve(peers[n], &ai, 0, err, errlen)) return EPD_ERR_INVALID;
     int fd = -1;
@@ -354,7 +397,7 @@ epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
     net->peer[n].fd = fd;
   }
   /* Accept the higher nodes. */
-  uint32_t want = nodes - 1 - node_rank;
+  uint32_t want = rejoin ? 0 : nodes - 1 - node_rank;
   while (want) {
     int left = (int)(deadline > mono_ms() ? deadline - mono_ms() : 0);
     struct pollfd pf = {net->lfd, POLLIN, 0};
@@ -393,13 +436,98 @@ epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
     }
     p->started = 1;
   }
-  EPD_LOGI(EPD_SUB_ENGINE, "data links up: node %u of %u", node_rank, nodes);
+  if (pthread_create(&net->acc_th, NULL, accept_main, net)) {
+    snprintf(err, errlen, "pthread_create: %s", strerror(errno));
+    return EPD_ERR_SYSTEM;
+  }
+  net->acc_started = 1;
+  EPD_LOGI(EPD_SUB_ENGINE, "data links up: node %u of %u%s", node_rank, nodes,
+           rejoin ? " (joined a running world)" : "");
   return EPD_OK;
+}
+
+epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
+                             const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret, uint32_t timeout_ms,
+                             int rejoin, char *err, size_t errlen) {
+  return net_connect(net, nodes, node_rank, peers, secret, timeout_ms, rejoin, err, errlen);
+}
+
+/* A restarted node connects to this one again: the link to it must be down (its old daemon is gone); the
+ * old receiver is stopped and joined, the new connection takes its place, and the control thread is
+ * told (a local frame: link_up) so that the engine forgets what it knew of that node's groups. */
+static void revive(epd_net_t *net, uint32_t node, int fd) {
+  net_peer_t *p = &net->peer[node];
+  if (p->fd >= 0) shutdown(p->fd, SHUT_RDWR); /* a receiver still blocked on the old connection returns */
+  if (p->started) pthread_join(p->th, NULL);
+  p->started = 0;
+  pthread_mutex_lock(&p->send_mu);
+  if (p->fd >= 0) close(p->fd);
+  p->fd = fd;
+  p->why[0] = 0;
+  struct timeval tv = {30, 0};
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  atomic_store(&p->dead, 0);
+  pthread_mutex_unlock(&p->send_mu);
+  if (pthread_create(&p->th, NULL, recv_main, p)) {
+    peer_dead(p, "%s", "pthread_create failed");
+    return;
+  }
+  p->started = 1;
+  EPD_LOGI(EPD_SUB_ENGINE, "data link to node %u up again (its daemon restarted)", node);
+  net_frame_t *f = calloc(1, sizeof *f);
+  uint8_t *b = calloc(1, sizeof(net_hdr_t) + sizeof(ctl_msg_t));
+  if (!f || !b) {
+    free(f);
+    free(b);
+    return;
+  }
+  net_hdr_t h = {.magic = CTL_MAGIC, .src_node = node};
+  ctl_msg_t m = {.kind = CTL_LINK_UP};
+  memcpy(b, &h, sizeof h);
+  memcpy(b + sizeof h, &m, sizeof m);
+  f->src_node = node;
+  f->local = 1;
+  f->buf = b;
+  f->len = sizeof h + sizeof m;
+  ctl_enqueue(net, f);
+}
+
+static void *accept_main(void *arg) {
+  epd_net_t *net = arg;
+  pthread_setname_np(pthread_self(), "epd-netacc");
+  struct {
+    uint32_t magic, node;
+    uint8_t secret[EPD_NET_SECRET_BYTES];
+  } got;
+  while (!atomic_load(&net->stop)) {
+    struct pollfd pf = {net->lfd, POLLIN, 0};
+    if (poll(&pf, 1, 200) <= 0) continue;
+    int fd = accept4(net->lfd, NULL, NULL, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    if (read_all(fd, &got, sizeof got, 2000) || got.magic != HELLO_MAGIC ||
+        memcmp(got.secret, net->secret, EPD_NET_SECRET_BYTES) || got.node >= net->nodes ||
+        got.node == net->node_rank) {
+      EPD_LOGW(EPD_SUB_ENGINE, "data listener: refused a connection (bad hello, secret or node)");
+      close(fd);
+      continue;
+    }
+    if (!atomic_load(&net->peer[got.node].dead)) {
+      EPD_LOGW(EPD_SUB_ENGINE, "data listener: refused node %u: its link is up (two daemons with that node rank?)",
+               got.node);
+      close(fd);
+      continue;
+    }
+    revive(net, got.node, fd);
+  }
+  return NULL;
 }
 
 void epd_net_destroy(epd_net_t *net) {
   if (!net) return;
   atomic_store(&net->stop, 1);
+  if (net->acc_started) pthread_join(net->acc_th, NULL); /* before the receivers: it may start one */
   for (int n = 0; n < MAX_NODES; n++) {
     net_peer_t *p = &net->peer[n];
     if (p->fd >= 0) shutdown(p->fd, SHUT_RDWR);
@@ -1294,24 +1422,6 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
  * lock) and sends each staged map as MAP_SET to every other node, in version order on every link; a
  * MAP_REQ is answered with MAP_REP after the MAP_SET to the asking node, so a SetExpertMap that
  * returns a version has that map staged on its node. */
-enum {
-  CTL_MAP_REQ = 1,
-  CTL_MAP_SET = 2,
-  CTL_MAP_REP = 3,
-  CTL_DRAIN = 4,
-  CTL_WEIGHTS = 5,
-  CTL_GONE = 6,
-  CTL_JOIN = 7,
-  CTL_LOST = 8 /* version: a world rank of the sender; req_id: its first step without the rank's client (MAX: back) */
-};
-typedef struct ctl_msg {
-  uint32_t kind, version;
-  uint64_t req_id;
-  int32_t status;
-  uint32_t num_experts, ncopies, pad;
-  char why[320];
-  uint64_t hash; /* CTL_JOIN: the hash of the sender's active map (its version in version) */
-} ctl_msg_t;
 
 /* A map in a control frame: nrep[E], zero padding to 8 bytes, rep[E], copies[ncopies], so that rep and the
  * copies lie at aligned offsets of the frame (parse_map points into it). */
@@ -1830,7 +1940,7 @@ void eng_net_group_created(epd_engine_t *eng, eng_group_t *grp) {
   grp->join_step = 0;
   grp->join_ns = eng_now_ns();
   char why[160];
-  if (removed_take(net, grp->name))
+  if (removed_take(net, grp->name) || net->rejoined) /* made again here, or this daemon restarted */
     for (uint32_t n = 0; n < eng->o.nodes && n < 64; n++)
       if (n != eng->o.node_rank && !epd_net_node_dead(net, n, why, sizeof why)) grp->join_wait |= 1ull << n;
   send_gone(eng, grp, UINT64_MAX);
@@ -1854,6 +1964,29 @@ void eng_net_group_created(epd_engine_t *eng, eng_group_t *grp) {
   }
 }
 
+/* (control thread) The link to node n is up again: its daemon restarted and joined the running world.
+ * What this node knew of node n's groups (removed, draining, lost clients) is void; node 0 sends node n
+ * the map each group runs, kept there until the group is made (a made group asks the others for their
+ * step, as one made again: eng_net_group_created, and makes that map active if they run it). */
+static void link_up(epd_engine_t *eng, uint32_t n) {
+  epd_net_t *net = eng->o.net;
+  const uint32_t L = (uint32_t)eng->o.num_ranks;
+  uint32_t maps = 0;
+  pthread_mutex_lock(&eng->mu);
+  net->peer_draining[n] = 0;
+  for (eng_group_t *g = eng->groups; g; g = g->next) {
+    g->gone_from[n] = g->drain_from[n] = UINT64_MAX;
+    for (uint32_t r = n * L; r < n * L + L && r < EPD_MAX_RANKS; r++) g->lost_from[r] = UINT64_MAX;
+    if (net->node_rank != 0 || g->map.version <= 1) continue;
+    ctl_msg_t m = {.kind = CTL_MAP_SET, .version = g->map.version, .num_experts = g->map.num_experts};
+    if (!send_ctl(net, n, g->name, &m, &g->map, NULL)) maps++;
+  }
+  pthread_mutex_unlock(&eng->mu);
+  EPD_LOGI(EPD_SUB_ENGINE, "node %u joined the running world again%s", n,
+           net->node_rank == 0 ? "" : " (node 0 sends it the groups' expert maps)");
+  if (net->node_rank == 0) EPD_LOGI(EPD_SUB_ENGINE, "node %u: the expert maps of %u groups sent to it", n, maps);
+}
+
 static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
   epd_net_t *net = eng->o.net;
   const net_hdr_t *h = (const net_hdr_t *)f->buf;
@@ -1867,6 +2000,10 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
   char group[EPD_GROUP_NAME_MAX];
   snprintf(group, sizeof group, "%s", f->group);
   const uint32_t L = (uint32_t)eng->o.num_ranks; /* ranks per node */
+  if (c.kind == CTL_LINK_UP) {
+    if (f->local && f->src_node < MAX_NODES) link_up(eng, f->src_node);
+    return;
+  }
   if (c.kind == CTL_MAP_REP) {
     pthread_mutex_lock(&net->mu);
     for (ctl_wait_t *w = net->waits; w; w = w->next)

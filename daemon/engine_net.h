@@ -29,10 +29,12 @@ typedef struct epd_net epd_net_t;
 epd_result_t epd_net_listen(const char *addr, epd_net_t **out, char *adv, size_t advlen, char *err,
                             size_t errlen);
 /* Connect the full mesh: accept from higher nodes, connect to lower ones, within timeout_ms; peers[n] is
- * node n's data address, secret authenticates the links. Starts one receiver thread per peer. */
+ * node n's data address, secret authenticates the links. rejoin: the world already runs (this daemon
+ * restarted): connect to every other node. Starts one receiver thread per peer, and a thread that takes
+ * a new link from a node whose link is down (its daemon restarted and joined again). */
 epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
-                             const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret,
-                             uint32_t timeout_ms, char *err, size_t errlen);
+                             const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret, uint32_t timeout_ms,
+                             int rejoin, char *err, size_t errlen);
 /* Close every connection, stop the threads, free queued frames. */
 void epd_net_destroy(epd_net_t *net);
 uint32_t epd_net_nodes(const epd_net_t *net);

@@ -90,7 +90,7 @@ static uint32_t cl_step_timeout_ms;
 static void *connect_main(void *arg) {
   conn_arg_t *a = arg;
   static const uint8_t secret[EPD_NET_SECRET_BYTES] = "0123456789abcde";
-  a->rc = epd_net_connect(a->net, 2, a->node, (const char(*)[EPD_NET_ADDR_MAX])a->peers, secret, 5000, a->err,
+  a->rc = epd_net_connect(a->net, 2, a->node, (const char(*)[EPD_NET_ADDR_MAX])a->peers, secret, 5000, 0, a->err,
                           sizeof a->err);
   return NULL;
 }

@@ -12,7 +12,9 @@
 #   staged by node 0, active on every node; a worker killed at a random moment, 6 rounds over every node
 #   (the other two stop at once naming its rank, no engine fails); node 2's worker dies and restarts (the
 #   group made again there takes the others' step); node 1 never submits (EPD_ERR_TIMEOUT naming rank 1
-#   on nodes 0 and 2); node 2 stops (EPD_ERR_PEER naming rank 2 on nodes 0 and 1, promptly; both serve on).
+#   on nodes 0 and 2); node 2 stops (EPD_ERR_PEER naming rank 2 on nodes 0 and 1, promptly; both serve on),
+#   and its daemon started again is refused by node 0 with a clear message (backend cuda cannot take a
+#   restarted node back into the running world; the host backend can: tests/system/36-node-restart.sh).
 # Usage (repository root, GPU machine): bash tests/gpu/67-three-nodes-cuda.sh [build-dir]; logs go to
 # $TWO_NODES_OUT if set. Set-up, daemons and workers: two-nodes-lib.sh.
 set -u
@@ -166,6 +168,15 @@ ms=$(( ($(date +%s%N) - s) / 1000000 ))
 grep -q "^links: *node 0 up; node 2 down" "$T/status1b.out" || fail "node 1's links: $(grep links "$T/status1b.out")"
 no_engine_failed "lost node"
 echo "   ok in $ms ms: $(grep -h EPD_ERR_PEER "$T/pe1.out" | head -1 | cut -c1-140)"
+echo "== node 2 starts again: refused (backend cuda: the world communicator cannot take a node back), nodes 0 and 1 serve on"
+mv "$T/node2.log" "$T/node2-first.log"
+node 2
+wait "$P_2"; RR=$?
+[ $RR -eq 1 ] || fail "the restarted node 2 exited $RR, want 1 (refused)"
+grep -q "NCCL world communicator cannot take a node back; restart every node" "$T/node2.log" || fail "node 2's refusal: $(grep -v 'NCCL INFO' "$T/node2.log" | tail -2)"
+grep -q "cluster: refused a restarted node: node 2 restarted" "$T/node0.log" || fail "node 0 did not log the refusal"
+for n in 0 1; do "$EPDCTL" -s "$T/n$n/control.sock" health > /dev/null 2>&1 || fail "node $n not serving after the refused restart"; done
+echo "   ok: $(grep -o 'node 2 restarted, but.*' "$T/node2.log" | head -1 | cut -c1-140)"
 kill -TERM "$P_0" "$P_1"
 wait "$P_0"; R0=$?
 wait "$P_1"; R1=$?
