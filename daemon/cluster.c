@@ -492,18 +492,26 @@ static int coordinator(const epd_conf_t *conf, const tls_files_t *tls, world_t *
 
 /* Node 0 keeps its Rendezvous server after the world formed: a node whose daemon restarted (its data link
  * down here) calls it again and gets the world as it is (same id, every node's data address, running =
- * true), then links to every node (their accept threads take it: epd_net_connect). Backend cuda refuses:
- * the NCCL world communicator cannot take a node back (every node must restart). */
+ * true), then links to every node (their accept threads take it: epd_net_connect). Backend cuda: the
+ * reply carries a new NCCL world communicator id, which node 0 also sends every other node: they make
+ * their world communicator again over it (epd_net_world_remake) while the restarted node makes its own. */
 typedef struct rejoin_srv {
   rv_server_t s;
   world_t w;
   char agreed[1024], listen[EPD_NET_ADDR_MAX];
   int cuda;
+  epd_cluster_comm_id_fn make_comm_id;
+  /* backend cuda: the id handed to node n for the world communicator made again, while its link is down
+   * (a Rendezvous asked again gets the same one: every other node is already making it) */
+  uint8_t issued[MAX_NODES][EPD_CLUSTER_COMM_ID_BYTES];
+  uint32_t issued_epoch[MAX_NODES];
+  int has_issued[MAX_NODES];
   epd_net_t *net;
   atomic_int stop;
   pthread_t th;
 } rejoin_srv_t;
 static rejoin_srv_t *g_rejoin; /* one cluster per daemon */
+static int g_rejoined;         /* this daemon joined a running world (epd_cluster_rejoined) */
 
 static void rejoin_answer(rejoin_srv_t *r, rv_call_t *c, const Epd__V1__RendezvousRequest *rq) {
   world_t *w = &r->w;
@@ -536,12 +544,22 @@ static void rejoin_answer(rejoin_srv_t *r, rv_call_t *c, const Epd__V1__Rendezvo
     rv_reply(c, GRPC_STATUS_ALREADY_EXISTS, msg, NULL);
     return;
   }
-  if (r->cuda) {
-    snprintf(msg, sizeof msg, "node %u restarted, but the world runs with engine.backend cuda: its NCCL world "
-             "communicator cannot take a node back; restart every node", n);
-    EPD_LOGW(EPD_SUB_MAIN, "cluster: refused a restarted node: %s", msg);
-    rv_reply(c, GRPC_STATUS_FAILED_PRECONDITION, msg, NULL);
-    return;
+  int fresh = 0;
+  if (r->cuda) { /* a new world communicator: every node makes it again with the restarted one */
+    const uint32_t ep = epd_net_link_epoch(r->net, n);
+    if (!r->has_issued[n] || r->issued_epoch[n] != ep) {
+      char e[256] = "";
+      if (!r->make_comm_id || r->make_comm_id(r->issued[n], e, sizeof e)) {
+        snprintf(msg, sizeof msg, "node %u restarted, but no new NCCL world communicator id could be made: %s", n, e);
+        EPD_LOGW(EPD_SUB_MAIN, "cluster: refused a restarted node: %s", msg);
+        rv_reply(c, GRPC_STATUS_UNAVAILABLE, msg, NULL);
+        return;
+      }
+      r->has_issued[n] = 1;
+      r->issued_epoch[n] = ep;
+      fresh = 1;
+    }
+    memcpy(w->id + ID_BYTES, r->issued[n], EPD_CLUSTER_COMM_ID_BYTES);
   }
   snprintf(w->addr[n], sizeof w->addr[n], "%s", rq->data_addr ? rq->data_addr : "");
   Epd__V1__RendezvousReply rep = EPD__V1__RENDEZVOUS_REPLY__INIT;
@@ -558,8 +576,10 @@ static void rejoin_answer(rejoin_srv_t *r, rv_call_t *c, const Epd__V1__Rendezvo
   rep.peers = pp;
   rep.unique_id.data = w->id;
   rep.unique_id.len = w->id_len;
-  EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u joins the running world again (its daemon restarted; data %s)", n, w->addr[n]);
+  EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u joins the running world again (its daemon restarted; data %s)%s", n,
+           w->addr[n], fresh ? "; every node makes the NCCL world communicator again with it" : "");
   rv_reply(c, GRPC_STATUS_OK, "", &rep.base);
+  if (fresh) epd_net_world_remake(r->net, n, r->issued[n]);
 }
 
 static void *rejoin_main(void *arg) {
@@ -767,11 +787,13 @@ int epd_cluster_init(const epd_conf_t *conf, epd_cluster_comm_id_fn make_comm_id
                       (uint32_t)left, running, err, errlen))
     goto fail;
   if (cuda && comm_id) memcpy(comm_id, w->id + ID_BYTES, EPD_CLUSTER_COMM_ID_BYTES);
+  g_rejoined = running;
   if (r) { /* node 0 answers restarted nodes from now on */
     r->w = *w;
     snprintf(r->agreed, sizeof r->agreed, "%s", agreed);
     snprintf(r->listen, sizeof r->listen, "%s", conf->cluster_listen);
     r->cuda = cuda;
+    r->make_comm_id = make_comm_id;
     r->net = *net;
     if (pthread_create(&r->th, NULL, rejoin_main, r)) {
       snprintf(err, errlen, "pthread_create: %s", strerror(errno));
@@ -797,6 +819,8 @@ fail:
   *net = NULL;
   return -1;
 }
+
+int epd_cluster_rejoined(void) { return g_rejoined; }
 
 void epd_cluster_fini(epd_net_t *net) {
   rejoin_srv_t *r = g_rejoin;

@@ -26,6 +26,8 @@ typedef int (*epd_cluster_comm_id_fn)(uint8_t *id, char *err, size_t errlen);
  * node, keys that differ, a duplicate node rank, a bad address). */
 int epd_cluster_init(const epd_conf_t *conf, epd_cluster_comm_id_fn make_comm_id, epd_net_t **net,
                      uint8_t *comm_id, char *err, size_t errlen);
+/* 1 if this daemon joined a running world at epd_cluster_init (it restarted). */
+int epd_cluster_rejoined(void);
 /* Close the data links (after the engine is destroyed). */
 void epd_cluster_fini(epd_net_t *net);
 /* The keys that must agree across nodes as "key = value" lines, and their FNV-1a hash. */

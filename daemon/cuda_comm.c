@@ -25,6 +25,8 @@ struct epd_cc {
   ncclComm_t world[EPD_CC_MAX_RANKS];
   ncclComm_t lsa[EPD_CC_MAX_RANKS];
   ncclUniqueId id;
+  int own_lsa;          /* the node-local communicators over lsa_id, not split from the world's */
+  ncclUniqueId lsa_id;
 };
 
 typedef struct cc_job {
@@ -74,13 +76,51 @@ static epd_result_t cc_init_rank(epd_cc_t *cc, int r, void *argp) {
     return EPD_ERR_NCCL;
   }
   /* Every rank of this process is on this node (color: the node), keyed by local rank so that LSA
-   * ranks equal local ranks. */
+   * ranks equal local ranks. A node that joins a running world makes its own instead: the others' world
+   * communicators are made again without a split (epd_cc_world_remake). */
+  if (cc->own_lsa) {
+    nr = ncclCommInitRank(&cc->lsa[r], cc->n, cc->lsa_id, r);
+    if (nr != ncclSuccess) {
+      snprintf(a->err[r], sizeof a->err[r], "rank %d: ncclCommInitRank (node-local): %s", r, ncclGetErrorString(nr));
+      return EPD_ERR_NCCL;
+    }
+    return EPD_OK;
+  }
   nr = ncclCommSplit(cc->world[r], cc->base / cc->n, r, &cc->lsa[r], NULL);
   if (nr != ncclSuccess) {
     snprintf(a->err[r], sizeof a->err[r], "rank %d: ncclCommSplit: %s", r, ncclGetErrorString(nr));
     return EPD_ERR_NCCL;
   }
   return EPD_OK;
+}
+
+static epd_result_t cc_remake_rank(epd_cc_t *cc, int r, void *argp) {
+  init_arg_t *a = argp;
+  if (cc->world[r]) ncclCommAbort(cc->world[r]); /* a node of it is gone: abort, do not wait for it */
+  cc->world[r] = NULL;
+  ncclComm_t c = NULL;
+  ncclResult_t nr = ncclCommInitRank(&c, cc->world_n, cc->id, cc->base + r);
+  if (nr != ncclSuccess) {
+    snprintf(a->err[r], sizeof a->err[r], "rank %d: ncclCommInitRank: %s", r, ncclGetErrorString(nr));
+    return EPD_ERR_NCCL;
+  }
+  cc->world[r] = c;
+  return EPD_OK;
+}
+
+epd_result_t epd_cc_world_remake(epd_cc_t *cc, const uint8_t *world_id, char *err, size_t errlen) {
+  init_arg_t *a = calloc(1, sizeof(*a));
+  if (!a) return EPD_ERR_NOMEM;
+  memcpy(&cc->id, world_id, sizeof cc->id);
+  epd_result_t res = epd_cc_each(cc, cc_remake_rank, a);
+  if (res != EPD_OK)
+    for (int r = 0; r < cc->n; r++)
+      if (a->err[r][0]) {
+        snprintf(err, errlen, "%s", a->err[r]);
+        break;
+      }
+  free(a);
+  return res;
 }
 
 typedef struct gin_arg {
@@ -120,11 +160,11 @@ epd_result_t epd_cc_unique_id(uint8_t *id, char *err, size_t errlen) {
 }
 
 epd_result_t epd_cc_create(int n, const int *devices, epd_cc_t **out, char *err, size_t errlen) {
-  return epd_cc_create_world(n, devices, 1, 0, NULL, out, err, errlen);
+  return epd_cc_create_world(n, devices, 1, 0, NULL, 0, out, err, errlen);
 }
 
 epd_result_t epd_cc_create_world(int n, const int *devices, uint32_t nodes, uint32_t node, const uint8_t *world_id,
-                                 epd_cc_t **out, char *err, size_t errlen) {
+                                 int own_lsa, epd_cc_t **out, char *err, size_t errlen) {
   *out = NULL;
   epd_result_t res = epd_k_check_nccl_version(err, errlen);
   if (res != EPD_OK) return res;
@@ -149,6 +189,8 @@ epd_result_t epd_cc_create_world(int n, const int *devices, uint32_t nodes, uint
     memcpy(&cc->id, world_id, sizeof cc->id);
   else
     nr = ncclGetUniqueId(&cc->id);
+  cc->own_lsa = own_lsa && world_id;
+  if (nr == ncclSuccess && cc->own_lsa) nr = ncclGetUniqueId(&cc->lsa_id);
   if (nr != ncclSuccess) {
     snprintf(err, errlen, "ncclGetUniqueId: %s", ncclGetErrorString(nr));
     free(cc);

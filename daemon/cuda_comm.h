@@ -34,10 +34,16 @@ typedef struct epd_cc_win {
 /* Create communicators for GPUs devices[0..n-1] (NULL: 0..n-1), rank i on devices[i]. */
 epd_result_t epd_cc_create(int n, const int *devices, epd_cc_t **out, char *err, size_t errlen);
 /* Scale-out: the same as one node of `nodes`: world ranks node*n + i over the id world_id (made by one
- * node with epd_cc_unique_id and handed to all); the node-local split keeps the LSA team to this node.
- * Blocks until every node's ranks joined (NCCL's bootstrap). */
+ * node with epd_cc_unique_id and handed to all); the node-local split keeps the LSA team to this node
+ * (own_lsa: a node-local communicator of its own instead, for a node that joins a running world: the
+ * other nodes make their world communicator again without a split). Blocks until every node's ranks
+ * joined (NCCL's bootstrap). */
 epd_result_t epd_cc_create_world(int n, const int *devices, uint32_t nodes, uint32_t node, const uint8_t *world_id,
-                                 epd_cc_t **out, char *err, size_t errlen);
+                                 int own_lsa, epd_cc_t **out, char *err, size_t errlen);
+/* Scale-out: abort the world communicators (a node is gone) and make them again over world_id with the
+ * same ranks (a restarted node joins with own_lsa); the node-local ones stay. Blocks until every node's
+ * ranks joined. */
+epd_result_t epd_cc_world_remake(epd_cc_t *cc, const uint8_t *world_id, char *err, size_t errlen);
 /* A fresh ncclUniqueId (EPD_CC_UNIQUE_ID_BYTES) for epd_cc_create_world. */
 epd_result_t epd_cc_unique_id(uint8_t *id, char *err, size_t errlen);
 int epd_cc_world_ranks(const epd_cc_t *cc);

@@ -45,6 +45,9 @@ typedef struct epd_engine_opts {
   struct epd_net *net;
   /* backend cuda across nodes: the world communicator's ncclUniqueId (128 bytes, from the rendezvous) */
   const uint8_t *comm_id;
+  /* across nodes: this daemon restarted and joined a running world (cuda: its node-local communicators
+   * are its own, no GIN probe: the others do not take part in one) */
+  uint32_t rejoined;
 } epd_engine_opts_t;
 
 /* Event sink: called from engine threads; must not call back into the engine. */

@@ -1440,7 +1440,8 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
   }
   uint64_t t0 = eng_now_ns();
   epd_result_t rc = eng->o.nodes > 1 ? epd_cc_create_world(be->ndev, NULL, eng->o.nodes, eng->o.node_rank,
-                                                           eng->o.comm_id, &be->cc, err, errlen)
+                                                           eng->o.comm_id, (int)eng->o.rejoined, &be->cc, err,
+                                                           errlen)
                                      : epd_cc_create(be->ndev, NULL, &be->cc, err, errlen);
   if (rc) {
     cuda_destroy(eng);
@@ -1670,6 +1671,11 @@ fail:
   return rc;
 }
 
+static void cuda_world_remake(epd_engine_t *eng, const uint8_t *id) {
+  cuda_be_t *be = eng->be;
+  if (be->net) eng_cuda_net_remake(be->net, id);
+}
+
 static void cuda_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
   cuda_be_t *be = eng->be;
   eng_group_t *grp = c->grp;
@@ -1859,6 +1865,7 @@ const eng_backend_ops_t eng_cuda_ops = {
     .rank_bytes = cuda_rank_bytes,
     .client_alloc = cuda_client_alloc,
     .client_leave = cuda_client_leave,
+    .world_remake = cuda_world_remake,
     .client_free = cuda_client_free,
     .copy_weights = cuda_copy_weights,
     .arena_io = cuda_arena_io,

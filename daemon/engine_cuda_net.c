@@ -122,7 +122,13 @@ struct cnet {
   uint64_t go_ns;     /* when go was taken */
   cnet_addr_t addr[EPD_MAX_RANKS];
   cnet_prog_t prog;
+  /* A restarted node joins (eng_cuda_net_remake): the world communicator is made again over remake_id by
+   * a thread of its own once no exchange runs; meanwhile no exchange starts here. */
+  int remake_req, remaking, remake_late;
+  uint64_t remake_ns;
+  uint8_t remake_id[EPD_CC_UNIQUE_ID_BYTES];
 };
+#define REMAKE_LIMIT_MS 60000u /* the restarted node's ranks must join within this */
 
 static int op_ok(uint32_t op) {
   return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE;
@@ -160,10 +166,11 @@ epd_result_t eng_cuda_net_create(epd_engine_t *eng, epd_cc_t *cc, const int *dev
       if (cudaDeviceEnablePeerAccess(devices[p], 0) != cudaSuccess) cudaGetLastError();
     }
   }
-  if (eng->o.gin_probe)
+  if (eng->o.gin_probe && !eng->o.rejoined)
     epd_cc_gin_probe(cc, cn->gin, sizeof cn->gin);
   else
-    snprintf(cn->gin, sizeof cn->gin, "not probed (cluster.gin_probe = 0)");
+    snprintf(cn->gin, sizeof cn->gin, "not probed (%s)",
+             eng->o.rejoined ? "this daemon joined a running world: the probe is collective" : "cluster.gin_probe = 0");
   EPD_LOGI(EPD_SUB_CUDA,
            "scale-out: node %u of %u, world ranks %u..%u of %u; inter-node transport nccl-p2p (grouped "
            "ncclSend/ncclRecv on the world communicator, control over the daemon links); GIN: %s",
@@ -230,6 +237,56 @@ static void group_free(cnet_t *cn, cnet_grp_t *cg) {
 }
 
 const char *eng_cuda_net_gin(const cnet_t *cn) { return cn->gin; }
+
+void eng_cuda_net_remake(cnet_t *cn, const uint8_t *id) {
+  memcpy(cn->remake_id, id, sizeof cn->remake_id);
+  cn->remake_req = 1;
+  EPD_LOGI(EPD_SUB_CUDA, "a restarted node joins the running world: the world communicator is made again once no "
+           "exchange runs here");
+}
+
+static void *remake_main(void *arg) {
+  cnet_t *cn = arg;
+  epd_engine_t *eng = cn->eng;
+  uint8_t id[EPD_CC_UNIQUE_ID_BYTES];
+  pthread_mutex_lock(&eng->mu);
+  memcpy(id, cn->remake_id, sizeof id);
+  pthread_mutex_unlock(&eng->mu);
+  char err[256] = "";
+  const uint64_t t0 = eng_now_ns();
+  epd_result_t rc = epd_cc_world_remake(cn->cc, id, err, sizeof err);
+  pthread_mutex_lock(&eng->mu);
+  cn->remaking = 0;
+  if (rc)
+    eng_fail(eng, "making the world communicator again for a restarted node failed: %s", err);
+  else
+    EPD_LOGI(EPD_SUB_CUDA, "world communicator made again (%u ranks) in %.1f ms: exchanges run again", cn->W,
+             (eng_now_ns() - t0) / 1e6);
+  pthread_mutex_unlock(&eng->mu);
+  return NULL;
+}
+
+/* (mu) No exchange runs: the GO order starts again at 0 on every node (none is in flight: every step
+ * waited for the restarted node's part), and the thread makes the world communicator again. */
+static int remake_start(cnet_t *cn, uint64_t now) {
+  cn->remake_req = 0;
+  cn->remaking = 1;
+  cn->remake_late = 0;
+  cn->remake_ns = now;
+  cn->go_seq = 0;
+  cn->go_have = 0;
+  epd_net_drop_group(cn->eng->o.net, "");
+  pthread_t th;
+  pthread_attr_t at;
+  pthread_attr_init(&at);
+  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+  if (pthread_create(&th, &at, remake_main, cn)) {
+    cn->remaking = 0;
+    eng_fail(cn->eng, "pthread_create for making the world communicator again failed");
+  }
+  pthread_attr_destroy(&at);
+  return 1;
+}
 
 void eng_cuda_net_destroy(cnet_t *cn) {
   if (!cn) return;
@@ -931,7 +988,7 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
     if (n == cn->node || cg->frame[n]) continue;
     /* looked for before the take: node n's part of this step, if it sent one, came before a later one */
     uint64_t later = 0;
-    const int skipped = epd_net_newer(net, cg->gname, cg->step, n, &later);
+    const int skipped = epd_net_newer(net, cg->gname, cg->step, n, alive ? cg->grp->frames_since : 0, &later);
     cg->frame[n] = epd_net_take_payload(net, cg->gname, cg->step, n, &cg->flen[n]);
     if (cg->frame[n]) continue;
     char why[256], lw[160];
@@ -996,6 +1053,7 @@ static cnet_grp_t *grp_of(cnet_t *cn, const eng_group_t *grp) {
 static int schedule(cnet_t *cn, uint64_t now) {
   epd_engine_t *eng = cn->eng;
   epd_net_t *net = eng->o.net;
+  if (cn->remake_req || cn->remaking) return 0; /* the world communicator is being made again */
   if (epd_engine_failure(eng)) {
     /* After a failure nothing more is issued here (the world communicator may be aborted, its buffers
      * in use by the failed exchange): ready steps end with the reason, and node 0 orders nothing. */
@@ -1104,6 +1162,12 @@ int eng_cuda_net_poll(cnet_t *cn) {
   int moved = 0;
   pthread_mutex_lock(&eng->mu);
   uint64_t now = eng_now_ns();
+  if (cn->remake_req && !cn->run && !cn->remaking) moved |= remake_start(cn, now);
+  if (cn->remaking && !cn->remake_late && now - cn->remake_ns > REMAKE_LIMIT_MS * 1000000ull) {
+    cn->remake_late = 1;
+    eng_fail(eng, "the world communicator was not made again within %u ms (the restarted node's ranks did not "
+             "join): restart every node", REMAKE_LIMIT_MS);
+  }
   /* groups removed (not while their exchange runs) */
   for (cnet_grp_t *cg = cn->groups, *next; cg; cg = next) {
     next = cg->next;

@@ -49,5 +49,8 @@ int eng_cuda_net_poll(cnet_t *cn);
 epd_result_t eng_cuda_net_attach(cnet_t *cn, eng_group_t *grp, char *err, size_t errlen);
 /* (mu) A client leaves: withdraw its submitted slot and fail the local peers of a step being collected. */
 void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost);
+/* (mu) A restarted node joins: make the world communicator again over id once no exchange runs (a thread
+ * of its own; meanwhile no exchange starts here). */
+void eng_cuda_net_remake(cnet_t *cn, const uint8_t *id);
 
 #endif /* EPD_ENGINE_CUDA_NET_H */

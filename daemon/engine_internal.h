@@ -122,6 +122,7 @@ struct eng_group {
    * (its notice) and the group stays there for a new attach of the rank: a step numbered >= that whose
    * part from that node is not in fails here at once with EPD_ERR_PEER naming r. UINT64_MAX: none. */
   uint64_t lost_from[EPD_MAX_RANKS];
+  uint64_t frames_since; /* scale-out: the link frames received before this group was made (epd_net_newer) */
   /* Scale-out: made while the other nodes may step the group already (a worker restarted): its first
    * part waits for every other node's reply (bit n of join_wait: node n's is due), and it takes the
    * step the others are at (join_step; see eng_net_joining). */
@@ -176,6 +177,9 @@ typedef struct eng_backend_ops {
   const char *(*gin)(const epd_engine_t *eng);
   /* (mu) Optional: how grp's steps run now (NULL: the engine's mode). */
   const char *(*group_mode)(epd_engine_t *eng, eng_group_t *grp);
+  /* (mu) Optional, across nodes: a restarted node joins the running world; make the world communicator
+   * again over this id (EPD_CLUSTER_COMM_ID_BYTES) with every other node (NULL: the backend has none). */
+  void (*world_remake)(epd_engine_t *eng, const uint8_t *id);
 } eng_backend_ops_t;
 
 struct epd_engine {

@@ -42,6 +42,7 @@ typedef struct net_frame {
   uint64_t step;
   uint32_t src_node;
   int local; /* made by this daemon (a link's revival), not received */
+  uint64_t seq; /* arrival order of the step frames (net->frame_seq) */
   uint8_t *buf; /* whole frame after the length */
   size_t len;
 } net_frame_t;
@@ -55,6 +56,7 @@ typedef struct net_peer {
   pthread_mutex_t send_mu;
   struct epd_net *net;
   uint32_t node;
+  _Atomic uint32_t epoch; /* times the link was made again (revive) */
 } net_peer_t;
 
 /* A SetExpertMap on a node other than 0 waiting for node 0's answer. */
@@ -72,6 +74,7 @@ struct epd_net {
   net_peer_t peer[MAX_NODES];
   pthread_mutex_t mu;
   net_frame_t *frames;
+  uint64_t frame_seq; /* (mu) step frames received so far */
   atomic_int stop;
   _Atomic uint64_t tx_bytes, rx_bytes, tx_frames, rx_frames;
   /* Control frames (expert maps, drain notices), served in arrival order by one thread (engine_net.c's
@@ -126,6 +129,7 @@ typedef struct net_hdr {
 _Static_assert(sizeof(net_hdr_t) == 320, "net_hdr_t changed size");
 
 /* Control frames: see "expert maps across nodes" below. */
+struct epd_expert_map;
 enum {
   CTL_MAP_REQ = 1,
   CTL_MAP_SET = 2,
@@ -135,7 +139,8 @@ enum {
   CTL_GONE = 6,
   CTL_JOIN = 7,
   CTL_LOST = 8, /* version: a world rank of the sender; req_id: its first step without the rank's client (MAX: back) */
-  CTL_LINK_UP = 9 /* local only (revive): the link to src_node is up again */
+  CTL_LINK_UP = 9, /* local only (revive): the link to src_node is up again */
+  CTL_WORLD = 10   /* from node 0 (or local on node 0): make the world communicator again over the id in why */
 };
 typedef struct ctl_msg {
   uint32_t kind, version;
@@ -344,6 +349,7 @@ static void *recv_main(void *arg) {
       continue;
     }
     pthread_mutex_lock(&net->mu);
+    f->seq = ++net->frame_seq;
     f->next = net->frames;
     net->frames = f;
     pthread_mutex_unlock(&net->mu);
@@ -452,6 +458,37 @@ epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
   return net_connect(net, nodes, node_rank, peers, secret, timeout_ms, rejoin, err, errlen);
 }
 
+static int send_ctl(epd_net_t *net, uint32_t node, const char *group, const ctl_msg_t *m,
+                    const epd_expert_map_t *map, const epd_weight_copy_t *cp);
+
+uint32_t epd_net_link_epoch(epd_net_t *net, uint32_t node) {
+  return node < MAX_NODES ? atomic_load(&net->peer[node].epoch) : 0;
+}
+
+void epd_net_world_remake(epd_net_t *net, uint32_t except, const uint8_t *id) {
+  ctl_msg_t m = {.kind = CTL_WORLD};
+  _Static_assert(sizeof m.why >= EPD_NET_COMM_ID_BYTES, "the id fits");
+  memcpy(m.why, id, EPD_NET_COMM_ID_BYTES);
+  for (uint32_t n = 1; n < net->nodes; n++)
+    if (n != except && !atomic_load(&net->peer[n].dead) && send_ctl(net, n, "", &m, NULL, NULL))
+      EPD_LOGW(EPD_SUB_ENGINE, "the new world communicator's id was not sent to node %u (its link is down)", n);
+  net_frame_t *f = calloc(1, sizeof *f);
+  uint8_t *b = calloc(1, sizeof(net_hdr_t) + sizeof m);
+  if (!f || !b) {
+    free(f);
+    free(b);
+    return;
+  }
+  net_hdr_t h = {.magic = CTL_MAGIC, .src_node = net->node_rank};
+  memcpy(b, &h, sizeof h);
+  memcpy(b + sizeof h, &m, sizeof m);
+  f->src_node = net->node_rank;
+  f->local = 1;
+  f->buf = b;
+  f->len = sizeof h + sizeof m;
+  ctl_enqueue(net, f);
+}
+
 /* A restarted node connects to this one again: the link to it must be down (its old daemon is gone); the
  * old receiver is stopped and joined, the new connection takes its place, and the control thread is
  * told (a local frame: link_up) so that the engine forgets what it knew of that node's groups. */
@@ -468,6 +505,7 @@ static void revive(epd_net_t *net, uint32_t node, int fd) {
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  atomic_fetch_add(&p->epoch, 1);
   atomic_store(&p->dead, 0);
   pthread_mutex_unlock(&p->send_mu);
   if (pthread_create(&p->th, NULL, recv_main, p)) {
@@ -611,11 +649,19 @@ static net_frame_t *net_take(epd_net_t *net, const char *group, uint64_t step, u
   return found;
 }
 
-int epd_net_newer(epd_net_t *net, const char *group, uint64_t step, uint32_t node, uint64_t *newer) {
+uint64_t epd_net_frame_seq(epd_net_t *net) {
+  pthread_mutex_lock(&net->mu);
+  uint64_t s = net->frame_seq;
+  pthread_mutex_unlock(&net->mu);
+  return s;
+}
+
+int epd_net_newer(epd_net_t *net, const char *group, uint64_t step, uint32_t node, uint64_t since, uint64_t *newer) {
   int has = 0;
   pthread_mutex_lock(&net->mu);
   for (net_frame_t *f = net->frames; f; f = f->next)
-    if (f->src_node == node && f->step > step && !strcmp(f->group, group) && (!has || f->step < *newer)) {
+    if (f->src_node == node && f->step > step && f->seq > since && !strcmp(f->group, group) &&
+        (!has || f->step < *newer)) {
       *newer = f->step;
       has = 1;
     }
@@ -1379,7 +1425,7 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
     if (n == me || ng->f[n]) continue;
     /* looked for before the take: node n's part of this step, if it sent one, came before a later one */
     uint64_t later = 0;
-    const int skipped = epd_net_newer(net, grp->name, grp->steps, n, &later);
+    const int skipped = epd_net_newer(net, grp->name, grp->steps, n, grp->frames_since, &later);
     ng->f[n] = net_take(net, grp->name, grp->steps, n);
     if (ng->f[n]) continue;
     net_peer_t *p = &net->peer[n];
@@ -1915,18 +1961,21 @@ void eng_net_rank_lost(epd_engine_t *eng, eng_group_t *grp, int rank, uint64_t f
 void eng_net_rank_back(epd_engine_t *eng, eng_group_t *grp, int rank) {
   epd_net_t *net = eng->o.net;
   if (eng->o.nodes <= 1 || !net) return;
-  /* as at a creation: the others reply with the step they are at, taken here if it is ahead */
+  /* as at a creation: the others reply with the step they are at, taken here if it is ahead (replies to
+   * the creation notice still due serve as well: they carry the same) */
   char why[160];
-  grp->join_wait = 0;
-  grp->join_step = 0;
-  grp->join_ns = eng_now_ns();
-  for (uint32_t n = 0; n < eng->o.nodes && n < 64; n++)
-    if (n != eng->o.node_rank && !epd_net_node_dead(net, n, why, sizeof why)) grp->join_wait |= 1ull << n;
+  if (!grp->join_wait) {
+    grp->join_step = 0;
+    grp->join_ns = eng_now_ns();
+    for (uint32_t n = 0; n < eng->o.nodes && n < 64; n++)
+      if (n != eng->o.node_rank && !epd_net_node_dead(net, n, why, sizeof why)) grp->join_wait |= 1ull << n;
+  }
   send_lost(eng, grp, rank, UINT64_MAX);
 }
 
 uint64_t eng_net_first_unsent(epd_engine_t *eng, eng_group_t *grp) {
-  net_group_t *ng = group_state(eng, grp);
+  (void)eng;
+  const net_group_t *ng = grp->net; /* none yet: nothing sent */
   return ng && ng->sent_step == grp->steps ? grp->steps + 1 : grp->steps;
 }
 
@@ -1939,6 +1988,8 @@ void eng_net_group_created(epd_engine_t *eng, eng_group_t *grp) {
   grp->join_wait = 0;
   grp->join_step = 0;
   grp->join_ns = eng_now_ns();
+  /* parts of a later step that came before this creation are an earlier life's (epd_net_newer) */
+  grp->frames_since = epd_net_frame_seq(net);
   char why[160];
   if (removed_take(net, grp->name) || net->rejoined) /* made again here, or this daemon restarted */
     for (uint32_t n = 0; n < eng->o.nodes && n < 64; n++)
@@ -2004,6 +2055,16 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     if (f->local && f->src_node < MAX_NODES) link_up(eng, f->src_node);
     return;
   }
+  if (c.kind == CTL_WORLD) { /* why: the new world communicator's id (EPD_NET_COMM_ID_BYTES) */
+    if (!f->local && f->src_node != 0) {
+      EPD_LOGW(EPD_SUB_ENGINE, "node %u sent a world communicator id (only node 0 may): ignored", f->src_node);
+      return;
+    }
+    pthread_mutex_lock(&eng->mu);
+    if (eng->ops->world_remake) eng->ops->world_remake(eng, (const uint8_t *)c.why);
+    pthread_mutex_unlock(&eng->mu);
+    return;
+  }
   if (c.kind == CTL_MAP_REP) {
     pthread_mutex_lock(&net->mu);
     for (ctl_wait_t *w = net->waits; w; w = w->next)
@@ -2056,6 +2117,10 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     const int made = c.req_id == UINT64_MAX;
     const uint32_t version = grp && made ? grp->map.version : 0;
     const uint64_t hash = grp && made ? epd_net_map_hash(&grp->map) : 0;
+    int lost_r[EPD_MAX_RANKS], nlost = 0;
+    const uint32_t me0 = net->node_rank * L;
+    for (uint32_t r = me0; grp && made && r < me0 + L && r < EPD_MAX_RANKS; r++)
+      if (grp->lost[r] && !grp->client[r]) lost_r[nlost++] = (int)r;
     if (grp) grp->gone_from[f->src_node] = c.req_id;
     if (grp && made) /* a group made there has none of its ranks' clients lost */
       for (uint32_t r = f->src_node * L; r < f->src_node * L + L && r < EPD_MAX_RANKS; r++) grp->lost_from[r] = UINT64_MAX;
@@ -2065,6 +2130,11 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
        * its part (it takes this number before its first part goes out) */
       ctl_msg_t r = {.kind = CTL_JOIN, .req_id = grp ? steps : UINT64_MAX, .version = version, .hash = hash};
       send_ctl(net, f->src_node, group, &r, NULL, NULL);
+      /* and which of this node's ranks lost their client (its parts do not come until they attach again) */
+      for (int k = 0; k < nlost; k++) {
+        ctl_msg_t m = {.kind = CTL_LOST, .req_id = steps, .version = lost_r[k]};
+        send_ctl(net, f->src_node, group, &m, NULL, NULL);
+      }
     }
     if (grp && !made)
       EPD_LOGW(EPD_SUB_ENGINE, "group %s: removed on node %u at its step %llu (its last client there left): its "

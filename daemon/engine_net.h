@@ -49,10 +49,20 @@ void epd_net_counters(const epd_net_t *net, uint64_t *tx_bytes, uint64_t *rx_byt
 int epd_net_send_payload(epd_net_t *net, uint32_t node, const char *group, uint64_t step, const void *payload,
                          size_t len);
 uint8_t *epd_net_take_payload(epd_net_t *net, const char *group, uint64_t step, uint32_t node, size_t *len);
-/* 1 if node's frame of a step of group later than `step` is queued (the smallest such step in *newer): node
+/* 1 if node's frame of a step of group later than `step`, received after frame number `since`, is queued
+ * (the smallest such step in *newer): node
  * then never sends `step`'s (one link, in order; a node numbers its parts in order and skips only a step
  * that failed there). */
-int epd_net_newer(epd_net_t *net, const char *group, uint64_t step, uint32_t node, uint64_t *newer);
+int epd_net_newer(epd_net_t *net, const char *group, uint64_t step, uint32_t node, uint64_t since, uint64_t *newer);
+/* The count of step frames received so far: a group made now passes it as `since` to epd_net_newer (frames
+ * that came before are an earlier life's of a group of that name). */
+uint64_t epd_net_frame_seq(epd_net_t *net);
+/* Node 0, a restarted node joining (backend cuda): every other node whose link is up but `except` (the
+ * restarted one), and this node, make the world communicator again over id (EPD_NET_COMM_ID_BYTES). */
+#define EPD_NET_COMM_ID_BYTES 128
+/* How many times the link to node was made again (a restarted node joined). */
+uint32_t epd_net_link_epoch(epd_net_t *net, uint32_t node);
+void epd_net_world_remake(epd_net_t *net, uint32_t except, const uint8_t *id);
 /* Count bytes another transport moved between the nodes (the NCCL exchange) in the link counters. */
 void epd_net_add_bytes(epd_net_t *net, uint64_t tx, uint64_t rx);
 /* 1 (why set) if the link to node is down. */

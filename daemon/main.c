@@ -391,6 +391,7 @@ int main(int argc, char **argv) {
     /* auto stays host across nodes: every node must pick the same backend (it is an agreed key). */
     if (!strcmp(eo.backend, "auto")) eo.backend = "host";
     if (!strcmp(eo.backend, "cuda")) eo.comm_id = comm_id;
+    eo.rejoined = (uint32_t)epd_cluster_rejoined();
   }
   if (epd_engine_create(&eo, epd_events_from_engine, NULL, &d.eng, eerr, sizeof eerr) != EPD_OK) {
     snprintf(err, sizeof err, "engine (backend %s, %u ranks): %s", d.conf.backend, d.conf.num_ranks, eerr);

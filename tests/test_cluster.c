@@ -926,3 +926,65 @@ EPD_TEST(cluster_gin_line_every_local_rank) {
   ASSERT_EQ(strlen(small), 23);
   ASSERT_EQ(small[30], 'x');
 }
+
+/* A group removed on node 1 while node 0 steps on (its parts reach node 1, where the group is gone), then
+ * node 0's clients leave too; the group made again on both nodes starts at step 0 with node 1 first: the
+ * parts of later steps left from its earlier life are not taken as node 0 having skipped step 0 (the rule
+ * that fails a step at once when a node's part of a later step is in; found in review, session 25). */
+EPD_TEST(cluster_group_made_again_everywhere_ignores_an_earlier_lifes_parts) {
+  cluster_t cl;
+  cluster_up(&cl, 8, 64, 2, 4, 2);
+  for (int i = 0; i < 5; i++) {
+    cl_submit(&cl, 0, W, 3, 1 + (uint32_t)i);
+    for (int r = 0; r < W; r++) ASSERT_EQ(cwait(&cl.c[r]).status, EPD_OK);
+  }
+  cl_detach(&cl, 2, 1);
+  cl_detach(&cl, 3, 1);
+  usleep(100000);
+  for (int i = 0; i < 3; i++) { /* node 0's parts of steps 5.. go to node 1, which has no group */
+    cl_submit(&cl, 0, 2, 3, 9);
+    for (int r = 0; r < 2; r++) ASSERT_EQ(cwait(&cl.c[r]).status, EPD_ERR_PEER);
+  }
+  cl_detach(&cl, 0, 0);
+  cl_detach(&cl, 1, 0);
+  usleep(100000);
+  for (int r = 0; r < W; r++) cluster_attach(&cl, r, 8, 64, 2, 4);
+  usleep(200000);
+  cl_submit(&cl, 2, 4, 3, 4); /* node 1 first */
+  usleep(200000);
+  cl_submit(&cl, 0, 2, 3, 4);
+  for (int r = 0; r < W; r++) {
+    epd_comp_t comp = cwait(&cl.c[r]);
+    ASSERT_EQ(comp.status, EPD_OK);
+    ASSERT_EQ(comp.step, 0u);
+  }
+  cluster_down(&cl);
+}
+
+/* The client of rank 3 (node 1) dies while rank 2 keeps the group there; node 0's clients then leave and
+ * attach again: the group made again on node 0 hears at its creation that rank 3 has no client, and its
+ * first step fails at once naming rank 3 (not after the step timeout naming rank 2; review, session 25). */
+EPD_TEST(cluster_lost_rank_told_to_a_group_made_again_on_another_node) {
+  cluster_t cl;
+  cl_step_timeout_ms = 2000;
+  cluster_up(&cl, 8, 64, 2, 4, 2);
+  cl_step_timeout_ms = 0;
+  cl_submit(&cl, 0, W, 3, 1);
+  for (int r = 0; r < W; r++) ASSERT_EQ(cwait(&cl.c[r]).status, EPD_OK);
+  cl_detach(&cl, 3, 1);
+  cl_detach(&cl, 0, 0);
+  cl_detach(&cl, 1, 0);
+  usleep(100000);
+  cluster_attach(&cl, 0, 8, 64, 2, 4);
+  cluster_attach(&cl, 1, 8, 64, 2, 4);
+  usleep(200000);
+  const uint64_t t0 = ms_now();
+  cl_submit(&cl, 0, 2, 3, 4);
+  for (int r = 0; r < 2; r++) {
+    epd_comp_t comp = cwait(&cl.c[r]);
+    ASSERT_EQ(comp.status, EPD_ERR_PEER);
+    ASSERT_EQ(comp.peer, 3);
+  }
+  ASSERT_LT(ms_now() - t0, 1500u);
+  cluster_down(&cl);
+}

@@ -13,8 +13,10 @@
 #   (the other two stop at once naming its rank, no engine fails); node 2's worker dies and restarts (the
 #   group made again there takes the others' step); node 1 never submits (EPD_ERR_TIMEOUT naming rank 1
 #   on nodes 0 and 2); node 2 stops (EPD_ERR_PEER naming rank 2 on nodes 0 and 1, promptly; both serve on),
-#   and its daemon started again is refused by node 0 with a clear message (backend cuda cannot take a
-#   restarted node back into the running world; the host backend can: tests/system/36-node-restart.sh).
+#   then its daemon starts again and joins the running world: node 0 hands it a new NCCL world
+#   communicator id and every node makes its world communicator again with it; node 2's new worker joins
+#   a group nodes 0 and 1 kept stepping (20 steps in a row on all three, equal to the reference), and
+#   fresh LL FP8 / HT groups of all three nodes run (the host backend's twin: tests/system/36-node-restart.sh).
 # Usage (repository root, GPU machine): bash tests/gpu/67-three-nodes-cuda.sh [build-dir]; logs go to
 # $TWO_NODES_OUT if set. Set-up, daemons and workers: two-nodes-lib.sh.
 set -u
@@ -168,18 +170,38 @@ ms=$(( ($(date +%s%N) - s) / 1000000 ))
 grep -q "^links: *node 0 up; node 2 down" "$T/status1b.out" || fail "node 1's links: $(grep links "$T/status1b.out")"
 no_engine_failed "lost node"
 echo "   ok in $ms ms: $(grep -h EPD_ERR_PEER "$T/pe1.out" | head -1 | cut -c1-140)"
-echo "== node 2 starts again: refused (backend cuda: the world communicator cannot take a node back), nodes 0 and 1 serve on"
+echo "== node 2's daemon starts again: it joins the running world, every node makes the NCCL world communicator again"
+# a group of nodes 0 and 1 skips the ops that fail meanwhile; node 2's new worker joins it
+RW="--seed 41 --hidden 512 --tokens 32 --fp8 --same-inputs"
+for r in 0 1; do
+  CUDA_VISIBLE_DEVICES=$(gpu_of $r) timeout 150 "$WORKER" -s "$T/n$r/control.sock" -g rw -r $r -n 3 --steps 5000 $RW --until-streak 20 > "$T/rw$r.out" 2>&1 &
+  eval "W_rw$r=$!"
+done
+wait_for 10 grep -q "rank 0 step [0-9]*: .* failed (skipped).*EPD_ERR_PEER" "$T/rw0.out" || fail "restart: node 0's worker did not fail while node 2 was down: $(tail -2 "$T/rw0.out")"
 mv "$T/node2.log" "$T/node2-first.log"
+rm -f "$T/n2/attach.sock" "$T/n2/control.sock"
+s=$(date +%s%N)
 node 2
-wait "$P_2"; RR=$?
-[ $RR -eq 1 ] || fail "the restarted node 2 exited $RR, want 1 (refused)"
-grep -q "NCCL world communicator cannot take a node back; restart every node" "$T/node2.log" || fail "node 2's refusal: $(grep -v 'NCCL INFO' "$T/node2.log" | tail -2)"
-grep -q "cluster: refused a restarted node: node 2 restarted" "$T/node0.log" || fail "node 0 did not log the refusal"
-for n in 0 1; do "$EPDCTL" -s "$T/n$n/control.sock" health > /dev/null 2>&1 || fail "node $n not serving after the refused restart"; done
-echo "   ok: $(grep -o 'node 2 restarted, but.*' "$T/node2.log" | head -1 | cut -c1-140)"
-kill -TERM "$P_0" "$P_1"
+wait_for 120 test -S "$T/n2/attach.sock" || fail "the restarted node 2 did not come up: $(grep -v 'NCCL INFO' "$T/node2.log" | tail -3)"
+ms=$(( ($(date +%s%N) - s) / 1000000 ))
+grep -q "joined the running world again (this daemon restarted)" "$T/node2.log" || fail "node 2's log: $(grep -v 'NCCL INFO' "$T/node2.log" | grep cluster | tail -2)"
+grep -q "every node makes the NCCL world communicator again with it" "$T/node0.log" || fail "node 0 did not hand out a new world communicator"
+for n in 0 1; do wait_for 60 grep -q "world communicator made again" "$T/node$n.log" || fail "node $n did not make the world communicator again: $(grep -v 'NCCL INFO' "$T/node$n.log" | tail -3)"; done
+CUDA_VISIBLE_DEVICES=$(gpu_of 2) timeout 150 "$WORKER" -s "$T/n2/control.sock" -g rw -r 2 -n 3 --steps 20 $RW > "$T/rw2.out" 2>&1 &
+W_rw2=$!
+expect_ok rw2 rw0 rw1
+grep -q "group rw: made again here while the other nodes step it: it runs from their step" "$T/node2.log" || fail "node 2's group rw: $(grep 'group rw' "$T/node2.log" | tail -2)"
+echo "   node 2 up in $ms ms; $(grep -h -o 'world communicator made again.*' "$T/node1.log" | head -1); $(grep -o 'group rw: made again here.*' "$T/node2.log" | head -1)"
+start_workers fr --steps 6 --seed 9 --fp8 --skew $COMMON --tokens 64
+expect_ok $(outs fr)
+start_workers fh --steps 4 --seed 10 --mode ht $COMMON --tokens 128
+expect_ok $(outs fh)
+no_engine_failed "restart"
+P_2R=$P_2
+kill -TERM "$P_0" "$P_1" "$P_2R"
 wait "$P_0"; R0=$?
 wait "$P_1"; R1=$?
+wait "$P_2R" || fail "the restarted node 2 exited $? on SIGTERM"
 [ $R0 -eq 0 ] && [ $R1 -eq 0 ] && [ $R2 -eq 0 ] || fail "daemons exited $R0 $R1 $R2 on SIGTERM"
 grep -q "via NET/Socket" "$T/node1.log" || fail "NCCL did not use its socket transport on node 1"
 grep -q "via P2P\|via SHM" "$T"/node[012].log && fail "NCCL used P2P or SHM between nodes"
