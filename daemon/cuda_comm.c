@@ -14,6 +14,8 @@
 #pragma GCC diagnostic pop
 #include <pthread.h>
 #include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "epd_kernels.h"
 #include "epd_kernels_net.h"
@@ -26,6 +28,7 @@ struct epd_cc {
   ncclComm_t lsa[EPD_CC_MAX_RANKS];
   ncclUniqueId id;
   int own_lsa;          /* the node-local communicators over lsa_id, not split from the world's */
+  int nonblocking;      /* the world communicators were made again non-blocking (epd_cc_world_remake) */
   ncclUniqueId lsa_id;
 };
 
@@ -94,34 +97,58 @@ static epd_result_t cc_init_rank(epd_cc_t *cc, int r, void *argp) {
   return EPD_OK;
 }
 
-static epd_result_t cc_remake_rank(epd_cc_t *cc, int r, void *argp) {
-  init_arg_t *a = argp;
-  if (cc->world[r]) ncclCommAbort(cc->world[r]); /* a node of it is gone: abort, do not wait for it */
-  cc->world[r] = NULL;
-  ncclComm_t c = NULL;
-  ncclResult_t nr = ncclCommInitRank(&c, cc->world_n, cc->id, cc->base + r);
-  if (nr != ncclSuccess) {
-    snprintf(a->err[r], sizeof a->err[r], "rank %d: ncclCommInitRank: %s", r, ncclGetErrorString(nr));
+epd_result_t epd_cc_world_remake(epd_cc_t *cc, const uint8_t *world_id, uint32_t limit_ms, const int *cancel,
+                                 char *err, size_t errlen) {
+  memcpy(&cc->id, world_id, sizeof cc->id);
+  for (int r = 0; r < cc->n; r++) /* a node of the old one is gone: abort, do not wait for it */
+    if (cc->world[r]) {
+      cudaSetDevice(cc->dev[r]);
+      ncclCommAbort(cc->world[r]);
+      cc->world[r] = NULL;
+    }
+  /* non-blocking, so that a wait for ranks that never come can be given up (and the comm aborted) */
+  ncclComm_t c[EPD_CC_MAX_RANKS] = {0};
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclResult_t nr = ncclGroupStart();
+  for (int r = 0; r < cc->n && (nr == ncclSuccess || nr == ncclInProgress); r++) {
+    cudaSetDevice(cc->dev[r]);
+    nr = ncclCommInitRankConfig(&c[r], cc->world_n, cc->id, cc->base + r, &cfg);
+  }
+  ncclResult_t ne = ncclGroupEnd();
+  const char *why = NULL;
+  if (nr != ncclSuccess && nr != ncclInProgress) why = ncclGetErrorString(nr);
+  if (!why && ne != ncclSuccess && ne != ncclInProgress) why = ncclGetErrorString(ne);
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  while (!why) {
+    int pending = 0;
+    for (int r = 0; r < cc->n && !why; r++) {
+      ncclResult_t st = ncclInProgress;
+      if (!c[r] || ncclCommGetAsyncError(c[r], &st) != ncclSuccess) st = ncclInternalError;
+      if (st == ncclInProgress) pending++;
+      else if (st != ncclSuccess) why = ncclGetErrorString(st);
+    }
+    if (!pending || why) break;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    if (cancel && __atomic_load_n(cancel, __ATOMIC_ACQUIRE)) why = "given up (stopping, or a newer id came)";
+    else if ((uint64_t)(t.tv_sec - t0.tv_sec) * 1000u + (uint64_t)((t.tv_nsec - t0.tv_nsec) / 1000000) > limit_ms)
+      why = "the other ranks did not all join in time";
+    else
+      usleep(1000);
+  }
+  if (why) {
+    snprintf(err, errlen, "ncclCommInitRankConfig (world, %d ranks): %s", cc->world_n, why);
+    for (int r = 0; r < cc->n; r++)
+      if (c[r]) ncclCommAbort(c[r]);
     return EPD_ERR_NCCL;
   }
-  cc->world[r] = c;
+  for (int r = 0; r < cc->n; r++) cc->world[r] = c[r];
+  cc->nonblocking = 1;
   return EPD_OK;
 }
 
-epd_result_t epd_cc_world_remake(epd_cc_t *cc, const uint8_t *world_id, char *err, size_t errlen) {
-  init_arg_t *a = calloc(1, sizeof(*a));
-  if (!a) return EPD_ERR_NOMEM;
-  memcpy(&cc->id, world_id, sizeof cc->id);
-  epd_result_t res = epd_cc_each(cc, cc_remake_rank, a);
-  if (res != EPD_OK)
-    for (int r = 0; r < cc->n; r++)
-      if (a->err[r][0]) {
-        snprintf(err, errlen, "%s", a->err[r]);
-        break;
-      }
-  free(a);
-  return res;
-}
+int epd_cc_world_nonblocking(const epd_cc_t *cc) { return cc->nonblocking; }
 
 typedef struct gin_arg {
   int contexts[EPD_CC_MAX_RANKS], type[EPD_CC_MAX_RANKS];
@@ -158,6 +185,7 @@ epd_result_t epd_cc_unique_id(uint8_t *id, char *err, size_t errlen) {
   memcpy(id, &u, sizeof u);
   return EPD_OK;
 }
+
 
 epd_result_t epd_cc_create(int n, const int *devices, epd_cc_t **out, char *err, size_t errlen) {
   return epd_cc_create_world(n, devices, 1, 0, NULL, 0, out, err, errlen);

@@ -41,9 +41,12 @@ epd_result_t epd_cc_create(int n, const int *devices, epd_cc_t **out, char *err,
 epd_result_t epd_cc_create_world(int n, const int *devices, uint32_t nodes, uint32_t node, const uint8_t *world_id,
                                  int own_lsa, epd_cc_t **out, char *err, size_t errlen);
 /* Scale-out: abort the world communicators (a node is gone) and make them again over world_id with the
- * same ranks (a restarted node joins with own_lsa); the node-local ones stay. Blocks until every node's
- * ranks joined. */
-epd_result_t epd_cc_world_remake(epd_cc_t *cc, const uint8_t *world_id, char *err, size_t errlen);
+ * same ranks (a restarted node joins with own_lsa); the node-local ones stay. Returns once every node's
+ * ranks joined, or fails (the new ones aborted) after limit_ms or once *cancel is set. The new world
+ * communicators are non-blocking: a grouped call may return ncclInProgress (epd_cc_world_nonblocking). */
+epd_result_t epd_cc_world_remake(epd_cc_t *cc, const uint8_t *world_id, uint32_t limit_ms, const int *cancel,
+                                 char *err, size_t errlen);
+int epd_cc_world_nonblocking(const epd_cc_t *cc);
 /* A fresh ncclUniqueId (EPD_CC_UNIQUE_ID_BYTES) for epd_cc_create_world. */
 epd_result_t epd_cc_unique_id(uint8_t *id, char *err, size_t errlen);
 int epd_cc_world_ranks(const epd_cc_t *cc);

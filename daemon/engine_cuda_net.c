@@ -124,8 +124,9 @@ struct cnet {
   cnet_prog_t prog;
   /* A restarted node joins (eng_cuda_net_remake): the world communicator is made again over remake_id by
    * a thread of its own once no exchange runs; meanwhile no exchange starts here. */
-  int remake_req, remaking, remake_late;
-  uint64_t remake_ns;
+  int remake_req, remaking, remake_started;
+  int remake_cancel; /* (atomic) give the attempt up: stopping, or a newer id came */
+  pthread_t remake_th;
   uint8_t remake_id[EPD_CC_UNIQUE_ID_BYTES];
 };
 #define REMAKE_LIMIT_MS 60000u /* the restarted node's ranks must join within this */
@@ -241,6 +242,7 @@ const char *eng_cuda_net_gin(const cnet_t *cn) { return cn->gin; }
 void eng_cuda_net_remake(cnet_t *cn, const uint8_t *id) {
   memcpy(cn->remake_id, id, sizeof cn->remake_id);
   cn->remake_req = 1;
+  if (cn->remaking) __atomic_store_n(&cn->remake_cancel, 1, __ATOMIC_RELEASE); /* a newer id: that one wins */
   EPD_LOGI(EPD_SUB_CUDA, "a restarted node joins the running world: the world communicator is made again once no "
            "exchange runs here");
 }
@@ -254,12 +256,14 @@ static void *remake_main(void *arg) {
   pthread_mutex_unlock(&eng->mu);
   char err[256] = "";
   const uint64_t t0 = eng_now_ns();
-  epd_result_t rc = epd_cc_world_remake(cn->cc, id, err, sizeof err);
+  epd_result_t rc = epd_cc_world_remake(cn->cc, id, REMAKE_LIMIT_MS, &cn->remake_cancel, err, sizeof err);
   pthread_mutex_lock(&eng->mu);
   cn->remaking = 0;
-  if (rc)
-    eng_fail(eng, "making the world communicator again for a restarted node failed: %s", err);
-  else
+  if (rc && cn->remake_req)
+    EPD_LOGW(EPD_SUB_CUDA, "making the world communicator again: %s; a newer id follows", err);
+  else if (rc && !__atomic_load_n(&cn->remake_cancel, __ATOMIC_ACQUIRE))
+    eng_fail(eng, "making the world communicator again for a restarted node failed: %s (restart every node)", err);
+  else if (!rc)
     EPD_LOGI(EPD_SUB_CUDA, "world communicator made again (%u ranks) in %.1f ms: exchanges run again", cn->W,
              (eng_now_ns() - t0) / 1e6);
   pthread_mutex_unlock(&eng->mu);
@@ -269,28 +273,31 @@ static void *remake_main(void *arg) {
 /* (mu) No exchange runs: the GO order starts again at 0 on every node (none is in flight: every step
  * waited for the restarted node's part), and the thread makes the world communicator again. */
 static int remake_start(cnet_t *cn, uint64_t now) {
+  (void)now;
+  if (cn->remake_started) pthread_join(cn->remake_th, NULL); /* the last attempt's thread, finished */
+  cn->remake_started = 0;
   cn->remake_req = 0;
   cn->remaking = 1;
-  cn->remake_late = 0;
-  cn->remake_ns = now;
+  __atomic_store_n(&cn->remake_cancel, 0, __ATOMIC_RELEASE);
   cn->go_seq = 0;
   cn->go_have = 0;
   epd_net_drop_group(cn->eng->o.net, "");
-  pthread_t th;
-  pthread_attr_t at;
-  pthread_attr_init(&at);
-  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-  if (pthread_create(&th, &at, remake_main, cn)) {
+  if (pthread_create(&cn->remake_th, NULL, remake_main, cn)) {
     cn->remaking = 0;
     eng_fail(cn->eng, "pthread_create for making the world communicator again failed");
+    return 1;
   }
-  pthread_attr_destroy(&at);
+  cn->remake_started = 1;
   return 1;
 }
 
 void eng_cuda_net_destroy(cnet_t *cn) {
   if (!cn) return;
   epd_engine_t *eng = cn->eng;
+  /* a world communicator being made again: give it up (its comms aborted) and join its thread */
+  __atomic_store_n(&cn->remake_cancel, 1, __ATOMIC_RELEASE);
+  if (cn->remake_started) pthread_join(cn->remake_th, NULL);
+  cn->remake_started = 0;
   /* A step still exchanging gets a short grace; a peer that never answers must not hang the exit. */
   uint64_t t0 = eng_now_ns();
   for (uint32_t l = 0; l < cn->L; l++) {
@@ -826,6 +833,20 @@ static epd_result_t issue(cnet_t *cn, cnet_grp_t *cg, char *err, size_t errlen) 
   }
   ncclResult_t ne = ncclGroupEnd();
   if (nr == ncclSuccess) nr = ne;
+  /* world communicators made again are non-blocking (epd_cc_world_remake): wait until the calls are issued */
+  for (uint64_t t0 = eng_now_ns(); nr == ncclInProgress;) {
+    nr = ncclSuccess;
+    for (uint32_t l = 0; l < L; l++) {
+      ncclResult_t st = ncclSuccess;
+      if (ncclCommGetAsyncError(epd_cc_world(cn->cc, (int)l), &st) != ncclSuccess) st = ncclInternalError;
+      if (st != ncclSuccess && nr == ncclSuccess) nr = st;
+      if (st != ncclSuccess && st != ncclInProgress) nr = st;
+    }
+    if (nr == ncclInProgress && eng_now_ns() - t0 > (uint64_t)cn->eng->o.step_timeout_ms * 1000000ull) {
+      snprintf(err, errlen, "ncclSend/ncclRecv: still in progress after %u ms", cn->eng->o.step_timeout_ms);
+      return EPD_ERR_NCCL;
+    }
+  }
   if (nr != ncclSuccess) {
     snprintf(err, errlen, "ncclSend/ncclRecv: %s (%s)", ncclGetErrorString(nr), ncclGetLastError(NULL));
     return EPD_ERR_NCCL;
@@ -1053,7 +1074,7 @@ static cnet_grp_t *grp_of(cnet_t *cn, const eng_group_t *grp) {
 static int schedule(cnet_t *cn, uint64_t now) {
   epd_engine_t *eng = cn->eng;
   epd_net_t *net = eng->o.net;
-  if (cn->remake_req || cn->remaking) return 0; /* the world communicator is being made again */
+
   if (epd_engine_failure(eng)) {
     /* After a failure nothing more is issued here (the world communicator may be aborted, its buffers
      * in use by the failed exchange): ready steps end with the reason, and node 0 orders nothing. */
@@ -1067,6 +1088,7 @@ static int schedule(cnet_t *cn, uint64_t now) {
       }
     return moved;
   }
+  if (cn->remake_req || cn->remaking) return 0; /* the world communicator is being made again */
   if (cn->node == 0) {
     cnet_grp_t *next = NULL;
     for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
@@ -1163,11 +1185,6 @@ int eng_cuda_net_poll(cnet_t *cn) {
   pthread_mutex_lock(&eng->mu);
   uint64_t now = eng_now_ns();
   if (cn->remake_req && !cn->run && !cn->remaking) moved |= remake_start(cn, now);
-  if (cn->remaking && !cn->remake_late && now - cn->remake_ns > REMAKE_LIMIT_MS * 1000000ull) {
-    cn->remake_late = 1;
-    eng_fail(eng, "the world communicator was not made again within %u ms (the restarted node's ranks did not "
-             "join): restart every node", REMAKE_LIMIT_MS);
-  }
   /* groups removed (not while their exchange runs) */
   for (cnet_grp_t *cg = cn->groups, *next; cg; cg = next) {
     next = cg->next;

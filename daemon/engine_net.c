@@ -226,6 +226,17 @@ static uint64_t mono_ms(void) {
   return eng_now_ns() / 1000000ull;
 }
 
+/* A data link: no Nagle, and keepalive probes, so that a peer host that vanished (no FIN) is found dead
+ * within ~11 s even on an idle link (a restarted node's new link is then taken: accept_main). */
+static void link_opts(int fd) {
+  int one = 1, idle = 5, intvl = 2, cnt = 3;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
+}
+
 epd_result_t epd_net_listen(const char *addr, epd_net_t **out, char *adv, size_t advlen, char *err,
                             size_t errlen) {
   *out = NULL;
@@ -357,6 +368,7 @@ static void *recv_main(void *arg) {
 }
 
 static void *accept_main(void *arg);
+static void link_up_notice(epd_net_t *net, uint32_t node);
 
 static epd_result_t net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
                                 const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret, uint32_t timeout_ms,
@@ -392,14 +404,31 @@ static epd_result_t net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_ra
       }
       usleep(50000);
     }
-    freeaddrinfo(ai);
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    link_opts(fd);
     if (write_all(fd, &hello, sizeof hello)) {
       snprintf(err, errlen, "data link to node %u: %s", n, strerror(errno));
       close(fd);
+      freeaddrinfo(ai);
       return EPD_ERR_PEER;
     }
+    /* joining a running world: node n says whether it took the link (it refuses while its old link to
+     * this node still looks up: asked again until the timeout) */
+    uint8_t verdict = 0;
+    if (rejoin && (read_all(fd, &verdict, 1, 2000) || verdict != 1)) {
+      close(fd);
+      fd = -1;
+      if (mono_ms() >= deadline) {
+        snprintf(err, errlen, "data link to node %u at %s: refused (its link to this node still up?) within "
+                 "cluster.timeout_ms %u", n, peers[n], timeout_ms);
+        freeaddrinfo(ai);
+        return EPD_ERR_TIMEOUT;
+      }
+      usleep(200000);
+      n--; /* again */
+      freeaddrinfo(ai);
+      continue;
+    }
+    freeaddrinfo(ai);
     net->peer[n].fd = fd;
   }
   /* Accept the higher nodes. */
@@ -426,8 +455,7 @@ static epd_result_t net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_ra
       close(fd);
       continue;
     }
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    link_opts(fd);
     net->peer[got.node].fd = fd;
     want--;
   }
@@ -503,17 +531,33 @@ static void revive(epd_net_t *net, uint32_t node, int fd) {
   p->why[0] = 0;
   struct timeval tv = {30, 0};
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  link_opts(fd);
   atomic_fetch_add(&p->epoch, 1);
   atomic_store(&p->dead, 0);
   pthread_mutex_unlock(&p->send_mu);
+  /* the old daemon's parts still queued are not the new one's */
+  pthread_mutex_lock(&net->mu);
+  for (net_frame_t **pp = &net->frames; *pp;) {
+    net_frame_t *f = *pp;
+    if (f->src_node == node) {
+      *pp = f->next;
+      free(f->buf);
+      free(f);
+      continue;
+    }
+    pp = &f->next;
+  }
+  pthread_mutex_unlock(&net->mu);
+  EPD_LOGI(EPD_SUB_ENGINE, "data link to node %u up again (its daemon restarted)", node);
+  link_up_notice(net, node); /* before its first frame: what that sets must not be wiped by link_up */
   if (pthread_create(&p->th, NULL, recv_main, p)) {
     peer_dead(p, "%s", "pthread_create failed");
     return;
   }
   p->started = 1;
-  EPD_LOGI(EPD_SUB_ENGINE, "data link to node %u up again (its daemon restarted)", node);
+}
+
+static void link_up_notice(epd_net_t *net, uint32_t node) {
   net_frame_t *f = calloc(1, sizeof *f);
   uint8_t *b = calloc(1, sizeof(net_hdr_t) + sizeof(ctl_msg_t));
   if (!f || !b) {
@@ -544,16 +588,23 @@ static void *accept_main(void *arg) {
     if (poll(&pf, 1, 200) <= 0) continue;
     int fd = accept4(net->lfd, NULL, NULL, SOCK_CLOEXEC);
     if (fd < 0) continue;
+    const uint8_t no = 0, yes = 1;
+    /* node 0 never joins again (a restart of node 0 makes a new world) */
     if (read_all(fd, &got, sizeof got, 2000) || got.magic != HELLO_MAGIC ||
         memcmp(got.secret, net->secret, EPD_NET_SECRET_BYTES) || got.node >= net->nodes ||
-        got.node == net->node_rank) {
+        got.node == net->node_rank || got.node == 0) {
       EPD_LOGW(EPD_SUB_ENGINE, "data listener: refused a connection (bad hello, secret or node)");
       close(fd);
       continue;
     }
     if (!atomic_load(&net->peer[got.node].dead)) {
-      EPD_LOGW(EPD_SUB_ENGINE, "data listener: refused node %u: its link is up (two daemons with that node rank?)",
-               got.node);
+      EPD_LOGW(EPD_SUB_ENGINE, "data listener: refused node %u: its link is up (two daemons with that node rank, "
+               "or its old link not yet found dead: it asks again)", got.node);
+      write_all(fd, &no, 1);
+      close(fd);
+      continue;
+    }
+    if (write_all(fd, &yes, 1)) {
       close(fd);
       continue;
     }
@@ -617,11 +668,9 @@ static int net_send(epd_net_t *net, uint32_t node, const void *buf, size_t len) 
   uint64_t l = len;
   pthread_mutex_lock(&p->send_mu);
   int rc = write_all(p->fd, &l, sizeof l) || write_all(p->fd, buf, len) ? -1 : 0;
+  if (rc) peer_dead(p, "send: %s", strerror(errno)); /* under send_mu: never a link revived meanwhile */
   pthread_mutex_unlock(&p->send_mu);
-  if (rc) {
-    peer_dead(p, "send: %s", strerror(errno));
-    return -1;
-  }
+  if (rc) return -1;
   atomic_fetch_add(&net->tx_bytes, len + 8);
   atomic_fetch_add(&net->tx_frames, 1);
   return 0;

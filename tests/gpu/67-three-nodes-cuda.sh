@@ -187,7 +187,7 @@ ms=$(( ($(date +%s%N) - s) / 1000000 ))
 grep -q "joined the running world again (this daemon restarted)" "$T/node2.log" || fail "node 2's log: $(grep -v 'NCCL INFO' "$T/node2.log" | grep cluster | tail -2)"
 grep -q "every node makes the NCCL world communicator again with it" "$T/node0.log" || fail "node 0 did not hand out a new world communicator"
 for n in 0 1; do wait_for 60 grep -q "world communicator made again" "$T/node$n.log" || fail "node $n did not make the world communicator again: $(grep -v 'NCCL INFO' "$T/node$n.log" | tail -3)"; done
-CUDA_VISIBLE_DEVICES=$(gpu_of 2) timeout 150 "$WORKER" -s "$T/n2/control.sock" -g rw -r 2 -n 3 --steps 20 $RW > "$T/rw2.out" 2>&1 &
+CUDA_VISIBLE_DEVICES=$(gpu_of 2) timeout 150 "$WORKER" -s "$T/n2/control.sock" -g rw -r 2 -n 3 --steps 5000 $RW --until-streak 20 --streak-any > "$T/rw2.out" 2>&1 &
 W_rw2=$!
 expect_ok rw2 rw0 rw1
 grep -q "group rw: made again here while the other nodes step it: it runs from their step" "$T/node2.log" || fail "node 2's group rw: $(grep 'group rw' "$T/node2.log" | tail -2)"

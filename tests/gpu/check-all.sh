@@ -24,6 +24,8 @@ NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/l
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader 2>&1
   ls "$NCCL_LIB" 2>/dev/null
 } > "$OUT/env.txt"
+# one GPU: the multi-node simulations (65, 67) run with every node on it (two-nodes-lib.sh)
+[ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" = 1 ] && export TWO_NODES_SHARE_GPU=1
 pass=0 fail=0 skip=0
 BUDGET=${CHECK_BUDGET_S:-570}
 step() { # name timeout_s command...: run, keep the output, count (77, or rc 0 with no test run = skipped)

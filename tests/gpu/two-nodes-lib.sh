@@ -6,7 +6,8 @@
 # inherited CUDA_VISIBLE_DEVICES: gpu_of); with one GPU per node NCCL_P2P_DISABLE=1 too (with two, the
 # node's GPUs need P2P for their LSA team; the different host ids keep the nodes apart). Before sourcing:
 # B (build directory), GPN (GPUs per node), optionally NODES. Skips (exit 77) without the binaries or
-# NODES x GPN GPUs. One GPU may stand for several: CUDA_VISIBLE_DEVICES=0,0 gives both nodes GPU 0 (their
+# NODES x GPN GPUs. One GPU may stand for several: CUDA_VISIBLE_DEVICES=0,0 (or TWO_NODES_SHARE_GPU=1, below)
+# gives both nodes GPU 0 (their
 # processes then share it, time-sliced without MPS: steps take milliseconds, results must still be exact;
 # the two nodes' NCCL ranks pass NCCL's duplicate-GPU check because their host ids differ). Logs go
 # to $TWO_NODES_OUT if set; TWO_NODES_NCCL_ENV: extra NCCL variables for the daemons; TWO_NODES_DAEMON_OPTS:
@@ -18,7 +19,16 @@ for x in "$EPD" "$WORKER" "$EPDCTL"; do [ -x "$x" ] || { echo "skip: $x is not b
 . "$(dirname "${BASH_SOURCE[0]}")/../worker-lib.sh"
 NODES=${NODES:-2}
 WR=$((NODES * GPN)) # world ranks
-[ "$(visible_gpus)" -ge $WR ] || { echo "skip: needs $WR GPUs ($NODES nodes of $GPN)"; exit 77; }
+# TWO_NODES_SHARE_GPU=1 with too few GPUs and one GPU per node: every node on the first GPU (as
+# CUDA_VISIBLE_DEVICES=0,0[,0] would; check-all.sh sets it on a one-GPU machine); no NVLink baseline then
+if [ "${TWO_NODES_SHARE_GPU:-0}" = 1 ] && [ "$GPN" = 1 ] && [ "$(visible_gpus)" -ge 1 ] && [ "$(visible_gpus)" -lt $WR ]; then
+  g0=$(gpu_of 0)
+  CUDA_VISIBLE_DEVICES=$g0
+  for _ in $(seq 2 $WR); do CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES,$g0"; done
+  export CUDA_VISIBLE_DEVICES TWO_NODES_BASELINE=0
+  echo "== one GPU stands for all $NODES nodes (TWO_NODES_SHARE_GPU=1): CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
+fi
+[ "$(visible_gpus)" -ge $WR ] || { echo "skip: needs $WR GPUs ($NODES nodes of $GPN; TWO_NODES_SHARE_GPU=1: one GPU for all)"; exit 77; }
 NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
 [ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
 T=$(mktemp -d)

@@ -39,7 +39,9 @@
  * group, e.g. one restarted, still agree on the reference).
  * --until-streak N: an op that fails is reported and skipped (after a failed dispatch the next step's
  * dispatch follows, 20 ms later), and the worker stops, exit 0, once N steps in a row ran and matched
- * after its last failure (at most 2000 failures; --steps bounds the steps tried).
+ * after its last failure (at most 2000 failures; --steps bounds the steps tried). --streak-any: N steps
+ * in a row also stop it when none failed (a worker that joins a running group, whose first ops may fail
+ * while the nodes agree on the step again).
  * Exit: 0 all steps matched; 1 a result differed; 2 an op or the attach failed; 3 --die-at-step.
  */
 #define _GNU_SOURCE
@@ -64,12 +66,12 @@ typedef struct args {
   uint64_t seed;
   uint32_t experts, hidden, topk, tokens;
   uint64_t weights;
-  int graph, ht_every, node_ranks, dense, specials, hold_at, same_inputs, streak;
+  int graph, ht_every, node_ranks, dense, specials, hold_at, same_inputs, streak, streak_any;
   const char *hold_file;
 } args_t;
 
 static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0, 0, 0, 0, 0,
-                   -1, 0, 0, NULL};
+                   -1, 0, 0, 0, NULL};
 
 /* The flags of a dispatch in HT mode (ht) or LL: flags, plus EPD_DESC_HT_DENSE for HT with --dense. */
 static uint32_t dispatch_flags(uint32_t flags, int ht) { return flags | (ht && A.dense ? (uint32_t)EPD_DESC_HT_DENSE : 0u); }
@@ -570,7 +572,7 @@ static void parse(int argc, char **argv) {
       {"skew", 0, 0, 'k'},     {"die-at-step", 1, 0, 'd'}, {"verbose", 0, 0, 'v'}, {"map-every", 1, 0, 'M'}, {"node-ranks", 1, 0, 'N'},
       {"weights", 1, 0, 'W'},  {"graph", 0, 0, 'G'},  {"bench", 1, 0, 'B'}, {"ht-every", 1, 0, 'X'}, {"dense", 0, 0, 'D'},
       {"specials", 0, 0, 'Z'}, {"hold-at", 1, 0, 'h'}, {"hold-file", 1, 0, 'F'},
-      {"same-inputs", 0, 0, 'I'}, {"until-streak", 1, 0, 'U'}, {0, 0, 0, 0}};
+      {"same-inputs", 0, 0, 'I'}, {"until-streak", 1, 0, 'U'}, {"streak-any", 0, 0, 'Y'}, {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "s:g:r:n:v", lo, NULL)) != -1) {
     switch (c) {
@@ -605,6 +607,7 @@ static void parse(int argc, char **argv) {
     case 'F': A.hold_file = optarg; break;
     case 'I': A.same_inputs = 1; break;
     case 'U': A.streak = atoi(optarg); break;
+    case 'Y': A.streak_any = 1; break;
     default: usage();
     }
   }
@@ -734,7 +737,7 @@ int main(int argc, char **argv) {
   uint64_t step0 = 0; /* group step of the first dispatch: every op is one group step */
   int fails = 0, streak = 0, after_fail = 0, ok_steps = 0; /* --until-streak */
   for (int step = 0; step < A.steps; step++) {
-    if (A.streak > 0 && fails && streak >= A.streak) { /* --until-streak: N steps in a row after the last failure */
+    if (A.streak > 0 && (fails || A.streak_any) && streak >= A.streak) { /* --until-streak: N steps in a row after the last failure */
       printf("rank %d: %d steps in a row after %d failed ops\n", A.rank, streak, fails);
       A.steps = ok_steps;
       break;
@@ -923,7 +926,7 @@ int main(int argc, char **argv) {
       return 2;
     }
     ok_steps++;
-    if (fails) streak++;
+    if (fails || A.streak_any) streak++;
     if (!A.graph) epd_op_status(ep, &ccomp); /* graph replays: the record of the replayed slot */
     if (ccomp.step != comp.step + 1 || ccomp.map_version != comp.map_version) {
       fprintf(stderr, "rank %d step %d: combine ran as group step %llu map %u, want %llu map %u\n", A.rank, step,
