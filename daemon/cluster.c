@@ -506,6 +506,8 @@ typedef struct rejoin_srv {
   uint8_t issued[MAX_NODES][EPD_CLUSTER_COMM_ID_BYTES];
   uint32_t issued_epoch[MAX_NODES];
   int has_issued[MAX_NODES];
+  uint8_t cur[EPD_CLUSTER_COMM_ID_BYTES]; /* the id last sent to every node */
+  int has_cur;
   epd_net_t *net;
   atomic_int stop;
   pthread_t th;
@@ -538,16 +540,25 @@ static void rejoin_answer(rejoin_srv_t *r, rv_call_t *c, const Epd__V1__Rendezvo
     return;
   }
   if (!epd_net_node_dead(r->net, n, why, sizeof why)) {
-    snprintf(msg, sizeof msg, "node %u is part of the running world and its data link is up: two daemons with "
-             "cluster.node_rank = %u?", n, n);
-    EPD_LOGW(EPD_SUB_MAIN, "cluster: refused a node: %s", msg);
-    rv_reply(c, GRPC_STATUS_ALREADY_EXISTS, msg, NULL);
+    /* UNAVAILABLE: the caller asks again (its old daemon's link may not be found gone yet) until its
+     * cluster.timeout_ms, then fails with this */
+    snprintf(msg, sizeof msg, "node %u is part of the running world and its data link is up (its old daemon "
+             "not yet found gone, or two daemons with cluster.node_rank = %u)", n, n);
+    EPD_LOGW(EPD_SUB_MAIN, "cluster: a node asked to join again: %s", msg);
+    rv_reply(c, GRPC_STATUS_UNAVAILABLE, msg, NULL);
     return;
   }
   int fresh = 0;
   if (r->cuda) { /* a new world communicator: every node makes it again with the restarted one */
     const uint32_t ep = epd_net_link_epoch(r->net, n);
-    if (!r->has_issued[n] || r->issued_epoch[n] != ep) {
+    if ((!r->has_issued[n] || r->issued_epoch[n] != ep) && r->has_cur && epd_net_remake_pending(r->net)) {
+      /* another node's restart is under way: that world communicator has this node's ranks too */
+      memcpy(r->issued[n], r->cur, EPD_CLUSTER_COMM_ID_BYTES);
+      r->has_issued[n] = 1;
+      r->issued_epoch[n] = ep;
+      EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u restarted while the world communicator is being made again: it "
+               "gets the same id", n);
+    } else if (!r->has_issued[n] || r->issued_epoch[n] != ep) {
       char e[256] = "";
       if (!r->make_comm_id || r->make_comm_id(r->issued[n], e, sizeof e)) {
         snprintf(msg, sizeof msg, "node %u restarted, but no new NCCL world communicator id could be made: %s", n, e);
@@ -557,6 +568,8 @@ static void rejoin_answer(rejoin_srv_t *r, rv_call_t *c, const Epd__V1__Rendezvo
       }
       r->has_issued[n] = 1;
       r->issued_epoch[n] = ep;
+      memcpy(r->cur, r->issued[n], EPD_CLUSTER_COMM_ID_BYTES);
+      r->has_cur = 1;
       fresh = 1;
     }
     memcpy(w->id + ID_BYTES, r->issued[n], EPD_CLUSTER_COMM_ID_BYTES);
@@ -680,7 +693,9 @@ static int joiner(const epd_conf_t *conf, const tls_files_t *tls, world_t *w, co
       }
       protobuf_c_message_free_unpacked(m, NULL);
     } else if (r == EPD_ERR_CLOSED || r == EPD_ERR_TIMEOUT) {
-      if (!reached)
+      if (strstr(why, "is part of the running world")) /* node 0's answer: asked again */
+        snprintf(last, sizeof last, "coordinator (node 0) at %s: %s", conf->cluster_coordinator, why);
+      else if (!reached)
         snprintf(last, sizeof last, "coordinator (node 0) at %s not reachable: %s (%s)", conf->cluster_coordinator,
                  why,
                  tls->ca ? "mutual TLS: is the coordinator on TLS, with a certificate of cluster.tls_ca for this "

@@ -259,6 +259,7 @@ static void *remake_main(void *arg) {
   epd_result_t rc = epd_cc_world_remake(cn->cc, id, REMAKE_LIMIT_MS, &cn->remake_cancel, err, sizeof err);
   pthread_mutex_lock(&eng->mu);
   cn->remaking = 0;
+  if (!cn->remake_req) epd_net_world_made(eng->o.net);
   if (rc && cn->remake_req)
     EPD_LOGW(EPD_SUB_CUDA, "making the world communicator again: %s; a newer id follows", err);
   else if (rc && !__atomic_load_n(&cn->remake_cancel, __ATOMIC_ACQUIRE))

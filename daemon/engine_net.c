@@ -75,6 +75,7 @@ struct epd_net {
   pthread_mutex_t mu;
   net_frame_t *frames;
   uint64_t frame_seq; /* (mu) step frames received so far */
+  atomic_int remake_pending; /* node 0: a world communicator id was sent and its remake has not ended here */
   atomic_int stop;
   _Atomic uint64_t tx_bytes, rx_bytes, tx_frames, rx_frames;
   /* Control frames (expert maps, drain notices), served in arrival order by one thread (engine_net.c's
@@ -390,12 +391,22 @@ static epd_result_t net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_ra
     struct addrinfo *ai;
     if (resolve(peers[n], &ai, 0, err, errlen)) return EPD_ERR_INVALID;
     int fd = -1;
+    const uint64_t t_node = mono_ms();
     while (fd < 0) {
       fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
       if (fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) break;
       int e = errno;
       if (fd >= 0) close(fd);
       fd = -1;
+      if (rejoin && n != 0 && mono_ms() - t_node >= 2000) {
+        /* joining a running world, a node not there (it is down too): its link is down here; once it
+         * restarts it links to this node (accept_main) */
+        net_peer_t *p = &net->peer[n];
+        atomic_store(&p->dead, 1);
+        snprintf(p->why, sizeof p->why, "not reachable at %s when this daemon joined (%s)", peers[n], strerror(e));
+        EPD_LOGW(EPD_SUB_ENGINE, "data link to node %u: %s", n, p->why);
+        break;
+      }
       if (mono_ms() >= deadline) {
         snprintf(err, errlen, "data link to node %u at %s: %s (cluster.timeout_ms %u)", n, peers[n],
                  strerror(e), timeout_ms);
@@ -403,6 +414,10 @@ static epd_result_t net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_ra
         return EPD_ERR_TIMEOUT;
       }
       usleep(50000);
+    }
+    if (fd < 0) {
+      freeaddrinfo(ai);
+      continue;
     }
     link_opts(fd);
     if (write_all(fd, &hello, sizeof hello)) {
@@ -460,7 +475,7 @@ static epd_result_t net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_ra
     want--;
   }
   for (uint32_t n = 0; n < nodes; n++) {
-    if (n == node_rank) continue;
+    if (n == node_rank || net->peer[n].fd < 0) continue; /* (a node down when this one joined) */
     net_peer_t *p = &net->peer[n];
     struct timeval tv = {30, 0}; /* a peer that stops reading fails our sends instead of hanging them */
     setsockopt(p->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
@@ -493,7 +508,13 @@ uint32_t epd_net_link_epoch(epd_net_t *net, uint32_t node) {
   return node < MAX_NODES ? atomic_load(&net->peer[node].epoch) : 0;
 }
 
+int epd_net_remake_pending(epd_net_t *net) { return atomic_load(&net->remake_pending); }
+void epd_net_world_made(epd_net_t *net) {
+  if (net) atomic_store(&net->remake_pending, 0);
+}
+
 void epd_net_world_remake(epd_net_t *net, uint32_t except, const uint8_t *id) {
+  atomic_store(&net->remake_pending, 1);
   ctl_msg_t m = {.kind = CTL_WORLD};
   _Static_assert(sizeof m.why >= EPD_NET_COMM_ID_BYTES, "the id fits");
   memcpy(m.why, id, EPD_NET_COMM_ID_BYTES);

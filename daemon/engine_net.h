@@ -63,6 +63,10 @@ uint64_t epd_net_frame_seq(epd_net_t *net);
 /* How many times the link to node was made again (a restarted node joined). */
 uint32_t epd_net_link_epoch(epd_net_t *net, uint32_t node);
 void epd_net_world_remake(epd_net_t *net, uint32_t except, const uint8_t *id);
+/* Node 0: 1 from epd_net_world_remake until this node's remake ended (epd_net_world_made): a node that
+ * restarts meanwhile gets the same id (its ranks are part of that world). */
+int epd_net_remake_pending(epd_net_t *net);
+void epd_net_world_made(epd_net_t *net);
 /* Count bytes another transport moved between the nodes (the NCCL exchange) in the link counters. */
 void epd_net_add_bytes(epd_net_t *net, uint64_t tx, uint64_t rx);
 /* 1 (why set) if the link to node is down. */

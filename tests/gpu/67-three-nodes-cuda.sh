@@ -16,7 +16,9 @@
 #   then its daemon starts again and joins the running world: node 0 hands it a new NCCL world
 #   communicator id and every node makes its world communicator again with it; node 2's new worker joins
 #   a group nodes 0 and 1 kept stepping (20 steps in a row on all three, equal to the reference), and
-#   fresh LL FP8 / HT groups of all three nodes run (the host backend's twin: tests/system/36-node-restart.sh).
+#   fresh LL FP8 / HT groups of all three nodes run (the host backend's twin: tests/system/36-node-restart.sh);
+#   then nodes 1 and 2 are killed together and started again: node 0 hands the second the id of the world
+#   communicator being made for the first, and an LL FP8 group of the three runs.
 # Usage (repository root, GPU machine): bash tests/gpu/67-three-nodes-cuda.sh [build-dir]; logs go to
 # $TWO_NODES_OUT if set. Set-up, daemons and workers: two-nodes-lib.sh.
 set -u
@@ -46,6 +48,7 @@ no_engine_failed() {
   return 0
 }
 
+if [ "${THREE_NODES_QUICK:-0}" != 1 ]; then # THREE_NODES_QUICK=1: start-up, a lost node and the restarts only
 echo "== LL BF16 skewed and LL FP8 with special values (128 tokens, H 7168, top-8), 12 steps each"
 start_workers llb --steps 12 --seed 5 --skew $COMMON --tokens 128
 expect_ok $(outs llb)
@@ -151,6 +154,7 @@ done
 no_engine_failed "timeout case"
 echo "   ok: $(grep -h EPD_ERR_TIMEOUT "$T/to2.out" | head -1 | cut -c1-140)"
 
+fi
 echo "== node 2 stops: EPD_ERR_PEER naming rank 2 on nodes 0 and 1 within 3 s; both keep serving"
 kill -TERM "$P_2"; wait "$P_2"; R2=$?
 for n in 0 1; do wait_for 5 grep -q "data link to node 2 lost" "$T/node$n.log" || fail "node $n did not notice the lost link"; done
@@ -197,11 +201,27 @@ expect_ok $(outs fr)
 start_workers fh --steps 4 --seed 10 --mode ht $COMMON --tokens 128
 expect_ok $(outs fh)
 no_engine_failed "restart"
-P_2R=$P_2
-kill -TERM "$P_0" "$P_1" "$P_2R"
+
+echo "== nodes 1 and 2 killed together and started again: the second gets the same world communicator id"
+kill -KILL "$P_1" "$P_2"; wait "$P_1" "$P_2" 2>/dev/null
+for n in 1 2; do wait_for 5 grep -q "data link to node $n lost" "$T/node0.log" || fail "node 0 did not notice node $n's lost link"; done
+for n in 1 2; do mv "$T/node$n.log" "$T/node$n-before-double.log"; rm -f "$T/n$n/attach.sock" "$T/n$n/control.sock"; done
+s=$(date +%s%N)
+node 1
+sleep 1
+node 2
+for n in 1 2; do wait_for 120 test -S "$T/n$n/attach.sock" || fail "node $n did not come up: $(grep -v 'NCCL INFO' "$T/node$n.log" | tail -3)"; done
+ms=$(( ($(date +%s%N) - s) / 1000000 ))
+grep -q "node 2 restarted while the world communicator is being made again: it gets the same id" "$T/node0.log" ||
+  fail "node 0 did not give node 2 the same id: $(grep -h 'cluster: node' "$T/node0.log" | tail -3)"
+start_workers dw --steps 6 --seed 12 --fp8 $COMMON --tokens 64
+expect_ok $(outs dw)
+no_engine_failed "double restart"
+echo "   both up in $ms ms, one world communicator made again for both"
+kill -TERM "$P_0" "$P_1" "$P_2"
 wait "$P_0"; R0=$?
 wait "$P_1"; R1=$?
-wait "$P_2R" || fail "the restarted node 2 exited $? on SIGTERM"
+wait "$P_2" || fail "the restarted node 2 exited $? on SIGTERM"
 [ $R0 -eq 0 ] && [ $R1 -eq 0 ] && [ $R2 -eq 0 ] || fail "daemons exited $R0 $R1 $R2 on SIGTERM"
 grep -q "via NET/Socket" "$T/node1.log" || fail "NCCL did not use its socket transport on node 1"
 grep -q "via P2P\|via SHM" "$T"/node[012].log && fail "NCCL used P2P or SHM between nodes"

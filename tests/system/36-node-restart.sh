@@ -7,7 +7,9 @@
 # higher node: it accepts the link too); node 0 sends it the group's map. New workers at node 1 attach:
 # the group made there takes the others' step and map, and all six ranks run 20 steps in a row equal to
 # the reference. Refused meanwhile: a second daemon claiming node 1 while its link is up, and a restarted
-# node whose configuration differs (the key is named).
+# node whose configuration differs (the key is named). Then nodes 1 and 2 are killed together and started
+# again one after the other: node 1 finds node 2 down (its link stays down, not fatal), node 2 then links
+# to every node, and an HT group of all three runs.
 set -u
 STEP_TIMEOUT_MS=3000 WORKER_TIMEOUT=60
 . "$(dirname "$0")/cluster-lib.sh"
@@ -75,6 +77,21 @@ for r in 0 1 2 3 4 5; do
   worker "fr$r" "$nd" -g fr -r $r -n 6 --steps 10 --seed 5 --fp8 --skew
 done
 expect_ok fr0 fr1 fr2 fr3 fr4 fr5
-kill -TERM "$P_a" "$P_b2" "$P_c"
-for p in "$P_a" "$P_b2" "$P_c"; do wait "$p" || fail "a daemon exited $? on SIGTERM"; done
+
+echo "== nodes 1 and 2 killed together and started again: the first to join skips the other (down), which links to it later"
+kill -KILL "$P_b2" "$P_c"; wait "$P_b2" "$P_c" 2>/dev/null
+wait_for 5 grep -q "data link to node 2 lost" "$T/a.log" || fail "node 0 did not notice node 2's lost link"
+node b3 1 3 "$PORT"
+wait_for 20 test -S "$T/b3/attach.sock" || fail "node 1 (second restart) did not come up: $(tail -3 "$T/b3.log")"
+expect_log b3 "data link to node 2: not reachable at"
+node c2 2 3 "$PORT"
+wait_for 20 test -S "$T/c2/attach.sock" || fail "node 2 (restarted) did not come up: $(tail -3 "$T/c2.log")"
+wait_for 5 grep -q "data link to node 2 up again" "$T/b3.log" || fail "node 1 did not take node 2's link"
+"$EPDCTL" -s "$T/b3/control.sock" status > "$T/status-b3.out" || fail "status at node 1"
+grep -q "^links:    node 0 up; node 2 up$" "$T/status-b3.out" || fail "node 1's links: $(grep links "$T/status-b3.out")"
+NODE2=(a a b3 b3 c2 c2)
+for r in 0 1 2 3 4 5; do worker "tw$r" "${NODE2[$r]}" -g tw -r $r -n 6 --steps 10 --seed 6 --mode ht --skew; done
+expect_ok tw0 tw1 tw2 tw3 tw4 tw5
+kill -TERM "$P_a" "$P_b3" "$P_c2"
+for p in "$P_a" "$P_b3" "$P_c2"; do wait "$p" || fail "a daemon exited $? on SIGTERM"; done
 echo "36-node-restart: all checks passed"
