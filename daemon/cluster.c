@@ -259,6 +259,62 @@ static void missing_list(const int *joined, uint32_t nodes, char *out, size_t le
     }
 }
 
+/* A call of the Rendezvous method asked for on srv (its completion tag: the call), or NULL. */
+static rv_call_t *rv_request(grpc_server *srv, void *method, grpc_completion_queue *cq) {
+  rv_call_t *c = calloc(1, sizeof *c);
+  if (!c) return NULL;
+  grpc_metadata_array_init(&c->md);
+  c->details = grpc_empty_slice();
+  c->node_complete = -1;
+  if (grpc_server_request_registered_call(srv, method, &c->call, &c->deadline, &c->md, &c->payload, cq, cq, c) !=
+      GRPC_CALL_OK) {
+    rv_free(c);
+    return NULL;
+  }
+  return c;
+}
+
+/* The call of *live whose reply batch has this tag, unlinked (NULL: none). */
+static rv_call_t *rv_unlink(rv_call_t **live, void *tag) {
+  for (rv_call_t **p = live; *p; p = &(*p)->next)
+    if (tag == &(*p)->reply_tag) {
+      rv_call_t *c = *p;
+      *p = c->next;
+      return c;
+    }
+  return NULL;
+}
+
+/* 1 (why in msg) if rq's protocol, world shape or agreed configuration differs from w's (`whose`: the
+ * coordinator's, the running world's). */
+static int config_mismatch(const Epd__V1__RendezvousRequest *rq, const world_t *w, const char *agreed,
+                           const char *whose, char *msg, size_t len) {
+  if (rq->protocol_version == EPD_PROTOCOL_VERSION && rq->nodes == w->nodes &&
+      rq->ranks_per_node == w->ranks_per_node && rq->config_hash == epd_cluster_hash(agreed) &&
+      !strcmp(rq->agreed_config ? rq->agreed_config : "", agreed))
+    return 0;
+  char diff[700];
+  config_diff(agreed, rq->agreed_config ? rq->agreed_config : "", 0, rq->node_rank, diff, sizeof diff);
+  snprintf(msg, len, "node %u's configuration disagrees with the %s: %s (these keys must be equal on every node: %s)",
+           rq->node_rank, whose, *diff ? diff : "config hash differs", agreed_keys);
+  return 1;
+}
+
+/* rep gets the complete world: every node's data address (in peers / pp) and the world id. */
+static void world_reply(const world_t *w, Epd__V1__ClusterPeer *peers, Epd__V1__ClusterPeer **pp,
+                        Epd__V1__RendezvousReply *rep) {
+  for (uint32_t i = 0; i < w->nodes; i++) {
+    epd__v1__cluster_peer__init(&peers[i]);
+    peers[i].node_rank = i;
+    peers[i].data_addr = (char *)w->addr[i];
+    pp[i] = &peers[i];
+  }
+  rep->n_peers = w->nodes;
+  rep->peers = pp;
+  rep->unique_id.data = (uint8_t *)w->id;
+  rep->unique_id.len = w->id_len;
+}
+
 /* The coordinator's gRPC server, kept after the world formed to answer restarted nodes (rejoin_main). */
 typedef struct rv_server {
   grpc_server *srv;
@@ -280,14 +336,10 @@ static void rv_shutdown(rv_server_t *s) {
     else if (ev.tag == s->pending) {
       rv_free(s->pending);
       s->pending = NULL;
-    } else
-      for (rv_call_t **p = &s->live; *p; p = &(*p)->next)
-        if (ev.tag == &(*p)->reply_tag) {
-          rv_call_t *c = *p;
-          *p = c->next;
-          rv_free(c);
-          break;
-        }
+    } else {
+      rv_call_t *c = rv_unlink(&s->live, ev.tag);
+      if (c) rv_free(c);
+    }
   }
   grpc_server_destroy(s->srv);
   grpc_completion_queue_shutdown(s->cq);
@@ -346,19 +398,7 @@ static int coordinator(const epd_conf_t *conf, const tls_files_t *tls, world_t *
   rv_call_t *live = NULL, *pending = NULL;
   Epd__V1__ClusterPeer peers[MAX_NODES], *pp[MAX_NODES];
   for (;;) {
-    if (!pending) {
-      pending = calloc(1, sizeof *pending);
-      if (!pending) break;
-      grpc_metadata_array_init(&pending->md);
-      pending->details = grpc_empty_slice();
-      pending->node_complete = -1;
-      if (grpc_server_request_registered_call(srv, method, &pending->call, &pending->deadline, &pending->md,
-                                              &pending->payload, cq, cq, pending) != GRPC_CALL_OK) {
-        rv_free(pending);
-        pending = NULL;
-        break;
-      }
-    }
+    if (!pending && !(pending = rv_request(srv, method, cq))) break;
     uint64_t t = now_ms();
     if (*fatal && t >= fatal_until) break;
     if (!*fatal && ncomplete == w->nodes) {
@@ -398,15 +438,7 @@ static int coordinator(const epd_conf_t *conf, const tls_files_t *tls, world_t *
         rv_reply(c, GRPC_STATUS_FAILED_PRECONDITION, fatal, NULL);
       } else if (!rq) {
         rv_reply(c, GRPC_STATUS_INVALID_ARGUMENT, "malformed RendezvousRequest", NULL);
-      } else if (rq->protocol_version != EPD_PROTOCOL_VERSION || rq->nodes != w->nodes ||
-                 rq->ranks_per_node != w->ranks_per_node || rq->config_hash != epd_cluster_hash(agreed) ||
-                 strcmp(rq->agreed_config ? rq->agreed_config : "", agreed)) {
-        char diff[700];
-        config_diff(agreed, rq->agreed_config ? rq->agreed_config : "", 0, rq->node_rank, diff, sizeof diff);
-        snprintf(fatal, sizeof fatal,
-                 "node %u's configuration disagrees with the coordinator's: %s (these keys "
-                 "must be equal on every node: %s)",
-                 rq->node_rank, *diff ? diff : "config hash differs", agreed_keys);
+      } else if (config_mismatch(rq, w, agreed, "coordinator's", fatal, sizeof fatal)) {
         fatal_until = now_ms() + FATAL_GRACE_MS;
         rv_reply(c, GRPC_STATUS_FAILED_PRECONDITION, fatal, NULL);
       } else if (rq->node_rank == 0 || rq->node_rank >= w->nodes) {
@@ -444,16 +476,7 @@ static int coordinator(const epd_conf_t *conf, const tls_files_t *tls, world_t *
         rep.n_missing = nm;
         rep.missing = miss;
         if (rep.complete) {
-          for (uint32_t i = 0; i < w->nodes; i++) {
-            epd__v1__cluster_peer__init(&peers[i]);
-            peers[i].node_rank = i;
-            peers[i].data_addr = w->addr[i];
-            pp[i] = &peers[i];
-          }
-          rep.n_peers = w->nodes;
-          rep.peers = pp;
-          rep.unique_id.data = w->id;
-          rep.unique_id.len = w->id_len;
+          world_reply(w, peers, pp, &rep);
           c->node_complete = (int)n;
         }
         rv_reply(c, GRPC_STATUS_OK, "", &rep.base);
@@ -463,17 +486,13 @@ static int coordinator(const epd_conf_t *conf, const tls_files_t *tls, world_t *
       continue;
     }
     /* A reply batch finished: a complete world delivered counts once per node. */
-    for (rv_call_t **p = &live; *p; p = &(*p)->next)
-      if (ev.tag == &(*p)->reply_tag) {
-        rv_call_t *c = *p;
-        if (ev.success && !c->cancelled && c->node_complete > 0 && !got_complete[c->node_complete]) {
-          got_complete[c->node_complete] = 1;
-          ncomplete++;
-        }
-        *p = c->next;
-        rv_free(c);
-        break;
-      }
+    rv_call_t *c = rv_unlink(&live, ev.tag);
+    if (!c) continue;
+    if (ev.success && !c->cancelled && c->node_complete > 0 && !got_complete[c->node_complete]) {
+      got_complete[c->node_complete] = 1;
+      ncomplete++;
+    }
+    rv_free(c);
   }
   if (*fatal)
     snprintf(err, errlen, "%s", fatal);
@@ -522,12 +541,7 @@ static void rejoin_answer(rejoin_srv_t *r, rv_call_t *c, const Epd__V1__Rendezvo
     rv_reply(c, GRPC_STATUS_INVALID_ARGUMENT, "malformed RendezvousRequest", NULL);
     return;
   }
-  if (rq->protocol_version != EPD_PROTOCOL_VERSION || rq->nodes != w->nodes || rq->ranks_per_node != w->ranks_per_node ||
-      rq->config_hash != epd_cluster_hash(r->agreed) || strcmp(rq->agreed_config ? rq->agreed_config : "", r->agreed)) {
-    char diff[700];
-    config_diff(r->agreed, rq->agreed_config ? rq->agreed_config : "", 0, rq->node_rank, diff, sizeof diff);
-    snprintf(msg, sizeof msg, "node %u's configuration disagrees with the running world's: %s (these keys must be "
-             "equal on every node: %s)", rq->node_rank, *diff ? diff : "config hash differs", agreed_keys);
+  if (config_mismatch(rq, w, r->agreed, "running world's", msg, sizeof msg)) {
     EPD_LOGW(EPD_SUB_MAIN, "cluster: refused a restarted node: %s", msg);
     rv_reply(c, GRPC_STATUS_FAILED_PRECONDITION, msg, NULL);
     return;
@@ -577,18 +591,9 @@ static void rejoin_answer(rejoin_srv_t *r, rv_call_t *c, const Epd__V1__Rendezvo
   snprintf(w->addr[n], sizeof w->addr[n], "%s", rq->data_addr ? rq->data_addr : "");
   Epd__V1__RendezvousReply rep = EPD__V1__RENDEZVOUS_REPLY__INIT;
   Epd__V1__ClusterPeer peers[MAX_NODES], *pp[MAX_NODES];
-  for (uint32_t i = 0; i < w->nodes; i++) {
-    epd__v1__cluster_peer__init(&peers[i]);
-    peers[i].node_rank = i;
-    peers[i].data_addr = w->addr[i];
-    pp[i] = &peers[i];
-  }
+  world_reply(w, peers, pp, &rep);
   rep.complete = 1;
   rep.running = 1;
-  rep.n_peers = w->nodes;
-  rep.peers = pp;
-  rep.unique_id.data = w->id;
-  rep.unique_id.len = w->id_len;
   EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u joins the running world again (its daemon restarted; data %s)%s", n,
            w->addr[n], fresh ? "; every node makes the NCCL world communicator again with it" : "");
   rv_reply(c, GRPC_STATUS_OK, "", &rep.base);
@@ -600,19 +605,7 @@ static void *rejoin_main(void *arg) {
   rv_server_t *s = &r->s;
   pthread_setname_np(pthread_self(), "epd-rejoin");
   while (!atomic_load(&r->stop)) {
-    if (!s->pending) {
-      rv_call_t *p = calloc(1, sizeof *p);
-      if (!p) break;
-      grpc_metadata_array_init(&p->md);
-      p->details = grpc_empty_slice();
-      p->node_complete = -1;
-      if (grpc_server_request_registered_call(s->srv, s->method, &p->call, &p->deadline, &p->md, &p->payload, s->cq,
-                                              s->cq, p) != GRPC_CALL_OK) {
-        rv_free(p);
-        break;
-      }
-      s->pending = p;
-    }
+    if (!s->pending && !(s->pending = rv_request(s->srv, s->method, s->cq))) break;
     grpc_event ev = grpc_completion_queue_next(
         s->cq, gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(200, GPR_TIMESPAN)), NULL);
     if (ev.type != GRPC_OP_COMPLETE) continue;
@@ -627,13 +620,8 @@ static void *rejoin_main(void *arg) {
       if (rq) epd__v1__rendezvous_request__free_unpacked(rq, NULL);
       continue;
     }
-    for (rv_call_t **p = &s->live; *p; p = &(*p)->next)
-      if (ev.tag == &(*p)->reply_tag) {
-        rv_call_t *c = *p;
-        *p = c->next;
-        rv_free(c);
-        break;
-      }
+    rv_call_t *c = rv_unlink(&s->live, ev.tag); /* its reply went */
+    if (c) rv_free(c);
   }
   return NULL;
 }

@@ -28,7 +28,6 @@ struct epd_cc {
   ncclComm_t lsa[EPD_CC_MAX_RANKS];
   ncclUniqueId id;
   int own_lsa;          /* the node-local communicators over lsa_id, not split from the world's */
-  int nonblocking;      /* the world communicators were made again non-blocking (epd_cc_world_remake) */
   ncclUniqueId lsa_id;
 };
 
@@ -97,6 +96,28 @@ static epd_result_t cc_init_rank(epd_cc_t *cc, int r, void *argp) {
   return EPD_OK;
 }
 
+/* Poll the non-blocking communicators c[0..n-1] until none is in progress: NULL, or why not (an error, past
+ * limit_ms, or *cancel set). */
+static const char *comms_wait(ncclComm_t *c, int n, uint32_t limit_ms, const int *cancel) {
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (;;) {
+    int pending = 0;
+    for (int r = 0; r < n; r++) {
+      ncclResult_t st = ncclInProgress;
+      if (!c[r] || ncclCommGetAsyncError(c[r], &st) != ncclSuccess) st = ncclInternalError;
+      if (st == ncclInProgress) pending++;
+      else if (st != ncclSuccess) return ncclGetErrorString(st);
+    }
+    if (!pending) return NULL;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    if (cancel && __atomic_load_n(cancel, __ATOMIC_ACQUIRE)) return "given up (stopping, or a newer id came)";
+    if ((uint64_t)(t.tv_sec - t0.tv_sec) * 1000u + (uint64_t)((t.tv_nsec - t0.tv_nsec) / 1000000) > limit_ms)
+      return "still in progress: the other ranks did not all come in time";
+    usleep(1000);
+  }
+}
+
 epd_result_t epd_cc_world_remake(epd_cc_t *cc, const uint8_t *world_id, uint32_t limit_ms, const int *cancel,
                                  char *err, size_t errlen) {
   memcpy(&cc->id, world_id, sizeof cc->id);
@@ -119,24 +140,7 @@ epd_result_t epd_cc_world_remake(epd_cc_t *cc, const uint8_t *world_id, uint32_t
   const char *why = NULL;
   if (nr != ncclSuccess && nr != ncclInProgress) why = ncclGetErrorString(nr);
   if (!why && ne != ncclSuccess && ne != ncclInProgress) why = ncclGetErrorString(ne);
-  struct timespec t0, t;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
-  while (!why) {
-    int pending = 0;
-    for (int r = 0; r < cc->n && !why; r++) {
-      ncclResult_t st = ncclInProgress;
-      if (!c[r] || ncclCommGetAsyncError(c[r], &st) != ncclSuccess) st = ncclInternalError;
-      if (st == ncclInProgress) pending++;
-      else if (st != ncclSuccess) why = ncclGetErrorString(st);
-    }
-    if (!pending || why) break;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    if (cancel && __atomic_load_n(cancel, __ATOMIC_ACQUIRE)) why = "given up (stopping, or a newer id came)";
-    else if ((uint64_t)(t.tv_sec - t0.tv_sec) * 1000u + (uint64_t)((t.tv_nsec - t0.tv_nsec) / 1000000) > limit_ms)
-      why = "the other ranks did not all join in time";
-    else
-      usleep(1000);
-  }
+  if (!why) why = comms_wait(c, cc->n, limit_ms, cancel);
   if (why) {
     snprintf(err, errlen, "ncclCommInitRankConfig (world, %d ranks): %s", cc->world_n, why);
     for (int r = 0; r < cc->n; r++)
@@ -144,11 +148,12 @@ epd_result_t epd_cc_world_remake(epd_cc_t *cc, const uint8_t *world_id, uint32_t
     return EPD_ERR_NCCL;
   }
   for (int r = 0; r < cc->n; r++) cc->world[r] = c[r];
-  cc->nonblocking = 1;
   return EPD_OK;
 }
 
-int epd_cc_world_nonblocking(const epd_cc_t *cc) { return cc->nonblocking; }
+const char *epd_cc_world_wait(epd_cc_t *cc, uint32_t limit_ms) {
+  return comms_wait(cc->world, cc->n, limit_ms, NULL);
+}
 
 typedef struct gin_arg {
   int contexts[EPD_CC_MAX_RANKS], type[EPD_CC_MAX_RANKS];

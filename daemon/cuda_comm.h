@@ -43,10 +43,12 @@ epd_result_t epd_cc_create_world(int n, const int *devices, uint32_t nodes, uint
 /* Scale-out: abort the world communicators (a node is gone) and make them again over world_id with the
  * same ranks (a restarted node joins with own_lsa); the node-local ones stay. Returns once every node's
  * ranks joined, or fails (the new ones aborted) after limit_ms or once *cancel is set. The new world
- * communicators are non-blocking: a grouped call may return ncclInProgress (epd_cc_world_nonblocking). */
+ * communicators are non-blocking: a grouped call may return ncclInProgress (epd_cc_world_wait). */
 epd_result_t epd_cc_world_remake(epd_cc_t *cc, const uint8_t *world_id, uint32_t limit_ms, const int *cancel,
                                  char *err, size_t errlen);
-int epd_cc_world_nonblocking(const epd_cc_t *cc);
+/* After a grouped call on world communicators made again (non-blocking) returned ncclInProgress: wait
+ * until they are done with it; NULL, or why not (an error, or still in progress after limit_ms). */
+const char *epd_cc_world_wait(epd_cc_t *cc, uint32_t limit_ms);
 /* A fresh ncclUniqueId (EPD_CC_UNIQUE_ID_BYTES) for epd_cc_create_world. */
 epd_result_t epd_cc_unique_id(uint8_t *id, char *err, size_t errlen);
 int epd_cc_world_ranks(const epd_cc_t *cc);

@@ -273,8 +273,7 @@ static void *remake_main(void *arg) {
 
 /* (mu) No exchange runs: the GO order starts again at 0 on every node (none is in flight: every step
  * waited for the restarted node's part), and the thread makes the world communicator again. */
-static int remake_start(cnet_t *cn, uint64_t now) {
-  (void)now;
+static int remake_start(cnet_t *cn) {
   if (cn->remake_started) pthread_join(cn->remake_th, NULL); /* the last attempt's thread, finished */
   cn->remake_started = 0;
   cn->remake_req = 0;
@@ -834,19 +833,13 @@ static epd_result_t issue(cnet_t *cn, cnet_grp_t *cg, char *err, size_t errlen) 
   }
   ncclResult_t ne = ncclGroupEnd();
   if (nr == ncclSuccess) nr = ne;
-  /* world communicators made again are non-blocking (epd_cc_world_remake): wait until the calls are issued */
-  for (uint64_t t0 = eng_now_ns(); nr == ncclInProgress;) {
-    nr = ncclSuccess;
-    for (uint32_t l = 0; l < L; l++) {
-      ncclResult_t st = ncclSuccess;
-      if (ncclCommGetAsyncError(epd_cc_world(cn->cc, (int)l), &st) != ncclSuccess) st = ncclInternalError;
-      if (st != ncclSuccess && nr == ncclSuccess) nr = st;
-      if (st != ncclSuccess && st != ncclInProgress) nr = st;
-    }
-    if (nr == ncclInProgress && eng_now_ns() - t0 > (uint64_t)cn->eng->o.step_timeout_ms * 1000000ull) {
-      snprintf(err, errlen, "ncclSend/ncclRecv: still in progress after %u ms", cn->eng->o.step_timeout_ms);
+  if (nr == ncclInProgress) { /* world communicators made again are non-blocking (epd_cc_world_remake) */
+    const char *why = epd_cc_world_wait(cn->cc, cn->eng->o.step_timeout_ms);
+    if (why) {
+      snprintf(err, errlen, "ncclSend/ncclRecv: %s", why);
       return EPD_ERR_NCCL;
     }
+    nr = ncclSuccess;
   }
   if (nr != ncclSuccess) {
     snprintf(err, errlen, "ncclSend/ncclRecv: %s (%s)", ncclGetErrorString(nr), ncclGetLastError(NULL));
@@ -1008,10 +1001,9 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   const int alive = grp_alive(cn, cg); /* a removed group's kept step (orphan) has no notices to heed */
   for (uint32_t n = 0; n < cn->nodes; n++) {
     if (n == cn->node || cg->frame[n]) continue;
-    /* looked for before the take: node n's part of this step, if it sent one, came before a later one */
-    uint64_t later = 0;
-    const int skipped = epd_net_newer(net, cg->gname, cg->step, n, alive ? cg->grp->frames_since : 0, &later);
-    cg->frame[n] = epd_net_take_payload(net, cg->gname, cg->step, n, &cg->flen[n]);
+    uint64_t later; /* node n's part of a later step, came with none of this one's: it skipped this step */
+    cg->frame[n] = epd_net_take_payload(net, cg->gname, cg->step, n, alive ? cg->grp->frames_since : 0, &later,
+                                        &cg->flen[n]);
     if (cg->frame[n]) continue;
     char why[256], lw[160];
     if (epd_net_node_dead(net, n, lw, sizeof lw)) {
@@ -1028,8 +1020,8 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
       return 1;
     }
     const int gone = alive ? eng_net_gone(cg->grp, n, L, cg->step, why, sizeof why) : -1;
-    if (gone < 0 && skipped) eng_net_skipped(cg->gname, n, L, cg->step, later, why, sizeof why);
-    if (gone >= 0 || skipped) {
+    if (gone < 0 && later) eng_net_skipped(cg->gname, n, L, cg->step, later, why, sizeof why);
+    if (gone >= 0 || later) {
       EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
       complete_all(cn, cg, EPD_ERR_PEER, gone >= 0 ? gone : (int)(n * L), why);
       return 1;
@@ -1109,7 +1101,7 @@ static int schedule(cnet_t *cn, uint64_t now) {
   }
   if (!cn->go_have) {
     size_t len = 0;
-    uint8_t *b = epd_net_take_payload(net, "", cn->go_seq, 0, &len);
+    uint8_t *b = epd_net_take_payload(net, "", cn->go_seq, 0, 0, NULL, &len);
     if (!b) return 0;
     if (len == sizeof cn->go) {
       memcpy(&cn->go, b, sizeof cn->go);
@@ -1185,7 +1177,7 @@ int eng_cuda_net_poll(cnet_t *cn) {
   int moved = 0;
   pthread_mutex_lock(&eng->mu);
   uint64_t now = eng_now_ns();
-  if (cn->remake_req && !cn->run && !cn->remaking) moved |= remake_start(cn, now);
+  if (cn->remake_req && !cn->run && !cn->remaking) moved |= remake_start(cn);
   /* groups removed (not while their exchange runs) */
   for (cnet_grp_t *cg = cn->groups, *next; cg; cg = next) {
     next = cg->next;

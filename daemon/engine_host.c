@@ -417,7 +417,7 @@ static void host_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
   int r = c->rank;
   /* across nodes, a group that stays here without this rank's client: the other nodes fail its steps at
    * once from the first one whose part was not sent (not after their step timeout) */
-  if (lost && eng->o.nodes > 1 && !eng_last_client(grp, c)) eng_net_rank_lost(eng, grp, r, eng_net_first_unsent(eng, grp));
+  if (lost && eng->o.nodes > 1 && !eng_last_client(grp, c)) eng_net_rank_lost(eng, grp, r, eng_net_first_unsent(grp));
   if (c->in_step) {
     /* Its slot is going away: withdraw it from the step, never write there again. */
     grp->arrived[r] = 0;

@@ -122,7 +122,7 @@ struct eng_group {
    * (its notice) and the group stays there for a new attach of the rank: a step numbered >= that whose
    * part from that node is not in fails here at once with EPD_ERR_PEER naming r. UINT64_MAX: none. */
   uint64_t lost_from[EPD_MAX_RANKS];
-  uint64_t frames_since; /* scale-out: the link frames received before this group was made (epd_net_newer) */
+  uint64_t frames_since; /* scale-out: the link frames received before this group was made (epd_net_take_payload's later) */
   /* Scale-out: made while the other nodes may step the group already (a worker restarted): its first
    * part waits for every other node's reply (bit n of join_wait: node n's is due), and it takes the
    * step the others are at (join_step; see eng_net_joining). */
@@ -379,7 +379,7 @@ void eng_net_rank_lost(epd_engine_t *eng, eng_group_t *grp, int rank, uint64_t f
  * and reply with the step they are at; the group here takes it if it is ahead (eng_net_joining). */
 void eng_net_rank_back(epd_engine_t *eng, eng_group_t *grp, int rank);
 /* (mu) Host backend: the first step of grp whose part this node has not sent. */
-uint64_t eng_net_first_unsent(epd_engine_t *eng, eng_group_t *grp);
+uint64_t eng_net_first_unsent(const eng_group_t *grp);
 /* (mu) 1 if c is the only client of its group (the group goes with it). */
 int eng_last_client(const eng_group_t *grp, const eng_client_t *c);
 

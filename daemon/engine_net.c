@@ -294,6 +294,22 @@ static void peer_dead(net_peer_t *p, const char *fmt, const char *what) {
   if (!atomic_load(&p->net->stop)) EPD_LOGE(EPD_SUB_ENGINE, "data link to node %u lost: %s", p->node, p->why);
 }
 
+/* Drop the queued step frames of group (NULL: any) from node (-1: any). */
+static void drop_queued(epd_net_t *net, const char *group, int node) {
+  pthread_mutex_lock(&net->mu);
+  for (net_frame_t **pp = &net->frames; *pp;) {
+    net_frame_t *f = *pp;
+    if ((!group || !strcmp(f->group, group)) && (node < 0 || f->src_node == (uint32_t)node)) {
+      *pp = f->next;
+      free(f->buf);
+      free(f);
+      continue;
+    }
+    pp = &f->next;
+  }
+  pthread_mutex_unlock(&net->mu);
+}
+
 /* A control frame, in order, to the control thread: kept until it starts (a node that restarted gets
  * node 0's maps at once), dropped (freed) once it stopped. */
 static void ctl_enqueue(epd_net_t *net, net_frame_t *f) {
@@ -369,11 +385,10 @@ static void *recv_main(void *arg) {
 }
 
 static void *accept_main(void *arg);
-static void link_up_notice(epd_net_t *net, uint32_t node);
 
-static epd_result_t net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
-                                const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret, uint32_t timeout_ms,
-                                int rejoin, char *err, size_t errlen) {
+epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
+                             const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret, uint32_t timeout_ms,
+                             int rejoin, char *err, size_t errlen) {
   net->nodes = nodes;
   net->node_rank = node_rank;
   net->rejoined = rejoin;
@@ -495,12 +510,6 @@ static epd_result_t net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_ra
   return EPD_OK;
 }
 
-epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
-                             const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret, uint32_t timeout_ms,
-                             int rejoin, char *err, size_t errlen) {
-  return net_connect(net, nodes, node_rank, peers, secret, timeout_ms, rejoin, err, errlen);
-}
-
 static int send_ctl(epd_net_t *net, uint32_t node, const char *group, const ctl_msg_t *m,
                     const epd_expert_map_t *map, const epd_weight_copy_t *cp);
 
@@ -513,6 +522,25 @@ void epd_net_world_made(epd_net_t *net) {
   if (net) atomic_store(&net->remake_pending, 0);
 }
 
+/* A control frame made here (not received) for this node's control thread, as if from src_node. */
+static void ctl_local(epd_net_t *net, uint32_t src_node, const ctl_msg_t *m) {
+  net_frame_t *f = calloc(1, sizeof *f);
+  uint8_t *b = calloc(1, sizeof(net_hdr_t) + sizeof *m);
+  if (!f || !b) {
+    free(f);
+    free(b);
+    return;
+  }
+  net_hdr_t h = {.magic = CTL_MAGIC, .src_node = src_node};
+  memcpy(b, &h, sizeof h);
+  memcpy(b + sizeof h, m, sizeof *m);
+  f->src_node = src_node;
+  f->local = 1;
+  f->buf = b;
+  f->len = sizeof h + sizeof *m;
+  ctl_enqueue(net, f);
+}
+
 void epd_net_world_remake(epd_net_t *net, uint32_t except, const uint8_t *id) {
   atomic_store(&net->remake_pending, 1);
   ctl_msg_t m = {.kind = CTL_WORLD};
@@ -521,21 +549,7 @@ void epd_net_world_remake(epd_net_t *net, uint32_t except, const uint8_t *id) {
   for (uint32_t n = 1; n < net->nodes; n++)
     if (n != except && !atomic_load(&net->peer[n].dead) && send_ctl(net, n, "", &m, NULL, NULL))
       EPD_LOGW(EPD_SUB_ENGINE, "the new world communicator's id was not sent to node %u (its link is down)", n);
-  net_frame_t *f = calloc(1, sizeof *f);
-  uint8_t *b = calloc(1, sizeof(net_hdr_t) + sizeof m);
-  if (!f || !b) {
-    free(f);
-    free(b);
-    return;
-  }
-  net_hdr_t h = {.magic = CTL_MAGIC, .src_node = net->node_rank};
-  memcpy(b, &h, sizeof h);
-  memcpy(b + sizeof h, &m, sizeof m);
-  f->src_node = net->node_rank;
-  f->local = 1;
-  f->buf = b;
-  f->len = sizeof h + sizeof m;
-  ctl_enqueue(net, f);
+  ctl_local(net, net->node_rank, &m);
 }
 
 /* A restarted node connects to this one again: the link to it must be down (its old daemon is gone); the
@@ -556,45 +570,15 @@ static void revive(epd_net_t *net, uint32_t node, int fd) {
   atomic_fetch_add(&p->epoch, 1);
   atomic_store(&p->dead, 0);
   pthread_mutex_unlock(&p->send_mu);
-  /* the old daemon's parts still queued are not the new one's */
-  pthread_mutex_lock(&net->mu);
-  for (net_frame_t **pp = &net->frames; *pp;) {
-    net_frame_t *f = *pp;
-    if (f->src_node == node) {
-      *pp = f->next;
-      free(f->buf);
-      free(f);
-      continue;
-    }
-    pp = &f->next;
-  }
-  pthread_mutex_unlock(&net->mu);
+  drop_queued(net, NULL, (int)node); /* the old daemon's parts still queued are not the new one's */
   EPD_LOGI(EPD_SUB_ENGINE, "data link to node %u up again (its daemon restarted)", node);
-  link_up_notice(net, node); /* before its first frame: what that sets must not be wiped by link_up */
+  const ctl_msg_t up = {.kind = CTL_LINK_UP};
+  ctl_local(net, node, &up); /* before its first frame: what that sets must not be wiped by link_up */
   if (pthread_create(&p->th, NULL, recv_main, p)) {
     peer_dead(p, "%s", "pthread_create failed");
     return;
   }
   p->started = 1;
-}
-
-static void link_up_notice(epd_net_t *net, uint32_t node) {
-  net_frame_t *f = calloc(1, sizeof *f);
-  uint8_t *b = calloc(1, sizeof(net_hdr_t) + sizeof(ctl_msg_t));
-  if (!f || !b) {
-    free(f);
-    free(b);
-    return;
-  }
-  net_hdr_t h = {.magic = CTL_MAGIC, .src_node = node};
-  ctl_msg_t m = {.kind = CTL_LINK_UP};
-  memcpy(b, &h, sizeof h);
-  memcpy(b + sizeof h, &m, sizeof m);
-  f->src_node = node;
-  f->local = 1;
-  f->buf = b;
-  f->len = sizeof h + sizeof m;
-  ctl_enqueue(net, f);
 }
 
 static void *accept_main(void *arg) {
@@ -697,23 +681,33 @@ static int net_send(epd_net_t *net, uint32_t node, const void *buf, size_t len) 
   return 0;
 }
 
-/* Take the frame of (group, step) from node, dropping that node's stale frames of the group. */
-static net_frame_t *net_take(epd_net_t *net, const char *group, uint64_t step, uint32_t node) {
+/* Take the frame of (group, step) from node, dropping that node's stale frames of the group. later (may be
+ * NULL): in the same pass, the smallest later step of that node's frames of the group received after frame
+ * number `since` (0: none). One pass under one lock: a part of `step` sent before such a later one (one
+ * link, in order) is then found, so a later part with none of `step` means node skipped `step`. */
+static net_frame_t *net_take(epd_net_t *net, const char *group, uint64_t step, uint32_t node, uint64_t since,
+                             uint64_t *later) {
   net_frame_t *found = NULL;
+  if (later) *later = 0;
   pthread_mutex_lock(&net->mu);
   for (net_frame_t **pp = &net->frames; *pp;) {
     net_frame_t *f = *pp;
-    if (f->src_node == node && !strcmp(f->group, group) && f->step <= step) {
-      *pp = f->next;
-      if (f->step == step && !found) {
-        found = f;
-      } else {
-        free(f->buf);
-        free(f);
-      }
+    if (f->src_node != node || strcmp(f->group, group)) {
+      pp = &f->next;
       continue;
     }
-    pp = &f->next;
+    if (f->step > step) {
+      if (later && f->seq > since && (!*later || f->step < *later)) *later = f->step;
+      pp = &f->next;
+      continue;
+    }
+    *pp = f->next;
+    if (f->step == step && !found) {
+      found = f;
+    } else {
+      free(f->buf);
+      free(f);
+    }
   }
   pthread_mutex_unlock(&net->mu);
   return found;
@@ -724,19 +718,6 @@ uint64_t epd_net_frame_seq(epd_net_t *net) {
   uint64_t s = net->frame_seq;
   pthread_mutex_unlock(&net->mu);
   return s;
-}
-
-int epd_net_newer(epd_net_t *net, const char *group, uint64_t step, uint32_t node, uint64_t since, uint64_t *newer) {
-  int has = 0;
-  pthread_mutex_lock(&net->mu);
-  for (net_frame_t *f = net->frames; f; f = f->next)
-    if (f->src_node == node && f->step > step && f->seq > since && !strcmp(f->group, group) &&
-        (!has || f->step < *newer)) {
-      *newer = f->step;
-      has = 1;
-    }
-  pthread_mutex_unlock(&net->mu);
-  return has;
 }
 
 static int net_has(epd_net_t *net, const char *group, uint64_t step, uint32_t node) {
@@ -763,8 +744,9 @@ int epd_net_send_payload(epd_net_t *net, uint32_t node, const char *group, uint6
   return rc;
 }
 
-uint8_t *epd_net_take_payload(epd_net_t *net, const char *group, uint64_t step, uint32_t node, size_t *len) {
-  net_frame_t *f = net_take(net, group, step, node);
+uint8_t *epd_net_take_payload(epd_net_t *net, const char *group, uint64_t step, uint32_t node, uint64_t since,
+                              uint64_t *later, size_t *len) {
+  net_frame_t *f = net_take(net, group, step, node, since, later);
   if (!f) return NULL;
   uint8_t *b = f->buf;
   *len = f->len - sizeof(net_hdr_t);
@@ -801,18 +783,7 @@ void epd_net_links(epd_net_t *net, char *out, size_t len, uint64_t *down) {
 }
 
 void epd_net_drop_group(epd_net_t *net, const char *group) {
-  pthread_mutex_lock(&net->mu);
-  for (net_frame_t **pp = &net->frames; *pp;) {
-    net_frame_t *f = *pp;
-    if (!strcmp(f->group, group)) {
-      *pp = f->next;
-      free(f->buf);
-      free(f);
-      continue;
-    }
-    pp = &f->next;
-  }
-  pthread_mutex_unlock(&net->mu);
+  drop_queued(net, group, -1);
 }
 
 /* ---- the two-level step ------------------------------------------------------------------------- */
@@ -837,18 +808,7 @@ void eng_net_group_free(eng_group_t *grp) {
   if (!ng) return;
   /* The group's queued frames belong to this incarnation: a group of the same name created later
    * starts again at step 0 and must not take them. */
-  pthread_mutex_lock(&ng->net->mu);
-  for (net_frame_t **pp = &ng->net->frames; *pp;) {
-    net_frame_t *f = *pp;
-    if (!strcmp(f->group, grp->name)) {
-      *pp = f->next;
-      free(f->buf);
-      free(f);
-      continue;
-    }
-    pp = &f->next;
-  }
-  pthread_mutex_unlock(&ng->net->mu);
+  drop_queued(ng->net, grp->name, -1);
   epd_ref_plan_free(&ng->lplan);
   eng_vote_reset(&ng->vote);
   for (int r = 0; r < EPD_MAX_RANKS; r++) {
@@ -1493,10 +1453,8 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
   }
   for (uint32_t n = 0; n < eng->o.nodes; n++) {
     if (n == me || ng->f[n]) continue;
-    /* looked for before the take: node n's part of this step, if it sent one, came before a later one */
-    uint64_t later = 0;
-    const int skipped = epd_net_newer(net, grp->name, grp->steps, n, grp->frames_since, &later);
-    ng->f[n] = net_take(net, grp->name, grp->steps, n);
+    uint64_t later; /* node n's part of a later step, came with none of this one's: it skipped this step */
+    ng->f[n] = net_take(net, grp->name, grp->steps, n, grp->frames_since, &later);
     if (ng->f[n]) continue;
     net_peer_t *p = &net->peer[n];
     if (atomic_load(&p->dead)) {
@@ -1519,7 +1477,7 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
       drop_frames(ng);
       return fail(res, EPD_ERR_PEER, gone, "%s", why);
     }
-    if (skipped) {
+    if (later) {
       drop_frames(ng);
       return fail(res, EPD_ERR_PEER, (int)(n * L), "%s", eng_net_skipped(grp->name, n, L, grp->steps, later, why, sizeof why));
     }
@@ -1940,6 +1898,14 @@ void eng_net_group_removed(epd_engine_t *eng, eng_group_t *grp) {
              grp->name, m->version);
 }
 
+/* To node n, which made grp (or attached a lost rank of it) again: the step grp collects here (UINT64_MAX:
+ * no such group here) and the map it runs (their version and hash, read under the engine lock). */
+static void send_join(epd_net_t *net, uint32_t n, const char *group, uint64_t steps, uint32_t version,
+                      uint64_t hash) {
+  ctl_msg_t r = {.kind = CTL_JOIN, .req_id = steps, .version = version, .hash = hash};
+  send_ctl(net, n, group, &r, NULL, NULL);
+}
+
 /* (mu) Node n's reply to this node's creation notice: the step it is at (UINT64_MAX: none). */
 static void join_reply(eng_group_t *grp, uint32_t n, const ctl_msg_t *c) {
   if (!(grp->join_wait >> n & 1)) return;
@@ -2043,8 +2009,7 @@ void eng_net_rank_back(epd_engine_t *eng, eng_group_t *grp, int rank) {
   send_lost(eng, grp, rank, UINT64_MAX);
 }
 
-uint64_t eng_net_first_unsent(epd_engine_t *eng, eng_group_t *grp) {
-  (void)eng;
+uint64_t eng_net_first_unsent(const eng_group_t *grp) {
   const net_group_t *ng = grp->net; /* none yet: nothing sent */
   return ng && ng->sent_step == grp->steps ? grp->steps + 1 : grp->steps;
 }
@@ -2058,7 +2023,7 @@ void eng_net_group_created(epd_engine_t *eng, eng_group_t *grp) {
   grp->join_wait = 0;
   grp->join_step = 0;
   grp->join_ns = eng_now_ns();
-  /* parts of a later step that came before this creation are an earlier life's (epd_net_newer) */
+  /* parts of a later step that came before this creation are an earlier life's (net_take's later) */
   grp->frames_since = epd_net_frame_seq(net);
   char why[160];
   if (removed_take(net, grp->name) || net->rejoined) /* made again here, or this daemon restarted */
@@ -2198,8 +2163,7 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     if (made) {
       /* made there (again): tell it the step this node's group collects, which from now on waits for
        * its part (it takes this number before its first part goes out) */
-      ctl_msg_t r = {.kind = CTL_JOIN, .req_id = grp ? steps : UINT64_MAX, .version = version, .hash = hash};
-      send_ctl(net, f->src_node, group, &r, NULL, NULL);
+      send_join(net, f->src_node, group, grp ? steps : UINT64_MAX, version, hash);
       /* and which of this node's ranks lost their client (its parts do not come until they attach again) */
       for (int k = 0; k < nlost; k++) {
         ctl_msg_t m = {.kind = CTL_LOST, .req_id = steps, .version = lost_r[k]};
@@ -2228,10 +2192,7 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     const uint64_t hash = grp && back ? epd_net_map_hash(&grp->map) : 0;
     if (grp) grp->lost_from[r] = c.req_id;
     pthread_mutex_unlock(&eng->mu);
-    if (back) { /* the step this node collects, taken there if it is ahead (the creation notice's reply) */
-      ctl_msg_t rep = {.kind = CTL_JOIN, .req_id = steps, .version = version, .hash = hash};
-      send_ctl(net, n, group, &rep, NULL, NULL);
-    }
+    if (back) send_join(net, n, group, steps, version, hash); /* taken there if it is ahead */
     if (grp && !back)
       EPD_LOGW(EPD_SUB_ENGINE, "group %s: the client of rank %u died on node %u at its step %llu: the group's steps "
                "from then on fail here with EPD_ERR_PEER until the rank is attached again", group, r, n,

@@ -48,14 +48,13 @@ void epd_net_counters(const epd_net_t *net, uint64_t *tx_bytes, uint64_t *rx_byt
  * its older ones of the group (NULL while absent; *len its payload bytes; free() it). */
 int epd_net_send_payload(epd_net_t *net, uint32_t node, const char *group, uint64_t step, const void *payload,
                          size_t len);
-uint8_t *epd_net_take_payload(epd_net_t *net, const char *group, uint64_t step, uint32_t node, size_t *len);
-/* 1 if node's frame of a step of group later than `step`, received after frame number `since`, is queued
- * (the smallest such step in *newer): node
- * then never sends `step`'s (one link, in order; a node numbers its parts in order and skips only a step
- * that failed there). */
-int epd_net_newer(epd_net_t *net, const char *group, uint64_t step, uint32_t node, uint64_t since, uint64_t *newer);
-/* The count of step frames received so far: a group made now passes it as `since` to epd_net_newer (frames
- * that came before are an earlier life's of a group of that name). */
+/* later (may be NULL): in the same pass, the smallest later step of node's parts of group received after
+ * frame number `since` (0: none); with no part of `step` taken, node skipped `step` (one link, in order; a
+ * node numbers its parts in order and skips only a step that failed there). */
+uint8_t *epd_net_take_payload(epd_net_t *net, const char *group, uint64_t step, uint32_t node, uint64_t since,
+                              uint64_t *later, size_t *len);
+/* The count of step frames received so far: a group made now passes it as `since` (frames that came
+ * before are an earlier life's of a group of that name). */
 uint64_t epd_net_frame_seq(epd_net_t *net);
 /* Node 0, a restarted node joining (backend cuda): every other node whose link is up but `except` (the
  * restarted one), and this node, make the world communicator again over id (EPD_NET_COMM_ID_BYTES). */

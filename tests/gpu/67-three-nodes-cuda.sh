@@ -43,6 +43,20 @@ same_switches() {
   [ "$(wc -l < "$T/sw${g}0.txt")" -ge "$min" ] || fail "$g: node 0 logged $(wc -l < "$T/sw${g}0.txt") switches, want $min"
   for n in 1 2; do cmp -s "$T/sw${g}0.txt" "$T/sw$g$n.txt" || fail "$g: nodes 0 and $n switched at different steps: $(diff "$T/sw${g}0.txt" "$T/sw$g$n.txt" | head -3)"; done
 }
+# one_step_fails GROUP CODE PEER CASE RANK...: one step of GROUP by only these ranks (each at its node) must
+# fail on every one of them with CODE naming rank PEER
+one_step_fails() {
+  local g=$1 code=$2 peer=$3 what=$4 r rc; shift 4
+  for r in "$@"; do
+    CUDA_VISIBLE_DEVICES=$(gpu_of $r) timeout 30 "$WORKER" -s "$T/n$r/control.sock" -g "$g" -r $r -n 3 --steps 1 --hidden 256 > "$T/$g$r.out" 2>&1 &
+    eval "W_$g$r=$!"
+  done
+  for r in "$@"; do
+    eval "wait \$W_$g$r"; rc=$?
+    [ $rc -eq 2 ] || fail "$what: rank $r's worker exited $rc: $(tail -2 "$T/$g$r.out")"
+    grep -q "$code.*peer rank $peer" "$T/$g$r.out" || fail "$what: rank $r: $(tail -2 "$T/$g$r.out")"
+  done
+}
 no_engine_failed() {
   grep -q "did not finish within\|engine failed" "$T"/node[012].log && fail "$1: an engine failed: $(grep -h -m1 'did not finish within\|engine failed' "$T"/node[012].log)"
   return 0
@@ -142,15 +156,7 @@ no_engine_failed rejoin
 echo "   $(grep -o 'group rj: made again here.*' "$T/node2.log" | head -1); skipped meanwhile: node 0 $(grep -c 'failed (skipped)' "$T/rj0.out"), node 1 $(grep -c 'failed (skipped)' "$T/rj1.out")"
 
 echo "== node 1 never submits: EPD_ERR_TIMEOUT naming rank 1 on nodes 0 and 2"
-for r in 0 2; do
-  CUDA_VISIBLE_DEVICES=$(gpu_of $r) timeout 30 "$WORKER" -s "$T/n$r/control.sock" -g to -r $r -n 3 --steps 1 --hidden 256 > "$T/to$r.out" 2>&1 &
-  eval "W_to$r=$!"
-done
-for r in 0 2; do
-  eval "wait \$W_to$r"; RC=$?
-  [ $RC -eq 2 ] || fail "timeout case: rank $r's worker exited $RC: $(tail -2 "$T/to$r.out")"
-  grep -q "EPD_ERR_TIMEOUT.*peer rank 1" "$T/to$r.out" || fail "timeout case: rank $r: $(tail -2 "$T/to$r.out")"
-done
+one_step_fails to EPD_ERR_TIMEOUT 1 "timeout case" 0 2
 no_engine_failed "timeout case"
 echo "   ok: $(grep -h EPD_ERR_TIMEOUT "$T/to2.out" | head -1 | cut -c1-140)"
 
@@ -159,15 +165,7 @@ echo "== node 2 stops: EPD_ERR_PEER naming rank 2 on nodes 0 and 1 within 3 s; b
 kill -TERM "$P_2"; wait "$P_2"; R2=$?
 for n in 0 1; do wait_for 5 grep -q "data link to node 2 lost" "$T/node$n.log" || fail "node $n did not notice the lost link"; done
 s=$(date +%s%N)
-for r in 0 1; do
-  CUDA_VISIBLE_DEVICES=$(gpu_of $r) timeout 30 "$WORKER" -s "$T/n$r/control.sock" -g pe -r $r -n 3 --steps 1 --hidden 256 > "$T/pe$r.out" 2>&1 &
-  eval "W_pe$r=$!"
-done
-for r in 0 1; do
-  eval "wait \$W_pe$r"; RC=$?
-  [ $RC -eq 2 ] || fail "lost node: rank $r's worker exited $RC: $(tail -2 "$T/pe$r.out")"
-  grep -q "EPD_ERR_PEER.*peer rank 2" "$T/pe$r.out" || fail "lost node: rank $r: $(tail -2 "$T/pe$r.out")"
-done
+one_step_fails pe EPD_ERR_PEER 2 "lost node" 0 1
 ms=$(( ($(date +%s%N) - s) / 1000000 ))
 [ $ms -lt 3000 ] || fail "lost node: the steps failed only after $ms ms"
 "$EPDCTL" -s "$T/n1/control.sock" status > "$T/status1b.out" || fail "node 1 stopped serving after losing node 2"

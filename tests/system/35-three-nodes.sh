@@ -24,6 +24,17 @@ world() {
   for r in 0 1 2 3 4 5; do worker "${g}$r" "${NODE_OF[$r]}" -g "$g" -r $r -n 6 --steps "$s" --seed 11 "$@"; done
 }
 all() { local r; for r in 0 1 2 3 4 5; do echo "$1$r"; done; }
+# one_step_fails GROUP CODE PEER CASE RANK...: one step of GROUP by only these ranks (each at its node) must
+# fail on every one of them with CODE naming rank PEER
+one_step_fails() {
+  local g=$1 code=$2 peer=$3 what=$4 r rc; shift 4
+  for r in "$@"; do worker "$g$r" "${NODE_OF[$r]}" -g "$g" -r $r -n 6 --steps 1; done
+  for r in "$@"; do
+    eval "wait \$W_$g$r"; rc=$?
+    [ $rc -eq 2 ] || fail "$what: rank $r exited $rc: $(tail -2 "$T/$g$r.out")"
+    grep -q "$code.*peer rank $peer" "$T/$g$r.out" || fail "$what: rank $r: $(tail -2 "$T/$g$r.out")"
+  done
+}
 switches() { grep -o "group $1 switched expert map [0-9]* -> [0-9]* at step [0-9]*" "$T/$2.log"; }
 
 PORT=$(free_ports 1)
@@ -134,13 +145,8 @@ for n in a c; do grep -q "group rp: rank 3 has a client again on node 1" "$T/$n.
 echo "   skipped meanwhile: $(for r in 0 1 2 4 5; do printf 'rank %s %s; ' $r "$(grep -c 'failed (skipped)' "$T/rp$r.out")"; done)$(grep -o 'group rp: a rank attached again here.*' "$T/b.log" | head -1)"
 
 echo "== node 1 never submits: EPD_ERR_TIMEOUT naming rank 2 on nodes 0 and 2"
-for r in 0 1 4 5; do worker "to$r" "${NODE_OF[$r]}" -g to -r $r -n 6 --steps 1; done
 S=$(date +%s%N)
-for r in 0 1 4 5; do
-  eval "wait \$W_to$r"; rc=$?
-  [ $rc -eq 2 ] || fail "timeout case: rank $r exited $rc: $(tail -2 "$T/to$r.out")"
-  grep -q "EPD_ERR_TIMEOUT.*peer rank 2" "$T/to$r.out" || fail "timeout case: rank $r: $(tail -2 "$T/to$r.out")"
-done
+one_step_fails to EPD_ERR_TIMEOUT 2 "timeout case" 0 1 4 5
 MS=$(( ($(date +%s%N) - S) / 1000000 ))
 [ $MS -lt 8000 ] || fail "timeout took $MS ms (step_timeout_ms 3000)"
 for n in a c; do grep -q "node 1 (ranks 2..3) did not send" "$T/$n.log" || fail "node $n's log does not say node 1 was silent"; done
@@ -148,13 +154,8 @@ for n in a c; do grep -q "node 1 (ranks 2..3) did not send" "$T/$n.log" || fail 
 echo "== node 2 killed: EPD_ERR_PEER naming rank 4 on nodes 0 and 1, promptly; both keep serving"
 kill -KILL "$P_c"; wait "$P_c" 2>/dev/null
 for n in a b; do wait_for 5 grep -q "data link to node 2 lost" "$T/$n.log" || fail "node $n did not notice the lost link"; done
-for r in 0 1 2 3; do worker "pe$r" "${NODE_OF[$r]}" -g pe -r $r -n 6 --steps 1; done
 S=$(date +%s%N)
-for r in 0 1 2 3; do
-  eval "wait \$W_pe$r"; rc=$?
-  [ $rc -eq 2 ] || fail "lost node: rank $r exited $rc"
-  grep -q "EPD_ERR_PEER.*peer rank 4" "$T/pe$r.out" || fail "lost node: rank $r: $(tail -2 "$T/pe$r.out")"
-done
+one_step_fails pe EPD_ERR_PEER 4 "lost node" 0 1 2 3
 MS=$(( ($(date +%s%N) - S) / 1000000 ))
 [ $MS -lt 2500 ] || fail "lost node: the steps failed only after $MS ms"
 "$EPDCTL" -s "$T/b/control.sock" status > "$T/lost.out" || fail "node 1 stopped serving after losing node 2"
