@@ -2,6 +2,7 @@
 #
 # Switches: DEBUG=1 (-O0 -g), ASAN=1 (address+undefined sanitizers), WERROR=1, V=1 (show commands),
 # WITH_CUDA=0/1 (default: 1 when nvcc and NCCL headers are found), CUDA_HOME, NCCL_HOME, PREFIX, DESTDIR.
+# `make nccl-info` shows the NCCL the build uses.
 
 .DEFAULT_GOAL := all
 
@@ -12,7 +13,17 @@ ASAN ?= 0
 WERROR ?= 0
 V ?= 0
 CUDA_HOME ?= /usr/local/cuda
-NCCL_HOME ?= $(CUDA_HOME)
+# NCCL: NCCL_HOME if given, else the first of .deps/nccl (make deps fetches it from PyPI when no NCCL
+# 2.29+ is found), the CUDA toolkit, the system and Python's nvidia-nccl package that is 2.29 or later,
+# else the first one there is (NCCL 2.28 still builds).
+nccl_ver = $$(sed -n 's/^\#define NCCL_VERSION_CODE *\([0-9]*\).*/\1/p' $$d/include/nccl.h 2>/dev/null)
+ifeq ($(origin NCCL_HOME),undefined)
+NCCL_CANDIDATES := $(CURDIR)/.deps/nccl $(CUDA_HOME) /usr \
+  $(shell $(or $(PYTHON),python3) -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null)
+NCCL_HOME := $(shell for d in $(NCCL_CANDIDATES); do v=$(nccl_ver); \
+  [ -f $$d/include/nccl_device.h ] && [ "$${v:-0}" -ge 22900 ] && { echo $$d; exit; }; done; \
+  for d in $(NCCL_CANDIDATES); do [ -f $$d/include/nccl_device.h ] && { echo $$d; exit; }; done; echo $(CUDA_HOME))
+endif
 NVCC ?= $(CUDA_HOME)/bin/nvcc
 CUDA_ARCH ?= -gencode=arch=compute_90,code=sm_90
 ifeq ($(origin WITH_CUDA),undefined)
@@ -37,7 +48,10 @@ PKGS := grpc libprotobuf-c libuv libsystemd inih libmicrohttpd
 PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 CUDA_CFLAGS := $(if $(filter 1,$(WITH_CUDA)),-I$(CUDA_HOME)/include -I$(NCCL_HOME)/include)
-CUDA_LINK := -L$(NCCL_HOME)/lib -L$(NCCL_HOME)/lib64 -L$(CUDA_HOME)/lib64 -lnccl -lcudart_static -ldl -lrt -lstdc++
+# An NCCL outside the system's library path (.deps, a wheel, NCCL_HOME) is found at run time too.
+NCCL_RPATH := $(if $(filter /usr $(CUDA_HOME),$(NCCL_HOME)),,-Wl,-rpath,$(NCCL_HOME)/lib)
+CUDA_LINK := -L$(NCCL_HOME)/lib -L$(NCCL_HOME)/lib64 -L$(CUDA_HOME)/lib64 $(NCCL_RPATH) -lnccl -lcudart_static \
+  -ldl -lrt -lstdc++
 CUDA_LIBS := $(if $(filter 1,$(WITH_CUDA)),$(CUDA_LINK))
 CFLAGS_ALL += $(PKG_CFLAGS) $(CUDA_CFLAGS)
 LDFLAGS_ALL := $(SAN) -pthread '-Wl,-rpath,$$ORIGIN/../lib' -Wl,--disable-new-dtags $(LDFLAGS)
@@ -91,7 +105,7 @@ GPU_TESTS := $(B)/bin/epd-gpu-tests
 BENCH := $(B)/bin/epd-bench
 WORKER := $(B)/bin/epd-worker
 
-.PHONY: all run test gpu-test gpu-sanitize gpu-check bench install dist clean deps format fuzz
+.PHONY: nccl-info all run test gpu-test gpu-sanitize gpu-check bench install dist clean deps format fuzz
 all: $(EPD) $(EPDCTL) $(LIBEPD) $(WORKER) $(TESTS) $(GPU_TESTS) $(B)/epd.pc
 
 $(B)/obj/gen/%.o: $(B)/gen/%.c $(GEN_H)
@@ -169,6 +183,9 @@ $(B)/epd.pc: client/epd.pc.in
 # ---- entry points ------------------------------------------------------------------------------------
 deps:
 	$(Q)deploy/deps.sh
+
+nccl-info:
+	@echo "NCCL_HOME=$(NCCL_HOME) version $$(d=$(NCCL_HOME); echo $(nccl_ver)) WITH_CUDA=$(WITH_CUDA)"
 
 run: deps
 	$(Q)$(MAKE) --no-print-directory all

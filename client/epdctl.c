@@ -151,6 +151,7 @@ static void print_status_json(const Epd__V1__StatusReply *s) {
     jkv_i("rank", r->rank, &g);
     jkv_i("device", r->device, &g);
     jkv_s("device_uuid", r->device_uuid, &g);
+    jkv_u("gpu_ranks", r->gpu_ranks, &g);
     jkv_u("buffer_bytes", r->buffer_bytes, &g);
     jkv_u("clients", r->clients, &g);
     jkv_u("ops", r->ops, &g);
@@ -212,9 +213,11 @@ static void print_status_human(const Epd__V1__StatusReply *s) {
   for (size_t i = 0; i < s->n_ranks; i++) {
     const Epd__V1__RankStatus *r = s->ranks[i];
     char hb[32];
-    printf("  %4d %6d %14s %16" PRIu64 " %7u %10" PRIu64 "  %s\n", r->rank, r->device,
+    char shared[40] = "";
+    if (r->gpu_ranks > 1) snprintf(shared, sizeof shared, " (shared by %u ranks)", r->gpu_ranks);
+    printf("  %4d %6d %14s %16" PRIu64 " %7u %10" PRIu64 "  %s%s\n", r->rank, r->device,
            human_bytes(r->buffer_bytes, hb, sizeof hb), r->buffer_bytes, r->clients, r->ops,
-           r->device_uuid && r->device_uuid[0] ? r->device_uuid : "-");
+           r->device_uuid && r->device_uuid[0] ? r->device_uuid : "-", shared);
   }
   printf("groups:   %zu\n", s->n_groups);
   if (s->n_groups)

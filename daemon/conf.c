@@ -29,7 +29,8 @@ typedef enum conf_type {
   CT_ENUM,      /* char[size], one of choices */
   CT_LOG_LEVEL, /* int, error|warn|info|debug|trace */
   CT_SUBSYSTEMS, /* uint32_t mask, comma list of subsystem names or "all" */
-  CT_IDLIST      /* char[size], comma list of user (choices "user") or group ids/names, checked on parse */
+  CT_IDLIST,     /* char[size], comma list of user (choices "user") or group ids/names, checked on parse */
+  CT_INTLIST     /* char[size], comma list of integers in [min, max], checked on parse */
 } conf_type_t;
 
 typedef struct conf_key {
@@ -85,7 +86,10 @@ static const conf_key_t keys[] = {
     {"engine.backend", CT_ENUM, 0, 0, "auto", 0, F(backend), "auto,host,cuda",
      "auto (cuda when GPUs and NCCL are usable, else host), host (threads over shared memory) or cuda"},
     {"engine.num_ranks", CT_UINT, 1, 64, "2", 0, F(num_ranks), NULL,
-     "ranks of this node (cuda: GPUs 0..n-1; host: threads)"},
+     "ranks of this node (cuda: on the GPUs engine.devices names, else GPUs 0..n-1; host: threads)"},
+    {"engine.devices", CT_INTLIST, 0, EPD_CONF_MAX_LIST - 1, "", 0, F(devices), NULL,
+     "cuda: the GPU (CUDA ordinal) of each local rank, a comma list of num_ranks entries, e.g. 0,0 for two "
+     "ranks on GPU 0; up to 4 ranks may share a GPU (NCCL 2.30 or later); empty: rank r on GPU r"},
     {"engine.max_experts", CT_UINT, 1, 4096, "256", 0, F(max_experts), NULL,
      "largest num_experts a group may have"},
     {"engine.max_hidden", CT_UINT, 8, 65536, "8192", 0, F(max_hidden), NULL,
@@ -211,6 +215,7 @@ static void fmt_value(const epd_conf_t *c, const conf_key_t *k, char *buf, size_
   switch (k->type) {
   case CT_STRING:
   case CT_IDLIST:
+  case CT_INTLIST:
   case CT_ENUM: {
     /* Quoted where the parser would otherwise change it: outer quotes or white space (any isspace
      * character, e.g. a form feed) are stripped, and a ';' after the blank of "key = " starts an inline
@@ -281,7 +286,7 @@ static int parse_value(epd_conf_t *c, const conf_key_t *k, const char *value, ch
   /* A ';' after a blank starts an inline comment wherever the INI parser reads a key line, quotes or
    * not: such a value (reachable through a continuation line or -o) could not be written back to a
    * config file (found by fuzz_conf). */
-  if (k->type == CT_STRING || k->type == CT_IDLIST || k->type == CT_ENUM)
+  if (k->type == CT_STRING || k->type == CT_IDLIST || k->type == CT_INTLIST || k->type == CT_ENUM)
     for (size_t i = 1; i < vlen; i++)
       if (v[i] == ';' && isspace((unsigned char)v[i - 1])) {
         seterr(err, errlen, "%s: a ';' after a blank (offset %zu) would be read as a comment in a config file; "
@@ -304,6 +309,20 @@ static int parse_value(epd_conf_t *c, const conf_key_t *k, const char *value, ch
       return -1;
     }
     if (epd_conf_parse_ids(v, !strcmp(k->choices, "group"), ids, EPD_CONF_MAX_IDS, msg, sizeof msg) < 0) {
+      seterr(err, errlen, "%s: %s", k->name, msg);
+      return -1;
+    }
+    memcpy(p, v, vlen + 1);
+    return 0;
+  }
+  case CT_INTLIST: {
+    int vals[EPD_CONF_MAX_LIST];
+    char msg[160];
+    if (vlen >= k->size) {
+      seterr(err, errlen, "%s: value is %zu bytes long, the limit is %zu", k->name, vlen, k->size - 1);
+      return -1;
+    }
+    if (epd_conf_parse_list(v, (uint32_t)k->max, vals, EPD_CONF_MAX_LIST, msg, sizeof msg) < 0) {
       seterr(err, errlen, "%s: %s", k->name, msg);
       return -1;
     }
@@ -510,7 +529,7 @@ size_t epd_conf_dump(const epd_conf_t *c, char *buf, size_t len) {
 }
 
 static int key_differs(const epd_conf_t *a, const epd_conf_t *b, const conf_key_t *k) {
-  if (k->type == CT_STRING || k->type == CT_ENUM || k->type == CT_IDLIST)
+  if (k->type == CT_STRING || k->type == CT_ENUM || k->type == CT_IDLIST || k->type == CT_INTLIST)
     return strncmp((const char *)a + k->off, (const char *)b + k->off, k->size) != 0;
   return memcmp((const char *)a + k->off, (const char *)b + k->off, k->size) != 0;
 }
@@ -547,13 +566,15 @@ int epd_conf_diff(const epd_conf_t *cur, const epd_conf_t *next, char *buf, size
 
 size_t epd_conf_describe(char *buf, size_t len) {
   size_t off = 0;
-  static const char *const tnames[] = {"string", "uint", "octal", "bytes", "enum", "log-level", "subsystems", "id-list"};
+  static const char *const tnames[] = {"string", "uint", "octal", "bytes", "enum", "log-level", "subsystems", "id-list",
+                                       "int-list"};
   if (len) buf[0] = '\0';
   for (size_t i = 0; i < NKEYS; i++) {
     const conf_key_t *k = &keys[i];
     char range[80] = "";
     if (k->type == CT_UINT || k->type == CT_OCTAL || k->type == CT_BYTES) fmt_range(k, range, sizeof range);
     if (k->type == CT_ENUM) snprintf(range, sizeof range, "{%s}", k->choices);
+    if (k->type == CT_INTLIST) snprintf(range, sizeof range, "entries in [0, %u]", (unsigned)k->max);
     int w = snprintf(buf + off, off < len ? len - off : 0, "%-28s %-10s default '%s' %s%s\n    %s\n",
                      k->name, tnames[k->type], k->def, range, k->reloadable ? " (reloadable)" : "", k->doc);
     if (w > 0) off += (size_t)w;
@@ -580,6 +601,35 @@ int epd_conf_attach_socket_path(const epd_conf_t *c, char *buf, size_t len) {
   char *slash = strrchr(ctl, '/');
   int n = slash ? snprintf(buf, len, "%.*s/attach.sock", (int)(slash - ctl), ctl) : snprintf(buf, len, "attach.sock");
   return n < 0 || (size_t)n >= len ? -1 : 0;
+}
+
+int epd_conf_parse_list(const char *text, uint32_t max_value, int *out, size_t max, char *err, size_t errlen) {
+  size_t n = 0;
+  const char *q = text;
+  while (*q == ' ' || *q == '\t') q++;
+  if (!*q) return 0;
+  for (;;) {
+    uint64_t v;
+    char item[24];
+    size_t len = strcspn(q, ",");
+    while (len && (q[len - 1] == ' ' || q[len - 1] == '\t')) len--;
+    if (len >= sizeof item) len = sizeof item - 1;
+    memcpy(item, q, len);
+    item[len] = '\0';
+    if (parse_number(item, 10, 0, &v) != 0 || v > max_value) {
+      seterr(err, errlen, "entry %zu '%s' is not an integer in [0, %u]", n + 1, item, max_value);
+      return -1;
+    }
+    if (n == max) {
+      seterr(err, errlen, "more than %zu entries", max);
+      return -1;
+    }
+    out[n++] = (int)v;
+    q += strcspn(q, ",");
+    if (!*q) return (int)n;
+    q++;
+    while (*q == ' ' || *q == '\t') q++;
+  }
 }
 
 int epd_conf_parse_ids(const char *text, int groups, uint32_t *out, size_t max, char *err, size_t errlen) {

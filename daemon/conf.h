@@ -33,6 +33,7 @@ typedef struct epd_conf {
   /* [engine] */
   char backend[16];                  /* "auto", "host", "cuda" */
   uint32_t num_ranks;                /* ranks (GPUs) of this node */
+  char devices[256];                 /* cuda: comma list, the GPU of each local rank ("" = rank r on GPU r) */
   uint32_t max_experts, max_hidden, max_topk, max_tokens;
   uint32_t slots_factor_pct;         /* redundant-expert slots: 100 = none */
   uint32_t ht_capacity_factor;       /* HT receive capacity in units of max_tokens (0 = num_ranks) */
@@ -83,6 +84,10 @@ int epd_conf_attach_socket_path(const epd_conf_t *c, char *buf, size_t len);
  * max); returns the count, or -1 with a message naming the bad entry in err. */
 int epd_conf_parse_ids(const char *text, int groups, uint32_t *out, size_t max, char *err, size_t errlen);
 #define EPD_CONF_MAX_IDS 64
+/* Parse a comma list of integers in [0, max_value] into out (at most max); returns the count (0 for an
+ * empty text), or -1 with a message naming the bad entry in err. */
+int epd_conf_parse_list(const char *text, uint32_t max_value, int *out, size_t max, char *err, size_t errlen);
+#define EPD_CONF_MAX_LIST 64
 /* Print the documented table (key, type, default, range, reloadable, doc) for `epd --help-config`. */
 size_t epd_conf_describe(char *buf, size_t len);
 

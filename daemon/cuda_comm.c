@@ -192,6 +192,73 @@ epd_result_t epd_cc_unique_id(uint8_t *id, char *err, size_t errlen) {
 }
 
 
+int epd_cc_devices_for(int n, int *devices) {
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < 1) {
+    cudaGetLastError();
+    return -1;
+  }
+  for (int r = 0; r < n; r++) devices[r] = r % ndev;
+  return (n + ndev - 1) / ndev;
+}
+
+int epd_cc_ranks_on(int n, const int *devices, int rank) {
+  int k = 0;
+  for (int r = 0; r < n; r++) k += (devices ? devices[r] : r) == (devices ? devices[rank] : rank);
+  return k;
+}
+
+int epd_cc_share(int n, const int *devices) {
+  int share = 1;
+  for (int r = 0; r < n; r++) {
+    const int k = epd_cc_ranks_on(n, devices, r);
+    if (k > share) share = k;
+  }
+  return share;
+}
+
+epd_result_t epd_cc_check_devices(int n, const int *devices, char *err, size_t errlen) {
+  int ndev = 0;
+  cudaError_t ce = cudaGetDeviceCount(&ndev);
+  if (ce != cudaSuccess) {
+    snprintf(err, errlen, "cudaGetDeviceCount: %s", cudaGetErrorString(ce));
+    cudaGetLastError();
+    return EPD_ERR_CUDA;
+  }
+  if (n < 1 || n > EPD_CC_MAX_RANKS) {
+    snprintf(err, errlen, "num_ranks = %d out of range [1, %d]", n, EPD_CC_MAX_RANKS);
+    return EPD_ERR_INVALID;
+  }
+  for (int r = 0; r < n; r++) {
+    const int d = devices ? devices[r] : r;
+    if (d < 0 || d >= ndev) {
+      if (devices)
+        snprintf(err, errlen, "rank %d on GPU %d, but %d GPU(s) are visible (engine.devices takes 0..%d)", r, d,
+                 ndev, ndev - 1);
+      else
+        snprintf(err, errlen, "%d ranks but %d GPU(s) are visible: set engine.devices to share GPUs among "
+                 "ranks (e.g. engine.devices = %s for two ranks on GPU 0)", n, ndev, "0,0");
+      return EPD_ERR_INVALID;
+    }
+    const int k = epd_cc_ranks_on(n, devices, r);
+    if (k > EPD_CC_MAX_RANKS_PER_GPU) {
+      snprintf(err, errlen, "%d ranks on GPU %d: at most %d ranks may share a GPU", k, d, EPD_CC_MAX_RANKS_PER_GPU);
+      return EPD_ERR_INVALID;
+    }
+  }
+  if (epd_cc_share(n, devices) == 1) return EPD_OK;
+  const int v = epd_k_nccl_version();
+  if (v < 23000) {
+    snprintf(err, errlen, "ranks sharing a GPU need NCCL 2.30 or later (its multi-rank mode); the NCCL runtime "
+             "is %d.%d.%d: install a newer one (pip install nvidia-nccl-cu13) or give every rank its own GPU",
+             v / 10000, (v / 100) % 100, v % 100);
+    return EPD_ERR_UNSUPPORTED;
+  }
+  /* NCCL refuses two ranks of a communicator on one GPU unless asked; set before the first init. */
+  setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1);
+  return EPD_OK;
+}
+
 epd_result_t epd_cc_create(int n, const int *devices, epd_cc_t **out, char *err, size_t errlen) {
   return epd_cc_create_world(n, devices, 1, 0, NULL, 0, out, err, errlen);
 }
@@ -201,16 +268,7 @@ epd_result_t epd_cc_create_world(int n, const int *devices, uint32_t nodes, uint
   *out = NULL;
   epd_result_t res = epd_k_check_nccl_version(err, errlen);
   if (res != EPD_OK) return res;
-  int ndev = 0;
-  cudaError_t ce = cudaGetDeviceCount(&ndev);
-  if (ce != cudaSuccess) {
-    snprintf(err, errlen, "cudaGetDeviceCount: %s", cudaGetErrorString(ce));
-    return EPD_ERR_CUDA;
-  }
-  if (n < 1 || n > EPD_CC_MAX_RANKS || n > ndev) {
-    snprintf(err, errlen, "num_ranks = %d out of range (1..%d GPUs present)", n, ndev);
-    return EPD_ERR_INVALID;
-  }
+  if ((res = epd_cc_check_devices(n, devices, err, errlen)) != EPD_OK) return res;
   epd_cc_t *cc = calloc(1, sizeof(*cc));
   if (!cc) return EPD_ERR_NOMEM;
   cc->n = n;

@@ -4,8 +4,9 @@
  * For N local GPUs: a thread per GPU runs ncclCommInitRank (ranks numbered node-contiguously, so the
  * LSA team is the node), splits a node-local communicator (it carries the LSA device communicator, so a
  * multi-node world never blocks LSA), and registers symmetric windows (ncclMemAlloc +
- * ncclCommWindowRegister, same size and order on every rank). The NCCL runtime must be 2.28.x (the
- * device headers the kernels are built with); others are refused with a message.
+ * ncclCommWindowRegister, same size and order on every rank). The NCCL runtime must take the device
+ * API the kernels are built with (epd_k_check_nccl_version); others are refused with a message. Up to
+ * four ranks may share a GPU (NCCL 2.30+ multi-rank mode).
  * Only built with EPD_WITH_CUDA=1, but for epd_gin_line (plain C).
  */
 #ifndef EPD_CUDA_COMM_H
@@ -31,7 +32,21 @@ typedef struct epd_cc_win {
 
 #define EPD_CC_UNIQUE_ID_BYTES 128
 
-/* Create communicators for GPUs devices[0..n-1] (NULL: 0..n-1), rank i on devices[i]. */
+#define EPD_CC_MAX_RANKS_PER_GPU 4 /* NCCL's multi-rank mode: 8 ranks on one H200 hung in its init */
+
+/* Ranks that share a GPU: devices[r] = r % (visible GPUs) for n ranks; returns how many ranks the
+ * busiest GPU holds (1: a GPU per rank), or -1 when no GPU is visible. For tests and benchmarks. */
+int epd_cc_devices_for(int n, int *devices);
+/* How many of the n ranks are on the GPU of `rank` (devices NULL: rank r on GPU r). */
+int epd_cc_ranks_on(int n, const int *devices, int rank);
+/* The most ranks any one GPU holds (1: a GPU per rank). */
+int epd_cc_share(int n, const int *devices);
+/* Check a rank-to-GPU map (NULL: rank r on GPU r): every GPU visible, at most EPD_CC_MAX_RANKS_PER_GPU
+ * ranks on one, and where ranks share a GPU an NCCL of 2.30 or later (its multi-rank mode, which this
+ * turns on: NCCL_MULTI_RANK_GPU_ENABLE=1). EPD_OK, or the reason in err. */
+epd_result_t epd_cc_check_devices(int n, const int *devices, char *err, size_t errlen);
+/* Create communicators for GPUs devices[0..n-1] (NULL: 0..n-1), rank i on devices[i] (checked as
+ * epd_cc_check_devices does). */
 epd_result_t epd_cc_create(int n, const int *devices, epd_cc_t **out, char *err, size_t errlen);
 /* Scale-out: the same as one node of `nodes`: world ranks node*n + i over the id world_id (made by one
  * node with epd_cc_unique_id and handed to all); the node-local split keeps the LSA team to this node

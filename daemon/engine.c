@@ -449,9 +449,10 @@ epd_result_t epd_engine_create(const epd_engine_opts_t *opts, epd_engine_event_f
     return EPD_ERR_INVALID;
   }
   if (!strcmp(bname, "auto")) {
-    char why[128] = "";
+    char why[320] = "";
     const eng_backend_ops_t *cu = find_backend("cuda");
     ops = (EPD_WITH_CUDA && cu && cu->available && cu->available(why, sizeof why)) ? cu : &eng_host_ops;
+    if (ops == &eng_host_ops && why[0]) EPD_LOGI(EPD_SUB_ENGINE, "backend auto: host (cuda: %s)", why);
   } else if (!strcmp(bname, "host") || !strcmp(bname, "cuda")) {
     ops = find_backend(bname);
     if (!ops) {
@@ -1248,6 +1249,8 @@ epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out) {
     int r = (int)eng->o.node_rank * eng->o.num_ranks + li; /* world rank */
     s->rank = r;
     s->device = eng->ops->device(eng, r);
+    for (int lj = 0; lj < eng->o.num_ranks && s->device >= 0; lj++)
+      s->gpu_ranks += eng->ops->device(eng, (int)eng->o.node_rank * eng->o.num_ranks + lj) == s->device;
     s->has_uuid = eng->ops->device_uuid && eng->ops->device_uuid(eng, r, s->device_uuid);
     s->buffer_bytes = eng->ops->rank_bytes(eng, r);
     for (eng_client_t *c = eng->clients; c; c = c->next)

@@ -23,7 +23,8 @@ typedef struct epd_engine epd_engine_t;
 
 typedef struct epd_engine_opts {
   const char *backend;   /* "host", "cuda" or "auto" (cuda when GPUs and NCCL are usable) */
-  int num_ranks;         /* ranks of the node (host: threads; cuda: GPUs 0..n-1) */
+  int num_ranks;         /* ranks of the node (host: threads; cuda: GPUs, see devices) */
+  const int *devices;    /* cuda: the GPU of each local rank (num_ranks entries; ranks may share one); NULL: r */
   uint32_t max_experts;  /* limits a group's geometry may not exceed */
   uint32_t max_hidden;
   uint32_t max_topk;
@@ -179,6 +180,7 @@ typedef struct epd_rank_snap {
   uint8_t device_uuid[16];
   uint64_t buffer_bytes, ops, bytes_sent;
   uint32_t clients;
+  uint32_t gpu_ranks; /* local ranks on this rank's GPU (1: its own; more: they share it); 0: no GPU */
   uint64_t timeouts, errors;
   uint64_t wait_ns_by_peer[EPD_MAX_RANKS]; /* time this rank waited for each peer */
 } epd_rank_snap_t;

@@ -222,6 +222,7 @@ typedef struct cuda_be {
   uint64_t spin_ns;    /* rank threads spin without sleeping this long after activity ($EPD_CUDA_SPIN_NS) */
   uint32_t ll_blocks;  /* LL kernel blocks of every group ($EPD_CUDA_LL_BLOCKS; 0: the kernels' default) */
   uint32_t ht_sms;     /* HT data kernel blocks of every group (engine.ht_sms; 0: the kernels' default) */
+  int share;           /* the most ranks one GPU holds (1: a GPU per rank; up to 4 share one) */
   cuda_rank_t rank[EPD_MAX_RANKS];
   uint64_t next_run_seq;
   uint32_t ngrp;
@@ -1378,12 +1379,13 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
              e ? cudaGetErrorString(e) : "0 devices");
     return EPD_ERR_UNSUPPORTED;
   }
-  if (eng->o.num_ranks > ndev) {
-    snprintf(err, errlen, "backend cuda: num_ranks %d but only %d GPUs are visible", eng->o.num_ranks, ndev);
-    return EPD_ERR_INVALID;
-  }
   epd_result_t vrc = epd_k_check_nccl_version(err, errlen);
   if (vrc) return vrc;
+  char why[300];
+  if ((vrc = epd_cc_check_devices(eng->o.num_ranks, eng->o.devices, why, sizeof why))) {
+    snprintf(err, errlen, "backend cuda: %s", why);
+    return vrc;
+  }
   pthread_once(&cu_once, cu_load);
   if (!cu_loaded) {
     snprintf(err, errlen, "backend cuda: the CUDA driver lacks the cuMem entry points (driver too old?)");
@@ -1424,14 +1426,25 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
    * blocks, so a persistent group and a launched kernel fit together and the clients keep SMs. */
   if (!lb && be->mode == MODE_PERSISTENT) be->ll_blocks = EPD_CUDA_PERSIST_BLOCKS;
   be->ht_sms = eng->o.ht_sms;
+  /* Ranks that share a GPU share its SMs: the blocks of one rank's kernel wait for the other ranks'
+   * blocks, so every rank's kernels must be resident at once. Each rank gets its share (the same on
+   * every rank of the node: the LL kernels need equal grids). */
+  be->share = epd_cc_share(be->ndev, eng->o.devices);
+  if (be->share > 1) {
+    int nsm = 0;
+    cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, eng->o.devices[0]);
+    if (!lb) be->ll_blocks = (be->ll_blocks ? be->ll_blocks : EPD_K_LL_BLOCKS) / (uint32_t)be->share;
+    const uint32_t sms = be->ht_sms ? be->ht_sms : EPD_K_HT_BLOCKS;
+    if (nsm > 0 && sms * (uint32_t)be->share > (uint32_t)nsm) be->ht_sms = (uint32_t)nsm / (uint32_t)be->share;
+  }
   for (int r = 0; r < be->ndev; r++) {
-    be->rank[r].device = r;
+    be->rank[r].device = eng->o.devices ? eng->o.devices[r] : r;
     be->rank[r].rank = r;
     be->rank[r].eng = eng;
     /* A client finds its ordinal of this GPU by the UUID: a worker that sees only its own GPU
      * (CUDA_VISIBLE_DEVICES) numbers it 0, whatever the daemon's ordinal. */
     struct cudaDeviceProp prop;
-    if (cudaGetDeviceProperties(&prop, r) == cudaSuccess) {
+    if (cudaGetDeviceProperties(&prop, be->rank[r].device) == cudaSuccess) {
       memcpy(be->rank[r].uuid, prop.uuid.bytes, 16);
       be->rank[r].has_uuid = 1;
     } else {
@@ -1439,10 +1452,10 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
     }
   }
   uint64_t t0 = eng_now_ns();
-  epd_result_t rc = eng->o.nodes > 1 ? epd_cc_create_world(be->ndev, NULL, eng->o.nodes, eng->o.node_rank,
-                                                           eng->o.comm_id, (int)eng->o.rejoined, &be->cc, err,
-                                                           errlen)
-                                     : epd_cc_create(be->ndev, NULL, &be->cc, err, errlen);
+  epd_result_t rc = eng->o.nodes > 1 ? epd_cc_create_world(be->ndev, eng->o.devices, eng->o.nodes,
+                                                           eng->o.node_rank, eng->o.comm_id, (int)eng->o.rejoined,
+                                                           &be->cc, err, errlen)
+                                     : epd_cc_create(be->ndev, eng->o.devices, &be->cc, err, errlen);
   if (rc) {
     cuda_destroy(eng);
     return rc;
@@ -1460,8 +1473,10 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
       return rc;
     }
   }
-  EPD_LOGI(EPD_SUB_CUDA, "NCCL communicators of %d GPUs up in %.1f ms; MPS %s, mode %s, idle spin %llu ns, "
-           "LL blocks %u, HT SMs %u", be->ndev, (eng_now_ns() - t0) / 1e6, be->mps ? "on" : "off", cuda_mode(eng),
+  EPD_LOGI(EPD_SUB_CUDA, "NCCL communicators of %d ranks up in %.1f ms (%s); MPS %s, mode %s, idle spin %llu ns, "
+           "LL blocks %u, HT SMs %u", be->ndev, (eng_now_ns() - t0) / 1e6,
+           be->share > 1 ? "ranks share GPUs: NCCL multi-rank mode" : "a GPU per rank", be->mps ? "on" : "off",
+           cuda_mode(eng),
            (unsigned long long)be->spin_ns, be->ll_blocks ? be->ll_blocks : EPD_K_LL_BLOCKS,
            be->ht_sms ? be->ht_sms : EPD_K_HT_BLOCKS);
   for (int r = 0; r < be->ndev; r++) {
@@ -1564,17 +1579,26 @@ static epd_result_t arena_alloc(cuda_be_t *be, cuda_client_t *cc, uint64_t bytes
   int nacc = 0;
   acc[nacc].location = prop.location;
   acc[nacc++].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  int reach = 0; /* ranks whose GPU may access it (ranks sharing a GPU count each) */
   for (int d = 0; d < be->ndev; d++) {
-    int ok = 0;
-    if (be->rank[d].device == device || cudaDeviceCanAccessPeer(&ok, be->rank[d].device, device) || !ok) continue;
+    int ok = 0, seen = 0;
+    for (int i = 0; i < nacc; i++) seen |= acc[i].location.id == be->rank[d].device;
+    if (seen) {
+      reach++;
+      continue;
+    }
+    if (cudaDeviceCanAccessPeer(&ok, be->rank[d].device, device) || !ok) continue;
     acc[nacc].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     acc[nacc].location.id = be->rank[d].device;
     acc[nacc++].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    reach++;
   }
-  cc->peer_access = nacc == be->ndev;
+  cc->peer_access = reach == be->ndev;
   if (nacc > 1 && cu.cuMemSetAccess(cc->arena_dev, cc->arena_size, acc, (size_t)nacc)) {
     nacc = 1;
-    cc->peer_access = be->ndev == 1;
+    int here = 0;
+    for (int d = 0; d < be->ndev; d++) here += be->rank[d].device == device;
+    cc->peer_access = here == be->ndev;
   }
   if (nacc == 1 && (r = cu.cuMemSetAccess(cc->arena_dev, cc->arena_size, acc, 1)))
     return cu_err(r, "cuMemSetAccess", err, errlen);

@@ -376,6 +376,15 @@ int main(int argc, char **argv) {
       .max_groups = d.conf.max_groups, .max_clients_per_rank = d.conf.max_clients_per_rank,
       .max_arena_bytes = d.conf.max_arena_bytes, .step_timeout_ms = d.conf.step_timeout_ms};
   char eerr[1280] = "";
+  static int devices[EPD_CONF_MAX_LIST];
+  const int ndevices = epd_conf_parse_list(d.conf.devices, EPD_CONF_MAX_LIST - 1, devices, EPD_CONF_MAX_LIST,
+                                           eerr, sizeof eerr);
+  if (ndevices > 0 && ndevices != (int)d.conf.num_ranks) {
+    snprintf(err, sizeof err, "engine.devices names %d GPU(s) for engine.num_ranks = %u ranks: give one per rank",
+             ndevices, d.conf.num_ranks);
+    goto fail;
+  }
+  if (ndevices > 0) eo.devices = devices;
   /* Scale-out: rendezvous and data links before the engine, so that READY means the world is formed. */
   static uint8_t comm_id[EPD_CLUSTER_COMM_ID_BYTES];
   if (epd_cluster_init(&d.conf, cluster_comm_id_fn(), &cluster_net, comm_id, eerr, sizeof eerr) != 0) {

@@ -361,6 +361,7 @@ epd_result_t epd_metrics_status(const epd_engine_snap_t *snap, const epd_daemon_
     r->buffer_bytes = s->buffer_bytes;
     r->clients = s->clients;
     r->ops = s->ops;
+    r->gpu_ranks = s->gpu_ranks;
   }
   if (failed) {
     epd_metrics_status_free(st);

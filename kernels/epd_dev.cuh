@@ -146,6 +146,19 @@ static inline int resident_per_sm(Kernel kernel, int device, int threads, size_t
   return per;
 }
 
+/* Requirements of a device communicator with nothing asked for: NCCL 2.29+ versions the struct (size,
+ * magic and version first, from its initializer, whose default asks for GIN contexts: none here); 2.28
+ * has no initializer and takes a zeroed struct. */
+static inline void dev_comm_requirements_init(ncclDevCommRequirements_t *req) {
+#ifdef NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER
+  const ncclDevCommRequirements_t init = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
+  *req = init;
+  req->ginContextCount = 0;
+#else
+  memset(req, 0, sizeof *req);
+#endif
+}
+
 /* ncclDevCommCreate of a kernel context; EPD_ERR_NCCL (err says why) when it fails. */
 static inline epd_result_t dev_comm_create(ncclComm_t comm, const ncclDevCommRequirements_t *req,
                                            ncclDevComm_t *dev, char *err, size_t errlen) {

@@ -79,8 +79,11 @@ epd_result_t epd_k_map_pack(void *host_dst, uint32_t version, uint32_t num_exper
  * e%ceil(E/R)). */
 void epd_k_map_default(void *host_dst, uint32_t version, uint32_t num_experts, uint32_t num_ranks);
 
-/* Check the NCCL runtime is 2.28.x (the device headers we were built with); message in err if not. */
+/* Check the NCCL runtime takes the device API the kernels were built with (built with 2.28: 2.28.x;
+ * with 2.29 or later: that version or newer); EPD_ERR_UNSUPPORTED with the version to install if not. */
 epd_result_t epd_k_check_nccl_version(char *err, size_t errlen);
+/* The NCCL runtime's version code (ncclGetVersion: 23203 for 2.32.3), 0 if it cannot say. */
+int epd_k_nccl_version(void);
 
 typedef struct epd_k_ll epd_k_ll_t;
 

@@ -1717,7 +1717,7 @@ epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm
   }
   /* The device communicator only checks that the LSA team is what the geometry says. */
   ncclDevCommRequirements_t req;
-  memset(&req, 0, sizeof(req));
+  dev_comm_requirements_init(&req);
   if ((r = dev_comm_create(lsa_comm, &req, &k->dev, err, errlen))) {
     free(k);
     return r;

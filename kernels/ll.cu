@@ -1322,19 +1322,35 @@ void epd_k_map_default(void *host_dst, uint32_t version, uint32_t num_experts, u
   }
 }
 
-epd_result_t epd_k_check_nccl_version(char *err, size_t errlen) {
+/* The device API generation of a version code: 2.28 had unversioned structs; 2.29 and later version them,
+ * so a runtime at least as new as the headers takes what these kernels were built with. */
+static int nccl_dev_api_ok(int runtime, int built) {
+  if (built < NCCL_VERSION(2, 29, 0)) return runtime / 100 == built / 100;
+  return runtime >= NCCL_VERSION(2, 29, 0) && runtime / 100 >= built / 100;
+}
+
+int epd_k_nccl_version(void) {
   int v = 0;
-  if (ncclGetVersion(&v) != ncclSuccess)
-    return set_err(err, errlen, EPD_ERR_NCCL, "%s failed (%ld %ld)", "ncclGetVersion", 0, 0);
-  if (v / 100 != 228) {
-    if (err && errlen)
+  return ncclGetVersion(&v) == ncclSuccess ? v : 0;
+}
+
+epd_result_t epd_k_check_nccl_version(char *err, size_t errlen) {
+  const int v = epd_k_nccl_version();
+  if (!v) return set_err(err, errlen, EPD_ERR_NCCL, "%s failed (%ld %ld)", "ncclGetVersion", 0, 0);
+  if (nccl_dev_api_ok(v, NCCL_VERSION_CODE)) return EPD_OK;
+  if (err && errlen) {
+    if (NCCL_VERSION_CODE < NCCL_VERSION(2, 29, 0))
       snprintf(err, errlen,
-               "NCCL runtime %d.%d.%d is not supported: the epd kernels are built against the NCCL 2.28 "
-               "device API (header %d); install NCCL 2.28.x",
-               v / 10000, (v / 100) % 100, v % 100, NCCL_VERSION_CODE);
-    return EPD_ERR_UNSUPPORTED;
+               "NCCL runtime %d.%d.%d does not match the device API the epd kernels are built with (NCCL "
+               "2.28); install NCCL 2.28.x, or rebuild epd against NCCL 2.29 or later",
+               v / 10000, (v / 100) % 100, v % 100);
+    else
+      snprintf(err, errlen,
+               "NCCL runtime %d.%d.%d is older than the device API the epd kernels are built with (NCCL "
+               "%d.%d); install NCCL %d.%d or later (pip install nvidia-nccl-cu13, or NVIDIA's packages)",
+               v / 10000, (v / 100) % 100, v % 100, NCCL_MAJOR, NCCL_MINOR, NCCL_MAJOR, NCCL_MINOR);
   }
-  return EPD_OK;
+  return EPD_ERR_UNSUPPORTED;
 }
 
 epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm,
@@ -1356,7 +1372,7 @@ epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm
   k->lay = make_layout(&k->g, k->g.blocks);
   cudaGetDevice(&k->device);
   ncclDevCommRequirements_t req;
-  memset(&req, 0, sizeof(req));
+  dev_comm_requirements_init(&req);
   req.lsaBarrierCount = 1;
   if ((r = dev_comm_create(lsa_comm, &req, &k->dev, err, errlen))) {
     free(k);

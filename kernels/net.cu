@@ -128,7 +128,7 @@ extern "C" epd_result_t epd_k_net_put(const epd_k_net_put_t *puts, uint32_t n, v
 
 extern "C" epd_result_t epd_k_gin_probe(struct ncclComm *world, int *contexts, int *type, char *err, size_t errlen) {
   ncclDevCommRequirements_t req;
-  memset(&req, 0, sizeof req);
+  epd_dev::dev_comm_requirements_init(&req);
   req.ginContextCount = 1;
   ncclDevComm_t dev;
   *contexts = *type = 0;
@@ -146,7 +146,11 @@ extern "C" epd_result_t epd_k_gin_probe(struct ncclComm *world, int *contexts, i
     return EPD_ERR_NCCL;
   }
   *contexts = dev.ginContextCount;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
+  *type = dev.ginContextCount && dev.ginConnectionCount ? dev.ginNetDeviceTypes[0] : 0;
+#else
   *type = dev.ginContextCount ? dev.ginTypes[0] : 0;
+#endif
   ncclDevCommDestroy(world, &dev);
   return EPD_OK;
 }

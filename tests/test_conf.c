@@ -67,6 +67,10 @@ EPD_TEST(conf_bad_values) {
       {"engine.backend", "gpu", "engine.backend: 'gpu' is not one of auto/host/cuda"},
       {"log.level", "loud", "log.level: 'loud' is not one of error, warn, info, debug, trace"},
       {"log.subsystems", "rpc,bogus", "log.subsystems: 'rpc,bogus' is not a comma list"},
+      {"engine.devices", "0,x", "engine.devices: entry 2 'x' is not an integer in [0, 63]"},
+      {"engine.devices", "0,,1", "engine.devices: entry 2 '' is not an integer"},
+      {"engine.devices", "0,64", "engine.devices: entry 2 '64' is not an integer in [0, 63]"},
+      {"engine.devices", "-1", "engine.devices: entry 1 '-1' is not an integer"},
       {"foo.bar", "1", "unknown key 'foo.bar'"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -109,6 +113,14 @@ EPD_TEST(conf_good_values) {
   ASSERT_EQ(c.ht_sms, 132);
   ASSERT_OK(epd_conf_set(&c, "engine.backend", "host", err, sizeof err));
   ASSERT_STR_CONTAINS(c.backend, "host");
+  int dev[EPD_CONF_MAX_LIST];
+  ASSERT_OK(epd_conf_set(&c, "engine.devices", "0, 0,1 ,1", err, sizeof err));
+  ASSERT_EQ(epd_conf_parse_list(c.devices, 63, dev, EPD_CONF_MAX_LIST, err, sizeof err), 4);
+  ASSERT(dev[0] == 0 && dev[1] == 0 && dev[2] == 1 && dev[3] == 1);
+  ASSERT_OK(epd_conf_set(&c, "engine.devices", "", err, sizeof err));
+  ASSERT_EQ(epd_conf_parse_list(c.devices, 63, dev, EPD_CONF_MAX_LIST, err, sizeof err), 0);
+  ASSERT_EQ(epd_conf_parse_list("1,2,3", 63, dev, 2, err, sizeof err), -1); /* more entries than room */
+  ASSERT_STR_CONTAINS(err, "more than 2 entries");
   ASSERT_OK(epd_conf_set(&c, "daemon.control_socket", "\"/tmp/x y;z.sock\"", err, sizeof err));
   ASSERT_STR_CONTAINS(c.control_socket, "/tmp/x y;z.sock");
 }

@@ -44,6 +44,11 @@ out=$("$EPD" -c "$T/epd.conf" -o bogus.key=1 -f 2>&1); rc=$?
 printf '[engine]\nbackend = gpu\n' > "$T/bad2.conf"
 out=$("$EPD" -c "$T/bad2.conf" -f 2>&1); rc=$?
 [ $rc -eq 1 ] && echo "$out" | grep -q "engine.backend: 'gpu' is not one of auto/host/cuda at line 2" || fail "backend=gpu: rc $rc: $out"
+out=$("$EPD" -c "$T/epd.conf" -o engine.devices=0,0,0 -f 2>&1); rc=$?
+[ $rc -eq 1 ] && echo "$out" | grep -q "engine.devices names 3 GPU(s) for engine.num_ranks = 2 ranks" ||
+  fail "engine.devices of 3 for 2 ranks: rc $rc: $out"
+out=$("$EPD" -c "$T/epd.conf" -o engine.devices=0,a -f 2>&1); rc=$?
+[ $rc -eq 1 ] && echo "$out" | grep -q "engine.devices: entry 2 'a' is not an integer" || fail "engine.devices=0,a: rc $rc: $out"
 out=$("$EPD" -c "$T/missing.conf" -f 2>&1); rc=$?
 [ $rc -eq 1 ] && echo "$out" | grep -q "cannot open config file" || fail "missing file: rc $rc: $out"
 
