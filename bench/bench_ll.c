@@ -14,8 +14,11 @@
  *   (e) the byte floor at 450 GB/s per direction: the bytes the busiest GPU must send to (or receive
  *       from) all its peers together over NVLink.
  * Sweeps tokens 1..128. Writes JSON and a Markdown table (bench_ll.*, 4 ranks: bench_ll_r4.*) to the
- * directory of argv[1] (default "."). Exits 77 with fewer GPUs than ranks. EPD_BENCH_QUICK=1: (a) at the main
- * setting only, printed (A/B runs of kernel builds).
+ * directory of argv[1] (default "."). With fewer GPUs than ranks the ranks share them (rank r on GPU r %
+ * count, NCCL's multi-rank mode, each rank on its part of the blocks: ll_harness.h), said in one line and in
+ * the results: no NVLink then, the figures are not comparable with those of a GPU per rank. Exits 77
+ * without a GPU or with more than 4 ranks on one. EPD_BENCH_QUICK=1: (a) at the main setting only, printed
+ * (A/B runs of kernel builds).
  */
 #if EPD_WITH_CUDA
 #define _GNU_SOURCE
@@ -665,13 +668,18 @@ static void persist_dev_run(uint32_t T, uint32_t flags, uint32_t nsteps, FILE *o
 
 int main(int argc, char **argv) {
   const char *outdir = argc > 1 ? argv[1] : ".";
-  if (llh_gpus() < NR) {
-    fprintf(stderr, "bench_ll: needs %d GPUs, skipping\n", NR);
+  char why[160];
+  if (kh_unfit(NR, why, sizeof why)) {
+    fprintf(stderr, "bench_ll: %s, skipping\n", why);
     return 77;
   }
   epd_k_ll_geom_t g = {NR, 0, E_, H_, K_, M_, S_, 0};
   if (getenv("EPD_BENCH_BLOCKS")) g.blocks = (uint32_t)atoi(getenv("EPD_BENCH_BLOCKS"));
   if (llh_create(&H, NR, &g)) DIE("set-up: %s", H.kh.err);
+  const int share = H.kh.share, ngpu = kh_gpus() < NR ? kh_gpus() : NR;
+  if (share > 1)
+    printf("bench_ll: %d ranks share %d GPU(s), %d on one, %u blocks each: no NVLink between them, figures not "
+           "comparable with the records of a GPU per rank\n", NR, ngpu, share, epd_k_ll_geom(H.k[0])->blocks);
   void *img = malloc(epd_k_map_bytes(E_));
   epd_k_map_default(img, 1, E_, NR);
   if (llh_set_map(&H, img)) DIE("map");
@@ -764,7 +772,8 @@ int main(int argc, char **argv) {
   snprintf(path, sizeof path, "%s/bench_ll%s.json", outdir, NR == 2 ? "" : "_r" EPD_STR(NR));
   FILE *f = fopen(path, "w");
   if (!f) DIE("cannot write %s", path);
-  fprintf(f, "{\n  \"bench\": \"bench_ll\",\n  \"date\": \"%s\",\n  \"device\": \"%s\",\n  \"gpus\": %d,\n", date, prop.name, NR);
+  fprintf(f, "{\n  \"bench\": \"bench_ll\",\n  \"date\": \"%s\",\n  \"device\": \"%s\",\n  \"gpus\": %d,\n", date, prop.name, ngpu);
+  fprintf(f, "  \"ranks_per_gpu\": %d,\n", share);
   fprintf(f, "  \"nccl_version\": %d,\n  \"cuda_runtime\": %d,\n  \"cuda_driver\": %d,\n", nccl_v, rt_v, drv_v);
   fprintf(f, "  \"command\": \"%s\",\n", getenv("EPD_BENCH_CMD") ? getenv("EPD_BENCH_CMD") : argv[0]);
   fprintf(f, "  \"setting\": {\"ranks\": %d, \"tokens\": %d, \"hidden\": %d, \"topk\": %d, \"experts\": %d, \"blocks\": %u, \"iters\": %d, \"warmup\": %d},\n",
@@ -796,7 +805,10 @@ int main(int argc, char **argv) {
   snprintf(path, sizeof path, "%s/bench_ll%s.md", outdir, NR == 2 ? "" : "_r" EPD_STR(NR));
   f = fopen(path, "w");
   if (!f) DIE("cannot write %s", path);
-  fprintf(f, "# LL dispatch/combine, %d x %s\n\n", NR, prop.name);
+  if (share > 1)
+    fprintf(f, "# LL dispatch/combine, %d ranks on %d x %s (%d ranks share a GPU)\n\n", NR, ngpu, prop.name, share);
+  else
+    fprintf(f, "# LL dispatch/combine, %d x %s\n\n", NR, prop.name);
   fprintf(f, "%s; NCCL %d, CUDA runtime %d, driver API %d; command `%s`.\n", date, nccl_v, rt_v, drv_v,
           getenv("EPD_BENCH_CMD") ? getenv("EPD_BENCH_CMD") : argv[0]);
   fprintf(f, "Setting: %d ranks, %d tokens per rank, hidden %d, top-%d, %d experts, random routing "
@@ -804,6 +816,10 @@ int main(int argc, char **argv) {
              "iterations after %d warm-up, kernel times are the slower rank of each iteration (CUDA events,"
              " ranks released together by a gate kernel).\n\n",
           NR, M_, H_, K_, E_, remote_tok, epd_k_ll_geom(H.k[0])->blocks, EPD_K_LL_THREADS, ITERS, WARM);
+  if (share > 1)
+    fprintf(f, "Ranks share a GPU (%d on one, each on %u blocks): no NVLink between them, the byte floor (e) does "
+               "not apply and the figures are not comparable with the records of a GPU per rank.\n\n", share,
+            epd_k_ll_geom(H.k[0])->blocks);
   fprintf(f, "| what | µs (p50) | p10-p90 |\n| --- | --- | --- |\n");
 #define M3(name, s) fprintf(f, "| %s | %.2f | %.2f-%.2f |\n", name, s.p50, s.p10, s.p90)
   M3("(a) epd dispatch FP8, kernel", d8);

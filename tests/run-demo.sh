@@ -2,6 +2,10 @@
 # make run: start the daemon (host backend unless a CUDA backend with GPUs is available), attach one
 # worker per rank, run dispatch -> toy expert -> combine steps with random routing checked against the
 # reference, show `epdctl status`, and shut everything down cleanly.
+# With at least one GPU but fewer than the ranks, the ranks share the GPUs (engine.backend=cuda,
+# engine.devices: rank r on GPU r mod count). Where the CUDA backend cannot start (the daemon exits at
+# start-up saying why: an NCCL too old to share a GPU, ...), one line says why and the demo runs on the
+# host backend; not when EPD_DEMO_BACKEND=cuda asks for it.
 set -eu
 B=${B:-build}
 RANKS=${EPD_DEMO_RANKS:-2}
@@ -15,18 +19,60 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-echo "== starting epd (backend=$BACKEND, $RANKS ranks), socket $sock"
-"$B/bin/epd" -s "$sock" -o engine.backend="$BACKEND" -o engine.num_ranks="$RANKS" \
-  -o daemon.attach_socket="$dir/attach.sock" 2>"$dir/epd.log" &
-dpid=$!
-i=0
-until [ -S "$sock" ] && [ -S "$dir/attach.sock" ]; do
-  i=$((i + 1))
-  if [ $i -gt 100 ] || ! kill -0 "$dpid" 2>/dev/null; then
+# GPUs this process may use (its CUDA_VISIBLE_DEVICES if set, else nvidia-smi's); 0 without.
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  ngpu=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c . || true)
+else
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
+devices=
+if [ "$BACKEND" != host ] && [ "${ngpu:-0}" -ge 1 ] && [ "$ngpu" -lt "$RANKS" ]; then
+  r=0
+  while [ $r -lt "$RANKS" ]; do devices="$devices${devices:+,}$((r % ngpu))"; r=$((r + 1)); done
+  [ "$BACKEND" = auto ] && BACKEND=cuda
+fi
+
+# start_epd BACKEND [-o k=v ...]: the daemon in the background (pid in dpid); 0 once its sockets are up,
+# 1 if it exited at start-up (its log in $dir/epd.log).
+start_epd() {
+  be=$1
+  shift
+  rm -f "$sock" "$dir/attach.sock"
+  echo "== starting epd (backend=$be, $RANKS ranks${devices:+ on GPUs $devices}), socket $sock"
+  "$B/bin/epd" -s "$sock" -o engine.backend="$be" -o engine.num_ranks="$RANKS" \
+    -o daemon.attach_socket="$dir/attach.sock" "$@" 2>"$dir/epd.log" &
+  dpid=$!
+  i=0
+  until [ -S "$sock" ] && [ -S "$dir/attach.sock" ]; do
+    i=$((i + 1))
+    if ! kill -0 "$dpid" 2>/dev/null; then
+      wait "$dpid" 2>/dev/null || true
+      dpid=""
+      return 1
+    fi
+    if [ $i -gt 100 ]; then
+      echo "epd did not start:"; cat "$dir/epd.log"; exit 1
+    fi
+    sleep 0.1
+  done
+}
+
+if [ -n "$devices" ]; then
+  ok=0
+  start_epd "$BACKEND" -o engine.devices="$devices" || ok=$?
+else
+  ok=0
+  start_epd "$BACKEND" || ok=$?
+fi
+if [ $ok -ne 0 ]; then
+  if [ "$BACKEND" = host ] || [ "${EPD_DEMO_BACKEND:-auto}" != auto ]; then
     echo "epd did not start:"; cat "$dir/epd.log"; exit 1
   fi
-  sleep 0.1
-done
+  why=$(sed -n 's/.*start-up failed: //p' "$dir/epd.log" | tail -1)
+  echo "== the CUDA backend did not start (${why:-$(tail -1 "$dir/epd.log")}): running on the host backend"
+  devices=
+  start_epd host || { echo "epd did not start:"; cat "$dir/epd.log"; exit 1; }
+fi
 
 echo "== $RANKS workers, $STEPS LL steps each (random routing, -1 entries), then HT and FP8"
 start=$(date +%s%N)

@@ -376,7 +376,12 @@ int main(int argc, char **argv) {
   A = calloc(MAXI, sizeof *A);
   B = calloc(MAXI, sizeof *B);
   C = calloc(MAXI, sizeof *C);
-  CU(cudaSetDevice(rank));
+  /* The rank's GPU as the daemon places it: rank r on GPU r, or r % count where the ranks share fewer
+   * (bench/e2e/run_gpu.sh gives the daemon engine.devices so). */
+  int ndev = 0;
+  CU(cudaGetDeviceCount(&ndev));
+  const int dev = ndev > 0 ? rank % ndev : rank;
+  CU(cudaSetDevice(dev));
   CU(cudaFree(0)); /* the primary context is current: libepd maps the arena into it */
   CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   bar_open(group);
@@ -392,7 +397,7 @@ int main(int argc, char **argv) {
   ao.topk = K_;
   ao.max_tokens = M_;
   if (epd_attach(conn, &ao, &ep)) DIE("attach: %s", epd_conn_last_error(conn));
-  if (epd_info(ep, EPD_INFO_DEVICE) != rank) DIE("attached to device %lld, expected %d", (long long)epd_info(ep, EPD_INFO_DEVICE), rank);
+  if (epd_info(ep, EPD_INFO_DEVICE) != dev) DIE("attached to device %lld, expected %d", (long long)epd_info(ep, EPD_INFO_DEVICE), dev);
   fill_inputs();
   char path[512];
   snprintf(path, sizeof path, "%s.rank%d.json", prefix, rank);

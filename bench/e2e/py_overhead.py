@@ -44,8 +44,9 @@ def worker(rank, sock, group, iters, shm_name, prefix):
     import epd
     shm = shared_memory.SharedMemory(name=shm_name)
     bar = Barrier(shm, rank)
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
+    # the rank's GPU as the daemon places it: rank r on GPU r, or r % count where the ranks share fewer
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
     res = {"rank": rank, "iters": iters}
     with epd.connect(sock) as conn, conn.attach(group, rank=rank, num_experts=E, hidden=H, topk=K,
                                                 max_tokens=M) as ep:

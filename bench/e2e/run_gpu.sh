@@ -1,5 +1,5 @@
 #!/bin/bash
-# run_gpu.sh - one GPU-machine run of the end-to-end benchmarks (2 GPUs), packed into $OUT/e2e-results.tgz:
+# run_gpu.sh - one GPU-machine run of the end-to-end benchmarks (2 ranks), packed into $OUT/e2e-results.tgz:
 #   inproc/        epd-bench (bench_ll.c: kernel time, in-process end to end, NCCL baselines)
 #   nomps/         daemon backend=cuda without MPS, default poll loop: bench_e2e (C) + py_overhead (Python)
 #   nomps-spin/    (MOE=1) the same daemon with EPD_CUDA_SPIN_NS (rank threads never sleep while busy)
@@ -8,7 +8,11 @@
 # PERSIST=1: inproc/, inproc-p/ (epd-bench with EPD_BENCH_BLOCKS=$PBLOCKS, default 64: the persistent
 #   mode's blocks), then under MPS mps-launch/ (EPD_CUDA_MODE=launch, 128 blocks) and mps-persist/
 #   (EPD_CUDA_MODE=persistent, EPD_CUDA_LL_BLOCKS=$PBLOCKS) and mps-persist128/ (persistent, 128 blocks),
-#   all spinning, C only (PY=1: Python too).
+#   all spinning, C only (PY=1: Python too). Where the ranks share a GPU, these block counts are halved
+#   (the blocks of both ranks' persistent kernels must be resident at once).
+# With one GPU both ranks share it (the daemon gets engine.devices=0,0; the in-process benches do the
+# same on their own): one line says so, in env.txt too; no NVLink, figures not comparable with the
+# records of 2 GPUs.
 # Usage (repository root of the GPU machine): bash bench/e2e/run_gpu.sh BUNDLE_DIR   (OUT=... set)
 set -u
 D=${1:-dist/epd-0.1.0-linux-x86_64}
@@ -22,6 +26,12 @@ NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/l
 export LD_LIBRARY_PATH=$NCCL_LIB:$PWD/$D/lib
 export PYTHONPATH=$PWD/python EPD_LIBRARY=$PWD/$D/lib/libepd.so.1
 ITERS=${ITERS:-300}
+. tests/worker-lib.sh # visible_gpus, devices_list
+gpu_view
+DEVS=$(devices_list 2) # both ranks on one GPU where there is one: the daemon's engine.devices
+SHARED=
+[ -n "$DEVS" ] && SHARED="the 2 ranks share one GPU (engine.devices=$DEVS): no NVLink, figures not comparable with the records of 2 GPUs"
+[ -n "$SHARED" ] && echo "== $SHARED"
 rm -f /dev/shm/epd-bench-e2e-* 2>/dev/null
 {
   date -u +%FT%TZ
@@ -29,6 +39,7 @@ rm -f /dev/shm/epd-bench-e2e-* 2>/dev/null
   nvidia-smi topo -m 2>/dev/null | head -4
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1
   ls "$NCCL_LIB"
+  [ -n "$SHARED" ] && echo "$SHARED"
 } > "$OUT/env.txt" 2>&1
 
 DPID=
@@ -37,10 +48,11 @@ start_daemon() { # name [env assignments...]
   mkdir -p "$WORK/$n" "$OUT/$n"
   SOCK=$WORK/$n/control.sock
   env "$@" "$D/bin/epd" -s "$SOCK" -f -o engine.backend=cuda -o engine.num_ranks=2 -o engine.step_timeout_ms=5000 \
-    -o daemon.attach_socket="$WORK/$n/attach.sock" -o daemon.drain_timeout_ms=2000 2> "$OUT/$n/daemon.log" &
+    ${DEVS:+-o engine.devices=$DEVS} -o daemon.attach_socket="$WORK/$n/attach.sock" -o daemon.drain_timeout_ms=2000 \
+    2> "$OUT/$n/daemon.log" &
   DPID=$!
   for _ in $(seq 600); do [ -S "$WORK/$n/attach.sock" ] && break; sleep 0.05; done
-  [ -S "$WORK/$n/attach.sock" ] || echo "daemon $n did not start"
+  [ -S "$WORK/$n/attach.sock" ] || echo "daemon $n did not start: $(grep -v DEBUG "$OUT/$n/daemon.log" | tail -1)"
   grep -iE "mode|mps" "$OUT/$n/daemon.log" | head -3
 }
 stop_daemon() {
@@ -89,7 +101,10 @@ EPD_BENCH_CMD="epd-bench (bench/e2e/run_gpu.sh, same device call)" timeout 150 "
 echo "epd-bench rc $?"; tail -3 "$OUT/inproc/log.txt"
 
 if [ "${PERSIST:-0}" = 1 ]; then
-  PB=${PBLOCKS:-64}
+  SH=$(ranks_per_gpu 2)
+  [ "$SH" -ge 1 ] || SH=1
+  PB=${PBLOCKS:-$((64 / SH))}
+  FULL=$((128 / SH)) # "128 blocks": the default grid, the rank's part of it where ranks share a GPU
   echo "== in-process (epd-bench), $PB blocks"
   mkdir -p "$OUT/inproc-p"
   EPD_BENCH_BLOCKS=$PB EPD_BENCH_CMD="EPD_BENCH_BLOCKS=$PB epd-bench (bench/e2e/run_gpu.sh PERSIST=1)" timeout 150 \
@@ -99,7 +114,7 @@ if [ "${PERSIST:-0}" = 1 ]; then
   if start_mps; then
     # The in-process path under MPS too: the daemon's rows run under MPS, the in-process baseline above
     # does not; this separates MPS's own launch and synchronisation costs from the daemon's.
-    echo "== in-process (epd-bench) under MPS, 128 blocks"
+    echo "== in-process (epd-bench) under MPS, $FULL blocks"
     mkdir -p "$OUT/inproc-mps"
     EPD_BENCH_CMD="epd-bench under MPS (bench/e2e/run_gpu.sh PERSIST=1)" timeout 150 "$D/bin/epd-bench" \
       "$OUT/inproc-mps" > "$OUT/inproc-mps/log.txt" 2>&1
@@ -108,7 +123,7 @@ if [ "${PERSIST:-0}" = 1 ]; then
       case $m in
         launch) start_daemon mps-$m EPD_CUDA_MODE=launch EPD_CUDA_SPIN_NS=20000000 ;;
         persist) start_daemon mps-$m EPD_CUDA_MODE=persistent EPD_CUDA_SPIN_NS=20000000 EPD_CUDA_LL_BLOCKS=$PB ;;
-        persist128) start_daemon mps-$m EPD_CUDA_MODE=persistent EPD_CUDA_SPIN_NS=20000000 EPD_CUDA_LL_BLOCKS=128 ;;
+        persist128) start_daemon mps-$m EPD_CUDA_MODE=persistent EPD_CUDA_SPIN_NS=20000000 EPD_CUDA_LL_BLOCKS=$FULL ;;
       esac
       bench_c mps-$m "$ITERS"
       if [ "${PY:-0}" = 1 ]; then

@@ -16,6 +16,9 @@
  * the peer (one direction, both; 256 MiB and the op's bytes) and pulling from it, the same through the
  * bulk-copy engine (TMA) and through the copy engines (cudaMemcpyAsync, and SM + copy-engine pipelines:
  * ce_bench). --trace 1 prints rank 0's phase stamps (epd_k_ht_op_t.trace).
+ * With one GPU both ranks share it (NCCL's multi-rank mode; ht_harness.h): each rank's SMs are cut to half
+ * the GPU's where --blocks asks for more, and one line says so. No NVLink then: the figures (and the
+ * copy-kernel "ceiling" and target lines, copies within one GPU) are not comparable with 2-GPU records.
  *
  *   epd-bench-ht [--tokens 4096] [--hidden 7168] [--topk 8] [--experts 256] [--iters 20] [--blocks 24,48]
  *                [--modes reg,dense,dense-reg,tma,staging] [--trace 1] [--baselines 0]
@@ -381,9 +384,18 @@ int main(int argc, char **argv) {
     }
   }
   setvbuf(stdout, NULL, _IOLBF, 0); /* whole lines out even if a run is killed */
-  if (hth_gpus() < 2) {
-    printf("needs 2 GPUs\n");
+  char why[160];
+  if (kh_unfit(2, why, sizeof why)) {
+    printf("%s\n", why);
     return 77;
+  }
+  /* Both ranks on one GPU: the blocks of both ranks' kernels must be resident at once (they wait for each
+   * other), so each rank gets at most half the GPU's SMs. */
+  const int share = kh_share(2);
+  for (int i = 0; i < nb; i++) {
+    const uint32_t b = kh_ht_blocks(blist[i], share, 0);
+    if (b != blist[i]) printf("--blocks %u: %u (the ranks share a GPU, each gets its part of the SMs)\n", blist[i], b);
+    blist[i] = b;
   }
   int v = 0;
   ncclGetVersion(&v);
@@ -392,6 +404,8 @@ int main(int argc, char **argv) {
   cudaRuntimeGetVersion(&rt);
   printf("HT bench: 2 ranks, %u tokens/rank, hidden %u, top-%u, %u experts; NCCL %d, CUDA runtime %d, driver API %d\n",
          T, H, K, E, v, rt, drv);
+  if (share > 1)
+    printf("the 2 ranks share one GPU: no NVLink, figures not comparable with the records of a GPU per rank\n");
   CUCK(cudaHostAlloc((void **)&g_flag, 4, cudaHostAllocMapped | cudaHostAllocPortable));
   *g_flag = 0;
   CUCK(cudaHostGetDevicePointer((void **)&g_flag_dev, (void *)g_flag, 0));
@@ -559,7 +573,7 @@ int main(int argc, char **argv) {
       printf("%-14s        : %8.1f us  %6.1f GB/s per direction (same bytes as the BF16 dispatch)\n", "nccl_sendrecv", us, gbs);
       printf("JSON {\"op\":\"nccl_sendrecv\",\"tokens\":%u,\"hidden\":%u,\"us\":%.1f,\"algbw_gbs\":%.1f}\n", T, H, us, gbs);
       /* plain copy kernel into the peer GPU */
-      for (int r = 0; r < 2; r++) {
+      for (int r = 0; r < 2 && epd_cc_device(h.kh.cc, 0) != epd_cc_device(h.kh.cc, 1); r++) {
         cudaSetDevice(epd_cc_device(h.kh.cc, r));
         cudaDeviceEnablePeerAccess(epd_cc_device(h.kh.cc, 1 - r), 0);
         cudaGetLastError();
@@ -690,7 +704,10 @@ int main(int argc, char **argv) {
     }
     hth_destroy(&h);
   }
-  if (ceil_gbs > 0) {
+  if (ceil_gbs > 0 && share > 1) {
+    printf("target: not evaluated (the ranks share a GPU: the copy-kernel ceiling is a copy within it, the "
+           "target is about NVLink)\n");
+  } else if (ceil_gbs > 0) {
     printf("target: >= 95%% of the copy-kernel ceiling (best of 24/66/132 blocks, both directions at once: %.1f GB/s "
            "per direction; 95%% = %.1f) on at most 24 SMs\n", ceil_gbs, 0.95 * ceil_gbs);
     for (int dn = 0; dn < 2; dn++)

@@ -13,6 +13,10 @@
  * the EP buffers (a symmetric window of --window-mib, registered), through daemon/cuda_comm.c; and
  * cudaMemcpyPeer bandwidth for 64 MiB (the reference for the CUDA backend's migration).
  *
+ * With one GPU both ranks share it (engine devices 0,0: NCCL's multi-rank mode), said in one line and in the
+ * results: the migrations and cudaMemcpyPeer are then copies within that GPU (no NVLink), not comparable
+ * with the records of a GPU per rank.
+ *
  * Usage: epd-bench-map [OUTDIR] [--cuda] [--window-mib N]; writes OUTDIR/map-<backend...>.json and .md.
  */
 #define _GNU_SOURCE
@@ -37,6 +41,30 @@
 
 #include "cuda_comm.h"
 #endif
+
+#if EPD_WITH_CUDA
+/* The GPU of each of the 2 ranks: rank r on GPU r, or both on GPU 0 where there is one (gpu_map). */
+static int g_dev[2] = {0, 1};
+#endif
+
+/* Fill g_dev; the most ranks on one GPU (1: a GPU per rank), 0 without a GPU (or CUDA). */
+static int gpu_map(void) {
+#if EPD_WITH_CUDA
+  const int share = epd_cc_devices_for(2, g_dev);
+  return share < 0 ? 0 : share;
+#else
+  return 0;
+#endif
+}
+
+/* The engine's devices for backend (cuda: g_dev; host: none). */
+static const int *engine_devices(const char *backend) {
+#if EPD_WITH_CUDA
+  if (!strcmp(backend, "cuda")) return g_dev;
+#endif
+  (void)backend;
+  return NULL;
+}
 
 static double now_us(void) {
   struct timespec ts;
@@ -215,6 +243,7 @@ static sw_result_t run_switching(const char *backend, uint32_t T) {
   memset(&o, 0, sizeof o);
   o.backend = backend;
   o.num_ranks = 2;
+  o.devices = engine_devices(backend);
   o.slots_factor_pct = 200;
   o.max_arena_bytes = 8ull << 30;
   char err[256] = "";
@@ -284,6 +313,7 @@ static mig_result_t run_migration(const char *backend) {
   memset(&o, 0, sizeof o);
   o.backend = backend;
   o.num_ranks = 2;
+  o.devices = engine_devices(backend);
   o.slots_factor_pct = 400;
   o.max_arena_bytes = 8ull << 30;
   epd_engine_t *eng = NULL;
@@ -357,13 +387,13 @@ static gpu_result_t run_recreate(size_t window_mib) {
   gpu_result_t g;
   memset(&g, 0, sizeof g);
 #if EPD_WITH_CUDA
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) || ndev < 2) {
-    fprintf(stderr, "recreate: need 2 GPUs (have %d)\n", ndev);
+  if (gpu_map() < 1) {
+    fprintf(stderr, "recreate: needs a GPU\n");
     return g;
   }
+  const int d0 = g_dev[0], d1 = g_dev[1];
   struct cudaDeviceProp pr;
-  cudaGetDeviceProperties(&pr, 0);
+  cudaGetDeviceProperties(&pr, d0);
   snprintf(g.gpu, sizeof g.gpu, "%.120s", pr.name);
   int nv = 0;
   ncclGetVersion(&nv);
@@ -375,7 +405,7 @@ static gpu_result_t run_recreate(size_t window_mib) {
     epd_cc_t *cc = NULL;
     epd_cc_win_t w;
     double t0 = now_us();
-    if (epd_cc_create(2, NULL, &cc, err, sizeof err)) {
+    if (epd_cc_create(2, g_dev, &cc, err, sizeof err)) {
       fprintf(stderr, "epd_cc_create: %s\n", err);
       return g;
     }
@@ -393,29 +423,31 @@ static gpu_result_t run_recreate(size_t window_mib) {
   }
   g.create_ms = pct(cr, ROUNDS, 50), g.window_ms = pct(wi, ROUNDS, 50), g.teardown_ms = pct(td, ROUNDS, 50);
   g.total_ms = pct(tot, ROUNDS, 50);
-  /* cudaMemcpyPeer 64 MiB GPU0 -> GPU1: what a GPU migration could reach over NVLink. */
+  /* cudaMemcpyPeer 64 MiB rank 0's GPU -> rank 1's: what a GPU migration could reach over NVLink (a copy
+   * within the GPU where both ranks share one). */
   void *a = NULL, *b = NULL;
   size_t n = 64u << 20;
-  cudaSetDevice(0);
+  cudaSetDevice(d0);
   cudaMalloc(&a, n);
-  cudaDeviceEnablePeerAccess(1, 0);
-  cudaSetDevice(1);
+  if (d1 != d0) cudaDeviceEnablePeerAccess(d1, 0);
+  cudaSetDevice(d1);
   cudaMalloc(&b, n);
-  cudaDeviceEnablePeerAccess(0, 0);
-  cudaSetDevice(0);
-  cudaMemcpyPeer(b, 1, a, 0, n);
+  if (d1 != d0) cudaDeviceEnablePeerAccess(d0, 0);
+  cudaGetLastError(); /* peer access already enabled */
+  cudaSetDevice(d0);
+  cudaMemcpyPeer(b, d1, a, d0, n);
   cudaDeviceSynchronize();
   double best = 1e30;
   for (int i = 0; i < 10; i++) {
     double t0 = now_us();
-    cudaMemcpyPeer(b, 1, a, 0, n);
+    cudaMemcpyPeer(b, d1, a, d0, n);
     cudaDeviceSynchronize();
     double t = now_us() - t0;
     if (t < best) best = t;
   }
   g.peer_gbps = n / (best / 1e6) / 1e9;
   cudaFree(a);
-  cudaSetDevice(1);
+  cudaSetDevice(d1);
   cudaFree(b);
   g.ok = 1;
 #else
@@ -445,6 +477,10 @@ int main(int argc, char **argv) {
   memset(&cs, 0, sizeof cs);
   gpu_result_t gr;
   memset(&gr, 0, sizeof gr);
+  const int share = cuda ? gpu_map() : 0;
+  if (share > 1)
+    printf("the 2 ranks share one GPU: migrations and cudaMemcpyPeer are copies within it (no NVLink), figures not "
+           "comparable with the records of a GPU per rank\n");
   if (cuda) {
     gr = run_recreate(window_mib);
     if (gr.ok)
@@ -480,6 +516,7 @@ int main(int argc, char **argv) {
           "\"dispatch_switching_us\": {\"median\": %.2f, \"p99\": %.2f}, \"dispatch_normal_us\": {\"median\": %.2f, "
           "\"p99\": %.2f}, \"migration_64mib_ms\": %.3f, \"migration_gbps\": %.2f},\n", hs.switches, hs.lat_med,
           hs.lat_p99, hs.sw_med, hs.sw_p99, hs.norm_med, hs.norm_p99, mg.copy_ms_med, mg.gbps_med);
+  if (cuda) fprintf(f, "  \"ranks_per_gpu\": %d,\n", share);
   if (cuda)
     fprintf(f, "  \"gpu\": \"%s\", \"nccl\": \"%s\",\n  \"cuda\": {\"ok\": %d, \"switches\": %d, \"set_to_first_step_us\": "
             "{\"median\": %.2f, \"p99\": %.2f}, \"dispatch_switching_us\": {\"median\": %.2f, \"p99\": %.2f}, "
@@ -498,6 +535,9 @@ int main(int argc, char **argv) {
           u.nodename, EPD_VERSION, cmd);
   fprintf(f, "2 ranks, 32 experts, hidden 2048, topk 8, max_tokens 128, 200%% slots; ranks step LL dispatch + combine "
           "back to back, a new map (one expert moved) staged every %d steps; %d steps.\n\n", EVERY, NSTEPS);
+  if (share > 1)
+    fprintf(f, "The 2 ranks share one GPU (NCCL's multi-rank mode): the CUDA backend's migrations and cudaMemcpyPeer "
+               "below are copies within it, no NVLink; not comparable with the records of a GPU per rank.\n\n");
   fprintf(f, "| backend | switches | SetExpertMap -> first step on it (median / p99) | switching dispatch (median / "
           "p99) | normal dispatch (median / p99) |\n|---|---|---|---|---|\n");
   fprintf(f, "| host (64 tokens/rank) | %d | %.1f / %.1f us | %.1f / %.1f us | %.1f / %.1f us |\n", hs.switches, hs.lat_med,
@@ -513,11 +553,11 @@ int main(int argc, char **argv) {
             "the switch, the switch waits for them): 64 MiB (8 slots x 8 MiB) in %.3f ms = %.1f GB/s (median of 9, "
             "same method).\n", mc.copy_ms_med, mc.gbps_med);
   if (cuda && gr.ok)
-    fprintf(f, "\nWhat users pay today on %s x2 (NCCL %s): create the communicators %.1f ms + allocate and register a "
+    fprintf(f, "\nWhat users pay today on %s x%d (NCCL %s): create the communicators %.1f ms + allocate and register a "
             "%zu MiB symmetric window %.1f ms + tear both down %.1f ms = %.1f ms per re-initialisation (median of 3, "
             "daemon/cuda_comm.c). For comparison, cudaMemcpyPeer of 64 MiB GPU0 -> GPU1 (the NVLink copy "
-            "ceiling for the migration above): %.1f GB/s.\n", gr.gpu, gr.nccl, gr.create_ms, window_mib, gr.window_ms,
-            gr.teardown_ms, gr.total_ms, gr.peer_gbps);
+            "ceiling for the migration above): %.1f GB/s.\n", gr.gpu, share > 1 ? 1 : 2, gr.nccl, gr.create_ms,
+            window_mib, gr.window_ms, gr.teardown_ms, gr.total_ms, gr.peer_gbps);
   fclose(f);
   return hs.ok && mg.ok && (!cuda || mc.ok) ? 0 : 1;
 }

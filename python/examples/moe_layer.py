@@ -280,13 +280,15 @@ def worker_main(kind, spec, socket, rank, barrier, results, use_graph=False, vis
 
 # ---- driver -------------------------------------------------------------------------------------------
 
-def start_daemon(binary, backend, tmp):
+def start_daemon(binary, backend, tmp, opts=()):
+    """opts: extra KEY=VALUE daemon options (-o), e.g. engine.devices=0,0 for two ranks on one GPU."""
     conf = os.path.join(tmp, "epd.conf")
     open(conf, "w").close()
     sock = os.path.join(tmp, "control.sock")
     log = open(os.path.join(tmp, "epd.log"), "w")
+    extra = [a for o in opts for a in ("-o", o)]
     p = subprocess.Popen([binary, "-f", "-c", conf, "-s", sock, "-o", "engine.backend=" + backend,
-                          "-o", "engine.num_ranks=2"], stdout=log, stderr=subprocess.STDOUT)
+                          "-o", "engine.num_ranks=2"] + extra, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if p.poll() is not None:
@@ -301,9 +303,13 @@ def start_daemon(binary, backend, tmp):
 
 
 def visible_gpu(r):
-    """The CUDA_VISIBLE_DEVICES entry of this process's GPU r (the daemon started here sees the same)."""
+    """The CUDA_VISIBLE_DEVICES entry of this process's GPU r (the daemon started here sees the same); with
+    fewer entries than r + 1, entry r mod count (ranks sharing a GPU, as engine.devices=0,0 places them)."""
     vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return vis.split(",")[r].strip() if vis else str(r)
+    if not vis:
+        return str(r)
+    ents = vis.split(",")
+    return ents[r % len(ents)].strip()
 
 
 def main(argv=None):
@@ -311,6 +317,9 @@ def main(argv=None):
     ap.add_argument("--host", action="store_true", help="host backend with NumPy (no GPU)")
     ap.add_argument("--socket", default=None, help="control socket of a running daemon")
     ap.add_argument("--daemon", default=None, help="start this epd binary in a temp dir for the run")
+    ap.add_argument("--daemon-opt", action="append", default=[], metavar="KEY=VALUE",
+                    help="with --daemon: an extra daemon option (-o KEY=VALUE), e.g. engine.devices=0,0 "
+                    "for both ranks on one GPU; may be repeated")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=256)
@@ -322,7 +331,7 @@ def main(argv=None):
     ap.add_argument("--graph", action="store_true", help="torch: replay full-batch steps from CUDA graphs")
     ap.add_argument("--one-gpu", action="store_true",
                     help="torch: each worker sees only its rank's GPU (CUDA_VISIBLE_DEVICES = entry `rank` "
-                    "of the inherited list, else the rank)")
+                    "of the inherited list, mod its length, else the rank)")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args(argv)
     spec = Spec(a)
@@ -337,7 +346,7 @@ def main(argv=None):
         lib = os.path.join(os.path.dirname(os.path.abspath(a.daemon)), "..", "lib", "libepd.so")
         if "EPD_LIBRARY" not in os.environ and os.path.exists(lib):
             os.environ["EPD_LIBRARY"] = os.path.normpath(lib)  # the libepd of the same build
-        daemon, socket = start_daemon(a.daemon, "host" if a.host else "cuda", tmp)
+        daemon, socket = start_daemon(a.daemon, "host" if a.host else "cuda", tmp, a.daemon_opt)
     try:
         barrier = ctx.Barrier(spec.R)
         results = ctx.Queue()

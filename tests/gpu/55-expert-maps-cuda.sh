@@ -1,12 +1,14 @@
 #!/bin/bash
-# 55-expert-maps-cuda.sh - the daemon with engine.backend=cuda on 2 GPUs (redundant slots) and two
+# 55-expert-maps-cuda.sh - the daemon with engine.backend=cuda, 2 ranks (redundant slots), and two
 # epd-worker processes stepping while rank 0 stages a new random expert map every 3 steps through
 # SetExpertMap: every step is checked against the reference with the map version its completion carries,
 # read from libepd's mapped map table (BF16, then FP8 with skewed routing); then with expert-weights
 # regions (64 KiB per slot) and maps that move replicas with weight copies (GPU to GPU over NVLink at the
 # switch: every slot must hold its expert's weights word for word, and the toy expert of each slot runs
 # on the weights it holds); then the same with every dispatch and combine replayed from CUDA graphs
-# captured once (the graphs keep replaying across the switches).
+# captured once (the graphs keep replaying across the switches). On one GPU both ranks share it
+# (daemon-lib.sh): the weight copies between the ranks are then copies within that GPU (no NVLink), the
+# checks the same.
 # Usage (repository root, on the GPU machine): bash tests/gpu/55-expert-maps-cuda.sh [build-dir]
 set -u
 B=${1:-${EPD_BUILD:-build}}

@@ -1,11 +1,13 @@
 #!/bin/bash
-# 56-persistent-cuda.sh - the CUDA backend's persistent mode under CUDA MPS (EPD_CUDA_MODE=persistent) on
-# 2 GPUs, with epd-worker processes checking every step against the reference and its group step number:
+# 56-persistent-cuda.sh - the CUDA backend's persistent mode under CUDA MPS (EPD_CUDA_MODE=persistent) with
+# 2 ranks, with epd-worker processes checking every step against the reference and its group step number:
 # LL BF16 (skewed) and FP8 steps, two groups at once, a new expert map every 3 steps (each switch runs in
 # launch mode, then the kernels resume), an HT step every 4th step of an LL group (the kernels stop and
 # leave it to launch mode), and a worker killed mid-step (its peer fails at once with EPD_ERR_PEER, the
 # daemon recovers, a new client of the rank runs). Asserts the daemon reports "persistent" and that the
-# groups did run in persistent kernels, resumed after every fallback. Skips without 2 GPUs or MPS.
+# groups did run in persistent kernels, resumed after every fallback. Skips without a GPU or MPS. On one
+# GPU both ranks share it (daemon-lib.sh): the daemon's persistent kernels of both ranks (each on half
+# the blocks) and the workers' kernels run side by side under MPS, the checks the same.
 # Usage (repository root, on the GPU machine): bash tests/gpu/56-persistent-cuda.sh [build-dir]
 # (EPD_KEEP_LOG=FILE: copy the daemon's debug log there)
 set -u

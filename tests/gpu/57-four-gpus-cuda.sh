@@ -1,5 +1,5 @@
 #!/bin/bash
-# 57-four-gpus-cuda.sh - one daemon driving 4 GPUs (engine.num_ranks=4, one node), epd-worker processes
+# 57-four-gpus-cuda.sh - one daemon driving 4 ranks (engine.num_ranks=4, one node), epd-worker processes
 # checking every step against the reference: the LL and HT kernels with more than one peer. Launch mode:
 # LL BF16 skewed and FP8 uniform (H 7168, 256 experts, top-8, 128 tokens), HT FP8 skewed and BF16 (256
 # tokens), small LL steps with a new expert map every 3 steps (replicas), a worker killed mid-step (the
@@ -7,7 +7,8 @@
 # persistent mode (a second daemon, EPD_CUDA_MODE=persistent): LL FP8 and BF16 with a map every 4 steps,
 # CUDA graph replays through the device twin. Half the workers see only their own GPU
 # (CUDA_VISIBLE_DEVICES). Runs under CUDA MPS throughout (the first daemon forced to launch mode). Skips
-# without 4 GPUs or MPS.
+# without a GPU or MPS. A GPU per rank with 4; with fewer the ranks share them (daemon-lib.sh: rank r on
+# GPU r mod count; all four on one GPU, a quarter of its SMs each): no NVLink, the checks the same.
 # Usage (repository root, on the GPU machine): bash tests/gpu/57-four-gpus-cuda.sh [build-dir]
 set -u
 B=${1:-${EPD_BUILD:-build}}
@@ -15,7 +16,8 @@ DL_NGPU=4
 GPU_MPS=1
 . "$(dirname "$0")/daemon-lib.sh"
 
-# ranks NAME ARGS...: the group's four workers NAME0..NAME3 (rank r on GPU r; ranks 1 and 3 see only it).
+# ranks NAME ARGS...: the group's four workers NAME0..NAME3 (rank r on GPU r, or r mod count where they
+# share; ranks 1 and 3 see only it).
 ranks() {
   local n=$1 r; shift
   for r in 0 1 2 3; do

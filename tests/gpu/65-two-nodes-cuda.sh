@@ -16,7 +16,8 @@
 #   EPD_ERR_DRAINING at their next dispatch, node 0's at once (the per-group notice);
 #   then node 0's dispatch in a group node 1 does not have fails with EPD_ERR_DRAINING naming rank 1 at once;
 #   node 1 gone -> EPD_ERR_PEER naming rank 1 within 3 s.
-# Then (TWO_NODES_BASELINE=1, default) the same LL steps on ONE daemon driving both GPUs over NVLink.
+# Then (TWO_NODES_BASELINE=1, default) the same LL steps on ONE daemon driving both GPUs over NVLink (not
+# where the ranks share a GPU: two-nodes-lib.sh; with one GPU both nodes run on it, checks the same).
 # TWO_NODES_QUICK=1: the LL cases only; TWO_NODES_NCCL_ENV: extra NCCL variables for the daemons.
 # Usage (repository root, GPU machine): bash tests/gpu/65-two-nodes-cuda.sh [build-dir]; logs go to
 # $TWO_NODES_OUT if set. Set-up, daemons and workers: two-nodes-lib.sh.
@@ -272,9 +273,11 @@ save_logs
 
 if [ "${TWO_NODES_BASELINE:-1}" = 1 ]; then
   echo "== baseline: the same LL steps on one daemon driving both GPUs (NVLink, LSA kernels)"
+  [ "$SHARE" -gt 1 ] && echo "   (both ranks on one GPU: no NVLink, not a baseline for the figures above)"
   mkdir -p "$T/one"
+  # shellcheck disable=SC2046 # devices_opt: an option and its value, or nothing
   timeout 120 "$EPD" -s "$T/one/control.sock" -f -o daemon.attach_socket="$T/one/attach.sock" -o engine.backend=cuda \
-    -o engine.num_ranks=2 -o engine.step_timeout_ms=5000 2> "$T/one.log" &
+    -o engine.num_ranks=2 $(devices_opt 2) -o engine.step_timeout_ms=5000 2> "$T/one.log" &
   PO=$!
   PIDS+=($PO)
   wait_for 60 test -S "$T/one/attach.sock" || fail "single-node daemon did not come up"
@@ -289,5 +292,7 @@ if [ "${TWO_NODES_BASELINE:-1}" = 1 ]; then
   done
   expect_ok f0 f1
   kill -TERM "$PO"; wait "$PO"
+elif [ "$SHARE" -gt 1 ]; then
+  echo "== baseline (one daemon driving both GPUs over NVLink): not run, the ranks share a GPU (no NVLink to compare with)"
 fi
 echo "65-two-nodes-cuda: all checks passed"

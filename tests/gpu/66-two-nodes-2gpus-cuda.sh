@@ -1,5 +1,5 @@
 #!/bin/bash
-# 66-two-nodes-2gpus-cuda.sh - two nodes of TWO GPUs each simulated on one host (needs 4 GPUs): two daemons
+# 66-two-nodes-2gpus-cuda.sh - two nodes of TWO GPUs each simulated on one host (4 GPUs, or fewer shared): two daemons
 # with engine.backend=cuda and engine.num_ranks=2 (CUDA_VISIBLE_DEVICES 0,1 / 2,3), told they are different
 # hosts (NCCL_HOSTID node0 / node1, NCCL_SHM_DISABLE=1, NCCL_IB_DISABLE=1, sockets on lo), so the
 # inter-node stage runs over NCCL's network transport while each node's two GPUs share their LSA team
@@ -11,7 +11,9 @@
 # (256 tokens), small LL steps with a new expert map every 3 steps staged through node 0's daemon (both
 # nodes must log the same switches), the same with expert weights that move with the maps (copies between
 # the GPUs of a node and between nodes); status shows 4 world ranks and transport nccl-p2p; both daemons stop
-# cleanly. Skips without 4 GPUs.
+# cleanly. With fewer than 4 GPUs the ranks share them (two-nodes-lib.sh: rank r on GPU r mod count; on
+# one GPU each node's daemon gets it and engine.devices=0,0, its two ranks in NCCL's multi-rank mode):
+# no NVLink then, the copies "between the GPUs of a node" are copies within one; the checks the same.
 # Usage (repository root, GPU machine): bash tests/gpu/66-two-nodes-2gpus-cuda.sh [build-dir]; logs go to
 # $TWO_NODES_OUT if set. Set-up, daemons and workers: two-nodes-lib.sh.
 set -u

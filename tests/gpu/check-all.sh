@@ -2,7 +2,8 @@
 # check-all.sh - one GPU-machine call that checks a build end to end (every step under a timeout, so a hung
 # kernel costs minutes, not the session): the GPU tests (make gpu-test), the kernel tests under
 # compute-sanitizer (quick list), the HT benchmark with every baseline and the LL benchmark. Results in
-# $OUT (default /tmp/epd-check): one file per step, env.txt (GPUs, driver, NCCL, date, commit).
+# $OUT (default /tmp/epd-check): one file per step, env.txt (GPUs, driver, NCCL, date, commit). Runs on one
+# GPU (the ranks share it: NCCL 2.30 or later, NCCL_LIB) as on several.
 #   tests/gpu/check-all.sh DIR          DIR: a build directory, or a tree from deploy/dev-bundle.sh
 #   CHECK_STEPS="tests sanitize ht ll"  the steps to run (default: all four, in this order)
 #   CHECK_BUDGET_S=570                  seconds for all steps (a device call allows 600): a step's own
@@ -24,8 +25,14 @@ NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/l
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader 2>&1
   ls "$NCCL_LIB" 2>/dev/null
 } > "$OUT/env.txt"
-# one GPU: the multi-node simulations (65, 67) run with every node on it (two-nodes-lib.sh)
-[ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" = 1 ] && export TWO_NODES_SHARE_GPU=1
+# One GPU: every test's ranks share it (two ranks, four in 57 and 66; the multi-node simulations 65, 66, 67
+# with every node on it: two-nodes-lib.sh), and the benchmarks' two ranks too.
+NG=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+[ "$NG" = 1 ] && export TWO_NODES_SHARE_GPU=1
+# Blocks of the benchmarks' kernels where their two ranks share a GPU: every block of both ranks resident
+# at once (the LL kernel's default 128 is halved; the HT data kernels' 24 SMs each fit twice).
+LL_BLOCKS= HT_BLOCKS=24
+[ "$NG" = 1 ] && LL_BLOCKS=64
 pass=0 fail=0 skip=0
 BUDGET=${CHECK_BUDGET_S:-570}
 step() { # name timeout_s command...: run, keep the output, count (77, or rc 0 with no test run = skipped)
@@ -53,8 +60,10 @@ for s in ${CHECK_STEPS:-tests sanitize ht ll}; do
   case $s in
     tests) step gpu_tests 480 env EPD_BUILD="$D" EPD_SYSTEM_TESTS=tests/gpu "$D/bin/epd-gpu-tests" ;;
     sanitize) step sanitize 240 env SANITIZE_QUICK=1 SANITIZE_LOG="$OUT/sanitize-logs" bash tests/gpu/sanitize.sh "$D" ;;
-    ht) step bench_ht 240 "$D/bin/epd-bench-ht" --blocks 24 --modes reg,dense,dense-reg --iters 20 ;;
-    ll) mkdir -p "$OUT/bench_ll"; step bench_ll 240 env EPD_BENCH_CMD="tests/gpu/check-all.sh (epd-bench)" "$D/bin/epd-bench" "$OUT/bench_ll" ;;
+    ht) step bench_ht 240 "$D/bin/epd-bench-ht" --blocks "$HT_BLOCKS" --modes reg,dense,dense-reg --iters 20 ;;
+    ll) mkdir -p "$OUT/bench_ll"
+      step bench_ll 240 env ${LL_BLOCKS:+EPD_BENCH_BLOCKS=$LL_BLOCKS} EPD_BENCH_CMD="tests/gpu/check-all.sh (epd-bench)" \
+        "$D/bin/epd-bench" "$OUT/bench_ll" ;;
     *) echo "unknown step $s"; fail=$((fail + 1)) ;;
   esac
 done

@@ -1,9 +1,17 @@
 # daemon-lib.sh - sourced by the single-daemon GPU scripts (50-e2e-cuda.sh, 55-expert-maps-cuda.sh,
-# 56-persistent-cuda.sh, 57-four-gpus-cuda.sh): one daemon with engine.backend=cuda on NGPU GPUs,
-# epd-worker processes at it. Before sourcing: B (build directory). Optional: DL_NGPU (the daemon's GPUs,
+# 56-persistent-cuda.sh, 57-four-gpus-cuda.sh): one daemon with engine.backend=cuda and NGPU ranks,
+# epd-worker processes at it. Before sourcing: B (build directory). Optional: DL_NGPU (the daemon's ranks,
 # default 2), GPU_MPS=1 (start CUDA MPS for the script, pipe and log directories under its temporary
 # directory; skip if it does not start), EPD_KEEP_LOG=FILE (copy the daemon's log there on exit or
-# failure). Skips (exit 77) without the binaries or NGPU GPUs.
+# failure). Skips (exit 77) without the binaries or a GPU.
+# A GPU per rank where the view has enough (rank r on GPU r); with fewer, ranks share them (rank r on GPU
+# r mod count, up to 4 on one: SHARE, the most on one GPU; the daemon gets engine.devices from
+# devices_opt, a worker of rank r CUDA_VISIBLE_DEVICES=$(gpu_of r) as before). The daemon then splits each
+# GPU's SMs among its ranks (their kernels wait for each other, so all must be resident) and NCCL runs
+# in its multi-rank mode (2.30 or later). Kernels of different processes that wait for each other (the
+# daemon's persistent kernels and the workers' device-side submission) need CUDA MPS to run side by
+# side (the scripts of persistent mode set GPU_MPS=1); without MPS the processes' kernels are only
+# time-sliced: slower (a switch costs about 2 ms), results the same.
 EPD=$B/bin/epd
 CTL=$B/bin/epdctl
 WORKER=$B/bin/epd-worker
@@ -11,7 +19,14 @@ WORKER=$B/bin/epd-worker
 [ -x "$WORKER" ] || { echo "skip: $WORKER is not built"; exit 77; }
 NGPU=${DL_NGPU:-2}
 . "$(dirname "${BASH_SOURCE[0]}")/../worker-lib.sh"
-[ "$(visible_gpus)" -ge "$NGPU" ] || { echo "skip: needs $NGPU GPUs"; exit 77; }
+gpu_view
+[ "$(visible_gpus)" -ge 1 ] || { echo "skip: needs a GPU"; exit 77; }
+SHARE=$(ranks_per_gpu "$NGPU")
+[ "$SHARE" -le 4 ] || { echo "skip: $NGPU ranks on $(visible_gpus) GPU(s) would put $SHARE on one (at most 4)"; exit 77; }
+if [ "$SHARE" -gt 1 ]; then
+  echo "== $NGPU ranks share $(visible_gpus) GPU(s), up to $SHARE on one ($(devices_opt "$NGPU")): no NVLink between" \
+    "ranks of one GPU, each rank gets its part of the GPU's SMs; timings are not those of a GPU per rank"
+fi
 NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
 [ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
 T=$(mktemp -d)
@@ -37,12 +52,16 @@ fail() {
   exit 1
 }
 trap 'fail "killed (timeout?)"' TERM INT
-# start_daemon [-o k=v ...]: the daemon on NGPU GPUs with the attach socket in $T/run (its env from the caller).
+# start_daemon [-o k=v ...]: the daemon with NGPU ranks (sharing GPUs where the view has fewer: devices_opt)
+# and the attach socket in $T/run (its env from the caller).
 start_daemon() {
+  # shellcheck disable=SC2046 # devices_opt: an option and its value, or nothing
   "$EPD" -s "$SOCK" -f -o engine.backend=cuda -o engine.num_ranks="$NGPU" -o daemon.attach_socket="$T/run/attach.sock" \
-    "$@" 2> "$LOG" &
+    $(devices_opt "$NGPU") "$@" 2> "$LOG" &
   PID=$!
-  wait_for 30 test -S "$SOCK" || fail "no control socket"
+  # a daemon that cannot start (NCCL too old to share a GPU, ...) exits at once, saying why in its log
+  wait_for 30 sh -c "test -S '$SOCK' || ! kill -0 $PID" || fail "no control socket"
+  kill -0 "$PID" 2>/dev/null || { PID=; fail "the daemon exited at start: $(grep -v DEBUG "$LOG" | tail -1)"; }
   wait_for 5 test -S "$T/run/attach.sock" || fail "no attach socket"
 }
 # stop_daemon: SIGTERM, the daemon must exit within 10 s.

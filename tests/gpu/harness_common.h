@@ -1,8 +1,12 @@
 /*
  * harness_common.h - the part of the in-process kernel harnesses (ll_harness.h, ht_harness.h) that does
- * not depend on the kernel family: R GPUs of one process (daemon/cuda_comm), a staging window, one IO
- * arena per rank (plain device memory), the device expert map, completion records and a stream per
- * rank. The family's harness embeds a kh_t and adds its geometry and kernel contexts.
+ * not depend on the kernel family: R ranks of one process on the visible GPUs (daemon/cuda_comm), a
+ * staging window, one IO arena per rank (plain device memory), the device expert map, completion records
+ * and a stream per rank. The family's harness embeds a kh_t and adds its geometry and kernel contexts.
+ * Rank r is on GPU r, or on GPU r % n with fewer GPUs than ranks (epd_cc_devices_for): up to
+ * EPD_CC_MAX_RANKS_PER_GPU ranks then share a GPU (NCCL's multi-rank mode), each with its part of the
+ * GPU's blocks (kh_ll_blocks, kh_ht_blocks: the blocks of every rank's kernel must be resident at once,
+ * as they wait for each other).
  */
 #ifndef EPD_HARNESS_COMMON_H
 #define EPD_HARNESS_COMMON_H
@@ -17,6 +21,8 @@
 
 typedef struct kh {
   int R;
+  int dev[EPD_K_MAX_RANKS]; /* each rank's GPU */
+  int share;                /* the most ranks on one GPU (1: a GPU per rank) */
   epd_cc_t *cc;
   epd_cc_win_t win;
   char *arena[EPD_K_MAX_RANKS];
@@ -39,6 +45,49 @@ static inline int kh_gpus(void) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
   return n;
+}
+
+/* Why R ranks of one process cannot run on the visible GPUs (none, or more than EPD_CC_MAX_RANKS_PER_GPU
+ * on one), as a test's skip reason in why; NULL when they can. */
+static inline const char *kh_unfit(int R, char *why, size_t len) {
+  int dev[EPD_K_MAX_RANKS];
+  if (R < 1 || R > EPD_K_MAX_RANKS) {
+    snprintf(why, len, "%d ranks: out of range [1, %d]", R, EPD_K_MAX_RANKS);
+    return why;
+  }
+  const int share = epd_cc_devices_for(R, dev);
+  if (share < 0) snprintf(why, len, "needs a GPU (found none)");
+  else if (share > EPD_CC_MAX_RANKS_PER_GPU)
+    snprintf(why, len, "%d ranks on %d GPU(s): %d would share one (at most %d)", R, kh_gpus(), share,
+             EPD_CC_MAX_RANKS_PER_GPU);
+  else return NULL;
+  return why;
+}
+
+/* Ranks per GPU when R ranks of one process share the visible GPUs (0 without a GPU). */
+static inline int kh_share(int R) {
+  int dev[EPD_K_MAX_RANKS];
+  const int share = R >= 1 && R <= EPD_K_MAX_RANKS ? epd_cc_devices_for(R, dev) : 0;
+  return share < 0 ? 0 : share;
+}
+
+/* LL blocks per kernel (0: EPD_K_LL_BLOCKS) of each of `share` ranks on one GPU: at most
+ * EPD_K_LL_BLOCKS / share, as the daemon gives them, so that the persistent kernels' controller blocks fit
+ * too. Unchanged with a GPU per rank. */
+static inline uint32_t kh_ll_blocks(uint32_t blocks, int share) {
+  if (share <= 1) return blocks;
+  const uint32_t cap = EPD_K_LL_BLOCKS / (uint32_t)share, b = blocks ? blocks : EPD_K_LL_BLOCKS;
+  return b < cap ? b : cap;
+}
+
+/* HT data-kernel blocks (SMs; 0: EPD_K_HT_BLOCKS) of each of `share` ranks on GPU `device`: at most its
+ * SMs / share, as the daemon gives them. Unchanged with a GPU per rank. */
+static inline uint32_t kh_ht_blocks(uint32_t blocks, int share, int device) {
+  int nsm = 0;
+  if (share <= 1 || cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || nsm < 1)
+    return blocks;
+  const uint32_t cap = (uint32_t)nsm / (uint32_t)share, b = blocks ? blocks : EPD_K_HT_BLOCKS;
+  return b < cap ? b : cap;
 }
 
 /* Arena layout of every bank with the byte sizes sz[kind] (0: kind unused), 256-byte aligned. */
@@ -82,18 +131,25 @@ static inline int kh_create(kh_t *h, int R, uint32_t num_experts, size_t window_
                             size_t arena_bytes, kh_kctx_fn kctx, void *kctx_arg) {
   h->R = R;
   h->num_experts = num_experts;
-  epd_result_t r = epd_cc_create(R, NULL, &h->cc, h->err, sizeof h->err);
+  if (R < 1 || R > EPD_K_MAX_RANKS || (h->share = epd_cc_devices_for(R, h->dev)) < 0) {
+    snprintf(h->err, sizeof h->err, "%d ranks: no GPU visible", R);
+    return EPD_ERR_UNSUPPORTED;
+  }
+  epd_result_t r = epd_cc_create(R, h->dev, &h->cc, h->err, sizeof h->err);
   if (r) return r;
   r = epd_cc_window_alloc(h->cc, window_bytes, &h->win, h->err, sizeof h->err);
   if (r) return r;
   /* Peer access between every pair of GPUs: the HT kernels write to and read from the peers' arenas
-   * (plain cudaMalloc memory) as the daemon's kernels do with its clients' arenas. */
+   * (plain cudaMalloc memory) as the daemon's kernels do with its clients' arenas. Ranks on one GPU
+   * reach each other's arenas without it. */
   for (int i = 0; i < R; i++) {
-    cudaSetDevice(epd_cc_device(h->cc, i));
+    const int di = epd_cc_device(h->cc, i);
+    cudaSetDevice(di);
     for (int j = 0; j < R; j++) {
+      const int dj = epd_cc_device(h->cc, j);
       int ok = 0;
-      if (j == i || cudaDeviceCanAccessPeer(&ok, epd_cc_device(h->cc, i), epd_cc_device(h->cc, j)) || !ok) continue;
-      cudaError_t ce = cudaDeviceEnablePeerAccess(epd_cc_device(h->cc, j), 0);
+      if (dj == di || cudaDeviceCanAccessPeer(&ok, di, dj) || !ok) continue;
+      cudaError_t ce = cudaDeviceEnablePeerAccess(dj, 0);
       if (ce != cudaSuccess && ce != cudaErrorPeerAccessAlreadyEnabled) {
         snprintf(h->err, sizeof h->err, "cudaDeviceEnablePeerAccess(%d -> %d): %s", i, j, cudaGetErrorString(ce));
         return EPD_ERR_CUDA;

@@ -1,7 +1,8 @@
 /*
- * ht_harness.h - in-process HT set-up shared by the GPU tests and the HT benchmark: R GPUs of one process
- * (daemon/cuda_comm), an HT staging window, one IO arena per rank (plain device memory), the device
- * expert map, completion records and a stream per rank. Static functions: included by
+ * ht_harness.h - in-process HT set-up shared by the GPU tests and the HT benchmark: R ranks of one
+ * process on the visible GPUs (daemon/cuda_comm; harness_common.h: ranks may share a GPU), an HT staging
+ * window, one IO arena per rank (plain device memory), the device expert map, completion records and a
+ * stream per rank. Static functions: included by
  * tests/gpu/test_ht.c and bench/bench_ht.c.
  */
 #ifndef EPD_HT_HARNESS_H
@@ -21,7 +22,7 @@ typedef struct hth {
 
 #define HTH_GUARD_ROWS 4 /* poisoned rows after the C rows of each HT receive buffer */
 
-static int hth_gpus(void) {
+__attribute__((unused)) static int hth_gpus(void) {
   return kh_gpus();
 }
 
@@ -57,11 +58,13 @@ static void hth_kctx_free(int r, void *arg) {
   epd_k_ht_destroy(((hth_t *)arg)->k[r]);
 }
 
-/* Set up R ranks with geometry g (cc: reuse communicators, or NULL to create them). */
+/* Set up R ranks with geometry g (where ranks share a GPU, g.blocks is cut to their part of its SMs:
+ * kh_ht_blocks; h->g holds what the kernels run with); 0 or an error code with h->kh.err. */
 static int hth_create(hth_t *h, int R, const epd_k_ht_geom_t *g) {
   memset(h, 0, sizeof(*h));
   h->g = *g;
   h->g.num_ranks = (uint32_t)R;
+  h->g.blocks = kh_ht_blocks(h->g.blocks, kh_share(R), 0);
   epd_k_arena_t a;
   size_t arena_bytes = hth_layout(&h->g, &a);
   return kh_create(&h->kh, R, h->g.num_experts, epd_k_ht_window_bytes(&h->g), &a, arena_bytes, hth_kctx, h);

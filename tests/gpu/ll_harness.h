@@ -1,7 +1,8 @@
 /*
- * ll_harness.h - in-process LL set-up shared by the GPU tests and the benchmark: R GPUs of one process
- * (daemon/cuda_comm), an LL staging window, one IO arena per rank (plain device memory: the kernels
- * only touch the local arena), the device expert map, a completion record and a stream per rank.
+ * ll_harness.h - in-process LL set-up shared by the GPU tests and the benchmark: R ranks of one process
+ * on the visible GPUs (daemon/cuda_comm; harness_common.h: ranks may share a GPU), an LL staging window,
+ * one IO arena per rank (plain device memory: the kernels only touch the local arena), the device expert
+ * map, a completion record and a stream per rank.
  * Static functions: included by tests/gpu/test_ll.c and bench/bench_ll.c.
  */
 #ifndef EPD_LL_HARNESS_H
@@ -15,7 +16,7 @@ typedef struct llh {
   epd_k_ll_t *k[EPD_K_MAX_RANKS];
 } llh_t;
 
-static int llh_gpus(void) {
+__attribute__((unused)) static int llh_gpus(void) {
   return kh_gpus();
 }
 
@@ -49,11 +50,13 @@ static void llh_kctx_free(int r, void *arg) {
   epd_k_ll_destroy(((llh_t *)arg)->k[r]);
 }
 
-/* Set up R ranks with geometry g; 0 or an error code with h->err. */
+/* Set up R ranks with geometry g (where ranks share a GPU, g.blocks is cut to their part of it:
+ * kh_ll_blocks; h->g holds what the kernels run with); 0 or an error code with h->kh.err. */
 static int llh_create(llh_t *h, int R, const epd_k_ll_geom_t *g) {
   memset(h, 0, sizeof(*h));
   h->g = *g;
   h->g.num_ranks = (uint32_t)R;
+  h->g.blocks = kh_ll_blocks(h->g.blocks, kh_share(R));
   epd_k_arena_t a;
   size_t arena_bytes = llh_layout(&h->g, &a);
   return kh_create(&h->kh, R, h->g.num_experts, epd_k_ll_window_bytes(&h->g), &a, arena_bytes, llh_kctx, h);

@@ -5,8 +5,9 @@
 # HT kernels. Usage: tests/gpu/sanitize.sh [BUILD_DIR]; SANITIZE_QUICK=1 runs one test per tool, SANITIZE_PART=1|2
 # half of the full list (memcheck | special values under memcheck, racecheck and synccheck). Prints a
 # line per run and ends with "N passed, N failed, N skipped"; exit status 0 iff nothing failed. Skips without
-# compute-sanitizer or 2 GPUs. A run fails on any error the tool reports (NCCL's own API probes at init are
-# not reported: --report-api-errors no) or any failed test.
+# compute-sanitizer or a GPU. A run fails on any error the tool reports (NCCL's own API probes at init are
+# not reported: --report-api-errors no) or any failed test. On one GPU the tests' two ranks share it
+# (tests/gpu/harness_common.h: NCCL's multi-rank mode, half the blocks each).
 # Known and excluded: racecheck reports the opt-in TMA combine's shared-memory reads against its bulk copies,
 # which an mbarrier orders (bench/results/sanitizer_h200x2_s17.md); the racecheck list has no TMA steps.
 set -u
@@ -21,11 +22,13 @@ LOG=${SANITIZE_LOG:-$(mktemp -d)}
 mkdir -p "$LOG"
 pass=0 fail=0 skip=0
 [ -x "$T" ] || { echo "FAIL: $T is not built"; echo "0 passed, 1 failed, 0 skipped"; exit 1; }
-if [ -z "$CS" ] || [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ]; then
-  echo "skip: needs compute-sanitizer and 2 GPUs"
+NG=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ -z "$CS" ] || [ "$NG" -lt 1 ]; then
+  echo "skip: needs compute-sanitizer and a GPU"
   echo "0 passed, 0 failed, 1 skipped"
   exit 0
 fi
+[ "$NG" -lt 2 ] && echo "== one GPU: the tests' two ranks share it"
 run() { # tool timeout_s tests... (exact test names: the run must report one pass per name)
   local tool=$1 to=$2
   shift 2

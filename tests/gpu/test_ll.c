@@ -1,8 +1,9 @@
 /*
- * test_ll.c - LL dispatch/combine kernels on 2 GPUs in one process, against the host reference
+ * test_ll.c - LL dispatch/combine kernels of 2 ranks in one process, against the host reference
  * (daemon/ref.h): random inputs, poisoned outputs, -1 and duplicate entries, skewed and all-to-one
  * routing, redundant replicas, FP8, many steps, bad expert ids, too many tokens, a peer that never comes.
- * Skips (77) without 2 GPUs.
+ * A GPU per rank with two; with one both ranks share it (NCCL's multi-rank mode, half the blocks each:
+ * harness_common.h). Skips (77) without a GPU.
  */
 #if EPD_WITH_CUDA
 #include <math.h>
@@ -44,8 +45,10 @@ typedef struct ctx {
 
 static ctx_t C;
 
+/* Two ranks: a GPU each, or both on one (harness_common.h); skips only without a GPU. */
 static void need_gpus(void) {
-  if (llh_gpus() < 2) epd_test_skip("needs 2 GPUs (found %d)", llh_gpus());
+  char why[128];
+  if (kh_unfit(2, why, sizeof why)) epd_test_skip("%s", why);
 }
 
 static void setup(uint32_t E, uint32_t H, uint32_t K, uint32_t M, uint32_t S, int replicas) {

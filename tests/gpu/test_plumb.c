@@ -2,7 +2,8 @@
  * test_plumb.c - GPU plumbing under the CUDA backend, without the daemon: cuMem fd export/import across
  * processes, the host-registered queue driven by stream memory operations (plain, pipelined, captured in
  * a CUDA graph and replayed), and client kernels using epd_device.h. A host thread plays the daemon.
- * Every test skips without 2 GPUs; every wait is time-limited.
+ * The tests use GPUs 0 and 1 where there are two, else GPU 0 for both (gpu()); every test skips without a
+ * GPU; every wait is time-limited.
  */
 #if EPD_WITH_CUDA
 #define _GNU_SOURCE
@@ -57,10 +58,20 @@ static uint64_t now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static void need_gpus(int n) {
+static int ngpus(void) {
   int have = 0;
   if (cudaGetDeviceCount(&have) != cudaSuccess) have = 0;
-  if (have < n) epd_test_skip("needs %d GPUs, found %d", n, have);
+  return have;
+}
+
+static void need_gpu(void) {
+  if (ngpus() < 1) epd_test_skip("needs a GPU (found none)");
+}
+
+/* The GPU a test calls GPU i: i where there are that many, else i % (GPUs present). */
+static int gpu(int i) {
+  const int n = ngpus();
+  return n > 0 ? i % n : i;
 }
 
 /* Driver entry points through the runtime (as the daemon does). */
@@ -102,9 +113,9 @@ static int recv_fd(int sock, uint64_t *val) {
   return fd;
 }
 
-/* The parent exports a cuMem allocation of GPU 1 holding a pattern; a child that has not touched CUDA
- * before (CUDA is not fork-safe) imports it through libepd and reads the pattern back, then writes its
- * own, which the parent checks. */
+/* The parent exports a cuMem allocation of GPU 1 (GPU 0 where it is the only one) holding a pattern; a
+ * child that has not touched CUDA before (CUDA is not fork-safe) imports it through libepd and reads the
+ * pattern back, then writes its own, which the parent checks. */
 EPD_TEST_T(plumb_fd_export_fork, 60) {
   int sv[2];
   ASSERT_OK(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv));
@@ -118,7 +129,7 @@ EPD_TEST_T(plumb_fd_export_fork, 60) {
     char err[256] = "";
     epd_cuda_map_t *m = NULL;
     void *addr = NULL;
-    int rc = epd_cuda_import(fd, size, 1, &m, &addr, err, sizeof err);
+    int rc = epd_cuda_import(fd, size, gpu(1), &m, &addr, err, sizeof err);
     if (rc) {
       fprintf(stderr, "child: import: %s\n", err);
       _exit(2);
@@ -148,13 +159,13 @@ EPD_TEST_T(plumb_fd_export_fork, 60) {
     _exit(0);
   }
   close(sv[1]);
-  int have = 0;
-  if (cudaGetDeviceCount(&have) != cudaSuccess || have < 2) {
+  if (ngpus() < 1) {
     send_fd(sv[0], -1, 0);
     waitpid(pid, NULL, 0);
-    epd_test_skip("needs 2 GPUs, found %d", have);
+    epd_test_skip("needs a GPU (found none)");
   }
-  CK(cudaSetDevice(1));
+  const int dev = gpu(1);
+  CK(cudaSetDevice(dev));
   CK(cudaFree(0));
   CUresult (*pcuMemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
                            unsigned long long) = drv("cuMemCreate");
@@ -170,7 +181,7 @@ EPD_TEST_T(plumb_fd_export_fork, 60) {
   CUmemAllocationProp prop = {0};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = 1;
+  prop.location.id = dev;
   prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   size_t gran = 0;
   CKD(pcuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
@@ -287,12 +298,12 @@ static void submit(cudaStream_t s, const qpair_t *p, unsigned slot, uint64_t tag
 
 /* Stream memops round trip: host-synced each, then pipelined (many ops queued, one sync). */
 EPD_TEST_T(plumb_memops_roundtrip, 60) {
-  need_gpus(2);
-  CK(cudaSetDevice(0));
+  need_gpu();
+  CK(cudaSetDevice(gpu(0)));
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   qpair_t p;
-  qpair_open(&p, 0);
+  qpair_open(&p, gpu(0));
   const int N = 2000;
   fake_daemon_t f;
   fake_start(&f, p.daemon_view, 2 * N, 20);
@@ -315,12 +326,12 @@ EPD_TEST_T(plumb_memops_roundtrip, 60) {
 
 /* The same submission captured in a CUDA graph (one op per slot) and replayed 100 times. */
 EPD_TEST_T(plumb_graph_replay, 60) {
-  need_gpus(2);
-  CK(cudaSetDevice(1));
+  need_gpu();
+  CK(cudaSetDevice(gpu(1)));
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   qpair_t p;
-  qpair_open(&p, 1);
+  qpair_open(&p, gpu(1));
   const int R = 100;
   cudaGraph_t g;
   cudaGraphExec_t ge;
@@ -349,8 +360,8 @@ EPD_TEST_T(plumb_graph_replay, 60) {
 
 /* A client kernel submits and waits with epd_device.h (PTX loaded through the driver API). */
 EPD_TEST_T(plumb_device_submit_wait, 60) {
-  need_gpus(2);
-  CK(cudaSetDevice(0));
+  need_gpu();
+  CK(cudaSetDevice(gpu(0)));
   CK(cudaFree(0));
   CUresult (*pcuModuleLoadData)(CUmodule *, const void *) = drv("cuModuleLoadData");
   CUresult (*pcuModuleGetFunction)(CUfunction *, CUmodule, const char *) = drv("cuModuleGetFunction");
@@ -361,7 +372,7 @@ EPD_TEST_T(plumb_device_submit_wait, 60) {
   CKD(pcuModuleLoadData(&mod, plumb_dev_ptx));
   CKD(pcuModuleGetFunction(&fn, mod, "plumb_dev_ops"));
   qpair_t p;
-  qpair_open(&p, 0);
+  qpair_open(&p, gpu(0));
   const int N = 1000;
   int *status;
   unsigned long long *ns;

@@ -3,7 +3,8 @@
  * from the attach fd (libepd_cuda), map and register their queue, and submit from a CUDA stream per
  * rank with stream memory operations. LL dispatch/combine results must equal the reference (ref.c);
  * also a missing peer times out naming it, a lost client fails the step with EPD_ERR_PEER, and the
- * engine recovers. Skips without 2 GPUs.
+ * engine recovers. A GPU per rank with two; with one both ranks share it (engine devices 0,0: NCCL's
+ * multi-rank mode, the engine splits the GPU's blocks). Skips without a GPU.
  */
 #if EPD_WITH_CUDA
 #define _GNU_SOURCE
@@ -16,6 +17,7 @@
 #include <cuda_runtime_api.h>
 
 #include "../test.h"
+#include "cuda_comm.h"
 #include "engine.h"
 #include "libepd_cuda.h"
 #include "ref.h"
@@ -61,10 +63,14 @@ static uint64_t now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static void need_gpus(int n) {
-  int have = 0;
-  if (cudaGetDeviceCount(&have) != cudaSuccess) have = 0;
-  if (have < n) epd_test_skip("needs %d GPUs, found %d", n, have);
+/* The GPU of each rank: rank r on GPU r, or r % (GPUs present) where there are fewer than NR. */
+static int g_dev[NR];
+
+static void need_gpus(void) {
+  const int share = epd_cc_devices_for(NR, g_dev);
+  if (share < 0) epd_test_skip("needs a GPU (found none)");
+  if (share > EPD_CC_MAX_RANKS_PER_GPU)
+    epd_test_skip("%d ranks would share one GPU (at most %d)", share, EPD_CC_MAX_RANKS_PER_GPU);
 }
 
 int epd_engine_cuda_linked(void); /* engine_cuda.c: pulls the CUDA backend out of the static library */
@@ -75,6 +81,7 @@ static epd_engine_t *engine_up(uint32_t timeout_ms) {
   memset(&o, 0, sizeof o);
   o.backend = "cuda";
   o.num_ranks = NR;
+  o.devices = g_dev; /* need_gpus filled it */
   o.max_experts = 512;
   o.max_hidden = 8192;
   o.max_topk = 16;
@@ -109,7 +116,7 @@ static void attach(epd_engine_t *eng, const char *group, int rank, uint32_t E, u
   epd_result_t rc = epd_engine_attach(eng, &req, &c->info, err, sizeof err);
   if (rc) epd_test_fail(__FILE__, __LINE__, "attach rank %d: %d %s", rank, rc, err);
   ASSERT(c->info.on_gpu);
-  ASSERT_EQ(c->info.device, rank);
+  ASSERT_EQ(c->info.device, g_dev[rank]);
   CK(cudaSetDevice(c->info.device));
   CK(cudaStreamCreateWithFlags(&c->s, cudaStreamNonBlocking));
   /* As libepd does: our own mappings of the fds. */
@@ -258,7 +265,7 @@ static void run_ll(epd_engine_t *eng, const char *group, const geom_t *g, int st
       out[r].recv_count = rcount[r];
       out[r].recv_src = rsrc[r];
       outp[r] = &out[r];
-      CK(cudaSetDevice(r));
+      CK(cudaSetDevice(c[r].info.device));
       CK(cudaMemcpy(buf(&c[r], EPD_BUF_X, bank, NULL), d.x[r], xs * 2, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(buf(&c[r], EPD_BUF_TOPK_IDX, bank, NULL), d.idx[r], ks * 8, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(buf(&c[r], EPD_BUF_TOPK_WEIGHTS, bank, NULL), d.w[r], ks * 4, cudaMemcpyHostToDevice));
@@ -283,7 +290,7 @@ static void run_ll(epd_engine_t *eng, const char *group, const geom_t *g, int st
     }
     disp_us += (now_ns() - t0) / 1e3;
     for (int r = 0; r < NR; r++) {
-      CK(cudaSetDevice(r));
+      CK(cudaSetDevice(c[r].info.device));
       CK(cudaMemcpy(gcount, buf(&c[r], EPD_BUF_LL_RECV_COUNT, bank, NULL), S * 4, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(gsrc, buf(&c[r], EPD_BUF_LL_RECV_SRC, bank, NULL), rows * 4, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(gx, buf(&c[r], EPD_BUF_LL_RECV_X, bank, NULL), rows * g->H * 2, cudaMemcpyDeviceToHost));
@@ -314,7 +321,7 @@ static void run_ll(epd_engine_t *eng, const char *group, const geom_t *g, int st
           uint16_t *row = ry[r] + ((size_t)s * NR * g->M + (size_t)j) * g->H;
           for (uint32_t h = 0; h < g->H; h++) row[h] = epd_f32_to_bf16(frand());
         }
-      CK(cudaSetDevice(r));
+      CK(cudaSetDevice(c[r].info.device));
       CK(cudaMemcpy(buf(&c[r], EPD_BUF_LL_Y, bank, NULL), ry[r], rows * g->H * 2, cudaMemcpyHostToDevice));
     }
     const uint16_t *yc[NR] = {ry[0], ry[1]};
@@ -329,7 +336,7 @@ static void run_ll(epd_engine_t *eng, const char *group, const geom_t *g, int st
     }
     comb_us += (now_ns() - t0) / 1e3;
     for (int r = 0; r < NR; r++) {
-      CK(cudaSetDevice(r));
+      CK(cudaSetDevice(c[r].info.device));
       CK(cudaMemcpy(gout, buf(&c[r], EPD_BUF_OUT, bank, NULL), xs * 2, cudaMemcpyDeviceToHost));
       for (uint32_t t = 0; t < d.T[r]; t++)
         for (uint32_t h = 0; h < g->H; h++) {
@@ -348,7 +355,7 @@ static void run_ll(epd_engine_t *eng, const char *group, const geom_t *g, int st
 }
 
 EPD_TEST_T(plumb_engine_ll_equal_ref, 300) {
-  need_gpus(NR);
+  need_gpus();
   epd_engine_t *eng = engine_up(10000);
   geom_t small = {16, 256, 4, 32, 0};
   run_ll(eng, "small", &small, 20, 0, 0);
@@ -364,14 +371,14 @@ EPD_TEST_T(plumb_engine_ll_equal_ref, 300) {
 /* Only rank 0 submits: it gets EPD_ERR_TIMEOUT naming rank 1; a lost client gives EPD_ERR_PEER; then
  * the engine runs steps again. */
 EPD_TEST_T(plumb_engine_timeout_and_peer_lost, 120) {
-  need_gpus(NR);
+  need_gpus();
   epd_engine_t *eng = engine_up(300);
   geom_t g = {16, 256, 4, 32, 0};
   gclient_t c[NR];
   for (int r = 0; r < NR; r++) attach(eng, "t", r, g.E, g.H, g.K, g.M, &c[r]);
-  CK(cudaSetDevice(0));
+  CK(cudaSetDevice(c[0].info.device));
   CK(cudaMemset(buf(&c[0], EPD_BUF_TOPK_IDX, 0, NULL), 0xff, (size_t)g.M * g.K * 8)); /* all -1 */
-  CK(cudaSetDevice(1));
+  CK(cudaSetDevice(c[1].info.device));
   CK(cudaMemset(buf(&c[1], EPD_BUF_TOPK_IDX, 0, NULL), 0xff, (size_t)g.M * g.K * 8));
   uint64_t t0 = now_ns();
   submit(&c[0], EPD_OP_LL_DISPATCH, 0, 4, 0, 1);
@@ -391,7 +398,7 @@ EPD_TEST_T(plumb_engine_timeout_and_peer_lost, 120) {
   ASSERT_EQ(comp.peer, 1);
   /* A new client on rank 1: steps run again. */
   attach(eng, "t", 1, 0, 0, 0, 0, &c[1]);
-  CK(cudaSetDevice(1));
+  CK(cudaSetDevice(c[1].info.device));
   CK(cudaMemset(buf(&c[1], EPD_BUF_TOPK_IDX, 0, NULL), 0xff, (size_t)g.M * g.K * 8));
   for (int r = 0; r < NR; r++) submit(&c[r], EPD_OP_LL_DISPATCH, 0, 4, 0, 4);
   for (int r = 0; r < NR; r++) ASSERT_EQ(finish(&c[r], 10).status, 0);
@@ -403,13 +410,13 @@ EPD_TEST_T(plumb_engine_timeout_and_peer_lost, 120) {
  * must fail with EPD_ERR_STATE, not run on the bank's older dispatch. While draining, the combine of a
  * dispatch that ran still runs. */
 EPD_TEST_T(plumb_engine_refused_dispatch_and_drain, 120) {
-  need_gpus(NR);
+  need_gpus();
   epd_engine_t *eng = engine_up(2000);
   geom_t g = {16, 256, 4, 32, 0};
   gclient_t c[NR];
   for (int r = 0; r < NR; r++) {
     attach(eng, "rd", r, g.E, g.H, g.K, g.M, &c[r]);
-    CK(cudaSetDevice(r));
+    CK(cudaSetDevice(c[r].info.device));
     for (uint32_t b = 0; b < EPD_NUM_BANKS; b++)
       CK(cudaMemset(buf(&c[r], EPD_BUF_TOPK_IDX, b, NULL), 0xff, (size_t)g.M * g.K * 8)); /* all -1 */
   }

@@ -2,14 +2,18 @@
 # 66-two-nodes-2gpus-cuda.sh: two, 67-three-nodes-cuda.sh: three nodes of one): NODES (default 2) daemons
 # with engine.backend=cuda on one host, told they are
 # different hosts (NCCL_HOSTID node0 / node1 / ..., NCCL_SHM_DISABLE=1, NCCL_IB_DISABLE=1, sockets on lo), so the
-# inter-node stage runs over NCCL's network transport. Node n owns GPUs n*GPN .. n*GPN+GPN-1 (through an
-# inherited CUDA_VISIBLE_DEVICES: gpu_of); with one GPU per node NCCL_P2P_DISABLE=1 too (with two, the
-# node's GPUs need P2P for their LSA team; the different host ids keep the nodes apart). Before sourcing:
-# B (build directory), GPN (GPUs per node), optionally NODES. Skips (exit 77) without the binaries or
-# NODES x GPN GPUs. One GPU may stand for several: CUDA_VISIBLE_DEVICES=0,0 (or TWO_NODES_SHARE_GPU=1, below)
-# gives both nodes GPU 0 (their
-# processes then share it, time-sliced without MPS: steps take milliseconds, results must still be exact;
-# the two nodes' NCCL ranks pass NCCL's duplicate-GPU check because their host ids differ). Logs go
+# inter-node stage runs over NCCL's network transport. World rank r (node r / GPN) is on GPU r of the
+# script's view (through an inherited CUDA_VISIBLE_DEVICES: gpu_of); with one rank per node
+# NCCL_P2P_DISABLE=1 too (with two, the node's ranks need P2P for their LSA team, also where they share a
+# GPU; the different host ids keep the nodes apart). Before sourcing: B (build directory), GPN (ranks
+# per node), optionally NODES. Skips (exit 77) without the binaries or a GPU.
+# With fewer GPUs than NODES x GPN ranks they share them (TWO_NODES_SHARE_GPU, default 1; 0: skip
+# instead): rank r on GPU r mod count (gpu_of wraps), at most 4 ranks on one GPU. Each daemon sees the
+# GPUs of its ranks (CUDA_VISIBLE_DEVICES) and, where its own ranks share one, gets engine.devices (66 on
+# one GPU: CUDA_VISIBLE_DEVICES=G and engine.devices=0,0 for each node; NCCL's multi-rank mode inside a
+# node). Processes of different nodes on one GPU are time-sliced without MPS (steps take milliseconds,
+# results must still be exact); the nodes' NCCL ranks pass NCCL's duplicate-GPU check because their host
+# ids differ. No NVLink then: 65's single-daemon baseline is left out (TWO_NODES_BASELINE=0). Logs go
 # to $TWO_NODES_OUT if set; TWO_NODES_NCCL_ENV: extra NCCL variables for the daemons; TWO_NODES_DAEMON_OPTS:
 # extra daemon options (the scripts set engine.slots_factor_pct=200: free slots for weight migrations).
 EPD=$B/bin/epd
@@ -19,16 +23,17 @@ for x in "$EPD" "$WORKER" "$EPDCTL"; do [ -x "$x" ] || { echo "skip: $x is not b
 . "$(dirname "${BASH_SOURCE[0]}")/../worker-lib.sh"
 NODES=${NODES:-2}
 WR=$((NODES * GPN)) # world ranks
-# TWO_NODES_SHARE_GPU=1 with too few GPUs and one GPU per node: every node on the first GPU (as
-# CUDA_VISIBLE_DEVICES=0,0[,0] would; check-all.sh sets it on a one-GPU machine); no NVLink baseline then
-if [ "${TWO_NODES_SHARE_GPU:-0}" = 1 ] && [ "$GPN" = 1 ] && [ "$(visible_gpus)" -ge 1 ] && [ "$(visible_gpus)" -lt $WR ]; then
-  g0=$(gpu_of 0)
-  CUDA_VISIBLE_DEVICES=$g0
-  for _ in $(seq 2 $WR); do CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES,$g0"; done
-  export CUDA_VISIBLE_DEVICES TWO_NODES_BASELINE=0
-  echo "== one GPU stands for all $NODES nodes (TWO_NODES_SHARE_GPU=1): CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
+gpu_view
+[ "$(visible_gpus)" -ge 1 ] || { echo "skip: needs a GPU"; exit 77; }
+SHARE=$(ranks_per_gpu $WR)
+if [ "$SHARE" -gt 1 ]; then
+  [ "${TWO_NODES_SHARE_GPU:-1}" = 1 ] ||
+    { echo "skip: needs $WR GPUs ($NODES nodes of $GPN; TWO_NODES_SHARE_GPU=0: ranks may not share GPUs)"; exit 77; }
+  [ "$SHARE" -le 4 ] || { echo "skip: $WR ranks on $(visible_gpus) GPU(s) would put $SHARE on one (at most 4)"; exit 77; }
+  export TWO_NODES_BASELINE=0
+  echo "== $WR ranks ($NODES nodes of $GPN) share $(visible_gpus) GPU(s), up to $SHARE on one (rank r on GPU r mod" \
+    "$(visible_gpus)): no NVLink; the nodes' processes time-sliced on a shared GPU"
 fi
-[ "$(visible_gpus)" -ge $WR ] || { echo "skip: needs $WR GPUs ($NODES nodes of $GPN; TWO_NODES_SHARE_GPU=1: one GPU for all)"; exit 77; }
 NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/lib}
 [ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
 T=$(mktemp -d)
@@ -41,25 +46,36 @@ fail() {
   for f in "$T"/*.log; do [ -f "$f" ] && grep -v ' NCCL INFO ' "$f" | sed "s/^/  $(basename "$f")| /" | tail -12; done
   for f in "$T"/*.out; do [ -f "$f" ] && ! grep -q "steps ok" "$f" && sed "s/^/  $(basename "$f"): /" "$f" | tail -4; done
   save_logs
-  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  kill_nodes
   exit 1
 }
-cleanup() { save_logs; for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done; }
+# PIDS are the timeout(1) processes of the daemons (node): SIGKILL does not reach through timeout, so the
+# daemons, their children, are killed first.
+kill_nodes() { for p in "${PIDS[@]}"; do pkill -KILL -P "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null; done; }
+cleanup() { save_logs; kill_nodes; }
 trap cleanup EXIT
 trap 'exit 143' TERM INT
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 
-# node N: the daemon of node N on its GPN GPUs (its local ranks 0 .. GPN-1); its pid in P_N.
+# node N: the daemon of node N with its GPN ranks (local ranks 0 .. GPN-1, world ranks N*GPN ..) on their
+# GPUs: CUDA_VISIBLE_DEVICES the distinct GPUs of its ranks, engine.devices each rank's ordinal among them
+# where two of its ranks share one; its pid in P_N.
 node() {
-  local n=$1 where="-o cluster.coordinator=127.0.0.1:$PORT" devs=$(gpu_of $(( $1 * GPN ))) p2p=
+  local n=$1 where="-o cluster.coordinator=127.0.0.1:$PORT" devs='' ords='' dopt='' p2p='' r g i k e
   [ "$n" = 0 ] && where="-o cluster.listen=127.0.0.1:$PORT"
-  [ "$GPN" = 2 ] && devs="$devs,$(gpu_of $(( n * GPN + 1 )))"
+  for r in $(seq $((n * GPN)) $((n * GPN + GPN - 1))); do
+    g=$(gpu_of $r) i=0 k=
+    for e in ${devs//,/ }; do [ "$e" = "$g" ] && k=$i; i=$((i + 1)); done
+    [ -n "$k" ] || { devs="$devs${devs:+,}$g"; k=$i; }
+    ords="$ords${ords:+,}$k"
+  done
+  [ "$(echo "$devs" | tr ',' '\n' | grep -c .)" -lt "$GPN" ] && dopt="-o engine.devices=$ords"
   [ "$GPN" = 1 ] && p2p=NCCL_P2P_DISABLE=1
   mkdir -p "$T/n$n"
   env ${TWO_NODES_NCCL_ENV:-} CUDA_VISIBLE_DEVICES=$devs NCCL_HOSTID=node$n $p2p NCCL_SHM_DISABLE=1 \
     NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_DEBUG=INFO \
     timeout 280 "$EPD" -s "$T/n$n/control.sock" -f -o daemon.attach_socket="$T/n$n/attach.sock" \
-    -o engine.backend=cuda -o engine.num_ranks="$GPN" -o engine.step_timeout_ms=5000 -o engine.max_tokens=4096 \
+    -o engine.backend=cuda -o engine.num_ranks="$GPN" $dopt -o engine.step_timeout_ms=5000 -o engine.max_tokens=4096 \
     -o cluster.nodes=$NODES -o cluster.node_rank="$n" -o cluster.data_listen=127.0.0.1:0 \
     -o cluster.timeout_ms=60000 -o daemon.drain_timeout_ms=1000 $where ${TWO_NODES_DAEMON_OPTS:-} > "$T/node$n.log" 2>&1 &
   PIDS+=($!)
@@ -87,7 +103,8 @@ start_nodes() {
     "$T/status0.json" "$T/status1.json" || fail "GIN line missing or a different verdict on the two nodes"
   grep -qF "GIN: $(sed -n 's/^gin: *//p' "$T/status.out" | cut -c1-40)" "$T/node1.log" || fail "the log lacks the GIN line"
 }
-# start_workers NAME ARGS...: the NODES x GPN world ranks of a group, rank r at node r / GPN on GPU r; the
+# start_workers NAME ARGS...: the NODES x GPN world ranks of a group, rank r at node r / GPN on GPU r (r mod
+# count where ranks share GPUs); the
 # worker of rank r writes $T/NAMEr.out, its pid in W_NAMEr; --node-ranks GPN: the reference picks replicas
 # (maps with --map-every have some) as the daemons do.
 start_workers() {
