@@ -159,6 +159,18 @@ static inline void dev_comm_requirements_init(ncclDevCommRequirements_t *req) {
 #endif
 }
 
+/* Load kernels now. Under CUDA's lazy loading (the default) a kernel's first launch loads it, and that
+ * waits for the kernels running in its context: with ranks sharing a GPU (one context for all of them in
+ * a process) a rank's first launch of a kernel would wait for another rank's kernel, which waits for it
+ * until its timeout. */
+template <typename... Kernel>
+static inline cudaError_t preload(Kernel... kernel) {
+  cudaFuncAttributes a;
+  cudaError_t e = cudaSuccess;
+  ((e = e != cudaSuccess ? e : cudaFuncGetAttributes(&a, kernel)), ...);
+  return e;
+}
+
 /* ncclDevCommCreate of a kernel context; EPD_ERR_NCCL (err says why) when it fails. */
 static inline epd_result_t dev_comm_create(ncclComm_t comm, const ncclDevCommRequirements_t *req,
                                            ncclDevComm_t *dev, char *err, size_t errlen) {

@@ -1728,7 +1728,16 @@ epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm
     free(k);
     return r;
   }
-  cudaError_t ce = cudaFuncSetAttribute(ht_dispatch_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_MAX);
+  cudaError_t ce = preload(ht_route_kernel, ce_delay_kernel); /* the others: loaded by the attributes set */
+  {
+    /* a device-to-device copy now, for what the copy-engine path's first one would load */
+    void *t = NULL;
+    if (ce == cudaSuccess) ce = cudaMalloc(&t, 64);
+    if (ce == cudaSuccess) ce = cudaMemcpy((char *)t + 32, t, 32, cudaMemcpyDeviceToDevice);
+    if (t) cudaFree(t);
+  }
+  if (ce == cudaSuccess)
+    ce = cudaFuncSetAttribute(ht_dispatch_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_MAX);
   if (ce == cudaSuccess)
     ce = cudaFuncSetAttribute(ht_dispatch_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_MAX);
   if (ce == cudaSuccess)

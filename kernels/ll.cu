@@ -1397,7 +1397,8 @@ epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm
     free(k);
     return r;
   }
-  cudaError_t ce = cudaMalloc((void **)&k->pdev, 512);
+  cudaError_t ce = preload(ll_dispatch_kernel, ll_combine_kernel, ll_persistent_kernel);
+  if (ce == cudaSuccess) ce = cudaMalloc((void **)&k->pdev, 512);
   if (ce == cudaSuccess) {
     lsa_bases_kernel<<<1, 32>>>(k->win, k->win_off, g->num_ranks, (char **)k->pdev);
     ce = cudaMemcpy(k->peer, k->pdev, sizeof k->peer, cudaMemcpyDeviceToHost);
