@@ -155,6 +155,7 @@ epd_result_t eng_cuda_net_create(epd_engine_t *eng, epd_cc_t *cc, const int *dev
     if (!e) e = cudaStreamCreateWithFlags(&d->tkstream, cudaStreamNonBlocking);
     if (!e) e = cudaEventCreateWithFlags(&d->done, cudaEventDisableTiming);
     if (!e) e = cudaEventCreateWithFlags(&d->xdone, cudaEventDisableTiming);
+    if (!e && epd_k_net_preload() != EPD_OK) e = cudaGetLastError();
     if (e) {
       snprintf(err, errlen, "cudaEventCreate: %s", cudaGetErrorString(e));
       eng_cuda_net_destroy(cn);

@@ -48,6 +48,9 @@ epd_result_t epd_k_net_wsum(const uint32_t *off, const epd_k_net_term_t *terms, 
                             uint32_t n, uint32_t hidden, int out_f32, void *stream);
 /* n scattered 32-bit stores (device table). */
 epd_result_t epd_k_net_put(const epd_k_net_put_t *puts, uint32_t n, void *stream);
+/* Load the kernels above on the current device now (a first launch under lazy loading waits for the
+ * kernels running in the context: those of the other ranks sharing the GPU). */
+epd_result_t epd_k_net_preload(void);
 
 struct ncclComm;
 /* What NCCL offers for device-initiated network transfers (GIN) on a world communicator: a device

@@ -126,6 +126,10 @@ extern "C" epd_result_t epd_k_net_put(const epd_k_net_put_t *puts, uint32_t n, v
   return cudaGetLastError() == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
 }
 
+extern "C" epd_result_t epd_k_net_preload(void) {
+  return epd_dev::preload(rows_kernel, wsum_kernel, put_kernel) == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
+}
+
 extern "C" epd_result_t epd_k_gin_probe(struct ncclComm *world, int *contexts, int *type, char *err, size_t errlen) {
   ncclDevCommRequirements_t req;
   epd_dev::dev_comm_requirements_init(&req);
