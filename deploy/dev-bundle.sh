@@ -14,7 +14,7 @@ if [ -e "$DIR" ] && [ ! -f "$DIR/.epd-dev-bundle" ]; then
   exit 1
 fi
 DIST_EXTRA_BINS="epd-gpu-tests epd-tests epd-bench epd-bench-r4 epd-bench-ht epd-bench-e2e epd-bench-map" \
-  B="$B" sh deploy/dist.sh "$VERSION" > /dev/null
+  B="$B" DIST_DIR=dist sh deploy/dist.sh "$VERSION" > /dev/null
 rm -rf "$DIR"
 mkdir -p "$DIR"
 : > "$DIR/.epd-dev-bundle"

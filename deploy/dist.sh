@@ -3,15 +3,18 @@
 # every shared library the binaries need that is not part of the base system), include/, etc/,
 # systemd units and man pages. Binaries carry RPATH $ORIGIN/../lib, so the tree runs from anywhere
 # (Debian 12, Ubuntu 24.04). NCCL and the CUDA driver are not bundled: they come from the host
-# (set LD_LIBRARY_PATH to the directory of libnccl.so.2 2.28.x if it is not on the loader path).
-# DIST_EXTRA_BINS: more binaries of the build to put in bin/ with their libraries (deploy/dev-bundle.sh).
+# (set LD_LIBRARY_PATH to the directory of a libnccl.so.2 that the build takes, README "NCCL versions", if
+# it is not on the loader path). DIST_EXTRA_BINS: more binaries of the build to put in bin/ with their
+# libraries (deploy/dev-bundle.sh). DIST_DIR: where the tarball goes (default dist/ in the checkout).
 set -eu
 VERSION=${1:-0.0.0}
 B=${B:-build}
 name=epd-$VERSION-linux-$(uname -m)
-stage=dist/$name
+D=${DIST_DIR:-dist}
+case "$D" in /*) ;; *) D=$PWD/$D ;; esac
+stage=$D/$name
 rm -rf "$stage" && mkdir -p "$stage"
-DESTDIR="" B="$B" sh deploy/install.sh "$PWD/$stage" "" >/dev/null
+DESTDIR="" B="$B" sh deploy/install.sh "$stage" "" >/dev/null
 cp "$B/bin/epd-worker" "$stage/bin/" 2>/dev/null || true
 for b in ${DIST_EXTRA_BINS:-}; do
   [ -x "$B/bin/$b" ] && cp "$B/bin/$b" "$stage/bin/"
@@ -24,5 +27,5 @@ for bin in "$stage"/bin/* "$stage"/lib/libepd.so.1; do
     [ -f "$stage/lib/$soname" ] || cp -L "$path" "$stage/lib/$soname"
   done
 done
-tar -C dist -czf "dist/$name.tar.gz" "$name"
-echo "dist/$name.tar.gz ($(du -h "dist/$name.tar.gz" | cut -f1))"
+tar -C "$D" -czf "$D/$name.tar.gz" "$name"
+echo "${DIST_DIR:-dist}/$name.tar.gz ($(du -h "$D/$name.tar.gz" | cut -f1))"

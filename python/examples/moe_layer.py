@@ -19,6 +19,7 @@ import argparse
 import os
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 
@@ -361,6 +362,7 @@ def main(argv=None):
         if daemon is not None:
             daemon.terminate()
             daemon.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)  # kept only when the daemon did not start (its log)
 
 
 def check(spec, a, results, procs):

@@ -24,11 +24,23 @@
 static epd_engine_t *eng;
 static uv_loop_t loop;
 
+static char dir[] = "/tmp/epd-fuzz-attach.XXXXXX";
+
+/* The sockets and their directory go when the fuzzer exits (it ends with exit() after -max_total_time). */
+static void remove_dir(void) {
+  char p[sizeof dir + 32];
+  snprintf(p, sizeof p, "%s/control.sock", dir);
+  unlink(p);
+  snprintf(p, sizeof p, "%s/attach.sock", dir);
+  unlink(p);
+  rmdir(dir);
+}
+
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
   (void)argc;
   (void)argv;
-  char err[256], dir[] = "/tmp/epd-fuzz-attach.XXXXXX";
+  char err[256];
   epd_log_init(EPD_LOG_ERROR, EPD_SUB_ALL, 0);
   epd_events_init(64);
   epd_engine_opts_t o = {0};
@@ -44,6 +56,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   o.max_arena_bytes = 64ull << 20;
   o.step_timeout_ms = 1000;
   if (epd_engine_create(&o, NULL, NULL, &eng, err, sizeof err) != EPD_OK || !mkdtemp(dir)) abort();
+  atexit(remove_dir);
   epd_conf_t c;
   epd_conf_defaults(&c);
   snprintf(c.control_socket, sizeof c.control_socket, "%s/control.sock", dir);

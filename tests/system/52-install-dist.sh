@@ -98,10 +98,11 @@ else
 fi
 
 echo "== make dist, unpacked and run from elsewhere"
-timeout 300 make -C "$ROOT" --no-print-directory B="$MB" dist > "$T/dist.log" 2>&1 || fail "make dist failed"
-tarball=$(sed -n 's|^\(dist/[^ ]*\.tar\.gz\) .*|\1|p' "$T/dist.log" | tail -1)
-[ -n "$tarball" ] && [ -f "$ROOT/$tarball" ] || fail "make dist named no tarball"
-mkdir -p "$T/u" && tar -C "$T/u" -xzf "$ROOT/$tarball" || fail "cannot unpack $tarball"
+# DIST_DIR: the tarball goes to the test's directory, not into the checkout
+DIST_DIR="$T/dist" timeout 300 make -C "$ROOT" --no-print-directory B="$MB" dist > "$T/dist.log" 2>&1 || fail "make dist failed"
+tarball=$(sed -n 's|^\('"$T"'/dist/[^ ]*\.tar\.gz\) .*|\1|p' "$T/dist.log" | tail -1)
+[ -n "$tarball" ] && [ -f "$tarball" ] || fail "make dist named no tarball: $(tail -3 "$T/dist.log")"
+mkdir -p "$T/u" && tar -C "$T/u" -xzf "$tarball" || fail "cannot unpack $tarball"
 U=$(echo "$T"/u/epd-*)
 [ -d "$U" ] || fail "the tarball has no epd-* top directory"
 for f in bin/epd bin/epdctl bin/epd-worker lib/libepd.so.1 include/epd/epd.h lib/pkgconfig/epd.pc; do
