@@ -182,14 +182,20 @@ $(B)/epd.pc: client/epd.pc.in
 
 # ---- entry points ------------------------------------------------------------------------------------
 deps:
-	$(Q)deploy/deps.sh
+	$(Q)deploy/deps.sh test
 
 nccl-info:
 	@echo "NCCL_HOME=$(NCCL_HOME) version $$(d=$(NCCL_HOME); echo $(nccl_ver)) WITH_CUDA=$(WITH_CUDA)"
 
-run: deps
-	$(Q)$(MAKE) --no-print-directory all
-	$(Q)tests/run-demo.sh
+# make run builds what the demo runs; without a GPU the host backend alone, in a build directory of its
+# own (build/host: objects built without CUDA must not mix with the CUDA build's).
+RUN_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+RUN_B := $(if $(filter 0,$(RUN_GPU)),$(B)/host,$(B))
+run:
+	$(Q)deploy/deps.sh run
+	$(Q)$(MAKE) --no-print-directory B=$(RUN_B) $(if $(filter 0,$(RUN_GPU)),WITH_CUDA=0) \
+	  $(RUN_B)/bin/epd $(RUN_B)/bin/epdctl $(RUN_B)/bin/epd-worker
+	$(Q)B=$(RUN_B) tests/run-demo.sh
 
 test: deps
 	$(Q)$(MAKE) --no-print-directory all
