@@ -146,6 +146,11 @@ def _declare(lib):
     lib.epd_op_status.restype = c.c_int
     lib.epd_slot_status.argtypes = [vp, c.c_uint, c.POINTER(EpdComp)]
     lib.epd_slot_status.restype = c.c_int
+    lib.epd_slot_experts.argtypes = [vp, c.POINTER(c.c_int32), c.c_uint32, c.POINTER(c.c_uint32)]
+    lib.epd_slot_experts.restype = c.c_int
+    lib.epd_expert_slots.argtypes = [vp, c.c_uint32, c.POINTER(c.c_uint32), c.c_uint32, c.POINTER(c.c_uint32),
+                                     c.POINTER(c.c_uint32)]
+    lib.epd_expert_slots.restype = c.c_int
     return lib
 
 

@@ -18,6 +18,8 @@ import numpy as np
 from . import _lib, errors, formats
 from ._lib import BUF_KINDS, BUF_NAMES
 
+_MAX_REPLICAS = 8  # replicas per logical expert (the daemon's EPD_MAX_REPLICAS)
+
 __all__ = ["connect", "Connection", "Endpoint", "Geometry", "OpStatus", "default_socket_path"]
 
 MODES = {"ll": _lib.EPD_MODE_LL, "ht": _lib.EPD_MODE_HT}
@@ -533,6 +535,32 @@ class Endpoint:
         if stream is not None:
             return None
         return self.op_status()
+
+    def slot_experts(self):
+        """(version, [logical expert held by each of this rank's slots, -1 for a free slot]): which weights
+        to run on each slot, read from the map table the daemon keeps in this attachment's memory (no
+        round trip, a consistent snapshot)."""
+        self._check_open()
+        n = self.slots_per_rank
+        row = (ctypes.c_int32 * n)()
+        version = ctypes.c_uint32()
+        rc = self._lib.epd_slot_experts(self._h, row, n, ctypes.byref(version))
+        if rc != 0:
+            raise errors.make_error(rc, self.last_error(), call="slot_experts")
+        return int(version.value), [int(e) for e in row]
+
+    def expert_slots(self, expert):
+        """(version, [(rank, slot) of each replica of logical expert `expert`]), from the same table."""
+        self._check_open()
+        e = _as_int("expert", expert, lo=0, hi=self.num_experts - 1)
+        cap = _MAX_REPLICAS
+        reps = (ctypes.c_uint32 * (2 * cap))()
+        nrep, version = ctypes.c_uint32(), ctypes.c_uint32()
+        rc = self._lib.epd_expert_slots(self._h, e, reps, cap, ctypes.byref(nrep), ctypes.byref(version))
+        if rc != 0:
+            raise errors.make_error(rc, self.last_error(), call="expert_slots")
+        n = min(int(nrep.value), cap)
+        return int(version.value), [(int(reps[2 * i]), int(reps[2 * i + 1])) for i in range(n)]
 
     def slot_status(self, slot):
         """Completion record (OpStatus) held by queue slot `slot` (ops replayed from CUDA graphs or submitted

@@ -253,9 +253,9 @@ def torch_worker(spec, socket, rank, barrier, results, use_graph):
 
 
 def load_map(conn, ep):
-    """(version, [expert of each of this rank's slots, -1 if unused]) from the daemon."""
-    m = conn.expert_map(GROUP)
-    return m.version, m.experts_of_rank(ep.rank)
+    """(version, [expert of each of this rank's slots, -1 if unused]), from the map table in the
+    attachment's memory (no round trip)."""
+    return ep.slot_experts()
 
 
 def change_map(spec, conn, rank, barrier, version):

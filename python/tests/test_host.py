@@ -483,6 +483,15 @@ def test_expert_map_change_reroutes_steps(conn):
     assert all(c.map_version == version for c in comps)
     assert conn.expert_map("remap").placement == new
     assert eps[0].map_version == version
+    # the same map from the table in each attachment's memory, without gRPC
+    for ep in eps:
+        v, row = ep.slot_experts()
+        assert v == version and row == conn.expert_map("remap").experts_of_rank(ep.rank)
+    v, reps = eps[1].expert_slots(1)
+    assert v == version and reps == [tuple(rs) for rs in new[1]]
+    assert eps[0].expert_slots(0)[1] == [tuple(new[0][0])]
+    with pytest.raises(ValueError):
+        eps[0].expert_slots(E)
     for ep in eps:
         ep.detach()
 
