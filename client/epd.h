@@ -46,7 +46,7 @@ typedef enum epd_result {
   EPD_ERR_PERMISSION = -16,  /* the caller is not allowed to do this */
   EPD_ERR_OVERFLOW = -17,    /* HT receive capacity exceeded (nothing was written past it) */
   EPD_ERR_MISMATCH = -18,    /* ranks submitted different ops or banks for one step */
-  EPD_ERR_CLOSED = -19,      /* the daemon connection dropped */
+  EPD_ERR_CLOSED = -19,      /* no daemon listens at the socket, or the daemon connection dropped */
   EPD_ERR_STATE = -20,       /* call out of order (combine without dispatch, ...) */
   EPD_ERR_INTERNAL = -21,
   EPD_ERR_MIN = -22

@@ -2,7 +2,7 @@
  * epdctl - inspect and control a running epd daemon over its control socket.
  *   epdctl [-s socket] [--json] [--timeout MS] status|metrics|clients|config|experts [group]|
  *          set-map FILE|drain [--exit]|health [service]|watch [--count N]|
- *          top [--iterations N] [--interval-ms MS]
+ *          top [--iterations N] [--interval-ms MS] (q or Ctrl-C quits)
  * Exit status 0 on success; 1 with the daemon's error text otherwise (health: 1 when not SERVING).
  */
 #define _GNU_SOURCE
@@ -10,10 +10,13 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
+#include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <termios.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -46,7 +49,8 @@ static void usage(FILE *f) {
           "  watch [--count N]  print events as they happen (N: stop after N events)\n"
           "  top [--iterations N] [--interval-ms MS]\n"
           "                     live view: per-rank ops, ops/s, clients, op latency p50, last events\n"
-          "                     (N: stop after N frames; MS: refresh period, default 1000)\n"
+          "                     (N: stop after N frames, default: until quit; MS: refresh period, default\n"
+          "                     1000); q or Ctrl-C quits\n"
           "socket: -s, else $EPD_SOCKET, else the daemon's default path\n");
 }
 
@@ -209,14 +213,15 @@ static void print_status_human(const Epd__V1__StatusReply *s) {
            s->rendezvous ? s->rendezvous : "");
   if (s->links && *s->links) printf("links:    %s\n", s->links);
   if (s->gin && *s->gin) printf("gin:      %s\n", s->gin);
-  printf("  %4s %6s %14s %16s %7s %10s  %s\n", "RANK", "DEVICE", "BUFFERS", "BUFFER_BYTES", "CLIENTS", "OPS", "GPU");
+  /* Buffer bytes in one human-readable column; the exact count is in --json and the metrics. */
+  printf("  %4s %6s %10s %7s %10s  %s\n", "RANK", "DEVICE", "BUFFERS", "CLIENTS", "OPS", "GPU");
   for (size_t i = 0; i < s->n_ranks; i++) {
     const Epd__V1__RankStatus *r = s->ranks[i];
     char hb[32];
     char shared[40] = "";
     if (r->gpu_ranks > 1) snprintf(shared, sizeof shared, " (shared by %u ranks)", r->gpu_ranks);
-    printf("  %4d %6d %14s %16" PRIu64 " %7u %10" PRIu64 "  %s%s\n", r->rank, r->device,
-           human_bytes(r->buffer_bytes, hb, sizeof hb), r->buffer_bytes, r->clients, r->ops,
+    printf("  %4d %6d %10s %7u %10" PRIu64 "  %s%s\n", r->rank, r->device,
+           human_bytes(r->buffer_bytes, hb, sizeof hb), r->clients, r->ops,
            r->device_uuid && r->device_uuid[0] ? r->device_uuid : "-", shared);
   }
   printf("groups:   %zu\n", s->n_groups);
@@ -700,7 +705,67 @@ static char *get_metrics_text(epd_rpc_t *rpc) {
   return t;
 }
 
-/* iterations 0: until interrupted. The screen is cleared between frames only on a terminal. */
+/* The terminal's settings before top turned off line buffering and echo; restored on every way out. */
+static struct termios top_tty_saved;
+static volatile sig_atomic_t top_tty_raw;
+
+static void top_tty_restore(void) {
+  if (top_tty_raw) tcsetattr(STDIN_FILENO, TCSANOW, &top_tty_saved);
+  top_tty_raw = 0;
+}
+
+/* Ctrl-C (and SIGTERM, SIGHUP) end top at once, as they did before q existed, but with the terminal
+ * restored: tcsetattr and _exit are async-signal-safe. */
+static void top_on_signal(int sig) {
+  top_tty_restore();
+  _exit(128 + sig);
+}
+
+/* On a terminal, read keys one at a time without echo (ISIG stays on, so Ctrl-C still signals). */
+static void top_tty_raw_mode(void) {
+  struct termios t;
+  if (!isatty(STDIN_FILENO) || tcgetattr(STDIN_FILENO, &top_tty_saved) != 0) return;
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = top_on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
+  sigaction(SIGHUP, &sa, NULL);
+  t = top_tty_saved;
+  t.c_lflag &= ~(tcflag_t)(ICANON | ECHO);
+  t.c_cc[VMIN] = 0;
+  t.c_cc[VTIME] = 0;
+  if (tcsetattr(STDIN_FILENO, TCSANOW, &t) == 0) top_tty_raw = 1;
+}
+
+/* Wait interval_ms, watching the terminal for q; returns 1 when the user asked to quit. */
+static int top_wait(long interval_ms) {
+  double end = now_s() + (double)interval_ms / 1e3;
+  for (;;) {
+    double left = end - now_s();
+    if (left <= 0) return 0;
+    if (!top_tty_raw) {
+      struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
+      nanosleep(&ts, NULL);
+      return 0;
+    }
+    struct pollfd pf = {STDIN_FILENO, POLLIN, 0};
+    int n = poll(&pf, 1, (int)(left * 1e3) + 1);
+    if (n <= 0) continue; /* timeout (the loop ends it) or EINTR */
+    char keys[64];
+    ssize_t got = read(STDIN_FILENO, keys, sizeof keys);
+    if (got == 0 || (got < 0 && errno != EINTR && errno != EAGAIN)) {
+      /* The terminal went away (hang-up): no more keys; keep refreshing until the count or a signal. */
+      top_tty_restore();
+      continue;
+    }
+    for (ssize_t k = 0; k < got; k++)
+      if (keys[k] == 'q' || keys[k] == 'Q') return 1;
+  }
+}
+
+/* iterations 0: until q or Ctrl-C. The screen is cleared between frames only on a terminal. */
 static int cmd_top(epd_rpc_t *rpc, const char *sock, long iterations, long interval_ms) {
   static const char *const ops[] = {"ll_dispatch", "ll_combine", "ht_dispatch", "ht_combine"};
   uint64_t prev_ops[TOP_MAX_RANKS] = {0};
@@ -714,12 +779,10 @@ static int cmd_top(epd_rpc_t *rpc, const char *sock, long iterations, long inter
     return 1;
   }
   pthread_detach(th);
+  top_tty_raw_mode();
   int rc = 0;
   for (long it = 0; iterations <= 0 || it < iterations; it++) {
-    if (it) {
-      struct timespec ts = {interval_ms / 1000, (interval_ms % 1000) * 1000000L};
-      nanosleep(&ts, NULL);
-    }
+    if (it && top_wait(interval_ms)) break;
     Epd__V1__StatusReply *s = get_status(rpc);
     char *m = s ? get_metrics_text(rpc) : NULL;
     if (!s || !m) {
@@ -764,6 +827,7 @@ static int cmd_top(epd_rpc_t *rpc, const char *sock, long iterations, long inter
     free(m);
     protobuf_c_message_free_unpacked(&s->base, NULL);
   }
+  top_tty_restore();
   if (rc) fprintf(stderr, "epdctl: %s\n", err);
   fflush(stdout);
   fflush(stderr);

@@ -47,7 +47,7 @@ EPD_EXPORT const char *epd_strerror(int result) {
   case EPD_ERR_PERMISSION: return "EPD_ERR_PERMISSION: the caller is not allowed to do this";
   case EPD_ERR_OVERFLOW: return "EPD_ERR_OVERFLOW: HT receive capacity exceeded";
   case EPD_ERR_MISMATCH: return "EPD_ERR_MISMATCH: ranks submitted different ops or banks for one step";
-  case EPD_ERR_CLOSED: return "EPD_ERR_CLOSED: the daemon connection dropped";
+  case EPD_ERR_CLOSED: return "EPD_ERR_CLOSED: no daemon listens, or the daemon connection dropped";
   case EPD_ERR_STATE: return "EPD_ERR_STATE: call out of order";
   case EPD_ERR_INTERNAL: return "EPD_ERR_INTERNAL: internal error";
   default: return "EPD_ERR_UNKNOWN: unknown result code";
@@ -107,7 +107,7 @@ EPD_EXPORT epd_result_t epd_connect(const epd_connect_opts_t *opts, epd_conn_t *
                 EPD_PROTOCOL_VERSION);
     protobuf_c_message_free_unpacked(rep, NULL);
   } else {
-    snprintf(connect_err, sizeof connect_err, "GetStatus: %s", err);
+    snprintf(connect_err, sizeof connect_err, "%s", err); /* names the method: "GetStatus: ..." */
   }
   if (rc) {
     epd_rpc_close(c->rpc);

@@ -11,7 +11,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <grpc/byte_buffer.h>
 #include <grpc/byte_buffer_reader.h>
@@ -27,6 +30,7 @@
 struct epd_rpc {
   grpc_channel *chan;
   int timeout_ms;
+  int unix_socket; /* path is a Unix socket (epd_rpc_open), which a plain connect() can probe */
   char path[256];
 };
 
@@ -92,8 +96,14 @@ epd_result_t epd_rpc_open(const char *socket_path, int timeout_ms, epd_rpc_t **o
   /* A missing socket would otherwise surface later as a bare UNAVAILABLE; say what is wrong now. */
   struct stat st;
   if (stat(socket_path, &st) != 0) {
-    snprintf(err, errlen, "control socket %s: %s (is epd running?)", socket_path, strerror(errno));
-    return errno == EACCES ? EPD_ERR_PERMISSION : EPD_ERR_CLOSED;
+    int e = errno;
+    if (e == EACCES)
+      snprintf(err, errlen, "control socket %s: %s (a directory on the way is closed to this user)",
+               socket_path, strerror(e));
+    else
+      snprintf(err, errlen, "control socket %s: %s: no daemon listens there (is epd running?)", socket_path,
+               strerror(e));
+    return e == EACCES ? EPD_ERR_PERMISSION : EPD_ERR_CLOSED;
   }
   epd_rpc_t *rpc = calloc(1, sizeof *rpc);
   if (!rpc) {
@@ -101,6 +111,7 @@ epd_result_t epd_rpc_open(const char *socket_path, int timeout_ms, epd_rpc_t **o
     return EPD_ERR_NOMEM;
   }
   snprintf(rpc->path, sizeof rpc->path, "%s", socket_path);
+  rpc->unix_socket = 1;
   char target[300];
   snprintf(target, sizeof target, "unix:%s", rpc->path);
   return channel_open(rpc, target, timeout_ms, 0, NULL, out, err, errlen);
@@ -170,6 +181,38 @@ static epd_result_t map_status(const char *method, grpc_status_code st, grpc_sli
   case GRPC_STATUS_DEADLINE_EXCEEDED: return EPD_ERR_TIMEOUT;
   case GRPC_STATUS_UNIMPLEMENTED: return EPD_ERR_UNSUPPORTED;
   default: return EPD_ERR_RPC;
+  }
+}
+
+/* gRPC says UNAVAILABLE alike for a daemon that is gone and one that dropped the connection; on a Unix
+ * socket a plain connect() tells them apart: ENOENT (no socket) or ECONNREFUSED (a socket file whose
+ * daemon exited) mean nobody listens there, EACCES that the socket's mode shuts this user out. Rewrites
+ * err (and *r for EACCES) in those cases; a probe that connects leaves both alone. Only for a bare
+ * UNAVAILABLE (no epd-code from the daemon: it never answered). */
+static void explain_unavailable(const epd_rpc_t *rpc, const char *method, epd_result_t *r, char *err,
+                                size_t errlen) {
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  if (!rpc->unix_socket || strlen(rpc->path) >= sizeof sa.sun_path) return;
+  memcpy(sa.sun_path, rpc->path, strlen(rpc->path) + 1);
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;
+  int rc = connect(fd, (struct sockaddr *)&sa, sizeof sa), e = errno;
+  close(fd);
+  if (rc == 0) return;
+  const char *m = strrchr(method, '/');
+  m = m ? m + 1 : method;
+  struct stat st;
+  if (e == ECONNREFUSED && stat(rpc->path, &st) == 0 && !S_ISSOCK(st.st_mode)) {
+    snprintf(err, errlen, "%s: no daemon listens at %s (it is not a socket)", m, rpc->path);
+    *r = EPD_ERR_CLOSED;
+  } else if (e == ENOENT || e == ECONNREFUSED) {
+    snprintf(err, errlen, "%s: no daemon listens at %s (%s%s; is epd running?)", m, rpc->path, strerror(e),
+             e == ECONNREFUSED ? ": a socket file left by a daemon that exited" : "");
+    *r = EPD_ERR_CLOSED;
+  } else if (e == EACCES || e == EPERM) {
+    snprintf(err, errlen, "%s: cannot connect to %s: %s (daemon.socket_mode and socket_group decide who may)",
+             m, rpc->path, strerror(e));
+    *r = EPD_ERR_PERMISSION;
   }
 }
 
@@ -252,6 +295,8 @@ epd_result_t epd_rpc_call_raw(epd_rpc_t *rpc, const char *method, const void *re
   } else {
     wait_tag(cq, &tag);
     r = map_status(method, st, details, &trailing, err, errlen);
+    if (st == GRPC_STATUS_UNAVAILABLE && r == EPD_ERR_CLOSED) /* the daemon never answered */
+      explain_unavailable(rpc, method, &r, err, errlen);
     if (r == EPD_OK && reply_desc && reply) {
       ProtobufCMessage *m = recv ? unpack_bb(recv, reply_desc) : NULL;
       if (!m) {
@@ -374,6 +419,8 @@ epd_result_t epd_rpc_stream(epd_rpc_t *rpc, const char *method, const ProtobufCM
       r = EPD_OK; /* we cancelled it ourselves */
     } else {
       r = map_status(method, st, details, &trailing, err, errlen);
+      if (st == GRPC_STATUS_UNAVAILABLE && r == EPD_ERR_CLOSED) /* the daemon never answered */
+      explain_unavailable(rpc, method, &r, err, errlen);
     }
   }
   grpc_byte_buffer_destroy(send);

@@ -89,10 +89,18 @@ static int in_any_group(const id_list_t *l, int32_t pid, uint32_t gid) {
 }
 
 int epd_access_allowed(const char *what, int32_t pid, uint32_t uid, uint32_t gid) {
+  /* One line a second per socket at most: a refused user may connect in a loop. */
+  static epd_log_ratelimit_t rl_control = EPD_LOG_RATELIMIT_INITIALIZER(1000),
+                             rl_attach = EPD_LOG_RATELIMIT_INITIALIZER(1000),
+                             rl_other = EPD_LOG_RATELIMIT_INITIALIZER(1000);
   if (!A.allow_uids.n && !A.allow_gids.n) return 1;
   if (has(&A.allow_uids, uid) || in_any_group(&A.allow_gids, pid, gid)) return 1;
-  EPD_LOGW(EPD_SUB_MAIN, "%s connection refused: pid %d uid %u gid %u is not in daemon.allow_uids/allow_gids", what,
-           (int)pid, (unsigned)uid, (unsigned)gid);
+  epd_log_ratelimit_t *rl = !strcmp(what, "control") ? &rl_control
+                            : !strcmp(what, "attach") ? &rl_attach
+                                                      : &rl_other;
+  epd_log_ratelimited(rl, EPD_LOG_WARN, EPD_SUB_MAIN,
+                      "%s connection refused: pid %d uid %u gid %u is not in daemon.allow_uids/allow_gids",
+                      what, (int)pid, (unsigned)uid, (unsigned)gid);
   return 0;
 }
 

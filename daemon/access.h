@@ -17,7 +17,8 @@
 int epd_access_init(const epd_conf_t *conf, char *err, size_t errlen);
 /* Forget the lists (everyone allowed, everyone admin). */
 void epd_access_fini(void);
-/* 1 if a peer (from SO_PEERCRED) may use a socket; a refusal is logged with pid/uid/gid and what. */
+/* 1 if a peer (from SO_PEERCRED) may use a socket; a refusal is logged with pid/uid/gid and what (at
+ * most once a second for each of "control" and "attach", with a count). */
 int epd_access_allowed(const char *what, int32_t pid, uint32_t uid, uint32_t gid);
 /* 1 if a peer may call the admin RPCs; known = 0 (credentials unknown) is refused when an admin set is
  * configured. */

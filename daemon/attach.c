@@ -3,6 +3,13 @@
  * queue and arena fds with SCM_RIGHTS (client/epd_wire.h). The connection then stays open; its hang-up
  * detaches the client as lost. Tokens are issued from the RPC thread into a mutex-protected table; all
  * socket work runs on the libuv loop (uv_poll_t, non-blocking fds, sendmsg/recvmsg by hand).
+ *
+ * Hostile input: anyone who may open the socket can connect without a token. Every connection is
+ * admitted in one place (admit): its SO_PEERCRED must pass the allow lists, and the connections that
+ * have not sent their token yet are bounded in all and per uid; a connection beyond that is answered and
+ * closed at once, counted by reason. Out of fds (or memory), accept fails: the listener then stops
+ * polling for ACCEPT_PAUSE_MS instead of spinning on a socket that stays readable, and the error is
+ * logged at most once a second with a count.
  */
 #define _GNU_SOURCE
 #include "attach.h"
@@ -16,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -27,6 +35,9 @@
 
 #define REQUEST_TIMEOUT_MS 5000 /* a connection must send its redeem request within this */
 #define SWEEP_PERIOD_MS 100
+#define ACCEPT_PAUSE_MS 100  /* the listener rests this long after accept ran out of fds or memory */
+#define ACCEPT_BATCH 64      /* accepts per wake-up, so that a flood cannot hold the loop */
+#define LOG_INTERVAL_MS 1000 /* at most one line a second for each kind of refusal or accept error */
 
 typedef struct token_ent {
   uint64_t client_id;
@@ -68,6 +79,25 @@ static int running;
 static char sock_path[EPD_PATH_MAX + 64];
 static conn_t *conns;
 static atomic_uint nconns;
+static uv_timer_t resume_timer; /* restarts listen_poll after a pause */
+static int paused;
+
+/* Connections that have not sent their token yet (state CONN_WAIT_REQUEST), in all and per uid; the
+ * limits are daemon.max_unredeemed_conns and max_unredeemed_per_uid. Loop thread only, except the
+ * counters that status and metrics read. */
+typedef struct uid_count {
+  uint32_t uid, n;
+} uid_count_t;
+static uint32_t max_unredeemed = 256, max_per_uid = 64;
+static uid_count_t *uids;
+static size_t nuids, uids_cap;
+static atomic_uint nunredeemed;
+static atomic_ullong refused[EPD_ATTACH_REFUSED_MAX];
+static atomic_ullong accept_errors;
+static epd_log_ratelimit_t rl_accept = EPD_LOG_RATELIMIT_INITIALIZER(LOG_INTERVAL_MS);
+static epd_log_ratelimit_t rl_cap = EPD_LOG_RATELIMIT_INITIALIZER(LOG_INTERVAL_MS);
+static epd_log_ratelimit_t rl_uid = EPD_LOG_RATELIMIT_INITIALIZER(LOG_INTERVAL_MS);
+static epd_log_ratelimit_t rl_conn = EPD_LOG_RATELIMIT_INITIALIZER(LOG_INTERVAL_MS);
 
 static uint64_t now_ns(void) {
   struct timespec ts;
@@ -148,6 +178,41 @@ static int token_take(uint64_t client_id, const uint8_t token[EPD_TOKEN_BYTES], 
   return found >= 0;
 }
 
+/* ---- unredeemed connections ------------------------------------------------------------------ */
+
+static uid_count_t *uid_find(uint32_t uid) {
+  for (size_t i = 0; i < nuids; i++)
+    if (uids[i].uid == uid) return &uids[i];
+  return NULL;
+}
+
+/* Count a new unredeemed connection of uid; -1 (nothing counted) when the table cannot grow. */
+static int unredeemed_add(uint32_t uid) {
+  uid_count_t *u = uid_find(uid);
+  if (!u) {
+    if (nuids == uids_cap) {
+      size_t ncap = uids_cap ? uids_cap * 2 : 16;
+      uid_count_t *nu = realloc(uids, ncap * sizeof *nu);
+      if (!nu) return -1;
+      uids = nu;
+      uids_cap = ncap;
+    }
+    u = &uids[nuids++];
+    u->uid = uid;
+    u->n = 0;
+  }
+  u->n++;
+  atomic_fetch_add(&nunredeemed, 1);
+  return 0;
+}
+
+static void unredeemed_drop(uint32_t uid) {
+  uid_count_t *u = uid_find(uid);
+  if (!u) return;
+  atomic_fetch_sub(&nunredeemed, 1);
+  if (--u->n == 0) *u = uids[--nuids];
+}
+
 /* ---- connections ------------------------------------------------------------------------------- */
 
 static void conn_closed(uv_handle_t *h) {
@@ -165,6 +230,7 @@ static void conn_close(conn_t *c) {
     conns = c->next;
   if (c->next) c->next->prev = c->prev;
   atomic_fetch_sub(&nconns, 1);
+  if (c->state == CONN_WAIT_REQUEST) unredeemed_drop(c->cred.uid);
   uv_poll_stop(&c->poll);
   uv_close((uv_handle_t *)&c->poll, conn_closed);
 }
@@ -267,9 +333,10 @@ static void redeem(conn_t *c) {
     epd_engine_detach(engine, ent.client_id, 1);
     return;
   }
+  unredeemed_drop(c->cred.uid);
   c->state = CONN_ATTACHED;
   c->client_id = ent.client_id;
-  epd_log_msg(EPD_LOG_INFO, EPD_SUB_ATTACH, -1, ent.client_id, "fds handed to pid %d uid %u", (int)c->cred.pid,
+  epd_log_msg(EPD_LOG_DEBUG, EPD_SUB_ATTACH, -1, ent.client_id, "fds handed to pid %d uid %u", (int)c->cred.pid,
               (unsigned)c->cred.uid);
 }
 
@@ -308,60 +375,132 @@ static void conn_event(uv_poll_t *p, int status, int events) {
     break;
   }
   uint64_t id = c->client_id;
-  epd_log_msg(EPD_LOG_INFO, EPD_SUB_ATTACH, -1, id, "attach connection closed by pid %d: detaching",
+  epd_log_msg(EPD_LOG_DEBUG, EPD_SUB_ATTACH, -1, id, "attach connection closed by pid %d: detaching",
               (int)c->cred.pid);
   conn_close(c);
   /* NOT_FOUND here is normal: the client detached through the RPC before closing its socket. */
   epd_engine_detach(engine, id, 1);
 }
 
+/* Answer and close a connection refused at accept, counted under reason. */
+static void refuse(int fd, int reason, int32_t status, const char *text) {
+  atomic_fetch_add(&refused[reason], 1);
+  send_reply(fd, status, -1, -1, "%s", text);
+  close(fd);
+}
+
+/* Admit an accepted connection or close it at once: the one place where a new attach connection's
+ * credentials and the bounds on unredeemed connections are checked. */
+static void admit(int fd) {
+  struct ucred cred;
+  socklen_t cl = sizeof cred;
+  char text[200];
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) != 0) {
+    epd_log_ratelimited(&rl_conn, EPD_LOG_WARN, EPD_SUB_ATTACH, "attach socket: no peer credentials: %s",
+                        strerror(errno));
+    refuse(fd, EPD_ATTACH_REFUSED_PEER, EPD_ERR_PERMISSION, "peer credentials unknown");
+    return;
+  }
+  /* epd_access_allowed logs the refusal (rate-limited) with pid, uid and gid. */
+  if (!epd_access_allowed("attach", cred.pid, cred.uid, cred.gid)) {
+    snprintf(text, sizeof text, "uid %u gid %u is not allowed on this daemon (daemon.allow_uids/allow_gids)",
+             (unsigned)cred.uid, (unsigned)cred.gid);
+    refuse(fd, EPD_ATTACH_REFUSED_PEER, EPD_ERR_PERMISSION, text);
+    return;
+  }
+  /* The uid's own bound first: when both are reached, it is the one this peer ran into. */
+  const uid_count_t *u = uid_find(cred.uid);
+  if (u && u->n >= max_per_uid) {
+    epd_log_ratelimited(&rl_uid, EPD_LOG_WARN, EPD_SUB_ATTACH,
+                        "attach socket: refused a connection from pid %d uid %u: %u connections of that uid "
+                        "have sent no token yet (daemon.max_unredeemed_per_uid)",
+                        (int)cred.pid, (unsigned)cred.uid, u->n);
+    snprintf(text, sizeof text,
+             "uid %u has %u attach connections without a token (daemon.max_unredeemed_per_uid)",
+             (unsigned)cred.uid, u->n);
+    refuse(fd, EPD_ATTACH_REFUSED_UID, EPD_ERR_BUSY, text);
+    return;
+  }
+  unsigned all = atomic_load(&nunredeemed);
+  if (all >= max_unredeemed) {
+    epd_log_ratelimited(&rl_cap, EPD_LOG_WARN, EPD_SUB_ATTACH,
+                        "attach socket: refused a connection from pid %d uid %u: %u connections have sent no "
+                        "token yet (daemon.max_unredeemed_conns)",
+                        (int)cred.pid, (unsigned)cred.uid, all);
+    snprintf(text, sizeof text, "%u attach connections without a token (daemon.max_unredeemed_conns)", all);
+    refuse(fd, EPD_ATTACH_REFUSED_CAP, EPD_ERR_BUSY, text);
+    return;
+  }
+  if (unredeemed_add(cred.uid) != 0) {
+    epd_log_ratelimited(&rl_conn, EPD_LOG_WARN, EPD_SUB_ATTACH,
+                        "attach socket: cannot take a connection: out of memory");
+    close(fd);
+    return;
+  }
+  conn_t *c = calloc(1, sizeof *c);
+  int rc = c ? uv_poll_init(loop, &c->poll, fd) : UV_ENOMEM;
+  if (rc != 0) {
+    unredeemed_drop(cred.uid);
+    epd_log_ratelimited(&rl_conn, EPD_LOG_WARN, EPD_SUB_ATTACH, "attach socket: cannot take a connection: %s",
+                        uv_strerror(rc));
+    free(c);
+    close(fd);
+    return;
+  }
+  c->fd = fd;
+  c->cred = cred;
+  c->poll.data = c;
+  c->deadline_ns = now_ns() + REQUEST_TIMEOUT_MS * 1000000ull;
+  c->next = conns;
+  if (conns) conns->prev = c;
+  conns = c;
+  atomic_fetch_add(&nconns, 1);
+  uv_poll_start(&c->poll, UV_READABLE | UV_DISCONNECT, conn_event);
+  EPD_LOGD(EPD_SUB_ATTACH, "attach connection from pid %d uid %u", (int)c->cred.pid, (unsigned)c->cred.uid);
+}
+
+static void listen_event(uv_poll_t *p, int status, int events);
+
+static void listen_resume(uv_timer_t *t) {
+  (void)t;
+  if (!paused || !running) return;
+  paused = 0;
+  uv_poll_start(&listen_poll, UV_READABLE, listen_event);
+}
+
+/* Stop polling the listening socket for ACCEPT_PAUSE_MS: it stays readable while connections wait in
+ * the backlog, so polling it without fds to accept them would spin. */
+static void listen_pause(void) {
+  if (paused) return;
+  paused = 1;
+  uv_poll_stop(&listen_poll);
+  uv_timer_start(&resume_timer, listen_resume, ACCEPT_PAUSE_MS, 0);
+}
+
 static void listen_event(uv_poll_t *p, int status, int events) {
   (void)p;
   (void)events;
   if (status < 0) {
-    EPD_LOGE(EPD_SUB_ATTACH, "attach socket poll error: %s", uv_strerror(status));
+    epd_log_ratelimited(&rl_accept, EPD_LOG_ERROR, EPD_SUB_ATTACH, "attach socket poll error: %s",
+                        uv_strerror(status));
+    listen_pause();
     return;
   }
-  for (;;) {
+  for (int i = 0; i < ACCEPT_BATCH; i++) {
     int fd = accept4(listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (errno != EAGAIN)
-        EPD_LOGW(EPD_SUB_ATTACH, "attach socket accept: %s", strerror(errno));
+      int e = errno;
+      if (e == EINTR || e == ECONNABORTED) continue;
+      if (e == EAGAIN) return;
+      /* EMFILE, ENFILE, ENOBUFS, ENOMEM: resources run out and the backlog waits until some come back;
+       * anything else would as likely repeat at once. Either way: rest, and say so once a second. */
+      atomic_fetch_add(&accept_errors, 1);
+      epd_log_ratelimited(&rl_accept, EPD_LOG_WARN, EPD_SUB_ATTACH, "attach socket accept: %s; pausing %d ms",
+                          strerror(e), ACCEPT_PAUSE_MS);
+      listen_pause();
       return;
     }
-    conn_t *c = calloc(1, sizeof *c);
-    socklen_t cl = sizeof c->cred;
-    if (!c || getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &c->cred, &cl) != 0) {
-      EPD_LOGW(EPD_SUB_ATTACH, "attach socket: cannot take a connection: %s", c ? strerror(errno) : "out of memory");
-      free(c);
-      close(fd);
-      continue;
-    }
-    /* Checked before uv_poll_init, so that a refused connection leaves no handle in the loop. */
-    if (!epd_access_allowed("attach", c->cred.pid, c->cred.uid, c->cred.gid)) {
-      send_reply(fd, EPD_ERR_PERMISSION, -1, -1,
-                 "uid %u gid %u is not allowed on this daemon (daemon.allow_uids/allow_gids)", (unsigned)c->cred.uid,
-                 (unsigned)c->cred.gid);
-      free(c);
-      close(fd);
-      continue;
-    }
-    if (uv_poll_init(loop, &c->poll, fd) != 0) {
-      EPD_LOGW(EPD_SUB_ATTACH, "attach socket: cannot take a connection: %s", strerror(errno));
-      free(c);
-      close(fd);
-      continue;
-    }
-    c->fd = fd;
-    c->poll.data = c;
-    c->deadline_ns = now_ns() + REQUEST_TIMEOUT_MS * 1000000ull;
-    c->next = conns;
-    if (conns) conns->prev = c;
-    conns = c;
-    atomic_fetch_add(&nconns, 1);
-    uv_poll_start(&c->poll, UV_READABLE | UV_DISCONNECT, conn_event);
-    EPD_LOGD(EPD_SUB_ATTACH, "attach connection from pid %d uid %u", (int)c->cred.pid, (unsigned)c->cred.uid);
+    admit(fd);
   }
 }
 
@@ -502,7 +641,10 @@ int epd_attach_init(uv_loop_t *lp, const epd_conf_t *conf, epd_engine_t *eng, ch
   }
   uv_timer_init(loop, &sweep_timer);
   uv_timer_start(&sweep_timer, sweep, SWEEP_PERIOD_MS, SWEEP_PERIOD_MS);
+  uv_timer_init(loop, &resume_timer);
+  paused = 0;
   running = 1;
+  epd_attach_set_limits(conf->max_unredeemed_conns, conf->max_unredeemed_per_uid);
   EPD_LOGI(EPD_SUB_ATTACH, "attach socket %s (mode %04o)", sock_path, conf->socket_mode);
   return 0;
 fail:
@@ -530,6 +672,12 @@ void epd_attach_fini(void) {
   while (conns) conn_close(conns);
   uv_timer_stop(&sweep_timer);
   uv_close((uv_handle_t *)&sweep_timer, NULL);
+  uv_timer_stop(&resume_timer);
+  uv_close((uv_handle_t *)&resume_timer, NULL);
+  paused = 0;
+  free(uids);
+  uids = NULL;
+  nuids = uids_cap = 0;
   uv_poll_stop(&listen_poll);
   uv_close((uv_handle_t *)&listen_poll, NULL);
   /* The listening fd is closed now (not in a close callback): uv_poll_stop already removed it from
@@ -542,3 +690,23 @@ void epd_attach_fini(void) {
 const char *epd_attach_path(void) { return sock_path; }
 
 unsigned epd_attach_connections(void) { return atomic_load(&nconns); }
+
+void epd_attach_set_limits(uint32_t total, uint32_t per_uid) {
+  max_unredeemed = total ? total : 1;
+  max_per_uid = per_uid ? per_uid : 1;
+  /* A bound near the open-file limit does not protect the fds that clients and the control socket need. */
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
+      (rlim_t)max_unredeemed + 64 > rl.rlim_cur)
+    EPD_LOGW(EPD_SUB_ATTACH,
+             "daemon.max_unredeemed_conns %u is close to the open-file limit %llu: idle attach "
+             "connections can use up the daemon's fds (lower it or raise LimitNOFILE=)",
+             max_unredeemed, (unsigned long long)rl.rlim_cur);
+}
+
+void epd_attach_stats(epd_attach_stats_t *out) {
+  memset(out, 0, sizeof *out);
+  out->unredeemed = atomic_load(&nunredeemed);
+  for (int i = 0; i < EPD_ATTACH_REFUSED_MAX; i++) out->refused[i] = atomic_load(&refused[i]);
+  out->accept_errors = atomic_load(&accept_errors);
+}

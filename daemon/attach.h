@@ -37,4 +37,18 @@ unsigned epd_attach_pending_tokens(void);
 /* Number of live attach connections (for status). */
 unsigned epd_attach_connections(void);
 
+/* Why a connection was closed at accept: the bound on unredeemed connections in all
+ * (daemon.max_unredeemed_conns) or of its uid (max_unredeemed_per_uid), or its peer (not in the allow
+ * lists, or no credentials). Also the order of the metric's reason labels. */
+enum { EPD_ATTACH_REFUSED_CAP, EPD_ATTACH_REFUSED_UID, EPD_ATTACH_REFUSED_PEER, EPD_ATTACH_REFUSED_MAX };
+typedef struct epd_attach_stats {
+  unsigned unredeemed;                      /* open connections that have not sent their token yet */
+  uint64_t refused[EPD_ATTACH_REFUSED_MAX]; /* connections closed at accept, by reason, since start */
+  uint64_t accept_errors;                   /* accept() failures (out of fds or memory), since start */
+} epd_attach_stats_t;
+/* The attach socket's counters (any thread). */
+void epd_attach_stats(epd_attach_stats_t *out);
+/* Set the bounds on unredeemed connections, in all and per uid (init and SIGHUP reload; loop thread). */
+void epd_attach_set_limits(uint32_t total, uint32_t per_uid);
+
 #endif

@@ -71,6 +71,11 @@ static const conf_key_t keys[] = {
      "issued, not yet redeemed attach tokens at once; an Attach beyond it fails with EPD_ERR_BUSY"},
     {"daemon.max_watches", CT_UINT, 1, 65536, "256", 0, F(max_watches), NULL,
      "Watch and Health.Watch streams open at once; more fail with RESOURCE_EXHAUSTED"},
+    {"daemon.max_unredeemed_conns", CT_UINT, 1, 65536, "256", 1, F(max_unredeemed_conns), NULL,
+     "attach-socket connections that have not sent their token yet, at once; one more is closed at accept "
+     "(epd_attach_refused_total{reason=\"cap\"}); keep it well below the daemon's open-file limit"},
+    {"daemon.max_unredeemed_per_uid", CT_UINT, 1, 65536, "64", 1, F(max_unredeemed_per_uid), NULL,
+     "the same bound for the connections of one uid (reason=\"uid\"), so that one user cannot hold them all"},
     {"daemon.allow_uids", CT_IDLIST, 0, 0, "", 0, F(allow_uids), "user",
      "comma list of users (uids or names) allowed on both sockets; empty: anyone who can open them"},
     {"daemon.allow_gids", CT_IDLIST, 0, 0, "", 0, F(allow_gids), "group",
@@ -425,7 +430,7 @@ typedef struct parse_ctx {
   FILE *f;
   int line;
   epd_conf_t *conf;
-  int failed;
+  int failed; /* the line of the first value refused by the handler, 0 while none */
   char *err;
   size_t errlen;
   int long_line, max_len; /* first line longer than libinih takes (it would split it), and the limit */
@@ -463,7 +468,7 @@ static int ini_handler_fn(void *user, const char *section, const char *name, con
     snprintf(key, sizeof key, "%s.%s", section, name);
   if (epd_conf_set(ctx->conf, key, value, msg, sizeof msg) != 0) {
     seterr(ctx->err, ctx->errlen, "%s at line %d", msg, ctx->line);
-    ctx->failed = 1;
+    ctx->failed = ctx->line > 0 ? ctx->line : 1;
     return 0;
   }
   return 1;
@@ -473,7 +478,13 @@ static int parse_stream(epd_conf_t *c, FILE *f, char *err, size_t errlen) {
   epd_conf_t tmp = *c;
   parse_ctx_t ctx = {f, 0, &tmp, 0, err, errlen, 0, 0};
   int rc = ini_parse_stream(count_reader, &ctx, ini_handler_fn, &ctx);
-  if (ctx.long_line && !ctx.failed) {
+  /* inih goes on after a syntax error and returns the line of the first error of either kind, so a
+   * syntax error before the handler's refusal is the one to report: "[engine" on line 1 makes the
+   * "num_ranks" of line 2 an unknown key, and that is not what the user has to fix. */
+  if (rc > 0 && ctx.failed && rc < ctx.failed) ctx.failed = 0;
+  /* A line too long comes first unless an error stands on an earlier line. */
+  int first = ctx.failed ? ctx.failed : rc > 0 ? rc : 0;
+  if (ctx.long_line && (!first || ctx.long_line <= first)) {
     seterr(err, errlen, "line %d is longer than %d characters (the limit of the INI parser)", ctx.long_line,
            ctx.max_len);
     return -1;

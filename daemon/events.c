@@ -73,11 +73,16 @@ static void publish_v(const char *kind, const char *group, int rank, uint64_t cl
   ev.step = step;
   if (fmt) vsnprintf(ev.message, sizeof ev.message, fmt, ap);
 
-  /* Problems are logged as warnings so that they stand out in the journal; the rest is routine. */
-  int warn = !strcmp(ev.kind, "timeout") || !strcmp(ev.kind, "error") || !strcmp(ev.kind, "client_lost");
-  epd_log_group_msg(warn ? EPD_LOG_WARN : EPD_LOG_INFO, EPD_SUB_MAIN, rank, client_id, ev.group,
-                    "event %s: %s old_version=%u new_version=%u step=%llu", ev.kind, ev.message, old_version,
-                    new_version, (unsigned long long)step);
+  /* Problems are logged as warnings so that they stand out in the journal, map switches as information;
+   * the other events repeat what their module logged already (attach, detach, drain, ready): debug. Only
+   * the fields that say something: the versions of a switch, a step where there is one. */
+  const int warn = !strcmp(ev.kind, "timeout") || !strcmp(ev.kind, "error") || !strcmp(ev.kind, "client_lost");
+  const int map = !strcmp(ev.kind, "map_switch");
+  char versions[48] = "", at[32] = "";
+  if (map) snprintf(versions, sizeof versions, " (map v%u -> v%u)", old_version, new_version);
+  if (step) snprintf(at, sizeof at, " at step %llu", (unsigned long long)step);
+  epd_log_group_msg(warn ? EPD_LOG_WARN : map ? EPD_LOG_INFO : EPD_LOG_DEBUG, EPD_SUB_MAIN, rank, client_id,
+                    ev.group, "event %s: %s%s%s", ev.kind, ev.message, versions, at);
 
   pthread_mutex_lock(&g_ev.mu);
   if (g_ev.ring && !g_ev.closed) {

@@ -22,6 +22,7 @@
 
 #define HTTP_CONFIG_TEXT_MAX 65536
 #define HTTP_CONN_LIMIT 16
+#define HTTP_PER_IP_CONN_LIMIT 4 /* a scraper needs one; the rest stay for the others */
 #define HTTP_TIMEOUT_S 10
 
 #if MHD_VERSION < 0x00097002
@@ -82,6 +83,7 @@ static char *metrics_text(size_t *len) {
   info.state = st ? st : "ready";
   info.uptime_ms = (mono_ns() - h.start_ns) / 1000000ull;
   info.attach_connections = epd_attach_connections();
+  epd_attach_stats(&info.attach);
   info.config = cfg;
   char *text = NULL;
   r = epd_metrics_text(&snap, &info, &text, len);
@@ -165,13 +167,16 @@ static int parse_listen(const char *s, struct sockaddr_storage *ss, int *v6, cha
   return 0;
 }
 
+/* libmicrohttpd logs once per refused connection at its limits, and on every failed accept when out of
+ * fds with no connection open (it then busy-waits): at most one line a second, with a count. */
 static void mhd_log(void *cls, const char *fmt, va_list ap) {
+  static epd_log_ratelimit_t rl = EPD_LOG_RATELIMIT_INITIALIZER(1000);
   (void)cls;
   char msg[512];
   vsnprintf(msg, sizeof msg, fmt, ap);
   size_t n = strlen(msg);
   if (n && msg[n - 1] == '\n') msg[n - 1] = 0;
-  EPD_LOGW(EPD_SUB_METRICS, "http: %s", msg);
+  epd_log_ratelimited(&rl, EPD_LOG_WARN, EPD_SUB_METRICS, "http: %s", msg);
 }
 
 int epd_http_init(const epd_conf_t *conf, epd_engine_t *eng, const epd_rpc_hooks_t *hooks, char *err,
@@ -191,8 +196,9 @@ int epd_http_init(const epd_conf_t *conf, epd_engine_t *eng, const epd_rpc_hooks
   unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG | (v6 ? MHD_USE_IPv6 : 0);
   h.mhd = MHD_start_daemon(flags, 0, NULL, NULL, on_request, NULL, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL,
                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT,
-                           (unsigned)HTTP_CONN_LIMIT, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)HTTP_TIMEOUT_S,
-                           MHD_OPTION_END);
+                           (unsigned)HTTP_CONN_LIMIT, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+                           (unsigned)HTTP_PER_IP_CONN_LIMIT, MHD_OPTION_CONNECTION_TIMEOUT,
+                           (unsigned)HTTP_TIMEOUT_S, MHD_OPTION_END);
   if (!h.mhd) {
     snprintf(err, errlen, "metrics.prometheus_listen %s: cannot listen (address in use or not local?)", h.listen);
     return -1;

@@ -160,3 +160,32 @@ static void log_va(int level, uint32_t sub, int rank, uint64_t client, const cha
   fflush(stderr);
   pthread_mutex_unlock(&out_lock);
 }
+
+/* One lock for every rate limit: they are touched once per event, never on a hot path. */
+static pthread_mutex_t rl_lock = PTHREAD_MUTEX_INITIALIZER;
+
+int epd_log_ratelimited(epd_log_ratelimit_t *rl, int level, uint32_t sub, const char *fmt, ...) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+  pthread_mutex_lock(&rl_lock);
+  if (rl->next_ns && now < rl->next_ns) {
+    rl->suppressed++;
+    pthread_mutex_unlock(&rl_lock);
+    return 0;
+  }
+  uint64_t times = rl->suppressed + 1;
+  rl->suppressed = 0;
+  rl->next_ns = now + (uint64_t)rl->interval_ms * 1000000ull;
+  pthread_mutex_unlock(&rl_lock);
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  if (times > 1)
+    epd_log_msg(level, sub, -1, 0, "%s (%llu times since the last report)", msg, (unsigned long long)times);
+  else
+    epd_log_msg(level, sub, -1, 0, "%s", msg);
+  return 1;
+}

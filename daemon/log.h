@@ -48,6 +48,20 @@ void epd_log_msg(int level, uint32_t sub, int rank, uint64_t client, const char 
 void epd_log_group_msg(int level, uint32_t sub, int rank, uint64_t client, const char *group, const char *fmt,
                        ...) __attribute__((format(printf, 6, 7)));
 
+/* A rate limit for one recurring record (an accept error under a flood): at most one record per
+ * interval_ms, which counts the events it stands for. Keep one per message site, e.g. a static
+ * initialised with EPD_LOG_RATELIMIT_INITIALIZER(1000); any thread may use it (log.c locks). */
+typedef struct epd_log_ratelimit {
+  uint32_t interval_ms;
+  uint64_t next_ns;    /* CLOCK_MONOTONIC time before which nothing more is logged */
+  uint64_t suppressed; /* events not logged since the last record */
+} epd_log_ratelimit_t;
+#define EPD_LOG_RATELIMIT_INITIALIZER(ms) {(ms), 0, 0}
+/* Count one event and log it, unless a record of rl went out less than interval_ms ago; a record that
+ * follows suppressed events ends with "(N times since the last report)". Returns 1 if it logged. */
+int epd_log_ratelimited(epd_log_ratelimit_t *rl, int level, uint32_t sub, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
 #define EPD_LOGE(sub, ...) epd_log_msg(EPD_LOG_ERROR, sub, -1, 0, __VA_ARGS__)
 #define EPD_LOGW(sub, ...) epd_log_msg(EPD_LOG_WARN, sub, -1, 0, __VA_ARGS__)
 #define EPD_LOGI(sub, ...) epd_log_msg(EPD_LOG_INFO, sub, -1, 0, __VA_ARGS__)

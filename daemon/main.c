@@ -76,8 +76,8 @@ static void usage(FILE *f) {
           "  -h, --help       this text;  --version  the version\n");
 }
 
-/* Defaults, then the file, then -o and -s; the control socket path is resolved once here so that the
- * RPC server, the attach socket and `epdctl config` all see the same path. */
+/* Defaults, then the file, then -o and -s; both socket paths are resolved once here so that the RPC
+ * server, the attach socket, `epdctl config` and --check-config all show the paths in use, not "". */
 static int load_config(epd_conf_t *c, char *err, size_t errlen) {
   char msg[512];
   epd_conf_defaults(c);
@@ -108,6 +108,11 @@ static int load_config(epd_conf_t *c, char *err, size_t errlen) {
     return -1;
   }
   snprintf(c->control_socket, sizeof c->control_socket, "%s", path);
+  if (epd_conf_attach_socket_path(c, path, sizeof path) != 0 || strlen(path) >= sizeof c->attach_socket) {
+    snprintf(err, errlen, "daemon.attach_socket: resolved path is too long");
+    return -1;
+  }
+  snprintf(c->attach_socket, sizeof c->attach_socket, "%s", path);
   return 0;
 }
 
@@ -278,6 +283,7 @@ static void reload(void) {
       EPD_LOGI(EPD_SUB_CONF, "reload: %s", line);
     epd_log_set(now.log_level, now.log_subsystems);
     epd_attach_set_token_ttl(now.token_ttl_ms);
+    epd_attach_set_limits(now.max_unredeemed_conns, now.max_unredeemed_per_uid);
     EPD_LOGI(EPD_SUB_CONF, "reload done: %d key(s) changed, %d applied, %d need a restart", n, applied,
              n - applied);
     EPD_LOGD(EPD_SUB_CONF, "log level is now %s", epd_log_level_name(now.log_level));

@@ -129,6 +129,20 @@ epd_result_t epd_metrics_text(const epd_engine_snap_t *snap, const epd_daemon_in
   sb_printf(&sb, "epd_clients %u\n", snap->nclients);
   sb_head(&sb, "epd_attach_connections", "gauge", "Open attach-socket connections.");
   sb_printf(&sb, "epd_attach_connections %u\n", info ? info->attach_connections : 0);
+  sb_head(&sb, "epd_attach_unredeemed_connections", "gauge",
+          "Open attach-socket connections that have not sent their token yet.");
+  sb_printf(&sb, "epd_attach_unredeemed_connections %u\n", info ? info->attach.unredeemed : 0);
+  sb_head(&sb, "epd_attach_refused_total", "counter",
+          "Attach-socket connections closed at accept: cap (daemon.max_unredeemed_conns), uid "
+          "(daemon.max_unredeemed_per_uid), peer (not allowed, or no credentials).");
+  static const char *const reasons[EPD_ATTACH_REFUSED_MAX] = {"cap", "uid", "peer"};
+  for (int i = 0; i < EPD_ATTACH_REFUSED_MAX; i++)
+    sb_printf(&sb, "epd_attach_refused_total{reason=\"%s\"} %llu\n", reasons[i],
+              (unsigned long long)(info ? info->attach.refused[i] : 0));
+  sb_head(&sb, "epd_attach_accept_errors_total", "counter",
+          "Failed accepts on the attach socket (out of fds or memory); the listener pauses after each.");
+  sb_printf(&sb, "epd_attach_accept_errors_total %llu\n",
+            (unsigned long long)(info ? info->attach.accept_errors : 0));
   sb_head(&sb, "epd_groups", "gauge", "EP groups.");
   sb_printf(&sb, "epd_groups %u\n", snap->ngroups);
 

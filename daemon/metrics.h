@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "attach.h"
 #include "engine.h"
 #include "epd.pb-c.h"
 
@@ -21,6 +22,7 @@ typedef struct epd_daemon_info {
   uint64_t uptime_ms;
   unsigned attach_connections; /* live attach-socket connections */
   const char *config;          /* effective configuration text, or NULL */
+  epd_attach_stats_t attach;   /* attach-socket refusals and accept errors (epd_attach_stats) */
 } epd_daemon_info_t;
 
 /* Name of an EPD_OP_* for labels ("ll_dispatch", ...); "none" for anything else. */

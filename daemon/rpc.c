@@ -46,6 +46,7 @@
 #include "health.pb-c.h"
 #include "log.h"
 #include "metrics.h"
+#include "refuse.h"
 
 #ifndef EPD_VERSION
 #define EPD_VERSION "unknown"
@@ -240,6 +241,7 @@ static epd_result_t take_snapshot(epd_engine_snap_t *snap, epd_daemon_info_t *in
   info->state = daemon_state();
   info->uptime_ms = (mono_ns() - g.start_ns) / 1000000ull;
   info->attach_connections = epd_attach_connections();
+  epd_attach_stats(&info->attach);
   if (g.hooks.config_dump) {
     *cfg = malloc(CONFIG_TEXT_MAX);
     if (*cfg) {
@@ -663,7 +665,9 @@ static ProtobufCMessage *decode_bytes(int m, const uint8_t *data, size_t len, rp
   if (methods[m].versioned) {
     const ProtobufCFieldDescriptor *f = protobuf_c_message_descriptor_get_field_by_name(methods[m].req, "protocol_version");
     uint32_t v = f ? *(const uint32_t *)((const char *)msg + f->offset) : 0;
-    if (v != EPD_PROTOCOL_VERSION) {
+    /* proto3 does not send a zero field: generic clients (grpcurl, health checkers built from the proto)
+     * leave protocol_version out, so 0 means "the current version"; only a version we do not speak fails. */
+    if (v != 0 && v != EPD_PROTOCOL_VERSION) {
       reply_err(rep, EPD_ERR_PROTOCOL, "protocol_version: client speaks %u, daemon speaks %u", v,
                 EPD_PROTOCOL_VERSION);
       protobuf_c_message_free_unpacked(msg, NULL);
@@ -1148,21 +1152,39 @@ static int make_listener(char *err, size_t errlen) {
 static void *accept_main(void *arg) {
   (void)arg;
   grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  /* Refused peers are answered here (refuse.h), never handed to gRPC. */
+  epd_refuse_set_t refused;
+  epd_refuse_init(&refused);
+  /* After an accept that failed (out of fds or memory) the listener leaves the poll set until resume_ns,
+   * as the attach socket's does: it stays readable while connections wait, so polling it would spin. */
+  static epd_log_ratelimit_t accept_rl = EPD_LOG_RATELIMIT_INITIALIZER(1000);
+  uint64_t resume_ns = 0;
   for (;;) {
-    struct pollfd pf[2] = {{.fd = g.listen_fd, .events = POLLIN}, {.fd = g.wake_fd[0], .events = POLLIN}};
-    if (poll(pf, 2, -1) < 0) {
+    const uint64_t now = mono_ns();
+    const int paused = resume_ns > now;
+    struct pollfd pf[2 + EPD_REFUSE_MAX] = {{.fd = paused ? -1 : g.listen_fd, .events = POLLIN},
+                                            {.fd = g.wake_fd[0], .events = POLLIN}};
+    int nref = epd_refuse_pollfds(&refused, pf + 2);
+    int timeout = epd_refuse_timeout_ms(&refused);
+    const int rest_ms = paused ? (int)((resume_ns - now + 999999) / 1000000) : -1;
+    if (paused && (timeout < 0 || rest_ms < timeout)) timeout = rest_ms;
+    if (poll(pf, (nfds_t)(2 + nref), timeout) < 0) {
       if (errno == EINTR) continue;
       EPD_LOGE(EPD_SUB_RPC, "control socket poll: %s", strerror(errno));
       break;
     }
     if (pf[1].revents) break;
+    epd_refuse_service(&refused, pf + 2, nref);
     if (!(pf[0].revents & POLLIN)) continue;
     /* gRPC needs a non-blocking fd: a blocking one hangs its event engine. */
     int fd = accept4(g.listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED)
-        EPD_LOGW(EPD_SUB_RPC, "control socket accept: %s", strerror(errno));
-      if (errno == EMFILE || errno == ENFILE) usleep(100 * 1000); /* do not spin while out of fds */
+      const int e = errno; /* before anything else can change it */
+      if (e == EAGAIN || e == EINTR || e == ECONNABORTED) continue;
+      /* EMFILE, ENFILE, ENOBUFS, ENOMEM (or worse): rest 100 ms, and say so at most once a second */
+      epd_log_ratelimited(&accept_rl, EPD_LOG_WARN, EPD_SUB_RPC, "control socket accept: %s; pausing 100 ms",
+                          strerror(e));
+      resume_ns = mono_ns() + 100 * 1000000ull;
       continue;
     }
     struct ucred cr;
@@ -1171,7 +1193,16 @@ static void *accept_main(void *arg) {
     /* Unknown credentials pass only when no allow list is set (uid/gid -1 match no list entry). */
     if (!epd_access_allowed("control", have ? cr.pid : 0, have ? cr.uid : (uint32_t)-1,
                             have ? cr.gid : (uint32_t)-1)) {
-      close(fd);
+      /* A bare hang-up reads as "no daemon" (UNAVAILABLE) to every gRPC client: say why instead, in the
+       * words the attach socket uses. */
+      char msg[EPD_REFUSE_MSG_MAX];
+      if (have)
+        snprintf(msg, sizeof msg, "uid %u gid %u is not allowed on this daemon (daemon.allow_uids/allow_gids)",
+                 (unsigned)cr.uid, (unsigned)cr.gid);
+      else
+        snprintf(msg, sizeof msg, "the daemon cannot read this connection's credentials (SO_PEERCRED), and "
+                 "daemon.allow_uids/allow_gids are set");
+      epd_refuse_add(&refused, fd, GRPC_STATUS_PERMISSION_DENIED, EPD_ERR_PERMISSION, msg);
       continue;
     }
     pthread_mutex_lock(&g.cred_mu);
@@ -1185,6 +1216,7 @@ static void *accept_main(void *arg) {
                   (int)cr.pid, (unsigned)cr.uid, (unsigned)cr.gid);
     grpc_server_add_channel_from_fd(g.server, fd, creds);
   }
+  epd_refuse_close_all(&refused);
   grpc_server_credentials_release(creds);
   return NULL;
 }
@@ -1325,7 +1357,7 @@ int epd_rpc_init(const epd_conf_t *conf, epd_engine_t *eng, const epd_rpc_hooks_
     return -1;
   }
   g.thread_started = 1;
-  EPD_LOGI(EPD_SUB_RPC, "control RPC listening on %s (mode %o%s%s)", g.path, conf->socket_mode,
+  EPD_LOGI(EPD_SUB_RPC, "control RPC listening on %s (mode %04o%s%s)", g.path, conf->socket_mode,
            conf->socket_group[0] ? ", group " : "", conf->socket_group);
   return 0;
 }

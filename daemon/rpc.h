@@ -1,7 +1,7 @@
 /*
  * rpc.h - the control RPC server: service epd.v1.Control and grpc.health.v1.Health on a Unix socket,
  * served by gRPC C core from its own thread (completion queue). Requests are protobuf-c messages; each
- * carries protocol_version, checked first.
+ * carries protocol_version, checked first (0, the field left out, means the current version).
  */
 #ifndef EPD_RPC_H
 #define EPD_RPC_H

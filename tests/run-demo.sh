@@ -1,7 +1,8 @@
 #!/bin/sh
 # make run: start the daemon (host backend unless a CUDA backend with GPUs is available), attach one
 # worker per rank, run dispatch -> toy expert -> combine steps with random routing checked against the
-# reference, show `epdctl status`, and shut everything down cleanly.
+# reference, show `epdctl status` while the workers are attached (they hold before the combine of their
+# last LL step until it was shown), and shut everything down cleanly.
 # With at least one GPU but fewer than the ranks, the ranks share the GPUs (engine.backend=cuda,
 # engine.devices: rank r on GPU r mod count). Where the CUDA backend cannot start (the daemon exits at
 # start-up saying why: an NCCL too old to share a GPU, ...), one line says why and the demo runs on the
@@ -76,15 +77,48 @@ fi
 
 echo "== $RANKS workers, $STEPS LL steps each (random routing, -1 entries), then HT and FP8"
 start=$(date +%s%N)
+# The LL workers hold before the combine of their last step until $dir/go exists, so that `epdctl
+# status` shows them attached, with their groups and op counts (after the run they would be gone).
+hold=
+[ "$STEPS" -ge 1 ] && hold="--hold-at $((STEPS - 1)) --hold-file $dir/go"
+rc=0
 pids=""
 r=0
 while [ $r -lt "$RANKS" ]; do
-  "$B/bin/epd-worker" -s "$sock" -g demo -r $r -n "$RANKS" --steps "$STEPS" --seed 7 &
+  # shellcheck disable=SC2086
+  "$B/bin/epd-worker" -s "$sock" -g demo -r $r -n "$RANKS" --steps "$STEPS" --seed 7 $hold > "$dir/w$r.out" &
   pids="$pids $!"
   r=$((r + 1))
 done
-rc=0
+# all_holding: every LL worker says it holds (0), or one has ended (1: it failed before the hold).
+all_holding() {
+  r=0
+  for p in $pids; do
+    if ! grep -q "holding before the combine" "$dir/w$r.out" 2>/dev/null; then
+      kill -0 "$p" 2>/dev/null && return 2
+      return 1
+    fi
+    r=$((r + 1))
+  done
+  return 0
+}
+i=0
+held=0
+while [ -n "$hold" ] && [ $i -lt 600 ]; do
+  st=0
+  all_holding || st=$?
+  [ $st -eq 0 ] && held=1
+  [ $st -ne 2 ] && break
+  i=$((i + 1))
+  sleep 0.1
+done
+if [ $held -eq 1 ]; then
+  echo "== epdctl status (the LL workers attached, holding before their last combine)"
+  "$B/bin/epdctl" -s "$sock" status || rc=1
+fi
+touch "$dir/go"
 for p in $pids; do wait "$p" || rc=1; done
+cat "$dir"/w*.out
 for extra in "--mode ht" "--fp8"; do
   pids=""
   r=0
@@ -99,8 +133,10 @@ done
 end=$(date +%s%N)
 echo "== wall time for all steps: $(( (end - start) / 1000000 )) ms"
 
-echo "== epdctl status"
-"$B/bin/epdctl" -s "$sock" status || rc=1
+if [ $held -eq 0 ]; then
+  echo "== epdctl status (after the run: the workers have detached)"
+  "$B/bin/epdctl" -s "$sock" status || rc=1
+fi
 
 echo "== shutting down (SIGTERM: drain, then exit)"
 kill -TERM "$dpid"

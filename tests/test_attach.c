@@ -2,13 +2,16 @@
  * loop pumped by the test, and a client thread that redeems tokens over the real socket. */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <errno.h>
 #include <stdatomic.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "access.h"
 #include "attach.h"
 #include "conf.h"
 #include "engine.h"
@@ -352,4 +355,164 @@ EPD_TEST(attach_refuses_a_live_socket) {
   epd_attach_fini();
   uv_run(&l2, UV_RUN_NOWAIT);
   epd_engine_destroy(teng);
+}
+
+/* A connection to the attach socket that sends nothing (the loop accepts it at the next pump). */
+static int idle_conn(void) {
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof sa.sun_path, "%s", epd_attach_path());
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT(fd >= 0);
+  ASSERT_OK(connect(fd, (struct sockaddr *)&sa, sizeof sa));
+  return fd;
+}
+
+/* The reply to a refused connection: its status, and the message in msg. */
+static int refusal(int fd, char *msg, size_t len) {
+  epd_redeem_rep_t rep;
+  struct timeval tv = {2, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ASSERT_EQ(recv(fd, &rep, sizeof rep, MSG_WAITALL), (long)sizeof rep);
+  ASSERT_EQ(recv(fd, &rep, 1, 0), 0); /* then closed */
+  snprintf(msg, len, "%s", rep.message);
+  return rep.status;
+}
+
+EPD_TEST(attach_unredeemed_connections_bounded) {
+  setup();
+  epd_attach_stats_t st;
+  char msg[256];
+  epd_attach_set_limits(3, 2);
+  int a = idle_conn(), b = idle_conn();
+  pump(20);
+  epd_attach_stats(&st);
+  ASSERT_EQ(st.unredeemed, 2);
+  ASSERT_EQ(epd_attach_connections(), 2);
+  /* The uid's bound: its third connection is answered and closed at once. */
+  int c = idle_conn();
+  pump(20);
+  ASSERT_EQ(refusal(c, msg, sizeof msg), EPD_ERR_BUSY);
+  ASSERT_STR_CONTAINS(msg, "daemon.max_unredeemed_per_uid");
+  close(c);
+  epd_attach_stats(&st);
+  ASSERT_EQ(st.refused[EPD_ATTACH_REFUSED_UID], 1);
+  ASSERT_EQ(st.refused[EPD_ATTACH_REFUSED_CAP], 0);
+  ASSERT_EQ(st.unredeemed, 2);
+  /* The bound in all (a reload lowering it below the uid's). */
+  epd_attach_set_limits(2, 10);
+  c = idle_conn();
+  pump(20);
+  ASSERT_EQ(refusal(c, msg, sizeof msg), EPD_ERR_BUSY);
+  ASSERT_STR_CONTAINS(msg, "daemon.max_unredeemed_conns");
+  close(c);
+  epd_attach_stats(&st);
+  ASSERT_EQ(st.refused[EPD_ATTACH_REFUSED_CAP], 1);
+  /* A client with a token is refused too while idle connections hold the slots; once one goes, it
+   * redeems, and a redeemed connection no longer counts. */
+  uint64_t id = attach_client(0);
+  uint8_t tok[EPD_TOKEN_BYTES];
+  ASSERT_OK(epd_attach_issue_token(id, 0, 0, tok));
+  job_t *j = make_job(id, tok);
+  run_job(j);
+  ASSERT_EQ(j->rep.status, EPD_ERR_BUSY);
+  close(a);
+  double end = mono_s() + 5;
+  do pump(5);
+  while (epd_attach_connections() != 1 && mono_s() < end);
+  j = make_job(id, tok);
+  j->keep_open = 1;
+  run_job(j);
+  ASSERT_EQ(j->rep.status, EPD_OK);
+  epd_attach_stats(&st);
+  ASSERT_EQ(st.unredeemed, 1);
+  ASSERT_EQ(epd_attach_connections(), 2);
+  int d = idle_conn();
+  pump(20);
+  epd_attach_stats(&st);
+  ASSERT_EQ(st.unredeemed, 2);
+  ASSERT_EQ(st.refused[EPD_ATTACH_REFUSED_CAP] + st.refused[EPD_ATTACH_REFUSED_UID], 3);
+  close(b);
+  close(d);
+  close(j->fd);
+  end = mono_s() + 5;
+  do pump(5);
+  while (epd_attach_connections() != 0 && mono_s() < end);
+  epd_attach_stats(&st);
+  ASSERT_EQ(st.unredeemed, 0);
+  epd_attach_fini();
+  pump(5);
+  epd_engine_destroy(teng);
+}
+
+EPD_TEST(attach_peer_not_allowed_refused_at_accept) {
+  setup();
+  epd_conf_t c;
+  char err[256], msg[256];
+  epd_conf_defaults(&c);
+  snprintf(c.allow_uids, sizeof c.allow_uids, "%u", (unsigned)getuid() + 12345);
+  ASSERT_OK(epd_access_init(&c, err, sizeof err));
+  for (int i = 0; i < 3; i++) {
+    int fd = idle_conn();
+    pump(20);
+    ASSERT_EQ(refusal(fd, msg, sizeof msg), EPD_ERR_PERMISSION);
+    ASSERT_STR_CONTAINS(msg, "is not allowed on this daemon");
+    close(fd);
+  }
+  epd_attach_stats_t st;
+  epd_attach_stats(&st);
+  ASSERT_EQ(st.refused[EPD_ATTACH_REFUSED_PEER], 3);
+  ASSERT_EQ(st.unredeemed, 0);
+  ASSERT_EQ(epd_attach_connections(), 0);
+  epd_access_fini();
+  epd_attach_fini();
+  pump(5);
+  epd_engine_destroy(teng);
+}
+
+/* Out of fds, the listener rests ACCEPT_PAUSE_MS (100 ms) between tries instead of spinning on a socket
+ * that stays readable, and takes the waiting connections once fds are back. */
+EPD_TEST(attach_out_of_fds_pauses_the_listener) {
+  setup();
+  enum { N = 12 };
+  int fds[N];
+  for (int i = 0; i < N; i++) fds[i] = idle_conn(); /* in the backlog: not accepted before the pump */
+  struct rlimit old, low;
+  ASSERT_OK(getrlimit(RLIMIT_NOFILE, &old));
+  int probe = dup(0); /* the lowest free fd: the limit leaves room for two more */
+  ASSERT(probe >= 0);
+  close(probe);
+  low = old;
+  low.rlim_cur = (rlim_t)probe + 2;
+  ASSERT_OK(setrlimit(RLIMIT_NOFILE, &low));
+  pump(350);
+  epd_attach_stats_t st;
+  epd_attach_stats(&st);
+  ASSERT_OK(setrlimit(RLIMIT_NOFILE, &old));
+  ASSERT_EQ(epd_attach_connections(), 2);
+  /* About one failed accept per 100 ms: 4 in 350 ms (a spinning loop would fail thousands of times). */
+  ASSERT_GE(st.accept_errors, 2);
+  ASSERT_LE(st.accept_errors, 6);
+  double end = mono_s() + 5;
+  do pump(5);
+  while (epd_attach_connections() != N && mono_s() < end);
+  ASSERT_EQ(epd_attach_connections(), N);
+  for (int i = 0; i < N; i++) close(fds[i]);
+  epd_attach_fini();
+  pump(5);
+  epd_engine_destroy(teng);
+}
+
+EPD_TEST(log_ratelimit_counts_and_paces) {
+  epd_log_init(EPD_LOG_INFO, EPD_SUB_ALL, 0);
+  epd_log_ratelimit_t rl = EPD_LOG_RATELIMIT_INITIALIZER(100);
+  int logged = 0;
+  for (int i = 0; i < 1000; i++)
+    logged += epd_log_ratelimited(&rl, EPD_LOG_INFO, EPD_SUB_ATTACH, "event %d", i);
+  ASSERT_EQ(logged, 1);
+  ASSERT_EQ(rl.suppressed, 999);
+  usleep(120 * 1000);
+  /* This one says "(1000 times since the last report)". */
+  ASSERT_EQ(epd_log_ratelimited(&rl, EPD_LOG_INFO, EPD_SUB_ATTACH, "event again"), 1);
+  ASSERT_EQ(rl.suppressed, 0);
+  ASSERT_EQ(epd_log_ratelimited(&rl, EPD_LOG_INFO, EPD_SUB_ATTACH, "event again"), 0);
 }

@@ -1,7 +1,8 @@
 /*
  * test_client.c - libepd against a real daemon (host backend) started by the test: argument checks
  * with messages naming the argument, attach errors, info and buffers, a two-rank step from two
- * threads, and EPD_ERR_CLOSED when the daemon dies mid-wait. Skips if the daemon is not built.
+ * threads, EPD_ERR_CLOSED when the daemon dies mid-wait or none listens, EPD_ERR_PERMISSION naming the
+ * uid when daemon.allow_uids leaves it out. Skips if the daemon is not built.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -24,8 +25,9 @@ static double now_s(void) {
   return ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
-/* Start epd with the host backend and 2 ranks; returns its pid once both sockets exist. */
-static pid_t daemon_up(void) {
+/* Start epd with the host backend, 2 ranks and one more "-o KEY=VALUE" (NULL: none); returns its pid
+ * once both sockets exist. */
+static pid_t daemon_up_with(const char *extra) {
   char epd[300], attach[300], logp[300];
   snprintf(epd, sizeof epd, "%s/bin/epd", epd_test_build_dir());
   if (access(epd, X_OK)) epd_test_skip("%s is not built", epd);
@@ -36,7 +38,7 @@ static pid_t daemon_up(void) {
   if (pid == 0) {
     freopen(logp, "w", stderr);
     execl(epd, epd, "-f", "-s", sock_path, "-o", "engine.backend=host", "-o", "engine.num_ranks=2", "-o",
-          "engine.step_timeout_ms=3000", "-o", attach, (char *)NULL);
+          "engine.step_timeout_ms=3000", "-o", attach, extra ? "-o" : (char *)NULL, extra, (char *)NULL);
     _exit(127);
   }
   ASSERT_GT(pid, 0);
@@ -51,6 +53,8 @@ static pid_t daemon_up(void) {
   }
   return pid;
 }
+
+static pid_t daemon_up(void) { return daemon_up_with(NULL); }
 
 static epd_conn_t *conn_up(void) {
   epd_connect_opts_t co = EPD_CONNECT_OPTS_INITIALIZER;
@@ -99,9 +103,10 @@ EPD_TEST(client_connect_errors) {
   co.timeout_ms = 500;
   epd_conn_t *c = (epd_conn_t *)1;
   epd_result_t rc = epd_connect(&co, &c);
-  ASSERT_NE(rc, EPD_OK);
+  ASSERT_EQ(rc, EPD_ERR_CLOSED);
   ASSERT(c == NULL);
-  ASSERT(strlen(epd_conn_last_error(NULL)) > 0);
+  ASSERT_STR_CONTAINS(epd_conn_last_error(NULL), "no daemon listens there");
+  ASSERT_STR_CONTAINS(epd_conn_last_error(NULL), p);
   epd_connect_opts_t bad = co;
   bad.magic = 0;
   ASSERT_EQ(epd_connect(&bad, &c), EPD_ERR_INVALID);
@@ -259,4 +264,31 @@ EPD_TEST(client_daemon_death_is_closed) {
   waitpid(killer, NULL, 0);
   waitpid(d, NULL, 0);
   epd_detach(ep); /* no daemon: local resources are still released */
+  /* The killed daemon left its socket file: a new connect says that nobody listens there. */
+  epd_connect_opts_t co = EPD_CONNECT_OPTS_INITIALIZER;
+  co.socket_path = sock_path;
+  epd_conn_t *c2 = NULL;
+  ASSERT_EQ(epd_connect(&co, &c2), EPD_ERR_CLOSED);
+  ASSERT_STR_CONTAINS(epd_conn_last_error(NULL), "no daemon listens at");
+  ASSERT_STR_CONTAINS(epd_conn_last_error(NULL), sock_path);
+  ASSERT_STR_CONTAINS(epd_conn_last_error(NULL), "Connection refused");
+}
+
+/* A uid outside daemon.allow_uids gets EPD_ERR_PERMISSION naming it, not a dropped connection. */
+EPD_TEST(client_refused_uid_is_permission) {
+  char extra[64];
+  snprintf(extra, sizeof extra, "daemon.allow_uids=%u", getuid() == 12345 ? 12346u : 12345u);
+  pid_t d = daemon_up_with(extra);
+  epd_connect_opts_t co = EPD_CONNECT_OPTS_INITIALIZER;
+  co.socket_path = sock_path;
+  epd_conn_t *c = NULL;
+  ASSERT_EQ(epd_connect(&co, &c), EPD_ERR_PERMISSION);
+  ASSERT(c == NULL);
+  char want[96];
+  snprintf(want, sizeof want, "uid %u gid %u is not allowed on this daemon", (unsigned)getuid(),
+           (unsigned)getgid());
+  ASSERT_STR_CONTAINS(epd_conn_last_error(NULL), want);
+  ASSERT_STR_CONTAINS(epd_conn_last_error(NULL), "PERMISSION_DENIED");
+  kill(d, SIGTERM);
+  waitpid(d, NULL, 0);
 }

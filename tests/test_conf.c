@@ -142,6 +142,16 @@ EPD_TEST(conf_file_errors_name_line) {
   ASSERT_EQ(epd_conf_load(&c, p, 0, err, sizeof err), -1);
   ASSERT_STR_CONTAINS(err, "syntax error at line 2");
 
+  /* A broken section header is the error, not the key after it that it leaves outside [engine]. */
+  p = write_file("c2.conf", "[engine\nnum_ranks = 2\n");
+  ASSERT_EQ(epd_conf_load(&c, p, 0, err, sizeof err), -1);
+  ASSERT_STR_CONTAINS(err, "syntax error at line 1");
+  ASSERT_EQ(epd_conf_load_text(&c, "[log]\nlevel = info\n[engine\nnum_ranks = 2\n", 41, err, sizeof err), -1);
+  ASSERT_STR_CONTAINS(err, "syntax error at line 3");
+  /* The handler's refusal stays the error when it comes first. */
+  ASSERT_EQ(epd_conf_load_text(&c, "[engine]\nbogus = 1\n[log\n", 24, err, sizeof err), -1);
+  ASSERT_STR_CONTAINS(err, "unknown key 'engine.bogus' at line 2");
+
   p = write_file("d.conf", "[engine]\nbogus = 3\n");
   ASSERT_EQ(epd_conf_load(&c, p, 0, err, sizeof err), -1);
   ASSERT_STR_CONTAINS(err, "unknown key 'engine.bogus' at line 2");

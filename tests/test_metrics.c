@@ -81,7 +81,7 @@ static double sample(const char *text, const char *prefix) {
 EPD_TEST(metrics_text_values) {
   synth_t s;
   synth_init(&s);
-  epd_daemon_info_t info = {"0.1.0", "ready", 12345, 1, "daemon.x = 1\n"};
+  epd_daemon_info_t info = {"0.1.0", "ready", 12345, 1, "daemon.x = 1\n", {2, {3, 4, 5}, 6}};
   char *text = NULL;
   size_t len = 0;
   ASSERT_OK(epd_metrics_text(&s.snap, &info, &text, &len));
@@ -105,6 +105,11 @@ EPD_TEST(metrics_text_values) {
   ASSERT_NEAR(sample(text, "epd_clients"), 1, 0);
   ASSERT_NEAR(sample(text, "epd_draining"), 0, 0);
   ASSERT_NEAR(sample(text, "epd_uptime_seconds"), 12.345, 1e-6);
+  ASSERT_NEAR(sample(text, "epd_attach_unredeemed_connections"), 2, 0);
+  ASSERT_NEAR(sample(text, "epd_attach_refused_total{reason=\"cap\"}"), 3, 0);
+  ASSERT_NEAR(sample(text, "epd_attach_refused_total{reason=\"uid\"}"), 4, 0);
+  ASSERT_NEAR(sample(text, "epd_attach_refused_total{reason=\"peer\"}"), 5, 0);
+  ASSERT_NEAR(sample(text, "epd_attach_accept_errors_total"), 6, 0);
   ASSERT_NEAR(sample(text, "epd_rank_buffer_bytes{rank=\"1\",device=\"-1\"}"), 1 << 25, 0);
   ASSERT_NEAR(sample(text, "epd_timeouts_total{rank=\"1\"}"), 1, 0);
   ASSERT_NEAR(sample(text, "epd_peer_wait_seconds_total{rank=\"0\",peer=\"1\"}"), 1.5, 1e-9);
@@ -125,7 +130,7 @@ EPD_TEST(metrics_promtool_check) {
   if (access("/usr/bin/promtool", X_OK) != 0) epd_test_skip("promtool not installed");
   synth_t s;
   synth_init(&s);
-  epd_daemon_info_t info = {"0.1.0", "draining", 1, 0, NULL};
+  epd_daemon_info_t info = {"0.1.0", "draining", 1, 0, NULL, {1, {1, 2, 3}, 4}};
   s.snap.draining = 1;
   char *text = NULL;
   ASSERT_OK(epd_metrics_text(&s.snap, &info, &text, NULL));
@@ -171,7 +176,7 @@ EPD_TEST(metrics_empty_snapshot) {
 EPD_TEST(metrics_status_roundtrip) {
   synth_t s;
   synth_init(&s);
-  epd_daemon_info_t info = {"0.1.0", "ready", 777, 1, "engine.backend = host\n"};
+  epd_daemon_info_t info = {"0.1.0", "ready", 777, 1, "engine.backend = host\n", {0, {0, 0, 0}, 0}};
   Epd__V1__StatusReply *st = NULL;
   ASSERT_OK(epd_metrics_status(&s.snap, &info, &st));
   size_t n = protobuf_c_message_get_packed_size(&st->base);

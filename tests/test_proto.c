@@ -9,11 +9,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 #include <uv.h>
 
+#include "access.h"
 #include "attach.h"
 #include "conf.h"
 #include "engine.h"
@@ -407,10 +411,11 @@ EPD_TEST(rpc_bad_requests) {
     ASSERT_EQ(r, EPD_ERR_PROTOCOL);
     ASSERT_STR_CONTAINS(err, "FAILED_PRECONDITION");
     ASSERT_STR_CONTAINS(err, "client speaks 2, daemon speaks 1");
-    /* An empty request means protocol_version 0. */
+    /* An empty request means protocol_version 0, read as the current version: whatever the method then
+     * says, it is not a protocol refusal. */
     r = epd_rpc_call_raw(rpc, path, "", 0, NULL, NULL, err, sizeof err);
-    ASSERT_EQ(r, EPD_ERR_PROTOCOL);
-    ASSERT_STR_CONTAINS(err, "client speaks 0");
+    if (r == EPD_ERR_PROTOCOL)
+      epd_test_fail(__FILE__, __LINE__, "%s with protocol_version 0: %s", methods[i], err);
   }
   /* Watch checks its request the same way before it streams anything. */
   Epd__V1__WatchRequest wq = EPD__V1__WATCH_REQUEST__INIT;
@@ -430,6 +435,58 @@ EPD_TEST(rpc_bad_requests) {
   protobuf_c_message_free_unpacked(&s->base, NULL);
   epd_rpc_close(rpc);
   server_stop();
+}
+
+/* A peer outside daemon.allow_uids is told why (PERMISSION_DENIED naming its uid, answered by the accept
+ * thread in HTTP/2), not dropped as if no daemon listened; a peer that does not speak HTTP/2 gets a line. */
+EPD_TEST(rpc_refused_peer_told_why) {
+  epd_conf_t ac;
+  char err[512], want[128];
+  epd_conf_defaults(&ac);
+  snprintf(ac.allow_uids, sizeof ac.allow_uids, "%u", getuid() == 12345 ? 12346u : 12345u);
+  ASSERT_OK(epd_access_init(&ac, err, sizeof err));
+  server_start();
+  epd_rpc_t *rpc = client();
+  snprintf(want, sizeof want, "uid %u gid %u is not allowed on this daemon (daemon.allow_uids/allow_gids)",
+           (unsigned)getuid(), (unsigned)getgid());
+  /* Each answer ends its connection (GOAWAY): the next call is refused on a new one, told the same. */
+  for (int i = 0; i < 3; i++) {
+    Epd__V1__GetStatusRequest q = EPD__V1__GET_STATUS_REQUEST__INIT;
+    q.protocol_version = EPD_PROTOCOL_VERSION;
+    ProtobufCMessage *rep = NULL;
+    ASSERT_EQ(epd_rpc_call(rpc, "/epd.v1.Control/GetStatus", &q.base, &epd__v1__status_reply__descriptor,
+                           &rep, err, sizeof err),
+              EPD_ERR_PERMISSION);
+    ASSERT(rep == NULL);
+    ASSERT_STR_CONTAINS(err, "GetStatus: PERMISSION_DENIED: ");
+    ASSERT_STR_CONTAINS(err, want);
+  }
+  Epd__V1__WatchRequest wq = EPD__V1__WATCH_REQUEST__INIT;
+  wq.protocol_version = EPD_PROTOCOL_VERSION;
+  ASSERT_EQ(epd_rpc_stream(rpc, "/epd.v1.Control/Watch", &wq.base, &epd__v1__event__descriptor, NULL, NULL,
+                           5000, err, sizeof err),
+            EPD_ERR_PERMISSION);
+  ASSERT_STR_CONTAINS(err, want);
+  epd_rpc_close(rpc);
+  /* Not HTTP/2: the reason as one text line, then the hang-up. */
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  ASSERT(strlen(srv.sock) < sizeof sa.sun_path);
+  memcpy(sa.sun_path, srv.sock, strlen(srv.sock) + 1);
+  struct timeval tv = {5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ASSERT_OK(connect(fd, (struct sockaddr *)&sa, sizeof sa));
+  ASSERT_EQ(send(fd, "hello\n", 6, MSG_NOSIGNAL), 6);
+  char line[512] = "";
+  size_t got = 0;
+  for (ssize_t n; got < sizeof line - 1 && (n = recv(fd, line + got, sizeof line - 1 - got, 0)) > 0;)
+    got += (size_t)n;
+  line[got] = 0;
+  close(fd);
+  ASSERT_STR_CONTAINS(line, "epd: ");
+  ASSERT_STR_CONTAINS(line, want);
+  server_stop();
+  epd_access_fini();
 }
 
 typedef struct watch_arg {

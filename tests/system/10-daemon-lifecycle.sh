@@ -57,6 +57,8 @@ out=$("$EPD" -c "$T/epd.conf" -o engine.max_tokens=128 --check-config 2>&1) || f
 echo "$out" | grep -qx "engine.backend = host" || fail "check-config output: $out"
 echo "$out" | grep -qx "engine.max_tokens = 128" || fail "-o not applied: $out"
 echo "$out" | grep -qx "daemon.control_socket = $T/run/control.sock" || fail "socket path: $out"
+# The attach socket is left empty in the file: the resolved path is shown, not "".
+echo "$out" | grep -qx "daemon.attach_socket = $T/run/attach.sock" || fail "attach socket path: $out"
 
 # --- start, sockets, reload -----------------------------------------------------------------------
 "$EPD" -c "$T/epd.conf" -f 2> "$LOG" &

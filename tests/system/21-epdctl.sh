@@ -93,6 +93,7 @@ grep -q '^epd_info{backend="host",mode="host-threads"' "$D/metrics.txt" || fail 
 out=$(ctl config) || fail "config"
 echo "$out" | grep -qx 'engine.num_ranks = 3' || fail "config num_ranks: $out"
 echo "$out" | grep -qx "daemon.control_socket = $SOCK" || fail "config control_socket: $out"
+echo "$out" | grep -qx "daemon.attach_socket = $(dirname "$SOCK")/attach.sock" || fail "config attach_socket: $out"
 ctl --json config | $PY -c 'import json,sys; c=json.load(sys.stdin); assert c["engine.backend"]=="host" and c["daemon.token_ttl_ms"]=="60000", c' \
   || fail "config --json"
 

@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """Malformed protobuf bytes on every method and a wrong protocol_version on every versioned one get a
-clear error (INVALID_ARGUMENT "malformed <Method>Request", FAILED_PRECONDITION naming both versions);
+clear error (INVALID_ARGUMENT "malformed <Method>Request", FAILED_PRECONDITION naming both versions); a
+request without protocol_version (0) is served as the current version;
 oversized messages and unknown methods are refused; the daemon still answers GetStatus afterwards."""
 import sys
 from pathlib import Path
@@ -62,13 +63,23 @@ try:
                 failures.append(f"{name} with {what}: {code} {details!r}")
         if name.startswith("Health"):
             continue
-        for v in (0, 2, 1000):
+        for v in (2, 1000):
             payload = epd_pb2.GetStatusRequest(protocol_version=v).SerializeToString()  # field 1 in every request
             code, details = call(ch, path, payload, streaming)
             n += 1
             if code != grpc.StatusCode.FAILED_PRECONDITION or f"client speaks {v}, daemon speaks 1" not in details:
                 failures.append(f"{name} with protocol_version {v}: {code} {details!r}")
         alive(ch)
+
+    # protocol_version left out (proto3's 0, what grpcurl and generic clients send) means the current one.
+    st = epd_grpc.ControlStub(ch).GetStatus(epd_pb2.GetStatusRequest(), timeout=5)
+    if st.state != "ready" or st.protocol_version != 1:
+        failures.append(f"GetStatus without protocol_version: {st}")
+    for name, payload in (("GetMetrics", epd_pb2.GetMetricsRequest()), ("GetExpertMap", epd_pb2.GetExpertMapRequest())):
+        code, details = call(ch, f"/epd.v1.Control/{name}", payload.SerializeToString(), False)
+        n += 1
+        if code == grpc.StatusCode.FAILED_PRECONDITION and "client speaks" in details:
+            failures.append(f"{name} without protocol_version: {code} {details!r}")
 
     # A request over max_message_bytes is refused by the transport, not parsed.
     big = epd_pb2.AttachRequest(protocol_version=1, client_name="x" * 100000).SerializeToString()

@@ -2,7 +2,8 @@
 # 51-epdctl-top: `epdctl top --iterations N --interval-ms MS` against a live host-backend daemon while two
 # epd-worker processes run steps: N frames, both ranks with their client and a rising op count (ops/s > 0),
 # a latency p50 for ll_dispatch, the attach events from Watch; the op counts of the last frame never
-# exceed what GetStatus reports afterwards. Bad arguments and a missing daemon fail with the right code.
+# exceed what GetStatus reports afterwards. On a terminal (a pty) q quits and restores the terminal.
+# Bad arguments and a missing daemon fail with the right code.
 set -u
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 B=${EPD_BUILD:-build}
@@ -77,6 +78,39 @@ assert ev and int(ev.group(1)) >= 2, "last frame: fewer than 2 events"
 for r in (0, 1):
     assert re.search(r"^  \S+ attach\s+group=top rank=%d " % r, last, re.M), "no attach event of rank %d" % r
 print("top: %d frames, %d busy, last ops %s" % (len(frames), busy, {k: v[1] for k, v in lr.items()}))
+PYEOF
+
+# On a terminal, q quits (no --iterations) and the terminal's settings come back; --help says so.
+"$B/bin/epdctl" --help | grep -q "q or Ctrl-C quits" || fail "--help does not say how to quit top"
+timeout 30 $PY - "$B/bin/epdctl" "$SOCK" <<'PYEOF' || fail "q on a terminal"
+import os, pty, select, subprocess, sys, termios, time
+master, slave = pty.openpty()
+before = termios.tcgetattr(slave)
+p = subprocess.Popen([sys.argv[1], "-s", sys.argv[2], "top", "--interval-ms", "200"], stdin=slave,
+                     stdout=slave, stderr=slave, close_fds=True)
+out = b""
+def drain(seconds):
+    global out
+    end = time.time() + seconds
+    while time.time() < end:
+        r, _, _ = select.select([master], [], [], 0.05)
+        if r:
+            try:
+                out += os.read(master, 65536)
+            except OSError:
+                return
+drain(0.3)
+while out.count(b"epd ") < 2 and p.poll() is None and len(out) < 10**6:
+    drain(0.2)
+assert p.poll() is None, "top ended by itself: %r" % out[-500:]
+os.write(master, b"q")
+deadline = time.time() + 5
+while p.poll() is None and time.time() < deadline:
+    drain(0.1)
+assert p.poll() == 0, "top did not quit on q (rc %s): %r" % (p.poll(), out[-500:])
+after = termios.tcgetattr(slave)
+assert after[3] & (termios.ICANON | termios.ECHO) == before[3] & (termios.ICANON | termios.ECHO), "terminal not restored"
+print("top: q quit after %d frames" % out.count(b"backend "))
 PYEOF
 
 # Argument and connection errors.

@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """Access control: a daemon whose allow list excludes our uid refuses control and attach connections
-(and logs pid/uid/gid); admin-only SetExpertMap and Drain are refused (PERMISSION_DENIED) for a
+(and logs pid/uid/gid), telling the client why (PERMISSION_DENIED / EPD_ERR_PERMISSION naming the uid, in
+Python gRPC, epdctl and libepd); admin-only SetExpertMap and Drain are refused (PERMISSION_DENIED) for a
 non-admin uid and allowed for a member (supplementary group) of daemon.admin_gid; max_pending_tokens
 bounds the unredeemed attaches (RESOURCE_EXHAUSTED). The non-admin part needs root (to run a client
 under another uid); it is skipped otherwise."""
@@ -47,9 +48,21 @@ try:
         pbg.ControlStub(ch).GetStatus(pb.GetStatusRequest(protocol_version=1), timeout=3)
         check(False, "control connection of a uid outside allow_uids refused")
     except grpc.RpcError as e:
-        check(e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED),
-              f"control connection of uid {ME} refused ({e.code()})")
+        # Told why, not dropped as if no daemon listened (UNAVAILABLE).
+        check(e.code() == grpc.StatusCode.PERMISSION_DENIED and
+              f"uid {ME} gid {os.getgid()} is not allowed on this daemon" in e.details(),
+              f"control connection of uid {ME} refused with PERMISSION_DENIED naming the uid "
+              f"({e.code()}: {e.details()})")
     ch.close()
+    # epdctl and libepd (epd-worker) say the same.
+    r = subprocess.run([str(epdtest.EPDCTL), "-s", d.sock, "status"], capture_output=True,
+                       text=True, timeout=30)
+    check(r.returncode == 1 and "PERMISSION_DENIED" in r.stderr and f"uid {ME} " in r.stderr,
+          f"epdctl of a refused uid names the refusal: rc {r.returncode} {r.stderr.strip()!r}")
+    r = subprocess.run([str(epdtest.BUILD / "bin" / "epd-worker"), "-s", d.sock, "-g", "g", "-r", "0", "-n", "2",
+                        "--steps", "1"], capture_output=True, text=True, timeout=30)
+    check(r.returncode != 0 and "EPD_ERR_PERMISSION" in r.stderr and f"uid {ME} " in r.stderr,
+          f"epd-worker of a refused uid gets EPD_ERR_PERMISSION: rc {r.returncode} {r.stderr.strip()!r}")
     check(wait_log(d, f"control connection refused: pid {os.getpid()} uid {ME} gid {os.getgid()}"),
           "refused control connection logged with pid/uid/gid")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
