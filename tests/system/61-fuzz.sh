@@ -1,6 +1,7 @@
 #!/bin/bash
 # 61-fuzz: the libFuzzer targets of tests/fuzz (RPC request decoding + validation + handling for every
-# method, the attach socket protocol, the configuration parser), built with clang + ASan by `make fuzz`,
+# method, the attach socket protocol, the configuration parser, the answer to refused control
+# connections), built with clang + ASan by `make fuzz`,
 # each run for a fixed time (EPD_FUZZ_SECONDS, default 15) over its seed corpus tests/fuzz/corpus/<t>,
 # with a fixed random seed (EPD_FUZZ_SEED, default 20261122; 0 = a new one each run, for exploring by
 # hand): a run then follows the same sequence of inputs, so CI tests a prefix of what was run before
@@ -18,7 +19,7 @@ clang -fsanitize=fuzzer,address "$T/probe.c" -o "$T/probe" > /dev/null 2>&1 ||
   { echo "skip: clang cannot link -fsanitize=fuzzer (libclang-rt-14-dev missing?)"; exit 77; }
 make --no-print-directory -s B="$B" fuzz > "$T/build.log" 2>&1 || { tail -30 "$T/build.log"; echo "FAIL: make fuzz"; exit 1; }
 rc=0
-for t in rpc attach conf; do
+for t in rpc attach conf refuse; do
   bin=$B/fuzz/bin/fuzz_$t
   mkdir -p "$T/corpus-$t" "$T/crash-$t"
   # Seeds first (also the regression inputs of earlier crashes), then fuzz for the fixed time.
