@@ -74,6 +74,10 @@ static const conf_key_t keys[] = {
     {"daemon.max_unredeemed_conns", CT_UINT, 1, 65536, "256", 1, F(max_unredeemed_conns), NULL,
      "attach-socket connections that have not sent their token yet, at once; one more is closed at accept "
      "(epd_attach_refused_total{reason=\"cap\"}); keep it well below the daemon's open-file limit"},
+    {"daemon.max_control_conns", CT_UINT, 1, 4096, "512", 0, F(max_control_conns), NULL,
+     "control connections (gRPC) open at once, all uids; more are answered RESOURCE_EXHAUSTED and closed"},
+    {"daemon.max_control_conns_per_uid", CT_UINT, 1, 4096, "128", 0, F(max_control_conns_per_uid), NULL,
+     "control connections open at once from one uid"},
     {"daemon.max_unredeemed_per_uid", CT_UINT, 1, 65536, "64", 1, F(max_unredeemed_per_uid), NULL,
      "the same bound for the connections of one uid (reason=\"uid\"), so that one user cannot hold them all"},
     {"daemon.allow_uids", CT_IDLIST, 0, 0, "", 0, F(allow_uids), "user",

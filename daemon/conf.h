@@ -25,6 +25,8 @@ typedef struct epd_conf {
   uint32_t max_watches;              /* server-streaming calls (Watch, Health.Watch) open at once */
   uint32_t max_unredeemed_conns;     /* attach connections without a token yet, at once (all uids) */
   uint32_t max_unredeemed_per_uid;   /* the same, per uid */
+  uint32_t max_control_conns;        /* control (gRPC) connections open at once, all uids */
+  uint32_t max_control_conns_per_uid; /* the same, per uid */
   char allow_uids[256];              /* comma list of users (ids or names) who may connect; "" = anyone */
   char allow_gids[256];              /* comma list of groups (primary or supplementary); "" = anyone */
   char admin_uids[256];              /* users allowed SetExpertMap/Drain (with root and the daemon's uid) */

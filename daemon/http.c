@@ -17,6 +17,7 @@
 #include <time.h>
 
 #include "attach.h"
+#include "rpc.h"
 #include "log.h"
 #include "metrics.h"
 
@@ -84,6 +85,7 @@ static char *metrics_text(size_t *len) {
   info.uptime_ms = (mono_ns() - h.start_ns) / 1000000ull;
   info.attach_connections = epd_attach_connections();
   epd_attach_stats(&info.attach);
+  info.control_connections = epd_rpc_control_conns(info.control_refused);
   info.config = cfg;
   char *text = NULL;
   r = epd_metrics_text(&snap, &info, &text, len);

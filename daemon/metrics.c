@@ -143,6 +143,15 @@ epd_result_t epd_metrics_text(const epd_engine_snap_t *snap, const epd_daemon_in
           "Failed accepts on the attach socket (out of fds or memory); the listener pauses after each.");
   sb_printf(&sb, "epd_attach_accept_errors_total %llu\n",
             (unsigned long long)(info ? info->attach.accept_errors : 0));
+  sb_head(&sb, "epd_control_connections", "gauge", "Open control (gRPC) connections, as counted at the last accept.");
+  sb_printf(&sb, "epd_control_connections %u\n", info ? info->control_connections : 0);
+  sb_head(&sb, "epd_control_refused_total", "counter",
+          "Control connections refused at accept: cap (daemon.max_control_conns), uid "
+          "(daemon.max_control_conns_per_uid).");
+  static const char *const creasons[2] = {"cap", "uid"};
+  for (int i = 0; i < 2; i++)
+    sb_printf(&sb, "epd_control_refused_total{reason=\"%s\"} %llu\n", creasons[i],
+              (unsigned long long)(info ? info->control_refused[i] : 0));
   sb_head(&sb, "epd_groups", "gauge", "EP groups.");
   sb_printf(&sb, "epd_groups %u\n", snap->ngroups);
 

@@ -23,6 +23,8 @@ typedef struct epd_daemon_info {
   unsigned attach_connections; /* live attach-socket connections */
   const char *config;          /* effective configuration text, or NULL */
   epd_attach_stats_t attach;   /* attach-socket refusals and accept errors (epd_attach_stats) */
+  uint64_t control_refused[2]; /* control connections refused at the cap: all uids, one uid (epd_rpc_refused) */
+  unsigned control_connections; /* control connections open (as last counted at an accept) */
 } epd_daemon_info_t;
 
 /* Name of an EPD_OP_* for labels ("ll_dispatch", ...); "none" for anything else. */

@@ -156,6 +156,9 @@ static struct {
   pthread_mutex_t cred_mu;
   struct ucred creds[1024];
   uint8_t cred_set[1024];
+  uint32_t max_ctl, max_ctl_uid; /* daemon.max_control_conns, _per_uid */
+  atomic_uint nctl_open;          /* control connections counted at the last accept */
+  atomic_ullong ctl_refused[2];   /* refused at the cap: all uids, one uid */
 } g = {.listen_fd = -1, .wake_fd = {-1, -1}, .cred_mu = PTHREAD_MUTEX_INITIALIZER};
 
 static uint64_t mono_ns(void) {
@@ -242,6 +245,7 @@ static epd_result_t take_snapshot(epd_engine_snap_t *snap, epd_daemon_info_t *in
   info->uptime_ms = (mono_ns() - g.start_ns) / 1000000ull;
   info->attach_connections = epd_attach_connections();
   epd_attach_stats(&info->attach);
+  info->control_connections = epd_rpc_control_conns(info->control_refused);
   if (g.hooks.config_dump) {
     *cfg = malloc(CONFIG_TEXT_MAX);
     if (*cfg) {
@@ -1149,6 +1153,37 @@ static int make_listener(char *err, size_t errlen) {
   return 0;
 }
 
+/* The control connections handed to gRPC, to bound them (daemon.max_control_conns, per uid). gRPC closes
+ * a connection's fd without telling: an entry counts while its fd is still open on the same socket (the
+ * same inode), checked at each accept. Accept thread only. */
+#define CTL_TRACK_MAX 4096
+typedef struct ctl_conn {
+  int fd;
+  ino_t ino;
+  uint32_t uid;
+} ctl_conn_t;
+static ctl_conn_t ctl_track[CTL_TRACK_MAX];
+static uint32_t nctl_track;
+
+/* Drop the entries whose fd gRPC closed; return how many are left from uid (all of them in *total). */
+static uint32_t ctl_count(uint32_t uid, uint32_t *total) {
+  uint32_t n = 0, mine = 0;
+  for (uint32_t i = 0; i < nctl_track; i++) {
+    struct stat st;
+    if (fstat(ctl_track[i].fd, &st) != 0 || st.st_ino != ctl_track[i].ino) continue;
+    mine += ctl_track[i].uid == uid;
+    ctl_track[n++] = ctl_track[i];
+  }
+  nctl_track = n;
+  *total = n;
+  return mine;
+}
+
+unsigned epd_rpc_control_conns(uint64_t refused[2]) {
+  for (int i = 0; i < 2; i++) refused[i] = atomic_load(&g.ctl_refused[i]);
+  return atomic_load(&g.nctl_open);
+}
+
 static void *accept_main(void *arg) {
   (void)arg;
   grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
@@ -1158,6 +1193,7 @@ static void *accept_main(void *arg) {
   /* After an accept that failed (out of fds or memory) the listener leaves the poll set until resume_ns,
    * as the attach socket's does: it stays readable while connections wait, so polling it would spin. */
   static epd_log_ratelimit_t accept_rl = EPD_LOG_RATELIMIT_INITIALIZER(1000);
+  static epd_log_ratelimit_t refuse_rl = EPD_LOG_RATELIMIT_INITIALIZER(1000);
   uint64_t resume_ns = 0;
   for (;;) {
     const uint64_t now = mono_ns();
@@ -1204,6 +1240,26 @@ static void *accept_main(void *arg) {
                  "daemon.allow_uids/allow_gids are set");
       epd_refuse_add(&refused, fd, GRPC_STATUS_PERMISSION_DENIED, EPD_ERR_PERMISSION, msg);
       continue;
+    }
+    {
+      uint32_t total, mine = ctl_count(have ? cr.uid : (uint32_t)-1, &total);
+      const int by_uid = mine >= g.max_ctl_uid, full = total >= g.max_ctl || total >= CTL_TRACK_MAX;
+      struct stat st;
+      if (by_uid || full || fstat(fd, &st) != 0) {
+        char msg[EPD_REFUSE_MSG_MAX];
+        if (by_uid)
+          snprintf(msg, sizeof msg, "uid %u has %u control connections open (daemon.max_control_conns_per_uid)",
+                   have ? (unsigned)cr.uid : 0u, mine);
+        else
+          snprintf(msg, sizeof msg, "%u control connections are open (daemon.max_control_conns)", total);
+        atomic_fetch_add(&g.ctl_refused[by_uid ? 1 : 0], 1);
+        epd_log_ratelimited(&refuse_rl, EPD_LOG_WARN, EPD_SUB_RPC, "control connection refused: %s", msg);
+        epd_refuse_add(&refused, fd, GRPC_STATUS_RESOURCE_EXHAUSTED, EPD_ERR_BUSY, msg);
+        atomic_store(&g.nctl_open, total);
+        continue;
+      }
+      ctl_track[nctl_track++] = (ctl_conn_t){fd, st.st_ino, have ? cr.uid : (uint32_t)-1};
+      atomic_store(&g.nctl_open, total + 1);
     }
     pthread_mutex_lock(&g.cred_mu);
     if (fd < (int)sizeof g.cred_set) {
@@ -1315,6 +1371,8 @@ int epd_rpc_init(const epd_conf_t *conf, epd_engine_t *eng, const epd_rpc_hooks_
   g.start_ns = mono_ns();
   g.watches = NULL;
   g.max_watches = conf->max_watches ? conf->max_watches : 256;
+  g.max_ctl = conf->max_control_conns ? conf->max_control_conns : 512;
+  g.max_ctl_uid = conf->max_control_conns_per_uid ? conf->max_control_conns_per_uid : 128;
   g.live_calls = 0;
 
   grpc_init();

@@ -23,6 +23,9 @@ typedef struct epd_rpc_hooks {
 } epd_rpc_hooks_t;
 
 /* Bind the control socket (conf->control_socket, mode and group applied) and start serving. */
+/* Control connections open (as counted at the last accept) and refused at the caps so far (out[0]: all uids,
+ * out[1]: one uid); any thread. */
+unsigned epd_rpc_control_conns(uint64_t refused[2]);
 int epd_rpc_init(const epd_conf_t *conf, epd_engine_t *eng, const epd_rpc_hooks_t *hooks, char *err,
                  size_t errlen);
 /* Shut down: stop accepting, cancel calls (Watch streams end), join the thread, remove the socket. */

@@ -81,7 +81,7 @@ static double sample(const char *text, const char *prefix) {
 EPD_TEST(metrics_text_values) {
   synth_t s;
   synth_init(&s);
-  epd_daemon_info_t info = {"0.1.0", "ready", 12345, 1, "daemon.x = 1\n", {2, {3, 4, 5}, 6}};
+  epd_daemon_info_t info = {"0.1.0", "ready", 12345, 1, "daemon.x = 1\n", {2, {3, 4, 5}, 6}, {7, 8}, 9};
   char *text = NULL;
   size_t len = 0;
   ASSERT_OK(epd_metrics_text(&s.snap, &info, &text, &len));
@@ -109,6 +109,9 @@ EPD_TEST(metrics_text_values) {
   ASSERT_NEAR(sample(text, "epd_attach_refused_total{reason=\"cap\"}"), 3, 0);
   ASSERT_NEAR(sample(text, "epd_attach_refused_total{reason=\"uid\"}"), 4, 0);
   ASSERT_NEAR(sample(text, "epd_attach_refused_total{reason=\"peer\"}"), 5, 0);
+  ASSERT_NEAR(sample(text, "epd_control_refused_total{reason=\"cap\"}"), 7, 0);
+  ASSERT_NEAR(sample(text, "epd_control_refused_total{reason=\"uid\"}"), 8, 0);
+  ASSERT_NEAR(sample(text, "epd_control_connections"), 9, 0);
   ASSERT_NEAR(sample(text, "epd_attach_accept_errors_total"), 6, 0);
   ASSERT_NEAR(sample(text, "epd_rank_buffer_bytes{rank=\"1\",device=\"-1\"}"), 1 << 25, 0);
   ASSERT_NEAR(sample(text, "epd_timeouts_total{rank=\"1\"}"), 1, 0);
@@ -130,7 +133,7 @@ EPD_TEST(metrics_promtool_check) {
   if (access("/usr/bin/promtool", X_OK) != 0) epd_test_skip("promtool not installed");
   synth_t s;
   synth_init(&s);
-  epd_daemon_info_t info = {"0.1.0", "draining", 1, 0, NULL, {1, {1, 2, 3}, 4}};
+  epd_daemon_info_t info = {"0.1.0", "draining", 1, 0, NULL, {1, {1, 2, 3}, 4}, {1, 2}, 3};
   s.snap.draining = 1;
   char *text = NULL;
   ASSERT_OK(epd_metrics_text(&s.snap, &info, &text, NULL));
@@ -176,7 +179,7 @@ EPD_TEST(metrics_empty_snapshot) {
 EPD_TEST(metrics_status_roundtrip) {
   synth_t s;
   synth_init(&s);
-  epd_daemon_info_t info = {"0.1.0", "ready", 777, 1, "engine.backend = host\n", {0, {0, 0, 0}, 0}};
+  epd_daemon_info_t info = {"0.1.0", "ready", 777, 1, "engine.backend = host\n", {0, {0, 0, 0}, 0}, {0, 0}, 0};
   Epd__V1__StatusReply *st = NULL;
   ASSERT_OK(epd_metrics_status(&s.snap, &info, &st));
   size_t n = protobuf_c_message_get_packed_size(&st->base);

@@ -274,9 +274,12 @@ static size_t hook_config(void *arg, char *buf, size_t len) {
   return epd_conf_dump(&srv.conf, buf, len);
 }
 
+static uint32_t srv_ctl_per_uid; /* daemon.max_control_conns_per_uid of the next server_start (0: default) */
+
 static void server_start(void) {
   char err[512] = "";
   epd_conf_defaults(&srv.conf);
+  if (srv_ctl_per_uid) srv.conf.max_control_conns_per_uid = srv_ctl_per_uid;
   snprintf(srv.sock, sizeof srv.sock, "%s/ctl/control.sock", epd_test_tmpdir());
   snprintf(srv.conf.control_socket, sizeof srv.conf.control_socket, "%s", srv.sock);
   snprintf(srv.conf.attach_socket, sizeof srv.conf.attach_socket, "%s/attach.sock", epd_test_tmpdir());
@@ -487,6 +490,51 @@ EPD_TEST(rpc_refused_peer_told_why) {
   ASSERT_STR_CONTAINS(line, want);
   server_stop();
   epd_access_fini();
+}
+
+/* A plain connection to the control socket (it counts as a control connection once accepted). */
+static int raw_connect(void) {
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  memcpy(sa.sun_path, srv.sock, strlen(srv.sock) + 1);
+  ASSERT_OK(connect(fd, (struct sockaddr *)&sa, sizeof sa));
+  return fd;
+}
+
+EPD_TEST(rpc_control_connections_bounded_per_uid) {
+  srv_ctl_per_uid = 3;
+  server_start();
+  srv_ctl_per_uid = 0;
+  char err[512];
+  int held[3];
+  for (int i = 0; i < 3; i++) held[i] = raw_connect();
+  usleep(200 * 1000); /* the accept thread takes them */
+  epd_rpc_t *rpc = client();
+  Epd__V1__GetStatusRequest q = EPD__V1__GET_STATUS_REQUEST__INIT;
+  ProtobufCMessage *rep = NULL;
+  ASSERT_EQ(epd_rpc_call(rpc, "/epd.v1.Control/GetStatus", &q.base, &epd__v1__status_reply__descriptor, &rep, err,
+                         sizeof err),
+            EPD_ERR_BUSY);
+  ASSERT_STR_CONTAINS(err, "RESOURCE_EXHAUSTED");
+  ASSERT_STR_CONTAINS(err, "control connections open (daemon.max_control_conns_per_uid)");
+  epd_rpc_close(rpc);
+  uint64_t refused[2];
+  epd_rpc_control_conns(refused);
+  ASSERT(refused[1] >= 1 && refused[0] == 0);
+  /* Once they are gone (gRPC closes its side when the peer hangs up), a new client is served. */
+  for (int i = 0; i < 3; i++) close(held[i]);
+  int ok = 0;
+  for (int t = 0; t < 50 && !ok; t++) {
+    usleep(100 * 1000);
+    rpc = client();
+    rep = NULL;
+    ok = epd_rpc_call(rpc, "/epd.v1.Control/GetStatus", &q.base, &epd__v1__status_reply__descriptor, &rep, err,
+                      sizeof err) == EPD_OK;
+    if (rep) protobuf_c_message_free_unpacked(rep, NULL);
+    epd_rpc_close(rpc);
+  }
+  if (!ok) epd_test_fail(__FILE__, __LINE__, "still refused after the held connections closed: %s", err);
+  server_stop();
 }
 
 typedef struct watch_arg {
