@@ -1,7 +1,7 @@
 #!/bin/bash
 # bench/ab.sh A B [ROUNDS] - a regression guard for the LL kernels: the quick LL benchmark (epd-bench with
 # EPD_BENCH_QUICK=1: dispatch and combine kernel p50, FP8 and BF16, at 128 tokens x 7168, top-8, 256 experts)
-# of two builds, run alternately ROUNDS times (default 6) in one session on the same GPU(s), so that both
+# of two builds, run alternately ROUNDS times (default 6) in one run on the same GPU(s), so that both
 # see the same clocks and neighbours. A and B are build or bundle directories (their bin/epd-bench). Prints
 # every round, then per figure: A's and B's median, the median of the paired differences B - A and their
 # spread (min..max), in µs and %. On a GPU per rank or with ranks sharing a GPU (then the figures guard

@@ -35,7 +35,7 @@ size_t epd_cluster_agreed_config(const epd_conf_t *conf, char *buf, size_t len);
 /* 1 when the rendezvous runs over mutual TLS (cluster.tls_ca, tls_cert and tls_key set, nodes > 1). */
 int epd_cluster_tls(const epd_conf_t *conf);
 /* The layout of the frames on the data links, one of the agreed keys: 2 since the map frames' arrays are
- * 8-byte aligned (session 17); a node of another layout is refused at the rendezvous. */
+ * 8-byte aligned; a node of another layout is refused at the rendezvous. */
 #define EPD_CLUSTER_LINK_FORMAT 2u
 /* --check-config: with nodes > 1, cluster.tls_* all set or none, and the PEM files readable (0), else -1. */
 int epd_cluster_check_tls(const epd_conf_t *conf, char *err, size_t errlen);

@@ -930,7 +930,7 @@ EPD_TEST(cluster_gin_line_every_local_rank) {
 /* A group removed on node 1 while node 0 steps on (its parts reach node 1, where the group is gone), then
  * node 0's clients leave too; the group made again on both nodes starts at step 0 with node 1 first: the
  * parts of later steps left from its earlier life are not taken as node 0 having skipped step 0 (the rule
- * that fails a step at once when a node's part of a later step is in; found in review, session 25). */
+ * that fails a step at once when a node's part of a later step is in; found in review). */
 EPD_TEST(cluster_group_made_again_everywhere_ignores_an_earlier_lifes_parts) {
   cluster_t cl;
   cluster_up(&cl, 8, 64, 2, 4, 2);
@@ -963,7 +963,7 @@ EPD_TEST(cluster_group_made_again_everywhere_ignores_an_earlier_lifes_parts) {
 
 /* The client of rank 3 (node 1) dies while rank 2 keeps the group there; node 0's clients then leave and
  * attach again: the group made again on node 0 hears at its creation that rank 3 has no client, and its
- * first step fails at once naming rank 3 (not after the step timeout naming rank 2; review, session 25). */
+ * first step fails at once naming rank 3 (not after the step timeout naming rank 2; review). */
 EPD_TEST(cluster_lost_rank_told_to_a_group_made_again_on_another_node) {
   cluster_t cl;
   cl_step_timeout_ms = 2000;

@@ -27,9 +27,8 @@ NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/l
 [ -d "$NCCL_LIB" ] && export LD_LIBRARY_PATH=$NCCL_LIB:${LD_LIBRARY_PATH:-}
 export EPD_LIBRARY=$LIB PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 # Only the two GPUs the test uses: on 4x H100 every process started CUDA on all four (a daemon's start to
-# its control socket took 1.0-2.05 s there against 0.8 s on 2x H100: session 14's daemon logs in
-# bench/results/raw/s14/), and the whole test took 108-229 s there against 40-67 s on 2 GPUs (sessions
-# 12-14). The parent's CPU reference check runs small torch ops one result at a time: cap its thread
+# its control socket took 1.0-2.05 s there against 0.8 s on 2x H100: the daemon logs in
+# bench/results/raw/s14/), and the whole test took 108-229 s there against 40-67 s on 2 GPUs. The parent's CPU reference check runs small torch ops one result at a time: cap its thread
 # pools, which size themselves to every vCPU of the machine. With both: 40-46 s on 4x H100 (75 s without,
 # same machine; bench/results/python_moe_env_h100x4_s15.txt).
 # With one GPU, only it (a list naming a GPU twice is not one CUDA takes), both ranks on it.

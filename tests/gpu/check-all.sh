@@ -1,6 +1,6 @@
 #!/bin/bash
 # check-all.sh - one GPU-machine call that checks a build end to end (every step under a timeout, so a hung
-# kernel costs minutes, not the session): the GPU tests (make gpu-test), the kernel tests under
+# kernel costs minutes, not the whole call): the GPU tests (make gpu-test), the kernel tests under
 # compute-sanitizer (quick list), the HT benchmark with every baseline and the LL benchmark. Results in
 # $OUT (default /tmp/epd-check): one file per step, env.txt (GPUs, driver, NCCL, date, commit). Runs on one
 # GPU (the ranks share it: NCCL 2.30 or later, NCCL_LIB) as on several.

@@ -303,7 +303,7 @@ EPD_TEST_T(gpu_ht_h4096_8192_tokens, 300) {
   T_.h.staging = 1;
   step(13, 3, 8192, 8000, 1, 0);
   T_.h.staging = 0;
-  /* the bulk-copy rings over several tiles per block (they faulted here before session 17) */
+  /* the bulk-copy rings over several tiles per block (they faulted here once) */
   T_.h.copy = EPD_K_HT_COPY_TMA;
   step(17, 4, 8192, 8192, 0, 0);
   T_.h.copy = EPD_K_HT_COPY_REG;
