@@ -420,7 +420,7 @@ epd_result_t epd_rpc_stream(epd_rpc_t *rpc, const char *method, const ProtobufCM
     } else {
       r = map_status(method, st, details, &trailing, err, errlen);
       if (st == GRPC_STATUS_UNAVAILABLE && r == EPD_ERR_CLOSED) /* the daemon never answered */
-      explain_unavailable(rpc, method, &r, err, errlen);
+        explain_unavailable(rpc, method, &r, err, errlen);
     }
   }
   grpc_byte_buffer_destroy(send);
