@@ -1373,6 +1373,9 @@ int epd_rpc_init(const epd_conf_t *conf, epd_engine_t *eng, const epd_rpc_hooks_
   g.max_watches = conf->max_watches ? conf->max_watches : 256;
   g.max_ctl = conf->max_control_conns ? conf->max_control_conns : 512;
   g.max_ctl_uid = conf->max_control_conns_per_uid ? conf->max_control_conns_per_uid : 128;
+  nctl_track = 0; /* a server made again in this process starts its counts afresh */
+  atomic_store(&g.nctl_open, 0);
+  for (int i = 0; i < 2; i++) atomic_store(&g.ctl_refused[i], 0);
   g.live_calls = 0;
 
   grpc_init();
