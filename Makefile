@@ -104,9 +104,15 @@ TESTS := $(B)/bin/epd-tests
 GPU_TESTS := $(B)/bin/epd-gpu-tests
 BENCH := $(B)/bin/epd-bench
 WORKER := $(B)/bin/epd-worker
+# Test hooks (fault injection, delays) exist only in objects built with -DEPD_TEST_HOOKS: the test binaries
+# link these before the engine library, whose own copies they replace; epd-faults is the daemon with them.
+EPD_FAULTS := $(B)/bin/epd-faults
+HOOK_C_SRCS := daemon/engine_host.c daemon/engine_net.c
+HOOK_C_OBJS := $(patsubst %.c,$(B)/obj-hooks/%.o,$(HOOK_C_SRCS))
+HOOK_CU_OBJS := $(if $(filter 1,$(WITH_CUDA)),$(B)/obj-hooks/kernels/ht.o)
 
 .PHONY: nccl-info all run test gpu-test gpu-sanitize gpu-check bench install dist clean deps format fuzz
-all: $(EPD) $(EPDCTL) $(LIBEPD) $(WORKER) $(TESTS) $(GPU_TESTS) $(B)/epd.pc
+all: $(EPD) $(EPDCTL) $(LIBEPD) $(WORKER) $(TESTS) $(GPU_TESTS) $(EPD_FAULTS) $(B)/epd.pc
 
 $(B)/obj/gen/%.o: $(B)/gen/%.c $(GEN_H)
 	$(call msg,CC,$<)
@@ -117,6 +123,13 @@ $(B)/obj/%.o: %.c $(GEN_H)
 $(B)/obj/%.o: %.cu
 	$(call msg,NVCC,$<)
 	$(Q)mkdir -p $(@D) && $(NVCC) $(NVCCFLAGS) -c $< -o $@
+$(B)/obj-hooks/%.o: %.c $(GEN_H)
+	$(call msg,CC,$< '(test hooks)')
+	$(Q)mkdir -p $(@D) && $(CC) $(CFLAGS_ALL) -DEPD_TEST_HOOKS -c $< -o $@
+$(B)/obj-hooks/%.o: %.cu
+	$(call msg,NVCC,$< '(test hooks)')
+	$(Q)mkdir -p $(@D) && $(NVCC) $(NVCCFLAGS) -DEPD_TEST_HOOKS -c $< -o $@
+$(call obj,$(TEST_SRCS) $(GPU_TEST_SRCS)): CFLAGS_ALL += -DEPD_TEST_HOOKS
 
 # The daemon also speaks to other daemons as a gRPC client (cluster rendezvous): rpc_client is shared.
 $(ENGINE_LIB): $(DAEMON_OBJS) $(call obj,client/rpc_client.c) $(KERNEL_OBJS) $(GEN_OBJS)
@@ -136,10 +149,13 @@ $(EPD): $(call obj,$(DAEMON_MAIN)) $(ENGINE_LIB)
 $(EPDCTL): $(call obj,client/epdctl.c) $(LIBEPD_A)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) -ldl -lm
-$(TESTS): $(call obj,$(TEST_SRCS)) $(ENGINE_LIB) $(LIBEPD_A)
+$(EPD_FAULTS): $(call obj,$(DAEMON_MAIN)) $(HOOK_C_OBJS) $(ENGINE_LIB)
+	$(call msg,LD,$@)
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -lm
+$(TESTS): $(call obj,$(TEST_SRCS)) $(HOOK_C_OBJS) $(ENGINE_LIB) $(LIBEPD_A)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
-$(GPU_TESTS): $(call obj,$(GPU_TEST_SRCS) tests/runner_lib.c) $(ENGINE_LIB) $(LIBEPD_A)
+$(GPU_TESTS): $(call obj,$(GPU_TEST_SRCS) tests/runner_lib.c) $(HOOK_C_OBJS) $(HOOK_CU_OBJS) $(ENGINE_LIB) $(LIBEPD_A)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
 $(WORKER): $(call obj,tests/tools/epd-worker.c) $(ENGINE_LIB) $(LIBEPD_A)
@@ -174,7 +190,7 @@ $(BENCH_DOORBELL): bench/queue/doorbell.cu
 
 # The HT kernel benchmark (in-process, 2 GPUs; bench/ht/bench_ht.c).
 BENCH_HT := $(B)/bin/epd-bench-ht
-$(BENCH_HT): $(call obj,bench/ht/bench_ht.c) $(ENGINE_LIB) $(LIBEPD_A)
+$(BENCH_HT): $(call obj,bench/ht/bench_ht.c) $(B)/obj/bench/ht/bench_kernels.o $(ENGINE_LIB) $(LIBEPD_A)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
 $(B)/epd.pc: client/epd.pc.in
@@ -240,4 +256,4 @@ format:
 clean:
 	$(Q)rm -rf $(B)
 
--include $(shell find $(B)/obj -name '*.d' 2>/dev/null)
+-include $(shell find $(B)/obj $(B)/obj-hooks -name '*.d' 2>/dev/null)

@@ -112,6 +112,17 @@ static const conf_key_t keys[] = {
      "HT receive capacity in units of max_tokens; 0: num_ranks (never overflows)"},
     {"engine.ht_sms", CT_UINT, 1, 132, "24", 0, F(ht_sms), NULL,
      "SMs (one block each) of every HT dispatch/combine kernel of this node's GPUs (cuda; host: unused)"},
+    {"engine.ht_ce_split", CT_UINT, 1, 4, "1", 0, F(ht_ce_split), NULL,
+     "cuda: copies (copy-engine streams) per destination rank of a dense BF16 HT dispatch"},
+    {"engine.cuda_mode", CT_ENUM, 0, 0, "auto", 0, F(cuda_mode), "auto,launch,persistent",
+     "cuda: launch (a kernel per op, rank threads poll the queues), persistent (resident kernels serve the "
+     "queues; needs CUDA MPS to share the GPU with clients) or auto (persistent under MPS, else launch)"},
+    {"engine.ll_blocks", CT_UINT, 0, 256, "0", 0, F(ll_blocks), NULL,
+     "cuda: blocks of each LL kernel of a rank; 0: 128 in launch mode, 64 in persistent mode, divided by "
+     "the ranks that share a GPU"},
+    {"engine.idle_spin_ns", CT_UINT, 0, 1000000000, "0", 0, F(idle_spin_ns), NULL,
+     "cuda: rank threads keep polling without sleeping this long after the last op (lower latency for "
+     "a busy CPU core)"},
     {"engine.step_timeout_ms", CT_UINT, 1, 3600000, "10000", 0, F(step_timeout_ms), NULL,
      "a rank waiting longer than this for its peers fails the step with EPD_ERR_TIMEOUT"},
     {"engine.exit_on_failure", CT_UINT, 0, 1, "1", 1, F(exit_on_failure), NULL,

@@ -42,6 +42,10 @@ typedef struct epd_conf {
   uint32_t slots_factor_pct;         /* redundant-expert slots: 100 = none */
   uint32_t ht_capacity_factor;       /* HT receive capacity in units of max_tokens (0 = num_ranks) */
   uint32_t ht_sms;                   /* blocks (one per SM) of each HT data kernel (cuda) */
+  uint32_t ht_ce_split;              /* copies per dest rank of a copy-engine HT dispatch (cuda) */
+  char cuda_mode[16];                /* "auto", "launch", "persistent" (cuda) */
+  uint32_t ll_blocks;                /* blocks of each LL kernel, per rank (cuda; 0: the mode's default) */
+  uint32_t idle_spin_ns;             /* rank threads spin this long after activity before sleeping (cuda) */
   uint32_t step_timeout_ms;
   uint32_t exit_on_failure;          /* 1: drain and exit 1 after an engine failure (restart by systemd) */
   uint32_t max_groups, max_clients_per_rank;

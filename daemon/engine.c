@@ -481,9 +481,6 @@ epd_result_t epd_engine_create(const epd_engine_opts_t *opts, epd_engine_event_f
   }
   eng->o.backend = NULL; /* the caller's string may not outlive us */
   if (!eng->o.step_timeout_ms) eng->o.step_timeout_ms = 10000;
-  /* Fault injection for the health/failure tests: the engine fails at this step of any group. */
-  const char *fail_at = getenv("EPD_TEST_FAIL_AT_STEP");
-  eng->fail_at_step = fail_at ? strtoull(fail_at, NULL, 10) : 0;
   if (!eng->o.slots_factor_pct) eng->o.slots_factor_pct = 100;
   if (!eng->o.max_groups) eng->o.max_groups = 16;
   if (!eng->o.max_clients_per_rank) eng->o.max_clients_per_rank = 16;

@@ -32,6 +32,10 @@ typedef struct epd_engine_opts {
   uint32_t slots_factor_pct; /* slots per rank = ceil(num_experts/num_ranks * pct/100) (redundancy) */
   uint32_t ht_capacity_factor; /* HT receive capacity = max_tokens * num_ranks (if 0) or this * max_tokens */
   uint32_t ht_sms;             /* cuda: blocks (one per SM) of each HT data kernel; 0: the kernels' default */
+  uint32_t ht_ce_split;        /* cuda: copies per dest rank of a copy-engine HT dispatch; 0: the default */
+  const char *cuda_mode;       /* cuda: "launch", "persistent" or "auto"/NULL (persistent under MPS) */
+  uint32_t ll_blocks;          /* cuda: blocks of each LL kernel per rank; 0: the mode's default / sharing */
+  uint64_t idle_spin_ns;       /* cuda: rank threads spin this long after activity before sleeping */
   uint32_t max_groups;
   uint32_t max_clients_per_rank;
   uint64_t max_arena_bytes; /* per client */

@@ -19,7 +19,7 @@
  * kernel's epd_comp_t. A group's NCCL window and device communicator are created with its first client
  * (collective over the node-local communicator of cuda_comm.c, which runs a thread per GPU).
  *
- * "persistent" mode (under CUDA MPS, or EPD_CUDA_MODE=persistent; EPD_CUDA_MODE=launch turns it off):
+ * "persistent" mode (under CUDA MPS, or engine.cuda_mode = persistent; launch turns it off):
  * a group whose every rank has a live client and that is in steady state runs its LL ops in persistent
  * kernels, one per (group, rank) on a stream of its own, each serving that rank's client queue
  * (epd_k_ll_persistent_launch): the kernels take SUBMITTED slots, agree on each op across ranks, run it
@@ -62,7 +62,7 @@
 #define LONG_SLEEP_NS 200000
 #define IDLE_AFTER_NS 100000000ull
 #define LAUNCH_QUIET_NS 20000000ull /* 20 ms */
-#define EPD_CUDA_PERSIST_BLOCKS 64u /* LL blocks per group in persistent mode ($EPD_CUDA_LL_BLOCKS overrides) */
+#define EPD_CUDA_PERSIST_BLOCKS 64u /* LL blocks per group in persistent mode (engine.ll_blocks overrides) */
 
 enum { MODE_LAUNCH = 0, MODE_PERSISTENT = 1 };
 enum { PH_COLLECT = 0, PH_RUN = 1 };
@@ -219,8 +219,9 @@ typedef struct cuda_be {
   int ndev;
   epd_cc_t *cc;
   uint64_t timeout_ns; /* per kernel wait: the engine's step timeout */
-  uint64_t spin_ns;    /* rank threads spin without sleeping this long after activity ($EPD_CUDA_SPIN_NS) */
-  uint32_t ll_blocks;  /* LL kernel blocks of every group ($EPD_CUDA_LL_BLOCKS; 0: the kernels' default) */
+  uint64_t spin_ns;    /* rank threads spin without sleeping this long after activity (engine.idle_spin_ns) */
+  uint32_t ll_blocks;  /* LL kernel blocks of every group (engine.ll_blocks or the mode's default) */
+  uint32_t ht_ce_split; /* copies per dest rank of a copy-engine HT dispatch (engine.ht_ce_split; 0: default) */
   uint32_t ht_sms;     /* HT data kernel blocks of every group (engine.ht_sms; 0: the kernels' default) */
   int share;           /* the most ranks one GPU holds (1: a GPU per rank; up to 4 share one) */
   cuda_rank_t rank[EPD_MAX_RANKS];
@@ -370,7 +371,7 @@ static epd_result_t grank_setup(epd_cc_t *cc, int rank, void *argp) {
     epd_k_ht_geom_t hg = {.num_ranks = cg->g.num_ranks, .rank = (uint32_t)rank, .num_experts = cg->g.num_experts,
                           .hidden = cg->g.hidden, .topk = cg->g.topk, .max_tokens = cg->g.max_tokens,
                           .slots_per_rank = cg->g.slots_per_rank, .capacity = cg->g.ht_capacity,
-                          .blocks = a->be->ht_sms};
+                          .blocks = a->be->ht_sms, .ce_split = a->be->ht_ce_split};
     if ((rc = epd_k_ht_create(&hg, epd_cc_lsa(cc, rank), cg->hwin.win[rank], cg->hwin.ptr[rank], 0, &gr->kh, err,
                               errlen)))
       return rc;
@@ -852,7 +853,7 @@ static int pers_eligible(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
     if ((long)G + 1 > rk->president) { /* the op blocks and the controller block */
       if (!cg->pnofit_logged++)
         EPD_LOGW(EPD_SUB_CUDA, "group %s stays in launch mode: its persistent kernel (%u blocks + 1) would not be "
-                 "resident on GPU %d (%ld blocks at once; EPD_CUDA_LL_BLOCKS sets the blocks)", cg->name, G,
+                 "resident on GPU %d (%ld blocks at once; engine.ll_blocks sets the blocks)", cg->name, G,
                  rk->device, rk->president);
       return 0;
     }
@@ -1359,7 +1360,7 @@ static void *rank_main(void *arg) {
       continue;
     }
     if (++idle_polls < SPIN_POLLS) continue;
-    /* $EPD_CUDA_SPIN_NS: keep spinning (no sleep) this long after the last activity, so the next op
+    /* engine.idle_spin_ns: keep spinning (no sleep) this long after the last activity, so the next op
      * of a busy client is seen at once (a core per GPU while clients are active). */
     if (now - idle_since < be->spin_ns) continue;
     eng_sleep_ns(now - idle_since > IDLE_AFTER_NS ? LONG_SLEEP_NS : SHORT_SLEEP_NS);
@@ -1403,37 +1404,42 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
   be->ndev = eng->o.num_ranks;
   be->timeout_ns = (uint64_t)eng->o.step_timeout_ms * 1000000ull;
   be->mps = detect_mps(0);
-  const char *spin = getenv("EPD_CUDA_SPIN_NS");
-  be->spin_ns = spin ? strtoull(spin, NULL, 10) : 0;
-  const char *m = getenv("EPD_CUDA_MODE");
-  const char *lb = getenv("EPD_CUDA_LL_BLOCKS");
-  be->ll_blocks = lb ? (uint32_t)strtoul(lb, NULL, 10) : 0;
+  be->spin_ns = eng->o.idle_spin_ns;
+  be->ll_blocks = eng->o.ll_blocks;
+  const char *m = eng->o.cuda_mode && *eng->o.cuda_mode ? eng->o.cuda_mode : "auto";
+  if (strcmp(m, "auto") && strcmp(m, "launch") && strcmp(m, "persistent")) {
+    snprintf(err, errlen, "engine.cuda_mode \"%s\" unknown; allowed: auto, launch, persistent", m);
+    cuda_destroy(eng);
+    return EPD_ERR_INVALID;
+  }
   /* Persistent kernels under MPS: without it, the clients' own kernels (other processes, other
    * contexts) would only run in time slices next to kernels that never end. */
   be->mode = be->mps ? MODE_PERSISTENT : MODE_LAUNCH;
-  if (m && !strcmp(m, "launch")) be->mode = MODE_LAUNCH;
-  if (m && !strcmp(m, "persistent")) {
+  if (!strcmp(m, "launch")) be->mode = MODE_LAUNCH;
+  if (!strcmp(m, "persistent")) {
     be->mode = MODE_PERSISTENT;
     if (!be->mps)
-      EPD_LOGW(EPD_SUB_CUDA, "EPD_CUDA_MODE=persistent without CUDA MPS: client kernels share the GPU with "
+      EPD_LOGW(EPD_SUB_CUDA, "engine.cuda_mode = persistent without CUDA MPS: client kernels share the GPU with "
                "never-ending kernels only by time slicing");
   }
   if (be->mode == MODE_PERSISTENT && eng->o.nodes > 1) { /* the inter-node stage launches per step */
     EPD_LOGW(EPD_SUB_CUDA, "persistent mode is not used across nodes: launching per step");
     be->mode = MODE_LAUNCH;
   }
-  /* A persistent kernel keeps its SMs (one block per SM): by default it takes half of the launch mode's
-   * blocks, so a persistent group and a launched kernel fit together and the clients keep SMs. */
-  if (!lb && be->mode == MODE_PERSISTENT) be->ll_blocks = EPD_CUDA_PERSIST_BLOCKS;
   be->ht_sms = eng->o.ht_sms;
+  be->ht_ce_split = eng->o.ht_ce_split;
   /* Ranks that share a GPU share its SMs: the blocks of one rank's kernel wait for the other ranks'
    * blocks, so every rank's kernels must be resident at once. Each rank gets its share (the same on
-   * every rank of the node: the LL kernels need equal grids). */
+   * every rank of the node: the LL kernels need equal grids). engine.ll_blocks, when set, is already a
+   * rank's share. */
   be->share = epd_cc_share(be->ndev, eng->o.devices);
+  /* A persistent kernel keeps its SMs (one block per SM): by default it takes half of the launch mode's
+   * blocks, so a persistent group and a launched kernel fit together and the clients keep SMs. */
+  if (!be->ll_blocks)
+    be->ll_blocks = (be->mode == MODE_PERSISTENT ? EPD_CUDA_PERSIST_BLOCKS : EPD_K_LL_BLOCKS) / (uint32_t)be->share;
   if (be->share > 1) {
     int nsm = 0;
     cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, eng->o.devices[0]);
-    if (!lb) be->ll_blocks = (be->ll_blocks ? be->ll_blocks : EPD_K_LL_BLOCKS) / (uint32_t)be->share;
     const uint32_t sms = be->ht_sms ? be->ht_sms : EPD_K_HT_BLOCKS;
     if (nsm > 0 && sms * (uint32_t)be->share > (uint32_t)nsm) be->ht_sms = (uint32_t)nsm / (uint32_t)be->share;
   }
@@ -1477,7 +1483,7 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
            "LL blocks %u, HT SMs %u", be->ndev, (eng_now_ns() - t0) / 1e6,
            be->share > 1 ? "ranks share GPUs: NCCL multi-rank mode" : "a GPU per rank", be->mps ? "on" : "off",
            cuda_mode(eng),
-           (unsigned long long)be->spin_ns, be->ll_blocks ? be->ll_blocks : EPD_K_LL_BLOCKS,
+           (unsigned long long)be->spin_ns, be->ll_blocks,
            be->ht_sms ? be->ht_sms : EPD_K_HT_BLOCKS);
   for (int r = 0; r < be->ndev; r++) {
     cuda_rank_t *rk = &be->rank[r];

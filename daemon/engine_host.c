@@ -117,14 +117,26 @@ static void fail_step(epd_engine_t *eng, eng_group_t *grp, int status, int peer,
   finish_step(eng, grp, status, peer, grp->map.version, NULL, NULL);
 }
 
+#ifdef EPD_TEST_HOOKS
+/* Test builds only (the epd-faults daemon of the health/failure tests): $EPD_TEST_FAIL_AT_STEP makes the
+ * engine fail at that step of any group. */
+static void inject_fault(epd_engine_t *eng, const eng_group_t *grp) {
+  const char *at = getenv("EPD_TEST_FAIL_AT_STEP");
+  const uint64_t n = at ? strtoull(at, NULL, 10) : 0;
+  if (n && grp->steps + 1 >= n)
+    eng_fail(eng, "fault injected at step %llu of group %s ($EPD_TEST_FAIL_AT_STEP)",
+             (unsigned long long)grp->steps, grp->name);
+}
+#else
+static void inject_fault(epd_engine_t *eng, const eng_group_t *grp) {}
+#endif
+
 /* Execute a step all ranks have submitted. */
 static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
   const epd_ref_geom_t *g = &grp->g;
   uint32_t R = g->num_ranks;
   char why[256] = "";
-  if (eng->fail_at_step && grp->steps + 1 >= eng->fail_at_step)
-    eng_fail(eng, "fault injected at step %llu of group %s ($EPD_TEST_FAIL_AT_STEP)",
-             (unsigned long long)grp->steps, grp->name);
+  inject_fault(eng, grp);
   if (epd_engine_failure(eng)) {
     snprintf(why, sizeof why, "the engine failed: %s", epd_engine_failure(eng));
     return fail_step(eng, grp, EPD_ERR_INTERNAL, -1, why);

@@ -202,7 +202,6 @@ struct epd_engine {
    * the lock by epd_engine_failure. */
   _Atomic int failed;
   char failed_msg[256];
-  uint64_t fail_at_step; /* $EPD_TEST_FAIL_AT_STEP: fault injection for tests (0: off) */
 };
 
 extern const eng_backend_ops_t eng_host_ops;

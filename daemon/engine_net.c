@@ -95,7 +95,9 @@ struct epd_net {
   /* (engine mu) groups removed here (the newest 64): made again, one waits for the other nodes' step */
   char removed[64][EPD_GROUP_NAME_MAX];
   uint32_t removed_next;
-  _Atomic uint32_t weights_delay_ms; /* epd_net_test_weights_delay */
+#ifdef EPD_TEST_HOOKS
+  _Atomic uint32_t weights_delay_ms; /* epd_net_test_weights_delay (test builds) */
+#endif
   /* Restarted nodes: every node accepts a new link from a node whose link is down (accept_main); a node
    * that joined a running world (rejoined) makes every group as one made again (eng_net_group_created). */
   uint8_t secret[EPD_NET_SECRET_BYTES];
@@ -1656,9 +1658,11 @@ static wout_t *weights_retry(epd_engine_t *eng, eng_group_t *grp) {
   return head;
 }
 
+#ifdef EPD_TEST_HOOKS
 void epd_net_test_weights_delay(epd_net_t *net, uint32_t ms) {
   atomic_store(&net->weights_delay_ms, ms);
 }
+#endif
 
 static void wout_free(wout_t *w) {
   while (w) {
@@ -1730,8 +1734,10 @@ static void weights_read(epd_net_t *net, const char *group, wout_t *w) {
 
 /* Read, send and free (the control thread). */
 static void weights_send(epd_net_t *net, const char *group, wout_t *w) {
+#ifdef EPD_TEST_HOOKS
   const uint32_t delay = atomic_load(&net->weights_delay_ms);
   if (w && delay) usleep(delay * 1000u);
+#endif
   while (w) {
     wout_t *next = w->next;
     if (!w->m.status) weights_read(net, group, w);

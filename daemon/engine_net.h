@@ -75,9 +75,11 @@ int epd_net_node_dead(epd_net_t *net, uint32_t node, char *why, size_t len);
 void epd_net_links(epd_net_t *net, char *out, size_t len, uint64_t *down);
 /* Drop every queued frame of a group (it was removed). */
 void epd_net_drop_group(epd_net_t *net, const char *group);
-/* Tests: delay every send of expert weights to another node by this many ms (0: none), so that steps
- * run while the bytes are on their way. */
+#ifdef EPD_TEST_HOOKS
+/* Test builds: delay every send of expert weights to another node by this many ms (0: none), so that
+ * steps run while the bytes are on their way. */
 void epd_net_test_weights_delay(epd_net_t *net, uint32_t ms);
+#endif
 /* FNV-1a hash of an expert map (version and every replica): nodes compare maps by it. */
 struct epd_expert_map;
 uint64_t epd_net_map_hash(const struct epd_expert_map *m);

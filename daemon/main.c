@@ -378,7 +378,8 @@ int main(int argc, char **argv) {
       .backend = d.conf.backend, .num_ranks = (int)d.conf.num_ranks, .max_experts = d.conf.max_experts,
       .max_hidden = d.conf.max_hidden, .max_topk = d.conf.max_topk, .max_tokens = d.conf.max_tokens,
       .slots_factor_pct = d.conf.slots_factor_pct, .ht_capacity_factor = d.conf.ht_capacity_factor,
-      .ht_sms = d.conf.ht_sms, .gin_probe = d.conf.gin_probe,
+      .ht_sms = d.conf.ht_sms, .ht_ce_split = d.conf.ht_ce_split, .cuda_mode = d.conf.cuda_mode,
+      .ll_blocks = d.conf.ll_blocks, .idle_spin_ns = d.conf.idle_spin_ns, .gin_probe = d.conf.gin_probe,
       .max_groups = d.conf.max_groups, .max_clients_per_rank = d.conf.max_clients_per_rank,
       .max_arena_bytes = d.conf.max_arena_bytes, .step_timeout_ms = d.conf.step_timeout_ms};
   char eerr[1280] = "";

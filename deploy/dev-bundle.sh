@@ -13,7 +13,7 @@ if [ -e "$DIR" ] && [ ! -f "$DIR/.epd-dev-bundle" ]; then
   echo "deploy/dev-bundle.sh: $DIR exists and is not a tree this script made: not replacing it" >&2
   exit 1
 fi
-DIST_EXTRA_BINS="epd-gpu-tests epd-tests epd-bench epd-bench-r4 epd-bench-ht epd-bench-e2e epd-bench-map" \
+DIST_EXTRA_BINS="epd-gpu-tests epd-tests epd-faults epd-bench epd-bench-r4 epd-bench-ht epd-bench-e2e epd-bench-map" \
   B="$B" DIST_DIR=dist sh deploy/dist.sh "$VERSION" > /dev/null
 rm -rf "$DIR"
 mkdir -p "$DIR"

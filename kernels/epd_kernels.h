@@ -263,6 +263,7 @@ typedef struct epd_k_ht_geom {
   uint32_t slots_per_rank; /* S */
   uint32_t capacity;       /* C: receive rows per rank (overflow: EPD_ERR_OVERFLOW on every rank) */
   uint32_t blocks;         /* CUDA blocks (SMs) of the data kernels; 0: EPD_K_HT_BLOCKS */
+  uint32_t ce_split;       /* copies (streams) per dest rank of EPD_K_HT_COPY_CE, 1..4; 0: EPD_K_HT_CE_SPLIT */
 } epd_k_ht_geom_t;
 
 typedef struct epd_k_ht epd_k_ht_t;
@@ -321,35 +322,20 @@ typedef struct epd_k_ht_op {
  * (EPD_ERR_OVERFLOW, nothing copied), or a driver without stream memory operations runs as
  * EPD_K_HT_COPY_REG. */
 #define EPD_K_HT_COPY_CE 2u
-/* Copies (streams) per dest rank of EPD_K_HT_COPY_CE; $EPD_HT_CE_SPLIT (1..4) at epd_k_ht_create overrides. */
+/* Copies (streams) per dest rank of EPD_K_HT_COPY_CE by default (epd_k_ht_geom_t.ce_split sets it). */
 #define EPD_K_HT_CE_SPLIT 1
 /* Dispatches that moved their rows with the copy engines so far. */
 uint64_t epd_k_ht_ce_ops(const epd_k_ht_t *k);
-/* Tests only: from now on each copy-engine stream of k spins `us` microseconds (at most 60 s) before its
- * copy (0: none), so that its rows land late. */
+#ifdef EPD_TEST_HOOKS
+/* Test builds only: from now on each copy-engine stream of k spins `us` microseconds (at most 60 s) before
+ * its copy (0: none), so that its rows land late. */
 void epd_k_ht_test_ce_delay(epd_k_ht_t *k, uint32_t us);
+#endif
 
 /* Launch one HT op on `stream`: host checks return EPD_ERR_INVALID, launch failures EPD_ERR_CUDA;
  * device outcomes land in op->comp. */
 epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const epd_k_ht_op_t *op, void *stream,
                              char *err, size_t errlen);
-/* Benchmark helper: copy `bytes` (16-byte aligned) with a plain vector copy kernel on `blocks` blocks
- * (dst may be a peer GPU's memory with peer access enabled). */
-epd_result_t epd_k_copy(void *dst, const void *src, size_t bytes, uint32_t blocks, void *stream);
-/* The same through the bulk-copy engine (TMA, sm_90): one thread per block streams 32 KB chunks through
- * shared memory, `stages` (2..6) of them in flight. */
-epd_result_t epd_k_copy_tma(void *dst, const void *src, size_t bytes, uint32_t blocks, uint32_t stages, void *stream);
-/* Benchmark helpers of a copy-engine pipeline: gather rows idx[0..n) of src (row_bytes each) into dst in
- * order; when all rows of chunk c (chunk_rows rows) are written, flags[c] = seq (cnt[]: zeroed per run).
- * reduce2: out[idx[i]] = a[idx[i]] + b[i] (BF16 rows of `hidden`, f32 sum), rows of chunk c of b read
- * once flags[c] >= seq. */
-epd_result_t epd_k_pack_rows(void *dst, const void *src, const int32_t *idx, uint32_t n, uint32_t row_bytes,
-                             uint32_t chunk_rows, uint32_t *cnt, uint32_t *flags, uint32_t seq, uint32_t blocks,
-                             void *stream);
-epd_result_t epd_k_reduce2_rows(void *out, const void *a, const void *b, const int32_t *idx, uint32_t n,
-                                uint32_t hidden, uint32_t chunk_rows, const uint32_t *flags, uint32_t seq,
-                                uint32_t blocks, void *stream);
-
 #ifdef __cplusplus
 }
 #endif

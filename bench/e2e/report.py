@@ -143,13 +143,13 @@ def write_md(res, inproc, path, inproc_p=None, inproc_mps=None):
              "FP8 step %s µs, BF16 step %s µs.\n" % (kern("fp8", "d"), kern("fp8", "c"), kern("bf16", "d"),
                                                    kern("bf16", "c"), inproc_step("fp8"), inproc_step("bf16")))
     for cfg, title in (("nomps", "no MPS, default poll loop (spin 256 polls, then 2 µs sleeps)"),
-                       ("nomps-spin", "no MPS, EPD_CUDA_SPIN_NS=20000000 (rank threads do not sleep while busy)"),
-                       ("mps-spin", "CUDA MPS on, EPD_CUDA_SPIN_NS=20000000"),
-                       ("mps-launch", "CUDA MPS on, EPD_CUDA_MODE=launch (a kernel launch per op), EPD_CUDA_SPIN_NS=20000000"),
-                       ("mps-persist", "CUDA MPS on, EPD_CUDA_MODE=persistent (persistent kernels serve the queues, "
-                                       "64 blocks: the mode's default), EPD_CUDA_SPIN_NS=20000000"),
-                       ("mps-persist128", "CUDA MPS on, EPD_CUDA_MODE=persistent, EPD_CUDA_LL_BLOCKS=128 (the launch "
-                                          "mode's and in-process blocks), EPD_CUDA_SPIN_NS=20000000")):
+                       ("nomps-spin", "no MPS, engine.idle_spin_ns=20000000 (rank threads do not sleep while busy)"),
+                       ("mps-spin", "CUDA MPS on, engine.idle_spin_ns=20000000"),
+                       ("mps-launch", "CUDA MPS on, engine.cuda_mode=launch (a kernel launch per op), engine.idle_spin_ns=20000000"),
+                       ("mps-persist", "CUDA MPS on, engine.cuda_mode=persistent (persistent kernels serve the queues, "
+                                       "64 blocks: the mode's default), engine.idle_spin_ns=20000000"),
+                       ("mps-persist128", "CUDA MPS on, engine.cuda_mode=persistent, engine.ll_blocks=128 (the launch "
+                                          "mode's and in-process blocks), engine.idle_spin_ns=20000000")):
         c = res["configs"].get(cfg, {}).get("c")
         if not c:
             continue

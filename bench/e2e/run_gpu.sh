@@ -2,12 +2,12 @@
 # run_gpu.sh - one GPU-machine run of the end-to-end benchmarks (2 ranks), packed into $OUT/e2e-results.tgz:
 #   inproc/        epd-bench (bench_ll.c: kernel time, in-process end to end, NCCL baselines)
 #   nomps/         daemon backend=cuda without MPS, default poll loop: bench_e2e (C) + py_overhead (Python)
-#   nomps-spin/    (MOE=1) the same daemon with EPD_CUDA_SPIN_NS (rank threads never sleep while busy)
+#   nomps-spin/    (MOE=1) the same daemon with engine.idle_spin_ns (rank threads never sleep while busy)
 #   mps-spin/      under CUDA MPS (nvidia-cuda-mps-control -d, pipe/log dirs under /tmp), spin on: C + Python
 #   python-moe.txt (MOE=1) tests/gpu/60-python-moe.sh
 # PERSIST=1: inproc/, inproc-p/ (epd-bench with EPD_BENCH_BLOCKS=$PBLOCKS, default 64: the persistent
-#   mode's blocks), then under MPS mps-launch/ (EPD_CUDA_MODE=launch, 128 blocks) and mps-persist/
-#   (EPD_CUDA_MODE=persistent, EPD_CUDA_LL_BLOCKS=$PBLOCKS) and mps-persist128/ (persistent, 128 blocks),
+#   mode's blocks), then under MPS mps-launch/ (engine.cuda_mode=launch, 128 blocks) and mps-persist/
+#   (engine.cuda_mode=persistent, engine.ll_blocks=$PBLOCKS) and mps-persist128/ (persistent, 128 blocks),
 #   all spinning, C only (PY=1: Python too). Where the ranks share a GPU, these block counts are halved
 #   (the blocks of both ranks' persistent kernels must be resident at once).
 # With one GPU both ranks share it (the daemon gets engine.devices=0,0; the in-process benches do the
@@ -43,11 +43,11 @@ rm -f /dev/shm/epd-bench-e2e-* 2>/dev/null
 } > "$OUT/env.txt" 2>&1
 
 DPID=
-start_daemon() { # name [env assignments...]
+start_daemon() { # name [-o key=value...]
   local n=$1; shift
   mkdir -p "$WORK/$n" "$OUT/$n"
   SOCK=$WORK/$n/control.sock
-  env "$@" "$D/bin/epd" -s "$SOCK" -f -o engine.backend=cuda -o engine.num_ranks=2 -o engine.step_timeout_ms=5000 \
+  "$D/bin/epd" "$@" -s "$SOCK" -f -o engine.backend=cuda -o engine.num_ranks=2 -o engine.step_timeout_ms=5000 \
     ${DEVS:+-o engine.devices=$DEVS} -o daemon.attach_socket="$WORK/$n/attach.sock" -o daemon.drain_timeout_ms=2000 \
     2> "$OUT/$n/daemon.log" &
   DPID=$!
@@ -121,9 +121,9 @@ if [ "${PERSIST:-0}" = 1 ]; then
     echo "epd-bench under MPS rc $?"; tail -2 "$OUT/inproc-mps/log.txt"
     for m in launch persist persist128; do
       case $m in
-        launch) start_daemon mps-$m EPD_CUDA_MODE=launch EPD_CUDA_SPIN_NS=20000000 ;;
-        persist) start_daemon mps-$m EPD_CUDA_MODE=persistent EPD_CUDA_SPIN_NS=20000000 EPD_CUDA_LL_BLOCKS=$PB ;;
-        persist128) start_daemon mps-$m EPD_CUDA_MODE=persistent EPD_CUDA_SPIN_NS=20000000 EPD_CUDA_LL_BLOCKS=$FULL ;;
+        launch) start_daemon mps-$m -o engine.cuda_mode=launch -o engine.idle_spin_ns=20000000 ;;
+        persist) start_daemon mps-$m -o engine.cuda_mode=persistent -o engine.idle_spin_ns=20000000 -o engine.ll_blocks=$PB ;;
+        persist128) start_daemon mps-$m -o engine.cuda_mode=persistent -o engine.idle_spin_ns=20000000 -o engine.ll_blocks=$FULL ;;
       esac
       bench_c mps-$m "$ITERS"
       if [ "${PY:-0}" = 1 ]; then
@@ -146,7 +146,7 @@ stop_daemon
 
 if [ "${MOE:-0}" = 1 ]; then
   echo "== no MPS, spinning poll loop"
-  start_daemon nomps-spin EPD_CUDA_SPIN_NS=20000000
+  start_daemon nomps-spin -o engine.idle_spin_ns=20000000
   bench_c nomps-spin 20
   stop_daemon
   echo "== python moe layer"
@@ -156,7 +156,7 @@ fi
 
 echo "== MPS, spinning poll loop"
 if start_mps; then
-  start_daemon mps-spin EPD_CUDA_SPIN_NS=20000000
+  start_daemon mps-spin -o engine.idle_spin_ns=20000000
   bench_c mps-spin "$ITERS"
   py_overhead mps-spin
   stop_daemon

@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "../../tests/gpu/ht_harness.h"
+#include "bench_kernels.h"
 #include "ref.h"
 
 #define CUCK(e)                                                                                 \
@@ -448,7 +449,9 @@ int main(int argc, char **argv) {
   double reg_gbs[8][3] = {{0}}, dense_gbs[8][3] = {{0}}, ceil_gbs = 0;
   static const char *const opnames[3] = {"dispatch_bf16", "dispatch_fp8", "combine_bf16"};
   for (int bi = 0; bi < nb; bi++) {
-    epd_k_ht_geom_t g = {2, 0, E, H, K, M, S, C, blist[bi]};
+    /* EPD_BENCH_CE_SPLIT: copies per dest rank of the copy-engine path (engine.ht_ce_split in the daemon) */
+    const uint32_t ce_split = getenv("EPD_BENCH_CE_SPLIT") ? (uint32_t)atoi(getenv("EPD_BENCH_CE_SPLIT")) : 0;
+    epd_k_ht_geom_t g = {2, 0, E, H, K, M, S, C, blist[bi], ce_split};
     CK(hth_create(&h, 2, &g));
     CK(hth_set_map(&h, img));
     for (int r = 0; r < 2; r++) {

@@ -1,5 +1,5 @@
 #!/bin/bash
-# 56-persistent-cuda.sh - the CUDA backend's persistent mode under CUDA MPS (EPD_CUDA_MODE=persistent) with
+# 56-persistent-cuda.sh - the CUDA backend's persistent mode under CUDA MPS (engine.cuda_mode = persistent) with
 # 2 ranks, with epd-worker processes checking every step against the reference and its group step number:
 # LL BF16 (skewed) and FP8 steps, two groups at once, a new expert map every 3 steps (each switch runs in
 # launch mode, then the kernels resume), an HT step every 4th step of an LL group (the kernels stop and
@@ -15,7 +15,7 @@ B=${1:-${EPD_BUILD:-build}}
 GPU_MPS=1
 . "$(dirname "$0")/daemon-lib.sh"
 
-EPD_CUDA_MODE=persistent start_daemon -o engine.step_timeout_ms=2000 -o engine.slots_factor_pct=200 \
+start_daemon -o engine.cuda_mode=persistent -o engine.step_timeout_ms=2000 -o engine.slots_factor_pct=200 \
   -o log.level=debug -o daemon.drain_timeout_ms=2000
 grep -q "MPS on, mode persistent" "$LOG" || fail "the daemon does not say 'MPS on, mode persistent'"
 if [ -x "$CTL" ]; then

@@ -4,7 +4,7 @@
 # LL BF16 skewed and FP8 uniform (H 7168, 256 experts, top-8, 128 tokens), HT FP8 skewed and BF16 (256
 # tokens), small LL steps with a new expert map every 3 steps (replicas), a worker killed mid-step (the
 # three others fail with EPD_ERR_PEER/EPD_ERR_TIMEOUT, the daemon recovers, four new clients run). Then
-# persistent mode (a second daemon, EPD_CUDA_MODE=persistent): LL FP8 and BF16 with a map every 4 steps,
+# persistent mode (a second daemon, engine.cuda_mode = persistent): LL FP8 and BF16 with a map every 4 steps,
 # CUDA graph replays through the device twin. Half the workers see only their own GPU
 # (CUDA_VISIBLE_DEVICES). Runs under CUDA MPS throughout (the first daemon forced to launch mode). Skips
 # without a GPU or MPS. A GPU per rank with 4; with fewer the ranks share them (daemon-lib.sh: rank r on
@@ -28,7 +28,7 @@ ranks() {
 all_ok() { expect_ok "${1}0" "${1}1" "${1}2" "${1}3"; }
 COMMON="--experts 256 --hidden 7168 --topk 8"
 
-EPD_CUDA_MODE=launch start_daemon -o engine.step_timeout_ms=3000 -o daemon.drain_timeout_ms=2000
+start_daemon -o engine.cuda_mode=launch -o engine.step_timeout_ms=3000 -o daemon.drain_timeout_ms=2000
 grep -q "mode launch" "$LOG" || fail "the first daemon is not in launch mode"
 "$CTL" -s "$SOCK" status > "$T/status.out" || fail "epdctl status"
 grep -q "^ranks: *4" "$T/status.out" || fail "status: $(cat "$T/status.out")"
@@ -67,7 +67,7 @@ all_ok we
 stop_daemon
 
 echo "== persistent mode: LL FP8 and BF16, a new map every 4 steps, 24 steps each + 50 timed"
-EPD_CUDA_MODE=persistent start_daemon -o engine.step_timeout_ms=3000 -o engine.slots_factor_pct=200 \
+start_daemon -o engine.cuda_mode=persistent -o engine.step_timeout_ms=3000 -o engine.slots_factor_pct=200 \
   -o daemon.drain_timeout_ms=2000
 grep -q "mode persistent" "$LOG" || fail "the second daemon is not in persistent mode"
 ranks pf -g pf --steps 24 --seed 21 --fp8 $COMMON --tokens 128 --map-every 4 --bench 50

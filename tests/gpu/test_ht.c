@@ -51,7 +51,7 @@ static int g_specials; /* gen: special values in some scale groups (epd_ref_gen_
 static void setup(uint32_t E, uint32_t H, uint32_t K, uint32_t M, uint32_t S, uint32_t C, uint32_t blocks) {
   char why[128];
   if (kh_unfit(2, why, sizeof why)) epd_test_skip("%s", why);
-  epd_k_ht_geom_t g = {2, 0, E, H, K, M, S, C, blocks};
+  epd_k_ht_geom_t g = {2, 0, E, H, K, M, S, C, blocks, 0};
   CK(hth_create(&T_.h, 2, &g));
   T_.rg = (epd_ref_geom_t){2, E, H, K, M, S, C};
   CK(epd_ref_map_default(&T_.map, E, 2, S));

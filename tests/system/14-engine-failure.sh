@@ -1,12 +1,13 @@
 #!/bin/bash
 # 14-engine-failure: when the engine can no longer run steps (on GPUs: a sticky CUDA fault; here the
-# fault is injected with EPD_TEST_FAIL_AT_STEP), every step gets a clear error naming the failure and
+# fault is injected with EPD_TEST_FAIL_AT_STEP into epd-faults, the daemon built with test hooks), every
+# step gets a clear error naming the failure and
 # the daemon says why: state "failed" in status, health NOT_SERVING, an "error" event, the log. With
 # engine.exit_on_failure=0 it stays up like that; with the default (1) it drains and exits with status
 # 1, so that systemd (Restart=on-failure) starts a fresh engine.
 set -u
 B=${EPD_BUILD:-build}
-EPD=$B/bin/epd
+EPD=$B/bin/epd-faults
 WORKER=$B/bin/epd-worker
 CTL=$B/bin/epdctl
 for x in "$EPD" "$WORKER" "$CTL"; do [ -x "$x" ] || { echo "skip: $x is not built"; exit 77; }; done
