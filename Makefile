@@ -42,7 +42,7 @@ OPT := $(if $(filter 1,$(DEBUG)),-O0 -g3,-O2 -g)
 ASAN_FLAGS := -fsanitize=address,undefined -fno-omit-frame-pointer
 SAN := $(if $(filter 1,$(ASAN)),$(ASAN_FLAGS))
 CFLAGS_ALL := -std=gnu11 $(OPT) $(WARN) $(SAN) $(if $(filter 1,$(WERROR)),-Werror) -fPIC \
-  -fvisibility=hidden -pthread -MMD -MP -Iclient -Idaemon -Ikernels -I$(B)/gen \
+  -fvisibility=hidden -pthread -MMD -MP -Iinclude/epd -Iclient -Idaemon -Ikernels -I$(B)/gen \
   -DEPD_VERSION='"$(VERSION)"' -DEPD_WITH_CUDA=$(WITH_CUDA)
 PKGS := grpc libprotobuf-c libuv libsystemd inih libmicrohttpd
 PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
@@ -55,7 +55,7 @@ CUDA_LINK := -L$(NCCL_HOME)/lib -L$(NCCL_HOME)/lib64 -L$(CUDA_HOME)/lib64 $(NCCL
 CUDA_LIBS := $(if $(filter 1,$(WITH_CUDA)),$(CUDA_LINK))
 CFLAGS_ALL += $(PKG_CFLAGS) $(CUDA_CFLAGS)
 LDFLAGS_ALL := $(SAN) -pthread '-Wl,-rpath,$$ORIGIN/../lib' -Wl,--disable-new-dtags $(LDFLAGS)
-NVCCFLAGS := -std=c++17 $(CUDA_ARCH) -O3 -Xcompiler -fPIC,-fvisibility=hidden -Iclient -Ikernels \
+NVCCFLAGS := -std=c++17 $(CUDA_ARCH) -O3 -Xcompiler -fPIC,-fvisibility=hidden -Iinclude/epd -Iclient -Ikernels \
   -I$(NCCL_HOME)/include -MMD -MP -lineinfo $(NVCCDEFS)
 
 # ---- generated protobuf code -------------------------------------------------------------------------
@@ -72,17 +72,17 @@ $(B)/gen/health.pb-c.c $(B)/gen/health.pb-c.h: $(HEALTH_PROTO)
 # ---- libepd's submission kernels (client/submit.cu): a fatbin embedded as a C array --------------------
 SUBMIT_ARCH ?= -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
   -gencode=arch=compute_90,code=compute_90
-$(B)/gen/epd_submit.fatbin: client/submit.cu client/epd_device.h client/epd_abi.h
+$(B)/gen/epd_submit.fatbin: client/submit.cu include/epd/epd_device.h include/epd/epd_abi.h
 	$(call msg,FATBIN,$<)
-	$(Q)mkdir -p $(@D) && $(NVCC) -fatbin $(SUBMIT_ARCH) -O3 -Iclient -o $@ $<
+	$(Q)mkdir -p $(@D) && $(NVCC) -fatbin $(SUBMIT_ARCH) -O3 -Iinclude/epd -Iclient -o $@ $<
 $(B)/gen/epd_submit_fatbin.c: $(B)/gen/epd_submit.fatbin
 	$(call msg,BIN2C,$<)
 	$(Q){ echo '#include <stdint.h>'; $(CUDA_HOME)/bin/bin2c --const --length \
 	  --name epd_submit_fatbin $< | sed "s/^const unsigned char/__attribute__((aligned(8))) const unsigned char/"; } > $@
 
 # ---- sources -----------------------------------------------------------------------------------------
-DAEMON_MAIN := daemon/main.c
-DAEMON_SRCS := $(filter-out $(DAEMON_MAIN),$(wildcard daemon/*.c))
+DAEMON_MAIN := daemon/control/main.c
+DAEMON_SRCS := $(filter-out $(DAEMON_MAIN),$(wildcard daemon/*/*.c))
 CLIENT_SRCS := $(filter-out client/epdctl.c,$(wildcard client/*.c))
 KERNEL_SRCS := $(if $(filter 1,$(WITH_CUDA)),$(wildcard kernels/*.cu),)
 TEST_SRCS := $(wildcard tests/*.c)
@@ -107,7 +107,7 @@ WORKER := $(B)/bin/epd-worker
 # Test hooks (fault injection, delays) exist only in objects built with -DEPD_TEST_HOOKS: the test binaries
 # link these before the engine library, whose own copies they replace; epd-faults is the daemon with them.
 EPD_FAULTS := $(B)/bin/epd-faults
-HOOK_C_SRCS := daemon/engine_host.c daemon/engine_net.c
+HOOK_C_SRCS := daemon/host/engine_host.c daemon/net/engine_net.c
 HOOK_C_OBJS := $(patsubst %.c,$(B)/obj-hooks/%.o,$(HOOK_C_SRCS))
 HOOK_CU_OBJS := $(if $(filter 1,$(WITH_CUDA)),$(B)/obj-hooks/kernels/ht.o)
 
@@ -246,12 +246,12 @@ fuzz:
 ifeq ($(FUZZ_LINK),1)
 $(FUZZ_B)/bin/%: tests/fuzz/%.c $(FUZZ_B)/lib/libepdengine.a
 	$(call msg,FUZZ,$@)
-	$(Q)mkdir -p $(@D) && clang -std=gnu11 -g -O1 -fsanitize=address,fuzzer -Iclient -Idaemon -I$(FUZZ_B)/gen \
+	$(Q)mkdir -p $(@D) && clang -std=gnu11 -g -O1 -fsanitize=address,fuzzer -Iinclude/epd -Iclient -Idaemon -I$(FUZZ_B)/gen \
 	  $(PKG_CFLAGS) -DEPD_WITH_CUDA=0 $< $(FUZZ_B)/lib/libepdengine.a -o $@ $(PKG_LIBS) -pthread -ldl -lm
 endif
 
 format:
-	$(Q)clang-format -i $(wildcard client/*.[ch] daemon/*.[ch] tests/*.[ch] tests/gpu/*.[ch] bench/*.[ch]) $(wildcard kernels/*.cu kernels/*.h)
+	$(Q)clang-format -i $(wildcard client/*.[ch] daemon/*/*.[ch] tests/*.[ch] tests/gpu/*.[ch] bench/*.[ch]) $(wildcard kernels/*.cu kernels/*.h)
 
 clean:
 	$(Q)rm -rf $(B)

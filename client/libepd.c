@@ -1,7 +1,7 @@
 /*
  * libepd.c - the client library: control connection, attach (RPC + fd redemption on the attach socket +
  * mapping), the synchronous and stream-ordered submission of ops through the queue's slot protocol
- * (client/epd_abi.h), and error reporting.
+ * (include/epd/epd_abi.h), and error reporting.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -236,7 +236,7 @@ static uint64_t slot_addr(uint64_t queue, uint32_t i) {
   return queue + offsetof(epd_queue_t, slot) + (uint64_t)i * sizeof(epd_slot_t);
 }
 
-/* The queue's device twin (client/epd_abi.h): each twin slot learns where its host copy is, in this
+/* The queue's device twin (include/epd/epd_abi.h): each twin slot learns where its host copy is, in this
  * process. Submission goes through the twin, with libepd's kernels, where the daemon says its
  * persistent kernels serve the queue (they poll only the twin); EPD_SUBMIT=kernel asks for that anyway,
  * EPD_SUBMIT=memop for stream memory operations on the host copy where the daemon allows it. */

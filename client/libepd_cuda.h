@@ -8,7 +8,7 @@
  * epd_cuda_register_host(), so the client's stream memory operations and kernels (epd_device.h) write
  * the slot through a device address while the daemon's CPU thread (launch mode) or its persistent
  * kernel (MPS mode) sees the same bytes. The IO arena is GPU memory (epd_cuda_import); at its end the
- * daemon keeps the queue's device twin (client/epd_abi.h), which the persistent kernels poll and which
+ * daemon keeps the queue's device twin (include/epd/epd_abi.h), which the persistent kernels poll and which
  * libepd's submission kernels (epd_cuda_ksubmit) write besides the host copy.
  */
 #ifndef EPD_LIBEPD_CUDA_H
@@ -48,7 +48,7 @@ epd_result_t epd_cuda_submit(void *stream, uint64_t slot_dev, const epd_desc_t *
 epd_result_t epd_cuda_submit_async(void *stream, uint64_t slot_dev, const epd_desc_t *desc, char *err,
                                    size_t errlen);
 epd_result_t epd_cuda_wait_async(void *stream, uint64_t slot_dev, char *err, size_t errlen);
-/* Kernel submission (client/submit.cu) for a slot's device twin `dslot` (client/epd_abi.h): a one-warp
+/* Kernel submission (client/submit.cu) for a slot's device twin `dslot` (include/epd/epd_abi.h): a one-warp
  * kernel on `stream` submits (EPD_KSUB_SUBMIT), waits up to timeout_ns for DONE and frees the slot
  * (EPD_KSUB_WAIT), or both (EPD_KSUB_RUN). Capturable in a CUDA graph (constant arguments). A wait that
  * times out leaves the host copy SUBMITTED, which the host side reports. epd_cuda_ksub_load loads the

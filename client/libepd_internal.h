@@ -44,7 +44,7 @@ struct epd_ep {
   epd_cuda_map_t *arena_map;      /* memory "cuda" */
   epd_cuda_hostreg_t *queue_reg;  /* memory "cuda": the queue registered for stream memory operations */
   uint64_t queue_dev;
-  uint64_t dq_dev;  /* memory "cuda": device address of the queue's device twin (client/epd_abi.h), or 0 */
+  uint64_t dq_dev;  /* memory "cuda": device address of the queue's device twin (include/epd/epd_abi.h), or 0 */
   int ksub;         /* submit with libepd's kernels through the twin (client/submit.cu) */
   void *kstream;    /* ksub: the stream of the host path (stream = NULL) */
   uint32_t nbuffers;

@@ -1,5 +1,5 @@
 /*
- * submit.cu - libepd's submission kernels, for queues with a device twin (client/epd_abi.h): one warp
+ * submit.cu - libepd's submission kernels, for queues with a device twin (include/epd/epd_abi.h): one warp
  * writes the descriptor and SUBMITTED into the twin and the host copy, or waits for DONE and frees the
  * slot, with the same code a worker's own kernel uses (epd_device.h). Built into a fatbin embedded in
  * libepd (which links no CUDA library) and launched through the driver API on the caller's stream, so

@@ -12,8 +12,8 @@ install -d "$root/bin" "$root/lib/pkgconfig" "$root/include/epd" "$root/share/ma
 install -m 0755 "$B/bin/epd" "$B/bin/epdctl" "$root/bin/"
 install -m 0755 "$B/lib/libepd.so" "$root/lib/libepd.so.1"
 ln -sf libepd.so.1 "$root/lib/libepd.so"
-install -m 0644 client/epd.h client/epd_abi.h "$root/include/epd/"
-[ -f client/epd_device.h ] && install -m 0644 client/epd_device.h "$root/include/epd/"
+install -m 0644 include/epd/epd.h include/epd/epd_abi.h "$root/include/epd/"
+[ -f include/epd/epd_device.h ] && install -m 0644 include/epd/epd_device.h "$root/include/epd/"
 # The pkg-config file is made here rather than copied from $B: that copy carries the PREFIX `make all` ran
 # with, not this one. An empty PREFIX (make dist) gives a relocatable file, relative to where it lies.
 version=$(sed -n 's/^Version: *//p' "$B/epd.pc")

@@ -60,7 +60,7 @@ typedef struct epd_k_ll_geom {
 #define EPD_K_OFF_NONE UINT64_MAX
 /* A client IO arena: device base address and byte offset of each (bank, EPD_BUF_*) buffer. Kinds the LL
  * kernels use: X, TOPK_IDX, TOPK_WEIGHTS, LL_RECV_X, LL_RECV_SCALES (FP8 only), LL_RECV_COUNT,
- * LL_RECV_SRC, LL_Y, OUT. Shapes are those of client/epd_abi.h with the geometry above. */
+ * LL_RECV_SRC, LL_Y, OUT. Shapes are those of include/epd/epd_abi.h with the geometry above. */
 typedef struct epd_k_arena {
   uint64_t base;
   uint64_t off[EPD_NUM_BANKS][EPD_BUF_KINDS];
@@ -124,7 +124,7 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
  * A kernel of the context's `blocks` blocks plus one controller block (blocks + 1 must be resident at
  * once, else EPD_ERR_INVALID) serves ONE client queue of one rank; every rank of the team runs one at the
  * same time (one per (group, rank)). The controller's first warp polls the ring from first_slot for a
- * SUBMITTED slot in the queue's device twin (client/epd_abi.h; the first one in ring order from its
+ * SUBMITTED slot in the queue's device twin (include/epd/epd_abi.h; the first one in ring order from its
  * position, as the launch mode: a CUDA graph replays the same slots), releases it to the op blocks at
  * once and announces it to every rank through an announcement word per (index, rank) in the window; then
  * all ranks agree on the op: every rank runs it only if every rank announced the same LL op, bank and

@@ -5,8 +5,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "access.h"
-#include "conf.h"
+#include "control/access.h"
+#include "control/conf.h"
 #include "test.h"
 
 EPD_TEST(conf_id_lists) {

@@ -11,11 +11,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "access.h"
-#include "attach.h"
-#include "conf.h"
-#include "engine.h"
-#include "log.h"
+#include "control/access.h"
+#include "control/attach.h"
+#include "control/conf.h"
+#include "core/engine.h"
+#include "core/log.h"
 #include "test.h"
 
 static uv_loop_t tloop;

@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "epd.h"
-#include "ref.h"
+#include "core/ref.h"
 #include "test.h"
 
 static char sock_path[300];

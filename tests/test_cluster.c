@@ -14,10 +14,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cuda_comm.h"
-#include "engine.h"
-#include "engine_net.h"
-#include "ref.h"
+#include "cuda/cuda_comm.h"
+#include "core/engine.h"
+#include "net/engine_net.h"
+#include "core/ref.h"
 #include "test.h"
 
 #define L 2           /* ranks per node */
@@ -787,8 +787,8 @@ EPD_TEST(cluster_bad_input_fails_every_rank) {
 #include <netinet/in.h>
 #include <sys/socket.h>
 
-#include "cluster.h"
-#include "conf.h"
+#include "control/cluster.h"
+#include "control/conf.h"
 
 static atomic_int id_calls;
 static int fake_comm_id(uint8_t *id, char *err, size_t errlen) {

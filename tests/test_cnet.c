@@ -10,8 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cnet_plan.h"
-#include "ref.h"
+#include "cuda/cnet_plan.h"
+#include "core/ref.h"
 #include "test.h"
 
 #define MAXW 8

@@ -4,8 +4,8 @@
 #include <stdio.h>
 #include <unistd.h>
 
-#include "conf.h"
-#include "log.h"
+#include "control/conf.h"
+#include "core/log.h"
 #include "test.h"
 
 static const char *write_file(const char *name, const char *text) {

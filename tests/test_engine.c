@@ -11,8 +11,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "engine.h"
-#include "ref.h"
+#include "core/engine.h"
+#include "core/ref.h"
 #include "test.h"
 
 typedef struct tclient {

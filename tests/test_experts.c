@@ -17,10 +17,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "engine.h"
+#include "core/engine.h"
 #include "epd.pb-c.h"
-#include "metrics.h"
-#include "ref.h"
+#include "control/metrics.h"
+#include "core/ref.h"
 #include "rpc_client.h"
 #include "test.h"
 

@@ -9,7 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "metrics.h"
+#include "control/metrics.h"
 #include "test.h"
 
 /* A snapshot with two ranks, one group of 4 experts, one client, and a few ops in the histogram. */

@@ -17,14 +17,14 @@
 #include <unistd.h>
 #include <uv.h>
 
-#include "access.h"
-#include "attach.h"
-#include "conf.h"
-#include "engine.h"
+#include "control/access.h"
+#include "control/attach.h"
+#include "control/conf.h"
+#include "core/engine.h"
 #include "epd.pb-c.h"
-#include "events.h"
+#include "control/events.h"
 #include "health.pb-c.h"
-#include "rpc.h"
+#include "control/rpc.h"
 #include "rpc_client.h"
 #include "test.h"
 

@@ -5,7 +5,7 @@
  */
 #include <math.h>
 
-#include "ref.h"
+#include "core/ref.h"
 #include "test.h"
 
 #define POISON 0xa5

@@ -1,6 +1,6 @@
 # worker-lib.sh - sourced by the test scripts and libraries that run epd-worker processes in the
 # background (tests/system/30-e2e.sh, cluster-lib.sh; tests/gpu/daemon-lib.sh, two-nodes-lib.sh,
-# 60-python-moe.sh; bench/e2e/run_gpu.sh for its GPU helpers). They start worker NAME with its output in
+# 160-python-moe.sh; bench/e2e/run_gpu.sh for its GPU helpers). They start worker NAME with its output in
 # $T/NAME.out and its pid in W_NAME, and define fail().
 # expect_ok NAME...: each worker exited 0 and printed its summary ("steps ok"); its summary lines (and
 # bench, map-switch and HT counts) are printed, prefixed with its name.

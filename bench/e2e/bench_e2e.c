@@ -9,7 +9,7 @@
  *                  stream) and the step period (total / iters); also the host cost of one enqueue call;
  *   graph  - 4 steps (8 ops, one ring of slots) captured in a CUDA graph, replayed: sync (one replay per
  *            barrier, per step = replay / 4) and pipe (replays back to back);
- *   device - a client kernel (bench/e2e/e2e_dev.cu, client/epd_device.h) submits and waits on the GPU:
+ *   device - a client kernel (bench/e2e/e2e_dev.cu, include/epd/epd_device.h) submits and waits on the GPU:
  *            pipe: one kernel runs `dev_iters` steps, GPU global timer around every op;
  *            sync: one kernel of one step per barrier, host clock.
  * Setting: 128 tokens per rank, hidden 7168, top-8, 256 experts, random routing (8 distinct experts per

@@ -1,6 +1,6 @@
 /*
  * e2e_dev.cu - the client kernel of bench_e2e's device-side mode: one thread submits dispatch and
- * combine steps on the client's queue slots with client/epd_device.h and waits for each completion
+ * combine steps on the client's queue slots with include/epd/epd_device.h and waits for each completion
  * without leaving the GPU, stamping the GPU global timer around every op.
  */
 #include <cuda_runtime.h>

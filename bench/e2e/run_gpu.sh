@@ -4,7 +4,7 @@
 #   nomps/         daemon backend=cuda without MPS, default poll loop: bench_e2e (C) + py_overhead (Python)
 #   nomps-spin/    (MOE=1) the same daemon with engine.idle_spin_ns (rank threads never sleep while busy)
 #   mps-spin/      under CUDA MPS (nvidia-cuda-mps-control -d, pipe/log dirs under /tmp), spin on: C + Python
-#   python-moe.txt (MOE=1) tests/gpu/60-python-moe.sh
+#   python-moe.txt (MOE=1) tests/gpu/160-python-moe.sh
 # PERSIST=1: inproc/, inproc-p/ (epd-bench with EPD_BENCH_BLOCKS=$PBLOCKS, default 64: the persistent
 #   mode's blocks), then under MPS mps-launch/ (engine.cuda_mode=launch, 128 blocks) and mps-persist/
 #   (engine.cuda_mode=persistent, engine.ll_blocks=$PBLOCKS) and mps-persist128/ (persistent, 128 blocks),
@@ -150,8 +150,8 @@ if [ "${MOE:-0}" = 1 ]; then
   bench_c nomps-spin 20
   stop_daemon
   echo "== python moe layer"
-  timeout 400 bash tests/gpu/60-python-moe.sh "$D" > "$OUT/python-moe.txt" 2>&1
-  echo "60-python-moe rc $?"; tail -8 "$OUT/python-moe.txt"
+  timeout 400 bash tests/gpu/160-python-moe.sh "$D" > "$OUT/python-moe.txt" 2>&1
+  echo "160-python-moe rc $?"; tail -8 "$OUT/python-moe.txt"
 fi
 
 echo "== MPS, spinning poll loop"

@@ -35,7 +35,7 @@
 
 #include "../../tests/gpu/ht_harness.h"
 #include "bench_kernels.h"
-#include "ref.h"
+#include "core/ref.h"
 
 #define CUCK(e)                                                                                 \
   do {                                                                                          \

@@ -30,8 +30,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "engine.h"
-#include "ref.h"
+#include "core/engine.h"
+#include "core/ref.h"
 #if EPD_WITH_CUDA
 #include <cuda_runtime_api.h>
 #pragma GCC diagnostic push
@@ -39,7 +39,7 @@
 #include <nccl.h>
 #pragma GCC diagnostic pop
 
-#include "cuda_comm.h"
+#include "cuda/cuda_comm.h"
 #endif
 
 #if EPD_WITH_CUDA

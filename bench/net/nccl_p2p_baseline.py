@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """NCCL baseline for the two-node simulation (bench/results/two_nodes_h200x2.md): two processes, one GPU
-each, told they are different hosts exactly as tests/gpu/65-two-nodes-cuda.sh tells the daemons
+each, told they are different hosts exactly as tests/gpu/165-two-nodes-cuda.sh tells the daemons
 (CUDA_VISIBLE_DEVICES, NCCL_HOSTID, NCCL_P2P_DISABLE/SHM_DISABLE/IB_DISABLE, NCCL_SOCKET_IFNAME=lo),
 exchange the byte counts of the epd steps both ways at once with batched isend/irecv (what the daemon's
 grouped ncclSend/ncclRecv does) and print the mean time per exchange.

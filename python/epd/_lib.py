@@ -1,4 +1,4 @@
-"""ctypes bindings of libepd (client/epd.h, client/epd_abi.h).
+"""ctypes bindings of libepd (include/epd/epd.h, include/epd/epd_abi.h).
 
 Only this module touches ctypes declarations of the C API; everything above it is plain Python. The
 library is found, in order, at $EPD_LIBRARY, next to this package (a wheel or an install may place
@@ -11,7 +11,7 @@ import ctypes.util
 import os
 import threading
 
-# ---- constants of client/epd.h and client/epd_abi.h (kept in step with the headers) --------------------
+# ---- constants of include/epd/epd.h and include/epd/epd_abi.h (kept in step with the headers) --------------------
 EPD_API_VERSION = 1
 EPD_OPTS_MAGIC = 0x4550444F
 EPD_ABI_VERSION = 2

@@ -311,7 +311,7 @@ class Endpoint:
 
     # -- buffers
     def _layout(self, kind):
-        """(dtype name, shape) of a buffer kind in its BF16 form (docs: client/epd_abi.h)."""
+        """(dtype name, shape) of a buffer kind in its BF16 form (docs: include/epd/epd_abi.h)."""
         M, H, K, S, R, C = (self.max_tokens, self.hidden, self.topk, self.slots_per_rank, self.num_ranks,
                             self.ht_capacity)
         nb = formats.scale_blocks(H)

@@ -15,11 +15,11 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "attach.h"
-#include "conf.h"
-#include "engine.h"
-#include "events.h"
-#include "log.h"
+#include "control/attach.h"
+#include "control/conf.h"
+#include "core/engine.h"
+#include "control/events.h"
+#include "core/log.h"
 
 static epd_engine_t *eng;
 static uv_loop_t loop;

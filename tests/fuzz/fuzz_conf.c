@@ -7,8 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "conf.h"
-#include "log.h"
+#include "control/conf.h"
+#include "core/log.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

@@ -14,7 +14,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "refuse.h"
+#include "control/refuse.h"
 
 static void serve(epd_refuse_set_t *s) {
   struct pollfd pf[EPD_REFUSE_MAX];

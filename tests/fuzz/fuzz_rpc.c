@@ -6,10 +6,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "engine.h"
-#include "events.h"
-#include "log.h"
-#include "rpc.h"
+#include "core/engine.h"
+#include "control/events.h"
+#include "core/log.h"
+#include "control/rpc.h"
 
 static epd_engine_t *eng;
 

@@ -6,9 +6,9 @@
 # GPU (the ranks share it: NCCL 2.30 or later, NCCL_LIB) as on several.
 #   tests/gpu/check-all.sh DIR          DIR: a build directory, or a tree from deploy/dev-bundle.sh
 #   CHECK_STEPS="tests sanitize ht ll"  the steps to run (default: all four, in this order)
-#   CHECK_TESTS="gpu_ plumb_ system/5"  only the GPU tests whose names contain one of these words (the
+#   CHECK_TESTS="gpu_ plumb_ system/15"  only the GPU tests whose names contain one of these words (the
 #                                       runner's filters): on one GPU the whole list takes about 485 s
-#                                       (kernel tests 140, 50-60 115, 65-67 230), so two calls split it
+#                                       (kernel tests 140, 150-160 115, 165-167 230), so two calls split it
 #   CHECK_BUDGET_S=570                  seconds for all steps (a device call allows 600): a step's own
 #                                       timeout is cut to what is left; once nothing is left, steps skip
 # After each step every process still running from DIR/bin (a hung test's daemon or worker) is killed.
@@ -28,7 +28,7 @@ NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/l
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader 2>&1
   ls "$NCCL_LIB" 2>/dev/null
 } > "$OUT/env.txt"
-# One GPU: every test's ranks share it (two ranks, four in 57 and 66; the multi-node simulations 65, 66, 67
+# One GPU: every test's ranks share it (two ranks, four in 157 and 166; the multi-node simulations 165, 166, 167
 # with every node on it: two-nodes-lib.sh), and the benchmarks' two ranks too.
 NG=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 [ "$NG" = 1 ] && export TWO_NODES_SHARE_GPU=1

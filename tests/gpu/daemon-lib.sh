@@ -1,5 +1,5 @@
-# daemon-lib.sh - sourced by the single-daemon GPU scripts (50-e2e-cuda.sh, 55-expert-maps-cuda.sh,
-# 56-persistent-cuda.sh, 57-four-gpus-cuda.sh): one daemon with engine.backend=cuda and NGPU ranks,
+# daemon-lib.sh - sourced by the single-daemon GPU scripts (150-e2e-cuda.sh, 155-expert-maps-cuda.sh,
+# 156-persistent-cuda.sh, 157-four-gpus-cuda.sh): one daemon with engine.backend=cuda and NGPU ranks,
 # epd-worker processes at it. Before sourcing: B (build directory). Optional: DL_NGPU (the daemon's ranks,
 # default 2), GPU_MPS=1 (start CUDA MPS for the script, pipe and log directories under its temporary
 # directory; skip if it does not start), EPD_KEEP_LOG=FILE (copy the daemon's log there on exit or

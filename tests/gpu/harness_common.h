@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cuda_comm.h"
+#include "cuda/cuda_comm.h"
 #include "epd_kernels.h"
 
 typedef struct kh {

@@ -13,7 +13,7 @@
 
 #include "../test.h"
 #include "ht_harness.h"
-#include "ref.h"
+#include "core/ref.h"
 
 #define CK(e)                                                                                  \
   do {                                                                                         \

@@ -11,7 +11,7 @@
 
 #include "../test.h"
 #include "ll_harness.h"
-#include "ref.h"
+#include "core/ref.h"
 
 #define CK(e)                                                                                \
   do {                                                                                       \

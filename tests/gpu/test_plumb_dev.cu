@@ -1,4 +1,4 @@
-// test_plumb_dev.cu - client kernels for tests/gpu/test_plumb.c, using client/epd_device.h.
+// test_plumb_dev.cu - client kernels for tests/gpu/test_plumb.c, using include/epd/epd_device.h.
 // Compiled to PTX and embedded in test_plumb_dev_ptx.h by gen_plumb_ptx.sh (the Makefile builds only
 // kernels/*.cu; the test loads the PTX with the driver API).
 #include "epd_device.h"

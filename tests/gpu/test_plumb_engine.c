@@ -17,10 +17,10 @@
 #include <cuda_runtime_api.h>
 
 #include "../test.h"
-#include "cuda_comm.h"
-#include "engine.h"
+#include "cuda/cuda_comm.h"
+#include "core/engine.h"
 #include "libepd_cuda.h"
-#include "ref.h"
+#include "core/ref.h"
 
 #define NR 2
 #define CK(call)                                                                                       \

@@ -1,5 +1,5 @@
-# two-nodes-lib.sh - sourced by the multi-node GPU scripts (65-two-nodes-cuda.sh: one GPU per node,
-# 66-two-nodes-2gpus-cuda.sh: two, 67-three-nodes-cuda.sh: three nodes of one): NODES (default 2) daemons
+# two-nodes-lib.sh - sourced by the multi-node GPU scripts (165-two-nodes-cuda.sh: one GPU per node,
+# 166-two-nodes-2gpus-cuda.sh: two, 167-three-nodes-cuda.sh: three nodes of one): NODES (default 2) daemons
 # with engine.backend=cuda on one host, told they are
 # different hosts (NCCL_HOSTID node0 / node1 / ..., NCCL_SHM_DISABLE=1, NCCL_IB_DISABLE=1, sockets on lo), so the
 # inter-node stage runs over NCCL's network transport. World rank r (node r / GPN) is on GPU r of the
@@ -9,11 +9,11 @@
 # per node), optionally NODES. Skips (exit 77) without the binaries or a GPU.
 # With fewer GPUs than NODES x GPN ranks they share them (TWO_NODES_SHARE_GPU, default 1; 0: skip
 # instead): rank r on GPU r mod count (gpu_of wraps), at most 4 ranks on one GPU. Each daemon sees the
-# GPUs of its ranks (CUDA_VISIBLE_DEVICES) and, where its own ranks share one, gets engine.devices (66 on
+# GPUs of its ranks (CUDA_VISIBLE_DEVICES) and, where its own ranks share one, gets engine.devices (166 on
 # one GPU: CUDA_VISIBLE_DEVICES=G and engine.devices=0,0 for each node; NCCL's multi-rank mode inside a
 # node). Processes of different nodes on one GPU are time-sliced without MPS (steps take milliseconds,
 # results must still be exact); the nodes' NCCL ranks pass NCCL's duplicate-GPU check because their host
-# ids differ. No NVLink then: 65's single-daemon baseline is left out (TWO_NODES_BASELINE=0). Logs go
+# ids differ. No NVLink then: 165's single-daemon baseline is left out (TWO_NODES_BASELINE=0). Logs go
 # to $TWO_NODES_OUT if set; TWO_NODES_NCCL_ENV: extra NCCL variables for the daemons; TWO_NODES_DAEMON_OPTS:
 # extra daemon options (the scripts set engine.slots_factor_pct=200: free slots for weight migrations).
 EPD=$B/bin/epd

@@ -1,6 +1,6 @@
 #!/bin/bash
 # 35-three-nodes: scale-out over THREE nodes with the host backend standing in for GPUs (the CUDA backend's
-# twin is tests/gpu/67-three-nodes-cuda.sh). Three daemons on this host are nodes 0, 1 and 2 of one EP
+# twin is tests/gpu/167-three-nodes-cuda.sh). Three daemons on this host are nodes 0, 1 and 2 of one EP
 # world (2 ranks each: 6 world ranks), node 0 the coordinator; every node pair has its TCP link.
 # - status shows node 2 of 3 with both its links up; epd-worker processes attach every world rank at its
 #   node's daemon and check every step against the reference of the 6-rank world: LL and HT, BF16 and

@@ -57,7 +57,7 @@
 
 #include "epd.h"
 #include "epd.pb-c.h"
-#include "ref.h"
+#include "core/ref.h"
 #include "rpc_client.h"
 
 typedef struct args {

@@ -1,0 +1,56 @@
+/*
+ * engine_cuda_net.h - the CUDA backend across nodes: the host-initiated inter-node stage ("nccl-p2p").
+ *
+ * With cluster.nodes > 1 the CUDA backend's rank thread 0 runs every step of this node through this
+ * module instead of the single-node LL/HT kernels:
+ *   1. collect: when every local rank has submitted the step, send every other node one control frame
+ *      over the daemon links (engine_net.h): the local descriptors, the expert map's version and hash,
+ *      and for a dispatch the local top-k ids and weights (copied from the GPU arenas, T x K x 12 bytes);
+ *   2. decide: with every node's frame in, each node builds the same world routing plan (daemon/ref.c)
+ *      and reaches the same verdict (mismatch, bad expert, HT overflow, ...) before any NCCL call, so an
+ *      exchange is only started when every node will start it too;
+ *   3. run: the step program of daemon/cnet_plan.c on each local GPU: pack kernel, one grouped
+ *      ncclSend/ncclRecv per step with the rail peer (same local index) of every other node over the
+ *      world communicator (any NCCL transport, sockets included), expansion / reduction kernels;
+ *   4. complete the slots when the GPUs are done (an exchange that hangs past engine.step_timeout_ms
+ *      aborts the world communicator and fails the engine).
+ * Several groups: each collects and decides its steps on its own, but their exchanges share the world
+ * communicator, whose NCCL calls must come in the same order on every node. So one exchange runs at a
+ * time, and node 0 orders them: it runs the step that became ready first and sends every other node a
+ * numbered GO frame (group, step); the other nodes run ready steps in GO order only. A step ready on
+ * another node waits for its GO at most engine.step_timeout_ms while no exchange runs there.
+ */
+#ifndef EPD_ENGINE_CUDA_NET_H
+#define EPD_ENGINE_CUDA_NET_H
+
+#include "cuda/cuda_comm.h"
+#include "core/engine_internal.h"
+
+typedef struct cnet cnet_t;
+
+/* Provided by engine_cuda.c: pin a client's backend memory while a step uses it (it is freed only
+ * after unhold), and the device address of its arena. */
+void *eng_cuda_client_hold(eng_client_t *c);
+void eng_cuda_client_unhold(void *h);
+uint64_t eng_cuda_client_arena(void *h);
+
+/* Set the stage up for the engine's local GPUs devices[0..L-1] (world communicators in cc): a stream
+ * per GPU, peer access between them; probes what NCCL offers for GIN (collective: every node does it
+ * here) and logs the transport with the probe's line. */
+epd_result_t eng_cuda_net_create(epd_engine_t *eng, epd_cc_t *cc, const int *devices, cnet_t **out, char *err,
+                                 size_t errlen);
+/* The start-up GIN probe's line ("unavailable (...)", "available (...); not used: ...", "probe failed: ..."). */
+const char *eng_cuda_net_gin(const cnet_t *cn);
+/* Answer every waiting slot with EPD_ERR_CLOSED and release everything (rank threads stopped). */
+void eng_cuda_net_destroy(cnet_t *cn);
+/* One pass of the step protocol (rank thread 0; takes eng->mu itself); 1 if something moved. */
+int eng_cuda_net_poll(cnet_t *cn);
+/* (mu) May a client of grp attach? EPD_ERR_INVALID (err says why) unless the group spans the world. */
+epd_result_t eng_cuda_net_attach(cnet_t *cn, eng_group_t *grp, char *err, size_t errlen);
+/* (mu) A client leaves: withdraw its submitted slot and fail the local peers of a step being collected. */
+void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost);
+/* (mu) A restarted node joins: make the world communicator again over id once no exchange runs (a thread
+ * of its own; meanwhile no exchange starts here). */
+void eng_cuda_net_remake(cnet_t *cn, const uint8_t *id);
+
+#endif /* EPD_ENGINE_CUDA_NET_H */
