@@ -111,7 +111,7 @@ HOOK_C_SRCS := daemon/host/engine_host.c daemon/net/engine_net.c
 HOOK_C_OBJS := $(patsubst %.c,$(B)/obj-hooks/%.o,$(HOOK_C_SRCS))
 HOOK_CU_OBJS := $(if $(filter 1,$(WITH_CUDA)),$(B)/obj-hooks/kernels/ht.o)
 
-.PHONY: nccl-info all run test gpu-test gpu-sanitize gpu-check bench install dist clean deps format fuzz
+.PHONY: format-files nccl-info all run test gpu-test gpu-sanitize gpu-check bench install dist clean deps format fuzz
 all: $(EPD) $(EPDCTL) $(LIBEPD) $(WORKER) $(TESTS) $(GPU_TESTS) $(EPD_FAULTS) $(B)/epd.pc
 
 $(B)/obj/gen/%.o: $(B)/gen/%.c $(GEN_H)
@@ -250,8 +250,14 @@ $(FUZZ_B)/bin/%: tests/fuzz/%.c $(FUZZ_B)/lib/libepdengine.a
 	  $(PKG_CFLAGS) -DEPD_WITH_CUDA=0 $< $(FUZZ_B)/lib/libepdengine.a -o $@ $(PKG_LIBS) -pthread -ldl -lm
 endif
 
+# Every C, CUDA and header file but generated ones; tests/system/02-format.sh checks them.
+FORMAT_FILES = $(filter-out tests/gpu/test_plumb_dev_ptx.h,$(wildcard client/*.[ch] client/*.cu include/epd/*.h daemon/*/*.[ch] \
+  kernels/*.cu kernels/*.cuh kernels/*.h tests/*.[ch] tests/*/*.[ch] tests/*/*.cu bench/*.[ch] bench/*/*.[ch] \
+  bench/*/*.cu))
 format:
-	$(Q)clang-format -i $(wildcard client/*.[ch] daemon/*/*.[ch] tests/*.[ch] tests/gpu/*.[ch] bench/*.[ch]) $(wildcard kernels/*.cu kernels/*.h)
+	$(Q)clang-format -i $(FORMAT_FILES)
+format-files:
+	@echo $(FORMAT_FILES)
 
 clean:
 	$(Q)rm -rf $(B)

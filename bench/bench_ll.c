@@ -1,24 +1,21 @@
 /*
  * bench_ll.c - LL dispatch/combine benchmark on the GPUs of one process (in-process engine path).
  *
- * Setting (defaults): 2 ranks (4 with -DEPD_BENCH_RANKS=4: epd-bench-r4), 128 tokens per rank, hidden 7168, top-8, 256 experts, random routing
- * (8 distinct experts per token), FP8 and BF16 dispatch, BF16 combine. Reports, side by side:
- *   (a) kernel time of dispatch and combine: CUDA events around each kernel on every rank, the ranks
- *       released together by a gate kernel; median (and p10/p90) over iterations after warm-up, inputs
- *       alternating between the two banks (two input sets);
- *   (c) in-process end-to-end: host clock from launching dispatch+combine on every rank to the end of the
- *       last stream synchronisation;
- *   (d) baselines in the same run on the same communicators: NCCL grouped ncclSend/ncclRecv of each token
- *       once per destination rank (dispatch) and of one partial per (token, rank) back (combine), packed
- *       buffers given for free; and ncclAllGather (x) + ncclReduceScatter (out);
- *   (e) the byte floor at 450 GB/s per direction: the bytes the busiest GPU must send to (or receive
- *       from) all its peers together over NVLink.
- * Sweeps tokens 1..128. Writes JSON and a Markdown table (bench_ll.*, 4 ranks: bench_ll_r4.*) to the
- * directory of argv[1] (default "."). With fewer GPUs than ranks the ranks share them (rank r on GPU r %
- * count, NCCL's multi-rank mode, each rank on its part of the blocks: ll_harness.h), said in one line and in
- * the results: no NVLink then, the figures are not comparable with those of a GPU per rank. Exits 77
- * without a GPU or with more than 4 ranks on one. EPD_BENCH_QUICK=1: (a) at the main setting only, printed
- * (A/B runs of kernel builds).
+ * Setting (defaults): 2 ranks (4 with -DEPD_BENCH_RANKS=4: epd-bench-r4), 128 tokens per rank, hidden 7168,
+ * top-8, 256 experts, random routing (8 distinct experts per token), FP8 and BF16 dispatch, BF16 combine.
+ * Reports, side by side: (a) kernel time of dispatch and combine: CUDA events around each kernel on every
+ * rank, the ranks released together by a gate kernel; median (and p10/p90) over iterations after warm-up,
+ * inputs alternating between the two banks (two input sets); (c) in-process end-to-end: host clock from
+ * launching dispatch+combine on every rank to the end of the last stream synchronisation; (d) baselines in
+ * the same run on the same communicators: NCCL grouped ncclSend/ncclRecv of each token once per destination
+ * rank (dispatch) and of one partial per (token, rank) back (combine), packed buffers given for free; and
+ * ncclAllGather (x) + ncclReduceScatter (out); (e) the byte floor at 450 GB/s per direction: the bytes the
+ * busiest GPU must send to (or receive from) all its peers together over NVLink. Sweeps tokens 1..128. Writes
+ * JSON and a Markdown table (bench_ll.*, 4 ranks: bench_ll_r4.*) to the directory of argv[1] (default ".").
+ * With fewer GPUs than ranks the ranks share them (rank r on GPU r % count, NCCL's multi-rank mode, each rank
+ * on its part of the blocks: ll_harness.h), said in one line and in the results: no NVLink then, the figures
+ * are not comparable with those of a GPU per rank. Exits 77 without a GPU or with more than 4 ranks on one.
+ * EPD_BENCH_QUICK=1: (a) at the main setting only, printed (A/B runs of kernel builds).
  */
 #if EPD_WITH_CUDA
 #define _GNU_SOURCE
@@ -55,20 +52,20 @@ static llh_t H;
 static uint32_t *gate_host;
 static uint32_t gate_val;
 
-#define DIE(...)                                   \
-  do {                                             \
-    fprintf(stderr, "bench_ll: " __VA_ARGS__);     \
-    fprintf(stderr, "\n");                         \
-    exit(1);                                       \
+#define DIE(...)                               \
+  do {                                         \
+    fprintf(stderr, "bench_ll: " __VA_ARGS__); \
+    fprintf(stderr, "\n");                     \
+    exit(1);                                   \
   } while (0)
-#define CU(e)                                                                                  \
-  do {                                                                                         \
-    cudaError_t c_ = (e);                                                                      \
+#define CU(e)                                                                                   \
+  do {                                                                                          \
+    cudaError_t c_ = (e);                                                                       \
     if (c_ != cudaSuccess) DIE("%s:%d %s: %s", __FILE__, __LINE__, #e, cudaGetErrorString(c_)); \
   } while (0)
-#define NC(e)                                                                                  \
-  do {                                                                                         \
-    ncclResult_t n_ = (e);                                                                     \
+#define NC(e)                                                                                   \
+  do {                                                                                          \
+    ncclResult_t n_ = (e);                                                                      \
     if (n_ != ncclSuccess) DIE("%s:%d %s: %s", __FILE__, __LINE__, #e, ncclGetErrorString(n_)); \
   } while (0)
 
@@ -94,7 +91,9 @@ static int cmpd(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
 }
-typedef struct stat3 { double p50, p10, p90; } stat3_t;
+typedef struct stat3 {
+  double p50, p10, p90;
+} stat3_t;
 static stat3_t stats(double *v, int n) {
   qsort(v, n, sizeof *v, cmpd);
   stat3_t s = {v[n / 2], v[n / 10], v[(n * 9) / 10]};
@@ -132,14 +131,16 @@ static void make_inputs(void) {
       }
       CU(cudaSetDevice(epd_cc_device(H.kh.cc, r)));
       CU(cudaMemcpy(llh_buf(&H, r, set, EPD_BUF_X), x, (size_t)M_ * H_ * 2, cudaMemcpyHostToDevice));
-      CU(cudaMemcpy(llh_buf(&H, r, set, EPD_BUF_TOPK_IDX), topk_h[set][r], M_ * K_ * 8, cudaMemcpyHostToDevice));
+      CU(cudaMemcpy(llh_buf(&H, r, set, EPD_BUF_TOPK_IDX), topk_h[set][r], M_ * K_ * 8,
+                    cudaMemcpyHostToDevice));
       CU(cudaMemcpy(llh_buf(&H, r, set, EPD_BUF_TOPK_WEIGHTS), w, M_ * K_ * 4, cudaMemcpyHostToDevice));
       /* expert outputs: random BF16 in the first 64 rows of every slot */
       size_t rowb = (size_t)H_ * 2, RM = (size_t)NR * M_;
       uint16_t *y = malloc(64 * rowb);
       for (size_t i = 0; i < 64 * (size_t)H_; i++) y[i] = bf16((float)((rnd() >> 40) / 16777216.0 * 4 - 2));
       for (int s = 0; s < S_; s++)
-        CU(cudaMemcpy((char *)llh_buf(&H, r, set, EPD_BUF_LL_Y) + s * RM * rowb, y, 64 * rowb, cudaMemcpyHostToDevice));
+        CU(cudaMemcpy((char *)llh_buf(&H, r, set, EPD_BUF_LL_Y) + s * RM * rowb, y, 64 * rowb,
+                      cudaMemcpyHostToDevice));
       free(y);
       CU(cudaDeviceSynchronize()); /* legacy-stream copies do not order against the non-blocking streams */
     }
@@ -154,7 +155,9 @@ static void gate_all(void) {
     if (epd_k_gate(gate_host, gate_val, 2000000000ull, H.kh.st[r])) DIE("gate launch");
   }
 }
-static void gate_open(void) { __atomic_store_n(gate_host, gate_val, __ATOMIC_SEQ_CST); }
+static void gate_open(void) {
+  __atomic_store_n(gate_host, gate_val, __ATOMIC_SEQ_CST);
+}
 
 static void check_comp(int which) {
   for (int r = 0; r < NR; r++) {
@@ -227,7 +230,8 @@ struct ll_pair {
 static void launch_ll(int which, int it, void *arg) {
   const struct ll_pair *a = arg;
   const uint32_t bank = (uint32_t)(it + WARM) & 1;
-  if (which == 0 && llh_launch(&H, ALL, EPD_OP_LL_DISPATCH, bank, a->nt, a->flags, 1000000000ull)) DIE("%s", H.kh.err);
+  if (which == 0 && llh_launch(&H, ALL, EPD_OP_LL_DISPATCH, bank, a->nt, a->flags, 1000000000ull))
+    DIE("%s", H.kh.err);
   if (which == 1 && llh_launch(&H, ALL, EPD_OP_LL_COMBINE, bank, NULL, 0, 1000000000ull)) DIE("%s", H.kh.err);
 }
 
@@ -254,8 +258,8 @@ static void rewrite_inputs(int which, int it, void *arg) {
                                          (uint32_t)rowb, a->nt[r], H.kh.st[r]))
       DIE("rewrite x");
     if (which == 1 && epd_k_rewrite_rows(llh_buf(&H, r, bank, EPD_BUF_LL_Y),
-                                         (const int32_t *)llh_buf(&H, r, bank, EPD_BUF_LL_RECV_COUNT), 0, S_, RM * rowb,
-                                         (uint32_t)rowb, (uint32_t)RM, H.kh.st[r]))
+                                         (const int32_t *)llh_buf(&H, r, bank, EPD_BUF_LL_RECV_COUNT), 0, S_,
+                                         RM * rowb, (uint32_t)rowb, (uint32_t)RM, H.kh.st[r]))
       DIE("rewrite y");
   }
 }
@@ -295,7 +299,8 @@ static stat3_t e2e_times(uint32_t T, uint32_t flags) {
 }
 
 /* (d) NCCL baselines on the world communicators. */
-static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_c, stat3_t *ag, stat3_t *rsc) {
+static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_c, stat3_t *ag,
+                           stat3_t *rsc) {
   static double v1[ITERS], v2[ITERS], v3[ITERS], v4[ITERS];
   void *sbuf[NR], *rbuf[NR], *agbuf[NR], *rsbuf[NR];
   size_t comb_row = (size_t)H_ * 2;
@@ -326,8 +331,10 @@ static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_
               if (d == r) continue;
               size_t ns = (ph == 0 ? per_dest[set][r][d] : per_dest[set][d][r]) * row;
               size_t nr = (ph == 0 ? per_dest[set][d][r] : per_dest[set][r][d]) * row;
-              NC(ncclSend((char *)sbuf[r] + (size_t)d * M_ * maxrow, ns, ncclUint8, d, epd_cc_world(H.kh.cc, r), H.kh.st[r]));
-              NC(ncclRecv((char *)rbuf[r] + (size_t)d * M_ * maxrow, nr, ncclUint8, d, epd_cc_world(H.kh.cc, r), H.kh.st[r]));
+              NC(ncclSend((char *)sbuf[r] + (size_t)d * M_ * maxrow, ns, ncclUint8, d,
+                          epd_cc_world(H.kh.cc, r), H.kh.st[r]));
+              NC(ncclRecv((char *)rbuf[r] + (size_t)d * M_ * maxrow, nr, ncclUint8, d,
+                          epd_cc_world(H.kh.cc, r), H.kh.st[r]));
             }
           NC(ncclGroupEnd());
           record_all(ev, 1 + ph);
@@ -335,14 +342,14 @@ static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_
       } else {
         NC(ncclGroupStart());
         for (int r = 0; r < NR; r++)
-          NC(ncclAllGather((char *)agbuf[r] + (size_t)r * M_ * H_ * 2, agbuf[r], (size_t)M_ * H_, ncclBfloat16,
-                           epd_cc_world(H.kh.cc, r), H.kh.st[r]));
+          NC(ncclAllGather((char *)agbuf[r] + (size_t)r * M_ * H_ * 2, agbuf[r], (size_t)M_ * H_,
+                           ncclBfloat16, epd_cc_world(H.kh.cc, r), H.kh.st[r]));
         NC(ncclGroupEnd());
         record_all(ev, 1);
         NC(ncclGroupStart());
         for (int r = 0; r < NR; r++)
-          NC(ncclReduceScatter(rsbuf[r], (char *)agbuf[r] + (size_t)r * M_ * H_ * 2, (size_t)M_ * H_, ncclBfloat16,
-                               ncclSum, epd_cc_world(H.kh.cc, r), H.kh.st[r]));
+          NC(ncclReduceScatter(rsbuf[r], (char *)agbuf[r] + (size_t)r * M_ * H_ * 2, (size_t)M_ * H_,
+                               ncclBfloat16, ncclSum, epd_cc_world(H.kh.cc, r), H.kh.st[r]));
         NC(ncclGroupEnd());
         record_all(ev, 2);
       }
@@ -373,7 +380,6 @@ static void nccl_baselines(int set, size_t disp_row, stat3_t *sr_d, stat3_t *sr_
   }
 }
 
-
 /* Phase profile from in-kernel %globaltimer stamps of block 0 (rank 0), medians over iterations. */
 static void trace_run(uint32_t T, uint32_t flags, FILE *out) {
   enum { NI = 100 };
@@ -400,7 +406,8 @@ static void trace_run(uint32_t T, uint32_t flags, FILE *out) {
         op.map = H.kh.map_dev[r];
         op.comp = H.kh.comp[r] + opi;
         op.trace = tr[r] + 16 * opi;
-        if (epd_k_ll_launch(H.k[r], &H.kh.ar[r], &op, H.kh.st[r], H.kh.err, sizeof H.kh.err)) DIE("%s", H.kh.err);
+        if (epd_k_ll_launch(H.k[r], &H.kh.ar[r], &op, H.kh.st[r], H.kh.err, sizeof H.kh.err))
+          DIE("%s", H.kh.err);
       }
     gate_open();
     if (llh_sync(&H, ALL)) DIE("%s", H.kh.err);
@@ -412,7 +419,8 @@ static void trace_run(uint32_t T, uint32_t flags, FILE *out) {
       const uint64_t *hb = h + 16 * opi;
       for (int i = 1; i < 8; i++) ph[opi][i][it] = (double)(hb[i] - hb[i == 7 ? 0 : i - 1]) / 1e3;
       /* stamps 8..15 of a -DEPD_LL_FINE_TRACE build, relative to stamp 0 (0 where not written) */
-      for (int i = 0; i < 8; i++) fph[opi][i][it] = hb[8 + i] ? ((double)hb[8 + i] - (double)hb[0]) / 1e3 : 0.0;
+      for (int i = 0; i < 8; i++)
+        fph[opi][i][it] = hb[8 + i] ? ((double)hb[8 + i] - (double)hb[0]) / 1e3 : 0.0;
     }
   }
   static const char *nm[8] = {"", "send", "fence", "flag", "wait", "recv", "finish", "total(last blk)"};
@@ -464,7 +472,8 @@ static void pers_start(pers_t *P, int twin) {
     CU(cudaHostGetDevicePointer((void **)&a.queue, P->q[r], 0));
     a.dqueue = a.queue;
     if (twin) {
-      for (uint32_t s = 0; s < EPD_QUEUE_SLOTS; s++) img->slot[s].twin_host = (uint64_t)(uintptr_t)&a.queue->slot[s];
+      for (uint32_t s = 0; s < EPD_QUEUE_SLOTS; s++)
+        img->slot[s].twin_host = (uint64_t)(uintptr_t)&a.queue->slot[s];
       CU(cudaMalloc((void **)&P->dq[r], sizeof *P->dq[r]));
       CU(cudaMemcpy(P->dq[r], img, sizeof *img, cudaMemcpyHostToDevice));
       CU(cudaDeviceSynchronize()); /* a pageable copy may return before it lands; nothing runs here yet */
@@ -475,7 +484,8 @@ static void pers_start(pers_t *P, int twin) {
     CU(cudaHostGetDevicePointer((void **)&a.prog, P->prog[r], 0));
     a.index0 = 1;
     a.timeout_ns = 1000000000ull;
-    if (epd_k_ll_persistent_launch(H.k[r], &H.kh.ar[r], H.kh.map_dev[r], &a, P->ps[r])) DIE("persistent launch");
+    if (epd_k_ll_persistent_launch(H.k[r], &H.kh.ar[r], H.kh.map_dev[r], &a, P->ps[r]))
+      DIE("persistent launch");
   }
   free(img);
 }
@@ -533,11 +543,13 @@ static void persist_run(uint32_t T, uint32_t flags, int nops, FILE *out) {
       memcpy((void *)&P.q[r]->slot[si].desc, &d, sizeof d);
     }
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    for (int r = 0; r < NR; r++) __atomic_store_n(&P.q[r]->slot[si].state, EPD_SLOT_SUBMITTED, __ATOMIC_RELEASE);
+    for (int r = 0; r < NR; r++)
+      __atomic_store_n(&P.q[r]->slot[si].state, EPD_SLOT_SUBMITTED, __ATOMIC_RELEASE);
     const double t0 = now_us();
     for (int r = 0; r < NR; r++) {
       pers_wait_ops(&P, r, (uint64_t)i + 1, t0);
-      if (P.q[r]->slot[si].comp.status) DIE("persistent op %d: rank %d status %d", i, r, P.q[r]->slot[si].comp.status);
+      if (P.q[r]->slot[si].comp.status)
+        DIE("persistent op %d: rank %d status %d", i, r, P.q[r]->slot[si].comp.status);
     }
     double l = 0;
     for (int r = 0; r < NR; r++) {
@@ -551,13 +563,16 @@ static void persist_run(uint32_t T, uint32_t flags, int nops, FILE *out) {
     lat[opi][k] = l;
     agr[opi][k] = r0->agree_ns / 1e3;
     tail[opi][k] = ((double)r0->latency_ns - (double)r0->phase_ns[7]) / 1e3;
-    for (int j = 1; j < 8; j++) ph[opi][j][k] = ((double)r0->phase_ns[j] - (double)r0->phase_ns[j == 7 ? 0 : j - 1]) / 1e3;
+    for (int j = 1; j < 8; j++)
+      ph[opi][j][k] = ((double)r0->phase_ns[j] - (double)r0->phase_ns[j == 7 ? 0 : j - 1]) / 1e3;
     ph[opi][0][k] = r0->phase_ns[0] / 1e3;
   }
   pers_stop(&P);
-  static const char *nm[8] = {"body start", "send", "fence", "flag", "wait", "recv", "finish", "total(last blk)"};
+  static const char *nm[8] = {"body start", "send", "fence",  "flag",
+                              "wait",       "recv", "finish", "total(last blk)"};
   for (int opi = 0; opi < 2; opi++) {
-    fprintf(out, "persistent T=%u %s %s: latency(slower rank) %.2f agreed %.2f release+completion writes %.2f |",
+    fprintf(out,
+            "persistent T=%u %s %s: latency(slower rank) %.2f agreed %.2f release+completion writes %.2f |",
             T, flags ? "fp8" : "bf16", opi ? "combine" : "dispatch", stats(lat[opi], n[opi]).p50,
             stats(agr[opi], n[opi]).p50, stats(tail[opi], n[opi]).p50);
     for (int j = 0; j < 8; j++) fprintf(out, " %s %.2f", nm[j], stats(ph[opi][j], n[opi]).p50);
@@ -570,10 +585,11 @@ static void persist_run(uint32_t T, uint32_t flags, int nops, FILE *out) {
  * one-thread client kernel per rank (bench/e2e/e2e_dev.cu, epd_device.h) submits dispatch/combine steps
  * back to back and stamps the GPU timer from its submit to the completion it sees. Compare with (a),
  * the standalone kernels' event-timed times. */
-int e2e_dev_launch(void *slots, uint32_t first, uint32_t nsteps, uint32_t bank0, uint32_t ntok, uint32_t flags,
-                   uint64_t timeout_ns, uint64_t *ts, int *status, void *stream);
-int e2e_dev_launch_tx(void *slots, uint32_t first, uint32_t nsteps, uint32_t bank0, uint32_t ntok, uint32_t flags,
-                      uint64_t timeout_ns, uint64_t *ts, int *status, uint64_t *tx, void *stream);
+int e2e_dev_launch(void *slots, uint32_t first, uint32_t nsteps, uint32_t bank0, uint32_t ntok,
+                   uint32_t flags, uint64_t timeout_ns, uint64_t *ts, int *status, void *stream);
+int e2e_dev_launch_tx(void *slots, uint32_t first, uint32_t nsteps, uint32_t bank0, uint32_t ntok,
+                      uint32_t flags, uint64_t timeout_ns, uint64_t *ts, int *status, uint64_t *tx,
+                      void *stream);
 int e2e_dev_load(void);
 static void persist_dev_run(uint32_t T, uint32_t flags, uint32_t nsteps, FILE *out) {
   enum { WARMUP = 20, MAXN = 4096 };
@@ -615,7 +631,8 @@ static void persist_dev_run(uint32_t T, uint32_t flags, uint32_t nsteps, FILE *o
     n = 0;
     for (uint32_t i = WARMUP; i < nsteps && n < MAXN; i++, n++)
       for (int o = 0; o < 2; o++) {
-        const double c = (double)(h[6 * i + 2 * o + 1] - h[6 * i + 2 * o]) / 1e3, d = (double)h[6 * i + 4 + o] / 1e3;
+        const double c = (double)(h[6 * i + 2 * o + 1] - h[6 * i + 2 * o]) / 1e3,
+                     d = (double)h[6 * i + 4 + o] / 1e3;
         if (r == 0 || c > cl[o][n]) cl[o][n] = c; /* the slower rank of each op */
         if (r == 0 || d > dl[o][n]) dl[o][n] = d;
       }
@@ -654,14 +671,20 @@ static void persist_dev_run(uint32_t T, uint32_t flags, uint32_t nsteps, FILE *o
   }
   for (int o = 0; o < 2; o++)
     if (hn[o] > 0)
-      fprintf(out, "persistent client view T=%u %s %s, rank 0 handoff (p50 of the last %d): submit call %.2f | submit -> "
-            "kernel saw it %.2f | seen -> completion written %.2f | -> client saw DONE %.2f | DONE seen -> wait returned %.2f\n",
-            T, flags ? "fp8" : "bf16", o ? "combine" : "dispatch", hn[o], stats(hs[o][0], hn[o]).p50,
-            stats(hs[o][1], hn[o]).p50, stats(hs[o][2], hn[o]).p50, stats(hs[o][3], hn[o]).p50, stats(hs[o][4], hn[o]).p50);
+      fprintf(out,
+              "persistent client view T=%u %s %s, rank 0 handoff (p50 of the last %d): submit call %.2f | "
+              "submit -> "
+              "kernel saw it %.2f | seen -> completion written %.2f | -> client saw DONE %.2f | DONE seen -> "
+              "wait returned %.2f\n",
+              T, flags ? "fp8" : "bf16", o ? "combine" : "dispatch", hn[o], stats(hs[o][0], hn[o]).p50,
+              stats(hs[o][1], hn[o]).p50, stats(hs[o][2], hn[o]).p50, stats(hs[o][3], hn[o]).p50,
+              stats(hs[o][4], hn[o]).p50);
   for (int o = 0; o < 2; o++) {
     const stat3_t c = stats(cl[o], n), d = stats(dl[o], n);
-    fprintf(out, "persistent client view T=%u %s %s: submit -> DONE seen %.2f (p10 %.2f, p90 %.2f); kernel's seen -> completion %.2f\n", T,
-            flags ? "fp8" : "bf16", o ? "combine" : "dispatch", c.p50, c.p10, c.p90, d.p50);
+    fprintf(out,
+            "persistent client view T=%u %s %s: submit -> DONE seen %.2f (p10 %.2f, p90 %.2f); kernel's seen "
+            "-> completion %.2f\n",
+            T, flags ? "fp8" : "bf16", o ? "combine" : "dispatch", c.p50, c.p10, c.p90, d.p50);
   }
   fflush(out);
 }
@@ -678,8 +701,10 @@ int main(int argc, char **argv) {
   if (llh_create(&H, NR, &g)) DIE("set-up: %s", H.kh.err);
   const int share = H.kh.share, ngpu = kh_gpus() < NR ? kh_gpus() : NR;
   if (share > 1)
-    printf("bench_ll: %d ranks share %d GPU(s), %d on one, %u blocks each: no NVLink between them, figures not "
-           "comparable with the records of a GPU per rank\n", NR, ngpu, share, epd_k_ll_geom(H.k[0])->blocks);
+    printf(
+        "bench_ll: %d ranks share %d GPU(s), %d on one, %u blocks each: no NVLink between them, figures not "
+        "comparable with the records of a GPU per rank\n",
+        NR, ngpu, share, epd_k_ll_geom(H.k[0])->blocks);
   void *img = malloc(epd_k_map_bytes(E_));
   epd_k_map_default(img, 1, E_, NR);
   if (llh_set_map(&H, img)) DIE("map");
@@ -706,7 +731,8 @@ int main(int argc, char **argv) {
       kernel_times(M_, EPD_DESC_FP8, NULL, &d8t, &c8t);
       printf("standalone kernels, event-timed (a): dispatch FP8 %.2f combine %.2f\n", d8t.p50, c8t.p50);
       kernel_times(M_, EPD_DESC_FP8, rewrite_inputs, &d8w, &c8w);
-      printf("standalone kernels, inputs just rewritten (a'): dispatch FP8 %.2f combine %.2f\n", d8w.p50, c8w.p50);
+      printf("standalone kernels, inputs just rewritten (a'): dispatch FP8 %.2f combine %.2f\n", d8w.p50,
+             c8w.p50);
       return 0;
     }
   }
@@ -725,8 +751,8 @@ int main(int argc, char **argv) {
     stat3_t qd8, qc8, qd16, qc16;
     kernel_times(M_, EPD_DESC_FP8, NULL, &qd8, &qc8);
     kernel_times(M_, 0, NULL, &qd16, &qc16);
-    printf("quick (a) p50 us: dispatch FP8 %.2f combine %.2f dispatch BF16 %.2f combine %.2f\n", qd8.p50, qc8.p50,
-           qd16.p50, qc16.p50);
+    printf("quick (a) p50 us: dispatch FP8 %.2f combine %.2f dispatch BF16 %.2f combine %.2f\n", qd8.p50,
+           qc8.p50, qd16.p50, qc16.p50);
     return 0;
   }
   /* main setting */
@@ -772,14 +798,19 @@ int main(int argc, char **argv) {
   snprintf(path, sizeof path, "%s/bench_ll%s.json", outdir, NR == 2 ? "" : "_r" EPD_STR(NR));
   FILE *f = fopen(path, "w");
   if (!f) DIE("cannot write %s", path);
-  fprintf(f, "{\n  \"bench\": \"bench_ll\",\n  \"date\": \"%s\",\n  \"device\": \"%s\",\n  \"gpus\": %d,\n", date, prop.name, ngpu);
+  fprintf(f, "{\n  \"bench\": \"bench_ll\",\n  \"date\": \"%s\",\n  \"device\": \"%s\",\n  \"gpus\": %d,\n",
+          date, prop.name, ngpu);
   fprintf(f, "  \"ranks_per_gpu\": %d,\n", share);
-  fprintf(f, "  \"nccl_version\": %d,\n  \"cuda_runtime\": %d,\n  \"cuda_driver\": %d,\n", nccl_v, rt_v, drv_v);
+  fprintf(f, "  \"nccl_version\": %d,\n  \"cuda_runtime\": %d,\n  \"cuda_driver\": %d,\n", nccl_v, rt_v,
+          drv_v);
   fprintf(f, "  \"command\": \"%s\",\n", getenv("EPD_BENCH_CMD") ? getenv("EPD_BENCH_CMD") : argv[0]);
-  fprintf(f, "  \"setting\": {\"ranks\": %d, \"tokens\": %d, \"hidden\": %d, \"topk\": %d, \"experts\": %d, \"blocks\": %u, \"iters\": %d, \"warmup\": %d},\n",
+  fprintf(f,
+          "  \"setting\": {\"ranks\": %d, \"tokens\": %d, \"hidden\": %d, \"topk\": %d, \"experts\": %d, "
+          "\"blocks\": %u, \"iters\": %d, \"warmup\": %d},\n",
           NR, M_, H_, K_, E_, epd_k_ll_geom(H.k[0])->blocks, ITERS, WARM);
   fprintf(f, "  \"remote_tokens_per_direction\": %.0f,\n", remote_tok);
-#define J3(name, s) fprintf(f, "  \"%s\": {\"p50_us\": %.2f, \"p10_us\": %.2f, \"p90_us\": %.2f},\n", name, s.p50, s.p10, s.p90)
+#define J3(name, s) \
+  fprintf(f, "  \"%s\": {\"p50_us\": %.2f, \"p10_us\": %.2f, \"p90_us\": %.2f},\n", name, s.p50, s.p10, s.p90)
   J3("a_dispatch_fp8_kernel", d8);
   J3("a_combine_kernel_after_fp8", c8);
   J3("a_dispatch_bf16_kernel", d16);
@@ -794,10 +825,13 @@ int main(int argc, char **argv) {
   J3("d_nccl_allgather_bf16", ag);
   J3("d_nccl_reducescatter_bf16", rsc);
   J3("f_empty_kernel", empty);
-  fprintf(f, "  \"e_floor_us\": {\"dispatch_fp8\": %.2f, \"dispatch_bf16\": %.2f, \"combine_bf16\": %.2f},\n", floor_d8, floor_d16, floor_c);
+  fprintf(f, "  \"e_floor_us\": {\"dispatch_fp8\": %.2f, \"dispatch_bf16\": %.2f, \"combine_bf16\": %.2f},\n",
+          floor_d8, floor_d16, floor_c);
   fprintf(f, "  \"sweep\": [\n");
   for (int i = 0; i < NSW; i++)
-    fprintf(f, "    {\"tokens\": %u, \"dispatch_fp8_us\": %.2f, \"combine_after_fp8_us\": %.2f, \"dispatch_bf16_us\": %.2f, \"combine_after_bf16_us\": %.2f}%s\n",
+    fprintf(f,
+            "    {\"tokens\": %u, \"dispatch_fp8_us\": %.2f, \"combine_after_fp8_us\": %.2f, "
+            "\"dispatch_bf16_us\": %.2f, \"combine_after_bf16_us\": %.2f}%s\n",
             sweep[i], sw_d8[i].p50, sw_c8[i].p50, sw_d16[i].p50, sw_c16[i].p50, i + 1 < NSW ? "," : "");
   fprintf(f, "  ]\n}\n");
   fclose(f);
@@ -806,20 +840,24 @@ int main(int argc, char **argv) {
   f = fopen(path, "w");
   if (!f) DIE("cannot write %s", path);
   if (share > 1)
-    fprintf(f, "# LL dispatch/combine, %d ranks on %d x %s (%d ranks share a GPU)\n\n", NR, ngpu, prop.name, share);
+    fprintf(f, "# LL dispatch/combine, %d ranks on %d x %s (%d ranks share a GPU)\n\n", NR, ngpu, prop.name,
+            share);
   else
     fprintf(f, "# LL dispatch/combine, %d x %s\n\n", NR, prop.name);
   fprintf(f, "%s; NCCL %d, CUDA runtime %d, driver API %d; command `%s`.\n", date, nccl_v, rt_v, drv_v,
           getenv("EPD_BENCH_CMD") ? getenv("EPD_BENCH_CMD") : argv[0]);
-  fprintf(f, "Setting: %d ranks, %d tokens per rank, hidden %d, top-%d, %d experts, random routing "
-             "(%.0f tokens per direction cross NVLink), %u blocks x %d threads. Median (p10-p90) of %d "
-             "iterations after %d warm-up, kernel times are the slower rank of each iteration (CUDA events,"
-             " ranks released together by a gate kernel).\n\n",
+  fprintf(f,
+          "Setting: %d ranks, %d tokens per rank, hidden %d, top-%d, %d experts, random routing "
+          "(%.0f tokens per direction cross NVLink), %u blocks x %d threads. Median (p10-p90) of %d "
+          "iterations after %d warm-up, kernel times are the slower rank of each iteration (CUDA events,"
+          " ranks released together by a gate kernel).\n\n",
           NR, M_, H_, K_, E_, remote_tok, epd_k_ll_geom(H.k[0])->blocks, EPD_K_LL_THREADS, ITERS, WARM);
   if (share > 1)
-    fprintf(f, "Ranks share a GPU (%d on one, each on %u blocks): no NVLink between them, the byte floor (e) does "
-               "not apply and the figures are not comparable with the records of a GPU per rank.\n\n", share,
-            epd_k_ll_geom(H.k[0])->blocks);
+    fprintf(
+        f,
+        "Ranks share a GPU (%d on one, each on %u blocks): no NVLink between them, the byte floor (e) does "
+        "not apply and the figures are not comparable with the records of a GPU per rank.\n\n",
+        share, epd_k_ll_geom(H.k[0])->blocks);
   fprintf(f, "| what | µs (p50) | p10-p90 |\n| --- | --- | --- |\n");
 #define M3(name, s) fprintf(f, "| %s | %.2f | %.2f-%.2f |\n", name, s.p50, s.p10, s.p90)
   M3("(a) epd dispatch FP8, kernel", d8);
@@ -835,16 +873,22 @@ int main(int argc, char **argv) {
   M3("(d) NCCL send/recv, combine BF16 (one partial per token and rank)", sr_c);
   M3("(d) NCCL allgather BF16", ag);
   M3("(d) NCCL reduce-scatter BF16", rsc);
-  fprintf(f, "| (e) byte floor 450 GB/s: dispatch FP8 / BF16 / combine | %.2f / %.2f / %.2f | |\n", floor_d8, floor_d16, floor_c);
+  fprintf(f, "| (e) byte floor 450 GB/s: dispatch FP8 / BF16 / combine | %.2f / %.2f / %.2f | |\n", floor_d8,
+          floor_d16, floor_c);
   M3("(f) launch floor: an empty kernel of the same grid, timed as (a)", empty);
   fprintf(f, "\n");
   double ours = d8.p50 + c8.p50, sr = sr_d8.p50 + sr_c.p50, agrs = ag.p50 + rsc.p50;
   double best = sr < agrs ? sr : agrs;
-  fprintf(f, "Dispatch FP8 + combine: epd %.2f µs; NCCL send/recv %.2f µs; allgather + reduce-scatter %.2f µs; "
-             "speed-up over the faster baseline %.2fx.\n\n", ours, sr, agrs, best / ours);
-  fprintf(f, "Token sweep (kernel time, µs p50):\n\n| tokens | dispatch FP8 | combine | dispatch BF16 | combine |\n| --- | --- | --- | --- | --- |\n");
+  fprintf(f,
+          "Dispatch FP8 + combine: epd %.2f µs; NCCL send/recv %.2f µs; allgather + reduce-scatter %.2f µs; "
+          "speed-up over the faster baseline %.2fx.\n\n",
+          ours, sr, agrs, best / ours);
+  fprintf(f,
+          "Token sweep (kernel time, µs p50):\n\n| tokens | dispatch FP8 | combine | dispatch BF16 | combine "
+          "|\n| --- | --- | --- | --- | --- |\n");
   for (int i = 0; i < NSW; i++)
-    fprintf(f, "| %u | %.2f | %.2f | %.2f | %.2f |\n", sweep[i], sw_d8[i].p50, sw_c8[i].p50, sw_d16[i].p50, sw_c16[i].p50);
+    fprintf(f, "| %u | %.2f | %.2f | %.2f | %.2f |\n", sweep[i], sw_d8[i].p50, sw_c8[i].p50, sw_d16[i].p50,
+            sw_c16[i].p50);
   fclose(f);
   /* echo the table */
   f = fopen(path, "r");

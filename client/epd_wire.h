@@ -23,8 +23,8 @@ typedef struct epd_redeem_req {
 
 typedef struct epd_redeem_rep {
   uint32_t magic, version;
-  int32_t status;   /* epd_result_t */
-  uint32_t nfds;    /* 2 on success */
+  int32_t status; /* epd_result_t */
+  uint32_t nfds;  /* 2 on success */
   char message[240];
 } epd_redeem_rep_t;
 
@@ -35,8 +35,9 @@ _Static_assert(sizeof(epd_redeem_rep_t) == 256, "redeem reply layout");
  * "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (EPD_UUID_TEXT bytes with the NUL). */
 #define EPD_UUID_TEXT 41
 static inline void epd_uuid_text(const uint8_t u[16], char out[EPD_UUID_TEXT]) {
-  snprintf(out, EPD_UUID_TEXT, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
-           u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+  snprintf(out, EPD_UUID_TEXT, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14],
+           u[15]);
 }
 
 #endif

@@ -138,7 +138,8 @@ static void print_status_json(const Epd__V1__StatusReply *s) {
   jkv_u("nodes", s->nodes ? s->nodes : 1, &f);
   jkv_u("node_rank", s->node_rank, &f);
   jkv_u("world_ranks", s->world_ranks ? s->world_ranks : s->num_ranks, &f);
-  jkv_s("inter_node_transport", s->inter_node_transport && *s->inter_node_transport ? s->inter_node_transport : "none", &f);
+  jkv_s("inter_node_transport",
+        s->inter_node_transport && *s->inter_node_transport ? s->inter_node_transport : "none", &f);
   jkv_s("gin", s->gin ? s->gin : "", &f);
   jkv_s("rendezvous", s->rendezvous ? s->rendezvous : "", &f);
   jkv_s("links", s->links ? s->links : "", &f);
@@ -191,12 +192,13 @@ static void print_status_json(const Epd__V1__StatusReply *s) {
 }
 
 static void print_clients_table(const Epd__V1__StatusReply *s) {
-  printf("%-8s %-20s %-16s %4s %8s %6s %10s %12s\n", "ID", "NAME", "GROUP", "RANK", "PID", "UID", "OPS", "ARENA");
+  printf("%-8s %-20s %-16s %4s %8s %6s %10s %12s\n", "ID", "NAME", "GROUP", "RANK", "PID", "UID", "OPS",
+         "ARENA");
   for (size_t i = 0; i < s->n_clients; i++) {
     const Epd__V1__ClientStatus *c = s->clients[i];
     char hb[32];
-    printf("%-8" PRIu64 " %-20s %-16s %4d %8u %6u %10" PRIu64 " %12s\n", c->client_id, c->name, c->group, c->rank,
-           c->pid, c->uid, c->ops, human_bytes(c->arena_bytes, hb, sizeof hb));
+    printf("%-8" PRIu64 " %-20s %-16s %4d %8u %6u %10" PRIu64 " %12s\n", c->client_id, c->name, c->group,
+           c->rank, c->pid, c->uid, c->ops, human_bytes(c->arena_bytes, hb, sizeof hb));
   }
 }
 
@@ -226,20 +228,21 @@ static void print_status_human(const Epd__V1__StatusReply *s) {
   }
   printf("groups:   %zu\n", s->n_groups);
   if (s->n_groups)
-    printf("  %-16s %7s %6s %4s %10s %5s %10s %4s  %s\n", "NAME", "EXPERTS", "HIDDEN", "TOPK", "MAX_TOKENS", "RANKS",
-           "STEPS", "MAP", "MODE");
+    printf("  %-16s %7s %6s %4s %10s %5s %10s %4s  %s\n", "NAME", "EXPERTS", "HIDDEN", "TOPK", "MAX_TOKENS",
+           "RANKS", "STEPS", "MAP", "MODE");
   for (size_t i = 0; i < s->n_groups; i++) {
     const Epd__V1__GroupStatus *g = s->groups[i];
-    printf("  %-16s %7u %6u %4u %10u %5u %10" PRIu64 " %4u  %s\n", g->name, g->num_experts, g->hidden, g->topk,
-           g->max_tokens, g->attached_ranks, g->steps, g->map_version, g->mode && *g->mode ? g->mode : "-");
+    printf("  %-16s %7u %6u %4u %10u %5u %10" PRIu64 " %4u  %s\n", g->name, g->num_experts, g->hidden,
+           g->topk, g->max_tokens, g->attached_ranks, g->steps, g->map_version,
+           g->mode && *g->mode ? g->mode : "-");
     if (g->nodes && *g->nodes) printf("  %-16s across nodes: %s\n", "", g->nodes);
   }
   printf("clients:  %zu\n", s->n_clients);
   if (s->n_clients) {
     for (size_t i = 0; i < s->n_clients; i++) {
       const Epd__V1__ClientStatus *c = s->clients[i];
-      printf("  %-8" PRIu64 " %-20s group %-16s rank %d pid %u ops %" PRIu64 "\n", c->client_id, c->name, c->group,
-             c->rank, c->pid, c->ops);
+      printf("  %-8" PRIu64 " %-20s group %-16s rank %d pid %u ops %" PRIu64 "\n", c->client_id, c->name,
+             c->group, c->rank, c->pid, c->ops);
     }
   }
 }
@@ -402,7 +405,8 @@ static int parse_map(FILE *f, const char *fname, map_file_t *mf) {
         else if (!strcmp(k, "slots_per_rank"))
           mf->map.slots_per_rank = (uint32_t)strtoul(v, NULL, 10);
         else if (strcmp(k, "version")) {
-          snprintf(err, sizeof err, "%s:%d: unknown key %s (num_ranks, slots_per_rank, version)", fname, ln, k);
+          snprintf(err, sizeof err, "%s:%d: unknown key %s (num_ranks, slots_per_rank, version)", fname, ln,
+                   k);
           return -1;
         }
       }
@@ -489,8 +493,8 @@ static int cmd_set_map(epd_rpc_t *rpc, const char *fname, const char *group) {
     q.n_copies = mf.nwc;
     q.copies = mf.wcp;
     ProtobufCMessage *rep = NULL;
-    if (epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &q.base, &epd__v1__set_expert_map_reply__descriptor, &rep,
-                     err, sizeof err) != EPD_OK) {
+    if (epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &q.base, &epd__v1__set_expert_map_reply__descriptor,
+                     &rep, err, sizeof err) != EPD_OK) {
       rc = -1;
     } else {
       uint32_t v = ((Epd__V1__SetExpertMapReply *)rep)->version;
@@ -500,8 +504,8 @@ static int cmd_set_map(epd_rpc_t *rpc, const char *fname, const char *group) {
         printf("staged expert map version %u for group %s (%zu experts, %zu weight copies)\n", v,
                mf.group[0] ? mf.group : "default", mf.npl, mf.nwc);
       else
-        printf("staged expert map version %u for group %s (%zu experts)\n", v, mf.group[0] ? mf.group : "default",
-               mf.npl);
+        printf("staged expert map version %u for group %s (%zu experts)\n", v,
+               mf.group[0] ? mf.group : "default", mf.npl);
       protobuf_c_message_free_unpacked(rep, NULL);
     }
   }
@@ -536,12 +540,12 @@ static int cmd_health(epd_rpc_t *rpc, const char *service) {
   Grpc__Health__V1__HealthCheckRequest q = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
   q.service = (char *)(service ? service : "");
   ProtobufCMessage *rep = NULL;
-  if (epd_rpc_call(rpc, "/grpc.health.v1.Health/Check", &q.base, &grpc__health__v1__health_check_response__descriptor,
-                   &rep, err, sizeof err) != EPD_OK)
+  if (epd_rpc_call(rpc, "/grpc.health.v1.Health/Check", &q.base,
+                   &grpc__health__v1__health_check_response__descriptor, &rep, err, sizeof err) != EPD_OK)
     return 1;
   int st = ((Grpc__Health__V1__HealthCheckResponse *)rep)->status;
-  const ProtobufCEnumValue *v =
-      protobuf_c_enum_descriptor_get_value(&grpc__health__v1__health_check_response__serving_status__descriptor, st);
+  const ProtobufCEnumValue *v = protobuf_c_enum_descriptor_get_value(
+      &grpc__health__v1__health_check_response__serving_status__descriptor, st);
   const char *name = v ? v->name : "UNKNOWN";
   if (json)
     printf("{\"status\":\"%s\"}\n", name);
@@ -594,8 +598,8 @@ static int cmd_watch(epd_rpc_t *rpc, long count, int timeout_ms) {
   Epd__V1__WatchRequest q = EPD__V1__WATCH_REQUEST__INIT;
   q.protocol_version = EPD_PROTOCOL_VERSION;
   watch_ctx_t w = {count, 0};
-  epd_result_t r = epd_rpc_stream(rpc, "/epd.v1.Control/Watch", &q.base, &epd__v1__event__descriptor, on_event, &w,
-                                  timeout_ms, err, sizeof err);
+  epd_result_t r = epd_rpc_stream(rpc, "/epd.v1.Control/Watch", &q.base, &epd__v1__event__descriptor,
+                                  on_event, &w, timeout_ms, err, sizeof err);
   return r == EPD_OK ? 0 : 1;
 }
 
@@ -607,8 +611,8 @@ static int cmd_watch(epd_rpc_t *rpc, long count, int timeout_ms) {
 static struct {
   pthread_mutex_t lock;
   char lines[TOP_EVENTS][256];
-  unsigned n;             /* events seen in all */
-  int ended;              /* the Watch stream ended (the daemon went away) */
+  unsigned n; /* events seen in all */
+  int ended;  /* the Watch stream ended (the daemon went away) */
   const char *sock;
 } top = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
@@ -622,7 +626,8 @@ static int top_on_event(void *arg, ProtobufCMessage *msg) {
   strftime(ts, sizeof ts, "%H:%M:%S", &tm);
   pthread_mutex_lock(&top.lock);
   snprintf(top.lines[top.n % TOP_EVENTS], sizeof top.lines[0], "%s.%03u %-11s group=%s rank=%d %s", ts,
-           (unsigned)(e->time_ns / 1000000ull % 1000), e->kind, e->group[0] ? e->group : "-", e->rank, e->message);
+           (unsigned)(e->time_ns / 1000000ull % 1000), e->kind, e->group[0] ? e->group : "-", e->rank,
+           e->message);
   top.n++;
   pthread_mutex_unlock(&top.lock);
   return 0;
@@ -635,8 +640,8 @@ static void *top_watch(void *arg) {
   if (epd_rpc_open(top.sock, 10000, &w, werr, sizeof werr) == EPD_OK) {
     Epd__V1__WatchRequest q = EPD__V1__WATCH_REQUEST__INIT;
     q.protocol_version = EPD_PROTOCOL_VERSION;
-    epd_rpc_stream(w, "/epd.v1.Control/Watch", &q.base, &epd__v1__event__descriptor, top_on_event, NULL, 0, werr,
-                   sizeof werr);
+    epd_rpc_stream(w, "/epd.v1.Control/Watch", &q.base, &epd__v1__event__descriptor, top_on_event, NULL, 0,
+                   werr, sizeof werr);
     epd_rpc_close(w);
   }
   pthread_mutex_lock(&top.lock);
@@ -792,10 +797,11 @@ static int cmd_top(epd_rpc_t *rpc, const char *sock, long iterations, long inter
     }
     double t = now_s(), dt = it ? t - prev_t : 0;
     if (clear) printf("\033[H\033[2J");
-    printf("epd %s  backend %s  mode %s  state %s%s  uptime %.1f s  clients %zu  groups %zu  [%ld]\n", s->version,
-           s->backend, s->engine_mode, s->state, s->draining ? " (draining)" : "", (double)s->uptime_ms / 1e3,
-           s->n_clients, s->n_groups, it + 1);
-    printf("%4s %7s %12s %10s %10s %8s %7s\n", "RANK", "CLIENTS", "OPS", "OPS/S", "BUFFERS", "TIMEOUTS", "ERRORS");
+    printf("epd %s  backend %s  mode %s  state %s%s  uptime %.1f s  clients %zu  groups %zu  [%ld]\n",
+           s->version, s->backend, s->engine_mode, s->state, s->draining ? " (draining)" : "",
+           (double)s->uptime_ms / 1e3, s->n_clients, s->n_groups, it + 1);
+    printf("%4s %7s %12s %10s %10s %8s %7s\n", "RANK", "CLIENTS", "OPS", "OPS/S", "BUFFERS", "TIMEOUTS",
+           "ERRORS");
     for (size_t i = 0; i < s->n_ranks; i++) {
       const Epd__V1__RankStatus *r = s->ranks[i];
       char key[96], hb[32], rate[32] = "-";
@@ -890,8 +896,8 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  static const char *const known[] = {"status", "metrics", "clients", "config", "experts",
-                                      "set-map", "drain", "health", "watch", "top"};
+  static const char *const known[] = {"status",  "metrics", "clients", "config", "experts",
+                                      "set-map", "drain",   "health",  "watch",  "top"};
   int ok = 0;
   for (size_t k = 0; k < sizeof known / sizeof known[0]; k++) ok |= !strcmp(cmd, known[k]);
   if (!ok) {

@@ -28,36 +28,60 @@
 
 EPD_EXPORT const char *epd_strerror(int result) {
   switch (result) {
-  case EPD_OK: return "EPD_OK: success";
-  case EPD_ERR_INVALID: return "EPD_ERR_INVALID: an argument is out of range";
-  case EPD_ERR_NOMEM: return "EPD_ERR_NOMEM: out of host or device memory";
-  case EPD_ERR_SYSTEM: return "EPD_ERR_SYSTEM: a system call failed";
-  case EPD_ERR_RPC: return "EPD_ERR_RPC: the control RPC failed";
-  case EPD_ERR_PROTOCOL: return "EPD_ERR_PROTOCOL: protocol or ABI version mismatch";
-  case EPD_ERR_NOT_FOUND: return "EPD_ERR_NOT_FOUND: unknown group, client or resource";
-  case EPD_ERR_BUSY: return "EPD_ERR_BUSY: rank already attached, or a limit reached";
-  case EPD_ERR_TIMEOUT: return "EPD_ERR_TIMEOUT: a wait ran out (the completion names the peer rank)";
-  case EPD_ERR_PEER: return "EPD_ERR_PEER: a peer rank's client detached or failed mid-step";
-  case EPD_ERR_DRAINING: return "EPD_ERR_DRAINING: the daemon is draining (with a peer rank: that rank's node is)";
-  case EPD_ERR_CUDA: return "EPD_ERR_CUDA: a CUDA call failed";
-  case EPD_ERR_NCCL: return "EPD_ERR_NCCL: an NCCL call failed";
-  case EPD_ERR_UNSUPPORTED: return "EPD_ERR_UNSUPPORTED: not available in this build, backend or mode";
-  case EPD_ERR_BAD_EXPERT: return "EPD_ERR_BAD_EXPERT: a top-k entry is outside [-1, num_experts)";
-  case EPD_ERR_TOO_MANY_TOKENS: return "EPD_ERR_TOO_MANY_TOKENS: num_tokens over the group's max_tokens";
-  case EPD_ERR_PERMISSION: return "EPD_ERR_PERMISSION: the caller is not allowed to do this";
-  case EPD_ERR_OVERFLOW: return "EPD_ERR_OVERFLOW: HT receive capacity exceeded";
-  case EPD_ERR_MISMATCH: return "EPD_ERR_MISMATCH: ranks submitted different ops or banks for one step";
-  case EPD_ERR_CLOSED: return "EPD_ERR_CLOSED: no daemon listens, or the daemon connection dropped";
-  case EPD_ERR_STATE: return "EPD_ERR_STATE: call out of order";
-  case EPD_ERR_INTERNAL: return "EPD_ERR_INTERNAL: internal error";
-  default: return "EPD_ERR_UNKNOWN: unknown result code";
+    case EPD_OK:
+      return "EPD_OK: success";
+    case EPD_ERR_INVALID:
+      return "EPD_ERR_INVALID: an argument is out of range";
+    case EPD_ERR_NOMEM:
+      return "EPD_ERR_NOMEM: out of host or device memory";
+    case EPD_ERR_SYSTEM:
+      return "EPD_ERR_SYSTEM: a system call failed";
+    case EPD_ERR_RPC:
+      return "EPD_ERR_RPC: the control RPC failed";
+    case EPD_ERR_PROTOCOL:
+      return "EPD_ERR_PROTOCOL: protocol or ABI version mismatch";
+    case EPD_ERR_NOT_FOUND:
+      return "EPD_ERR_NOT_FOUND: unknown group, client or resource";
+    case EPD_ERR_BUSY:
+      return "EPD_ERR_BUSY: rank already attached, or a limit reached";
+    case EPD_ERR_TIMEOUT:
+      return "EPD_ERR_TIMEOUT: a wait ran out (the completion names the peer rank)";
+    case EPD_ERR_PEER:
+      return "EPD_ERR_PEER: a peer rank's client detached or failed mid-step";
+    case EPD_ERR_DRAINING:
+      return "EPD_ERR_DRAINING: the daemon is draining (with a peer rank: that rank's node is)";
+    case EPD_ERR_CUDA:
+      return "EPD_ERR_CUDA: a CUDA call failed";
+    case EPD_ERR_NCCL:
+      return "EPD_ERR_NCCL: an NCCL call failed";
+    case EPD_ERR_UNSUPPORTED:
+      return "EPD_ERR_UNSUPPORTED: not available in this build, backend or mode";
+    case EPD_ERR_BAD_EXPERT:
+      return "EPD_ERR_BAD_EXPERT: a top-k entry is outside [-1, num_experts)";
+    case EPD_ERR_TOO_MANY_TOKENS:
+      return "EPD_ERR_TOO_MANY_TOKENS: num_tokens over the group's max_tokens";
+    case EPD_ERR_PERMISSION:
+      return "EPD_ERR_PERMISSION: the caller is not allowed to do this";
+    case EPD_ERR_OVERFLOW:
+      return "EPD_ERR_OVERFLOW: HT receive capacity exceeded";
+    case EPD_ERR_MISMATCH:
+      return "EPD_ERR_MISMATCH: ranks submitted different ops or banks for one step";
+    case EPD_ERR_CLOSED:
+      return "EPD_ERR_CLOSED: no daemon listens, or the daemon connection dropped";
+    case EPD_ERR_STATE:
+      return "EPD_ERR_STATE: call out of order";
+    case EPD_ERR_INTERNAL:
+      return "EPD_ERR_INTERNAL: internal error";
+    default:
+      return "EPD_ERR_UNKNOWN: unknown result code";
   }
 }
 
 /* Failures of epd_connect, which has no handle yet: per thread. */
 static __thread char connect_err[EPD_ERRTEXT];
 
-static epd_result_t fail(char *buf, epd_result_t rc, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static epd_result_t fail(char *buf, epd_result_t rc, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 static epd_result_t fail(char *buf, epd_result_t rc, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
@@ -66,13 +90,19 @@ static epd_result_t fail(char *buf, epd_result_t rc, const char *fmt, ...) {
   return rc;
 }
 
-EPD_EXPORT const char *epd_conn_last_error(const epd_conn_t *conn) { return conn ? conn->err : connect_err; }
-EPD_EXPORT const char *epd_last_error(const epd_ep_t *ep) { return ep ? ep->err : ""; }
+EPD_EXPORT const char *epd_conn_last_error(const epd_conn_t *conn) {
+  return conn ? conn->err : connect_err;
+}
+EPD_EXPORT const char *epd_last_error(const epd_ep_t *ep) {
+  return ep ? ep->err : "";
+}
 
 /* ---- connection --------------------------------------------------------------------------------- */
 
 /* Versioned option structs: the caller's must come from the initializer of this or a later version. */
-static int opts_ok(uint32_t size, uint32_t magic, size_t want) { return size >= want && magic == EPD_OPTS_MAGIC; }
+static int opts_ok(uint32_t size, uint32_t magic, size_t want) {
+  return size >= want && magic == EPD_OPTS_MAGIC;
+}
 
 EPD_EXPORT epd_result_t epd_connect(const epd_connect_opts_t *opts, epd_conn_t **out) {
   epd_connect_opts_t def = EPD_CONNECT_OPTS_INITIALIZER;
@@ -84,7 +114,8 @@ EPD_EXPORT epd_result_t epd_connect(const epd_connect_opts_t *opts, epd_conn_t *
     return fail(connect_err, EPD_ERR_INVALID,
                 "opts: not initialised with EPD_CONNECT_OPTS_INITIALIZER (size %u, magic 0x%x)", opts->size,
                 opts->magic);
-  if (opts->timeout_ms < 0) return fail(connect_err, EPD_ERR_INVALID, "timeout_ms %d: must be >= 0", opts->timeout_ms);
+  if (opts->timeout_ms < 0)
+    return fail(connect_err, EPD_ERR_INVALID, "timeout_ms %d: must be >= 0", opts->timeout_ms);
   epd_conn_t *c = calloc(1, sizeof *c);
   if (!c) return fail(connect_err, EPD_ERR_NOMEM, "out of memory");
   c->timeout_ms = opts->timeout_ms ? opts->timeout_ms : EPD_DEFAULT_RPC_TIMEOUT_MS;
@@ -98,8 +129,8 @@ EPD_EXPORT epd_result_t epd_connect(const epd_connect_opts_t *opts, epd_conn_t *
   req.protocol_version = EPD_PROTOCOL_VERSION;
   ProtobufCMessage *rep = NULL;
   char err[EPD_ERRTEXT] = "";
-  rc = epd_rpc_call(c->rpc, "/epd.v1.Control/GetStatus", &req.base, &epd__v1__status_reply__descriptor, &rep, err,
-                    sizeof err);
+  rc = epd_rpc_call(c->rpc, "/epd.v1.Control/GetStatus", &req.base, &epd__v1__status_reply__descriptor, &rep,
+                    err, sizeof err);
   if (rc == EPD_OK) {
     Epd__V1__StatusReply *st = (Epd__V1__StatusReply *)rep;
     if (st->protocol_version && st->protocol_version != EPD_PROTOCOL_VERSION)
@@ -166,7 +197,8 @@ static epd_result_t redeem(epd_ep_t *ep, const char *path, const uint8_t *token,
       char buf[CMSG_SPACE(2 * sizeof(int))];
     } cm;
     struct iovec iov = {(char *)&rep + got, sizeof rep - got};
-    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.buf, .msg_controllen = sizeof cm.buf};
+    struct msghdr mh = {
+        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.buf, .msg_controllen = sizeof cm.buf};
     ssize_t n = recvmsg(s, &mh, MSG_CMSG_CLOEXEC);
     if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
     if (n < 0) return fail(ep->err, EPD_ERR_SYSTEM, "recvmsg on attach socket: %s", strerror(errno));
@@ -197,8 +229,8 @@ static void detach_rpc(epd_ep_t *ep, char *err, size_t errlen, epd_result_t *rc)
   req.secret.data = ep->secret;
   req.secret.len = ep->secret_len;
   ProtobufCMessage *rep = NULL;
-  *rc = epd_rpc_call(ep->conn->rpc, "/epd.v1.Control/Detach", &req.base, &epd__v1__detach_reply__descriptor, &rep,
-                     err, errlen);
+  *rc = epd_rpc_call(ep->conn->rpc, "/epd.v1.Control/Detach", &req.base, &epd__v1__detach_reply__descriptor,
+                     &rep, err, errlen);
   if (rep) protobuf_c_message_free_unpacked(rep, NULL);
 }
 
@@ -215,8 +247,10 @@ static void ep_release(epd_ep_t *ep) {
   if (ep->kstream) epd_cuda_stream_destroy(ep->kstream);
   ep->kstream = NULL;
   if (ep->queue_reg) epd_cuda_unregister_host(ep->queue_reg);
-  if (ep->arena_map) epd_cuda_unimport(ep->arena_map);
-  else if (ep->arena) munmap(ep->arena, ep->arena_bytes);
+  if (ep->arena_map)
+    epd_cuda_unimport(ep->arena_map);
+  else if (ep->arena)
+    munmap(ep->arena, ep->arena_bytes);
   if (ep->queue) munmap(ep->queue, ep->queue_bytes);
   if (ep->sock >= 0) close(ep->sock);
   ep->queue_reg = NULL;
@@ -229,7 +263,9 @@ static void ep_release(epd_ep_t *ep) {
 static epd_result_t map_twin_submit(epd_ep_t *ep);
 
 /* The GPU-side wait of a kernel submission gives up after EPD_OP_TIMEOUT_MS, as the host path does. */
-static uint64_t op_timeout_ns(const epd_ep_t *ep) { return (uint64_t)ep->op_timeout_ms * 1000000ull; }
+static uint64_t op_timeout_ns(const epd_ep_t *ep) {
+  return (uint64_t)ep->op_timeout_ms * 1000000ull;
+}
 
 /* Device address of slot i of a queue (host copy or twin) at device address `queue`. */
 static uint64_t slot_addr(uint64_t queue, uint32_t i) {
@@ -244,8 +280,8 @@ static epd_result_t map_twin(epd_ep_t *ep) {
   uint64_t off = ep->queue->dq_offset;
   if (!off) return EPD_OK;
   if (off % 256 || off + sizeof(epd_queue_t) > ep->arena_bytes)
-    return fail(ep->err, EPD_ERR_PROTOCOL, "queue twin at %llu: past the arena's %zu bytes", (unsigned long long)off,
-                ep->arena_bytes);
+    return fail(ep->err, EPD_ERR_PROTOCOL, "queue twin at %llu: past the arena's %zu bytes",
+                (unsigned long long)off, ep->arena_bytes);
   ep->dq_dev = (uint64_t)(uintptr_t)ep->arena + off;
   /* libepd's own CUDA work runs in the primary context of the attachment's device, whatever context the
    * calling thread has (its private stream, and so the host path, belong to that context) */
@@ -253,8 +289,8 @@ static epd_result_t map_twin(epd_ep_t *ep) {
   if (rc) return rc;
   uint64_t host[EPD_QUEUE_SLOTS];
   for (unsigned i = 0; i < EPD_QUEUE_SLOTS; i++) host[i] = slot_addr(ep->queue_dev, i);
-  rc = epd_cuda_write_words(slot_addr(ep->dq_dev, 0) + offsetof(epd_slot_t, twin_host), sizeof(epd_slot_t), host,
-                            EPD_QUEUE_SLOTS, ep->err, sizeof ep->err);
+  rc = epd_cuda_write_words(slot_addr(ep->dq_dev, 0) + offsetof(epd_slot_t, twin_host), sizeof(epd_slot_t),
+                            host, EPD_QUEUE_SLOTS, ep->err, sizeof ep->err);
   if (!rc) rc = map_twin_submit(ep);
   epd_cuda_ctx_leave();
   return rc;
@@ -266,7 +302,8 @@ static epd_result_t map_twin_submit(epd_ep_t *ep) {
   int twin = (ep->queue->qflags & EPD_QF_TWIN) != 0;
   ep->ksub = twin || (env && !strcmp(env, "kernel"));
   if (env && !strcmp(env, "memop") && twin)
-    fprintf(stderr, "libepd: EPD_SUBMIT=memop ignored: the daemon's persistent kernels serve this queue and see "
+    fprintf(stderr,
+            "libepd: EPD_SUBMIT=memop ignored: the daemon's persistent kernels serve this queue and see "
             "only submissions through its device twin\n");
   if (!ep->ksub) return EPD_OK;
   epd_result_t rc = epd_cuda_ksub_load(ep->device, ep->err, sizeof ep->err);
@@ -281,13 +318,14 @@ static epd_result_t map_memory(epd_ep_t *ep, const Epd__V1__AttachReply *a, int 
     return fail(ep->err, EPD_ERR_PROTOCOL, "queue of %zu bytes, the ABI needs %zu", ep->queue_bytes,
                 sizeof(epd_queue_t));
   void *q = mmap(NULL, ep->queue_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
-  if (q == MAP_FAILED) return fail(ep->err, EPD_ERR_SYSTEM, "mmap queue (%zu bytes): %s", ep->queue_bytes, strerror(errno));
+  if (q == MAP_FAILED)
+    return fail(ep->err, EPD_ERR_SYSTEM, "mmap queue (%zu bytes): %s", ep->queue_bytes, strerror(errno));
   ep->queue = q;
   if (ep->queue->magic != EPD_QUEUE_MAGIC || ep->queue->abi_version != EPD_ABI_VERSION ||
       ep->queue->nslots != EPD_QUEUE_SLOTS)
-    return fail(ep->err, EPD_ERR_PROTOCOL, "queue magic 0x%x abi %u slots %u, libepd wants 0x%x abi %u slots %u",
-                ep->queue->magic, ep->queue->abi_version, ep->queue->nslots, EPD_QUEUE_MAGIC, EPD_ABI_VERSION,
-                EPD_QUEUE_SLOTS);
+    return fail(ep->err, EPD_ERR_PROTOCOL,
+                "queue magic 0x%x abi %u slots %u, libepd wants 0x%x abi %u slots %u", ep->queue->magic,
+                ep->queue->abi_version, ep->queue->nslots, EPD_QUEUE_MAGIC, EPD_ABI_VERSION, EPD_QUEUE_SLOTS);
   if (!strcmp(a->memory, "host")) {
     void *m = mmap(NULL, ep->arena_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0);
     if (m == MAP_FAILED)
@@ -297,12 +335,13 @@ static epd_result_t map_memory(epd_ep_t *ep, const Epd__V1__AttachReply *a, int 
   }
   if (!strcmp(a->memory, "cuda")) {
     void *addr = NULL;
-    epd_result_t rc = epd_cuda_import(fds[1], ep->arena_bytes, ep->device, &ep->arena_map, &addr, ep->err, sizeof ep->err);
+    epd_result_t rc =
+        epd_cuda_import(fds[1], ep->arena_bytes, ep->device, &ep->arena_map, &addr, ep->err, sizeof ep->err);
     if (rc) return rc;
     ep->arena = addr;
     ep->on_gpu = 1;
-    if ((rc = epd_cuda_register_host(ep->queue, ep->queue_bytes, ep->device, &ep->queue_reg, &ep->queue_dev, ep->err,
-                                     sizeof ep->err)))
+    if ((rc = epd_cuda_register_host(ep->queue, ep->queue_bytes, ep->device, &ep->queue_reg, &ep->queue_dev,
+                                     ep->err, sizeof ep->err)))
       return rc;
     return map_twin(ep);
   }
@@ -332,8 +371,8 @@ EPD_EXPORT epd_result_t epd_attach(epd_conn_t *conn, const epd_attach_opts_t *op
   req.client_name = (char *)(opts->client_name ? opts->client_name : name);
   req.pid = (uint32_t)getpid();
   ProtobufCMessage *msg = NULL;
-  epd_result_t rc = epd_rpc_call(conn->rpc, "/epd.v1.Control/Attach", &req.base, &epd__v1__attach_reply__descriptor,
-                                 &msg, conn->err, sizeof conn->err);
+  epd_result_t rc = epd_rpc_call(conn->rpc, "/epd.v1.Control/Attach", &req.base,
+                                 &epd__v1__attach_reply__descriptor, &msg, conn->err, sizeof conn->err);
   if (rc) return rc;
   Epd__V1__AttachReply *a = (Epd__V1__AttachReply *)msg;
   epd_ep_t *ep = calloc(1, sizeof *ep);
@@ -359,7 +398,8 @@ EPD_EXPORT epd_result_t epd_attach(epd_conn_t *conn, const epd_attach_opts_t *op
   const char *env = getenv("EPD_OP_TIMEOUT_MS");
   ep->op_timeout_ms = env && atoi(env) > 0 ? atoi(env) : EPD_DEFAULT_OP_TIMEOUT_MS;
   int fds[2] = {-1, -1};
-  if (a->secret.len > sizeof ep->secret || a->token.len != EPD_TOKEN_BYTES || a->n_buffers > EPD_MAX_BUFFERS) {
+  if (a->secret.len > sizeof ep->secret || a->token.len != EPD_TOKEN_BYTES ||
+      a->n_buffers > EPD_MAX_BUFFERS) {
     rc = fail(ep->err, EPD_ERR_PROTOCOL, "attach reply: secret %zu bytes, token %zu bytes, %zu buffers",
               a->secret.len, a->token.len, a->n_buffers);
     goto fail;
@@ -376,7 +416,8 @@ EPD_EXPORT epd_result_t epd_attach(epd_conn_t *conn, const epd_attach_opts_t *op
   for (size_t i = 0; i < a->n_buffers; i++) {
     const Epd__V1__BufferInfo *b = a->buffers[i];
     if (b->offset + b->bytes > a->arena_bytes) {
-      rc = fail(ep->err, EPD_ERR_PROTOCOL, "attach reply: buffer kind %u bank %u past the arena's end", b->kind, b->bank);
+      rc = fail(ep->err, EPD_ERR_PROTOCOL, "attach reply: buffer kind %u bank %u past the arena's end",
+                b->kind, b->bank);
       goto fail;
     }
     ep->buffers[i].kind = b->kind;
@@ -423,31 +464,46 @@ EPD_EXPORT epd_result_t epd_detach(epd_ep_t *ep) {
 EPD_EXPORT int64_t epd_info(const epd_ep_t *ep, epd_info_t key) {
   if (!ep) return -1;
   switch (key) {
-  case EPD_INFO_RANK: return ep->rank;
-  case EPD_INFO_NUM_RANKS: return ep->num_ranks;
-  case EPD_INFO_NUM_EXPERTS: return ep->num_experts;
-  case EPD_INFO_HIDDEN: return ep->hidden;
-  case EPD_INFO_TOPK: return ep->topk;
-  case EPD_INFO_MAX_TOKENS: return ep->max_tokens;
-  case EPD_INFO_SLOTS_PER_RANK: return ep->slots_per_rank;
-  case EPD_INFO_HT_CAPACITY: return ep->ht_capacity;
-  case EPD_INFO_ON_GPU: return ep->on_gpu;
-  case EPD_INFO_DEVICE: return ep->device;
-  /* The daemon keeps the active version in the queue header; before any op it is the attach's. */
-  case EPD_INFO_MAP_VERSION: return ep->queue && ep->queue->map_version ? ep->queue->map_version : ep->map_version;
-  case EPD_INFO_CLIENT_ID: return (int64_t)ep->client_id;
-  case EPD_INFO_NEXT_SLOT: return ep->next_slot;
-  case EPD_INFO_WEIGHT_BYTES_PER_SLOT: return (int64_t)ep->weight_bytes_per_slot;
-  case EPD_INFO_KERNEL_SUBMIT: return ep->ksub;
+    case EPD_INFO_RANK:
+      return ep->rank;
+    case EPD_INFO_NUM_RANKS:
+      return ep->num_ranks;
+    case EPD_INFO_NUM_EXPERTS:
+      return ep->num_experts;
+    case EPD_INFO_HIDDEN:
+      return ep->hidden;
+    case EPD_INFO_TOPK:
+      return ep->topk;
+    case EPD_INFO_MAX_TOKENS:
+      return ep->max_tokens;
+    case EPD_INFO_SLOTS_PER_RANK:
+      return ep->slots_per_rank;
+    case EPD_INFO_HT_CAPACITY:
+      return ep->ht_capacity;
+    case EPD_INFO_ON_GPU:
+      return ep->on_gpu;
+    case EPD_INFO_DEVICE:
+      return ep->device;
+    /* The daemon keeps the active version in the queue header; before any op it is the attach's. */
+    case EPD_INFO_MAP_VERSION:
+      return ep->queue && ep->queue->map_version ? ep->queue->map_version : ep->map_version;
+    case EPD_INFO_CLIENT_ID:
+      return (int64_t)ep->client_id;
+    case EPD_INFO_NEXT_SLOT:
+      return ep->next_slot;
+    case EPD_INFO_WEIGHT_BYTES_PER_SLOT:
+      return (int64_t)ep->weight_bytes_per_slot;
+    case EPD_INFO_KERNEL_SUBMIT:
+      return ep->ksub;
   }
   return -1;
 }
 
 EPD_EXPORT void *epd_slot_device_ptr(epd_ep_t *ep, unsigned slot) {
-  if (ep && ep->dq_dev && slot < EPD_QUEUE_SLOTS)
-    return (void *)(uintptr_t)slot_addr(ep->dq_dev, slot);
+  if (ep && ep->dq_dev && slot < EPD_QUEUE_SLOTS) return (void *)(uintptr_t)slot_addr(ep->dq_dev, slot);
   if (!ep || !ep->queue_reg || !ep->queue_dev) {
-    if (ep) fail(ep->err, EPD_ERR_UNSUPPORTED, "epd_slot_device_ptr: the queue is not GPU-mapped (host backend)");
+    if (ep)
+      fail(ep->err, EPD_ERR_UNSUPPORTED, "epd_slot_device_ptr: the queue is not GPU-mapped (host backend)");
     return NULL;
   }
   if (slot >= EPD_QUEUE_SLOTS) {
@@ -477,7 +533,8 @@ static const epd_map_table_t *map_table(const epd_ep_t *ep) {
   if (!off || off % 8 || (size_t)off + sizeof(epd_map_table_t) > ep->queue_bytes) return NULL;
   const epd_map_table_t *t = (const epd_map_table_t *)((const uint8_t *)ep->queue + off);
   if (t->magic != EPD_MAP_TABLE_MAGIC || t->max_replicas == 0 ||
-      off + epd_map_table_bytes(t->num_experts, t->max_replicas, t->num_ranks, t->slots_per_rank) > ep->queue_bytes)
+      off + epd_map_table_bytes(t->num_experts, t->max_replicas, t->num_ranks, t->slots_per_rank) >
+          ep->queue_bytes)
     return NULL;
   return t;
 }
@@ -517,8 +574,8 @@ static void read_slots(const epd_map_table_t *t, void *arg) {
   }
 }
 
-EPD_EXPORT epd_result_t epd_expert_slots(const epd_ep_t *ep, uint32_t logical, epd_replica_t *reps, uint32_t max,
-                                         uint32_t *nrep, uint32_t *version) {
+EPD_EXPORT epd_result_t epd_expert_slots(const epd_ep_t *ep, uint32_t logical, epd_replica_t *reps,
+                                         uint32_t max, uint32_t *nrep, uint32_t *version) {
   if (!ep) return EPD_ERR_INVALID;
   char *err = (char *)ep->err; /* the per-handle error text is not part of the const contract */
   const epd_map_table_t *t = map_table(ep);
@@ -545,7 +602,8 @@ static void read_slot_experts(const epd_map_table_t *t, void *arg) {
   memcpy(a->logical, se + (size_t)a->rank * t->slots_per_rank, sizeof *a->logical * a->n);
 }
 
-EPD_EXPORT epd_result_t epd_slot_experts(const epd_ep_t *ep, int32_t *logical, uint32_t n, uint32_t *version) {
+EPD_EXPORT epd_result_t epd_slot_experts(const epd_ep_t *ep, int32_t *logical, uint32_t n,
+                                         uint32_t *version) {
   if (!ep) return EPD_ERR_INVALID;
   char *err = (char *)ep->err;
   const epd_map_table_t *t = map_table(ep);
@@ -580,10 +638,14 @@ static int daemon_gone(epd_ep_t *ep) {
 
 static const char *op_name(uint32_t op) {
   switch (op) {
-  case EPD_OP_LL_DISPATCH: return "LL dispatch";
-  case EPD_OP_LL_COMBINE: return "LL combine";
-  case EPD_OP_HT_DISPATCH: return "HT dispatch";
-  case EPD_OP_HT_COMBINE: return "HT combine";
+    case EPD_OP_LL_DISPATCH:
+      return "LL dispatch";
+    case EPD_OP_LL_COMBINE:
+      return "LL combine";
+    case EPD_OP_HT_DISPATCH:
+      return "HT dispatch";
+    case EPD_OP_HT_COMBINE:
+      return "HT combine";
   }
   return "op";
 }
@@ -598,7 +660,8 @@ static int sync_done(epd_ep_t *ep, epd_slot_t *s) {
 static epd_result_t submit_sync(epd_ep_t *ep, const epd_desc_t *d) {
   epd_slot_t *s = &ep->queue->slot[ep->next_slot];
   if (load_state(s) != EPD_SLOT_FREE)
-    return fail(ep->err, EPD_ERR_STATE, "slot %u is still in use (a stream op not yet synchronised?)", ep->next_slot);
+    return fail(ep->err, EPD_ERR_STATE, "slot %u is still in use (a stream op not yet synchronised?)",
+                ep->next_slot);
   if (ep->ksub) {
     /* through the twin: the kernel submits, waits and frees; the CPU waits for the kernel */
     epd_result_t rc = epd_cuda_ksubmit(ep->kstream, slot_addr(ep->dq_dev, ep->next_slot), d, EPD_KSUB_RUN,
@@ -634,8 +697,8 @@ static epd_result_t submit_sync(epd_ep_t *ep, const epd_desc_t *d) {
       }
       if (el > ep->op_timeout_ms) {
         ep->stuck = 1;
-        return fail(ep->err, EPD_ERR_TIMEOUT, "%s: no completion after %d ms (EPD_OP_TIMEOUT_MS)", op_name(d->op),
-                    ep->op_timeout_ms);
+        return fail(ep->err, EPD_ERR_TIMEOUT, "%s: no completion after %d ms (EPD_OP_TIMEOUT_MS)",
+                    op_name(d->op), ep->op_timeout_ms);
       }
     }
   }
@@ -654,8 +717,8 @@ static epd_result_t submit_sync(epd_ep_t *ep, const epd_desc_t *d) {
   const epd_comp_t *c = &ep->last_comp;
   if (c->status) {
     if (c->peer >= 0)
-      fail(ep->err, c->status, "%s (step %llu): %s; peer rank %d", op_name(d->op), (unsigned long long)c->step,
-           epd_strerror(c->status), c->peer);
+      fail(ep->err, c->status, "%s (step %llu): %s; peer rank %d", op_name(d->op),
+           (unsigned long long)c->step, epd_strerror(c->status), c->peer);
     else
       fail(ep->err, c->status, "%s (step %llu): %s", op_name(d->op), (unsigned long long)c->step,
            epd_strerror(c->status));
@@ -665,15 +728,17 @@ static epd_result_t submit_sync(epd_ep_t *ep, const epd_desc_t *d) {
 
 static epd_result_t submit(epd_ep_t *ep, const epd_desc_t *d, void *stream) {
   if (ep->closed) return fail(ep->err, EPD_ERR_CLOSED, "the daemon connection dropped earlier; attach again");
-  if (ep->stuck) return fail(ep->err, EPD_ERR_STATE, "an earlier op never completed; detach and attach again");
+  if (ep->stuck)
+    return fail(ep->err, EPD_ERR_STATE, "an earlier op never completed; detach and attach again");
   if (!stream) return submit_sync(ep, d);
   if (!ep->queue_reg)
-    return fail(ep->err, EPD_ERR_UNSUPPORTED, "stream: stream-ordered ops need the CUDA backend (this attachment "
+    return fail(ep->err, EPD_ERR_UNSUPPORTED,
+                "stream: stream-ordered ops need the CUDA backend (this attachment "
                 "has host memory); pass stream = NULL");
   epd_result_t rc;
   if (ep->ksub) {
-    rc = epd_cuda_ksubmit(stream, slot_addr(ep->dq_dev, ep->next_slot), d, EPD_KSUB_RUN, op_timeout_ns(ep), ep->err,
-                          sizeof ep->err);
+    rc = epd_cuda_ksubmit(stream, slot_addr(ep->dq_dev, ep->next_slot), d, EPD_KSUB_RUN, op_timeout_ns(ep),
+                          ep->err, sizeof ep->err);
   } else {
     rc = epd_cuda_submit(stream, slot_addr(ep->queue_dev, ep->next_slot), d, ep->err, sizeof ep->err);
   }
@@ -698,15 +763,18 @@ EPD_EXPORT epd_result_t epd_dispatch(epd_ep_t *ep, epd_mode_t mode, uint32_t num
   epd_result_t rc = check_common(ep, mode, bank);
   if (rc) return rc;
   if (num_tokens > ep->max_tokens)
-    return fail(ep->err, EPD_ERR_TOO_MANY_TOKENS, "num_tokens %u: out of range [0, %u] (the group's max_tokens)",
-                num_tokens, ep->max_tokens);
+    return fail(ep->err, EPD_ERR_TOO_MANY_TOKENS,
+                "num_tokens %u: out of range [0, %u] (the group's max_tokens)", num_tokens, ep->max_tokens);
   if (flags & ~(uint32_t)(EPD_DESC_FP8 | EPD_DESC_HT_DENSE))
-    return fail(ep->err, EPD_ERR_INVALID, "flags 0x%x: only EPD_DESC_FP8 (0x%x) and EPD_DESC_HT_DENSE (0x%x) are defined",
-                flags, EPD_DESC_FP8, EPD_DESC_HT_DENSE);
+    return fail(ep->err, EPD_ERR_INVALID,
+                "flags 0x%x: only EPD_DESC_FP8 (0x%x) and EPD_DESC_HT_DENSE (0x%x) are defined", flags,
+                EPD_DESC_FP8, EPD_DESC_HT_DENSE);
   if ((flags & EPD_DESC_HT_DENSE) && mode != EPD_MODE_HT)
-    return fail(ep->err, EPD_ERR_INVALID, "flags: EPD_DESC_HT_DENSE is for HT dispatches (mode %d)", (int)mode);
+    return fail(ep->err, EPD_ERR_INVALID, "flags: EPD_DESC_HT_DENSE is for HT dispatches (mode %d)",
+                (int)mode);
   if ((flags & EPD_DESC_FP8) && ep->hidden % 128)
-    return fail(ep->err, EPD_ERR_INVALID, "flags: EPD_DESC_FP8 needs hidden a multiple of 128 (hidden %u)", ep->hidden);
+    return fail(ep->err, EPD_ERR_INVALID, "flags: EPD_DESC_FP8 needs hidden a multiple of 128 (hidden %u)",
+                ep->hidden);
   epd_desc_t d;
   memset(&d, 0, sizeof d);
   d.op = mode == EPD_MODE_LL ? EPD_OP_LL_DISPATCH : EPD_OP_HT_DISPATCH;
@@ -731,7 +799,8 @@ EPD_EXPORT epd_result_t epd_combine(epd_ep_t *ep, epd_mode_t mode, unsigned bank
 
 EPD_EXPORT epd_result_t epd_slot_status(epd_ep_t *ep, unsigned slot, epd_comp_t *comp_out) {
   if (!ep) return EPD_ERR_INVALID;
-  if (slot >= EPD_QUEUE_SLOTS) return fail(ep->err, EPD_ERR_INVALID, "slot %u: out of range [0, %u)", slot, EPD_QUEUE_SLOTS);
+  if (slot >= EPD_QUEUE_SLOTS)
+    return fail(ep->err, EPD_ERR_INVALID, "slot %u: out of range [0, %u)", slot, EPD_QUEUE_SLOTS);
   /* Host memory on both backends, written by every completer (the twin only by the persistent kernels). */
   epd_slot_t *s = &ep->queue->slot[slot];
   atomic_thread_fence(memory_order_acquire);
@@ -750,7 +819,8 @@ EPD_EXPORT epd_result_t epd_op_status(epd_ep_t *ep, epd_comp_t *comp_out) {
     if (ep->ksub && load_state(s) != EPD_SLOT_FREE) {
       /* the stream's wait gave up (the stream went on without the op's outputs): the ring is out of step */
       ep->stuck = 1;
-      return fail(ep->err, EPD_ERR_TIMEOUT, "slot %d: no completion (its stream's wait gave up after "
+      return fail(ep->err, EPD_ERR_TIMEOUT,
+                  "slot %d: no completion (its stream's wait gave up after "
                   "EPD_OP_TIMEOUT_MS = %d ms, or the stream was not synchronised); detach and attach again",
                   ep->last_slot, ep->op_timeout_ms);
     }

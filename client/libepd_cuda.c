@@ -21,53 +21,52 @@
 
 /* The driver entry points we use, resolved by base name for the CUDA 12.0 ABI (which picks the _v2
  * variants of cuMemHostRegister, cuStreamBatchMemOp, ...). */
-#define EPD_CU_FUNCS(X)                                                                            \
-  X(cuInit, (unsigned int))                                                                        \
-  X(cuGetErrorString, (CUresult, const char **))                                                   \
-  X(cuDeviceGet, (CUdevice *, int))                                                                \
-  X(cuDeviceGetCount, (int *))                                                                     \
-  X(cuDeviceGetUuid, (CUuuid *, CUdevice))                                                         \
-  X(cuDevicePrimaryCtxRetain, (CUcontext *, CUdevice))                                             \
-  X(cuCtxGetCurrent, (CUcontext *))                                                                \
-  X(cuCtxSetCurrent, (CUcontext))                                                                  \
-  X(cuMemImportFromShareableHandle, (CUmemGenericAllocationHandle *, void *,                       \
-                                     CUmemAllocationHandleType))                                   \
-  X(cuMemGetAllocationPropertiesFromHandle, (CUmemAllocationProp *, CUmemGenericAllocationHandle)) \
-  X(cuMemGetAllocationGranularity, (size_t *, const CUmemAllocationProp *,                         \
-                                    CUmemAllocationGranularity_flags))                             \
-  X(cuMemAddressReserve, (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))         \
-  X(cuMemMap, (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))     \
-  X(cuMemSetAccess, (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))                        \
-  X(cuMemUnmap, (CUdeviceptr, size_t))                                                             \
-  X(cuMemRelease, (CUmemGenericAllocationHandle))                                                  \
-  X(cuMemAddressFree, (CUdeviceptr, size_t))                                                       \
-  X(cuMemHostRegister, (void *, size_t, unsigned int))                                             \
-  X(cuMemHostUnregister, (void *))                                                                 \
-  X(cuMemHostGetDevicePointer, (CUdeviceptr *, void *, unsigned int))                              \
-  X(cuStreamBatchMemOp, (CUstream, unsigned int, CUstreamBatchMemOpParams *, unsigned int))        \
-  X(cuStreamSynchronize, (CUstream))                                                               \
-  X(cuStreamWriteValue32, (CUstream, CUdeviceptr, cuuint32_t, unsigned int))                        \
-  X(cuStreamWriteValue64, (CUstream, CUdeviceptr, cuuint64_t, unsigned int))                        \
-  X(cuStreamWaitValue32, (CUstream, CUdeviceptr, cuuint32_t, unsigned int))                         \
-  X(cuMemcpyDtoH, (void *, CUdeviceptr, size_t))                                                   \
-  X(cuMemcpyHtoD, (CUdeviceptr, const void *, size_t))                                             \
-  X(cuMemcpyHtoDAsync, (CUdeviceptr, const void *, size_t, CUstream))                              \
-  X(cuModuleLoadData, (CUmodule *, const void *))                                                  \
-  X(cuModuleGetFunction, (CUfunction *, CUmodule, const char *))                                   \
-  X(cuLaunchKernel, (CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int, \
-                     unsigned int, unsigned int, CUstream, void **, void **))                      \
-  X(cuStreamCreate, (CUstream *, unsigned int))                                                    \
-  X(cuStreamDestroy, (CUstream))                                                                   \
-  X(cuStreamQuery, (CUstream))                                                                     \
-  X(cuStreamGetCtx, (CUstream, CUcontext *))                                                       \
-  X(cuCtxPushCurrent, (CUcontext))                                                                 \
+#define EPD_CU_FUNCS(X)                                                                                  \
+  X(cuInit, (unsigned int))                                                                              \
+  X(cuGetErrorString, (CUresult, const char **))                                                         \
+  X(cuDeviceGet, (CUdevice *, int))                                                                      \
+  X(cuDeviceGetCount, (int *))                                                                           \
+  X(cuDeviceGetUuid, (CUuuid *, CUdevice))                                                               \
+  X(cuDevicePrimaryCtxRetain, (CUcontext *, CUdevice))                                                   \
+  X(cuCtxGetCurrent, (CUcontext *))                                                                      \
+  X(cuCtxSetCurrent, (CUcontext))                                                                        \
+  X(cuMemImportFromShareableHandle, (CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType)) \
+  X(cuMemGetAllocationPropertiesFromHandle, (CUmemAllocationProp *, CUmemGenericAllocationHandle))       \
+  X(cuMemGetAllocationGranularity,                                                                       \
+    (size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags))                           \
+  X(cuMemAddressReserve, (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))               \
+  X(cuMemMap, (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))           \
+  X(cuMemSetAccess, (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))                              \
+  X(cuMemUnmap, (CUdeviceptr, size_t))                                                                   \
+  X(cuMemRelease, (CUmemGenericAllocationHandle))                                                        \
+  X(cuMemAddressFree, (CUdeviceptr, size_t))                                                             \
+  X(cuMemHostRegister, (void *, size_t, unsigned int))                                                   \
+  X(cuMemHostUnregister, (void *))                                                                       \
+  X(cuMemHostGetDevicePointer, (CUdeviceptr *, void *, unsigned int))                                    \
+  X(cuStreamBatchMemOp, (CUstream, unsigned int, CUstreamBatchMemOpParams *, unsigned int))              \
+  X(cuStreamSynchronize, (CUstream))                                                                     \
+  X(cuStreamWriteValue32, (CUstream, CUdeviceptr, cuuint32_t, unsigned int))                             \
+  X(cuStreamWriteValue64, (CUstream, CUdeviceptr, cuuint64_t, unsigned int))                             \
+  X(cuStreamWaitValue32, (CUstream, CUdeviceptr, cuuint32_t, unsigned int))                              \
+  X(cuMemcpyDtoH, (void *, CUdeviceptr, size_t))                                                         \
+  X(cuMemcpyHtoD, (CUdeviceptr, const void *, size_t))                                                   \
+  X(cuMemcpyHtoDAsync, (CUdeviceptr, const void *, size_t, CUstream))                                    \
+  X(cuModuleLoadData, (CUmodule *, const void *))                                                        \
+  X(cuModuleGetFunction, (CUfunction *, CUmodule, const char *))                                         \
+  X(cuLaunchKernel, (CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,   \
+                     unsigned int, unsigned int, CUstream, void **, void **))                            \
+  X(cuStreamCreate, (CUstream *, unsigned int))                                                          \
+  X(cuStreamDestroy, (CUstream))                                                                         \
+  X(cuStreamQuery, (CUstream))                                                                           \
+  X(cuStreamGetCtx, (CUstream, CUcontext *))                                                             \
+  X(cuCtxPushCurrent, (CUcontext))                                                                       \
   X(cuCtxPopCurrent, (CUcontext *))
 
 typedef CUresult (*epd_cuGetProcAddress_fn)(const char *, void **, int, cuuint64_t,
                                             CUdriverProcAddressQueryResult *);
 
 static struct {
-#define X(name, args) CUresult (*name) args;
+#define X(name, args) CUresult(*name) args;
   EPD_CU_FUNCS(X)
 #undef X
 } cu;
@@ -80,8 +79,7 @@ static void *libcuda;
 static void load_driver(void) {
   libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (!libcuda) {
-    snprintf(load_error, sizeof load_error, "the CUDA driver (libcuda.so.1) is not available: %s",
-             dlerror());
+    snprintf(load_error, sizeof load_error, "the CUDA driver (libcuda.so.1) is not available: %s", dlerror());
     return;
   }
   epd_cuGetProcAddress_fn gpa = (epd_cuGetProcAddress_fn)dlsym(libcuda, "cuGetProcAddress_v2");
@@ -90,15 +88,15 @@ static void load_driver(void) {
              "the CUDA driver is too old (no cuGetProcAddress_v2; CUDA 12 or newer is required)");
     return;
   }
-#define X(name, args)                                                                           \
-  {                                                                                             \
-    CUdriverProcAddressQueryResult st;                                                          \
-    void *p = NULL;                                                                             \
-    if (gpa(#name, &p, 12000, CU_GET_PROC_ADDRESS_DEFAULT, &st) != CUDA_SUCCESS || !p) {        \
-      snprintf(load_error, sizeof load_error, "the CUDA driver lacks %s", #name);               \
-      return;                                                                                   \
-    }                                                                                           \
-    memcpy(&cu.name, &p, sizeof p);                                                             \
+#define X(name, args)                                                                    \
+  {                                                                                      \
+    CUdriverProcAddressQueryResult st;                                                   \
+    void *p = NULL;                                                                      \
+    if (gpa(#name, &p, 12000, CU_GET_PROC_ADDRESS_DEFAULT, &st) != CUDA_SUCCESS || !p) { \
+      snprintf(load_error, sizeof load_error, "the CUDA driver lacks %s", #name);        \
+      return;                                                                            \
+    }                                                                                    \
+    memcpy(&cu.name, &p, sizeof p);                                                      \
   }
   EPD_CU_FUNCS(X)
 #undef X
@@ -190,7 +188,8 @@ epd_result_t epd_cuda_find_device(const uint8_t uuid[16], int *ordinal, char *er
   char text[EPD_UUID_TEXT];
   epd_uuid_text(uuid, text);
   snprintf(err, errlen,
-           "the rank's GPU %s is not among the %d this process sees (CUDA_VISIBLE_DEVICES=%s): run the worker where "
+           "the rank's GPU %s is not among the %d this process sees (CUDA_VISIBLE_DEVICES=%s): run the "
+           "worker where "
            "it can use that GPU",
            text, n, vis ? vis : "unset");
   return EPD_ERR_INVALID;
@@ -229,8 +228,8 @@ struct epd_cuda_map {
   CUmemGenericAllocationHandle handle;
 };
 
-epd_result_t epd_cuda_import(int fd, size_t bytes, int device, epd_cuda_map_t **out, void **addr,
-                             char *err, size_t errlen) {
+epd_result_t epd_cuda_import(int fd, size_t bytes, int device, epd_cuda_map_t **out, void **addr, char *err,
+                             size_t errlen) {
   epd_result_t rc = epd_cuda_load(err, errlen);
   if (rc) return rc;
   if (fd < 0 || bytes == 0 || !out || !addr) {
@@ -247,24 +246,42 @@ epd_result_t epd_cuda_import(int fd, size_t bytes, int device, epd_cuda_map_t **
   memset(&prop, 0, sizeof prop);
   r = cu.cuMemImportFromShareableHandle(&m->handle, (void *)(uintptr_t)fd,
                                         CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-  if (r) { what = "cuMemImportFromShareableHandle"; goto fail_free; }
+  if (r) {
+    what = "cuMemImportFromShareableHandle";
+    goto fail_free;
+  }
   r = cu.cuMemGetAllocationPropertiesFromHandle(&prop, m->handle);
-  if (r) { what = "cuMemGetAllocationPropertiesFromHandle"; goto fail_release; }
+  if (r) {
+    what = "cuMemGetAllocationPropertiesFromHandle";
+    goto fail_release;
+  }
   r = cu.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
-  if (r) { what = "cuMemGetAllocationGranularity"; goto fail_release; }
+  if (r) {
+    what = "cuMemGetAllocationGranularity";
+    goto fail_release;
+  }
   /* A mapping must cover whole granules: the daemon allocates rounded up, the size it reports may not. */
   m->size = gran ? (bytes + gran - 1) / gran * gran : bytes;
   r = cu.cuMemAddressReserve(&m->base, m->size, gran, 0, 0);
-  if (r) { what = "cuMemAddressReserve"; goto fail_release; }
+  if (r) {
+    what = "cuMemAddressReserve";
+    goto fail_release;
+  }
   r = cu.cuMemMap(m->base, m->size, 0, m->handle, 0);
-  if (r) { what = "cuMemMap"; goto fail_free_va; }
+  if (r) {
+    what = "cuMemMap";
+    goto fail_free_va;
+  }
   CUmemAccessDesc acc;
   memset(&acc, 0, sizeof acc);
   acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   acc.location.id = device;
   acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   r = cu.cuMemSetAccess(m->base, m->size, &acc, 1);
-  if (r) { what = "cuMemSetAccess"; goto fail_unmap; }
+  if (r) {
+    what = "cuMemSetAccess";
+    goto fail_unmap;
+  }
   *out = m;
   *addr = (void *)(uintptr_t)m->base;
   return EPD_OK;
@@ -337,7 +354,8 @@ static unsigned put_submit(CUstreamBatchMemOpParams *ops, uint64_t slot_dev, con
     ops[n].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_64;
     ops[n].writeValue.address = (CUdeviceptr)(slot_dev + offsetof(epd_slot_t, desc) + 8 * i);
     ops[n].writeValue.value64 = words[i];
-    ops[n].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT; /* NO_MEMORY_BARRIER is refused (CUDA 13 driver 580) */
+    ops[n].writeValue.flags =
+        CU_STREAM_WRITE_VALUE_DEFAULT; /* NO_MEMORY_BARRIER is refused (CUDA 13 driver 580) */
   }
   ops[n].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
   ops[n].writeValue.address = (CUdeviceptr)(slot_dev + offsetof(epd_slot_t, state));
@@ -377,14 +395,17 @@ static CUresult single_ops(CUstream st, const CUstreamBatchMemOpParams *ops, uns
                                       ops[i].writeValue.flags);
           if (r == CUDA_SUCCESS)
             r = cu.cuStreamWriteValue32(st, ops[i].writeValue.address + 4,
-                                        (cuuint32_t)(ops[i].writeValue.value64 >> 32), ops[i].writeValue.flags);
+                                        (cuuint32_t)(ops[i].writeValue.value64 >> 32),
+                                        ops[i].writeValue.flags);
         }
         break;
       case CU_STREAM_MEM_OP_WRITE_VALUE_32:
-        r = cu.cuStreamWriteValue32(st, ops[i].writeValue.address, ops[i].writeValue.value, ops[i].writeValue.flags);
+        r = cu.cuStreamWriteValue32(st, ops[i].writeValue.address, ops[i].writeValue.value,
+                                    ops[i].writeValue.flags);
         break;
       case CU_STREAM_MEM_OP_WAIT_VALUE_32:
-        r = cu.cuStreamWaitValue32(st, ops[i].waitValue.address, ops[i].waitValue.value, ops[i].waitValue.flags);
+        r = cu.cuStreamWaitValue32(st, ops[i].waitValue.address, ops[i].waitValue.value,
+                                   ops[i].waitValue.flags);
         break;
       default:
         r = CUDA_ERROR_INVALID_VALUE;
@@ -393,8 +414,7 @@ static CUresult single_ops(CUstream st, const CUstreamBatchMemOpParams *ops, uns
   return r;
 }
 
-static epd_result_t batch(void *stream, CUstreamBatchMemOpParams *ops, unsigned n, char *err,
-                          size_t errlen) {
+static epd_result_t batch(void *stream, CUstreamBatchMemOpParams *ops, unsigned n, char *err, size_t errlen) {
   epd_result_t rc = epd_cuda_load(err, errlen);
   if (rc) return rc;
   if ((rc = ensure_ctx(-1, err, errlen))) return rc;
@@ -429,10 +449,14 @@ static epd_result_t batch(void *stream, CUstreamBatchMemOpParams *ops, unsigned 
 
 const char *epd_cuda_memop_mode(void) {
   switch (atomic_load(&memop_mode)) {
-    case 0: return "batch";
-    case 1: return "single";
-    case 2: return "single32";
-    default: return "unknown";
+    case 0:
+      return "batch";
+    case 1:
+      return "single";
+    case 2:
+      return "single32";
+    default:
+      return "unknown";
   }
 }
 
@@ -500,8 +524,10 @@ static epd_result_t ksub_get(struct ksub *out, char *err, size_t errlen) {
     if (!r) r = cu.cuModuleGetFunction(&k.fsub, mod, "epd_ksub_submit");
     if (!r) r = cu.cuModuleGetFunction(&k.fwait, mod, "epd_ksub_wait");
     if (!r) r = cu.cuModuleGetFunction(&k.frun, mod, "epd_ksub_run");
-    if (r) rc = cu_fail(r, "loading libepd's submission kernels", err, errlen);
-    else ksubs[i] = k; /* the module stays loaded for the life of the process */
+    if (r)
+      rc = cu_fail(r, "loading libepd's submission kernels", err, errlen);
+    else
+      ksubs[i] = k; /* the module stays loaded for the life of the process */
   }
   if (!rc) *out = ksubs[i];
   pthread_mutex_unlock(&ksub_mu);
@@ -516,8 +542,8 @@ epd_result_t epd_cuda_ksub_load(int device, char *err, size_t errlen) {
   return ksub_get(&k, err, errlen);
 }
 
-epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *desc, int what, uint64_t timeout_ns,
-                              char *err, size_t errlen) {
+epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *desc, int what,
+                              uint64_t timeout_ns, char *err, size_t errlen) {
   epd_result_t rc = epd_cuda_load(err, errlen);
   if (rc) return rc;
   if (!dslot || (what != EPD_KSUB_WAIT && !desc)) {
@@ -615,34 +641,50 @@ static epd_result_t no_cuda(char *err, size_t errlen) {
   if (err) snprintf(err, errlen, "this libepd was built without CUDA support (WITH_CUDA=0)");
   return EPD_ERR_UNSUPPORTED;
 }
-epd_result_t epd_cuda_load(char *err, size_t errlen) { return no_cuda(err, errlen); }
-epd_result_t epd_cuda_import(int fd, size_t bytes, int device, epd_cuda_map_t **out, void **addr,
-                             char *err, size_t errlen) {
+epd_result_t epd_cuda_load(char *err, size_t errlen) {
   return no_cuda(err, errlen);
 }
-void epd_cuda_unimport(epd_cuda_map_t *m) { (void)m; }
+epd_result_t epd_cuda_import(int fd, size_t bytes, int device, epd_cuda_map_t **out, void **addr, char *err,
+                             size_t errlen) {
+  return no_cuda(err, errlen);
+}
+void epd_cuda_unimport(epd_cuda_map_t *m) {
+  (void)m;
+}
 epd_result_t epd_cuda_register_host(void *host, size_t bytes, int device, epd_cuda_hostreg_t **out,
                                     uint64_t *dev_addr, char *err, size_t errlen) {
   return no_cuda(err, errlen);
 }
-void epd_cuda_unregister_host(epd_cuda_hostreg_t *r) { (void)r; }
-epd_result_t epd_cuda_ksub_load(int device, char *err, size_t errlen) { return no_cuda(err, errlen); }
-epd_result_t epd_cuda_ctx_enter(int device, char *err, size_t errlen) { return no_cuda(err, errlen); }
+void epd_cuda_unregister_host(epd_cuda_hostreg_t *r) {
+  (void)r;
+}
+epd_result_t epd_cuda_ksub_load(int device, char *err, size_t errlen) {
+  return no_cuda(err, errlen);
+}
+epd_result_t epd_cuda_ctx_enter(int device, char *err, size_t errlen) {
+  return no_cuda(err, errlen);
+}
 epd_result_t epd_cuda_find_device(const uint8_t uuid[16], int *ordinal, char *err, size_t errlen) {
   return no_cuda(err, errlen);
 }
 void epd_cuda_ctx_leave(void) {}
-epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *desc, int what, uint64_t timeout_ns,
-                              char *err, size_t errlen) {
+epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *desc, int what,
+                              uint64_t timeout_ns, char *err, size_t errlen) {
   return no_cuda(err, errlen);
 }
 epd_result_t epd_cuda_write_words(uint64_t dst, size_t stride, const uint64_t *vals, unsigned n, char *err,
                                   size_t errlen) {
   return no_cuda(err, errlen);
 }
-epd_result_t epd_cuda_stream_create(void **out, char *err, size_t errlen) { return no_cuda(err, errlen); }
-void epd_cuda_stream_destroy(void *stream) { (void)stream; }
-int epd_cuda_stream_done(void *stream, char *err, size_t errlen) { return no_cuda(err, errlen); }
+epd_result_t epd_cuda_stream_create(void **out, char *err, size_t errlen) {
+  return no_cuda(err, errlen);
+}
+void epd_cuda_stream_destroy(void *stream) {
+  (void)stream;
+}
+int epd_cuda_stream_done(void *stream, char *err, size_t errlen) {
+  return no_cuda(err, errlen);
+}
 epd_result_t epd_cuda_submit(void *stream, uint64_t slot_dev, const epd_desc_t *desc, char *err,
                              size_t errlen) {
   return no_cuda(err, errlen);
@@ -657,7 +699,11 @@ epd_result_t epd_cuda_wait_async(void *stream, uint64_t slot_dev, char *err, siz
 epd_result_t epd_cuda_read(void *dst, uint64_t src, size_t bytes, char *err, size_t errlen) {
   return no_cuda(err, errlen);
 }
-epd_result_t epd_cuda_stream_sync(void *stream, char *err, size_t errlen) { return no_cuda(err, errlen); }
-const char *epd_cuda_memop_mode(void) { return "none"; }
+epd_result_t epd_cuda_stream_sync(void *stream, char *err, size_t errlen) {
+  return no_cuda(err, errlen);
+}
+const char *epd_cuda_memop_mode(void) {
+  return "none";
+}
 
 #endif

@@ -27,8 +27,8 @@ typedef struct epd_cuda_hostreg epd_cuda_hostreg_t;
 epd_result_t epd_cuda_load(char *err, size_t errlen);
 /* Import a POSIX-fd cuMem allocation of `bytes` on `device` and map it read/write in this process;
  * *addr gets the device address. The fd stays owned by the caller. */
-epd_result_t epd_cuda_import(int fd, size_t bytes, int device, epd_cuda_map_t **out, void **addr,
-                             char *err, size_t errlen);
+epd_result_t epd_cuda_import(int fd, size_t bytes, int device, epd_cuda_map_t **out, void **addr, char *err,
+                             size_t errlen);
 /* Unmap and release an import. */
 void epd_cuda_unimport(epd_cuda_map_t *m);
 /* Page-lock and map host memory (the queue's mmap) for `device`; *dev_addr gets the address by which
@@ -55,8 +55,8 @@ epd_result_t epd_cuda_wait_async(void *stream, uint64_t slot_dev, char *err, siz
  * kernels into the current (else `device`'s primary) context ahead of the first use. */
 enum { EPD_KSUB_SUBMIT = 1, EPD_KSUB_WAIT = 2, EPD_KSUB_RUN = 3 };
 epd_result_t epd_cuda_ksub_load(int device, char *err, size_t errlen);
-epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *desc, int what, uint64_t timeout_ns,
-                              char *err, size_t errlen);
+epd_result_t epd_cuda_ksubmit(void *stream, uint64_t dslot, const epd_desc_t *desc, int what,
+                              uint64_t timeout_ns, char *err, size_t errlen);
 /* This process's ordinal of the GPU with the given UUID (the daemon's ordinal may differ: a worker with
  * CUDA_VISIBLE_DEVICES set numbers its GPUs from 0). EPD_ERR_INVALID, naming the GPU, when this process
  * does not see it. */

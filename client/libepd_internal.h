@@ -39,16 +39,20 @@ struct epd_ep {
   int rank;
   epd_queue_t *queue; /* host mapping (memfd) on both backends */
   size_t queue_bytes;
-  uint8_t *arena;     /* host mapping, or device address for memory "cuda" */
+  uint8_t *arena; /* host mapping, or device address for memory "cuda" */
   size_t arena_bytes;
-  epd_cuda_map_t *arena_map;      /* memory "cuda" */
-  epd_cuda_hostreg_t *queue_reg;  /* memory "cuda": the queue registered for stream memory operations */
+  epd_cuda_map_t *arena_map;     /* memory "cuda" */
+  epd_cuda_hostreg_t *queue_reg; /* memory "cuda": the queue registered for stream memory operations */
   uint64_t queue_dev;
-  uint64_t dq_dev;  /* memory "cuda": device address of the queue's device twin (include/epd/epd_abi.h), or 0 */
-  int ksub;         /* submit with libepd's kernels through the twin (client/submit.cu) */
-  void *kstream;    /* ksub: the stream of the host path (stream = NULL) */
+  uint64_t
+      dq_dev;    /* memory "cuda": device address of the queue's device twin (include/epd/epd_abi.h), or 0 */
+  int ksub;      /* submit with libepd's kernels through the twin (client/submit.cu) */
+  void *kstream; /* ksub: the stream of the host path (stream = NULL) */
   uint32_t nbuffers;
-  struct { uint32_t kind, bank; uint64_t offset, bytes; } buffers[EPD_MAX_BUFFERS];
+  struct {
+    uint32_t kind, bank;
+    uint64_t offset, bytes;
+  } buffers[EPD_MAX_BUFFERS];
   uint32_t next_slot;   /* ring position of the next op (the daemon executes in ring order) */
   int last_slot;        /* slot of the last op, -1 if none */
   int last_async;       /* the last op was enqueued on a stream */

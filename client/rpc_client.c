@@ -51,7 +51,9 @@ static epd_result_t channel_open(epd_rpc_t *rpc, const char *target, int timeout
   rpc->timeout_ms = timeout_ms ? timeout_ms : 10000;
   grpc_init();
   grpc_arg args[4] = {
-      {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, .value.integer = EPD_RPC_MAX_RECV},
+      {.type = GRPC_ARG_INTEGER,
+       .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
+       .value.integer = EPD_RPC_MAX_RECV},
       {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, .value.integer = 1},
       {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, .value.integer = 100},
       {.type = GRPC_ARG_STRING, .key = GRPC_SSL_TARGET_NAME_OVERRIDE_ARG, .value.string = NULL}};
@@ -79,7 +81,8 @@ static epd_result_t channel_open(epd_rpc_t *rpc, const char *target, int timeout
   return EPD_OK;
 }
 
-epd_result_t epd_rpc_open(const char *socket_path, int timeout_ms, epd_rpc_t **out, char *err, size_t errlen) {
+epd_result_t epd_rpc_open(const char *socket_path, int timeout_ms, epd_rpc_t **out, char *err,
+                          size_t errlen) {
   char def[256];
   *out = NULL;
   if (!socket_path || !*socket_path) socket_path = epd_default_socket_path(def, sizeof def);
@@ -122,8 +125,8 @@ epd_result_t epd_rpc_open_target(const char *target, int timeout_ms, epd_rpc_t *
   return epd_rpc_open_target_tls(target, timeout_ms, NULL, out, err, errlen);
 }
 
-epd_result_t epd_rpc_open_target_tls(const char *target, int timeout_ms, const epd_rpc_tls_t *tls, epd_rpc_t **out,
-                                     char *err, size_t errlen) {
+epd_result_t epd_rpc_open_target_tls(const char *target, int timeout_ms, const epd_rpc_tls_t *tls,
+                                     epd_rpc_t **out, char *err, size_t errlen) {
   *out = NULL;
   if (!target || !*target || strlen(target) >= sizeof((epd_rpc_t *)0)->path) {
     snprintf(err, errlen, "target: empty or longer than %zu bytes", sizeof((epd_rpc_t *)0)->path - 1);
@@ -146,10 +149,11 @@ void epd_rpc_close(epd_rpc_t *rpc) {
 }
 
 static const char *code_name(grpc_status_code c) {
-  static const char *const names[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
-                                      "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
-                                      "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED",
-                                      "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  static const char *const names[] = {
+      "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+      "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+      "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
+      "DATA_LOSS", "UNAUTHENTICATED"};
   return (unsigned)c < sizeof names / sizeof names[0] ? names[c] : "UNKNOWN_CODE";
 }
 
@@ -164,7 +168,8 @@ static epd_result_t map_status(const char *method, grpc_status_code st, grpc_sli
     const grpc_metadata *md = &trailing->metadata[i];
     if (GRPC_SLICE_LENGTH(md->key) == 8 && !memcmp(GRPC_SLICE_START_PTR(md->key), "epd-code", 8)) {
       char buf[16];
-      size_t n = GRPC_SLICE_LENGTH(md->value) < sizeof buf - 1 ? GRPC_SLICE_LENGTH(md->value) : sizeof buf - 1;
+      size_t n =
+          GRPC_SLICE_LENGTH(md->value) < sizeof buf - 1 ? GRPC_SLICE_LENGTH(md->value) : sizeof buf - 1;
       memcpy(buf, GRPC_SLICE_START_PTR(md->value), n);
       buf[n] = 0;
       long v = strtol(buf, NULL, 10);
@@ -172,15 +177,24 @@ static epd_result_t map_status(const char *method, grpc_status_code st, grpc_sli
     }
   }
   switch (st) {
-  case GRPC_STATUS_UNAVAILABLE: return EPD_ERR_CLOSED;
-  case GRPC_STATUS_INVALID_ARGUMENT: return EPD_ERR_INVALID;
-  case GRPC_STATUS_FAILED_PRECONDITION: return EPD_ERR_PROTOCOL;
-  case GRPC_STATUS_NOT_FOUND: return EPD_ERR_NOT_FOUND;
-  case GRPC_STATUS_RESOURCE_EXHAUSTED: return EPD_ERR_BUSY;
-  case GRPC_STATUS_PERMISSION_DENIED: return EPD_ERR_PERMISSION;
-  case GRPC_STATUS_DEADLINE_EXCEEDED: return EPD_ERR_TIMEOUT;
-  case GRPC_STATUS_UNIMPLEMENTED: return EPD_ERR_UNSUPPORTED;
-  default: return EPD_ERR_RPC;
+    case GRPC_STATUS_UNAVAILABLE:
+      return EPD_ERR_CLOSED;
+    case GRPC_STATUS_INVALID_ARGUMENT:
+      return EPD_ERR_INVALID;
+    case GRPC_STATUS_FAILED_PRECONDITION:
+      return EPD_ERR_PROTOCOL;
+    case GRPC_STATUS_NOT_FOUND:
+      return EPD_ERR_NOT_FOUND;
+    case GRPC_STATUS_RESOURCE_EXHAUSTED:
+      return EPD_ERR_BUSY;
+    case GRPC_STATUS_PERMISSION_DENIED:
+      return EPD_ERR_PERMISSION;
+    case GRPC_STATUS_DEADLINE_EXCEEDED:
+      return EPD_ERR_TIMEOUT;
+    case GRPC_STATUS_UNIMPLEMENTED:
+      return EPD_ERR_UNSUPPORTED;
+    default:
+      return EPD_ERR_RPC;
   }
 }
 
@@ -239,7 +253,8 @@ static int wait_tag(grpc_completion_queue *cq, void *tag) {
 
 static void drain_cq(grpc_completion_queue *cq) {
   grpc_completion_queue_shutdown(cq);
-  while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {
+  while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+         GRPC_QUEUE_SHUTDOWN) {
   }
   grpc_completion_queue_destroy(cq);
 }
@@ -253,8 +268,8 @@ static grpc_call *new_call(epd_rpc_t *rpc, grpc_completion_queue *cq, const char
 }
 
 epd_result_t epd_rpc_call_raw(epd_rpc_t *rpc, const char *method, const void *req, size_t len,
-                              const ProtobufCMessageDescriptor *reply_desc, ProtobufCMessage **reply, char *err,
-                              size_t errlen) {
+                              const ProtobufCMessageDescriptor *reply_desc, ProtobufCMessage **reply,
+                              char *err, size_t errlen) {
   if (reply) *reply = NULL;
   if (err && errlen) err[0] = 0;
   grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);

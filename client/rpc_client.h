@@ -16,8 +16,7 @@ typedef struct epd_rpc epd_rpc_t;
  * $XDG_RUNTIME_DIR/epd/control.sock, else /tmp/epd-<uid>/control.sock. */
 const char *epd_default_socket_path(char *buf, size_t len);
 /* Open a channel to the Unix socket path (no "unix:" prefix needed). */
-epd_result_t epd_rpc_open(const char *socket_path, int timeout_ms, epd_rpc_t **out, char *err,
-                          size_t errlen);
+epd_result_t epd_rpc_open(const char *socket_path, int timeout_ms, epd_rpc_t **out, char *err, size_t errlen);
 /* Open a channel to a gRPC target of another kind (e.g. "ipv4:10.0.0.1:7070" or "host:port" over TCP),
  * with a private subchannel pool so that a peer starting later is found quickly. */
 epd_result_t epd_rpc_open_target(const char *target, int timeout_ms, epd_rpc_t **out, char *err,
@@ -29,14 +28,14 @@ typedef struct epd_rpc_tls {
   const char *ca, *cert, *key, *server_name;
 } epd_rpc_tls_t;
 /* epd_rpc_open_target over TLS (tls NULL: plaintext, as epd_rpc_open_target). */
-epd_result_t epd_rpc_open_target_tls(const char *target, int timeout_ms, const epd_rpc_tls_t *tls, epd_rpc_t **out,
-                                     char *err, size_t errlen);
+epd_result_t epd_rpc_open_target_tls(const char *target, int timeout_ms, const epd_rpc_tls_t *tls,
+                                     epd_rpc_t **out, char *err, size_t errlen);
 void epd_rpc_close(epd_rpc_t *rpc);
 /* Unary call of method (e.g. "/epd.v1.Control/Attach"). On success *reply is a message of reply_desc
  * (free with protobuf_c_message_free_unpacked). gRPC errors map to epd codes; err gets the details. */
 epd_result_t epd_rpc_call(epd_rpc_t *rpc, const char *method, const ProtobufCMessage *req,
-                          const ProtobufCMessageDescriptor *reply_desc, ProtobufCMessage **reply,
-                          char *err, size_t errlen);
+                          const ProtobufCMessageDescriptor *reply_desc, ProtobufCMessage **reply, char *err,
+                          size_t errlen);
 /* Send raw request bytes (for tests of malformed input); same reply rules. */
 epd_result_t epd_rpc_call_raw(epd_rpc_t *rpc, const char *method, const void *req, size_t len,
                               const ProtobufCMessageDescriptor *reply_desc, ProtobufCMessage **reply,
@@ -45,7 +44,7 @@ epd_result_t epd_rpc_call_raw(epd_rpc_t *rpc, const char *method, const void *re
  * stream ends, or timeout_ms passes (0: no timeout). */
 typedef int (*epd_rpc_stream_fn)(void *arg, ProtobufCMessage *msg);
 epd_result_t epd_rpc_stream(epd_rpc_t *rpc, const char *method, const ProtobufCMessage *req,
-                            const ProtobufCMessageDescriptor *reply_desc, epd_rpc_stream_fn on_msg,
-                            void *arg, int timeout_ms, char *err, size_t errlen);
+                            const ProtobufCMessageDescriptor *reply_desc, epd_rpc_stream_fn on_msg, void *arg,
+                            int timeout_ms, char *err, size_t errlen);
 
 #endif

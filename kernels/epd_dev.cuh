@@ -19,7 +19,9 @@
 
 namespace epd_dev {
 
-__host__ __device__ inline uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+__host__ __device__ inline uint64_t align_up(uint64_t v, uint64_t a) {
+  return (v + a - 1) / a * a;
+}
 
 /* Nanoseconds from the GPU's global timer (deadlines of spin-waits). */
 __device__ __forceinline__ uint64_t gtimer() {
@@ -66,8 +68,11 @@ __device__ __forceinline__ int4 ld_nc_v4(const void *p) {
   return v;
 }
 /* ---- bulk-copy engine (TMA) and mbarrier helpers (sm_90) ---- */
-constexpr uint32_t SMEM_MAX = 223u * 1024u; /* dynamic shared memory per block (sm_90: 227 KiB with the static) */
-__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+constexpr uint32_t SMEM_MAX =
+    223u * 1024u; /* dynamic shared memory per block (sm_90: 227 KiB with the static) */
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
 __device__ __forceinline__ void mbar_init(uint64_t *bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
 }
@@ -75,7 +80,8 @@ __device__ __forceinline__ void mbar_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 __device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
@@ -83,7 +89,8 @@ __device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
 __device__ __forceinline__ bool mbar_try_wait(uint64_t *bar, uint32_t parity) {
   uint32_t ok;
   asm volatile(
-      "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n}"
+      "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, "
+      "p;\n}"
       : "=r"(ok)
       : "r"(smem_u32(bar)), "r"(parity)
       : "memory");
@@ -96,17 +103,20 @@ __device__ __forceinline__ bool mbar_wait(uint64_t *bar, uint32_t parity, uint64
   return true;
 }
 __device__ __forceinline__ void tma_load(void *sdst, const void *gsrc, uint32_t bytes, uint64_t *bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_u32(sdst)),
-               "l"(gsrc), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_u32(sdst)),
+      "l"(gsrc), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
 }
 __device__ __forceinline__ void tma_store(void *gdst, const void *ssrc, uint32_t bytes) {
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gdst), "r"(smem_u32(ssrc)),
                "r"(bytes)
                : "memory");
 }
-__device__ __forceinline__ void tma_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void tma_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
 /* Wait until at most n (1, 2 or 4) bulk groups still read shared memory. */
 __device__ __forceinline__ void tma_wait_read(uint32_t n) {
   if (n >= 4)
@@ -116,13 +126,17 @@ __device__ __forceinline__ void tma_wait_read(uint32_t n) {
   else
     asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
 }
-__device__ __forceinline__ void tma_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void tma_wait_read_all() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
 /* Every bulk store of this thread complete, and ordered before its later generic-proxy accesses. */
 __device__ __forceinline__ void tma_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
-__device__ __forceinline__ float bf16_to_f(uint32_t v16) { return __uint_as_float(v16 << 16); }
+__device__ __forceinline__ float bf16_to_f(uint32_t v16) {
+  return __uint_as_float(v16 << 16);
+}
 /* ---- FP8 e4m3 quantisation of a 128-channel group (SEMANTICS.md: scale = max(amax, 1e-4) / 448,
  * q = e4m3_satfinite_rne(x / scale), both divisions IEEE) without a division: the kernels' quantisers
  * are bound by their instructions (HT FP8 dispatch on 24 SMs). epd_k_fp8_check compares every result

@@ -42,7 +42,7 @@
 extern "C" {
 #endif
 
-struct ncclComm;         /* ncclComm_t */
+struct ncclComm;          /* ncclComm_t */
 struct ncclWindow_vidmem; /* ncclWindow_t */
 
 /* Geometry of one LL group on one rank. Every rank of the team passes the same values except rank. */
@@ -110,16 +110,16 @@ typedef struct epd_k_ll_op {
   uint64_t timeout_ns; /* per wait; 0: EPD_K_DEFAULT_TIMEOUT_NS */
   const void *map;     /* dispatch: device expert-map table (epd_k_map_pack) */
   uint64_t *slot_tokens; /* dispatch, optional (NULL): per local slot [S], += tokens received on success */
-  epd_comp_t *comp;    /* device completion record written by the op (status, peer, num_recv, map_version) */
-  uint64_t *trace;     /* optional (NULL): 8 %globaltimer stamps of block 0 (start, sent, fenced, flagged,
-                        * arrived, received, done) and [7] the last block's completion (profiling) */
+  epd_comp_t *comp; /* device completion record written by the op (status, peer, num_recv, map_version) */
+  uint64_t *trace;  /* optional (NULL): 8 %globaltimer stamps of block 0 (start, sent, fenced, flagged,
+                     * arrived, received, done) and [7] the last block's completion (profiling) */
 } epd_k_ll_op_t;
 
 /* Launch one LL op on `stream` for this rank. Host-side checks (bank, op, num_tokens range, NULL
  * pointers) return EPD_ERR_INVALID without launching; a launch failure returns EPD_ERR_CUDA. Device-side
  * outcomes (bad expert id, timeout) land in op->comp. */
-epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const epd_k_ll_op_t *op,
-                             void *stream, char *err, size_t errlen);
+epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const epd_k_ll_op_t *op, void *stream,
+                             char *err, size_t errlen);
 /* ---- Persistent mode (the daemon's CUDA backend under MPS) ----
  * A kernel of the context's `blocks` blocks plus one controller block (blocks + 1 must be resident at
  * once, else EPD_ERR_INVALID) serves ONE client queue of one rank; every rank of the team runs one at the
@@ -128,19 +128,20 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
  * position, as the launch mode: a CUDA graph replays the same slots), releases it to the op blocks at
  * once and announces it to every rank through an announcement word per (index, rank) in the window; then
  * all ranks agree on the op: every rank runs it only if every rank announced the same LL op, bank and
- * FP8 flag for that index. The op blocks run the op's local part while the ranks agree (dispatch: the first token's
- * loads and routing; combine: the sums of this rank's own tokens, which stay on this GPU) and wait for the
- * verdict before their first store into a peer, so an op the ranks do not agree on leaves no trace in any
- * peer (each rank's agreement has its own deadline: when one rank times out waiting for an announcement
+ * FP8 flag for that index. The op blocks run the op's local part while the ranks agree (dispatch: the first
+ * token's loads and routing; combine: the sums of this rank's own tokens, which stay on this GPU) and wait
+ * for the verdict before their first store into a peer, so an op the ranks do not agree on leaves no trace in
+ * any peer (each rank's agreement has its own deadline: when one rank times out waiting for an announcement
  * that another rank then sees, that rank runs the op and fails on its flag wait; the host resets the team
- * after a SYNC_TIMEOUT exit or when the ranks' op counts differ). Otherwise (a rank was told to stop, a slot holds an op it does not run - HT,
- * a bad bank, an unknown op, a dispatch flag other than FP8 - or the ops or FP8 flags differ) EVERY rank stops at the same boundary and leaves its
- * slot SUBMITTED for the host (which runs it in launch mode and later relaunches the kernels with a
- * fresh index). A rank also stops after an op that failed with EPD_ERR_TIMEOUT or EPD_ERR_PEER (the
- * team needs epd_k_ll_reset). An op's last block writes the completion (status, peer, num_recv,
- * map_version, step, user_tag, latency_ns = SUBMITTED seen on this rank -> completion) in both copies of
- * the slot, the queue header (sticky_error, map_version, steps_done) and a progress record, then sets
- * the slot DONE in the host copy and then in the twin (each after a GPU-scope fence). The stop word
+ * after a SYNC_TIMEOUT exit or when the ranks' op counts differ). Otherwise (a rank was told to stop, a slot
+ * holds an op it does not run - HT, a bad bank, an unknown op, a dispatch flag other than FP8 - or the ops or
+ * FP8 flags differ) EVERY rank stops at the same boundary and leaves its slot SUBMITTED for the host (which
+ * runs it in launch mode and later relaunches the kernels with a fresh index). A rank also stops after an op
+ * that failed with EPD_ERR_TIMEOUT or EPD_ERR_PEER (the team needs epd_k_ll_reset). An op's last block writes
+ * the completion (status, peer, num_recv, map_version, step, user_tag, latency_ns = SUBMITTED seen on this
+ * rank -> completion) in both copies of the slot, the queue header (sticky_error, map_version, steps_done)
+ * and a progress record, then sets the slot DONE in the host copy and then in the twin (each after a
+ * GPU-scope fence). The stop word
  * (`dlimit`) is device memory
  * (the host writes it with a stream memory operation: polled on every turn); the abort word and the
  * progress block are host-mapped memory (device addresses passed here). */
@@ -152,11 +153,12 @@ typedef struct epd_k_pctl {
 /* Why a persistent kernel stopped (epd_k_pprog_t.reason). */
 enum {
   EPD_K_PEXIT_NONE = 0,
-  EPD_K_PEXIT_LIMIT = 1,    /* *dlimit reached, or ctl.abort set */
-  EPD_K_PEXIT_OP = 2,       /* its slot holds an op the kernel does not run (HT, bad bank, unknown op or dispatch flag) */
-  EPD_K_PEXIT_PEER = 3,     /* a peer (exit_peer) stopped at this index */
-  EPD_K_PEXIT_MISMATCH = 4, /* peer exit_peer announced another op, bank or FP8 flag */
-  EPD_K_PEXIT_ERROR = 5,    /* its last op failed with EPD_ERR_TIMEOUT/EPD_ERR_PEER */
+  EPD_K_PEXIT_LIMIT = 1, /* *dlimit reached, or ctl.abort set */
+  EPD_K_PEXIT_OP =
+      2, /* its slot holds an op the kernel does not run (HT, bad bank, unknown op or dispatch flag) */
+  EPD_K_PEXIT_PEER = 3,        /* a peer (exit_peer) stopped at this index */
+  EPD_K_PEXIT_MISMATCH = 4,    /* peer exit_peer announced another op, bank or FP8 flag */
+  EPD_K_PEXIT_ERROR = 5,       /* its last op failed with EPD_ERR_TIMEOUT/EPD_ERR_PEER */
   EPD_K_PEXIT_SYNC_TIMEOUT = 6 /* peer exit_peer announced nothing for 4 x timeout_ns */
 };
 
@@ -166,26 +168,26 @@ typedef struct epd_k_prec {
   int32_t status, peer;
   uint32_t num_recv;
   uint64_t latency_ns; /* SUBMITTED seen -> completion */
-  uint64_t seq; /* op number since the launch, + 1 */
+  uint64_t seq;        /* op number since the launch, + 1 */
   /* timeline (diagnostics): submit stamp -> seen (only when the client put its %globaltimer submit
    * time in desc.reserved[0..1], as bench_e2e's device-side client does; else 0), seen -> every rank
    * agreed, agreed -> completion (the op blocks start at the release, before the agreement) */
   uint32_t seen_ns, agree_ns, run_ns, pad;
-  /* block 0's stamps of the op body, ns after the op's release to the blocks (0: not stamped): [0] body start,
-   * [1] sent, [2] fenced, [3] flagged, [4] peers' flags seen, [5] received/reduced, [6] block 0 done,
+  /* block 0's stamps of the op body, ns after the op's release to the blocks (0: not stamped): [0] body
+   * start, [1] sent, [2] fenced, [3] flagged, [4] peers' flags seen, [5] received/reduced, [6] block 0 done,
    * [7] the last block writes the completion */
   uint32_t phase_ns[8];
 } epd_k_prec_t;
 
 typedef struct epd_k_pprog {
-  uint64_t ops;       /* ops completed (slot DONE) since the launch */
-  uint64_t announced; /* index + 1 of the last announcement (written when the rank starts waiting for its
-                       * peers' announcements: announced > taken while it does) */
-  uint64_t taken;     /* index + 1 of the last op taken */
-  uint64_t exit_index; /* at exit: the index it stopped at (not taken) */
+  uint64_t ops;            /* ops completed (slot DONE) since the launch */
+  uint64_t announced;      /* index + 1 of the last announcement (written when the rank starts waiting for its
+                            * peers' announcements: announced > taken while it does) */
+  uint64_t taken;          /* index + 1 of the last op taken */
+  uint64_t exit_index;     /* at exit: the index it stopped at (not taken) */
   uint32_t exited, reason; /* at exit: 1, EPD_K_PEXIT_* */
   int32_t exit_peer;
-  uint32_t slot;      /* at exit: ring position to go on from */
+  uint32_t slot;                    /* at exit: ring position to go on from */
   uint32_t bank_ver[EPD_NUM_BANKS]; /* map version of each bank's last dispatch */
   uint32_t pad[6];
   epd_k_prec_t rec[EPD_K_PREC]; /* rec[n % EPD_K_PREC]: op n since the launch */
@@ -199,13 +201,13 @@ typedef struct epd_k_persist {
   epd_k_pprog_t *prog; /* device address of the progress block (zeroed by the caller before the launch) */
   uint32_t first_slot; /* ring position to start from */
   uint32_t bank_ver[EPD_NUM_BANKS]; /* map version of each bank's last dispatch (0: the map's) */
-  uint32_t guard_all; /* check every op that the client's host copy says SUBMITTED before writing DONE
-                       * (without MPS, where a submitter can be time-sliced between its two copies) */
-  uint64_t index0;     /* agreement index of the first op: the same on every rank, larger than any
-                        * index of an earlier launch since the last epd_k_ll_reset/create */
-  uint64_t step0;      /* group step number of the first op (completion step = step0 + n) */
+  uint32_t guard_all;   /* check every op that the client's host copy says SUBMITTED before writing DONE
+                         * (without MPS, where a submitter can be time-sliced between its two copies) */
+  uint64_t index0;      /* agreement index of the first op: the same on every rank, larger than any
+                         * index of an earlier launch since the last epd_k_ll_reset/create */
+  uint64_t step0;       /* group step number of the first op (completion step = step0 + n) */
   uint64_t steps_done0; /* queue header steps_done before the first op */
-  uint64_t timeout_ns; /* per wait; 0: EPD_K_DEFAULT_TIMEOUT_NS */
+  uint64_t timeout_ns;  /* per wait; 0: EPD_K_DEFAULT_TIMEOUT_NS */
 } epd_k_persist_t;
 
 /* Launch the persistent kernel on `stream` (its own stream: it runs until told to stop). map: device
@@ -218,11 +220,11 @@ epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *aren
 long epd_k_ll_resident_blocks(const epd_k_ll_t *k);
 
 /* Conveniences around epd_k_ll_launch. */
-epd_result_t epd_k_ll_dispatch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map,
-                               uint32_t bank, uint32_t num_tokens, uint32_t flags, epd_comp_t *comp,
-                               uint64_t timeout_ns, void *stream);
-epd_result_t epd_k_ll_combine(epd_k_ll_t *k, const epd_k_arena_t *arena, uint32_t bank,
-                              epd_comp_t *comp, uint64_t timeout_ns, void *stream);
+epd_result_t epd_k_ll_dispatch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map, uint32_t bank,
+                               uint32_t num_tokens, uint32_t flags, epd_comp_t *comp, uint64_t timeout_ns,
+                               void *stream);
+epd_result_t epd_k_ll_combine(epd_k_ll_t *k, const epd_k_arena_t *arena, uint32_t bank, epd_comp_t *comp,
+                              uint64_t timeout_ns, void *stream);
 
 /* Benchmark/test helper: hold `stream` until *flag >= value (flag: device address of host-mapped
  * memory), or until timeout_ns passed. Lets several GPUs start an op at the same moment. */
@@ -232,8 +234,8 @@ epd_result_t epd_k_empty(uint32_t blocks, void *stream);
 /* Benchmark helper: rewrite rows [0, n_s) of `slots` slots (`stride` bytes apart, rows of `row_bytes`) with
  * their own contents, n_s = counts[s] (device int32 array) or `fixed` where counts is NULL, at most
  * `max_rows`: the rows then sit in L2 as a producer's fresh output would. */
-epd_result_t epd_k_rewrite_rows(void *base, const int32_t *counts, uint32_t fixed, uint32_t slots, uint64_t stride,
-                                uint32_t row_bytes, uint32_t max_rows, void *stream);
+epd_result_t epd_k_rewrite_rows(void *base, const int32_t *counts, uint32_t fixed, uint32_t slots,
+                                uint64_t stride, uint32_t row_bytes, uint32_t max_rows, void *stream);
 
 /* The geometry a context was created with. */
 const epd_k_ll_geom_t *epd_k_ll_geom(const epd_k_ll_t *k);
@@ -243,7 +245,8 @@ const epd_k_ll_geom_t *epd_k_ll_geom(const epd_k_ll_t *k);
  * of every BF16 x with |x| <= amax or NaN, converted by the same instruction on both sides. *mismatches
  * counts the differences, *compared the bytes compared (1073790594 when every pair ran); the first
  * difference's amax and x bit patterns (x = 0x10000: the scale itself). Synchronous, current device. */
-epd_result_t epd_k_fp8_check(uint64_t *mismatches, uint64_t *compared, uint32_t *first_amax, uint32_t *first_x);
+epd_result_t epd_k_fp8_check(uint64_t *mismatches, uint64_t *compared, uint32_t *first_amax,
+                             uint32_t *first_x);
 
 /* ---- HT (high-throughput) data path: docs/SEMANTICS.md "HT dispatch"/"HT combine" ----
  * Per rank of a node-local (LSA) team: an HT staging window (epd_k_ht_window_bytes: capacity rows of
@@ -263,7 +266,7 @@ typedef struct epd_k_ht_geom {
   uint32_t slots_per_rank; /* S */
   uint32_t capacity;       /* C: receive rows per rank (overflow: EPD_ERR_OVERFLOW on every rank) */
   uint32_t blocks;         /* CUDA blocks (SMs) of the data kernels; 0: EPD_K_HT_BLOCKS */
-  uint32_t ce_split;       /* copies (streams) per dest rank of EPD_K_HT_COPY_CE, 1..4; 0: EPD_K_HT_CE_SPLIT */
+  uint32_t ce_split; /* copies (streams) per dest rank of EPD_K_HT_COPY_CE, 1..4; 0: EPD_K_HT_CE_SPLIT */
 } epd_k_ht_geom_t;
 
 typedef struct epd_k_ht epd_k_ht_t;
@@ -283,14 +286,14 @@ const epd_k_ht_geom_t *epd_k_ht_geom(const epd_k_ht_t *k);
 /* Parameters of one HT op (fields as epd_k_ll_op_t). comp->num_recv: rows received (on overflow: the
  * rows this rank would need). */
 typedef struct epd_k_ht_op {
-  uint32_t op;         /* EPD_OP_HT_DISPATCH or EPD_OP_HT_COMBINE */
-  uint32_t flags;      /* dispatch: EPD_DESC_FP8 */
-  uint32_t num_tokens; /* dispatch */
-  uint32_t bank;       /* a combine uses its dispatch's bank */
-  uint64_t timeout_ns; /* per wait; 0: EPD_K_DEFAULT_TIMEOUT_NS */
-  const void *map;     /* dispatch: device expert-map table */
+  uint32_t op;           /* EPD_OP_HT_DISPATCH or EPD_OP_HT_COMBINE */
+  uint32_t flags;        /* dispatch: EPD_DESC_FP8 */
+  uint32_t num_tokens;   /* dispatch */
+  uint32_t bank;         /* a combine uses its dispatch's bank */
+  uint64_t timeout_ns;   /* per wait; 0: EPD_K_DEFAULT_TIMEOUT_NS */
+  const void *map;       /* dispatch: device expert-map table */
   uint64_t *slot_tokens; /* dispatch, optional: per local slot [S], += (j, k) entries received */
-  epd_comp_t *comp;    /* device completion record */
+  epd_comp_t *comp;      /* device completion record */
   /* Optional: the UVA base of every rank's client arena of this step (same offsets as `arena`; the entry
    * of this rank is ignored), each readable and writable from this GPU. All non-zero: dispatch writes
    * rows straight into the receivers' arenas and combine reads the partials from them (no staging copy).

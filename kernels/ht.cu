@@ -83,8 +83,8 @@ namespace {
 constexpr int KMAX = EPD_K_MAX_TOPK;
 constexpr int NTHR = EPD_K_HT_THREADS;
 constexpr int NWARP = NTHR / 32;
-constexpr uint32_t TILE = NTHR;                /* tokens per tile of the data kernels (one per thread) */
-constexpr uint32_t HIST_MAX = 4096;            /* slots counted in shared memory (more: global atomics) */
+constexpr uint32_t TILE = NTHR;     /* tokens per tile of the data kernels (one per thread) */
+constexpr uint32_t HIST_MAX = 4096; /* slots counted in shared memory (more: global atomics) */
 constexpr uint32_t MAX_STAGES = 16;
 #ifndef EPD_HT_FP8_V
 /* FP8 dispatch: vectors per lane per step, two steps in flight. 4 since the quantiser lost its divisions
@@ -96,15 +96,16 @@ static_assert(EPD_HT_FP8_V >= 1 && EPD_HT_FP8_V <= 8, "EPD_HT_FP8_V: 1..8 vector
 #ifndef EPD_HT_META_WARPS
 #define EPD_HT_META_WARPS 4
 #endif
-constexpr uint32_t META_WARPS = EPD_HT_META_WARPS; /* warps writing the last tile's metadata during the rows */
+constexpr uint32_t META_WARPS =
+    EPD_HT_META_WARPS; /* warps writing the last tile's metadata during the rows */
 constexpr int NO_TIMEOUT = 0x7fffffff;
-constexpr int CNT_LD = 8; /* token masks loaded together by a thread of the dispatch's counts */
+constexpr int CNT_LD = 8;            /* token masks loaded together by a thread of the dispatch's counts */
 constexpr uint32_t CE_SPLIT_MAX = 4; /* copy-engine streams per dest rank (engine.ht_ce_split) */
 
 enum : uint32_t { ERRB_BAD_EXPERT = 1u, ERRB_TOO_MANY = 2u, ERRB_BAD_MAP = 4u };
 
 struct __align__(16) TokRoute {
-  uint32_t mask; /* bits 0..7 dest ranks, bits 24..31 error bits of this token */
+  uint32_t mask;      /* bits 0..7 dest ranks, bits 24..31 error bits of this token */
   uint8_t rank[KMAX]; /* 0xff: no expert */
   uint16_t slot[KMAX];
   uint32_t pad[3];
@@ -121,22 +122,23 @@ struct __align__(16) RowMeta {
 static_assert(sizeof(RowMeta) == 128, "RowMeta is 128 bytes");
 
 struct HTState {
-  uint32_t dseq;                           /* dispatch sequence (written by the last data block) */
-  uint32_t cseq[EPD_K_HT_MAX_BLOCKS];      /* combine sequence per block */
+  uint32_t dseq;                      /* dispatch sequence (written by the last data block) */
+  uint32_t cseq[EPD_K_HT_MAX_BLOCKS]; /* combine sequence per block */
   uint32_t dticket, cticket;
-  int32_t err[2], errpeer[2];              /* data-kernel errors of [dispatch, combine] */
-  int32_t code, peer;                      /* plan result of the last dispatch */
-  int32_t derr;                            /* final status of the last dispatch */
-  uint32_t T;                              /* my tokens in the last dispatch */
-  uint32_t N;                              /* rows I receive (may exceed C: overflow) */
+  int32_t err[2], errpeer[2]; /* data-kernel errors of [dispatch, combine] */
+  int32_t code, peer;         /* plan result of the last dispatch */
+  int32_t derr;               /* final status of the last dispatch */
+  uint32_t T;                 /* my tokens in the last dispatch */
+  uint32_t N;                 /* rows I receive (may exceed C: overflow) */
   uint32_t map_version;
-  uint32_t sendbase[EPD_K_MAX_RANKS];      /* first row of my segment on each dest rank */
-  uint32_t recvbase[EPD_K_MAX_RANKS + 1];  /* first row of each src's segment here */
-  uint32_t drdy[EPD_K_HT_MAX_BLOCKS];      /* dispatch: seq once the block's positions (pos) are written */
-  uint32_t dcur[EPD_K_HT_MAX_BLOCKS];      /* dispatch: tokens of the block's chunk taken (0 between ops) */
-  uint32_t ccur[EPD_K_HT_MAX_BLOCKS];      /* combine (direct): the same */
-  uint64_t ce_done[EPD_K_MAX_RANKS][CE_SPLIT_MAX]; /* dense BF16 dispatch: part i of the copy-engine rows to
-                                                    * dest r landed (a stream memory operation writes ce_seq) */
+  uint32_t sendbase[EPD_K_MAX_RANKS];     /* first row of my segment on each dest rank */
+  uint32_t recvbase[EPD_K_MAX_RANKS + 1]; /* first row of each src's segment here */
+  uint32_t drdy[EPD_K_HT_MAX_BLOCKS];     /* dispatch: seq once the block's positions (pos) are written */
+  uint32_t dcur[EPD_K_HT_MAX_BLOCKS];     /* dispatch: tokens of the block's chunk taken (0 between ops) */
+  uint32_t ccur[EPD_K_HT_MAX_BLOCKS];     /* combine (direct): the same */
+  uint64_t ce_done[EPD_K_MAX_RANKS]
+                  [CE_SPLIT_MAX]; /* dense BF16 dispatch: part i of the copy-engine rows to
+                                   * dest r landed (a stream memory operation writes ce_seq) */
 };
 
 struct HTLayout {
@@ -165,37 +167,39 @@ struct HTParams {
   uint32_t direct;                      /* rows to/from the peers' arenas (else staging) */
   uint32_t tma;                         /* BF16 rows with the bulk-copy engine */
   SmemLayout sm;
-  uint32_t ns;                          /* stages of the TMA ring */
-  uint32_t lag;                         /* dispatch: bulk-store groups left reading (1, 2 or 4) */
-  uint32_t cw, nch;                     /* combine: bytes per column chunk, chunks per row */
-  uint32_t ncw;                         /* combine: consumer warps of the TMA ring (ns is a multiple) */
-  uint32_t dense;                       /* dispatch: EPD_DESC_HT_DENSE (every token to every rank) */
-  uint32_t ce;                          /* dense BF16 dispatch: rows to the other ranks by copy engines, in
-                                         * ce parts (streams) per dest */
-  uint64_t ce_seq;                      /* the value their completion writes into st->ce_done[dest] */
-  uint32_t ce_any;                      /* dense BF16 over peer arenas with EPD_K_HT_COPY_CE: peers may copy */
-  uint64_t *trace;                      /* epd_k_ht_op_t.trace */
+  uint32_t ns;      /* stages of the TMA ring */
+  uint32_t lag;     /* dispatch: bulk-store groups left reading (1, 2 or 4) */
+  uint32_t cw, nch; /* combine: bytes per column chunk, chunks per row */
+  uint32_t ncw;     /* combine: consumer warps of the TMA ring (ns is a multiple) */
+  uint32_t dense;   /* dispatch: EPD_DESC_HT_DENSE (every token to every rank) */
+  uint32_t ce;      /* dense BF16 dispatch: rows to the other ranks by copy engines, in
+                     * ce parts (streams) per dest */
+  uint64_t ce_seq;  /* the value their completion writes into st->ce_done[dest] */
+  uint32_t ce_any;  /* dense BF16 over peer arenas with EPD_K_HT_COPY_CE: peers may copy */
+  uint64_t *trace;  /* epd_k_ht_op_t.trace */
 };
 
 /* Profiling stamps: block 0's, or the latest block's. */
-#define TR(i)                                                                              \
-  do {                                                                                     \
-    if (p.trace && blockIdx.x == 0 && threadIdx.x == 0) p.trace[i] = gtimer();             \
+#define TR(i)                                                                  \
+  do {                                                                         \
+    if (p.trace && blockIdx.x == 0 && threadIdx.x == 0) p.trace[i] = gtimer(); \
   } while (0)
-#define TR_LATEST(i)                                                                       \
-  do {                                                                                     \
+#define TR_LATEST(i)                                                                         \
+  do {                                                                                       \
     if (p.trace) atomicMax((unsigned long long *)&p.trace[i], (unsigned long long)gtimer()); \
   } while (0)
 /* The earliest block's stamp, stored as its complement (the trace starts zeroed). */
-#define TR_EARLIEST(i)                                                                     \
-  do {                                                                                     \
+#define TR_EARLIEST(i)                                                                        \
+  do {                                                                                        \
     if (p.trace) atomicMax((unsigned long long *)&p.trace[i], ~(unsigned long long)gtimer()); \
   } while (0)
 
 __device__ __forceinline__ char *peer_bank(const HTParams &p, int peer) {
   return (char *)ncclGetLsaPointer(p.win, p.win_off + p.bank * p.lay.bank_bytes, peer);
 }
-__device__ __forceinline__ char *local_bank(const HTParams &p) { return p.local + p.bank * p.lay.bank_bytes; }
+__device__ __forceinline__ char *local_bank(const HTParams &p) {
+  return p.local + p.bank * p.lay.bank_bytes;
+}
 template <typename T>
 __device__ __forceinline__ T *arena_buf(const HTParams &p, int kind) {
   return (T *)(uintptr_t)(p.arena.base + p.arena.off[p.bank][kind]);
@@ -206,8 +210,12 @@ __device__ __forceinline__ T *rank_buf(const HTParams &p, uint32_t r, int kind) 
   return (T *)(uintptr_t)(p.peer_arena[r] + p.arena.off[p.bank][kind]);
 }
 
-__device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void grid_dep_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void grid_dep_launch() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 /* ---------------------------------------------------------------------------------------------------
  * route: a warp per token (lanes = top-k columns). Block 0 also zeroes the slot counters.
@@ -292,7 +300,8 @@ __device__ __forceinline__ bool wait_seq(const uint64_t *f, uint32_t seq, uint64
  * *bad: lowest src whose block signalled that it failed (its stores did not all happen: FLAG_BAD), or
  * NO_TIMEOUT. */
 #define FLAG_BAD 1ull
-__device__ int wait_peers(const HTParams &p, const uint64_t *flags, uint32_t seq, uint64_t deadline, int *bad) {
+__device__ int wait_peers(const HTParams &p, const uint64_t *flags, uint32_t seq, uint64_t deadline,
+                          int *bad) {
   __shared__ int sh_to, sh_bad;
   if (threadIdx.x == 0) sh_to = sh_bad = NO_TIMEOUT;
   __syncthreads();
@@ -301,8 +310,10 @@ __device__ int wait_peers(const HTParams &p, const uint64_t *flags, uint32_t seq
     if (src == p.rank) continue;
     uint64_t v;
     const bool ok = wait_seq(flags + i, seq, deadline, &v);
-    if (!ok) atomicMin(&sh_to, (int)src);
-    else if (v & FLAG_BAD) atomicMin(&sh_bad, (int)src);
+    if (!ok)
+      atomicMin(&sh_to, (int)src);
+    else if (v & FLAG_BAD)
+      atomicMin(&sh_bad, (int)src);
   }
   __syncthreads();
   *bad = sh_bad;
@@ -349,8 +360,8 @@ __device__ __forceinline__ void warp_copy_row(int4 *dst, const int4 *src, uint32
 /* Sum one output row of n16 16-byte vectors (BF16) over the rows given, f32 in rank order: the loads of
  * RB ranks' rows (NV vectors per lane each) in flight together, then their sums. */
 template <int NV, int RB = EPD_HT_COMBINE_RB>
-__device__ __forceinline__ void warp_reduce_rows(int4 *orow, const int4 *const *rows, uint32_t R, uint32_t n16,
-                                                 uint32_t lane) {
+__device__ __forceinline__ void warp_reduce_rows(int4 *orow, const int4 *const *rows, uint32_t R,
+                                                 uint32_t n16, uint32_t lane) {
   for (uint32_t v0 = lane; v0 < n16; v0 += 32 * NV) {
     float acc[NV][8];
 #pragma unroll
@@ -408,7 +419,8 @@ struct DestRows {
 /* Per-token part of the metadata of my token t (dest mask m, absolute rows jr[r]): its row on each
  * dest (pos, for the combine) and, for dests reached through staging, its RowMeta. The arena metadata
  * of the other dests is written per tile by meta_tile. */
-__device__ void send_meta_token(const HTParams &p, uint32_t t, uint32_t m, const uint32_t *jr, const uint32_t *sendbase) {
+__device__ void send_meta_token(const HTParams &p, uint32_t t, uint32_t m, const uint32_t *jr,
+                                const uint32_t *sendbase) {
   const uint32_t K = p.K, R = p.R, me = p.rank;
   char *lb = local_bank(p);
   uint32_t *pos = (uint32_t *)(lb + p.lay.pos) + (uint64_t)t * R;
@@ -442,8 +454,8 @@ __device__ void send_meta_token(const HTParams &p, uint32_t t, uint32_t m, const
  * consecutive rows j0[r] .. j0[r] + n[r] - 1 (cl[r * TILE + c]: tile index of the c-th), so consecutive
  * threads write consecutive elements: NVLink then carries a few full lines per token instead of 2K + 1
  * partial writes, whose packet rate held the rows back for about 10 us. Threads i0, i0 + stride, ... */
-__device__ void meta_tile(const HTParams &p, uint32_t tb, const uint16_t *cl, const uint32_t *j0, const uint32_t *n,
-                          uint32_t *hist, uint32_t i0, uint32_t stride) {
+__device__ void meta_tile(const HTParams &p, uint32_t tb, const uint16_t *cl, const uint32_t *j0,
+                          const uint32_t *n, uint32_t *hist, uint32_t i0, uint32_t stride) {
   const uint32_t K = p.K, R = p.R, S = p.S, me = p.rank;
   char *lb = local_bank(p);
   const TokRoute *route = (const TokRoute *)(lb + p.lay.route);
@@ -475,11 +487,13 @@ __device__ void meta_tile(const HTParams &p, uint32_t tb, const uint16_t *cl, co
 }
 
 /* FP8 rows of one token by a warp: quantised once (a half-warp per 128-channel group, 8 channels per
- * lane; the next EPD_HT_FP8_V loads per lane in flight while the current ones are quantised), written to every dest of mask m at rows jr. The scales collect in the warp's
- * scw[H / 128] and go out once per row with consecutive lanes: one 4-byte NVLink write per group and
- * dest would be 2 * H / 128 partial writes per token. */
-__device__ __forceinline__ void send_row_fp8(const HTParams &p, const char *xrow, uint32_t m, const uint32_t *jr,
-                                             const DestRows &dr, float *scw, uint32_t lane) {
+ * lane; the next EPD_HT_FP8_V loads per lane in flight while the current ones are quantised), written to
+ * every dest of mask m at rows jr. The scales collect in the warp's scw[H / 128] and go out once per row with
+ * consecutive lanes: one 4-byte NVLink write per group and dest would be 2 * H / 128 partial writes per
+ * token. */
+__device__ __forceinline__ void send_row_fp8(const HTParams &p, const char *xrow, uint32_t m,
+                                             const uint32_t *jr, const DestRows &dr, float *scw,
+                                             uint32_t lane) {
   const uint32_t H = p.H, R = p.R, nsc = H / 128;
   const uint64_t rowb = 2ull * H;
   char *xd[EPD_K_MAX_RANKS];
@@ -493,14 +507,14 @@ __device__ __forceinline__ void send_row_fp8(const HTParams &p, const char *xrow
   /* FP8_V vectors per lane (2 * FP8_V scale groups) per step; the next step's loads are issued before
    * this step's quantisation, so a warp keeps loads of its row in flight while it computes */
   constexpr int FP8_V = EPD_HT_FP8_V;
-  auto load = [&](int4 (&v)[FP8_V], uint32_t g0) {
+  auto load = [&](int4(&v)[FP8_V], uint32_t g0) {
 #pragma unroll
     for (int i = 0; i < FP8_V; i++) {
       const uint32_t g = g0 + 2 * i + (lane >> 4);
       if (g < nsc) v[i] = ld_nc_v4(xrow + g * 256 + (lane & 15) * 16);
     }
   };
-  auto quant = [&](const int4 (&v)[FP8_V], uint32_t g0) {
+  auto quant = [&](const int4(&v)[FP8_V], uint32_t g0) {
 #pragma unroll
     for (int i = 0; i < FP8_V; i++) {
       const uint32_t g = g0 + 2 * i + (lane >> 4);
@@ -519,7 +533,8 @@ __device__ __forceinline__ void send_row_fp8(const HTParams &p, const char *xrow
       if (g >= nsc) continue;
       const float scale = fp8_scale(amax);
       const Fp8Div d = fp8_div(scale);
-      const uint2 qv = make_uint2(fp8_quant4(f[0], f[1], f[2], f[3], d), fp8_quant4(f[4], f[5], f[6], f[7], d));
+      const uint2 qv =
+          make_uint2(fp8_quant4(f[0], f[1], f[2], f[3], d), fp8_quant4(f[4], f[5], f[6], f[7], d));
 #pragma unroll
       for (int r = 0; r < EPD_K_MAX_RANKS; r++)
         if (xd[r]) *(uint2 *)(xd[r] + g * 128 + (lane & 15) * 8) = qv;
@@ -545,8 +560,8 @@ __device__ __forceinline__ void send_row_fp8(const HTParams &p, const char *xrow
 }
 
 /* BF16 row of one token by a warp with 16-byte register copies, to every dest of mask m. */
-__device__ __forceinline__ void send_row_bf16(const HTParams &p, const char *xrow, uint32_t m, const uint32_t *jr,
-                                              const DestRows &dr, uint32_t lane) {
+__device__ __forceinline__ void send_row_bf16(const HTParams &p, const char *xrow, uint32_t m,
+                                              const uint32_t *jr, const DestRows &dr, uint32_t lane) {
   const uint32_t R = p.R, n16 = p.H / 8;
   const uint64_t rowb = 2ull * p.H;
   int4 *xd[EPD_K_MAX_RANKS];
@@ -573,8 +588,8 @@ __device__ __forceinline__ void send_row_bf16(const HTParams &p, const char *xro
  * (cur[b]: taken so far), among those with rdy[b] == seq where rdy is given; G when none has any. A
  * block's tokens are taken one at a time, by its own warps first, so the blocks finish together
  * instead of as their share of the link allows (about 10 us apart with fixed chunks). */
-__device__ uint32_t pick_victim(const uint32_t *cur, const uint32_t *rdy, uint32_t seq, uint32_t per, uint32_t T,
-                                uint32_t G, uint32_t lane) {
+__device__ uint32_t pick_victim(const uint32_t *cur, const uint32_t *rdy, uint32_t seq, uint32_t per,
+                                uint32_t T, uint32_t G, uint32_t lane) {
   uint32_t best = 0, bv = G;
   for (uint32_t v = lane; v < G; v += 32) {
     if (rdy && ld_acquire_gpu_u32(rdy + v) != seq) continue;
@@ -598,7 +613,8 @@ __device__ uint32_t pick_victim(const uint32_t *cur, const uint32_t *rdy, uint32
 
 /* The next token (absolute index) of block v's chunk for this warp, or T when v's chunk is taken:
  * lane 0's ticket from cur[v], broadcast. */
-__device__ __forceinline__ uint32_t take_token(uint32_t *cur, uint32_t v, uint32_t per, uint32_t T, uint32_t lane) {
+__device__ __forceinline__ uint32_t take_token(uint32_t *cur, uint32_t v, uint32_t per, uint32_t T,
+                                               uint32_t lane) {
   uint32_t i = 0;
   if (lane == 0) i = atomicAdd(cur + v, 1u);
   i = __shfl_sync(0xffffffffu, i, 0);
@@ -617,7 +633,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
   __shared__ uint32_t sh_w[NWARP][2 * EPD_K_MAX_RANKS + 1];
   __shared__ uint32_t sh_tot[EPD_K_MAX_RANKS], sh_before[EPD_K_MAX_RANKS], sh_run[EPD_K_MAX_RANKS];
   __shared__ uint32_t sh_tile0[EPD_K_MAX_RANKS], sh_tilen[EPD_K_MAX_RANKS]; /* the tile's rows per dest */
-  __shared__ uint32_t sh_mat[EPD_K_MAX_RANKS][EPD_K_MAX_RANKS]; /* [src][dest] */
+  __shared__ uint32_t sh_mat[EPD_K_MAX_RANKS][EPD_K_MAX_RANKS];             /* [src][dest] */
   __shared__ uint32_t sh_srcerr[EPD_K_MAX_RANKS];
   __shared__ uint32_t sh_sendbase[EPD_K_MAX_RANKS], sh_recvbase[EPD_K_MAX_RANKS + 1];
   __shared__ DestRows sh_dr;
@@ -733,7 +749,7 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
   const char *x = arena_buf<char>(p, EPD_BUF_X);
   const uint32_t lt = (1u << lane) - 1u;
   uint32_t gload = 0; /* TMA: loads issued so far (thread 0) */
-  auto scan_tile = [&](uint32_t tb, uint32_t &m, uint32_t (&jr)[EPD_K_MAX_RANKS]) {
+  auto scan_tile = [&](uint32_t tb, uint32_t &m, uint32_t(&jr)[EPD_K_MAX_RANKS]) {
     const uint32_t t = tb + tid;
     m = t < t1 ? (__ldcg(tmask + t) & 0xffu) : 0u;
 #pragma unroll
@@ -801,7 +817,8 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       for (uint32_t r = 0; r < R; r++) sh_mat[tid][r] = 0;
     } else {
       sh_srcerr[tid] = (uint32_t)(v >> 24) & 0xffu;
-      for (uint32_t r = 0; r < R; r++) sh_mat[tid][r] = (uint32_t)__ldcg((const unsigned long long *)msg + 1 + r);
+      for (uint32_t r = 0; r < R; r++)
+        sh_mat[tid][r] = (uint32_t)__ldcg((const unsigned long long *)msg + 1 + r);
     }
   }
   __syncthreads();
@@ -810,8 +827,9 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
     for (uint32_t s = 0; s < R && !code; s++) {
       uint32_t eb = sh_srcerr[s];
       if (eb) {
-        code = (eb & ERRB_TOO_MANY) ? EPD_ERR_TOO_MANY_TOKENS : (eb & ERRB_BAD_EXPERT) ? EPD_ERR_BAD_EXPERT
-                                                                                      : EPD_ERR_INVALID;
+        code = (eb & ERRB_TOO_MANY)     ? EPD_ERR_TOO_MANY_TOKENS
+               : (eb & ERRB_BAD_EXPERT) ? EPD_ERR_BAD_EXPERT
+                                        : EPD_ERR_INVALID;
         peer = (int)s;
       }
     }
@@ -900,7 +918,8 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
           const uint32_t ti = s_tl[i], mm = s_tm[ti];
           for (uint32_t r = 0; r < R; r++)
             if ((mm >> r) & 1u)
-              tma_store(sh_dr.xb[r] + (uint64_t)s_tj[ti * R + r] * rowb, stage + (uint64_t)s * rowb, (uint32_t)rowb);
+              tma_store(sh_dr.xb[r] + (uint64_t)s_tj[ti * R + r] * rowb, stage + (uint64_t)s * rowb,
+                        (uint32_t)rowb);
           tma_commit();
           if (i + ahead < n) {
             tma_wait_read(lag);
@@ -1002,7 +1021,8 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
         const char *srow = xstg + (uint64_t)j * rowb;
         if (f8) {
           warp_copy_row((int4 *)(recv_x + (uint64_t)j * rowb), (const int4 *)srow, H / 16, lane);
-          for (uint32_t g = lane; g < nsc; g += 32) recv_sc[(uint64_t)j * nsc + g] = __ldcg((const float *)(srow + H) + g);
+          for (uint32_t g = lane; g < nsc; g += 32)
+            recv_sc[(uint64_t)j * nsc + g] = __ldcg((const float *)(srow + H) + g);
         } else {
           warp_copy_row((int4 *)(recv_x + (uint64_t)j * rowb), (const int4 *)srow, H / 8, lane);
         }
@@ -1055,7 +1075,10 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       if (r == me) continue;
       bool ok = false;
       for (uint32_t i = 0;;) {
-        if (ld_acquire_sys(&st->ce_done[r][i]) >= p.ce_seq && ++i == p.ce) { ok = true; break; }
+        if (ld_acquire_sys(&st->ce_done[r][i]) >= p.ce_seq && ++i == p.ce) {
+          ok = true;
+          break;
+        }
         if (gtimer() > deadline) break;
       }
       if (!ok) xto = (int)me;
@@ -1070,8 +1093,10 @@ __global__ void __launch_bounds__(NTHR) ht_dispatch_kernel(const HTParams p) {
       if (r == me) continue;
       uint64_t v = 0;
       const bool ok = wait_seq((const uint64_t *)(lb + p.lay.xflag) + r, seq, deadline, &v);
-      if (!ok && xto == NO_TIMEOUT) xto = (int)r;
-      else if (ok && (v & FLAG_BAD) && xbad == NO_TIMEOUT) xbad = (int)r;
+      if (!ok && xto == NO_TIMEOUT)
+        xto = (int)r;
+      else if (ok && (v & FLAG_BAD) && xbad == NO_TIMEOUT)
+        xbad = (int)r;
     }
     if (c == 0 && xto != NO_TIMEOUT) {
       c = EPD_ERR_TIMEOUT;
@@ -1181,8 +1206,9 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
         for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
           rows[r] = nullptr;
           if (r < (int)R && ((mask >> r) & 1u))
-            rows[r] = (uint32_t)r == me ? (const int4 *)(y + (uint64_t)(own + pos[(uint64_t)t * R + r]) * rowb)
-                                        : (const int4 *)(cstg + ((uint64_t)r * M + t) * rowb);
+            rows[r] = (uint32_t)r == me
+                          ? (const int4 *)(y + (uint64_t)(own + pos[(uint64_t)t * R + r]) * rowb)
+                          : (const int4 *)(cstg + ((uint64_t)r * M + t) * rowb);
         }
         warp_reduce_rows<4>((int4 *)(out + (uint64_t)t * rowb), rows, R, n16, lane);
       }
@@ -1201,9 +1227,12 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
       st_relaxed_sys((uint64_t *)(peer_bank(p, (int)tid) + p.lay.rflag) + (uint64_t)me * G + blockIdx.x,
                      ((uint64_t)seq << 32) | (derr != 0 ? FLAG_BAD : 0ull));
       uint64_t v;
-      const bool ok = wait_seq((const uint64_t *)(lb + p.lay.rflag) + (uint64_t)tid * G + blockIdx.x, seq, deadline, &v);
-      if (!ok) atomicMin(&sh_to, (int)tid);
-      else if (v & FLAG_BAD) atomicMin(&sh_bad, (int)tid);
+      const bool ok =
+          wait_seq((const uint64_t *)(lb + p.lay.rflag) + (uint64_t)tid * G + blockIdx.x, seq, deadline, &v);
+      if (!ok)
+        atomicMin(&sh_to, (int)tid);
+      else if (v & FLAG_BAD)
+        atomicMin(&sh_bad, (int)tid);
     }
     uint64_t *full = (uint64_t *)(dsm + p.sm.bar), *empty = full + MAX_STAGES;
     if (tid == 0 && p.tma) {
@@ -1247,9 +1276,10 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
 #pragma unroll
           for (int r = 0; r < EPD_K_MAX_RANKS; r++) {
             const uint32_t pr = __shfl_sync(0xffffffffu, pl, r);
-            rows[r] = r < (int)R && ((m >> r) & 1u)
-                          ? (const int4 *)(rank_buf<char>(p, r, EPD_BUF_HT_Y) + (uint64_t)(sh_sb[r] + pr) * rowb)
-                          : nullptr;
+            rows[r] =
+                r < (int)R && ((m >> r) & 1u)
+                    ? (const int4 *)(rank_buf<char>(p, r, EPD_BUF_HT_Y) + (uint64_t)(sh_sb[r] + pr) * rowb)
+                    : nullptr;
           }
           warp_reduce_rows<EPD_HT_COMBINE_NV>((int4 *)(out + (uint64_t)t * rowb), rows, R, n16, lane);
           t = take_token(st->ccur, v, per, T, lane);
@@ -1258,7 +1288,7 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
       /* bulk-copy engine (opt-in): tile by tile, thread 0 loads the rows' column chunks, warps 1..ncw sum */
       const uint32_t ns = p.ns, cw = p.cw, nch = p.nch;
       const uint64_t stb = (uint64_t)R * cw; /* bytes per stage: one column chunk of every rank's row */
-      uint32_t gu = 0;                        /* units (token, chunk) of the earlier tiles */
+      uint32_t gu = 0;                       /* units (token, chunk) of the earlier tiles */
       for (uint32_t tb = t0; p.tma && tb < t1; tb += TILE) {
         __syncthreads();
         if (sh_abort) break;
@@ -1301,8 +1331,8 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
              * session 17) */
             for (uint32_t u = (warp - 1 + p.ncw - gu % p.ncw) % p.ncw; u < nu; u += p.ncw) {
               const uint32_t g = gu + u, s = g % ns;
-              /* every lane waits (each acquires the bulk copy's bytes); the warp gives up together, so that no
-               * lane is left at the __syncwarp below when another's deadline passed */
+              /* every lane waits (each acquires the bulk copy's bytes); the warp gives up together, so that
+               * no lane is left at the __syncwarp below when another's deadline passed */
               if (!__all_sync(0xffffffffu, mbar_wait(&full[s], (g / ns) & 1u, deadline))) {
                 if (lane == 0) {
                   sh_abort = 1;
@@ -1527,7 +1557,7 @@ static write_value64_fn write_value64(void) {
     void *f = NULL;
     cudaDriverEntryPointQueryResult q;
     return cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &f, 12000, cudaEnableDefault, &q) ==
-                   cudaSuccess &&
+                       cudaSuccess &&
                    q == cudaDriverEntryPointSuccess
                ? (write_value64_fn)f
                : (write_value64_fn)NULL;
@@ -1558,11 +1588,11 @@ static void ce_drain(epd_k_ht_t *k, const HTParams &p) {
  * T - 1 of each dest rank's HT_RECV_X (base: the tokens of the ranks before me, as the data kernel
  * computes sendbase), in p.ce parts of about T / p.ce rows, each a copy on its own stream followed by
  * st->ce_done[dest][part] = p.ce_seq. Forked from `s` here; joined by ce_join. */
-static epd_result_t ce_rows(epd_k_ht_t *k, const HTParams &p, const uint32_t *rank_tokens, cudaStream_t s, char *err,
-                            size_t errlen) {
+static epd_result_t ce_rows(epd_k_ht_t *k, const HTParams &p, const uint32_t *rank_tokens, cudaStream_t s,
+                            char *err, size_t errlen) {
   cudaError_t e = cudaSuccess;
   const write_value64_fn wv = write_value64(); /* found: the launcher checked */
-  if (!k->ce_fork) { /* the streams and events, made at the first such op */
+  if (!k->ce_fork) {                           /* the streams and events, made at the first such op */
     e = cudaEventCreateWithFlags(&k->ce_fork, cudaEventDisableTiming);
     for (uint32_t r = 0; r < p.R && e == cudaSuccess; r++)
       for (uint32_t i = 0; i < CE_SPLIT_MAX && r != p.rank && e == cudaSuccess; i++) {
@@ -1592,9 +1622,12 @@ static epd_result_t ce_rows(epd_k_ht_t *k, const HTParams &p, const uint32_t *ra
         e = cudaGetLastError();
       }
 #endif
-      char *dst = (char *)(uintptr_t)(p.peer_arena[r] + p.arena.off[p.bank][EPD_BUF_HT_RECV_X]) + (base + r0) * rowb;
-      if (e == cudaSuccess && r1 > r0) e = cudaMemcpyAsync(dst, x + r0 * rowb, (r1 - r0) * rowb, cudaMemcpyDeviceToDevice, cs);
-      if (e == cudaSuccess && wv((CUstream)cs, (CUdeviceptr)(uintptr_t)&st->ce_done[r][i], p.ce_seq, 0) != CUDA_SUCCESS) {
+      char *dst =
+          (char *)(uintptr_t)(p.peer_arena[r] + p.arena.off[p.bank][EPD_BUF_HT_RECV_X]) + (base + r0) * rowb;
+      if (e == cudaSuccess && r1 > r0)
+        e = cudaMemcpyAsync(dst, x + r0 * rowb, (r1 - r0) * rowb, cudaMemcpyDeviceToDevice, cs);
+      if (e == cudaSuccess &&
+          wv((CUstream)cs, (CUdeviceptr)(uintptr_t)&st->ce_done[r][i], p.ce_seq, 0) != CUDA_SUCCESS) {
         ce_drain(k, p);
         return set_err(err, errlen, EPD_ERR_CUDA, "%s: cuStreamWriteValue64 failed (dest %ld, part %ld)",
                        "HT copy engines", (long)r, (long)i);
@@ -1609,22 +1642,26 @@ static epd_result_t ce_rows(epd_k_ht_t *k, const HTParams &p, const uint32_t *ra
   return EPD_OK;
 }
 
-static uint32_t ht_blocks(const epd_k_ht_geom_t *g) { return g->blocks ? g->blocks : EPD_K_HT_BLOCKS; }
+static uint32_t ht_blocks(const epd_k_ht_geom_t *g) {
+  return g->blocks ? g->blocks : EPD_K_HT_BLOCKS;
+}
 
 static epd_result_t ht_check_geom(const epd_k_ht_geom_t *g, char *err, size_t errlen) {
   const char *f = "%s = %ld out of range (max %ld)";
   if (g->num_ranks < 1 || g->num_ranks > EPD_K_MAX_RANKS)
     return set_err(err, errlen, EPD_ERR_INVALID, f, "num_ranks", g->num_ranks, EPD_K_MAX_RANKS);
-  if (g->rank >= g->num_ranks) return set_err(err, errlen, EPD_ERR_INVALID, f, "rank", g->rank, g->num_ranks - 1);
+  if (g->rank >= g->num_ranks)
+    return set_err(err, errlen, EPD_ERR_INVALID, f, "rank", g->rank, g->num_ranks - 1);
   if (g->hidden == 0 || g->hidden % 128 || g->hidden > EPD_K_MAX_HIDDEN)
-    return set_err(err, errlen, EPD_ERR_INVALID, "%s = %ld must be a multiple of 128 up to %ld", "hidden", g->hidden,
-                   EPD_K_MAX_HIDDEN);
+    return set_err(err, errlen, EPD_ERR_INVALID, "%s = %ld must be a multiple of 128 up to %ld", "hidden",
+                   g->hidden, EPD_K_MAX_HIDDEN);
   if (g->topk < 1 || g->topk > EPD_K_MAX_TOPK)
     return set_err(err, errlen, EPD_ERR_INVALID, f, "topk", g->topk, EPD_K_MAX_TOPK);
   if (g->max_tokens < 1 || g->max_tokens > EPD_K_HT_MAX_TOKENS)
     return set_err(err, errlen, EPD_ERR_INVALID, f, "max_tokens", g->max_tokens, EPD_K_HT_MAX_TOKENS);
   if (g->capacity < 1 || g->capacity > EPD_K_HT_MAX_TOKENS * EPD_K_MAX_RANKS)
-    return set_err(err, errlen, EPD_ERR_INVALID, f, "capacity", g->capacity, EPD_K_HT_MAX_TOKENS * EPD_K_MAX_RANKS);
+    return set_err(err, errlen, EPD_ERR_INVALID, f, "capacity", g->capacity,
+                   EPD_K_HT_MAX_TOKENS * EPD_K_MAX_RANKS);
   if (g->num_experts < 1) return set_err(err, errlen, EPD_ERR_INVALID, f, "num_experts", 0, 1 << 30);
   if (g->slots_per_rank < 1 || g->slots_per_rank > 0x7fff)
     return set_err(err, errlen, EPD_ERR_INVALID, f, "slots_per_rank", g->slots_per_rank, 0x7fff);
@@ -1645,8 +1682,8 @@ epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm
   epd_result_t r = ht_check_geom(g, err, errlen);
   if (r) return r;
   if (!lsa_comm || !window || !window_local || (window_offset % 4096))
-    return set_err(err, errlen, EPD_ERR_INVALID, "%s: NULL handle or unaligned offset %ld (%ld)", "epd_k_ht_create",
-                   (long)window_offset, 4096);
+    return set_err(err, errlen, EPD_ERR_INVALID, "%s: NULL handle or unaligned offset %ld (%ld)",
+                   "epd_k_ht_create", (long)window_offset, 4096);
   epd_k_ht_t *k = (epd_k_ht_t *)calloc(1, sizeof(*k));
   if (!k) return EPD_ERR_NOMEM;
   k->g = *g;
@@ -1684,9 +1721,11 @@ epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm
     if (t) cudaFree(t);
   }
   if (ce == cudaSuccess)
-    ce = cudaFuncSetAttribute(ht_dispatch_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_MAX);
+    ce = cudaFuncSetAttribute(ht_dispatch_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              (int)SMEM_MAX);
   if (ce == cudaSuccess)
-    ce = cudaFuncSetAttribute(ht_dispatch_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_MAX);
+    ce = cudaFuncSetAttribute(ht_dispatch_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              (int)SMEM_MAX);
   if (ce == cudaSuccess)
     ce = cudaFuncSetAttribute(ht_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_MAX);
   for (int b = 0; b < EPD_NUM_BANKS && ce == cudaSuccess; b++)
@@ -1710,7 +1749,8 @@ epd_result_t epd_k_ht_create(const epd_k_ht_geom_t *g, struct ncclComm *lsa_comm
     const int per = per_d < per_c ? (per_d < per_f ? per_d : per_f) : (per_c < per_f ? per_c : per_f);
     if (nsm > 0 && per > 0 && (long)nsm * per < (long)k->g.blocks) {
       if (err && errlen)
-        snprintf(err, errlen, "HT blocks (engine.ht_sms) = %u exceeds the %d x %d blocks this GPU keeps resident",
+        snprintf(err, errlen,
+                 "HT blocks (engine.ht_sms) = %u exceeds the %d x %d blocks this GPU keeps resident",
                  k->g.blocks, nsm, per);
       ncclDevCommDestroy(lsa_comm, &k->dev);
       free(k);
@@ -1730,15 +1770,20 @@ void epd_k_ht_destroy(epd_k_ht_t *k) {
 
 epd_result_t epd_k_ht_reset(epd_k_ht_t *k, void *stream) {
   for (int b = 0; b < EPD_NUM_BANKS; b++) {
-    cudaError_t ce = cudaMemsetAsync(k->local + b * k->lay.bank_bytes, 0, k->lay.ctrl_bytes, (cudaStream_t)stream);
+    cudaError_t ce =
+        cudaMemsetAsync(k->local + b * k->lay.bank_bytes, 0, k->lay.ctrl_bytes, (cudaStream_t)stream);
     if (ce != cudaSuccess) return EPD_ERR_CUDA;
   }
   return EPD_OK;
 }
 
-const epd_k_ht_geom_t *epd_k_ht_geom(const epd_k_ht_t *k) { return &k->g; }
+const epd_k_ht_geom_t *epd_k_ht_geom(const epd_k_ht_t *k) {
+  return &k->g;
+}
 
-uint64_t epd_k_ht_ce_ops(const epd_k_ht_t *k) { return k ? k->ce_ops : 0; }
+uint64_t epd_k_ht_ce_ops(const epd_k_ht_t *k) {
+  return k ? k->ce_ops : 0;
+}
 
 #ifdef EPD_TEST_HOOKS
 void epd_k_ht_test_ce_delay(epd_k_ht_t *k, uint32_t us) {
@@ -1751,7 +1796,8 @@ epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const ep
   if (!k || !arena || !op)
     return set_err(err, errlen, EPD_ERR_INVALID, "%s: NULL argument (%ld %ld)", "epd_k_ht_launch", 0, 0);
   if (op->bank >= EPD_NUM_BANKS)
-    return set_err(err, errlen, EPD_ERR_INVALID, "%s = %ld out of range (max %ld)", "bank", op->bank, EPD_NUM_BANKS - 1);
+    return set_err(err, errlen, EPD_ERR_INVALID, "%s = %ld out of range (max %ld)", "bank", op->bank,
+                   EPD_NUM_BANKS - 1);
   if (op->op != EPD_OP_HT_DISPATCH && op->op != EPD_OP_HT_COMBINE)
     return set_err(err, errlen, EPD_ERR_INVALID, "%s = %ld is not an HT op (%ld)", "op", op->op, 0);
   if (op->op == EPD_OP_HT_DISPATCH && !op->map)
@@ -1811,7 +1857,8 @@ epd_result_t epd_k_ht_launch(epd_k_ht_t *k, const epd_k_arena_t *arena, const ep
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    void (*const kern)(const HTParams) = (p.flags & EPD_DESC_FP8) ? ht_dispatch_kernel<1> : ht_dispatch_kernel<0>;
+    void (*const kern)(const HTParams) =
+        (p.flags & EPD_DESC_FP8) ? ht_dispatch_kernel<1> : ht_dispatch_kernel<0>;
     if (cudaLaunchKernelEx(&cfg, kern, p) != cudaSuccess) {
       cudaGetLastError();
       kern<<<p.G, NTHR, p.sm.total, s>>>(p);

@@ -55,16 +55,16 @@ struct BankState {
   uint32_t seq[2][EPD_K_LL_MAX_BLOCKS]; /* [op: 0 dispatch, 1 combine][block] */
   uint32_t done[2];                     /* completion tickets */
   int32_t err[2], errpeer[2];
-  uint32_t total;   /* dispatch: rows received, summed over blocks */
-  uint32_t ntok;    /* my tokens in the last dispatch */
-  int32_t derr;     /* status of the last dispatch (combine refuses to run after a failed one) */
+  uint32_t total; /* dispatch: rows received, summed over blocks */
+  uint32_t ntok;  /* my tokens in the last dispatch */
+  int32_t derr;   /* status of the last dispatch (combine refuses to run after a failed one) */
   uint32_t pad;
 };
 
 struct LLLayout {
   uint64_t bank_bytes;
   uint64_t dflag, cflag, meta, xstg, cstg, cpos, rtok, rmask, st;
-  uint64_t ann;       /* after both banks: persistent-mode announcement word of each rank [R] u64 */
+  uint64_t ann;        /* after both banks: persistent-mode announcement word of each rank [R] u64 */
   uint64_t area_bytes; /* whole LL area: both banks and the announcement area */
 };
 
@@ -77,15 +77,17 @@ struct LLLayout {
  * suffices: the controller writes the next one only once the op's last block completed it. */
 enum { PR_SLOT = 16, PR_REPVER = 17, PR_T0 = 18, PR_T1 = 20, PR_WORDS = 22 };
 /* The tag of op `index`'s record words: never 0 (the zeroed record's) and never the previous index's. */
-__device__ __forceinline__ uint32_t rec_tag(uint64_t index) { return ((uint32_t)(index + 1) & 0x7fffffffu) | 0x80000000u; }
+__device__ __forceinline__ uint32_t rec_tag(uint64_t index) {
+  return ((uint32_t)(index + 1) & 0x7fffffffu) | 0x80000000u;
+}
 static_assert(sizeof(epd_desc_t) == 64, "the descriptor is words 0..15 of the release record");
 static_assert(PR_WORDS + EPD_K_MAX_RANKS <= 32, "the controller's announcing lanes follow the record's");
 struct PDev {
-  uint64_t rec[32];   /* the release record (PR_WORDS used) */
-  uint64_t agree;     /* (index + 1) << 1 | run: every rank announced the same op (or they stop) */
+  uint64_t rec[32];    /* the release record (PR_WORDS used) */
+  uint64_t agree;      /* (index + 1) << 1 | run: every rank announced the same op (or they stop) */
   uint64_t tagreed[2]; /* %globaltimer when every rank agreed on an even / odd op (the progress record's
                         * timeline: op n's last block reads it after op n + 1 may have been released) */
-  uint64_t done_ops;  /* ops whose completion (slot DONE) is written */
+  uint64_t done_ops;   /* ops whose completion (slot DONE) is written */
   int32_t last_err;
   uint32_t pad0[9];
   uint64_t trace[2][8]; /* block 0's stamps of even / odd ops (LLParams.trace; as tagreed) */
@@ -94,12 +96,14 @@ static_assert(sizeof(PDev) <= 512, "PDev fits the scratch");
 
 /* The host's abort word of a persistent kernel (epd_k_pctl_t.abort, host-mapped: a PCIe read, so callers
  * poll it only now and then); non-zero (1 + rank): stop. */
-__device__ __forceinline__ uint32_t host_abort(const epd_k_pctl_t *ctl) { return *(volatile const uint32_t *)&ctl->abort; }
+__device__ __forceinline__ uint32_t host_abort(const epd_k_pctl_t *ctl) {
+  return *(volatile const uint32_t *)&ctl->abort;
+}
 
 struct LLParams {
   ncclWindow_t win;
-  uint64_t win_off; /* LL area offset in the window */
-  char *local;      /* LL area, local address */
+  uint64_t win_off;            /* LL area offset in the window */
+  char *local;                 /* LL area, local address */
   char *peer[EPD_K_MAX_RANKS]; /* LL area of each LSA rank (ncclGetLsaPointer, computed once at create:
                                 * in the kernels it was a dependent load of the window before a store) */
   LLLayout lay;
@@ -122,7 +126,7 @@ struct LLParams {
  * constant part stays in the parameter space, which costs the op bodies no registers). */
 struct LLOp {
   uint32_t flags, T, bank;
-  uint32_t prepver;     /* persistent: map version the completion reports */
+  uint32_t prepver; /* persistent: map version the completion reports */
   epd_comp_t *comp;
   uint32_t *done_state; /* persistent mode: the slot state word set to EPD_SLOT_DONE by the last block */
   epd_slot_t *dslot;    /* persistent mode: the slot's device twin, completed as well */
@@ -136,24 +140,24 @@ struct LLOp {
 __device__ __forceinline__ uint32_t trace_at(const LLParams &p, const LLOp &o, uint32_t i) {
   return p.pdev ? (uint32_t)(o.popn & 1) * 8u + i : i;
 }
-#define TRACE(i)                                                                                \
-  do {                                                                                          \
+#define TRACE(i)                                                                               \
+  do {                                                                                         \
     if (p.trace && blockIdx.x == 0 && threadIdx.x == 0) p.trace[trace_at(p, o, i)] = gtimer(); \
   } while (0)
 
 /* Extra stamps 8..15 of the standalone kernels, in profiling builds only (-DEPD_LL_FINE_TRACE: the bench's
  * trace buffer then holds 16 stamps per op). */
 #ifdef EPD_LL_FINE_TRACE
-#define FTRACE(i)                                                                        \
-  do {                                                                                   \
+#define FTRACE(i)                                                                         \
+  do {                                                                                    \
     if (p.trace && !p.pdev && blockIdx.x == 0 && threadIdx.x == 0) p.trace[i] = gtimer(); \
   } while (0)
 /* The latest block's stamp i (every block, atomicMax: the bench zeroes the trace once, and a later op's
  * times are larger): with block 0's own stamps it shows how far the slowest block lags. */
-#define FTRACE_LATEST(i)                                                                          \
-  do {                                                                                            \
-    if (p.trace && !p.pdev && threadIdx.x == 0)                                                   \
-      atomicMax((unsigned long long *)&p.trace[i], (unsigned long long)gtimer());                 \
+#define FTRACE_LATEST(i)                                                          \
+  do {                                                                            \
+    if (p.trace && !p.pdev && threadIdx.x == 0)                                   \
+      atomicMax((unsigned long long *)&p.trace[i], (unsigned long long)gtimer()); \
   } while (0)
 #else
 #define FTRACE(i) \
@@ -233,7 +237,10 @@ __device__ void wait_flags(const LLParams &p, const uint64_t *flags, uint32_t se
     bool ok = false;
     for (uint32_t n = 1;; n++) {
       v = ld_acquire_sys(flags + i);
-      if ((uint32_t)(v >> 32) == seq) { ok = true; break; }
+      if ((uint32_t)(v >> 32) == seq) {
+        ok = true;
+        break;
+      }
       if (gtimer() > deadline) break;
       if (p.ctl && (n & 255) == 0) { /* host-mapped: a PCIe read, so only now and then */
         uint32_t ab = host_abort(p.ctl);
@@ -261,8 +268,9 @@ __device__ void wait_status(const LLParams &p, const WaitResult *wr, int *code, 
   for (uint32_t s = 0; s < p.R; s++) {
     uint32_t eb = wr->errbits[s];
     if (eb) {
-      *code = (eb & ERRB_TOO_MANY) ? EPD_ERR_TOO_MANY_TOKENS
-              : (eb & ERRB_BAD_EXPERT) ? EPD_ERR_BAD_EXPERT : EPD_ERR_INVALID;
+      *code = (eb & ERRB_TOO_MANY)     ? EPD_ERR_TOO_MANY_TOKENS
+              : (eb & ERRB_BAD_EXPERT) ? EPD_ERR_BAD_EXPERT
+                                       : EPD_ERR_INVALID;
       *peer = (int)s;
       return;
     }
@@ -277,8 +285,8 @@ __device__ void wait_status(const LLParams &p, const WaitResult *wr, int *code, 
 }
 
 /* Block epilogue: record the block's outcome; the last block writes the completion record. */
-__device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, int opi, uint32_t seq, int code, int peer,
-                             uint32_t add_total, int is_dispatch) {
+__device__ void finish_block(const LLParams &p, const LLOp &o, BankState *st, int opi, uint32_t seq, int code,
+                             int peer, uint32_t add_total, int is_dispatch) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   if (p.trace && blockIdx.x == 0) p.trace[trace_at(p, o, 6)] = gtimer();
@@ -483,7 +491,8 @@ __device__ bool ll_dispatch_body(const LLParams &p, const LLOp &o) {
         } else {
           uint32_t nrep = __ldcg(map_nrep + e), reps[EPD_K_MAX_REPLICAS];
 #pragma unroll
-          for (int j = 0; j < EPD_K_MAX_REPLICAS; j++) reps[j] = __ldcg(map_rep + (uint64_t)e * EPD_K_MAX_REPLICAS + j);
+          for (int j = 0; j < EPD_K_MAX_REPLICAS; j++)
+            reps[j] = __ldcg(map_rep + (uint64_t)e * EPD_K_MAX_REPLICAS + j);
           if (nrep == 0 || nrep > EPD_K_MAX_REPLICAS) {
             valid = false;
             atomicOr(&sh_err, ERRB_BAD_MAP);
@@ -776,13 +785,13 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
         if (n <= 0) continue;
         const uint32_t vbeg = c * CH, vend = min(vbeg + CH, nv);
         float acc[HV][8];
-  #pragma unroll
+#pragma unroll
         for (int h = 0; h < HV; h++)
-  #pragma unroll
+#pragma unroll
           for (int j = 0; j < 8; j++) acc[h][j] = 0.f;
         for (int i0 = 0; i0 < n; i0 += NB) {
           int4 yv[NB][HV];
-  #pragma unroll
+#pragma unroll
           for (int i = 0; i < NB; i++) {
             int ii = i0 + i;
             uint32_t s_i = __shfl_sync(0xffffffffu, s_l, ii & 31);
@@ -791,12 +800,13 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
             const int4 *row = (const int4 *)(y + (uint64_t)(s_i & 0) * 2 * H);
 #elif EPD_LL_DIAG_COMB_Y == 2 /* diagnostic build: rows packed by (token, entry) (timing only) */
             const int4 *row = (const int4 *)(y + ((uint64_t)u * 8 + (ii & 7)) * 2 * H);
-#elif EPD_LL_DIAG_COMB_Y == 3 /* diagnostic build: the expert-major layout with 32 rows per slot (timing only) */
+#elif EPD_LL_DIAG_COMB_Y == \
+    3 /* diagnostic build: the expert-major layout with 32 rows per slot (timing only) */
             const int4 *row = (const int4 *)(y + ((uint64_t)s_i * 32 + (p_i & 31)) * 2 * H);
 #else
             const int4 *row = (const int4 *)(y + ((uint64_t)s_i * RM + p_i) * 2 * H);
 #endif
-  #pragma unroll
+#pragma unroll
             for (int h = 0; h < HV; h++) {
               uint32_t v = vbeg + lane + h * 32;
 #ifdef EPD_LL_DIAG_COMB_NOY /* diagnostic build: no y loads (wrong sums; timing only) */
@@ -807,15 +817,15 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
 #endif
             }
           }
-  #pragma unroll
+#pragma unroll
           for (int i = 0; i < NB; i++) {
             int ii = i0 + i;
             float w = __shfl_sync(0xffffffffu, w_l, ii & 31);
             if (ii >= n) break;
-  #pragma unroll
+#pragma unroll
             for (int h = 0; h < HV; h++) {
               const uint32_t *yw = (const uint32_t *)&yv[i][h];
-  #pragma unroll
+#pragma unroll
               for (int j = 0; j < 4; j++) {
                 acc[h][2 * j] += w * bf16_to_f(yw[j] & 0xffff);
                 acc[h][2 * j + 1] += w * bf16_to_f(yw[j] >> 16);
@@ -828,7 +838,7 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
 #else
         int4 *dst = (int4 *)(peer_bank(p, o, src) + p.lay.cstg + ((uint64_t)rank * M + t) * 2 * H);
 #endif
-  #pragma unroll
+#pragma unroll
         for (int h = 0; h < HV; h++) {
           uint32_t v = vbeg + lane + h * 32;
           if (v >= vend) continue;
@@ -853,7 +863,8 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
     TRACE(2);
     FTRACE_LATEST(10); /* ... and of its fence: its flags leave after it */
     for (uint32_t r = 0; r < R; r++)
-      st_relaxed_sys((uint64_t *)(peer_bank(p, o, r) + p.lay.cflag) + (uint64_t)rank * G + blockIdx.x, (uint64_t)seq << 32);
+      st_relaxed_sys((uint64_t *)(peer_bank(p, o, r) + p.lay.cflag) + (uint64_t)rank * G + blockIdx.x,
+                     (uint64_t)seq << 32);
   }
 
   TRACE(3);
@@ -881,7 +892,8 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
 #pragma unroll
           for (uint32_t i = 0; i < RB; i++) {
             const uint32_t d = d0 + i;
-            if (d < R && ((mask >> d) & 1)) pvs[i] = __ldcg((const int4 *)(cstg + ((uint64_t)d * M + t) * 2 * H) + v);
+            if (d < R && ((mask >> d) & 1))
+              pvs[i] = __ldcg((const int4 *)(cstg + ((uint64_t)d * M + t) * 2 * H) + v);
           }
 #pragma unroll
           for (uint32_t i = 0; i < RB; i++) {
@@ -909,8 +921,8 @@ __device__ bool ll_combine_body(const LLParams &p, const LLOp &o) {
   return true;
 }
 
-__global__ void __launch_bounds__(NTHR) ll_dispatch_kernel(const __grid_constant__ LLParams p,
-                                                           const __grid_constant__ LLOp o) {
+__global__ void __launch_bounds__(NTHR)
+    ll_dispatch_kernel(const __grid_constant__ LLParams p, const __grid_constant__ LLOp o) {
   ll_dispatch_body<false>(p, o);
 }
 
@@ -920,8 +932,8 @@ __global__ void __launch_bounds__(NTHR) ll_dispatch_kernel(const __grid_constant
 
 /* Arguments of the persistent kernel besides the LL parameters. */
 struct PArgs {
-  epd_queue_t *q;  /* host copy of the queue (the daemon's CPU threads read it) */
-  epd_queue_t *dq; /* its device twin: the slots polled here */
+  epd_queue_t *q;         /* host copy of the queue (the daemon's CPU threads read it) */
+  epd_queue_t *dq;        /* its device twin: the slots polled here */
   const uint64_t *dlimit; /* device word: no op with index >= *dlimit is taken */
   const epd_k_pctl_t *ctl;
   epd_k_pprog_t *prog;
@@ -992,7 +1004,8 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
         if (lane == 0 && (n & 63) == 0) ab = host_abort(a.ctl);
         ab = __shfl_sync(FULL, ab, 0);
         uint32_t stv = lane < EPD_QUEUE_SLOTS
-                           ? *(volatile const uint32_t *)&dq->slot[(pos + lane) % EPD_QUEUE_SLOTS].state : 0u;
+                           ? *(volatile const uint32_t *)&dq->slot[(pos + lane) % EPD_QUEUE_SLOTS].state
+                           : 0u;
         if (idx >= lim || ab) {
           reason = EPD_K_PEXIT_LIMIT;
           break;
@@ -1038,7 +1051,8 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
     }
     /* Lanes 0..PR_WORDS-1 release the op (or the stop) to the body blocks as the tagged record; lanes
      * PR_WORDS.. announce it to every rank at the same time (this rank's word in each window). */
-    const uint64_t word = ((idx + 1) << 16) | (fp8 ? 0x200u : 0u) | (run ? 0u : 0x100u) | ((op & 0xfu) << 4) | (bank & 0xfu);
+    const uint64_t word =
+        ((idx + 1) << 16) | (fp8 ? 0x200u : 0u) | (run ? 0u : 0x100u) | ((op & 0xfu) << 4) | (bank & 0xfu);
     /* the map version the completion reports (a combine: its bank's dispatch version) */
     uint32_t repver = 0;
     if (run) {
@@ -1061,7 +1075,8 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
        * acquires word 0, and the client's inputs they then read (__ldcg, L2) were written before the
        * client's own fence and SUBMITTED. */
       if (lane < PR_WORDS) *(volatile uint64_t *)&pd->rec[lane] = rw;
-      if (lane >= PR_WORDS && lane - PR_WORDS < base.R) st_relaxed_sys(ann_word(base, lane - PR_WORDS, base.rank), word);
+      if (lane >= PR_WORDS && lane - PR_WORDS < base.R)
+        st_relaxed_sys(ann_word(base, lane - PR_WORDS, base.rank), word);
     }
     /* `announced` > `taken` tells the host this rank waits for its peers */
     if (lane == PLANE) pr->announced = idx + 1;
@@ -1083,7 +1098,8 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
       }
       const bool in = lane < base.R;
       const uint32_t bex = __ballot_sync(FULL, in && v && ((v & 0x100u) || (v >> 16) != idx + 1));
-      const uint32_t bmm = __ballot_sync(FULL, in && v && (v & 0x2ffu) != (word & 0x2ffu)); /* op, bank, FP8 */
+      const uint32_t bmm =
+          __ballot_sync(FULL, in && v && (v & 0x2ffu) != (word & 0x2ffu)); /* op, bank, FP8 */
       const uint32_t bto = __ballot_sync(FULL, in && !v);
       if (bex) {
         run = 0;
@@ -1107,8 +1123,10 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
     if (run) {
       pos = (s + 1) % EPD_QUEUE_SLOTS;
       if (op == EPD_OP_LL_DISPATCH) {
-        if (bank == 0) bv0 = repver;
-        else bv1 = repver;
+        if (bank == 0)
+          bv0 = repver;
+        else
+          bv1 = repver;
       }
     }
     if (lane == PLANE) {
@@ -1133,8 +1151,8 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
 /* Persistent LL kernel (epd_kernels.h "Persistent mode"): G body blocks and a controller block (block G,
  * persist_controller). Each body block waits for the controller's release of an op, runs the op body (which
  * waits for the verdict before its first remote store); the op's last block completes the slot. */
-__global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_constant__ LLParams base,
-                                                             const __grid_constant__ PArgs a) {
+__global__ void __launch_bounds__(NTHR)
+    ll_persistent_kernel(const __grid_constant__ LLParams base, const __grid_constant__ PArgs a) {
   if (blockIdx.x == base.G) {
     if (threadIdx.x < 32) persist_controller(base, a);
     return;
@@ -1163,8 +1181,9 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
        * op's record would replace that record and leave the block here: not reachable in practice (the
        * abort comes >= timeout + 1 s after the release, which a block reads in microseconds) */
       for (;;) {
-        w = tid == 0 ? ld_acquire_gpu_u64(&pd->rec[0])
-                     : tid < PR_WORDS ? *(volatile const uint64_t *)&pd->rec[tid] : (uint64_t)tag << 32;
+        w = tid == 0         ? ld_acquire_gpu_u64(&pd->rec[0])
+            : tid < PR_WORDS ? *(volatile const uint64_t *)&pd->rec[tid]
+                             : (uint64_t)tag << 32;
         if (__all_sync(0xffffffffu, (uint32_t)(w >> 32) == tag)) break;
         __nanosleep(32);
       }
@@ -1195,8 +1214,9 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
     }
     __syncthreads();
     if (!sh_go) return;
-    const bool ran = sh_o.pop == EPD_OP_LL_DISPATCH ? ll_dispatch_body<true>(base, sh_o)
-                                                    : ll_combine_body<EPD_LL_PERSIST_COMBINE_ROWS, true>(base, sh_o);
+    const bool ran = sh_o.pop == EPD_OP_LL_DISPATCH
+                         ? ll_dispatch_body<true>(base, sh_o)
+                         : ll_combine_body<EPD_LL_PERSIST_COMBINE_ROWS, true>(base, sh_o);
     if (!ran) return; /* the ranks did not agree on it: the controller stopped */
     __syncthreads();
     if (tid == 0) sh_opn = sh_o.popn + 1;
@@ -1204,8 +1224,8 @@ __global__ void __launch_bounds__(NTHR) ll_persistent_kernel(const __grid_consta
   }
 }
 
-__global__ void __launch_bounds__(NTHR) ll_combine_kernel(const __grid_constant__ LLParams p,
-                                                          const __grid_constant__ LLOp o) {
+__global__ void __launch_bounds__(NTHR)
+    ll_combine_kernel(const __grid_constant__ LLParams p, const __grid_constant__ LLOp o) {
 #ifdef EPD_LL_COMBINE_HV /* experiment: vectors per lane of the expert-side items, rows in flight */
   ll_combine_body<EPD_LL_COMBINE_NB, false, EPD_LL_COMBINE_HV>(p, o);
 #else
@@ -1240,7 +1260,8 @@ LLLayout make_layout(const epd_k_ll_geom_t *g, uint32_t G) {
 
 /* The LL area's address in every LSA rank's mapping of the window (host copy: epd_k_ll.peer). */
 static __global__ void lsa_bases_kernel(ncclWindow_t win, size_t off, uint32_t R, char **out) {
-  if (threadIdx.x < EPD_K_MAX_RANKS) out[threadIdx.x] = threadIdx.x < R ? (char *)ncclGetLsaPointer(win, off, threadIdx.x) : nullptr;
+  if (threadIdx.x < EPD_K_MAX_RANKS)
+    out[threadIdx.x] = threadIdx.x < R ? (char *)ncclGetLsaPointer(win, off, threadIdx.x) : nullptr;
 }
 
 struct epd_k_ll {
@@ -1253,18 +1274,21 @@ struct epd_k_ll {
   size_t win_off;
   LLLayout lay;
   int device;
-  PDev *pdev; /* persistent-mode scratch */
+  PDev *pdev;                  /* persistent-mode scratch */
   char *peer[EPD_K_MAX_RANKS]; /* LLParams.peer */
-  long resident; /* persistent kernel blocks resident at once on this GPU */
+  long resident;               /* persistent kernel blocks resident at once on this GPU */
 };
 
-static uint32_t geom_blocks(const epd_k_ll_geom_t *g) { return g->blocks ? g->blocks : EPD_K_LL_BLOCKS; }
+static uint32_t geom_blocks(const epd_k_ll_geom_t *g) {
+  return g->blocks ? g->blocks : EPD_K_LL_BLOCKS;
+}
 
 static epd_result_t check_geom(const epd_k_ll_geom_t *g, char *err, size_t errlen) {
   const char *f = "%s = %ld out of range (max %ld)";
   if (g->num_ranks < 1 || g->num_ranks > EPD_K_MAX_RANKS)
     return set_err(err, errlen, EPD_ERR_INVALID, f, "num_ranks", g->num_ranks, EPD_K_MAX_RANKS);
-  if (g->rank >= g->num_ranks) return set_err(err, errlen, EPD_ERR_INVALID, f, "rank", g->rank, g->num_ranks - 1);
+  if (g->rank >= g->num_ranks)
+    return set_err(err, errlen, EPD_ERR_INVALID, f, "rank", g->rank, g->num_ranks - 1);
   if (g->hidden == 0 || g->hidden % 128 || g->hidden > EPD_K_MAX_HIDDEN)
     return set_err(err, errlen, EPD_ERR_INVALID, "%s = %ld must be a multiple of 128 up to %ld", "hidden",
                    g->hidden, EPD_K_MAX_HIDDEN);
@@ -1386,7 +1410,8 @@ epd_result_t epd_k_ll_create(const epd_k_ll_geom_t *g, struct ncclComm *lsa_comm
     k->resident = (long)nsm * per_sm;
     if ((long)nsm * per_sm < (long)k->g.blocks) {
       if (err && errlen)
-        snprintf(err, errlen, "blocks = %u exceeds the %d x %d blocks this GPU keeps resident", k->g.blocks, nsm, per_sm);
+        snprintf(err, errlen, "blocks = %u exceeds the %d x %d blocks this GPU keeps resident", k->g.blocks,
+                 nsm, per_sm);
       ncclDevCommDestroy(lsa_comm, &k->dev);
       free(k);
       return EPD_ERR_INVALID;
@@ -1428,13 +1453,17 @@ epd_result_t epd_k_ll_reset(epd_k_ll_t *k, void *stream) {
   return ce == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
 }
 
-const epd_k_ll_geom_t *epd_k_ll_geom(const epd_k_ll_t *k) { return &k->g; }
+const epd_k_ll_geom_t *epd_k_ll_geom(const epd_k_ll_t *k) {
+  return &k->g;
+}
 
-epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const epd_k_ll_op_t *op,
-                             void *stream, char *err, size_t errlen) {
-  if (!k || !arena || !op) return set_err(err, errlen, EPD_ERR_INVALID, "%s: NULL argument (%ld %ld)", "epd_k_ll_launch", 0, 0);
+epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const epd_k_ll_op_t *op, void *stream,
+                             char *err, size_t errlen) {
+  if (!k || !arena || !op)
+    return set_err(err, errlen, EPD_ERR_INVALID, "%s: NULL argument (%ld %ld)", "epd_k_ll_launch", 0, 0);
   if (op->bank >= EPD_NUM_BANKS)
-    return set_err(err, errlen, EPD_ERR_INVALID, "%s = %ld out of range (max %ld)", "bank", op->bank, EPD_NUM_BANKS - 1);
+    return set_err(err, errlen, EPD_ERR_INVALID, "%s = %ld out of range (max %ld)", "bank", op->bank,
+                   EPD_NUM_BANKS - 1);
   if (op->op != EPD_OP_LL_DISPATCH && op->op != EPD_OP_LL_COMBINE)
     return set_err(err, errlen, EPD_ERR_INVALID, "%s = %ld is not an LL op (%ld)", "op", op->op, 0);
   if (op->op == EPD_OP_LL_DISPATCH && !op->map)
@@ -1451,7 +1480,8 @@ epd_result_t epd_k_ll_launch(epd_k_ll_t *k, const epd_k_arena_t *arena, const ep
   LLOp o;
   memset(&o, 0, sizeof(o));
   o.flags = op->flags;
-  o.T = op->num_tokens > 0xffffffu ? 0xffffffu : op->num_tokens; /* > M is reported on every rank by the kernel */
+  o.T = op->num_tokens > 0xffffffu ? 0xffffffu
+                                   : op->num_tokens; /* > M is reported on every rank by the kernel */
   o.bank = op->bank;
   o.comp = op->comp;
   if (op->op == EPD_OP_LL_DISPATCH)
@@ -1478,7 +1508,8 @@ epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *aren
   p.map = (const uint32_t *)map;
   p.arena = *arena;
   p.pdev = k->pdev;
-  p.trace = (uint64_t *)((char *)k->pdev + offsetof(PDev, trace)); /* the op timeline of the progress records */
+  p.trace =
+      (uint64_t *)((char *)k->pdev + offsetof(PDev, trace)); /* the op timeline of the progress records */
   p.ctl = ps->ctl;
   p.prog = ps->prog;
   p.pq = ps->queue;
@@ -1504,11 +1535,13 @@ epd_result_t epd_k_ll_persistent_launch(epd_k_ll_t *k, const epd_k_arena_t *aren
   return cudaGetLastError() == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
 }
 
-long epd_k_ll_resident_blocks(const epd_k_ll_t *k) { return k ? k->resident : 0; }
+long epd_k_ll_resident_blocks(const epd_k_ll_t *k) {
+  return k ? k->resident : 0;
+}
 
-epd_result_t epd_k_ll_dispatch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map,
-                               uint32_t bank, uint32_t num_tokens, uint32_t flags, epd_comp_t *comp,
-                               uint64_t timeout_ns, void *stream) {
+epd_result_t epd_k_ll_dispatch(epd_k_ll_t *k, const epd_k_arena_t *arena, const void *map, uint32_t bank,
+                               uint32_t num_tokens, uint32_t flags, epd_comp_t *comp, uint64_t timeout_ns,
+                               void *stream) {
   epd_k_ll_op_t op;
   memset(&op, 0, sizeof(op));
   op.op = EPD_OP_LL_DISPATCH;
@@ -1521,8 +1554,8 @@ epd_result_t epd_k_ll_dispatch(epd_k_ll_t *k, const epd_k_arena_t *arena, const 
   return epd_k_ll_launch(k, arena, &op, stream, NULL, 0);
 }
 
-epd_result_t epd_k_ll_combine(epd_k_ll_t *k, const epd_k_arena_t *arena, uint32_t bank,
-                              epd_comp_t *comp, uint64_t timeout_ns, void *stream) {
+epd_result_t epd_k_ll_combine(epd_k_ll_t *k, const epd_k_arena_t *arena, uint32_t bank, epd_comp_t *comp,
+                              uint64_t timeout_ns, void *stream) {
   epd_k_ll_op_t op;
   memset(&op, 0, sizeof(op));
   op.op = EPD_OP_LL_COMBINE;

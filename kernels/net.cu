@@ -130,7 +130,8 @@ extern "C" epd_result_t epd_k_net_preload(void) {
   return epd_dev::preload(rows_kernel, wsum_kernel, put_kernel) == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
 }
 
-extern "C" epd_result_t epd_k_gin_probe(struct ncclComm *world, int *contexts, int *type, char *err, size_t errlen) {
+extern "C" epd_result_t epd_k_gin_probe(struct ncclComm *world, int *contexts, int *type, char *err,
+                                        size_t errlen) {
   ncclDevCommRequirements_t req;
   epd_dev::dev_comm_requirements_init(&req);
   req.ginContextCount = 1;

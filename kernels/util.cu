@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(EPD_K_LL_THREADS) empty_kernel() {}
  * `fixed` without counts) with their own contents, so that they sit in L2 as a producer's fresh output
  * would (bench_ll (a'): the layer before the dispatch, the expert GEMM before the combine). */
 __global__ void __launch_bounds__(512) rewrite_rows_kernel(char *base, const int32_t *counts, uint32_t fixed,
-                                                         uint64_t stride, uint32_t rowb, uint32_t maxrows) {
+                                                           uint64_t stride, uint32_t rowb, uint32_t maxrows) {
   const int32_t c = counts ? counts[blockIdx.x] : (int32_t)fixed;
   const uint32_t n = c < 0 ? 0u : ((uint32_t)c < maxrows ? (uint32_t)c : maxrows);
   int4 *rows = (int4 *)(base + blockIdx.x * stride);
@@ -83,10 +83,11 @@ extern "C" epd_result_t epd_k_empty(uint32_t blocks, void *stream) {
 }
 
 extern "C" epd_result_t epd_k_rewrite_rows(void *base, const int32_t *counts, uint32_t fixed, uint32_t slots,
-                                           uint64_t stride, uint32_t row_bytes, uint32_t max_rows, void *stream) {
+                                           uint64_t stride, uint32_t row_bytes, uint32_t max_rows,
+                                           void *stream) {
   if (!base || !slots || row_bytes % 16 || stride % 16) return EPD_ERR_INVALID;
   rewrite_rows_kernel<<<slots, 512, 0, (cudaStream_t)stream>>>((char *)base, counts, fixed, stride, row_bytes,
-                                                                max_rows);
+                                                               max_rows);
   return cudaGetLastError() == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
 }
 

@@ -66,7 +66,9 @@ const char *epd_test_build_dir(void) {
   return b && *b ? b : "build";
 }
 
-const char *epd_test_tmpdir(void) { return tmpdir; }
+const char *epd_test_tmpdir(void) {
+  return tmpdir;
+}
 
 static void add_scripts(const char *dir) {
   struct dirent **names;
@@ -76,7 +78,8 @@ static void add_scripts(const char *dir) {
     size_t len = strlen(nm);
     char path[512];
     snprintf(path, sizeof path, "%s/%s", dir, nm);
-    if (nm[0] >= '0' && nm[0] <= '9' && ((len > 3 && !strcmp(nm + len - 3, ".sh")) || (len > 3 && !strcmp(nm + len - 3, ".py"))) &&
+    if (nm[0] >= '0' && nm[0] <= '9' &&
+        ((len > 3 && !strcmp(nm + len - 3, ".sh")) || (len > 3 && !strcmp(nm + len - 3, ".py"))) &&
         access(path, X_OK) == 0 && ntests < MAX_TESTS) {
       test_entry_t *t = &tests[ntests++];
       snprintf(t->name, sizeof t->name, "system/%.*s", (int)(len - 3), nm);

@@ -23,23 +23,22 @@ const char *epd_test_build_dir(void);
 /* A fresh scratch directory for this test (removed by the runner). */
 const char *epd_test_tmpdir(void);
 
-#define EPD_TEST_T(name, timeout_s)                                                   \
-  static void test_##name(void);                                                   \
-  __attribute__((constructor)) static void register_##name(void) {                 \
-    epd_test_register(#name, test_##name, timeout_s);                              \
-  }                                                                                \
+#define EPD_TEST_T(name, timeout_s)                                \
+  static void test_##name(void);                                   \
+  __attribute__((constructor)) static void register_##name(void) { \
+    epd_test_register(#name, test_##name, timeout_s);              \
+  }                                                                \
   static void test_##name(void)
 #define EPD_TEST(name) EPD_TEST_T(name, 60)
 
-#define ASSERT(c)                                                   \
-  do {                                                              \
+#define ASSERT(c)                                                    \
+  do {                                                               \
     if (!(c)) epd_test_fail(__FILE__, __LINE__, "assertion %s", #c); \
   } while (0)
-#define ASSERT_INT_OP(a, op, b)                                                             \
-  do {                                                                                      \
-    long long a_ = (long long)(a), b_ = (long long)(b);                                     \
-    if (!(a_ op b_))                                                                        \
-      epd_test_fail(__FILE__, __LINE__, "%s %s %s: %lld vs %lld", #a, #op, #b, a_, b_);    \
+#define ASSERT_INT_OP(a, op, b)                                                                        \
+  do {                                                                                                 \
+    long long a_ = (long long)(a), b_ = (long long)(b);                                                \
+    if (!(a_ op b_)) epd_test_fail(__FILE__, __LINE__, "%s %s %s: %lld vs %lld", #a, #op, #b, a_, b_); \
   } while (0)
 #define ASSERT_EQ(a, b) ASSERT_INT_OP(a, ==, b)
 #define ASSERT_NE(a, b) ASSERT_INT_OP(a, !=, b)
@@ -47,21 +46,21 @@ const char *epd_test_tmpdir(void);
 #define ASSERT_LE(a, b) ASSERT_INT_OP(a, <=, b)
 #define ASSERT_GT(a, b) ASSERT_INT_OP(a, >, b)
 #define ASSERT_GE(a, b) ASSERT_INT_OP(a, >=, b)
-#define ASSERT_OK(e)                                                                    \
-  do {                                                                                  \
-    int r_ = (int)(e);                                                                  \
-    if (r_ != 0) epd_test_fail(__FILE__, __LINE__, "%s returned %d", #e, r_);           \
+#define ASSERT_OK(e)                                                          \
+  do {                                                                        \
+    int r_ = (int)(e);                                                        \
+    if (r_ != 0) epd_test_fail(__FILE__, __LINE__, "%s returned %d", #e, r_); \
   } while (0)
-#define ASSERT_STR_CONTAINS(hay, needle)                                                \
-  do {                                                                                  \
-    const char *h_ = (hay), *n_ = (needle);                                             \
-    if (!h_ || !strstr(h_, n_))                                                         \
+#define ASSERT_STR_CONTAINS(hay, needle)                                                           \
+  do {                                                                                             \
+    const char *h_ = (hay), *n_ = (needle);                                                        \
+    if (!h_ || !strstr(h_, n_))                                                                    \
       epd_test_fail(__FILE__, __LINE__, "\"%s\" does not contain \"%s\"", h_ ? h_ : "(null)", n_); \
   } while (0)
-#define ASSERT_NEAR(a, b, tol)                                                          \
-  do {                                                                                  \
-    double a_ = (double)(a), b_ = (double)(b);                                          \
-    if (!(a_ - b_ <= (tol) && b_ - a_ <= (tol)))                                        \
+#define ASSERT_NEAR(a, b, tol)                                                                        \
+  do {                                                                                                \
+    double a_ = (double)(a), b_ = (double)(b);                                                        \
+    if (!(a_ - b_ <= (tol) && b_ - a_ <= (tol)))                                                      \
       epd_test_fail(__FILE__, __LINE__, "%s ~ %s: %g vs %g (tol %g)", #a, #b, a_, b_, (double)(tol)); \
   } while (0)
 

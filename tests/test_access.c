@@ -60,10 +60,10 @@ EPD_TEST(access_allow_and_admin) {
   ASSERT_EQ(epd_access_allowed("test", 1, 12345, 1), 1);
   ASSERT_EQ(epd_access_allowed("test", 0, 1, 23456), 1); /* primary gid */
   ASSERT_EQ(epd_access_allowed("test", getpid(), me == 12345 ? 1 : me, mygid == 23456 ? 1 : mygid), 0);
-  ASSERT_EQ(epd_access_is_admin(1, 0, 0, 1), 1);             /* root */
-  ASSERT_EQ(epd_access_is_admin(1, 0, me, 1), 1);            /* the daemon's own uid */
-  ASSERT_EQ(epd_access_is_admin(1, 0, 4242, 1), 1);          /* admin_uids */
-  ASSERT_EQ(epd_access_is_admin(0, 0, 4242, 1), 0);          /* unknown credentials */
+  ASSERT_EQ(epd_access_is_admin(1, 0, 0, 1), 1);    /* root */
+  ASSERT_EQ(epd_access_is_admin(1, 0, me, 1), 1);   /* the daemon's own uid */
+  ASSERT_EQ(epd_access_is_admin(1, 0, 4242, 1), 1); /* admin_uids */
+  ASSERT_EQ(epd_access_is_admin(0, 0, 4242, 1), 0); /* unknown credentials */
   ASSERT_EQ(epd_access_is_admin(1, 0, 999999, 1), 0);
   ASSERT_EQ(epd_access_is_admin(1, 0, 999999, mygid == 0 ? 5555u : mygid), 1); /* admin_gid as primary */
 

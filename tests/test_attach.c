@@ -116,7 +116,8 @@ static void *client_thread(void *arg) {
       struct cmsghdr a;
     } ctl;
     struct iovec iov = {&j->rep, sizeof j->rep};
-    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.b, .msg_controllen = sizeof ctl.b};
+    struct msghdr m = {
+        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.b, .msg_controllen = sizeof ctl.b};
     ssize_t n = recvmsg(j->fd, &m, MSG_WAITALL | MSG_CMSG_CLOEXEC);
     j->got_reply = n == (ssize_t)sizeof j->rep;
     for (struct cmsghdr *cm = CMSG_FIRSTHDR(&m); cm; cm = CMSG_NXTHDR(&m, cm))

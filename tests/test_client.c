@@ -54,7 +54,9 @@ static pid_t daemon_up_with(const char *extra) {
   return pid;
 }
 
-static pid_t daemon_up(void) { return daemon_up_with(NULL); }
+static pid_t daemon_up(void) {
+  return daemon_up_with(NULL);
+}
 
 static epd_conn_t *conn_up(void) {
   epd_connect_opts_t co = EPD_CONNECT_OPTS_INITIALIZER;
@@ -80,12 +82,28 @@ static epd_ep_t *attach_rank(epd_conn_t *c, const char *group, int rank, uint32_
 }
 
 EPD_TEST(client_strerror_covers_every_code) {
-  const char *names[] = {"EPD_OK", "EPD_ERR_INVALID", "EPD_ERR_NOMEM", "EPD_ERR_SYSTEM", "EPD_ERR_RPC",
-                         "EPD_ERR_PROTOCOL", "EPD_ERR_NOT_FOUND", "EPD_ERR_BUSY", "EPD_ERR_TIMEOUT",
-                         "EPD_ERR_PEER", "EPD_ERR_DRAINING", "EPD_ERR_CUDA", "EPD_ERR_NCCL",
-                         "EPD_ERR_UNSUPPORTED", "EPD_ERR_BAD_EXPERT", "EPD_ERR_TOO_MANY_TOKENS",
-                         "EPD_ERR_PERMISSION", "EPD_ERR_OVERFLOW", "EPD_ERR_MISMATCH", "EPD_ERR_CLOSED",
-                         "EPD_ERR_STATE", "EPD_ERR_INTERNAL"};
+  const char *names[] = {"EPD_OK",
+                         "EPD_ERR_INVALID",
+                         "EPD_ERR_NOMEM",
+                         "EPD_ERR_SYSTEM",
+                         "EPD_ERR_RPC",
+                         "EPD_ERR_PROTOCOL",
+                         "EPD_ERR_NOT_FOUND",
+                         "EPD_ERR_BUSY",
+                         "EPD_ERR_TIMEOUT",
+                         "EPD_ERR_PEER",
+                         "EPD_ERR_DRAINING",
+                         "EPD_ERR_CUDA",
+                         "EPD_ERR_NCCL",
+                         "EPD_ERR_UNSUPPORTED",
+                         "EPD_ERR_BAD_EXPERT",
+                         "EPD_ERR_TOO_MANY_TOKENS",
+                         "EPD_ERR_PERMISSION",
+                         "EPD_ERR_OVERFLOW",
+                         "EPD_ERR_MISMATCH",
+                         "EPD_ERR_CLOSED",
+                         "EPD_ERR_STATE",
+                         "EPD_ERR_INTERNAL"};
   ASSERT_EQ(sizeof names / sizeof names[0], (size_t)-EPD_ERR_MIN);
   for (int i = 0; i > EPD_ERR_MIN; i--) {
     const char *s = epd_strerror(i);
@@ -195,7 +213,8 @@ static void *rank_thread(void *arg) {
   uint16_t *y = epd_buffer(ep, EPD_BUF_HT_Y, 0, NULL);
   for (uint32_t r = 0; r < j->comp.num_recv; r++) {
     float sw = tw[r * 2] + tw[r * 2 + 1];
-    for (int h = 0; h < 128; h++) y[r * 128 + h] = epd_f32_to_bf16(sw * epd_e4m3_to_f32(rx[r * 256 + h]) * rs[r]);
+    for (int h = 0; h < 128; h++)
+      y[r * 128 + h] = epd_f32_to_bf16(sw * epd_e4m3_to_f32(rx[r * 256 + h]) * rs[r]);
   }
   j->rc_combine = epd_combine(ep, EPD_MODE_HT, 0, NULL);
   memcpy(j->out, epd_buffer(ep, EPD_BUF_OUT, 0, NULL), sizeof j->out);

@@ -90,8 +90,8 @@ static uint32_t cl_step_timeout_ms;
 static void *connect_main(void *arg) {
   conn_arg_t *a = arg;
   static const uint8_t secret[EPD_NET_SECRET_BYTES] = "0123456789abcde";
-  a->rc = epd_net_connect(a->net, 2, a->node, (const char(*)[EPD_NET_ADDR_MAX])a->peers, secret, 5000, 0, a->err,
-                          sizeof a->err);
+  a->rc = epd_net_connect(a->net, 2, a->node, (const char(*)[EPD_NET_ADDR_MAX])a->peers, secret, 5000, 0,
+                          a->err, sizeof a->err);
   return NULL;
 }
 
@@ -449,8 +449,8 @@ static void check_weights(cluster_t *cl, uint32_t S, uint32_t WB, const epd_weig
         }
       for (uint32_t b = 0; b < WB; b++)
         if (w[sl * WB + b] != wbyte(fr, fs, b))
-          epd_test_fail(__FILE__, __LINE__, "rank %d slot %u byte %u = %d, want %d (rank %d slot %u)", r, sl, b,
-                        w[sl * WB + b], wbyte(fr, fs, b), fr, fs);
+          epd_test_fail(__FILE__, __LINE__, "rank %d slot %u byte %u = %d, want %d (rank %d slot %u)", r, sl,
+                        b, w[sl * WB + b], wbyte(fr, fs, b), fr, fs);
     }
   }
 }
@@ -704,8 +704,8 @@ EPD_TEST(cluster_map_weight_copy_wait_limit) {
   const uint64_t t0 = ms_now();
   steps_until_version(&cl, v, 20000, 20000);
   const uint64_t took = ms_now() - t0;
-  ASSERT_GE(took, 9500u);  /* not before the limit */
-  ASSERT_LT(took, 11500u); /* and not by waiting for the late bytes */
+  ASSERT_GE(took, 9500u);               /* not before the limit */
+  ASSERT_LT(took, 11500u);              /* and not by waiting for the late bytes */
   check_weights(&cl, S, WB, &cp[1], 1); /* (0, 3) keeps its bytes; (1, 2) got (0, 0)'s */
   epd_expert_map_free(&m);
   cluster_down(&cl);
@@ -822,7 +822,8 @@ static int free_port(void) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
   socklen_t sl = sizeof sa;
-  ASSERT(fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 && getsockname(fd, (struct sockaddr *)&sa, &sl) == 0);
+  ASSERT(fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
+         getsockname(fd, (struct sockaddr *)&sa, &sl) == 0);
   close(fd);
   return ntohs(sa.sin_port);
 }
@@ -886,17 +887,21 @@ EPD_TEST(cluster_gin_line_every_local_rank) {
   const char *errs[2] = {"no net plugin for GIN.\n", "no net plugin for GIN.\n"};
   int ctx0[2] = {0, 0}, refused[2] = {-1, -1};
   epd_gin_line(2, ctx0, refused, errs, out, sizeof out);
-  ASSERT_STR_CONTAINS(out, "unavailable (NCCL refused a GIN context on the world communicator: 'no net plugin for GIN')");
+  ASSERT_STR_CONTAINS(
+      out, "unavailable (NCCL refused a GIN context on the world communicator: 'no net plugin for GIN')");
   ASSERT_STR_CONTAINS(out, "no InfiniBand/RoCE NIC");
 
   /* rank 2 of 3 has no GIN context while 0 and 1 have one: each result once, with its ranks */
   int ctxm[3] = {1, 1, 0}, tym[3] = {2, 2, 0};
   const char *e3[3] = {"", "", ""};
   epd_gin_line(3, ctxm, tym, e3, out, sizeof out);
-  ASSERT_STR_CONTAINS(out, "differs between local ranks (2 of 3 available): ranks 0,1 available (1 context, proxy "
-                           "backend); rank 2 unavailable (NCCL gave the world communicator no GIN context); not used");
+  ASSERT_STR_CONTAINS(
+      out,
+      "differs between local ranks (2 of 3 available): ranks 0,1 available (1 context, proxy "
+      "backend); rank 2 unavailable (NCCL gave the world communicator no GIN context); not used");
 
-  /* 8 GPUs, 6 and 7 refused with a long NCCL text, 3 with another backend: every group named, the text once */
+  /* 8 GPUs, 6 and 7 refused with a long NCCL text, 3 with another backend: every group named, the text once
+   */
   char longerr[300];
   memset(longerr, 'e', sizeof longerr - 1);
   longerr[sizeof longerr - 1] = 0;
@@ -904,9 +909,11 @@ EPD_TEST(cluster_gin_line_every_local_rank) {
   const char *e8[8] = {"", "", "", "", "", "", longerr, longerr};
   char line[2048];
   epd_gin_line(8, c8, t8, e8, line, sizeof line);
-  ASSERT_STR_CONTAINS(line, "differs between local ranks (6 of 8 available): ranks 0,1,2,4,5 available (2 contexts, "
-                            "GDAKI backend); rank 3 available (1 context, proxy backend); ranks 6,7 unavailable (NCCL "
-                            "refused a GIN context on the world communicator: 'eeee");
+  ASSERT_STR_CONTAINS(
+      line,
+      "differs between local ranks (6 of 8 available): ranks 0,1,2,4,5 available (2 contexts, "
+      "GDAKI backend); rank 3 available (1 context, proxy backend); ranks 6,7 unavailable (NCCL "
+      "refused a GIN context on the world communicator: 'eeee");
   ASSERT(strstr(line, "eeee'); not used"));
   ASSERT_EQ(strstr(strstr(line, "eeee") + 4, "refused"), NULL); /* the NCCL text once */
   ASSERT_LT(strlen(line), 1024);

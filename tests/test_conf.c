@@ -46,7 +46,9 @@ EPD_TEST(conf_defaults) {
 
 /* Every bad value names the key and what is allowed. */
 EPD_TEST(conf_bad_values) {
-  static const struct { const char *key, *value, *want; } cases[] = {
+  static const struct {
+    const char *key, *value, *want;
+  } cases[] = {
       {"engine.num_ranks", "0", "engine.num_ranks: 0 is out of range [1, 64]"},
       {"engine.num_ranks", "65", "engine.num_ranks: 65 is out of range [1, 64]"},
       {"engine.num_ranks", "-1", "engine.num_ranks: '-1' is not an unsigned integer in range [1, 64]"},
@@ -289,7 +291,8 @@ EPD_TEST(log_format_and_filters) {
   /* "YYYY-mm-ddTHH:MM:SS.mmm LEVEL subsys: message" */
   int y, mo, da, h, mi, se, ms;
   char lvl[8], sub[16];
-  ASSERT_EQ(sscanf(text, "%4d-%2d-%2dT%2d:%2d:%2d.%3d %7s %15s", &y, &mo, &da, &h, &mi, &se, &ms, lvl, sub), 9);
+  ASSERT_EQ(sscanf(text, "%4d-%2d-%2dT%2d:%2d:%2d.%3d %7s %15s", &y, &mo, &da, &h, &mi, &se, &ms, lvl, sub),
+            9);
   ASSERT(strcmp(lvl, "INFO") == 0);
   ASSERT(strcmp(sub, "attach:") == 0);
   ASSERT_STR_CONTAINS(text, " INFO attach: hello 42\n");

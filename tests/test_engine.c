@@ -127,7 +127,8 @@ static epd_comp_t wait_done(tclient_t *c, int timeout_ms) {
   epd_slot_t *s = &c->q->slot[c->next];
   uint64_t end = now_ms() + (uint64_t)timeout_ms;
   while (atomic_load_explicit((_Atomic uint32_t *)&s->state, memory_order_acquire) != EPD_SLOT_DONE) {
-    if (now_ms() > end) epd_test_fail(__FILE__, __LINE__, "slot %u not done after %d ms", c->next, timeout_ms);
+    if (now_ms() > end)
+      epd_test_fail(__FILE__, __LINE__, "slot %u not done after %d ms", c->next, timeout_ms);
     usleep(20);
   }
   epd_comp_t comp = s->comp;
@@ -154,7 +155,7 @@ typedef struct world {
   uint64_t seed;
   int steps;
   int skew;
-  int dense; /* HT dispatches with EPD_DESC_HT_DENSE (every token to every rank) */
+  int dense;            /* HT dispatches with EPD_DESC_HT_DENSE (every token to every rank) */
   epd_expert_map_t map; /* expected map */
 } world_t;
 
@@ -163,7 +164,9 @@ typedef struct rank_arg {
   int rank;
 } rank_arg_t;
 
-static float expert_scale(uint32_t rank, uint32_t slot) { return 0.5f + 0.125f * (float)((rank * 7 + slot) % 8); }
+static float expert_scale(uint32_t rank, uint32_t slot) {
+  return 0.5f + 0.125f * (float)((rank * 7 + slot) % 8);
+}
 
 /* One rank: per step, write inputs, dispatch, check against the reference of all ranks, combine, check. */
 static void *rank_main(void *arg) {
@@ -172,7 +175,8 @@ static void *rank_main(void *arg) {
   int me = ra->rank;
   tclient_t *c = &w->c[me];
   const epd_ref_geom_t *g = &w->g;
-  uint32_t M = g->max_tokens, H = g->hidden, K = g->topk, S = g->slots_per_rank, R = g->num_ranks, C = g->ht_capacity;
+  uint32_t M = g->max_tokens, H = g->hidden, K = g->topk, S = g->slots_per_rank, R = g->num_ranks,
+           C = g->ht_capacity;
   uint16_t *xs[NR];
   int64_t *is[NR];
   float *ws[NR];
@@ -207,7 +211,8 @@ static void *rank_main(void *arg) {
     memcpy(buf(c, EPD_BUF_TOPK_IDX, bank), is[me], (size_t)T[me] * K * 8);
     memcpy(buf(c, EPD_BUF_TOPK_WEIGHTS, bank), ws[me], (size_t)T[me] * K * 4);
     /* Poison the outputs: stale data must not pass for results. */
-    memset(buf(c, ht ? EPD_BUF_HT_RECV_X : EPD_BUF_LL_RECV_X, bank), 0x5a, ht ? (size_t)C * H * 2 : rows_ll * H * 2);
+    memset(buf(c, ht ? EPD_BUF_HT_RECV_X : EPD_BUF_LL_RECV_X, bank), 0x5a,
+           ht ? (size_t)C * H * 2 : rows_ll * H * 2);
     memset(buf(c, EPD_BUF_OUT, bank), 0x5a, (size_t)M * H * 2);
     const uint32_t dflags = (fp8 ? EPD_DESC_FP8 : 0) | (ht && w->dense ? EPD_DESC_HT_DENSE : 0);
     epd_comp_t comp = run_op(c, ht ? EPD_OP_HT_DISPATCH : EPD_OP_LL_DISPATCH, T[me], dflags, bank);
@@ -323,8 +328,8 @@ static void world_up(world_t *w, uint32_t E, uint32_t H, uint32_t K, uint32_t M,
   for (int r = 0; r < NR; r++)
     attach_ok(w->eng, "g", r, r == 0 ? E : 0, r == 0 ? H : 0, r == 0 ? K : 0, r == 0 ? M : 0, &w->c[r]);
   epd_attach_info_t *i = &w->c[0].info;
-  w->g = (epd_ref_geom_t){i->num_ranks, i->num_experts, i->hidden, i->topk, i->max_tokens, i->slots_per_rank,
-                          i->ht_capacity};
+  w->g = (epd_ref_geom_t){i->num_ranks,  i->num_experts,    i->hidden,     i->topk,
+                          i->max_tokens, i->slots_per_rank, i->ht_capacity};
   ASSERT_OK(epd_engine_get_map(w->eng, "g", &w->map));
 }
 
@@ -341,8 +346,8 @@ EPD_TEST(engine_two_ranks_equal_ref) {
   ASSERT_EQ(w.c[1].info.slots_per_rank, 8u);
   ASSERT_EQ(w.c[1].info.nbuffers, EPD_BUF_KINDS * EPD_NUM_BANKS);
   epd_attach_info_t *i = &w.c[0].info;
-  w.g = (epd_ref_geom_t){i->num_ranks, i->num_experts, i->hidden, i->topk, i->max_tokens, i->slots_per_rank,
-                         i->ht_capacity};
+  w.g = (epd_ref_geom_t){i->num_ranks,  i->num_experts,    i->hidden,     i->topk,
+                         i->max_tokens, i->slots_per_rank, i->ht_capacity};
   ASSERT_OK(epd_engine_get_map(w.eng, "g", &w.map));
   ASSERT_EQ(w.map.version, 1u);
   w.seed = 1234;

@@ -59,8 +59,8 @@ static epd_engine_t *engine_new(int R, uint32_t rpn) {
   return eng;
 }
 
-static void xattach(epd_engine_t *eng, const char *group, int rank, uint32_t E, uint32_t H, uint32_t K, uint32_t M,
-                    uint64_t wbytes, xclient_t *c) {
+static void xattach(epd_engine_t *eng, const char *group, int rank, uint32_t E, uint32_t H, uint32_t K,
+                    uint32_t M, uint64_t wbytes, xclient_t *c) {
   epd_attach_req_t req;
   memset(&req, 0, sizeof req);
   snprintf(req.group, sizeof req.group, "%s", group);
@@ -157,7 +157,9 @@ static void random_map(epd_expert_map_t *m, uint32_t E, uint32_t R, uint32_t S, 
   }
 }
 
-static float expert_factor(int32_t e) { return 0.5f + 0.125f * (float)(e % 8); }
+static float expert_factor(int32_t e) {
+  return 0.5f + 0.125f * (float)(e % 8);
+}
 
 /* ---- continuous steps while maps change --------------------------------------------------------- */
 
@@ -332,12 +334,13 @@ static void *xrank_main(void *arg) {
           if (plan.dst_rank[i] < 0) continue;
           int64_t e = is[me][(size_t)t * K + k];
           acc += ws[me][(size_t)t * K + k] *
-                 epd_bf16_to_f32(epd_f32_to_bf16(epd_bf16_to_f32(xs[me][(size_t)t * H + h]) * expert_factor((int32_t)e)));
+                 epd_bf16_to_f32(
+                     epd_f32_to_bf16(epd_bf16_to_f32(xs[me][(size_t)t * H + h]) * expert_factor((int32_t)e)));
         }
         float got = epd_bf16_to_f32(out[(size_t)t * H + h]);
         if (fabsf(got - acc) > fabsf(acc) / 64 + 1e-3f)
-          epd_test_fail(__FILE__, __LINE__, "rank %d step %d token %u h %u: out %g, expected %g (map %u)", me, step, t,
-                        h, got, acc, comp.map_version);
+          epd_test_fail(__FILE__, __LINE__, "rank %d step %d token %u h %u: out %g, expected %g (map %u)", me,
+                        step, t, h, got, acc, comp.map_version);
       }
     if (me == 0) atomic_fetch_add(&w->progress, 1);
   }
@@ -400,8 +403,8 @@ static void run_switching(uint32_t rpn, int steps) {
   ASSERT_STR_CONTAINS(text, "epd_slot_tokens_total{group=\"x\",rank=\"3\",slot=\"4\"}");
   ASSERT_STR_CONTAINS(text, "epd_map_switches_total{group=\"x\"}");
   free(text);
-  fprintf(stderr, "%llu switches over %d steps, %u SetExpertMap calls\n", (unsigned long long)gs->map_switches,
-          steps, atomic_load(&w.setters_calls));
+  fprintf(stderr, "%llu switches over %d steps, %u SetExpertMap calls\n",
+          (unsigned long long)gs->map_switches, steps, atomic_load(&w.setters_calls));
   epd_engine_snapshot_free(&snap);
   epd_engine_destroy(w.eng);
   for (int v = 0; v < MAXV; v++)
@@ -411,10 +414,14 @@ static void run_switching(uint32_t rpn, int steps) {
     }
 }
 
-EPD_TEST_T(experts_maps_change_while_stepping, 60) { run_switching(0, 1500); }
+EPD_TEST_T(experts_maps_change_while_stepping, 60) {
+  run_switching(0, 1500);
+}
 
 /* Two nodes of two ranks: the replica choice prefers the source's node; still equal to the reference. */
-EPD_TEST_T(experts_maps_change_two_nodes, 60) { run_switching(2, 600); }
+EPD_TEST_T(experts_maps_change_two_nodes, 60) {
+  run_switching(2, 600);
+}
 
 /* ---- replica choice ----------------------------------------------------------------------------- */
 
@@ -527,7 +534,9 @@ EPD_TEST(experts_concurrent_set_map_serialised) {
 
 /* ---- weight migration --------------------------------------------------------------------------- */
 
-static uint8_t pattern(uint32_t rank, uint32_t slot, size_t i) { return (uint8_t)(rank * 37 + slot * 11 + i * 7 + (i >> 8)); }
+static uint8_t pattern(uint32_t rank, uint32_t slot, size_t i) {
+  return (uint8_t)(rank * 37 + slot * 11 + i * 7 + (i >> 8));
+}
 
 EPD_TEST(experts_migration_copies_exact) {
   epd_engine_t *eng = engine_new(2, 0);
@@ -594,8 +603,10 @@ EPD_TEST(experts_migration_copies_exact) {
   for (int r = 0; r < 2; r++) xsubmit(&c[r], EPD_OP_LL_DISPATCH, 0, 0);
   for (int r = 0; r < 2; r++) ASSERT_EQ(xwait(&c[r]).map_version, 3u);
   for (size_t i = 0; i < WB; i++) {
-    if (wt[1][2 * WB + i] != pattern(0, 0, i)) epd_test_fail(__FILE__, __LINE__, "byte %zu of (1,2) differs", i);
-    if (wt[0][3 * WB + i] != pattern(1, 1, i)) epd_test_fail(__FILE__, __LINE__, "byte %zu of (0,3) differs", i);
+    if (wt[1][2 * WB + i] != pattern(0, 0, i))
+      epd_test_fail(__FILE__, __LINE__, "byte %zu of (1,2) differs", i);
+    if (wt[0][3 * WB + i] != pattern(1, 1, i))
+      epd_test_fail(__FILE__, __LINE__, "byte %zu of (0,3) differs", i);
     ASSERT_EQ(wt[0][0 * WB + i], pattern(0, 0, i)); /* sources and others untouched */
     ASSERT_EQ(wt[1][1 * WB + i], pattern(1, 1, i));
     ASSERT_EQ(wt[0][2 * WB + i], pattern(0, 2, i));
@@ -637,7 +648,9 @@ EPD_TEST(experts_migration_copies_exact) {
 
 static char xsock[300];
 
-static double xnow_s(void) { return now_ms() / 1e3; }
+static double xnow_s(void) {
+  return now_ms() / 1e3;
+}
 
 static pid_t xdaemon_up(void) {
   char epd[300], attach[300], logp[300];
@@ -703,8 +716,8 @@ static epd_result_t rpc_set_map(uint32_t e0_rank, uint32_t e0_slot, const epd_we
   q.n_copies = ncp;
   q.copies = wcp;
   ProtobufCMessage *rep = NULL;
-  rc = epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &q.base, &epd__v1__set_expert_map_reply__descriptor, &rep,
-                    err, errlen);
+  rc = epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &q.base, &epd__v1__set_expert_map_reply__descriptor,
+                    &rep, err, errlen);
   if (rc == EPD_OK) *version = ((Epd__V1__SetExpertMapReply *)rep)->version;
   if (rep) protobuf_c_message_free_unpacked(rep, NULL);
   epd_rpc_close(rpc);
@@ -786,7 +799,8 @@ EPD_TEST(experts_libepd_table_weights_and_rpc_copies) {
   ASSERT_OK(epd_op_status(ep[1], &comp));
   ASSERT_EQ(comp.map_version, 2u);
   for (size_t i = 0; i < WB; i++)
-    if (w[1][5 * WB + i] != pattern(0, 0, i)) epd_test_fail(__FILE__, __LINE__, "weight byte %zu not copied", i);
+    if (w[1][5 * WB + i] != pattern(0, 0, i))
+      epd_test_fail(__FILE__, __LINE__, "weight byte %zu not copied", i);
   ASSERT_EQ(epd_map_version(ep[0]), 2u);
   ASSERT_OK(epd_expert_slots(ep[0], 0, reps, 8, &n, &v));
   ASSERT_EQ(v, 2u);

@@ -63,8 +63,8 @@ static void synth_init(synth_t *s) {
   o->count = 6;
   o->errors = 1;
   o->bytes = 123456;
-  o->lat_bucket[0] = 1; /* <= 1 us */
-  o->lat_bucket[3] = 2; /* <= 8 us */
+  o->lat_bucket[0] = 1;                   /* <= 1 us */
+  o->lat_bucket[3] = 2;                   /* <= 8 us */
   o->lat_bucket[EPD_LAT_BUCKETS - 1] = 3; /* +Inf */
   o->lat_sum_s = 0.25;
 }
@@ -96,10 +96,14 @@ EPD_TEST(metrics_text_values) {
   ASSERT_NEAR(sample(text, "epd_op_errors_total{op=\"ll_dispatch\",mode=\"ll\"}"), 1, 0);
   ASSERT_NEAR(sample(text, "epd_bytes_total{op=\"ll_dispatch\",mode=\"ll\"}"), 123456, 0);
   /* Buckets are cumulative in the output: 1, 1, 1, 3, ..., 6 at +Inf; _count equals +Inf. */
-  ASSERT_NEAR(sample(text, "epd_op_latency_seconds_bucket{op=\"ll_dispatch\",mode=\"ll\",le=\"1e-06\"}"), 1, 0);
-  ASSERT_NEAR(sample(text, "epd_op_latency_seconds_bucket{op=\"ll_dispatch\",mode=\"ll\",le=\"4e-06\"}"), 1, 0);
-  ASSERT_NEAR(sample(text, "epd_op_latency_seconds_bucket{op=\"ll_dispatch\",mode=\"ll\",le=\"8e-06\"}"), 3, 0);
-  ASSERT_NEAR(sample(text, "epd_op_latency_seconds_bucket{op=\"ll_dispatch\",mode=\"ll\",le=\"+Inf\"}"), 6, 0);
+  ASSERT_NEAR(sample(text, "epd_op_latency_seconds_bucket{op=\"ll_dispatch\",mode=\"ll\",le=\"1e-06\"}"), 1,
+              0);
+  ASSERT_NEAR(sample(text, "epd_op_latency_seconds_bucket{op=\"ll_dispatch\",mode=\"ll\",le=\"4e-06\"}"), 1,
+              0);
+  ASSERT_NEAR(sample(text, "epd_op_latency_seconds_bucket{op=\"ll_dispatch\",mode=\"ll\",le=\"8e-06\"}"), 3,
+              0);
+  ASSERT_NEAR(sample(text, "epd_op_latency_seconds_bucket{op=\"ll_dispatch\",mode=\"ll\",le=\"+Inf\"}"), 6,
+              0);
   ASSERT_NEAR(sample(text, "epd_op_latency_seconds_count{op=\"ll_dispatch\",mode=\"ll\"}"), 6, 0);
   ASSERT_NEAR(sample(text, "epd_op_latency_seconds_sum{op=\"ll_dispatch\",mode=\"ll\"}"), 0.25, 1e-9);
   ASSERT_NEAR(sample(text, "epd_clients"), 1, 0);
@@ -179,7 +183,8 @@ EPD_TEST(metrics_empty_snapshot) {
 EPD_TEST(metrics_status_roundtrip) {
   synth_t s;
   synth_init(&s);
-  epd_daemon_info_t info = {"0.1.0", "ready", 777, 1, "engine.backend = host\n", {0, {0, 0, 0}, 0}, {0, 0}, 0};
+  epd_daemon_info_t info = {"0.1.0",           "ready", 777, 1, "engine.backend = host\n",
+                            {0, {0, 0, 0}, 0}, {0, 0},  0};
   Epd__V1__StatusReply *st = NULL;
   ASSERT_OK(epd_metrics_status(&s.snap, &info, &st));
   size_t n = protobuf_c_message_get_packed_size(&st->base);

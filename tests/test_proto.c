@@ -29,18 +29,30 @@
 #include "test.h"
 
 static const ProtobufCMessageDescriptor *const all_messages[] = {
-    &epd__v1__attach_request__descriptor,      &epd__v1__buffer_info__descriptor,
-    &epd__v1__attach_reply__descriptor,        &epd__v1__detach_request__descriptor,
-    &epd__v1__detach_reply__descriptor,        &epd__v1__get_status_request__descriptor,
-    &epd__v1__group_status__descriptor,        &epd__v1__client_status__descriptor,
-    &epd__v1__rank_status__descriptor,         &epd__v1__status_reply__descriptor,
-    &epd__v1__get_metrics_request__descriptor, &epd__v1__metrics_reply__descriptor,
-    &epd__v1__replica__descriptor,             &epd__v1__expert_placement__descriptor,
-    &epd__v1__expert_map__descriptor,          &epd__v1__set_expert_map_request__descriptor,
-    &epd__v1__set_expert_map_reply__descriptor, &epd__v1__get_expert_map_request__descriptor,
-    &epd__v1__watch_request__descriptor,       &epd__v1__event__descriptor,
-    &epd__v1__drain_request__descriptor,       &epd__v1__drain_reply__descriptor,
-    &grpc__health__v1__health_check_request__descriptor, &grpc__health__v1__health_check_response__descriptor,
+    &epd__v1__attach_request__descriptor,
+    &epd__v1__buffer_info__descriptor,
+    &epd__v1__attach_reply__descriptor,
+    &epd__v1__detach_request__descriptor,
+    &epd__v1__detach_reply__descriptor,
+    &epd__v1__get_status_request__descriptor,
+    &epd__v1__group_status__descriptor,
+    &epd__v1__client_status__descriptor,
+    &epd__v1__rank_status__descriptor,
+    &epd__v1__status_reply__descriptor,
+    &epd__v1__get_metrics_request__descriptor,
+    &epd__v1__metrics_reply__descriptor,
+    &epd__v1__replica__descriptor,
+    &epd__v1__expert_placement__descriptor,
+    &epd__v1__expert_map__descriptor,
+    &epd__v1__set_expert_map_request__descriptor,
+    &epd__v1__set_expert_map_reply__descriptor,
+    &epd__v1__get_expert_map_request__descriptor,
+    &epd__v1__watch_request__descriptor,
+    &epd__v1__event__descriptor,
+    &epd__v1__drain_request__descriptor,
+    &epd__v1__drain_reply__descriptor,
+    &grpc__health__v1__health_check_request__descriptor,
+    &grpc__health__v1__health_check_response__descriptor,
 };
 #define NMSG (sizeof all_messages / sizeof all_messages[0])
 
@@ -63,57 +75,81 @@ static void fill_msg(ProtobufCMessage *m, const ProtobufCMessageDescriptor *d, u
 /* Store element value number k of field f at dst. */
 static void fill_value(const ProtobufCFieldDescriptor *f, void *dst, unsigned v, int depth) {
   switch (f->type) {
-  case PROTOBUF_C_TYPE_INT32:
-  case PROTOBUF_C_TYPE_SINT32:
-  case PROTOBUF_C_TYPE_SFIXED32: *(int32_t *)dst = -(int32_t)v; break;
-  case PROTOBUF_C_TYPE_UINT32:
-  case PROTOBUF_C_TYPE_FIXED32: *(uint32_t *)dst = v * 7919u; break;
-  case PROTOBUF_C_TYPE_INT64:
-  case PROTOBUF_C_TYPE_SINT64:
-  case PROTOBUF_C_TYPE_SFIXED64: *(int64_t *)dst = -(int64_t)v * 1000000007ll; break;
-  case PROTOBUF_C_TYPE_UINT64:
-  case PROTOBUF_C_TYPE_FIXED64: *(uint64_t *)dst = (uint64_t)v << 40 | v; break;
-  case PROTOBUF_C_TYPE_FLOAT: *(float *)dst = (float)v + 0.5f; break;
-  case PROTOBUF_C_TYPE_DOUBLE: *(double *)dst = (double)v + 0.25; break;
-  case PROTOBUF_C_TYPE_BOOL: *(protobuf_c_boolean *)dst = 1; break;
-  case PROTOBUF_C_TYPE_ENUM: {
-    const ProtobufCEnumDescriptor *e = f->descriptor;
-    *(int *)dst = e->values[e->n_values - 1].value;
-    break;
-  }
-  case PROTOBUF_C_TYPE_STRING: {
-    char *s = talloc(32);
-    snprintf(s, 32, "%s-%u", f->name, v);
-    *(char **)dst = s;
-    break;
-  }
-  case PROTOBUF_C_TYPE_BYTES: {
-    ProtobufCBinaryData *b = dst;
-    b->len = 5 + v % 7;
-    b->data = talloc(b->len);
-    for (size_t i = 0; i < b->len; i++) b->data[i] = (uint8_t)(v * 31 + i * 17); /* includes 0 bytes */
-    break;
-  }
-  case PROTOBUF_C_TYPE_MESSAGE: {
-    const ProtobufCMessageDescriptor *md = f->descriptor;
-    ProtobufCMessage *sub = talloc(md->sizeof_message);
-    protobuf_c_message_init(md, sub);
-    if (depth < 4) fill_msg(sub, md, v, depth + 1);
-    *(ProtobufCMessage **)dst = sub;
-    break;
-  }
+    case PROTOBUF_C_TYPE_INT32:
+    case PROTOBUF_C_TYPE_SINT32:
+    case PROTOBUF_C_TYPE_SFIXED32:
+      *(int32_t *)dst = -(int32_t)v;
+      break;
+    case PROTOBUF_C_TYPE_UINT32:
+    case PROTOBUF_C_TYPE_FIXED32:
+      *(uint32_t *)dst = v * 7919u;
+      break;
+    case PROTOBUF_C_TYPE_INT64:
+    case PROTOBUF_C_TYPE_SINT64:
+    case PROTOBUF_C_TYPE_SFIXED64:
+      *(int64_t *)dst = -(int64_t)v * 1000000007ll;
+      break;
+    case PROTOBUF_C_TYPE_UINT64:
+    case PROTOBUF_C_TYPE_FIXED64:
+      *(uint64_t *)dst = (uint64_t)v << 40 | v;
+      break;
+    case PROTOBUF_C_TYPE_FLOAT:
+      *(float *)dst = (float)v + 0.5f;
+      break;
+    case PROTOBUF_C_TYPE_DOUBLE:
+      *(double *)dst = (double)v + 0.25;
+      break;
+    case PROTOBUF_C_TYPE_BOOL:
+      *(protobuf_c_boolean *)dst = 1;
+      break;
+    case PROTOBUF_C_TYPE_ENUM: {
+      const ProtobufCEnumDescriptor *e = f->descriptor;
+      *(int *)dst = e->values[e->n_values - 1].value;
+      break;
+    }
+    case PROTOBUF_C_TYPE_STRING: {
+      char *s = talloc(32);
+      snprintf(s, 32, "%s-%u", f->name, v);
+      *(char **)dst = s;
+      break;
+    }
+    case PROTOBUF_C_TYPE_BYTES: {
+      ProtobufCBinaryData *b = dst;
+      b->len = 5 + v % 7;
+      b->data = talloc(b->len);
+      for (size_t i = 0; i < b->len; i++) b->data[i] = (uint8_t)(v * 31 + i * 17); /* includes 0 bytes */
+      break;
+    }
+    case PROTOBUF_C_TYPE_MESSAGE: {
+      const ProtobufCMessageDescriptor *md = f->descriptor;
+      ProtobufCMessage *sub = talloc(md->sizeof_message);
+      protobuf_c_message_init(md, sub);
+      if (depth < 4) fill_msg(sub, md, v, depth + 1);
+      *(ProtobufCMessage **)dst = sub;
+      break;
+    }
   }
 }
 
 static size_t type_size(const ProtobufCFieldDescriptor *f) {
   switch (f->type) {
-  case PROTOBUF_C_TYPE_INT64: case PROTOBUF_C_TYPE_SINT64: case PROTOBUF_C_TYPE_SFIXED64:
-  case PROTOBUF_C_TYPE_UINT64: case PROTOBUF_C_TYPE_FIXED64: return 8;
-  case PROTOBUF_C_TYPE_DOUBLE: return sizeof(double);
-  case PROTOBUF_C_TYPE_BOOL: return sizeof(protobuf_c_boolean);
-  case PROTOBUF_C_TYPE_STRING: case PROTOBUF_C_TYPE_MESSAGE: return sizeof(void *);
-  case PROTOBUF_C_TYPE_BYTES: return sizeof(ProtobufCBinaryData);
-  default: return 4;
+    case PROTOBUF_C_TYPE_INT64:
+    case PROTOBUF_C_TYPE_SINT64:
+    case PROTOBUF_C_TYPE_SFIXED64:
+    case PROTOBUF_C_TYPE_UINT64:
+    case PROTOBUF_C_TYPE_FIXED64:
+      return 8;
+    case PROTOBUF_C_TYPE_DOUBLE:
+      return sizeof(double);
+    case PROTOBUF_C_TYPE_BOOL:
+      return sizeof(protobuf_c_boolean);
+    case PROTOBUF_C_TYPE_STRING:
+    case PROTOBUF_C_TYPE_MESSAGE:
+      return sizeof(void *);
+    case PROTOBUF_C_TYPE_BYTES:
+      return sizeof(ProtobufCBinaryData);
+    default:
+      return 4;
   }
 }
 
@@ -221,7 +257,10 @@ static const struct {
 } malformed[] = {
     {"truncated varint", "\x08\xff", 2},
     {"varint longer than 10 bytes", "\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 13},
-    {"length past the end", "\x12\x05" "ab", 4},
+    {"length past the end",
+     "\x12\x05"
+     "ab",
+     4},
     {"field number 0", "\x00\x01", 2},
     {"wire type 7", "\x0f\x01", 2},
     {"unterminated group", "\x0b", 1},
@@ -232,15 +271,16 @@ static const struct {
 EPD_TEST(proto_malformed_rejected) {
   for (size_t i = 0; i < NMSG; i++)
     for (size_t k = 0; k < NMALFORMED; k++) {
-      ProtobufCMessage *u =
-          protobuf_c_message_unpack(all_messages[i], NULL, malformed[k].len, (const uint8_t *)malformed[k].bytes);
+      ProtobufCMessage *u = protobuf_c_message_unpack(all_messages[i], NULL, malformed[k].len,
+                                                      (const uint8_t *)malformed[k].bytes);
       if (u)
         epd_test_fail(__FILE__, __LINE__, "%s accepted malformed input (%s)", all_messages[i]->name,
                       malformed[k].what);
     }
   /* A wire-type mismatch on a known field (protocol_version sent as a string) is rejected too. */
   const uint8_t wrong_type[] = {0x0a, 0x01, 'x'};
-  ProtobufCMessage *u = protobuf_c_message_unpack(&epd__v1__get_status_request__descriptor, NULL, 3, wrong_type);
+  ProtobufCMessage *u =
+      protobuf_c_message_unpack(&epd__v1__get_status_request__descriptor, NULL, 3, wrong_type);
   ASSERT(u == NULL);
   /* An empty message is valid: every field takes its default (protocol_version 0). */
   Epd__V1__GetStatusRequest *e = epd__v1__get_status_request__unpack(NULL, 0, (const uint8_t *)"");
@@ -302,7 +342,8 @@ static void server_start(void) {
   if (epd_attach_init(&srv.loop, &srv.conf, srv.eng, err, sizeof err) != 0)
     epd_test_fail(__FILE__, __LINE__, "attach: %s", err);
   epd_rpc_hooks_t hooks = {NULL, hook_drain, hook_state, hook_config};
-  if (epd_rpc_init(&srv.conf, srv.eng, &hooks, err, sizeof err) != 0) epd_test_fail(__FILE__, __LINE__, "rpc: %s", err);
+  if (epd_rpc_init(&srv.conf, srv.eng, &hooks, err, sizeof err) != 0)
+    epd_test_fail(__FILE__, __LINE__, "rpc: %s", err);
   ASSERT(!strcmp(epd_rpc_socket_path(), srv.sock));
 }
 
@@ -319,7 +360,8 @@ static void server_stop(void) {
 static epd_rpc_t *client(void) {
   epd_rpc_t *rpc = NULL;
   char err[512];
-  if (epd_rpc_open(srv.sock, 5000, &rpc, err, sizeof err) != EPD_OK) epd_test_fail(__FILE__, __LINE__, "open: %s", err);
+  if (epd_rpc_open(srv.sock, 5000, &rpc, err, sizeof err) != EPD_OK)
+    epd_test_fail(__FILE__, __LINE__, "open: %s", err);
   return rpc;
 }
 
@@ -328,8 +370,8 @@ static Epd__V1__StatusReply *status(epd_rpc_t *rpc) {
   q.protocol_version = EPD_PROTOCOL_VERSION;
   ProtobufCMessage *rep = NULL;
   char err[512];
-  epd_result_t r = epd_rpc_call(rpc, "/epd.v1.Control/GetStatus", &q.base, &epd__v1__status_reply__descriptor, &rep,
-                                err, sizeof err);
+  epd_result_t r = epd_rpc_call(rpc, "/epd.v1.Control/GetStatus", &q.base, &epd__v1__status_reply__descriptor,
+                                &rep, err, sizeof err);
   if (r != EPD_OK) epd_test_fail(__FILE__, __LINE__, "GetStatus: %d %s", r, err);
   return (Epd__V1__StatusReply *)rep;
 }
@@ -345,8 +387,8 @@ static Epd__V1__AttachReply *attach(epd_rpc_t *rpc, int rank, epd_result_t want,
   q.client_name = "proto-test";
   q.pid = 1; /* a lie: the daemon takes the pid from SO_PEERCRED */
   ProtobufCMessage *rep = NULL;
-  epd_result_t r =
-      epd_rpc_call(rpc, "/epd.v1.Control/Attach", &q.base, &epd__v1__attach_reply__descriptor, &rep, err, errlen);
+  epd_result_t r = epd_rpc_call(rpc, "/epd.v1.Control/Attach", &q.base, &epd__v1__attach_reply__descriptor,
+                                &rep, err, errlen);
   if (r != want) epd_test_fail(__FILE__, __LINE__, "Attach rank %d: got %d want %d (%s)", rank, r, want, err);
   return (Epd__V1__AttachReply *)rep;
 }
@@ -372,8 +414,8 @@ EPD_TEST(rpc_status_metrics_socket) {
   mq.protocol_version = EPD_PROTOCOL_VERSION;
   ProtobufCMessage *rep = NULL;
   char err[512];
-  ASSERT_OK(epd_rpc_call(rpc, "/epd.v1.Control/GetMetrics", &mq.base, &epd__v1__metrics_reply__descriptor, &rep, err,
-                         sizeof err));
+  ASSERT_OK(epd_rpc_call(rpc, "/epd.v1.Control/GetMetrics", &mq.base, &epd__v1__metrics_reply__descriptor,
+                         &rep, err, sizeof err));
   ASSERT_STR_CONTAINS(((Epd__V1__MetricsReply *)rep)->text, "\nepd_clients 0\n");
   ASSERT_STR_CONTAINS(((Epd__V1__MetricsReply *)rep)->text, "epd_info{backend=\"host\"");
   protobuf_c_message_free_unpacked(rep, NULL);
@@ -395,14 +437,16 @@ EPD_TEST(rpc_status_metrics_socket) {
 EPD_TEST(rpc_bad_requests) {
   server_start();
   epd_rpc_t *rpc = client();
-  static const char *const methods[] = {"Attach", "Detach", "GetStatus", "GetMetrics", "SetExpertMap",
-                                        "GetExpertMap", "Drain"};
+  static const char *const methods[] = {"Attach",       "Detach",       "GetStatus", "GetMetrics",
+                                        "SetExpertMap", "GetExpertMap", "Drain"};
   char err[512], path[128];
   for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
     snprintf(path, sizeof path, "/epd.v1.Control/%s", methods[i]);
     for (size_t k = 0; k < NMALFORMED; k++) {
-      epd_result_t r = epd_rpc_call_raw(rpc, path, malformed[k].bytes, malformed[k].len, NULL, NULL, err, sizeof err);
-      if (r != EPD_ERR_INVALID) epd_test_fail(__FILE__, __LINE__, "%s with %s: %d (%s)", methods[i], malformed[k].what, r, err);
+      epd_result_t r =
+          epd_rpc_call_raw(rpc, path, malformed[k].bytes, malformed[k].len, NULL, NULL, err, sizeof err);
+      if (r != EPD_ERR_INVALID)
+        epd_test_fail(__FILE__, __LINE__, "%s with %s: %d (%s)", methods[i], malformed[k].what, r, err);
       char want[128];
       snprintf(want, sizeof want, "malformed %sRequest", methods[i]);
       ASSERT_STR_CONTAINS(err, want);
@@ -423,14 +467,17 @@ EPD_TEST(rpc_bad_requests) {
   /* Watch checks its request the same way before it streams anything. */
   Epd__V1__WatchRequest wq = EPD__V1__WATCH_REQUEST__INIT;
   wq.protocol_version = 99;
-  ASSERT_EQ(epd_rpc_stream(rpc, "/epd.v1.Control/Watch", &wq.base, &epd__v1__event__descriptor, NULL, NULL, 2000, err,
-                           sizeof err),
+  ASSERT_EQ(epd_rpc_stream(rpc, "/epd.v1.Control/Watch", &wq.base, &epd__v1__event__descriptor, NULL, NULL,
+                           2000, err, sizeof err),
             EPD_ERR_PROTOCOL);
   ASSERT_STR_CONTAINS(err, "client speaks 99");
   epd_result_t r = epd_rpc_call_raw(rpc, "/epd.v1.Control/Nope", "", 0, NULL, NULL, err, sizeof err);
   ASSERT_EQ(r, EPD_ERR_UNSUPPORTED);
   ASSERT_STR_CONTAINS(err, "UNIMPLEMENTED");
-  r = epd_rpc_call_raw(rpc, "/grpc.health.v1.Health/Check", "\x0a\x05" "ab", 4, NULL, NULL, err, sizeof err);
+  r = epd_rpc_call_raw(rpc, "/grpc.health.v1.Health/Check",
+                       "\x0a\x05"
+                       "ab",
+                       4, NULL, NULL, err, sizeof err);
   ASSERT_EQ(r, EPD_ERR_INVALID);
   /* Still serving afterwards. */
   Epd__V1__StatusReply *s = status(rpc);
@@ -512,8 +559,8 @@ EPD_TEST(rpc_control_connections_bounded_per_uid) {
   epd_rpc_t *rpc = client();
   Epd__V1__GetStatusRequest q = EPD__V1__GET_STATUS_REQUEST__INIT;
   ProtobufCMessage *rep = NULL;
-  ASSERT_EQ(epd_rpc_call(rpc, "/epd.v1.Control/GetStatus", &q.base, &epd__v1__status_reply__descriptor, &rep, err,
-                         sizeof err),
+  ASSERT_EQ(epd_rpc_call(rpc, "/epd.v1.Control/GetStatus", &q.base, &epd__v1__status_reply__descriptor, &rep,
+                         err, sizeof err),
             EPD_ERR_BUSY);
   ASSERT_STR_CONTAINS(err, "RESOURCE_EXHAUSTED");
   ASSERT_STR_CONTAINS(err, "control connections open (daemon.max_control_conns_per_uid)");
@@ -528,8 +575,8 @@ EPD_TEST(rpc_control_connections_bounded_per_uid) {
     usleep(100 * 1000);
     rpc = client();
     rep = NULL;
-    ok = epd_rpc_call(rpc, "/epd.v1.Control/GetStatus", &q.base, &epd__v1__status_reply__descriptor, &rep, err,
-                      sizeof err) == EPD_OK;
+    ok = epd_rpc_call(rpc, "/epd.v1.Control/GetStatus", &q.base, &epd__v1__status_reply__descriptor, &rep,
+                      err, sizeof err) == EPD_OK;
     if (rep) protobuf_c_message_free_unpacked(rep, NULL);
     epd_rpc_close(rpc);
   }
@@ -561,8 +608,8 @@ static void *watch_thread(void *p) {
   watch_arg_t *w = p;
   Epd__V1__WatchRequest q = EPD__V1__WATCH_REQUEST__INIT;
   q.protocol_version = EPD_PROTOCOL_VERSION;
-  w->rc = epd_rpc_stream(w->rpc, "/epd.v1.Control/Watch", &q.base, &epd__v1__event__descriptor, on_watch, w, 10000,
-                         w->err, sizeof w->err);
+  w->rc = epd_rpc_stream(w->rpc, "/epd.v1.Control/Watch", &q.base, &epd__v1__event__descriptor, on_watch, w,
+                         10000, w->err, sizeof w->err);
   return NULL;
 }
 
@@ -608,8 +655,8 @@ EPD_TEST(rpc_attach_detach_watch_map) {
   Epd__V1__GetExpertMapRequest gq = EPD__V1__GET_EXPERT_MAP_REQUEST__INIT;
   gq.protocol_version = EPD_PROTOCOL_VERSION;
   ProtobufCMessage *rep = NULL;
-  ASSERT_OK(epd_rpc_call(rpc, "/epd.v1.Control/GetExpertMap", &gq.base, &epd__v1__expert_map__descriptor, &rep, err,
-                         sizeof err));
+  ASSERT_OK(epd_rpc_call(rpc, "/epd.v1.Control/GetExpertMap", &gq.base, &epd__v1__expert_map__descriptor,
+                         &rep, err, sizeof err));
   Epd__V1__ExpertMap *m = (Epd__V1__ExpertMap *)rep;
   ASSERT_EQ(m->n_experts, 8);
   ASSERT_EQ(m->version, 1);
@@ -624,23 +671,23 @@ EPD_TEST(rpc_attach_detach_watch_map) {
   sq.protocol_version = EPD_PROTOCOL_VERSION;
   sq.map = m;
   ProtobufCMessage *srep = NULL;
-  ASSERT_OK(epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &sq.base, &epd__v1__set_expert_map_reply__descriptor,
-                         &srep, err, sizeof err));
+  ASSERT_OK(epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &sq.base,
+                         &epd__v1__set_expert_map_reply__descriptor, &srep, err, sizeof err));
   ASSERT_EQ(((Epd__V1__SetExpertMapReply *)srep)->version, 2);
   protobuf_c_message_free_unpacked(srep, NULL);
   m->experts[3]->expert = 2; /* expert 2 twice, 3 missing */
-  ASSERT_EQ(epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &sq.base, &epd__v1__set_expert_map_reply__descriptor,
-                         &srep, err, sizeof err),
+  ASSERT_EQ(epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &sq.base,
+                         &epd__v1__set_expert_map_reply__descriptor, &srep, err, sizeof err),
             EPD_ERR_INVALID);
   ASSERT_STR_CONTAINS(err, "map.experts[3].expert: 2 listed twice");
   m->experts[3]->expert = 3;
   m->experts[5]->replicas[0]->rank = 7;
-  ASSERT_EQ(epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &sq.base, &epd__v1__set_expert_map_reply__descriptor,
-                         &srep, err, sizeof err),
+  ASSERT_EQ(epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &sq.base,
+                         &epd__v1__set_expert_map_reply__descriptor, &srep, err, sizeof err),
             EPD_ERR_INVALID);
   m->group = "nosuch";
-  ASSERT_EQ(epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &sq.base, &epd__v1__set_expert_map_reply__descriptor,
-                         &srep, err, sizeof err),
+  ASSERT_EQ(epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &sq.base,
+                         &epd__v1__set_expert_map_reply__descriptor, &srep, err, sizeof err),
             EPD_ERR_NOT_FOUND);
   m->group = NULL;
   protobuf_c_message_free_unpacked(rep, NULL);
@@ -655,18 +702,18 @@ EPD_TEST(rpc_attach_detach_watch_map) {
   memcpy(bad, a->secret.data, 32);
   bad[31] ^= 1;
   dq.secret = (ProtobufCBinaryData){32, bad};
-  ASSERT_EQ(epd_rpc_call(rpc, "/epd.v1.Control/Detach", &dq.base, &epd__v1__detach_reply__descriptor, &rep, err,
-                         sizeof err),
+  ASSERT_EQ(epd_rpc_call(rpc, "/epd.v1.Control/Detach", &dq.base, &epd__v1__detach_reply__descriptor, &rep,
+                         err, sizeof err),
             EPD_ERR_PERMISSION);
   ASSERT_STR_CONTAINS(err, "PERMISSION_DENIED");
   dq.secret = a->secret;
   ASSERT_EQ(epd_attach_pending_tokens(), pend);
-  ASSERT_OK(epd_rpc_call(rpc, "/epd.v1.Control/Detach", &dq.base, &epd__v1__detach_reply__descriptor, &rep, err,
-                         sizeof err));
+  ASSERT_OK(epd_rpc_call(rpc, "/epd.v1.Control/Detach", &dq.base, &epd__v1__detach_reply__descriptor, &rep,
+                         err, sizeof err));
   protobuf_c_message_free_unpacked(rep, NULL);
   ASSERT_EQ(epd_attach_pending_tokens(), pend - 1);
-  ASSERT_EQ(epd_rpc_call(rpc, "/epd.v1.Control/Detach", &dq.base, &epd__v1__detach_reply__descriptor, &rep, err,
-                         sizeof err),
+  ASSERT_EQ(epd_rpc_call(rpc, "/epd.v1.Control/Detach", &dq.base, &epd__v1__detach_reply__descriptor, &rep,
+                         err, sizeof err),
             EPD_ERR_NOT_FOUND);
 
   pthread_join(th, NULL);
@@ -692,8 +739,8 @@ EPD_TEST(rpc_attach_detach_watch_map) {
   Epd__V1__DrainRequest drq = EPD__V1__DRAIN_REQUEST__INIT;
   drq.protocol_version = EPD_PROTOCOL_VERSION;
   drq.exit = 1;
-  ASSERT_OK(epd_rpc_call(rpc, "/epd.v1.Control/Drain", &drq.base, &epd__v1__drain_reply__descriptor, &rep, err,
-                         sizeof err));
+  ASSERT_OK(epd_rpc_call(rpc, "/epd.v1.Control/Drain", &drq.base, &epd__v1__drain_reply__descriptor, &rep,
+                         err, sizeof err));
   ASSERT_EQ(((Epd__V1__DrainReply *)rep)->clients, 0);
   protobuf_c_message_free_unpacked(rep, NULL);
   ASSERT(srv.drained && srv.drain_exit);

@@ -104,13 +104,13 @@ EPD_TEST(ref_e4m3_conversion) {
   ASSERT_EQ(epd_f32_to_e4m3(-0.0f), 0x80);
   ASSERT_NEAR(epd_e4m3_to_f32(0x7e), 448.0, 0);
   ASSERT_NEAR(epd_e4m3_to_f32(0x01), 1.0 / 512, 0);
-  ASSERT_EQ(epd_f32_to_e4m3(1000.0f), 0x7e);   /* satfinite */
+  ASSERT_EQ(epd_f32_to_e4m3(1000.0f), 0x7e); /* satfinite */
   ASSERT_EQ(epd_f32_to_e4m3(-INFINITY), 0xfe);
   ASSERT_EQ(epd_f32_to_e4m3(NAN), 0x7f);
-  ASSERT_EQ(epd_f32_to_e4m3(464.0f), 0x7e);    /* rounds to 480 without saturation */
+  ASSERT_EQ(epd_f32_to_e4m3(464.0f), 0x7e); /* rounds to 480 without saturation */
   /* Ties to even: 1.0625 is between 1 (mantissa 0) and 1.125 (mantissa 1) -> 1. */
   ASSERT_EQ(epd_f32_to_e4m3(1.0625f), 0x38);
-  ASSERT_EQ(epd_f32_to_e4m3(1.1875f), 0x3a);   /* between 1.125 and 1.25 -> 1.25 (even) */
+  ASSERT_EQ(epd_f32_to_e4m3(1.1875f), 0x3a);     /* between 1.125 and 1.25 -> 1.25 (even) */
   ASSERT_EQ(epd_f32_to_e4m3(3.0f / 1024), 0x02); /* subnormal tie 1.5 * 2^-9 -> 2 * 2^-9 */
   /* Round trip error of quantised rows stays within half an e4m3 ulp (relative 2^-4) of the scale. */
   uint64_t st = 7;
@@ -138,8 +138,8 @@ EPD_TEST(ref_quant_nan_in_group) {
   float sc[2];
   for (int i = 0; i < 256; i++) x[i] = epd_f32_to_bf16(i < 128 ? 1.0f : 2.0f);
   x[0] = epd_f32_to_bf16(1000.0f);
-  x[1] = 0x7f81; /* signalling NaN */
-  x[2] = 0xffc0; /* quiet NaN, negative */
+  x[1] = 0x7f81;                                 /* signalling NaN */
+  x[2] = 0xffc0;                                 /* quiet NaN, negative */
   for (int i = 128; i < 256; i++) x[i] = 0x7fa0; /* second group: signalling NaNs only */
   epd_ref_quant_row(x, 256, q, sc);
   const float want[2] = {1000.0f / 448.0f, 1e-4f / 448.0f};
@@ -178,8 +178,10 @@ EPD_TEST(ref_specials_patterns) {
       float amax = 0;
       for (int i = 0; i < 128; i++) {
         float f = epd_bf16_to_f32(v[i]);
-        if (isnan(f)) nan++;
-        else if (isinf(f)) f > 0 ? pinf++ : ninf++;
+        if (isnan(f))
+          nan++;
+        else if (isinf(f))
+          f > 0 ? pinf++ : ninf++;
         else {
           amax = fmaxf(amax, fabsf(f));
           zero += f == 0;
@@ -187,18 +189,30 @@ EPD_TEST(ref_specials_patterns) {
           one += fabsf(f) == 1.0f;
         }
       }
-      if (nan == 128) seen[5]++;
-      else if (pinf && ninf) seen[3]++;
-      else if (pinf) seen[2]++;
-      else if (nan) seen[4]++;
-      else if (zero == 128) seen[0]++;
-      else if (zero + sub == 128) seen[1]++;
-      else if (amax >= 0x1p100f) seen[7]++;
-      else if (one == 1 && amax == 1.0f) seen[8]++;
-      else if (amax < 2e-4f) seen[6]++;
-      else epd_test_fail(__FILE__, __LINE__, "token %u group %u: a changed group of no pattern", t, b);
-      if (pinf || ninf) ASSERT(isinf(sc) && sc > 0);
-      else ASSERT(memcmp(&sc, &(float){fmaxf(amax, 1e-4f) / 448.0f}, 4) == 0);
+      if (nan == 128)
+        seen[5]++;
+      else if (pinf && ninf)
+        seen[3]++;
+      else if (pinf)
+        seen[2]++;
+      else if (nan)
+        seen[4]++;
+      else if (zero == 128)
+        seen[0]++;
+      else if (zero + sub == 128)
+        seen[1]++;
+      else if (amax >= 0x1p100f)
+        seen[7]++;
+      else if (one == 1 && amax == 1.0f)
+        seen[8]++;
+      else if (amax < 2e-4f)
+        seen[6]++;
+      else
+        epd_test_fail(__FILE__, __LINE__, "token %u group %u: a changed group of no pattern", t, b);
+      if (pinf || ninf)
+        ASSERT(isinf(sc) && sc > 0);
+      else
+        ASSERT(memcmp(&sc, &(float){fmaxf(amax, 1e-4f) / 448.0f}, 4) == 0);
       if (amax < 1e-4f && !pinf && !ninf) ASSERT(memcmp(&sc, &floor_scale, 4) == 0);
       for (int i = 0; i < 128; i++) {
         float f = epd_bf16_to_f32(v[i]);
@@ -278,7 +292,8 @@ static void check_ll(world_t *w, int fp8) {
         }
       }
       /* Rows past the count stay untouched. */
-      if ((uint32_t)cnt < R * M) ASSERT_EQ(((uint8_t *)w->outs[r].recv_src)[((size_t)s * R * M + cnt) * 4], POISON);
+      if ((uint32_t)cnt < R * M)
+        ASSERT_EQ(((uint8_t *)w->outs[r].recv_src)[((size_t)s * R * M + cnt) * 4], POISON);
     }
   }
   ASSERT_EQ(seen, expected);
@@ -447,7 +462,8 @@ static void check_ht(world_t *w, int fp8) {
           if (entry_valid(ir, k) && epd_ref_map_dest(&w->map, M, src, t, (uint32_t)ir[k]).rank == r) here = 1;
         if (!here) continue;
         ASSERT_EQ(w->outs[r].recv_src[j], EPD_SRC_PACK(src, t));
-        if (!fp8) ASSERT(!memcmp((uint16_t *)w->outs[r].recv_x + (size_t)j * H, w->x[src] + (size_t)t * H, H * 2));
+        if (!fp8)
+          ASSERT(!memcmp((uint16_t *)w->outs[r].recv_x + (size_t)j * H, w->x[src] + (size_t)t * H, H * 2));
         for (uint32_t k = 0; k < K; k++) {
           int64_t got = w->outs[r].recv_topk_idx[(size_t)j * K + k];
           float gw = w->outs[r].recv_topk_weights[(size_t)j * K + k];
@@ -525,7 +541,7 @@ EPD_TEST(ref_ht_overflow) {
   world_gen(&w, 8, T, 0);
   for (uint32_t r = 0; r < R; r++)
     for (uint32_t t = 0; t < M; t++) {
-      w.idx[r][t * K] = 3; /* expert 3 lives on rank 1: rank 1 gets all 32 tokens */
+      w.idx[r][t * K] = 3;                       /* expert 3 lives on rank 1: rank 1 gets all 32 tokens */
       w.idx[r][t * K + 1] = t % 5 == 0 ? 0 : -1; /* rank 0 gets 8: fits */
     }
   int bad = -2;

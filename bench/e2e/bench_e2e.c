@@ -40,25 +40,26 @@
 #define M_ 128u
 #define MAXI 4096
 
-int e2e_dev_launch(void *slots, uint32_t first, uint32_t nsteps, uint32_t bank0, uint32_t ntok, uint32_t flags,
-                   uint64_t timeout_ns, uint64_t *ts, int *status, void *stream);
+int e2e_dev_launch(void *slots, uint32_t first, uint32_t nsteps, uint32_t bank0, uint32_t ntok,
+                   uint32_t flags, uint64_t timeout_ns, uint64_t *ts, int *status, void *stream);
 
-#define DIE(...)                                 \
-  do {                                           \
+#define DIE(...)                                  \
+  do {                                            \
     fprintf(stderr, "bench_e2e rank %d: ", rank); \
-    fprintf(stderr, __VA_ARGS__);                \
-    fprintf(stderr, "\n");                       \
-    exit(1);                                     \
+    fprintf(stderr, __VA_ARGS__);                 \
+    fprintf(stderr, "\n");                        \
+    exit(1);                                      \
   } while (0)
-#define CU(e)                                                                          \
-  do {                                                                                 \
-    cudaError_t c_ = (e);                                                              \
+#define CU(e)                                                                                   \
+  do {                                                                                          \
+    cudaError_t c_ = (e);                                                                       \
     if (c_ != cudaSuccess) DIE("%s:%d %s: %s", __FILE__, __LINE__, #e, cudaGetErrorString(c_)); \
   } while (0)
-#define EP(e)                                                                               \
-  do {                                                                                      \
-    epd_result_t r_ = (e);                                                                  \
-    if (r_ != EPD_OK) DIE("%s:%d %s: %s (%s)", __FILE__, __LINE__, #e, epd_strerror(r_), epd_last_error(ep)); \
+#define EP(e)                                                                                 \
+  do {                                                                                        \
+    epd_result_t r_ = (e);                                                                    \
+    if (r_ != EPD_OK)                                                                         \
+      DIE("%s:%d %s: %s (%s)", __FILE__, __LINE__, #e, epd_strerror(r_), epd_last_error(ep)); \
   } while (0)
 
 static int rank = -1;
@@ -108,7 +109,8 @@ static void barrier(void) {
   atomic_fetch_add(&bar->arrived, 1);
   const double t0 = now_us();
   while (atomic_load(&bar->arrived) < 2 * bar_gen)
-    if (now_us() - t0 > 30e6) DIE("barrier %llu: the other rank did not arrive in 30 s", (unsigned long long)bar_gen);
+    if (now_us() - t0 > 30e6)
+      DIE("barrier %llu: the other rank did not arrive in 30 s", (unsigned long long)bar_gen);
 }
 
 /* ---- output ------------------------------------------------------------------------------------- */
@@ -265,7 +267,8 @@ static void mode_device(const char *tag, uint32_t flags, int iters, uint64_t tim
   /* pipe: one kernel, iters steps */
   barrier();
   const double t0 = now_us();
-  CU((cudaError_t)e2e_dev_launch(slots, dev_slot, (uint32_t)iters, 0, M_, flags, timeout_ns, ts_d, status_d, st));
+  CU((cudaError_t)e2e_dev_launch(slots, dev_slot, (uint32_t)iters, 0, M_, flags, timeout_ns, ts_d, status_d,
+                                 st));
   CU(cudaStreamSynchronize(st));
   const double total = now_us() - t0;
   dev_slot = (dev_slot + 2 * (uint32_t)iters) % EPD_QUEUE_SLOTS;
@@ -292,7 +295,8 @@ static void mode_device(const char *tag, uint32_t flags, int iters, uint64_t tim
   for (int i = 0; i < iters; i++) {
     barrier();
     const double a = now_us();
-    CU((cudaError_t)e2e_dev_launch(slots, dev_slot, 1, (uint32_t)i & 1, M_, flags, timeout_ns, ts_d, status_d, st));
+    CU((cudaError_t)e2e_dev_launch(slots, dev_slot, 1, (uint32_t)i & 1, M_, flags, timeout_ns, ts_d, status_d,
+                                   st));
     CU(cudaStreamSynchronize(st));
     A[i] = now_us() - a;
     dev_slot = (dev_slot + 2) % EPD_QUEUE_SLOTS;
@@ -351,20 +355,39 @@ static void fill_inputs(void) {
 int main(int argc, char **argv) {
   const char *sock = NULL, *group = "bench-e2e", *prefix = "bench_e2e";
   int iters = 300, dev_iters = -1, no_device = 0, no_graph = 0;
-  static const struct option lo[] = {{"iters", 1, 0, 'i'}, {"dev-iters", 1, 0, 'd'}, {"out", 1, 0, 'o'},
-                                     {"no-device", 0, 0, 'D'}, {"no-graph", 0, 0, 'G'}, {0, 0, 0, 0}};
+  static const struct option lo[] = {{"iters", 1, 0, 'i'},     {"dev-iters", 1, 0, 'd'}, {"out", 1, 0, 'o'},
+                                     {"no-device", 0, 0, 'D'}, {"no-graph", 0, 0, 'G'},  {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "s:r:g:", lo, NULL)) != -1) {
     switch (c) {
-    case 's': sock = optarg; break;
-    case 'r': rank = atoi(optarg); break;
-    case 'g': group = optarg; break;
-    case 'i': iters = atoi(optarg); break;
-    case 'd': dev_iters = atoi(optarg); break;
-    case 'o': prefix = optarg; break;
-    case 'D': no_device = 1; break;
-    case 'G': no_graph = 1; break;
-    default: fprintf(stderr, "usage: %s -s SOCKET -r RANK [-g GROUP] [--iters N] [--dev-iters N] [--out PREFIX]\n", argv[0]); return 2;
+      case 's':
+        sock = optarg;
+        break;
+      case 'r':
+        rank = atoi(optarg);
+        break;
+      case 'g':
+        group = optarg;
+        break;
+      case 'i':
+        iters = atoi(optarg);
+        break;
+      case 'd':
+        dev_iters = atoi(optarg);
+        break;
+      case 'o':
+        prefix = optarg;
+        break;
+      case 'D':
+        no_device = 1;
+        break;
+      case 'G':
+        no_graph = 1;
+        break;
+      default:
+        fprintf(stderr, "usage: %s -s SOCKET -r RANK [-g GROUP] [--iters N] [--dev-iters N] [--out PREFIX]\n",
+                argv[0]);
+        return 2;
     }
   }
   if (!sock || rank < 0 || iters < 1 || iters > MAXI) {
@@ -397,7 +420,8 @@ int main(int argc, char **argv) {
   ao.topk = K_;
   ao.max_tokens = M_;
   if (epd_attach(conn, &ao, &ep)) DIE("attach: %s", epd_conn_last_error(conn));
-  if (epd_info(ep, EPD_INFO_DEVICE) != dev) DIE("attached to device %lld, expected %d", (long long)epd_info(ep, EPD_INFO_DEVICE), dev);
+  if (epd_info(ep, EPD_INFO_DEVICE) != dev)
+    DIE("attached to device %lld, expected %d", (long long)epd_info(ep, EPD_INFO_DEVICE), dev);
   fill_inputs();
   char path[512];
   snprintf(path, sizeof path, "%s.rank%d.json", prefix, rank);
@@ -408,7 +432,10 @@ int main(int argc, char **argv) {
   put_num("iters", iters);
   put_num("dev_iters", dev_iters);
   put_num("kernel_submit", (double)epd_info(ep, EPD_INFO_KERNEL_SUBMIT));
-  static const struct { const char *tag; uint32_t flags; } dt[2] = {{"fp8", EPD_DESC_FP8}, {"bf16", 0}};
+  static const struct {
+    const char *tag;
+    uint32_t flags;
+  } dt[2] = {{"fp8", EPD_DESC_FP8}, {"bf16", 0}};
   for (int d = 0; d < 2; d++) {
     barrier();
     for (int i = 0; i < 20; i++) step_enqueue(dt[d].flags, i & 1); /* warm-up */

@@ -15,8 +15,8 @@ namespace {
  * tx (diagnostics, may be NULL): tx[4*i + 2*o] = the submit's return, tx[4*i + 2*o + 1] = DONE seen (before
  * the completion record is read and the slot freed). */
 __global__ void e2e_dev_loop(epd_slot_t *slots, uint32_t first, uint32_t nsteps, uint32_t bank0,
-                             uint32_t ntok, uint32_t flags, uint64_t timeout_ns, uint64_t *ts,
-                             int *status, uint64_t *tx) {
+                             uint32_t ntok, uint32_t flags, uint64_t timeout_ns, uint64_t *ts, int *status,
+                             uint64_t *tx) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   uint32_t s = first;
   for (uint32_t i = 0; i < nsteps; i++) {
@@ -68,7 +68,8 @@ extern "C" int e2e_dev_launch_tx(void *slots, uint32_t first, uint32_t nsteps, u
 }
 extern "C" int e2e_dev_launch(void *slots, uint32_t first, uint32_t nsteps, uint32_t bank0, uint32_t ntok,
                               uint32_t flags, uint64_t timeout_ns, uint64_t *ts, int *status, void *stream) {
-  return e2e_dev_launch_tx(slots, first, nsteps, bank0, ntok, flags, timeout_ns, ts, status, (uint64_t *)0, stream);
+  return e2e_dev_launch_tx(slots, first, nsteps, bank0, ntok, flags, timeout_ns, ts, status, (uint64_t *)0,
+                           stream);
 }
 /* Load the client kernel now: with lazy module loading its first launch would wait for the kernels
  * running in the context, a persistent kernel that waits for this one's submissions among them. */

@@ -37,21 +37,21 @@
 #include "bench_kernels.h"
 #include "core/ref.h"
 
-#define CUCK(e)                                                                                 \
-  do {                                                                                          \
-    cudaError_t c_ = (e);                                                                       \
-    if (c_ != cudaSuccess) {                                                                    \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #e, cudaGetErrorString(c_));        \
-      exit(1);                                                                                  \
-    }                                                                                           \
+#define CUCK(e)                                                                          \
+  do {                                                                                   \
+    cudaError_t c_ = (e);                                                                \
+    if (c_ != cudaSuccess) {                                                             \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #e, cudaGetErrorString(c_)); \
+      exit(1);                                                                           \
+    }                                                                                    \
   } while (0)
-#define CK(e)                                                                                   \
-  do {                                                                                          \
-    int r_ = (int)(e);                                                                          \
-    if (r_) {                                                                                   \
-      fprintf(stderr, "%s:%d %s = %d: %s\n", __FILE__, __LINE__, #e, r_, h.kh.err);                \
-      exit(1);                                                                                  \
-    }                                                                                           \
+#define CK(e)                                                                       \
+  do {                                                                              \
+    int r_ = (int)(e);                                                              \
+    if (r_) {                                                                       \
+      fprintf(stderr, "%s:%d %s = %d: %s\n", __FILE__, __LINE__, #e, r_, h.kh.err); \
+      exit(1);                                                                      \
+    }                                                                               \
   } while (0)
 
 static volatile uint32_t *g_flag;
@@ -367,14 +367,22 @@ int main(int argc, char **argv) {
   const char *modes[5] = {"reg", "dense", "dense-reg", "tma", "staging"};
   char modes_buf[64] = "";
   for (int i = 1; i + 1 < argc; i += 2) {
-    if (!strcmp(argv[i], "--tokens")) T = (uint32_t)atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "--hidden")) H = (uint32_t)atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "--topk")) K = (uint32_t)atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "--experts")) E = (uint32_t)atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "--iters")) iters = (uint32_t)atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "--blocks")) nb = parse_list(argv[i + 1], blist, 8);
-    else if (!strcmp(argv[i], "--trace")) do_trace = atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "--baselines")) baselines = atoi(argv[i + 1]);
+    if (!strcmp(argv[i], "--tokens"))
+      T = (uint32_t)atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "--hidden"))
+      H = (uint32_t)atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "--topk"))
+      K = (uint32_t)atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "--experts"))
+      E = (uint32_t)atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "--iters"))
+      iters = (uint32_t)atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "--blocks"))
+      nb = parse_list(argv[i + 1], blist, 8);
+    else if (!strcmp(argv[i], "--trace"))
+      do_trace = atoi(argv[i + 1]);
+    else if (!strcmp(argv[i], "--baselines"))
+      baselines = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--modes")) {
       snprintf(modes_buf, sizeof modes_buf, "%s", argv[i + 1]);
       nmodes = 0;
@@ -395,7 +403,8 @@ int main(int argc, char **argv) {
   const int share = kh_share(2);
   for (int i = 0; i < nb; i++) {
     const uint32_t b = kh_ht_blocks(blist[i], share, 0);
-    if (b != blist[i]) printf("--blocks %u: %u (the ranks share a GPU, each gets its part of the SMs)\n", blist[i], b);
+    if (b != blist[i])
+      printf("--blocks %u: %u (the ranks share a GPU, each gets its part of the SMs)\n", blist[i], b);
     blist[i] = b;
   }
   int v = 0;
@@ -403,10 +412,13 @@ int main(int argc, char **argv) {
   int drv = 0, rt = 0;
   cudaDriverGetVersion(&drv);
   cudaRuntimeGetVersion(&rt);
-  printf("HT bench: 2 ranks, %u tokens/rank, hidden %u, top-%u, %u experts; NCCL %d, CUDA runtime %d, driver API %d\n",
-         T, H, K, E, v, rt, drv);
+  printf(
+      "HT bench: 2 ranks, %u tokens/rank, hidden %u, top-%u, %u experts; NCCL %d, CUDA runtime %d, driver "
+      "API %d\n",
+      T, H, K, E, v, rt, drv);
   if (share > 1)
-    printf("the 2 ranks share one GPU: no NVLink, figures not comparable with the records of a GPU per rank\n");
+    printf(
+        "the 2 ranks share one GPU: no NVLink, figures not comparable with the records of a GPU per rank\n");
   CUCK(cudaHostAlloc((void **)&g_flag, 4, cudaHostAllocMapped | cudaHostAllocPortable));
   *g_flag = 0;
   CUCK(cudaHostGetDevicePointer((void **)&g_flag_dev, (void *)g_flag, 0));
@@ -457,8 +469,10 @@ int main(int argc, char **argv) {
     for (int r = 0; r < 2; r++) {
       cudaSetDevice(epd_cc_device(h.kh.cc, r));
       CUCK(cudaMemcpy(hth_buf(&h, r, 0, EPD_BUF_X), x[r], (size_t)T * H * 2, cudaMemcpyHostToDevice));
-      CUCK(cudaMemcpy(hth_buf(&h, r, 0, EPD_BUF_TOPK_IDX), topk[r], (size_t)T * K * 8, cudaMemcpyHostToDevice));
-      CUCK(cudaMemcpy(hth_buf(&h, r, 0, EPD_BUF_TOPK_WEIGHTS), w[r], (size_t)T * K * 4, cudaMemcpyHostToDevice));
+      CUCK(cudaMemcpy(hth_buf(&h, r, 0, EPD_BUF_TOPK_IDX), topk[r], (size_t)T * K * 8,
+                      cudaMemcpyHostToDevice));
+      CUCK(cudaMemcpy(hth_buf(&h, r, 0, EPD_BUF_TOPK_WEIGHTS), w[r], (size_t)T * K * 4,
+                      cudaMemcpyHostToDevice));
       CUCK(cudaMemset(hth_buf(&h, r, 0, EPD_BUF_HT_Y), 0x3c, (size_t)C * H * 2));
       CUCK(cudaDeviceSynchronize());
     }
@@ -488,7 +502,8 @@ int main(int argc, char **argv) {
         epd_comp_t c0, c1;
         hth_comp(&h, r, 0, &c0);
         hth_comp(&h, r, 1, &c1);
-        if (c0.status || c1.status) printf("rank %d: status dispatch %d combine %d\n", r, c0.status, c1.status);
+        if (c0.status || c1.status)
+          printf("rank %d: status dispatch %d combine %d\n", r, c0.status, c1.status);
       }
       double rowb[3] = {2.0 * H, H + H / 128 * 4.0, 2.0 * H};
       if (do_trace) {
@@ -516,8 +531,8 @@ int main(int argc, char **argv) {
               CUCK(cudaDeviceSynchronize());
             }
             gate_start(h.kh.cc, h.kh.st, &tm);
-            CK(hth_launch(&h, 3, o < 2 ? EPD_OP_HT_DISPATCH : EPD_OP_HT_COMBINE, 0, ntok, o == 1 ? EPD_DESC_FP8 : 0,
-                          2000000000ull));
+            CK(hth_launch(&h, 3, o < 2 ? EPD_OP_HT_DISPATCH : EPD_OP_HT_COMBINE, 0, ntok,
+                          o == 1 ? EPD_DESC_FP8 : 0, 2000000000ull));
             gate_end(h.kh.cc, h.kh.st, &tm, 3);
             uint64_t hv[16];
             cudaSetDevice(epd_cc_device(h.kh.cc, 0));
@@ -525,7 +540,8 @@ int main(int argc, char **argv) {
             if (o < 2 && hv[10]) hv[10] = ~hv[10]; /* the earliest block's stamp, stored complemented */
             for (int i = 1; i < nst; i++) acc[i] += hv[i] ? (double)(hv[i] - hv[0]) / 1000.0 : -1.0;
           }
-          printf("trace %-14s %-7s SMs %3u (us from %s):", opnames[o], modes[mi], blist[bi], o < 2 ? "route start" : "start");
+          printf("trace %-14s %-7s SMs %3u (us from %s):", opnames[o], modes[mi], blist[bi],
+                 o < 2 ? "route start" : "start");
           for (int i = 1; i < nst; i++) printf(" [%d] %.1f", i, acc[i] / 5);
           printf("\n");
         }
@@ -537,12 +553,14 @@ int main(int argc, char **argv) {
       }
       for (int o = 0; o < 3; o++) {
         double us = sum[o] / iters, gbs = rows * rowb[o] / (us * 1e-6) / 1e9;
-        printf("%-14s %-7s SMs %3u: %8.1f us  %6.1f GB/s per direction\n", opnames[o], modes[mi], blist[bi], us, gbs);
+        printf("%-14s %-7s SMs %3u: %8.1f us  %6.1f GB/s per direction\n", opnames[o], modes[mi], blist[bi],
+               us, gbs);
         if (!strcmp(modes[mi], "reg")) reg_gbs[bi][o] = gbs;
         if (!strcmp(modes[mi], "dense")) dense_gbs[bi][o] = gbs;
-        printf("JSON {\"op\":\"ht_%s\",\"mode\":\"%s\",\"sms\":%u,\"tokens\":%u,\"hidden\":%u,\"us\":%.1f,"
-               "\"algbw_gbs\":%.1f}\n",
-               opnames[o], modes[mi], blist[bi], T, H, us, gbs);
+        printf(
+            "JSON {\"op\":\"ht_%s\",\"mode\":\"%s\",\"sms\":%u,\"tokens\":%u,\"hidden\":%u,\"us\":%.1f,"
+            "\"algbw_gbs\":%.1f}\n",
+            opnames[o], modes[mi], blist[bi], T, H, us, gbs);
       }
     }
     /* baselines once, on the first context's communicators (--baselines 0: none) */
@@ -573,8 +591,10 @@ int main(int argc, char **argv) {
         if (it >= 3) ns += us;
       }
       double us = ns / iters, gbs = rows * 2.0 * H / (us * 1e-6) / 1e9;
-      printf("%-14s        : %8.1f us  %6.1f GB/s per direction (same bytes as the BF16 dispatch)\n", "nccl_sendrecv", us, gbs);
-      printf("JSON {\"op\":\"nccl_sendrecv\",\"tokens\":%u,\"hidden\":%u,\"us\":%.1f,\"algbw_gbs\":%.1f}\n", T, H, us, gbs);
+      printf("%-14s        : %8.1f us  %6.1f GB/s per direction (same bytes as the BF16 dispatch)\n",
+             "nccl_sendrecv", us, gbs);
+      printf("JSON {\"op\":\"nccl_sendrecv\",\"tokens\":%u,\"hidden\":%u,\"us\":%.1f,\"algbw_gbs\":%.1f}\n",
+             T, H, us, gbs);
       /* plain copy kernel into the peer GPU */
       for (int r = 0; r < 2 && epd_cc_device(h.kh.cc, 0) != epd_cc_device(h.kh.cc, 1); r++) {
         cudaSetDevice(epd_cc_device(h.kh.cc, r));
@@ -603,11 +623,11 @@ int main(int argc, char **argv) {
             if (it >= 2) cs_us += u1;
           }
           double cu = cs_us / 6, cg = cb / (cu * 1e-6) / 1e9;
-          printf("copy_kernel %-4s blocks %3u: %8.1f us  %6.1f GB/s per direction (256 MiB)\n", both ? "both" : "one",
-                 cbl[ci], cu, cg);
+          printf("copy_kernel %-4s blocks %3u: %8.1f us  %6.1f GB/s per direction (256 MiB)\n",
+                 both ? "both" : "one", cbl[ci], cu, cg);
           if (both && cg > ceil_gbs) ceil_gbs = cg;
-          printf("JSON {\"op\":\"copy_%s\",\"blocks\":%u,\"bytes\":%zu,\"us\":%.1f,\"gbs\":%.1f}\n", both ? "both" : "one",
-                 cbl[ci], cb, cu, cg);
+          printf("JSON {\"op\":\"copy_%s\",\"blocks\":%u,\"bytes\":%zu,\"us\":%.1f,\"gbs\":%.1f}\n",
+                 both ? "both" : "one", cbl[ci], cb, cu, cg);
         }
       /* the copy kernel moving the op's bytes (rows crossing NVLink x 2H) both ways at once: push (what
        * dispatch does) and pull (what combine does), on the SM counts of the HT runs */
@@ -627,10 +647,10 @@ int main(int argc, char **argv) {
             if (it >= 3) cs_us += u1;
           }
           double cu = cs_us / iters, cg = rows * 2.0 * H / (cu * 1e-6) / 1e9;
-          printf("copy_kernel %s both, op bytes, blocks %3u: %8.1f us  %6.1f GB/s per direction\n", pull ? "pull" : "push",
-                 blist[bi2], cu, cg);
-          printf("JSON {\"op\":\"copy_%s_both_opbytes\",\"blocks\":%u,\"us\":%.1f,\"gbs\":%.1f}\n", pull ? "pull" : "push",
-                 blist[bi2], cu, cg);
+          printf("copy_kernel %s both, op bytes, blocks %3u: %8.1f us  %6.1f GB/s per direction\n",
+                 pull ? "pull" : "push", blist[bi2], cu, cg);
+          printf("JSON {\"op\":\"copy_%s_both_opbytes\",\"blocks\":%u,\"us\":%.1f,\"gbs\":%.1f}\n",
+                 pull ? "pull" : "push", blist[bi2], cu, cg);
         }
       /* the same bytes through the bulk-copy engine (TMA), both ways, 2 / 4 / 6 chunks in flight per SM,
        * pushing (what dispatch does) and pulling (what combine does): how close can this many SMs get to
@@ -677,10 +697,12 @@ int main(int argc, char **argv) {
           }
 #undef TMA_SRC
           double cu = cs_us / iters, cg = (double)(nbt[0] + nbt[1]) / 2 / (cu * 1e-6) / 1e9;
-          printf("copy_tma %s both, %s, blocks %3u, %u x 32 KB in flight: %8.1f us  %6.1f GB/s per direction\n",
-                 pull ? "pull" : "push", big ? "256 MiB" : "op bytes", blist[bi2], stages, cu, cg);
-          printf("JSON {\"op\":\"copy_tma_%s_both_%s\",\"blocks\":%u,\"stages\":%u,\"us\":%.1f,\"gbs\":%.1f}\n",
-                 pull ? "pull" : "push", big ? "256mib" : "opbytes", blist[bi2], stages, cu, cg);
+          printf(
+              "copy_tma %s both, %s, blocks %3u, %u x 32 KB in flight: %8.1f us  %6.1f GB/s per direction\n",
+              pull ? "pull" : "push", big ? "256 MiB" : "op bytes", blist[bi2], stages, cu, cg);
+          printf(
+              "JSON {\"op\":\"copy_tma_%s_both_%s\",\"blocks\":%u,\"stages\":%u,\"us\":%.1f,\"gbs\":%.1f}\n",
+              pull ? "pull" : "push", big ? "256mib" : "opbytes", blist[bi2], stages, cu, cg);
         }
       if (ce_bench(&h, &tm, x, plan.ht_pos, M, T, H, nbytes, cs, cd, iters) != 0) return 1;
       /* the copy kernel reading the peer's memory (what the combine's pull does), one direction */
@@ -694,8 +716,10 @@ int main(int argc, char **argv) {
           if (it >= 2) cs_us += u1;
         }
         double cu = cs_us / 6, cg = cb / (cu * 1e-6) / 1e9;
-        printf("copy_kernel pull blocks %3u: %8.1f us  %6.1f GB/s per direction (256 MiB)\n", cbl[ci], cu, cg);
-        printf("JSON {\"op\":\"copy_pull\",\"blocks\":%u,\"bytes\":%zu,\"us\":%.1f,\"gbs\":%.1f}\n", cbl[ci], cb, cu, cg);
+        printf("copy_kernel pull blocks %3u: %8.1f us  %6.1f GB/s per direction (256 MiB)\n", cbl[ci], cu,
+               cg);
+        printf("JSON {\"op\":\"copy_pull\",\"blocks\":%u,\"bytes\":%zu,\"us\":%.1f,\"gbs\":%.1f}\n", cbl[ci],
+               cb, cu, cg);
       }
       for (int r = 0; r < 2; r++) {
         cudaSetDevice(epd_cc_device(h.kh.cc, r));
@@ -708,11 +732,15 @@ int main(int argc, char **argv) {
     hth_destroy(&h);
   }
   if (ceil_gbs > 0 && share > 1) {
-    printf("target: not evaluated (the ranks share a GPU: the copy-kernel ceiling is a copy within it, the "
-           "target is about NVLink)\n");
+    printf(
+        "target: not evaluated (the ranks share a GPU: the copy-kernel ceiling is a copy within it, the "
+        "target is about NVLink)\n");
   } else if (ceil_gbs > 0) {
-    printf("target: >= 95%% of the copy-kernel ceiling (best of 24/66/132 blocks, both directions at once: %.1f GB/s "
-           "per direction; 95%% = %.1f) on at most 24 SMs\n", ceil_gbs, 0.95 * ceil_gbs);
+    printf(
+        "target: >= 95%% of the copy-kernel ceiling (best of 24/66/132 blocks, both directions at once: %.1f "
+        "GB/s "
+        "per direction; 95%% = %.1f) on at most 24 SMs\n",
+        ceil_gbs, 0.95 * ceil_gbs);
     for (int dn = 0; dn < 2; dn++)
       for (int bi = 0; bi < nb; bi++)
         for (int o = 0; o < 3; o++) {
@@ -721,8 +749,11 @@ int main(int argc, char **argv) {
           const double pct = 100.0 * g / ceil_gbs;
           printf("target %-14s %-5s SMs %3u: %6.1f GB/s = %5.1f%% of the ceiling (%s)\n", opnames[o],
                  dn ? "dense" : "reg", blist[bi], g, pct, pct >= 95.0 ? "met" : "missed");
-          printf("JSON {\"op\":\"target_%s\",\"mode\":\"%s\",\"sms\":%u,\"gbs\":%.1f,\"ceiling_gbs\":%.1f,\"pct\":%.1f}\n",
-                 opnames[o], dn ? "dense" : "reg", blist[bi], g, ceil_gbs, pct);
+          printf(
+              "JSON "
+              "{\"op\":\"target_%s\",\"mode\":\"%s\",\"sms\":%u,\"gbs\":%.1f,\"ceiling_gbs\":%.1f,\"pct\":%."
+              "1f}\n",
+              opnames[o], dn ? "dense" : "reg", blist[bi], g, ceil_gbs, pct);
         }
   }
   return 0;

@@ -32,7 +32,8 @@ __global__ void __launch_bounds__(512) copy_kernel(int4 *dst, const int4 *src, s
  * CPY_CH-byte chunks global -> shared (TMA load) -> destination (TMA store), `nst` chunks in flight ---- */
 namespace {
 constexpr uint32_t CPY_CH = 32768, CPY_MAXST = 6;
-__global__ void __launch_bounds__(32) copy_tma_kernel(char *dst, const char *src, size_t bytes, uint32_t nst) {
+__global__ void __launch_bounds__(32)
+    copy_tma_kernel(char *dst, const char *src, size_t bytes, uint32_t nst) {
   extern __shared__ __align__(128) char cbuf[];
   __shared__ __align__(8) uint64_t cbar[CPY_MAXST];
   if (threadIdx.x != 0) return;
@@ -41,11 +42,12 @@ __global__ void __launch_bounds__(32) copy_tma_kernel(char *dst, const char *src
   const size_t nch = (bytes + CPY_CH - 1) / CPY_CH, G = gridDim.x;
   const uint64_t deadline = gtimer() + 2000000000ull;
   auto load = [&](uint64_t k) { /* this block's k-th chunk into stage k % nst */
-    const size_t c = blockIdx.x + k * G;
-    if (c >= nch) return;
-    const uint32_t len = (uint32_t)min((size_t)CPY_CH, bytes - c * CPY_CH), st = (uint32_t)(k % nst);
-    mbar_expect_tx(&cbar[st], len);
-    tma_load(cbuf + (size_t)st * CPY_CH, src + c * CPY_CH, len, &cbar[st]);
+                                const size_t c = blockIdx.x + k * G;
+                                if (c >= nch) return;
+                                const uint32_t len = (uint32_t)min((size_t)CPY_CH, bytes - c * CPY_CH),
+                                               st = (uint32_t)(k % nst);
+                                mbar_expect_tx(&cbar[st], len);
+                                tma_load(cbuf + (size_t)st * CPY_CH, src + c * CPY_CH, len, &cbar[st]);
   };
   for (uint64_t k = 0; k < nst; k++) load(k);
   for (uint64_t k = 0; blockIdx.x + k * G < nch; k++) {
@@ -64,12 +66,13 @@ __global__ void __launch_bounds__(32) copy_tma_kernel(char *dst, const char *src
 }
 } /* namespace */
 
-extern "C" epd_result_t epd_k_copy_tma(void *dst, const void *src, size_t bytes, uint32_t blocks, uint32_t stages,
-                                       void *stream) {
+extern "C" epd_result_t epd_k_copy_tma(void *dst, const void *src, size_t bytes, uint32_t blocks,
+                                       uint32_t stages, void *stream) {
   if ((uintptr_t)dst % 16 || (uintptr_t)src % 16 || bytes % 16 || !blocks || stages < 2 || stages > CPY_MAXST)
     return EPD_ERR_INVALID;
   const size_t smem = (size_t)CPY_CH * stages;
-  if (cudaFuncSetAttribute(copy_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess)
+  if (cudaFuncSetAttribute(copy_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) !=
+      cudaSuccess)
     return EPD_ERR_CUDA;
   copy_tma_kernel<<<blocks, 32, smem, (cudaStream_t)stream>>>((char *)dst, (const char *)src, bytes, stages);
   return cudaGetLastError() == cudaSuccess ? EPD_OK : EPD_ERR_CUDA;
@@ -89,9 +92,9 @@ namespace {
  * its rows of a chunk to the chunk's count once their stores completed (PACK_LAG stores may still be in
  * flight behind them); the block that completes the chunk raises its flag. */
 constexpr uint32_t PACK_LAG = 8, PACK_IDX = 2048;
-__global__ void __launch_bounds__(32) pack_rows_kernel(char *dst, const char *src, const int32_t *idx, uint32_t n,
-                                                       uint32_t rowb, uint32_t ch, uint32_t *cnt, uint32_t *flags,
-                                                       uint32_t seq, uint32_t nst) {
+__global__ void __launch_bounds__(32)
+    pack_rows_kernel(char *dst, const char *src, const int32_t *idx, uint32_t n, uint32_t rowb, uint32_t ch,
+                     uint32_t *cnt, uint32_t *flags, uint32_t seq, uint32_t nst) {
   extern __shared__ __align__(128) char pbuf[];
   __shared__ __align__(8) uint64_t pbar[32];
   __shared__ int32_t sidx[PACK_IDX];

@@ -90,8 +90,8 @@ typedef struct bclient {
   uint32_t next;
 } bclient_t;
 
-static int battach(epd_engine_t *eng, const char *group, int rank, uint32_t E, uint32_t H, uint32_t K, uint32_t M,
-                   uint64_t wb, bclient_t *c) {
+static int battach(epd_engine_t *eng, const char *group, int rank, uint32_t E, uint32_t H, uint32_t K,
+                   uint32_t M, uint64_t wb, bclient_t *c) {
   epd_attach_req_t req;
   memset(&req, 0, sizeof req);
   snprintf(req.group, sizeof req.group, "%s", group);
@@ -116,7 +116,8 @@ static int battach(epd_engine_t *eng, const char *group, int rank, uint32_t E, u
 
 static void *bbuf(bclient_t *c, uint32_t kind, uint32_t bank) {
   for (uint32_t i = 0; i < c->info.nbuffers; i++)
-    if (c->info.buffers[i].kind == kind && c->info.buffers[i].bank == bank) return c->arena + c->info.buffers[i].offset;
+    if (c->info.buffers[i].kind == kind && c->info.buffers[i].bank == bank)
+      return c->arena + c->info.buffers[i].offset;
   return NULL;
 }
 
@@ -165,8 +166,8 @@ static void *sw_rank(void *arg) {
   epd_ref_geom_t g = {2, w->E, w->H, w->K, w->M, w->S, c->info.ht_capacity};
   if (c->arena)
     for (uint32_t b = 0; b < EPD_NUM_BANKS; b++) /* fixed inputs: routing work is what a real step has */
-      epd_ref_gen_input(7, b, (uint32_t)a->rank, &g, w->T, 0, bbuf(c, EPD_BUF_X, b), bbuf(c, EPD_BUF_TOPK_IDX, b),
-                        bbuf(c, EPD_BUF_TOPK_WEIGHTS, b));
+      epd_ref_gen_input(7, b, (uint32_t)a->rank, &g, w->T, 0, bbuf(c, EPD_BUF_X, b),
+                        bbuf(c, EPD_BUF_TOPK_IDX, b), bbuf(c, EPD_BUF_TOPK_WEIGHTS, b));
   uint32_t last = 0;
   for (int step = 0; step < NSTEPS; step++) {
     uint32_t bank = (uint32_t)step % EPD_NUM_BANKS;
@@ -208,7 +209,8 @@ static void *sw_setter(void *arg) {
       epd_replica_t cand = {(uint32_t)(epd_ref_rand(&rs) % 2), (uint32_t)(epd_ref_rand(&rs) % w->S)};
       int used = 0;
       for (uint32_t x = 0; x < w->E && !used; x++)
-        for (uint32_t i = 0; i < m.nrep[x]; i++) used |= m.rep[x][i].rank == cand.rank && m.rep[x][i].slot == cand.slot;
+        for (uint32_t i = 0; i < m.nrep[x]; i++)
+          used |= m.rep[x][i].rank == cand.rank && m.rep[x][i].slot == cand.slot;
       if (!used) {
         m.rep[e][0] = cand;
         break;
@@ -268,8 +270,10 @@ static sw_result_t run_switching(const char *backend, uint32_t T) {
   for (uint32_t v = 2; v < NSTEPS; v++)
     if (w.t_set[v] > 0 && w.t_first[v] > 0) lat[nl++] = w.t_first[v] - w.t_set[v];
   for (int s = 100; s < NSTEPS; s++) { /* skip warm-up */
-    if (w.ver[s] != w.ver[s - 1]) swd[ns++] = w.disp_us[s];
-    else nod[nn++] = w.disp_us[s];
+    if (w.ver[s] != w.ver[s - 1])
+      swd[ns++] = w.disp_us[s];
+    else
+      nod[nn++] = w.disp_us[s];
   }
   res.ok = 1;
   res.switches = nl;
@@ -324,7 +328,7 @@ static mig_result_t run_migration(const char *backend) {
   for (int r = 0; r < 2; r++)
     if (battach(eng, "m", r, E, 128, 4, 16, WB, &c[r])) goto out;
   uint32_t S = c[0].info.slots_per_rank; /* 32: experts 0..7 on rank 0 slots 0..7 */
-  for (int r = 0; r < 2; r++) /* prefault (GPU arenas are backed at allocation) */
+  for (int r = 0; r < 2; r++)            /* prefault (GPU arenas are backed at allocation) */
     if (c[r].arena) memset(bbuf(&c[r], EPD_BUF_EXPERT_WEIGHTS, 0), 0x11 * (r + 1), S * WB);
   enum { ROUNDS = 9, NORMAL = 8 };
   double copy_ms[ROUNDS], normal[ROUNDS * NORMAL];
@@ -461,14 +465,18 @@ int main(int argc, char **argv) {
   int cuda = 0;
   size_t window_mib = 1024;
   for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--cuda")) cuda = 1;
-    else if (!strcmp(argv[i], "--window-mib") && i + 1 < argc) window_mib = (size_t)atoi(argv[++i]);
-    else outdir = argv[i];
+    if (!strcmp(argv[i], "--cuda"))
+      cuda = 1;
+    else if (!strcmp(argv[i], "--window-mib") && i + 1 < argc)
+      window_mib = (size_t)atoi(argv[++i]);
+    else
+      outdir = argv[i];
   }
   sw_result_t hs = run_switching("host", 64);
-  printf("host: %d switches; SetExpertMap -> first step on it: median %.1f us, p99 %.1f us; dispatch: switching "
-         "%.1f/%.1f us, normal %.1f/%.1f us (median/p99)\n", hs.switches, hs.lat_med, hs.lat_p99, hs.sw_med, hs.sw_p99,
-         hs.norm_med, hs.norm_p99);
+  printf(
+      "host: %d switches; SetExpertMap -> first step on it: median %.1f us, p99 %.1f us; dispatch: switching "
+      "%.1f/%.1f us, normal %.1f/%.1f us (median/p99)\n",
+      hs.switches, hs.lat_med, hs.lat_p99, hs.sw_med, hs.sw_p99, hs.norm_med, hs.norm_p99);
   mig_result_t mg = run_migration("host");
   printf("host migration of 64 MiB: %.2f ms (%.2f GB/s)\n", mg.copy_ms_med, mg.gbps_med);
   mig_result_t mc;
@@ -479,21 +487,25 @@ int main(int argc, char **argv) {
   memset(&gr, 0, sizeof gr);
   const int share = cuda ? gpu_map() : 0;
   if (share > 1)
-    printf("the 2 ranks share one GPU: migrations and cudaMemcpyPeer are copies within it (no NVLink), figures not "
-           "comparable with the records of a GPU per rank\n");
+    printf(
+        "the 2 ranks share one GPU: migrations and cudaMemcpyPeer are copies within it (no NVLink), figures "
+        "not "
+        "comparable with the records of a GPU per rank\n");
   if (cuda) {
     gr = run_recreate(window_mib);
     if (gr.ok)
-      printf("today: NCCL comm create %.1f ms + %zu MiB window register %.1f ms + teardown %.1f ms = %.1f ms; "
-             "cudaMemcpyPeer 64 MiB %.1f GB/s\n", gr.create_ms, window_mib, gr.window_ms, gr.teardown_ms, gr.total_ms,
-             gr.peer_gbps);
+      printf(
+          "today: NCCL comm create %.1f ms + %zu MiB window register %.1f ms + teardown %.1f ms = %.1f ms; "
+          "cudaMemcpyPeer 64 MiB %.1f GB/s\n",
+          gr.create_ms, window_mib, gr.window_ms, gr.teardown_ms, gr.total_ms, gr.peer_gbps);
     mc = run_migration("cuda");
     if (mc.ok) printf("cuda migration of 64 MiB: %.3f ms (%.1f GB/s)\n", mc.copy_ms_med, mc.gbps_med);
     cs = run_switching("cuda", 0);
     if (cs.ok)
-      printf("cuda: %d switches; SetExpertMap -> first step: median %.1f us, p99 %.1f us; dispatch: switching "
-             "%.1f/%.1f us, normal %.1f/%.1f us\n", cs.switches, cs.lat_med, cs.lat_p99, cs.sw_med, cs.sw_p99,
-             cs.norm_med, cs.norm_p99);
+      printf(
+          "cuda: %d switches; SetExpertMap -> first step: median %.1f us, p99 %.1f us; dispatch: switching "
+          "%.1f/%.1f us, normal %.1f/%.1f us\n",
+          cs.switches, cs.lat_med, cs.lat_p99, cs.sw_med, cs.sw_p99, cs.norm_med, cs.norm_p99);
   }
   struct utsname u;
   uname(&u);
@@ -508,56 +520,88 @@ int main(int argc, char **argv) {
     perror(path);
     return 1;
   }
-  fprintf(f, "{\n  \"bench\": \"map\",\n  \"date\": \"%s\",\n  \"host\": \"%s %s\",\n  \"epd_version\": \"%s\",\n",
-          date, u.nodename, u.release, EPD_VERSION);
-  fprintf(f, "  \"command\": \"%s\",\n  \"geometry\": \"2 ranks, 32 experts, hidden 2048, topk 8, max_tokens 128, "
-          "slots 200%%, host T=64 tokens/rank, cuda T=0, a new map every %d steps, %d steps\",\n", cmd, EVERY, NSTEPS);
-  fprintf(f, "  \"host\": {\"switches\": %d, \"set_to_first_step_us\": {\"median\": %.2f, \"p99\": %.2f}, "
-          "\"dispatch_switching_us\": {\"median\": %.2f, \"p99\": %.2f}, \"dispatch_normal_us\": {\"median\": %.2f, "
-          "\"p99\": %.2f}, \"migration_64mib_ms\": %.3f, \"migration_gbps\": %.2f},\n", hs.switches, hs.lat_med,
-          hs.lat_p99, hs.sw_med, hs.sw_p99, hs.norm_med, hs.norm_p99, mg.copy_ms_med, mg.gbps_med);
+  fprintf(
+      f,
+      "{\n  \"bench\": \"map\",\n  \"date\": \"%s\",\n  \"host\": \"%s %s\",\n  \"epd_version\": \"%s\",\n",
+      date, u.nodename, u.release, EPD_VERSION);
+  fprintf(
+      f,
+      "  \"command\": \"%s\",\n  \"geometry\": \"2 ranks, 32 experts, hidden 2048, topk 8, max_tokens 128, "
+      "slots 200%%, host T=64 tokens/rank, cuda T=0, a new map every %d steps, %d steps\",\n",
+      cmd, EVERY, NSTEPS);
+  fprintf(f,
+          "  \"host\": {\"switches\": %d, \"set_to_first_step_us\": {\"median\": %.2f, \"p99\": %.2f}, "
+          "\"dispatch_switching_us\": {\"median\": %.2f, \"p99\": %.2f}, \"dispatch_normal_us\": "
+          "{\"median\": %.2f, "
+          "\"p99\": %.2f}, \"migration_64mib_ms\": %.3f, \"migration_gbps\": %.2f},\n",
+          hs.switches, hs.lat_med, hs.lat_p99, hs.sw_med, hs.sw_p99, hs.norm_med, hs.norm_p99, mg.copy_ms_med,
+          mg.gbps_med);
   if (cuda) fprintf(f, "  \"ranks_per_gpu\": %d,\n", share);
   if (cuda)
-    fprintf(f, "  \"gpu\": \"%s\", \"nccl\": \"%s\",\n  \"cuda\": {\"ok\": %d, \"switches\": %d, \"set_to_first_step_us\": "
-            "{\"median\": %.2f, \"p99\": %.2f}, \"dispatch_switching_us\": {\"median\": %.2f, \"p99\": %.2f}, "
-            "\"dispatch_normal_us\": {\"median\": %.2f, \"p99\": %.2f}},\n  \"today\": {\"ok\": %d, \"comm_create_ms\": "
-            "%.2f, \"window_mib\": %zu, \"window_register_ms\": %.2f, \"teardown_ms\": %.2f, \"total_ms\": %.2f, "
-            "\"memcpy_peer_64mib_gbps\": %.2f},\n  \"cuda_migration\": {\"ok\": %d, \"migration_64mib_ms\": %.3f, "
-            "\"migration_gbps\": %.2f},\n", gr.gpu, gr.nccl, cs.ok, cs.switches, cs.lat_med, cs.lat_p99, cs.sw_med,
-            cs.sw_p99, cs.norm_med, cs.norm_p99, gr.ok, gr.create_ms, window_mib, gr.window_ms, gr.teardown_ms,
-            gr.total_ms, gr.peer_gbps, mc.ok, mc.copy_ms_med, mc.gbps_med);
+    fprintf(
+        f,
+        "  \"gpu\": \"%s\", \"nccl\": \"%s\",\n  \"cuda\": {\"ok\": %d, \"switches\": %d, "
+        "\"set_to_first_step_us\": "
+        "{\"median\": %.2f, \"p99\": %.2f}, \"dispatch_switching_us\": {\"median\": %.2f, \"p99\": %.2f}, "
+        "\"dispatch_normal_us\": {\"median\": %.2f, \"p99\": %.2f}},\n  \"today\": {\"ok\": %d, "
+        "\"comm_create_ms\": "
+        "%.2f, \"window_mib\": %zu, \"window_register_ms\": %.2f, \"teardown_ms\": %.2f, \"total_ms\": %.2f, "
+        "\"memcpy_peer_64mib_gbps\": %.2f},\n  \"cuda_migration\": {\"ok\": %d, \"migration_64mib_ms\": "
+        "%.3f, "
+        "\"migration_gbps\": %.2f},\n",
+        gr.gpu, gr.nccl, cs.ok, cs.switches, cs.lat_med, cs.lat_p99, cs.sw_med, cs.sw_p99, cs.norm_med,
+        cs.norm_p99, gr.ok, gr.create_ms, window_mib, gr.window_ms, gr.teardown_ms, gr.total_ms, gr.peer_gbps,
+        mc.ok, mc.copy_ms_med, mc.gbps_med);
   fprintf(f, "  \"ok\": %d\n}\n", hs.ok && mg.ok);
   fclose(f);
   snprintf(path, sizeof path, "%s/map-%s.md", outdir, cuda ? "gpu" : "host");
   f = fopen(path, "w");
   if (!f) return 1;
-  fprintf(f, "# Expert map switch benchmark (%s)\n\n%s, host %s, epd %s. Command: `%s`.\n\n", cuda ? "GPU" : "host", date,
-          u.nodename, EPD_VERSION, cmd);
-  fprintf(f, "2 ranks, 32 experts, hidden 2048, topk 8, max_tokens 128, 200%% slots; ranks step LL dispatch + combine "
-          "back to back, a new map (one expert moved) staged every %d steps; %d steps.\n\n", EVERY, NSTEPS);
+  fprintf(f, "# Expert map switch benchmark (%s)\n\n%s, host %s, epd %s. Command: `%s`.\n\n",
+          cuda ? "GPU" : "host", date, u.nodename, EPD_VERSION, cmd);
+  fprintf(f,
+          "2 ranks, 32 experts, hidden 2048, topk 8, max_tokens 128, 200%% slots; ranks step LL dispatch + "
+          "combine "
+          "back to back, a new map (one expert moved) staged every %d steps; %d steps.\n\n",
+          EVERY, NSTEPS);
   if (share > 1)
-    fprintf(f, "The 2 ranks share one GPU (NCCL's multi-rank mode): the CUDA backend's migrations and cudaMemcpyPeer "
-               "below are copies within it, no NVLink; not comparable with the records of a GPU per rank.\n\n");
-  fprintf(f, "| backend | switches | SetExpertMap -> first step on it (median / p99) | switching dispatch (median / "
-          "p99) | normal dispatch (median / p99) |\n|---|---|---|---|---|\n");
-  fprintf(f, "| host (64 tokens/rank) | %d | %.1f / %.1f us | %.1f / %.1f us | %.1f / %.1f us |\n", hs.switches, hs.lat_med,
-          hs.lat_p99, hs.sw_med, hs.sw_p99, hs.norm_med, hs.norm_p99);
+    fprintf(f,
+            "The 2 ranks share one GPU (NCCL's multi-rank mode): the CUDA backend's migrations and "
+            "cudaMemcpyPeer "
+            "below are copies within it, no NVLink; not comparable with the records of a GPU per rank.\n\n");
+  fprintf(
+      f,
+      "| backend | switches | SetExpertMap -> first step on it (median / p99) | switching dispatch (median / "
+      "p99) | normal dispatch (median / p99) |\n|---|---|---|---|---|\n");
+  fprintf(f, "| host (64 tokens/rank) | %d | %.1f / %.1f us | %.1f / %.1f us | %.1f / %.1f us |\n",
+          hs.switches, hs.lat_med, hs.lat_p99, hs.sw_med, hs.sw_p99, hs.norm_med, hs.norm_p99);
   if (cuda && cs.ok)
-    fprintf(f, "| cuda (0 tokens) | %d | %.1f / %.1f us | %.1f / %.1f us | %.1f / %.1f us |\n", cs.switches, cs.lat_med,
-            cs.lat_p99, cs.sw_med, cs.sw_p99, cs.norm_med, cs.norm_p99);
-  fprintf(f, "\nWeight migration, host backend (memcpy between the ranks' memfd arenas at the switch): 64 MiB "
-          "(8 slots x 8 MiB) in %.2f ms = %.2f GB/s (median of 9, extra time of the switching dispatch over a "
-          "normal one).\n", mg.copy_ms_med, mg.gbps_med);
+    fprintf(f, "| cuda (0 tokens) | %d | %.1f / %.1f us | %.1f / %.1f us | %.1f / %.1f us |\n", cs.switches,
+            cs.lat_med, cs.lat_p99, cs.sw_med, cs.sw_p99, cs.norm_med, cs.norm_p99);
+  fprintf(
+      f,
+      "\nWeight migration, host backend (memcpy between the ranks' memfd arenas at the switch): 64 MiB "
+      "(8 slots x 8 MiB) in %.2f ms = %.2f GB/s (median of 9, extra time of the switching dispatch over a "
+      "normal one).\n",
+      mg.copy_ms_med, mg.gbps_med);
   if (cuda && mc.ok)
-    fprintf(f, "\nWeight migration, CUDA backend (device-to-device copies between the ranks' GPU arenas over NVLink at "
-            "the switch, the switch waits for them): 64 MiB (8 slots x 8 MiB) in %.3f ms = %.1f GB/s (median of 9, "
-            "same method).\n", mc.copy_ms_med, mc.gbps_med);
+    fprintf(f,
+            "\nWeight migration, CUDA backend (device-to-device copies between the ranks' GPU arenas over "
+            "NVLink at "
+            "the switch, the switch waits for them): 64 MiB (8 slots x 8 MiB) in %.3f ms = %.1f GB/s (median "
+            "of 9, "
+            "same method).\n",
+            mc.copy_ms_med, mc.gbps_med);
   if (cuda && gr.ok)
-    fprintf(f, "\nWhat users pay today on %s x%d (NCCL %s): create the communicators %.1f ms + allocate and register a "
-            "%zu MiB symmetric window %.1f ms + tear both down %.1f ms = %.1f ms per re-initialisation (median of 3, "
+    fprintf(f,
+            "\nWhat users pay today on %s x%d (NCCL %s): create the communicators %.1f ms + allocate and "
+            "register a "
+            "%zu MiB symmetric window %.1f ms + tear both down %.1f ms = %.1f ms per re-initialisation "
+            "(median of 3, "
             "daemon/cuda_comm.c). For comparison, cudaMemcpyPeer of 64 MiB GPU0 -> GPU1 (the NVLink copy "
-            "ceiling for the migration above): %.1f GB/s.\n", gr.gpu, share > 1 ? 1 : 2, gr.nccl, gr.create_ms,
-            window_mib, gr.window_ms, gr.teardown_ms, gr.total_ms, gr.peer_gbps);
+            "ceiling for the migration above): %.1f GB/s.\n",
+            gr.gpu, share > 1 ? 1 : 2, gr.nccl, gr.create_ms, window_mib, gr.window_ms, gr.teardown_ms,
+            gr.total_ms, gr.peer_gbps);
   fclose(f);
   return hs.ok && mg.ok && (!cuda || mc.ok) ? 0 : 1;
 }

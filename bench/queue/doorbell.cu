@@ -16,23 +16,23 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CK(x)                                                                                  \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));       \
-      exit(1);                                                                                 \
-    }                                                                                          \
+#define CK(x)                                                                            \
+  do {                                                                                   \
+    cudaError_t e_ = (x);                                                                \
+    if (e_ != cudaSuccess) {                                                             \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      exit(1);                                                                           \
+    }                                                                                    \
   } while (0)
-#define CU(x)                                                                                  \
-  do {                                                                                         \
-    CUresult r_ = (x);                                                                         \
-    if (r_ != CUDA_SUCCESS) {                                                                  \
-      const char *s_ = "?";                                                                    \
-      cuGetErrorString(r_, &s_);                                                               \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_);                           \
-      exit(1);                                                                                 \
-    }                                                                                          \
+#define CU(x)                                                        \
+  do {                                                               \
+    CUresult r_ = (x);                                               \
+    if (r_ != CUDA_SUCCESS) {                                        \
+      const char *s_ = "?";                                          \
+      cuGetErrorString(r_, &s_);                                     \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_); \
+      exit(1);                                                       \
+    }                                                                \
   } while (0)
 
 static __device__ __forceinline__ uint64_t now_ns() {
@@ -64,9 +64,15 @@ __global__ void pingpong(uint32_t *a, uint32_t *b, int side, int iters, int *ok,
   for (int i = 1; i <= iters; i++) {
     if (side == 0) {
       st_rel_sys(a, i);
-      if (!wait_eq(b, i)) { *ok = 0; return; }
+      if (!wait_eq(b, i)) {
+        *ok = 0;
+        return;
+      }
     } else {
-      if (!wait_eq(a, i)) { *ok = 0; return; }
+      if (!wait_eq(a, i)) {
+        *ok = 0;
+        return;
+      }
       st_rel_sys(b, i);
     }
   }
@@ -81,8 +87,10 @@ __global__ void answerer(uint32_t *state, uint32_t *done, int iters, int poll32,
     const uint64_t t0 = now_ns();
     for (;;) {
       uint32_t v = 0;
-      if (poll32) v = *(volatile uint32_t *)(state + (size_t)lane * stride);
-      else if (lane == 0) v = *(volatile uint32_t *)state;
+      if (poll32)
+        v = *(volatile uint32_t *)(state + (size_t)lane * stride);
+      else if (lane == 0)
+        v = *(volatile uint32_t *)state;
       const uint32_t m = __ballot_sync(0xffffffffu, v == (uint32_t)i);
       if (m) break;
       if (now_ns() - t0 > 200000000ull) {
@@ -273,7 +281,8 @@ int main(int argc, char **argv) {
     uint32_t *base = m ? d : hd;
     printf("pingpong,%s,%.3f\n", mem[m], pp(base, base + 1024, iters));
     printf("memop,%s,%.3f\n", mem[m], memop(base, base + 1024, NULL, iters, 0, stride));
-    printf("memop+desc,%s,%.3f\n", mem[m], memop(base, base + 1024, (uint64_t *)(base + 2048), iters, 0, stride));
+    printf("memop+desc,%s,%.3f\n", mem[m],
+           memop(base, base + 1024, (uint64_t *)(base + 2048), iters, 0, stride));
     printf("memop+desc+poll32,%s,%.3f\n", mem[m],
            memop(base, base + 1024, (uint64_t *)(base + 2048), iters, 1, stride));
     uint64_t *dd = (uint64_t *)(base + 2048);
@@ -283,8 +292,10 @@ int main(int argc, char **argv) {
   }
   printf("two empty kernels (launch gaps),-,%.3f\n", kern(d, d + 1024, NULL, iters, 2));
   /* mixed: the answer through device memory, the submission through host memory and back */
-  printf("memop+desc,state host/done device,%.3f\n", memop(hd, d + 1024, (uint64_t *)(hd + 2048), iters, 0, stride));
-  printf("memop+desc,state device/done host,%.3f\n", memop(d, hd + 1024, (uint64_t *)(d + 2048), iters, 0, stride));
+  printf("memop+desc,state host/done device,%.3f\n",
+         memop(hd, d + 1024, (uint64_t *)(hd + 2048), iters, 0, stride));
+  printf("memop+desc,state device/done host,%.3f\n",
+         memop(d, hd + 1024, (uint64_t *)(d + 2048), iters, 0, stride));
   CK(cudaFreeHost(h));
   CK(cudaFree(d));
   return 0;

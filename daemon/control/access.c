@@ -51,7 +51,9 @@ int epd_access_init(const epd_conf_t *conf, char *err, size_t errlen) {
   return 0;
 }
 
-void epd_access_fini(void) { memset(&A, 0, sizeof A); }
+void epd_access_fini(void) {
+  memset(&A, 0, sizeof A);
+}
 
 static int has(const id_list_t *l, uint32_t id) {
   for (int i = 0; i < l->n; i++)
@@ -95,7 +97,7 @@ int epd_access_allowed(const char *what, int32_t pid, uint32_t uid, uint32_t gid
                              rl_other = EPD_LOG_RATELIMIT_INITIALIZER(1000);
   if (!A.allow_uids.n && !A.allow_gids.n) return 1;
   if (has(&A.allow_uids, uid) || in_any_group(&A.allow_gids, pid, gid)) return 1;
-  epd_log_ratelimit_t *rl = !strcmp(what, "control") ? &rl_control
+  epd_log_ratelimit_t *rl = !strcmp(what, "control")  ? &rl_control
                             : !strcmp(what, "attach") ? &rl_attach
                                                       : &rl_other;
   epd_log_ratelimited(rl, EPD_LOG_WARN, EPD_SUB_MAIN,

@@ -291,7 +291,8 @@ static void redeem(conn_t *c) {
     return;
   }
   if (!token_take(req.client_id, req.token, &ent)) {
-    EPD_LOGW(EPD_SUB_ATTACH, "attach socket: pid %d uid %u presented an unknown or expired token for client %llu",
+    EPD_LOGW(EPD_SUB_ATTACH,
+             "attach socket: pid %d uid %u presented an unknown or expired token for client %llu",
              (int)c->cred.pid, (unsigned)c->cred.uid, (unsigned long long)req.client_id);
     send_reply(c->fd, EPD_ERR_PERMISSION, -1, -1, "unknown or expired attach token");
     conn_close(c);
@@ -300,7 +301,8 @@ static void redeem(conn_t *c) {
   if (ent.expires_ns <= now_ns()) {
     send_reply(c->fd, EPD_ERR_PERMISSION, -1, -1, "unknown or expired attach token");
     conn_close(c);
-    epd_log_msg(EPD_LOG_WARN, EPD_SUB_ATTACH, -1, ent.client_id, "attach token expired before redemption: detaching");
+    epd_log_msg(EPD_LOG_WARN, EPD_SUB_ATTACH, -1, ent.client_id,
+                "attach token expired before redemption: detaching");
     epd_engine_detach(engine, ent.client_id, 1);
     return;
   }
@@ -310,9 +312,8 @@ static void redeem(conn_t *c) {
     epd_log_msg(EPD_LOG_WARN, EPD_SUB_ATTACH, -1, ent.client_id,
                 "attach token presented by pid %d uid %u, issued to pid %u uid %u: refused, detaching",
                 (int)c->cred.pid, (unsigned)c->cred.uid, ent.pid, ent.uid);
-    send_reply(c->fd, EPD_ERR_PERMISSION, -1, -1,
-               "token was issued to pid %u uid %u, not to pid %d uid %u", ent.pid, ent.uid, (int)c->cred.pid,
-               (unsigned)c->cred.uid);
+    send_reply(c->fd, EPD_ERR_PERMISSION, -1, -1, "token was issued to pid %u uid %u, not to pid %d uid %u",
+               ent.pid, ent.uid, (int)c->cred.pid, (unsigned)c->cred.uid);
     conn_close(c);
     epd_engine_detach(engine, ent.client_id, 1);
     return;
@@ -336,8 +337,8 @@ static void redeem(conn_t *c) {
   unredeemed_drop(c->cred.uid);
   c->state = CONN_ATTACHED;
   c->client_id = ent.client_id;
-  epd_log_msg(EPD_LOG_DEBUG, EPD_SUB_ATTACH, -1, ent.client_id, "fds handed to pid %d uid %u", (int)c->cred.pid,
-              (unsigned)c->cred.uid);
+  epd_log_msg(EPD_LOG_DEBUG, EPD_SUB_ATTACH, -1, ent.client_id, "fds handed to pid %d uid %u",
+              (int)c->cred.pid, (unsigned)c->cred.uid);
 }
 
 static void conn_event(uv_poll_t *p, int status, int events) {
@@ -537,7 +538,8 @@ static void sweep(uv_timer_t *t) {
        * EPD_ERR_CLOSED at its next wait instead of waiting out its own timeout. */
       int qfd, afd;
       if (epd_engine_client_fds(engine, c->client_id, &qfd, &afd) == EPD_ERR_NOT_FOUND) {
-        epd_log_msg(EPD_LOG_INFO, EPD_SUB_ATTACH, -1, c->client_id, "attachment gone from the engine: hanging up");
+        epd_log_msg(EPD_LOG_INFO, EPD_SUB_ATTACH, -1, c->client_id,
+                    "attachment gone from the engine: hanging up");
         conn_close(c);
       }
     }
@@ -552,7 +554,8 @@ static int make_listener(const epd_conf_t *conf, char *err, size_t errlen) {
   memset(&sa, 0, sizeof sa);
   sa.sun_family = AF_UNIX;
   if (strlen(sock_path) >= sizeof sa.sun_path) {
-    snprintf(err, errlen, "attach socket path '%s' is longer than %zu bytes", sock_path, sizeof sa.sun_path - 1);
+    snprintf(err, errlen, "attach socket path '%s' is longer than %zu bytes", sock_path,
+             sizeof sa.sun_path - 1);
     return -1;
   }
   memcpy(sa.sun_path, sock_path, strlen(sock_path) + 1);
@@ -687,9 +690,13 @@ void epd_attach_fini(void) {
   unlink(sock_path);
 }
 
-const char *epd_attach_path(void) { return sock_path; }
+const char *epd_attach_path(void) {
+  return sock_path;
+}
 
-unsigned epd_attach_connections(void) { return atomic_load(&nconns); }
+unsigned epd_attach_connections(void) {
+  return atomic_load(&nconns);
+}
 
 void epd_attach_set_limits(uint32_t total, uint32_t per_uid) {
   max_unredeemed = total ? total : 1;

@@ -25,8 +25,7 @@ const char *epd_attach_path(void);
  * token expires after conf->token_ttl_ms; an unredeemed, expired token detaches the client. The
  * peer's pid/uid from the Attach call (0 if unknown) are checked against SO_PEERCRED at redemption
  * when non-zero. */
-int epd_attach_issue_token(uint64_t client_id, uint32_t pid, uint32_t uid,
-                           uint8_t token[EPD_TOKEN_BYTES]);
+int epd_attach_issue_token(uint64_t client_id, uint32_t pid, uint32_t uid, uint8_t token[EPD_TOKEN_BYTES]);
 /* Drop a client's unredeemed tokens (the client detached before redeeming: e.g. libepd could not use the
  * rank's GPU); 0 when it had none. Thread-safe. */
 unsigned epd_attach_forget_token(uint64_t client_id);

@@ -95,7 +95,8 @@ static int tls_load(const epd_conf_t *c, tls_files_t *t, char *err, size_t errle
   const int set = !!c->cluster_tls_ca[0] + !!c->cluster_tls_cert[0] + !!c->cluster_tls_key[0];
   if (!set) return 0;
   if (set != 3) {
-    snprintf(err, errlen, "cluster.tls_ca, cluster.tls_cert and cluster.tls_key: set all three or none (%s%s%sempty)",
+    snprintf(err, errlen,
+             "cluster.tls_ca, cluster.tls_cert and cluster.tls_key: set all three or none (%s%s%sempty)",
              c->cluster_tls_ca[0] ? "" : "tls_ca ", c->cluster_tls_cert[0] ? "" : "tls_cert ",
              c->cluster_tls_key[0] ? "" : "tls_key ");
     return -1;
@@ -180,7 +181,8 @@ static void config_diff(const char *mine, const char *theirs, uint32_t me, uint3
 static const char *agreed_keys =
     "protocol version, cluster.nodes, engine.num_ranks, engine.backend, engine.max_experts, "
     "engine.max_hidden, "
-    "engine.max_topk, engine.max_tokens, engine.slots_factor_pct, engine.ht_capacity_factor, cluster.gin_probe, "
+    "engine.max_topk, engine.max_tokens, engine.slots_factor_pct, engine.ht_capacity_factor, "
+    "cluster.gin_probe, "
     "link_format (the data links' frame layout: the same epd build on every node)";
 
 /* ---- coordinator ------------------------------------------------------------------------------------ */
@@ -266,8 +268,8 @@ static rv_call_t *rv_request(grpc_server *srv, void *method, grpc_completion_que
   grpc_metadata_array_init(&c->md);
   c->details = grpc_empty_slice();
   c->node_complete = -1;
-  if (grpc_server_request_registered_call(srv, method, &c->call, &c->deadline, &c->md, &c->payload, cq, cq, c) !=
-      GRPC_CALL_OK) {
+  if (grpc_server_request_registered_call(srv, method, &c->call, &c->deadline, &c->md, &c->payload, cq, cq,
+                                          c) != GRPC_CALL_OK) {
     rv_free(c);
     return NULL;
   }
@@ -295,7 +297,8 @@ static int config_mismatch(const Epd__V1__RendezvousRequest *rq, const world_t *
     return 0;
   char diff[700];
   config_diff(agreed, rq->agreed_config ? rq->agreed_config : "", 0, rq->node_rank, diff, sizeof diff);
-  snprintf(msg, len, "node %u's configuration disagrees with the %s: %s (these keys must be equal on every node: %s)",
+  snprintf(msg, len,
+           "node %u's configuration disagrees with the %s: %s (these keys must be equal on every node: %s)",
            rq->node_rank, whose, *diff ? diff : "config hash differs", agreed_keys);
   return 1;
 }
@@ -343,7 +346,8 @@ static void rv_shutdown(rv_server_t *s) {
   }
   grpc_server_destroy(s->srv);
   grpc_completion_queue_shutdown(s->cq);
-  while (grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {
+  while (grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+         GRPC_QUEUE_SHUTDOWN) {
   }
   grpc_completion_queue_destroy(s->cq);
   while (s->live) {
@@ -366,8 +370,8 @@ static int coordinator(const epd_conf_t *conf, const tls_files_t *tls, world_t *
   if (tls->ca) {
     /* mutual TLS: a node joins only with a certificate of cluster.tls_ca */
     grpc_ssl_pem_key_cert_pair kp = {.private_key = tls->key, .cert_chain = tls->cert};
-    cr = grpc_ssl_server_credentials_create_ex(tls->ca, &kp, 1,
-                                               GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY, NULL);
+    cr = grpc_ssl_server_credentials_create_ex(
+        tls->ca, &kp, 1, GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY, NULL);
   } else {
     cr = grpc_insecure_server_credentials_create();
   }
@@ -377,7 +381,8 @@ static int coordinator(const epd_conf_t *conf, const tls_files_t *tls, world_t *
   int rc = -1;
   if (!port) {
     snprintf(err, errlen, "cluster.listen %s: cannot listen there (address in use or invalid%s)",
-             conf->cluster_listen, tls->ca ? ", or the cluster.tls_* PEM files are invalid or do not match" : "");
+             conf->cluster_listen,
+             tls->ca ? ", or the cluster.tls_* PEM files are invalid or do not match" : "");
     grpc_server_destroy(srv);
     grpc_completion_queue_shutdown(cq);
     while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
@@ -548,7 +553,8 @@ static void rejoin_answer(rejoin_srv_t *r, rv_call_t *c, const Epd__V1__Rendezvo
   }
   const uint32_t n = rq->node_rank;
   if (n == 0 || n >= w->nodes) {
-    snprintf(msg, sizeof msg, "node_rank %u: not a node that can join the running world (1..%u; 0 is the coordinator at %s)",
+    snprintf(msg, sizeof msg,
+             "node_rank %u: not a node that can join the running world (1..%u; 0 is the coordinator at %s)",
              n, w->nodes - 1, r->listen);
     rv_reply(c, GRPC_STATUS_ALREADY_EXISTS, msg, NULL);
     return;
@@ -556,8 +562,10 @@ static void rejoin_answer(rejoin_srv_t *r, rv_call_t *c, const Epd__V1__Rendezvo
   if (!epd_net_node_dead(r->net, n, why, sizeof why)) {
     /* UNAVAILABLE: the caller asks again (its old daemon's link may not be found gone yet) until its
      * cluster.timeout_ms, then fails with this */
-    snprintf(msg, sizeof msg, "node %u is part of the running world and its data link is up (its old daemon "
-             "not yet found gone, or two daemons with cluster.node_rank = %u)", n, n);
+    snprintf(msg, sizeof msg,
+             "node %u is part of the running world and its data link is up (its old daemon "
+             "not yet found gone, or two daemons with cluster.node_rank = %u)",
+             n, n);
     EPD_LOGW(EPD_SUB_MAIN, "cluster: a node asked to join again: %s", msg);
     rv_reply(c, GRPC_STATUS_UNAVAILABLE, msg, NULL);
     return;
@@ -570,12 +578,15 @@ static void rejoin_answer(rejoin_srv_t *r, rv_call_t *c, const Epd__V1__Rendezvo
       memcpy(r->issued[n], r->cur, EPD_CLUSTER_COMM_ID_BYTES);
       r->has_issued[n] = 1;
       r->issued_epoch[n] = ep;
-      EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u restarted while the world communicator is being made again: it "
-               "gets the same id", n);
+      EPD_LOGI(EPD_SUB_MAIN,
+               "cluster: node %u restarted while the world communicator is being made again: it "
+               "gets the same id",
+               n);
     } else if (!r->has_issued[n] || r->issued_epoch[n] != ep) {
       char e[256] = "";
       if (!r->make_comm_id || r->make_comm_id(r->issued[n], e, sizeof e)) {
-        snprintf(msg, sizeof msg, "node %u restarted, but no new NCCL world communicator id could be made: %s", n, e);
+        snprintf(msg, sizeof msg,
+                 "node %u restarted, but no new NCCL world communicator id could be made: %s", n, e);
         EPD_LOGW(EPD_SUB_MAIN, "cluster: refused a restarted node: %s", msg);
         rv_reply(c, GRPC_STATUS_UNAVAILABLE, msg, NULL);
         return;
@@ -594,8 +605,8 @@ static void rejoin_answer(rejoin_srv_t *r, rv_call_t *c, const Epd__V1__Rendezvo
   world_reply(w, peers, pp, &rep);
   rep.complete = 1;
   rep.running = 1;
-  EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u joins the running world again (its daemon restarted; data %s)%s", n,
-           w->addr[n], fresh ? "; every node makes the NCCL world communicator again with it" : "");
+  EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u joins the running world again (its daemon restarted; data %s)%s",
+           n, w->addr[n], fresh ? "; every node makes the NCCL world communicator again with it" : "");
   rv_reply(c, GRPC_STATUS_OK, "", &rep.base);
   if (fresh) epd_net_world_remake(r->net, n, r->issued[n]);
 }
@@ -652,10 +663,10 @@ static int joiner(const epd_conf_t *conf, const tls_files_t *tls, world_t *w, co
   while (rc < 0) {
     ProtobufCMessage *m = NULL;
     epd_result_t r = rpc ? EPD_OK
-                         : epd_rpc_open_target_tls(conf->cluster_coordinator, 2000, tls->ca ? &rt : NULL, &rpc, why,
-                                                   sizeof why);
-    if (r == EPD_OK) r = epd_rpc_call(rpc, METHOD, &rq.base, &epd__v1__rendezvous_reply__descriptor, &m, why,
-                                      sizeof why);
+                         : epd_rpc_open_target_tls(conf->cluster_coordinator, 2000, tls->ca ? &rt : NULL,
+                                                   &rpc, why, sizeof why);
+    if (r == EPD_OK)
+      r = epd_rpc_call(rpc, METHOD, &rq.base, &epd__v1__rendezvous_reply__descriptor, &m, why, sizeof why);
     if (r == EPD_OK) {
       Epd__V1__RendezvousReply *rep = (Epd__V1__RendezvousReply *)m;
       reached = 1;
@@ -684,15 +695,17 @@ static int joiner(const epd_conf_t *conf, const tls_files_t *tls, world_t *w, co
       if (strstr(why, "is part of the running world")) /* node 0's answer: asked again */
         snprintf(last, sizeof last, "coordinator (node 0) at %s: %s", conf->cluster_coordinator, why);
       else if (!reached)
-        snprintf(last, sizeof last, "coordinator (node 0) at %s not reachable: %s (%s)", conf->cluster_coordinator,
-                 why,
-                 tls->ca ? "mutual TLS: is the coordinator on TLS, with a certificate of cluster.tls_ca for this "
-                           "host name or cluster.tls_server_name? are this node's cluster.tls_* files valid?"
-                         : "plaintext; a coordinator with cluster.tls_* set refuses it");
+        snprintf(last, sizeof last, "coordinator (node 0) at %s not reachable: %s (%s)",
+                 conf->cluster_coordinator, why,
+                 tls->ca
+                     ? "mutual TLS: is the coordinator on TLS, with a certificate of cluster.tls_ca for this "
+                       "host name or cluster.tls_server_name? are this node's cluster.tls_* files valid?"
+                     : "plaintext; a coordinator with cluster.tls_* set refuses it");
       epd_rpc_close(rpc);
       rpc = NULL;
     } else {
-      snprintf(err, errlen, "rendezvous with the coordinator at %s refused: %s", conf->cluster_coordinator, why);
+      snprintf(err, errlen, "rendezvous with the coordinator at %s refused: %s", conf->cluster_coordinator,
+               why);
       break;
     }
     if (rc < 0 && now_ms() >= deadline) {
@@ -804,11 +817,13 @@ int epd_cluster_init(const epd_conf_t *conf, epd_cluster_comm_id_fn make_comm_id
     }
     g_rejoin = r;
   }
-  EPD_LOGI(EPD_SUB_MAIN, "cluster: node %u of %u, %u world ranks, rendezvous %s, %s%s", w->node_rank, w->nodes,
-           w->nodes * w->ranks_per_node, epd_cluster_tls(conf) ? "over mutual TLS" : "plaintext",
-           cuda ? "NCCL world communicator id received; inter-node transport nccl-p2p (control over the data links)"
-                : "inter-node transport host-tcp",
-           running ? "; joined the running world again (this daemon restarted)" : "");
+  EPD_LOGI(
+      EPD_SUB_MAIN, "cluster: node %u of %u, %u world ranks, rendezvous %s, %s%s", w->node_rank, w->nodes,
+      w->nodes * w->ranks_per_node, epd_cluster_tls(conf) ? "over mutual TLS" : "plaintext",
+      cuda
+          ? "NCCL world communicator id received; inter-node transport nccl-p2p (control over the data links)"
+          : "inter-node transport host-tcp",
+      running ? "; joined the running world again (this daemon restarted)" : "");
   free(w);
   return 0;
 fail:
@@ -823,7 +838,9 @@ fail:
   return -1;
 }
 
-int epd_cluster_rejoined(void) { return g_rejoined; }
+int epd_cluster_rejoined(void) {
+  return g_rejoined;
+}
 
 void epd_cluster_fini(epd_net_t *net) {
   rejoin_srv_t *r = g_rejoin;

@@ -22,12 +22,12 @@
 #include "core/log.h"
 
 typedef enum conf_type {
-  CT_STRING,    /* char[size] */
-  CT_UINT,      /* uint32_t, decimal */
-  CT_OCTAL,     /* uint32_t, octal (file modes) */
-  CT_BYTES,     /* uint32_t or uint64_t, with an optional K/M/G/T (binary) suffix */
-  CT_ENUM,      /* char[size], one of choices */
-  CT_LOG_LEVEL, /* int, error|warn|info|debug|trace */
+  CT_STRING,     /* char[size] */
+  CT_UINT,       /* uint32_t, decimal */
+  CT_OCTAL,      /* uint32_t, octal (file modes) */
+  CT_BYTES,      /* uint32_t or uint64_t, with an optional K/M/G/T (binary) suffix */
+  CT_ENUM,       /* char[size], one of choices */
+  CT_LOG_LEVEL,  /* int, error|warn|info|debug|trace */
   CT_SUBSYSTEMS, /* uint32_t mask, comma list of subsystem names or "all" */
   CT_IDLIST,     /* char[size], comma list of user (choices "user") or group ids/names, checked on parse */
   CT_INTLIST     /* char[size], comma list of integers in [min, max], checked on parse */
@@ -85,11 +85,11 @@ static const conf_key_t keys[] = {
     {"daemon.allow_gids", CT_IDLIST, 0, 0, "", 0, F(allow_gids), "group",
      "comma list of groups (gids or names, primary or supplementary) allowed on both sockets; empty: anyone"},
     {"daemon.admin_uids", CT_IDLIST, 0, 0, "", 0, F(admin_uids), "user",
-     "users allowed SetExpertMap and Drain besides root and the daemon's uid; this and admin_gid empty: anyone"},
+     "users allowed SetExpertMap and Drain besides root and the daemon's uid; this and admin_gid empty: "
+     "anyone"},
     {"daemon.admin_gid", CT_IDLIST, 0, 0, "", 0, F(admin_gid), "group",
      "group(s) whose members (primary or supplementary) may call SetExpertMap and Drain"},
-    {"log.level", CT_LOG_LEVEL, 0, 0, "info", 1, F(log_level), NULL,
-     "error, warn, info, debug or trace"},
+    {"log.level", CT_LOG_LEVEL, 0, 0, "info", 1, F(log_level), NULL, "error, warn, info, debug or trace"},
     {"log.subsystems", CT_SUBSYSTEMS, 0, 0, "all", 1, F(log_subsystems), NULL,
      "comma list of main, conf, rpc, attach, engine, cuda, metrics, or all (errors always pass)"},
     {"engine.backend", CT_ENUM, 0, 0, "auto", 0, F(backend), "auto,host,cuda",
@@ -205,7 +205,10 @@ static void put_uint(epd_conf_t *c, const conf_key_t *k, uint64_t v) {
 
 /* Bytes as the largest binary unit that divides them exactly ("4MiB", "8GiB", "1000"). */
 static void fmt_bytes(uint64_t v, char *buf, size_t len) {
-  static const struct { const char *sfx; uint64_t mul; } u[] = {{"TiB", TiB}, {"GiB", GiB}, {"MiB", MiB}, {"KiB", KiB}};
+  static const struct {
+    const char *sfx;
+    uint64_t mul;
+  } u[] = {{"TiB", TiB}, {"GiB", GiB}, {"MiB", MiB}, {"KiB", KiB}};
   for (size_t i = 0; i < sizeof u / sizeof u[0]; i++)
     if (v >= u[i].mul && v % u[i].mul == 0) {
       snprintf(buf, len, "%" PRIu64 "%s", v / u[i].mul, u[i].sfx);
@@ -233,29 +236,37 @@ static void fmt_range(const conf_key_t *k, char *buf, size_t len) {
 static void fmt_value(const epd_conf_t *c, const conf_key_t *k, char *buf, size_t len) {
   const char *p = (const char *)c + k->off;
   switch (k->type) {
-  case CT_STRING:
-  case CT_IDLIST:
-  case CT_INTLIST:
-  case CT_ENUM: {
-    /* Quoted where the parser would otherwise change it: outer quotes or white space (any isspace
-     * character, e.g. a form feed) are stripped, and a ';' after the blank of "key = " starts an inline
-     * comment (found by fuzz_conf). */
-    size_t n = strnlen(p, k->size);
-    int q = n && (p[0] == '"' || p[n - 1] == '"' || isspace((unsigned char)p[0]) ||
-                  isspace((unsigned char)p[n - 1]) || p[0] == ';');
-    snprintf(buf, len, q ? "\"%.*s\"" : "%.*s", (int)n, p);
-    break;
-  }
-  case CT_UINT: snprintf(buf, len, "%" PRIu64, get_uint(c, k)); break;
-  case CT_OCTAL: snprintf(buf, len, "%s%" PRIo64, get_uint(c, k) ? "0" : "", get_uint(c, k)); break;
-  case CT_BYTES: fmt_bytes(get_uint(c, k), buf, len); break;
-  case CT_LOG_LEVEL: {
-    int lv;
-    memcpy(&lv, p, sizeof lv);
-    snprintf(buf, len, "%s", epd_log_level_name(lv));
-    break;
-  }
-  case CT_SUBSYSTEMS: epd_log_subsystems_format((uint32_t)get_uint(c, k), buf, len); break;
+    case CT_STRING:
+    case CT_IDLIST:
+    case CT_INTLIST:
+    case CT_ENUM: {
+      /* Quoted where the parser would otherwise change it: outer quotes or white space (any isspace
+       * character, e.g. a form feed) are stripped, and a ';' after the blank of "key = " starts an inline
+       * comment (found by fuzz_conf). */
+      size_t n = strnlen(p, k->size);
+      int q = n && (p[0] == '"' || p[n - 1] == '"' || isspace((unsigned char)p[0]) ||
+                    isspace((unsigned char)p[n - 1]) || p[0] == ';');
+      snprintf(buf, len, q ? "\"%.*s\"" : "%.*s", (int)n, p);
+      break;
+    }
+    case CT_UINT:
+      snprintf(buf, len, "%" PRIu64, get_uint(c, k));
+      break;
+    case CT_OCTAL:
+      snprintf(buf, len, "%s%" PRIo64, get_uint(c, k) ? "0" : "", get_uint(c, k));
+      break;
+    case CT_BYTES:
+      fmt_bytes(get_uint(c, k), buf, len);
+      break;
+    case CT_LOG_LEVEL: {
+      int lv;
+      memcpy(&lv, p, sizeof lv);
+      snprintf(buf, len, "%s", epd_log_level_name(lv));
+      break;
+    }
+    case CT_SUBSYSTEMS:
+      epd_log_subsystems_format((uint32_t)get_uint(c, k), buf, len);
+      break;
   }
 }
 
@@ -270,9 +281,11 @@ static int parse_number(const char *s, int base, int bytes, uint64_t *out) {
   while (*end == ' ') end++;
   uint64_t mul = 1;
   if (bytes && *end) {
-    static const struct { const char *sfx; uint64_t mul; } u[] = {
-        {"k", KiB}, {"kb", KiB}, {"kib", KiB}, {"m", MiB}, {"mb", MiB}, {"mib", MiB}, {"g", GiB},
-        {"gb", GiB}, {"gib", GiB}, {"t", TiB}, {"tb", TiB}, {"tib", TiB}, {"b", 1}};
+    static const struct {
+      const char *sfx;
+      uint64_t mul;
+    } u[] = {{"k", KiB},  {"kb", KiB},  {"kib", KiB}, {"m", MiB},  {"mb", MiB},  {"mib", MiB}, {"g", GiB},
+             {"gb", GiB}, {"gib", GiB}, {"t", TiB},   {"tb", TiB}, {"tib", TiB}, {"b", 1}};
     size_t i;
     for (i = 0; i < sizeof u / sizeof u[0]; i++)
       if (!strcasecmp(end, u[i].sfx)) break;
@@ -309,108 +322,112 @@ static int parse_value(epd_conf_t *c, const conf_key_t *k, const char *value, ch
   if (k->type == CT_STRING || k->type == CT_IDLIST || k->type == CT_INTLIST || k->type == CT_ENUM)
     for (size_t i = 1; i < vlen; i++)
       if (v[i] == ';' && isspace((unsigned char)v[i - 1])) {
-        seterr(err, errlen, "%s: a ';' after a blank (offset %zu) would be read as a comment in a config file; "
-               "remove the blank", k->name, i);
+        seterr(err, errlen,
+               "%s: a ';' after a blank (offset %zu) would be read as a comment in a config file; "
+               "remove the blank",
+               k->name, i);
         return -1;
       }
   switch (k->type) {
-  case CT_STRING:
-    if (vlen >= k->size) {
-      seterr(err, errlen, "%s: value is %zu bytes long, the limit is %zu", k->name, vlen, k->size - 1);
-      return -1;
-    }
-    memcpy(p, v, vlen + 1);
-    return 0;
-  case CT_IDLIST: {
-    uint32_t ids[EPD_CONF_MAX_IDS];
-    char msg[192];
-    if (vlen >= k->size) {
-      seterr(err, errlen, "%s: value is %zu bytes long, the limit is %zu", k->name, vlen, k->size - 1);
-      return -1;
-    }
-    if (epd_conf_parse_ids(v, !strcmp(k->choices, "group"), ids, EPD_CONF_MAX_IDS, msg, sizeof msg) < 0) {
-      seterr(err, errlen, "%s: %s", k->name, msg);
-      return -1;
-    }
-    memcpy(p, v, vlen + 1);
-    return 0;
-  }
-  case CT_INTLIST: {
-    int vals[EPD_CONF_MAX_LIST];
-    char msg[160];
-    if (vlen >= k->size) {
-      seterr(err, errlen, "%s: value is %zu bytes long, the limit is %zu", k->name, vlen, k->size - 1);
-      return -1;
-    }
-    if (epd_conf_parse_list(v, (uint32_t)k->max, vals, EPD_CONF_MAX_LIST, msg, sizeof msg) < 0) {
-      seterr(err, errlen, "%s: %s", k->name, msg);
-      return -1;
-    }
-    memcpy(p, v, vlen + 1);
-    return 0;
-  }
-  case CT_ENUM: {
-    const char *ch = k->choices;
-    while (*ch) {
-      size_t n = strcspn(ch, ",");
-      if (n == vlen && !strncmp(ch, v, n) && n < k->size) {
-        memcpy(p, v, vlen + 1);
-        return 0;
+    case CT_STRING:
+      if (vlen >= k->size) {
+        seterr(err, errlen, "%s: value is %zu bytes long, the limit is %zu", k->name, vlen, k->size - 1);
+        return -1;
       }
-      ch += n + (ch[n] == ',');
+      memcpy(p, v, vlen + 1);
+      return 0;
+    case CT_IDLIST: {
+      uint32_t ids[EPD_CONF_MAX_IDS];
+      char msg[192];
+      if (vlen >= k->size) {
+        seterr(err, errlen, "%s: value is %zu bytes long, the limit is %zu", k->name, vlen, k->size - 1);
+        return -1;
+      }
+      if (epd_conf_parse_ids(v, !strcmp(k->choices, "group"), ids, EPD_CONF_MAX_IDS, msg, sizeof msg) < 0) {
+        seterr(err, errlen, "%s: %s", k->name, msg);
+        return -1;
+      }
+      memcpy(p, v, vlen + 1);
+      return 0;
     }
-    char list[128];
-    snprintf(list, sizeof list, "%s", k->choices);
-    for (char *q = list; *q; q++)
-      if (*q == ',') *q = '/';
-    seterr(err, errlen, "%s: '%s' is not one of %s", k->name, v, list);
-    return -1;
-  }
-  case CT_LOG_LEVEL: {
-    int lv = epd_log_level_parse(v);
-    if (lv < 0) {
-      seterr(err, errlen, "%s: '%s' is not one of %s", k->name, v, level_list);
+    case CT_INTLIST: {
+      int vals[EPD_CONF_MAX_LIST];
+      char msg[160];
+      if (vlen >= k->size) {
+        seterr(err, errlen, "%s: value is %zu bytes long, the limit is %zu", k->name, vlen, k->size - 1);
+        return -1;
+      }
+      if (epd_conf_parse_list(v, (uint32_t)k->max, vals, EPD_CONF_MAX_LIST, msg, sizeof msg) < 0) {
+        seterr(err, errlen, "%s: %s", k->name, msg);
+        return -1;
+      }
+      memcpy(p, v, vlen + 1);
+      return 0;
+    }
+    case CT_ENUM: {
+      const char *ch = k->choices;
+      while (*ch) {
+        size_t n = strcspn(ch, ",");
+        if (n == vlen && !strncmp(ch, v, n) && n < k->size) {
+          memcpy(p, v, vlen + 1);
+          return 0;
+        }
+        ch += n + (ch[n] == ',');
+      }
+      char list[128];
+      snprintf(list, sizeof list, "%s", k->choices);
+      for (char *q = list; *q; q++)
+        if (*q == ',') *q = '/';
+      seterr(err, errlen, "%s: '%s' is not one of %s", k->name, v, list);
       return -1;
     }
-    memcpy(p, &lv, sizeof lv);
-    return 0;
-  }
-  case CT_SUBSYSTEMS: {
-    uint32_t m;
-    if (epd_log_subsystems_parse(v, &m) != 0) {
-      seterr(err, errlen,
-             "%s: '%s' is not a comma list of main, conf, rpc, attach, engine, cuda, metrics or all",
-             k->name, v);
-      return -1;
+    case CT_LOG_LEVEL: {
+      int lv = epd_log_level_parse(v);
+      if (lv < 0) {
+        seterr(err, errlen, "%s: '%s' is not one of %s", k->name, v, level_list);
+        return -1;
+      }
+      memcpy(p, &lv, sizeof lv);
+      return 0;
     }
-    put_uint(c, k, m);
-    return 0;
-  }
-  case CT_UINT:
-  case CT_OCTAL:
-  case CT_BYTES: {
-    uint64_t n;
-    fmt_range(k, range, sizeof range);
-    if (parse_number(v, k->type == CT_OCTAL ? 8 : 10, k->type == CT_BYTES, &n) != 0) {
-      seterr(err, errlen, "%s: '%s' is not %s in range %s", k->name, v,
-             k->type == CT_OCTAL ? "an octal mode" : k->type == CT_BYTES ? "a size (K/M/G/T suffix)" : "an unsigned integer",
-             range);
-      return -1;
+    case CT_SUBSYSTEMS: {
+      uint32_t m;
+      if (epd_log_subsystems_parse(v, &m) != 0) {
+        seterr(err, errlen,
+               "%s: '%s' is not a comma list of main, conf, rpc, attach, engine, cuda, metrics or all",
+               k->name, v);
+        return -1;
+      }
+      put_uint(c, k, m);
+      return 0;
     }
-    if (n < k->min || n > k->max) {
-      char shown[32];
-      if (k->type == CT_OCTAL)
-        snprintf(shown, sizeof shown, "0%" PRIo64, n);
-      else if (k->type == CT_BYTES)
-        fmt_bytes(n, shown, sizeof shown);
-      else
-        snprintf(shown, sizeof shown, "%" PRIu64, n);
-      seterr(err, errlen, "%s: %s is out of range %s", k->name, shown, range);
-      return -1;
+    case CT_UINT:
+    case CT_OCTAL:
+    case CT_BYTES: {
+      uint64_t n;
+      fmt_range(k, range, sizeof range);
+      if (parse_number(v, k->type == CT_OCTAL ? 8 : 10, k->type == CT_BYTES, &n) != 0) {
+        seterr(err, errlen, "%s: '%s' is not %s in range %s", k->name, v,
+               k->type == CT_OCTAL   ? "an octal mode"
+               : k->type == CT_BYTES ? "a size (K/M/G/T suffix)"
+                                     : "an unsigned integer",
+               range);
+        return -1;
+      }
+      if (n < k->min || n > k->max) {
+        char shown[32];
+        if (k->type == CT_OCTAL)
+          snprintf(shown, sizeof shown, "0%" PRIo64, n);
+        else if (k->type == CT_BYTES)
+          fmt_bytes(n, shown, sizeof shown);
+        else
+          snprintf(shown, sizeof shown, "%" PRIu64, n);
+        seterr(err, errlen, "%s: %s is out of range %s", k->name, shown, range);
+        return -1;
+      }
+      put_uint(c, k, n);
+      return 0;
     }
-    put_uint(c, k, n);
-    return 0;
-  }
   }
   return -1;
 }
@@ -592,8 +609,8 @@ int epd_conf_diff(const epd_conf_t *cur, const epd_conf_t *next, char *buf, size
 
 size_t epd_conf_describe(char *buf, size_t len) {
   size_t off = 0;
-  static const char *const tnames[] = {"string", "uint", "octal", "bytes", "enum", "log-level", "subsystems", "id-list",
-                                       "int-list"};
+  static const char *const tnames[] = {"string",    "uint",       "octal",   "bytes",   "enum",
+                                       "log-level", "subsystems", "id-list", "int-list"};
   if (len) buf[0] = '\0';
   for (size_t i = 0; i < NKEYS; i++) {
     const conf_key_t *k = &keys[i];
@@ -601,8 +618,8 @@ size_t epd_conf_describe(char *buf, size_t len) {
     if (k->type == CT_UINT || k->type == CT_OCTAL || k->type == CT_BYTES) fmt_range(k, range, sizeof range);
     if (k->type == CT_ENUM) snprintf(range, sizeof range, "{%s}", k->choices);
     if (k->type == CT_INTLIST) snprintf(range, sizeof range, "entries in [0, %u]", (unsigned)k->max);
-    int w = snprintf(buf + off, off < len ? len - off : 0, "%-28s %-10s default '%s' %s%s\n    %s\n",
-                     k->name, tnames[k->type], k->def, range, k->reloadable ? " (reloadable)" : "", k->doc);
+    int w = snprintf(buf + off, off < len ? len - off : 0, "%-28s %-10s default '%s' %s%s\n    %s\n", k->name,
+                     tnames[k->type], k->def, range, k->reloadable ? " (reloadable)" : "", k->doc);
     if (w > 0) off += (size_t)w;
   }
   if (off >= len && len) buf[len - 1] = '\0';
@@ -612,8 +629,8 @@ size_t epd_conf_describe(char *buf, size_t len) {
 int epd_conf_control_socket_path(const epd_conf_t *c, char *buf, size_t len) {
   /* The default rule lives in epd_paths.h so that the daemon, rpc.c and libepd agree. */
   char def[EPD_PATH_MAX + 64];
-  int n = snprintf(buf, len, "%s", c->control_socket[0] ? c->control_socket
-                                                         : epd_paths_control_default(def, sizeof def));
+  int n = snprintf(buf, len, "%s",
+                   c->control_socket[0] ? c->control_socket : epd_paths_control_default(def, sizeof def));
   return n < 0 || (size_t)n >= len ? -1 : 0;
 }
 
@@ -625,11 +642,13 @@ int epd_conf_attach_socket_path(const epd_conf_t *c, char *buf, size_t len) {
   char ctl[EPD_PATH_MAX + 64];
   if (epd_conf_control_socket_path(c, ctl, sizeof ctl) != 0) return -1;
   char *slash = strrchr(ctl, '/');
-  int n = slash ? snprintf(buf, len, "%.*s/attach.sock", (int)(slash - ctl), ctl) : snprintf(buf, len, "attach.sock");
+  int n = slash ? snprintf(buf, len, "%.*s/attach.sock", (int)(slash - ctl), ctl)
+                : snprintf(buf, len, "attach.sock");
   return n < 0 || (size_t)n >= len ? -1 : 0;
 }
 
-int epd_conf_parse_list(const char *text, uint32_t max_value, int *out, size_t max, char *err, size_t errlen) {
+int epd_conf_parse_list(const char *text, uint32_t max_value, int *out, size_t max, char *err,
+                        size_t errlen) {
   size_t n = 0;
   const char *q = text;
   while (*q == ' ' || *q == '\t') q++;
@@ -669,7 +688,8 @@ int epd_conf_parse_ids(const char *text, int groups, uint32_t *out, size_t max, 
     size_t l = len;
     while (l && (p[l - 1] == ' ' || p[l - 1] == '\t')) l--;
     if (l == 0 || l >= sizeof item) {
-      seterr(err, errlen, "'%.*s' is not a %s id or name", (int)(l < 40 ? l : 40), p, groups ? "group" : "user");
+      seterr(err, errlen, "'%.*s' is not a %s id or name", (int)(l < 40 ? l : 40), p,
+             groups ? "group" : "user");
       return -1;
     }
     memcpy(item, p, l);

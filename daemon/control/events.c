@@ -55,7 +55,9 @@ void epd_events_fini(void) {
    * freed by the next init or at process exit. */
 }
 
-static void copy_str(char *dst, size_t len, const char *src) { snprintf(dst, len, "%s", src ? src : ""); }
+static void copy_str(char *dst, size_t len, const char *src) {
+  snprintf(dst, len, "%s", src ? src : "");
+}
 
 static void publish_v(const char *kind, const char *group, int rank, uint64_t client_id, uint32_t old_version,
                       uint32_t new_version, uint64_t step, const char *fmt, va_list ap) {
@@ -76,13 +78,17 @@ static void publish_v(const char *kind, const char *group, int rank, uint64_t cl
   /* Problems are logged as warnings so that they stand out in the journal, map switches as information;
    * the other events repeat what their module logged already (attach, detach, drain, ready): debug. Only
    * the fields that say something: the versions of a switch, a step where there is one. */
-  const int warn = !strcmp(ev.kind, "timeout") || !strcmp(ev.kind, "error") || !strcmp(ev.kind, "client_lost");
+  const int warn =
+      !strcmp(ev.kind, "timeout") || !strcmp(ev.kind, "error") || !strcmp(ev.kind, "client_lost");
   const int map = !strcmp(ev.kind, "map_switch");
   char versions[48] = "", at[32] = "";
   if (map) snprintf(versions, sizeof versions, " (map v%u -> v%u)", old_version, new_version);
   if (step) snprintf(at, sizeof at, " at step %llu", (unsigned long long)step);
-  epd_log_group_msg(warn ? EPD_LOG_WARN : map ? EPD_LOG_INFO : EPD_LOG_DEBUG, EPD_SUB_MAIN, rank, client_id,
-                    ev.group, "event %s: %s%s%s", ev.kind, ev.message, versions, at);
+  epd_log_group_msg(warn  ? EPD_LOG_WARN
+                    : map ? EPD_LOG_INFO
+                          : EPD_LOG_DEBUG,
+                    EPD_SUB_MAIN, rank, client_id, ev.group, "event %s: %s%s%s", ev.kind, ev.message,
+                    versions, at);
 
   pthread_mutex_lock(&g_ev.mu);
   if (g_ev.ring && !g_ev.closed) {
@@ -93,8 +99,8 @@ static void publish_v(const char *kind, const char *group, int rank, uint64_t cl
   pthread_mutex_unlock(&g_ev.mu);
 }
 
-void epd_events_publish(const char *kind, const char *group, int rank, uint64_t client_id, uint32_t old_version,
-                        uint32_t new_version, uint64_t step, const char *fmt, ...) {
+void epd_events_publish(const char *kind, const char *group, int rank, uint64_t client_id,
+                        uint32_t old_version, uint32_t new_version, uint64_t step, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   publish_v(kind, group, rank, client_id, old_version, new_version, step, fmt, ap);

@@ -110,7 +110,8 @@ static epd_mhd_result on_request(void *cls, struct MHD_Connection *conn, const c
     return MHD_YES;
   }
   int get = !strcmp(method, MHD_HTTP_METHOD_GET), head = !strcmp(method, MHD_HTTP_METHOD_HEAD);
-  if (strcmp(url, "/metrics") != 0) return respond_text(conn, MHD_HTTP_NOT_FOUND, "not found: try /metrics\n");
+  if (strcmp(url, "/metrics") != 0)
+    return respond_text(conn, MHD_HTTP_NOT_FOUND, "not found: try /metrics\n");
   if (!get && !head) {
     char *body = strdup("method not allowed: GET or HEAD\n");
     if (!body) return MHD_NO;
@@ -156,10 +157,12 @@ static int parse_listen(const char *s, struct sockaddr_storage *ss, int *v6, cha
     host[hl - 2] = 0;
   }
   if (!host[0] || !strcmp(host, "*")) snprintf(host, sizeof host, "0.0.0.0");
-  struct addrinfo hints = {.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV, .ai_socktype = SOCK_STREAM}, *ai = NULL;
+  struct addrinfo hints = {.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV, .ai_socktype = SOCK_STREAM},
+                  *ai = NULL;
   int rc = getaddrinfo(host, colon + 1, &hints, &ai);
   if (rc != 0 || !ai) {
-    snprintf(err, errlen, "metrics.prometheus_listen '%s': host must be a numeric IPv4 or [IPv6] address (%s)", s,
+    snprintf(err, errlen,
+             "metrics.prometheus_listen '%s': host must be a numeric IPv4 or [IPv6] address (%s)", s,
              gai_strerror(rc));
     return -1;
   }
@@ -202,7 +205,8 @@ int epd_http_init(const epd_conf_t *conf, epd_engine_t *eng, const epd_rpc_hooks
                            (unsigned)HTTP_PER_IP_CONN_LIMIT, MHD_OPTION_CONNECTION_TIMEOUT,
                            (unsigned)HTTP_TIMEOUT_S, MHD_OPTION_END);
   if (!h.mhd) {
-    snprintf(err, errlen, "metrics.prometheus_listen %s: cannot listen (address in use or not local?)", h.listen);
+    snprintf(err, errlen, "metrics.prometheus_listen %s: cannot listen (address in use or not local?)",
+             h.listen);
     return -1;
   }
   EPD_LOGI(EPD_SUB_METRICS, "prometheus endpoint: http://%s/metrics", h.listen);

@@ -65,7 +65,8 @@ static struct {
 static void usage(FILE *f) {
   fprintf(f,
           "usage: epd [-c FILE] [-s SOCKET] [-o section.key=value]... [--check-config] [-f]\n"
-          "  -c FILE          configuration file (default " DEFAULT_CONF " if it exists, else built-in defaults)\n"
+          "  -c FILE          configuration file (default " DEFAULT_CONF
+          " if it exists, else built-in defaults)\n"
           "  -s SOCKET        control socket path (overrides daemon.control_socket)\n"
           "  -o KEY=VALUE     set one key after the file (repeatable), e.g. -o engine.backend=host\n"
           "  --check-config   validate the configuration, print the effective values, exit 0 (valid) or 1\n"
@@ -96,7 +97,8 @@ static int load_config(epd_conf_t *c, char *err, size_t errlen) {
       return -1;
     }
   }
-  if (d.socket_override && epd_conf_set(c, "daemon.control_socket", d.socket_override, msg, sizeof msg) != 0) {
+  if (d.socket_override &&
+      epd_conf_set(c, "daemon.control_socket", d.socket_override, msg, sizeof msg) != 0) {
     snprintf(err, errlen, "-s: %s", msg);
     return -1;
   }
@@ -123,26 +125,40 @@ static int parse_args(int argc, char **argv) {
   int ch;
   while ((ch = getopt_long(argc, argv, "c:s:o:fhV", lo, NULL)) != -1) {
     switch (ch) {
-    case 'c': d.conf_path = optarg; break;
-    case 's': d.socket_override = optarg; break;
-    case 'o':
-      if (d.noverrides == MAX_OVERRIDES) {
-        fprintf(stderr, "epd: more than %d -o options\n", MAX_OVERRIDES);
-        return 1;
+      case 'c':
+        d.conf_path = optarg;
+        break;
+      case 's':
+        d.socket_override = optarg;
+        break;
+      case 'o':
+        if (d.noverrides == MAX_OVERRIDES) {
+          fprintf(stderr, "epd: more than %d -o options\n", MAX_OVERRIDES);
+          return 1;
+        }
+        d.overrides[d.noverrides++] = optarg;
+        break;
+      case 'f':
+        d.foreground = 1;
+        break;
+      case 'C':
+        d.check_only = 1;
+        break;
+      case 'H': {
+        static char buf[16384];
+        epd_conf_describe(buf, sizeof buf);
+        fputs(buf, stdout);
+        exit(0);
       }
-      d.overrides[d.noverrides++] = optarg;
-      break;
-    case 'f': d.foreground = 1; break;
-    case 'C': d.check_only = 1; break;
-    case 'H': {
-      static char buf[16384];
-      epd_conf_describe(buf, sizeof buf);
-      fputs(buf, stdout);
-      exit(0);
-    }
-    case 'V': printf("epd %s\n", EPD_VERSION); exit(0);
-    case 'h': usage(stdout); exit(0);
-    default: usage(stderr); return 1;
+      case 'V':
+        printf("epd %s\n", EPD_VERSION);
+        exit(0);
+      case 'h':
+        usage(stdout);
+        exit(0);
+      default:
+        usage(stderr);
+        return 1;
     }
   }
   if (optind < argc) {
@@ -367,21 +383,32 @@ int main(int argc, char **argv) {
     goto fail;
   }
   stage = 2;
-  epd_engine_opts_t eo = {
-      .backend = d.conf.backend, .num_ranks = (int)d.conf.num_ranks, .max_experts = d.conf.max_experts,
-      .max_hidden = d.conf.max_hidden, .max_topk = d.conf.max_topk, .max_tokens = d.conf.max_tokens,
-      .slots_factor_pct = d.conf.slots_factor_pct, .ht_capacity_factor = d.conf.ht_capacity_factor,
-      .ht_sms = d.conf.ht_sms, .ht_ce_split = d.conf.ht_ce_split, .cuda_mode = d.conf.cuda_mode,
-      .ll_blocks = d.conf.ll_blocks, .idle_spin_ns = d.conf.idle_spin_ns, .gin_probe = d.conf.gin_probe,
-      .max_groups = d.conf.max_groups, .max_clients_per_rank = d.conf.max_clients_per_rank,
-      .max_arena_bytes = d.conf.max_arena_bytes, .step_timeout_ms = d.conf.step_timeout_ms};
+  epd_engine_opts_t eo = {.backend = d.conf.backend,
+                          .num_ranks = (int)d.conf.num_ranks,
+                          .max_experts = d.conf.max_experts,
+                          .max_hidden = d.conf.max_hidden,
+                          .max_topk = d.conf.max_topk,
+                          .max_tokens = d.conf.max_tokens,
+                          .slots_factor_pct = d.conf.slots_factor_pct,
+                          .ht_capacity_factor = d.conf.ht_capacity_factor,
+                          .ht_sms = d.conf.ht_sms,
+                          .ht_ce_split = d.conf.ht_ce_split,
+                          .cuda_mode = d.conf.cuda_mode,
+                          .ll_blocks = d.conf.ll_blocks,
+                          .idle_spin_ns = d.conf.idle_spin_ns,
+                          .gin_probe = d.conf.gin_probe,
+                          .max_groups = d.conf.max_groups,
+                          .max_clients_per_rank = d.conf.max_clients_per_rank,
+                          .max_arena_bytes = d.conf.max_arena_bytes,
+                          .step_timeout_ms = d.conf.step_timeout_ms};
   char eerr[1280] = "";
   static int devices[EPD_CONF_MAX_LIST];
   const int ndevices = epd_conf_parse_list(d.conf.devices, EPD_CONF_MAX_LIST - 1, devices, EPD_CONF_MAX_LIST,
                                            eerr, sizeof eerr);
   if (ndevices > 0 && ndevices != (int)d.conf.num_ranks) {
-    snprintf(err, sizeof err, "engine.devices names %d GPU(s) for engine.num_ranks = %u ranks: give one per rank",
-             ndevices, d.conf.num_ranks);
+    snprintf(err, sizeof err,
+             "engine.devices names %d GPU(s) for engine.num_ranks = %u ranks: give one per rank", ndevices,
+             d.conf.num_ranks);
     goto fail;
   }
   if (ndevices > 0) eo.devices = devices;

@@ -68,15 +68,22 @@ static void sb_head(sbuf_t *sb, const char *name, const char *type, const char *
 
 const char *epd_metrics_op_name(int op) {
   switch (op) {
-  case EPD_OP_LL_DISPATCH: return "ll_dispatch";
-  case EPD_OP_LL_COMBINE: return "ll_combine";
-  case EPD_OP_HT_DISPATCH: return "ht_dispatch";
-  case EPD_OP_HT_COMBINE: return "ht_combine";
-  default: return "none";
+    case EPD_OP_LL_DISPATCH:
+      return "ll_dispatch";
+    case EPD_OP_LL_COMBINE:
+      return "ll_combine";
+    case EPD_OP_HT_DISPATCH:
+      return "ht_dispatch";
+    case EPD_OP_HT_COMBINE:
+      return "ht_combine";
+    default:
+      return "none";
   }
 }
 
-static const char *op_mode(int op) { return op == EPD_OP_HT_DISPATCH || op == EPD_OP_HT_COMBINE ? "ht" : "ll"; }
+static const char *op_mode(int op) {
+  return op == EPD_OP_HT_DISPATCH || op == EPD_OP_HT_COMBINE ? "ht" : "ll";
+}
 
 epd_result_t epd_metrics_text(const epd_engine_snap_t *snap, const epd_daemon_info_t *info, char **out,
                               size_t *len) {
@@ -84,7 +91,8 @@ epd_result_t epd_metrics_text(const epd_engine_snap_t *snap, const epd_daemon_in
   const char *version = info && info->version ? info->version : "";
   const char *state = info && info->state ? info->state : "";
 
-  sb_head(&sb, "epd_info", "gauge", "Daemon build and engine: backend, engine mode, version (value is always 1).");
+  sb_head(&sb, "epd_info", "gauge",
+          "Daemon build and engine: backend, engine mode, version (value is always 1).");
   sb_printf(&sb, "epd_info{backend=\"");
   sb_label(&sb, snap->backend);
   sb_printf(&sb, "\",mode=\"");
@@ -93,7 +101,8 @@ epd_result_t epd_metrics_text(const epd_engine_snap_t *snap, const epd_daemon_in
   sb_label(&sb, version);
   sb_printf(&sb, "\"} 1\n");
   /* The state is a label of its own series so that epd_info keeps one series for the daemon's life. */
-  sb_head(&sb, "epd_state", "gauge", "Daemon state (starting, ready, draining, failed): 1 for the current one.");
+  sb_head(&sb, "epd_state", "gauge",
+          "Daemon state (starting, ready, draining, failed): 1 for the current one.");
   static const char *const states[] = {"starting", "ready", "draining", "failed"};
   for (size_t i = 0; i < sizeof states / sizeof states[0]; i++)
     sb_printf(&sb, "epd_state{state=\"%s\"} %d\n", states[i], !strcmp(state, states[i]));
@@ -119,12 +128,16 @@ epd_result_t epd_metrics_text(const epd_engine_snap_t *snap, const epd_daemon_in
       if (n != snap->node_rank)
         sb_printf(&sb, "epd_cluster_link_up{node=\"%u\"} %d\n", n, (snap->links_down >> n) & 1 ? 0 : 1);
   }
-  sb_head(&sb, "epd_cluster_bytes_total", "counter", "Data-plane bytes to and from the other nodes (cuda: the NCCL exchange plus the control frames).");
+  sb_head(&sb, "epd_cluster_bytes_total", "counter",
+          "Data-plane bytes to and from the other nodes (cuda: the NCCL exchange plus the control frames).");
   sb_printf(&sb, "epd_cluster_bytes_total{direction=\"tx\"} %llu\n", (unsigned long long)snap->net_tx_bytes);
   sb_printf(&sb, "epd_cluster_bytes_total{direction=\"rx\"} %llu\n", (unsigned long long)snap->net_rx_bytes);
-  sb_head(&sb, "epd_cluster_frames_total", "counter", "Data-plane frames (one per group, step and node pair).");
-  sb_printf(&sb, "epd_cluster_frames_total{direction=\"tx\"} %llu\n", (unsigned long long)snap->net_tx_frames);
-  sb_printf(&sb, "epd_cluster_frames_total{direction=\"rx\"} %llu\n", (unsigned long long)snap->net_rx_frames);
+  sb_head(&sb, "epd_cluster_frames_total", "counter",
+          "Data-plane frames (one per group, step and node pair).");
+  sb_printf(&sb, "epd_cluster_frames_total{direction=\"tx\"} %llu\n",
+            (unsigned long long)snap->net_tx_frames);
+  sb_printf(&sb, "epd_cluster_frames_total{direction=\"rx\"} %llu\n",
+            (unsigned long long)snap->net_rx_frames);
   sb_head(&sb, "epd_clients", "gauge", "Attached clients.");
   sb_printf(&sb, "epd_clients %u\n", snap->nclients);
   sb_head(&sb, "epd_attach_connections", "gauge", "Open attach-socket connections.");
@@ -143,7 +156,8 @@ epd_result_t epd_metrics_text(const epd_engine_snap_t *snap, const epd_daemon_in
           "Failed accepts on the attach socket (out of fds or memory); the listener pauses after each.");
   sb_printf(&sb, "epd_attach_accept_errors_total %llu\n",
             (unsigned long long)(info ? info->attach.accept_errors : 0));
-  sb_head(&sb, "epd_control_connections", "gauge", "Open control (gRPC) connections, as counted at the last accept.");
+  sb_head(&sb, "epd_control_connections", "gauge",
+          "Open control (gRPC) connections, as counted at the last accept.");
   sb_printf(&sb, "epd_control_connections %u\n", info ? info->control_connections : 0);
   sb_head(&sb, "epd_control_refused_total", "counter",
           "Control connections refused at accept: cap (daemon.max_control_conns), uid "
@@ -184,8 +198,8 @@ epd_result_t epd_metrics_text(const epd_engine_snap_t *snap, const epd_daemon_in
       sb_printf(&sb, "\"} %llu\n", (unsigned long long)cum);
     }
     /* _count is the +Inf bucket, which the format requires to be equal. */
-    sb_printf(&sb, "epd_op_latency_seconds_sum{op=\"%s\",mode=\"%s\"} %.9f\n", epd_metrics_op_name(op), op_mode(op),
-              o->lat_sum_s);
+    sb_printf(&sb, "epd_op_latency_seconds_sum{op=\"%s\",mode=\"%s\"} %.9f\n", epd_metrics_op_name(op),
+              op_mode(op), o->lat_sum_s);
     sb_printf(&sb, "epd_op_latency_seconds_count{op=\"%s\",mode=\"%s\"} %llu\n", epd_metrics_op_name(op),
               op_mode(op), (unsigned long long)cum);
   }
@@ -305,7 +319,8 @@ epd_result_t epd_metrics_status(const epd_engine_snap_t *snap, const epd_daemon_
   st->nodes = snap->nodes ? snap->nodes : 1;
   st->node_rank = snap->node_rank;
   st->world_ranks = snap->world_ranks ? snap->world_ranks : snap->num_ranks;
-  st->inter_node_transport = dup_str(snap->inter_node_transport ? snap->inter_node_transport : "none", &failed);
+  st->inter_node_transport =
+      dup_str(snap->inter_node_transport ? snap->inter_node_transport : "none", &failed);
   st->gin = dup_str(snap->gin ? snap->gin : "", &failed);
   st->rendezvous = dup_str(snap->rendezvous ? snap->rendezvous : "", &failed);
   st->links = dup_str(snap->links, &failed);

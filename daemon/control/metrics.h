@@ -17,13 +17,14 @@
 
 /* What the daemon adds to the engine snapshot. Strings may be NULL (shown as empty). */
 typedef struct epd_daemon_info {
-  const char *version;         /* EPD_VERSION */
-  const char *state;           /* "starting", "ready", "draining", "failed" */
+  const char *version; /* EPD_VERSION */
+  const char *state;   /* "starting", "ready", "draining", "failed" */
   uint64_t uptime_ms;
   unsigned attach_connections; /* live attach-socket connections */
   const char *config;          /* effective configuration text, or NULL */
   epd_attach_stats_t attach;   /* attach-socket refusals and accept errors (epd_attach_stats) */
-  uint64_t control_refused[2]; /* control connections refused at the cap: all uids, one uid (epd_rpc_refused) */
+  uint64_t
+      control_refused[2]; /* control connections refused at the cap: all uids, one uid (epd_rpc_refused) */
   unsigned control_connections; /* control connections open (as last counted at an accept) */
 } epd_daemon_info_t;
 

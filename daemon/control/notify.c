@@ -47,9 +47,13 @@ void epd_notify_fini(void) {
   wd_active = 0;
 }
 
-uint64_t epd_notify_watchdog_usec(void) { return wd_usec; }
+uint64_t epd_notify_watchdog_usec(void) {
+  return wd_usec;
+}
 
-void epd_notify_ready(const char *status) { sd_notifyf(0, "READY=1\nSTATUS=%s", status ? status : "ready"); }
+void epd_notify_ready(const char *status) {
+  sd_notifyf(0, "READY=1\nSTATUS=%s", status ? status : "ready");
+}
 
 void epd_notify_status(const char *fmt, ...) {
   char buf[256];

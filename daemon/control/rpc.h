@@ -35,8 +35,8 @@ const char *epd_rpc_socket_path(void);
 /* Decode, check and handle one request of a method ("/epd.v1.Control/Attach") given as bytes, as the
  * server would for this process as the peer, without a server (fuzzing, tests; not while serving:
  * then, and for streaming methods, it only decodes). Returns the gRPC status code, details in details. */
-int epd_rpc_handle_bytes(epd_engine_t *eng, const char *method, const uint8_t *data, size_t len, char *details,
-                         size_t dlen);
+int epd_rpc_handle_bytes(epd_engine_t *eng, const char *method, const uint8_t *data, size_t len,
+                         char *details, size_t dlen);
 /* Health status of the service ("" and "epd.v1.Control"): serving or not. */
 void epd_rpc_set_serving(int serving);
 

@@ -47,7 +47,9 @@ int epd_state_init(const char *dir, char *err, size_t errlen) {
   return 0;
 }
 
-void epd_state_fini(void) { state_dir[0] = 0; }
+void epd_state_fini(void) {
+  state_dir[0] = 0;
+}
 
 static int map_path(const char *group, char *buf, size_t len, const char *suffix) {
   size_t off = (size_t)snprintf(buf, len, "%s/map-", state_dir);

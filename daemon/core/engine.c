@@ -130,7 +130,8 @@ void eng_emit(epd_engine_t *eng, const char *kind, const eng_group_t *grp, int r
 #define MAP_TABLE_OFFSET QUEUE_BYTES
 static uint64_t queue_bytes_for(const eng_group_t *grp) {
   return QUEUE_BYTES + ALIGN_UP(epd_map_table_bytes(grp->g.num_experts, EPD_MAX_REPLICAS, grp->g.num_ranks,
-                                                    grp->g.slots_per_rank), 4096);
+                                                    grp->g.slots_per_rank),
+                                4096);
 }
 
 /* Write the group's active map into a client's map table (a seqlock: see epd_abi.h). */
@@ -160,7 +161,8 @@ static void map_table_write(eng_client_t *c) {
     for (uint32_t i = 0; i < X; i++) {
       rep[((size_t)e * X + i) * 2] = i < m->nrep[e] ? m->rep[e][i].rank : 0;
       rep[((size_t)e * X + i) * 2 + 1] = i < m->nrep[e] ? m->rep[e][i].slot : 0;
-      if (i < m->nrep[e]) slot_expert[m->rep[e][i].rank * grp->g.slots_per_rank + m->rep[e][i].slot] = (int32_t)e;
+      if (i < m->nrep[e])
+        slot_expert[m->rep[e][i].rank * grp->g.slots_per_rank + m->rep[e][i].slot] = (int32_t)e;
     }
   }
   c->queue->map_table_offset = MAP_TABLE_OFFSET;
@@ -171,8 +173,9 @@ int eng_rank_local(const epd_engine_t *eng, uint32_t r) {
   return eng->o.nodes <= 1 || r / (uint32_t)eng->o.num_ranks == eng->o.node_rank;
 }
 
-epd_result_t eng_slot_weights_io(epd_engine_t *eng, eng_group_t *grp, uint32_t rank, uint32_t slot, uint64_t off,
-                                 uint64_t len, void *host, int write, char *err, size_t errlen) {
+epd_result_t eng_slot_weights_io(epd_engine_t *eng, eng_group_t *grp, uint32_t rank, uint32_t slot,
+                                 uint64_t off, uint64_t len, void *host, int write, char *err,
+                                 size_t errlen) {
   const uint64_t wb = grp->weight_bytes_per_slot, woff = eng_buf_offset(grp, EPD_BUF_EXPERT_WEIGHTS, 0);
   eng_client_t *c = rank < grp->g.num_ranks ? grp->client[rank] : NULL;
   if (!wb || woff == UINT64_MAX || slot >= grp->g.slots_per_rank) {
@@ -188,7 +191,8 @@ epd_result_t eng_slot_weights_io(epd_engine_t *eng, eng_group_t *grp, uint32_t r
     snprintf(err, errlen, "rank %u has no attached client on node %u", rank, eng->o.node_rank);
     return EPD_ERR_NOT_FOUND;
   }
-  if (eng->ops->arena_io) return eng->ops->arena_io(eng, c, woff + slot * wb + off, host, len, write, err, errlen);
+  if (eng->ops->arena_io)
+    return eng->ops->arena_io(eng, c, woff + slot * wb + off, host, len, write, err, errlen);
   uint8_t *w = (uint8_t *)eng_buf(c, EPD_BUF_EXPERT_WEIGHTS, 0) + slot * wb + off;
   if (write)
     memcpy(w, host, len);
@@ -207,8 +211,8 @@ static void wblob_free(eng_wblob_t *b) {
   free(b);
 }
 
-void eng_wblob_put(eng_group_t *grp, const epd_weight_copy_t *cp, uint32_t version, int status, const char *why,
-                   uint8_t *data, uint64_t bytes) {
+void eng_wblob_put(eng_group_t *grp, const epd_weight_copy_t *cp, uint32_t version, int status,
+                   const char *why, uint8_t *data, uint64_t bytes) {
   for (eng_wblob_t **pp = &grp->wblobs; *pp; pp = &(*pp)->next)
     if (same_copy(&(*pp)->cp, cp) && (*pp)->version == version) {
       eng_wblob_t *old = *pp;
@@ -259,7 +263,8 @@ int eng_weights_ready(const epd_engine_t *eng, const eng_group_t *grp) {
 void eng_weights_clock(eng_group_t *grp) {
   uint64_t now = 0;
   for (uint32_t i = 0; i < grp->nstaged_copies; i++)
-    if (!grp->staged_copy_meta[i].staged_ns) grp->staged_copy_meta[i].staged_ns = now ? now : (now = eng_now_ns());
+    if (!grp->staged_copy_meta[i].staged_ns)
+      grp->staged_copy_meta[i].staged_ns = now ? now : (now = eng_now_ns());
 }
 
 int eng_slot_being_filled(const eng_group_t *grp, uint32_t rank, uint32_t slot, uint32_t v) {
@@ -278,7 +283,8 @@ uint64_t eng_weights_from_node(epd_engine_t *eng, eng_group_t *grp, uint32_t i) 
     snprintf(why, sizeof why, "its weights did not come from node %u within %u ms",
              cp->src_rank / (uint32_t)eng->o.num_ranks, eng_weights_wait_ms(eng));
   else if (b->status)
-    snprintf(why, sizeof why, "node %u could not read them: %s", cp->src_rank / (uint32_t)eng->o.num_ranks, b->why);
+    snprintf(why, sizeof why, "node %u could not read them: %s", cp->src_rank / (uint32_t)eng->o.num_ranks,
+             b->why);
   else if (b->bytes != grp->weight_bytes_per_slot)
     snprintf(why, sizeof why, "%llu bytes came for a slot of %llu", (unsigned long long)b->bytes,
              (unsigned long long)grp->weight_bytes_per_slot);
@@ -337,7 +343,8 @@ static uint64_t do_weight_copies(epd_engine_t *eng, eng_group_t *grp) {
 
 /* Make m active (taken over), after the first ncopies of the staged copies (those m carried); the rest
  * stay staged with the newer staged map, if any (none: unstage, once the copies are done). */
-static void switch_map(epd_engine_t *eng, eng_group_t *grp, epd_expert_map_t *m, uint32_t ncopies, int unstage) {
+static void switch_map(epd_engine_t *eng, eng_group_t *grp, epd_expert_map_t *m, uint32_t ncopies,
+                       int unstage) {
   uint32_t old = grp->map.version, all = grp->nstaged_copies;
   if (ncopies > all) ncopies = all;
   grp->nstaged_copies = ncopies;
@@ -345,8 +352,10 @@ static void switch_map(epd_engine_t *eng, eng_group_t *grp, epd_expert_map_t *m,
   if (unstage) grp->has_staged = 0;
   grp->nstaged_copies = all - ncopies;
   if (grp->nstaged_copies) {
-    memmove(grp->staged_copies, grp->staged_copies + ncopies, sizeof *grp->staged_copies * grp->nstaged_copies);
-    memmove(grp->staged_copy_meta, grp->staged_copy_meta + ncopies, sizeof *grp->staged_copy_meta * grp->nstaged_copies);
+    memmove(grp->staged_copies, grp->staged_copies + ncopies,
+            sizeof *grp->staged_copies * grp->nstaged_copies);
+    memmove(grp->staged_copy_meta, grp->staged_copy_meta + ncopies,
+            sizeof *grp->staged_copy_meta * grp->nstaged_copies);
   } else {
     free(grp->staged_copies);
     free(grp->staged_copy_meta);
@@ -371,7 +380,8 @@ void eng_apply_staged_map(epd_engine_t *eng, eng_group_t *grp) {
   switch_map(eng, grp, &grp->staged, grp->nstaged_copies, 1);
 }
 
-int eng_apply_staged_version(epd_engine_t *eng, eng_group_t *grp, const epd_expert_map_t *m, uint32_t ncopies) {
+int eng_apply_staged_version(epd_engine_t *eng, eng_group_t *grp, const epd_expert_map_t *m,
+                             uint32_t ncopies) {
   if (!grp->has_staged || grp->staged.version < m->version) return -1;
   if (grp->staged.version == m->version) {
     eng_apply_staged_map(eng, grp);
@@ -409,12 +419,28 @@ void eng_record_op(epd_engine_t *eng, int rank, uint32_t op, int status, uint64_
 }
 
 const char *eng_result_name(int result) {
-  static const char *const names[] = {
-      "EPD_OK", "EPD_ERR_INVALID", "EPD_ERR_NOMEM", "EPD_ERR_SYSTEM", "EPD_ERR_RPC", "EPD_ERR_PROTOCOL",
-      "EPD_ERR_NOT_FOUND", "EPD_ERR_BUSY", "EPD_ERR_TIMEOUT", "EPD_ERR_PEER", "EPD_ERR_DRAINING",
-      "EPD_ERR_CUDA", "EPD_ERR_NCCL", "EPD_ERR_UNSUPPORTED", "EPD_ERR_BAD_EXPERT",
-      "EPD_ERR_TOO_MANY_TOKENS", "EPD_ERR_PERMISSION", "EPD_ERR_OVERFLOW", "EPD_ERR_MISMATCH",
-      "EPD_ERR_CLOSED", "EPD_ERR_STATE", "EPD_ERR_INTERNAL"};
+  static const char *const names[] = {"EPD_OK",
+                                      "EPD_ERR_INVALID",
+                                      "EPD_ERR_NOMEM",
+                                      "EPD_ERR_SYSTEM",
+                                      "EPD_ERR_RPC",
+                                      "EPD_ERR_PROTOCOL",
+                                      "EPD_ERR_NOT_FOUND",
+                                      "EPD_ERR_BUSY",
+                                      "EPD_ERR_TIMEOUT",
+                                      "EPD_ERR_PEER",
+                                      "EPD_ERR_DRAINING",
+                                      "EPD_ERR_CUDA",
+                                      "EPD_ERR_NCCL",
+                                      "EPD_ERR_UNSUPPORTED",
+                                      "EPD_ERR_BAD_EXPERT",
+                                      "EPD_ERR_TOO_MANY_TOKENS",
+                                      "EPD_ERR_PERMISSION",
+                                      "EPD_ERR_OVERFLOW",
+                                      "EPD_ERR_MISMATCH",
+                                      "EPD_ERR_CLOSED",
+                                      "EPD_ERR_STATE",
+                                      "EPD_ERR_INTERNAL"};
   _Static_assert(sizeof names / sizeof names[0] == -EPD_ERR_MIN, "a name for every result code");
   return result <= 0 && result > EPD_ERR_MIN ? names[-result] : "EPD_ERR_UNKNOWN";
 }
@@ -451,8 +477,8 @@ epd_result_t epd_engine_world_id(const char *backend, uint8_t *id, char *err, si
   return b->world_id(id, err, errlen) ? EPD_ERR_UNSUPPORTED : EPD_OK;
 }
 
-epd_result_t epd_engine_create(const epd_engine_opts_t *opts, epd_engine_event_fn on_event,
-                               void *event_arg, epd_engine_t **out, char *errbuf, size_t errlen) {
+epd_result_t epd_engine_create(const epd_engine_opts_t *opts, epd_engine_event_fn on_event, void *event_arg,
+                               epd_engine_t **out, char *errbuf, size_t errlen) {
   *out = NULL;
   const char *bname = opts->backend && *opts->backend ? opts->backend : "auto";
   const eng_backend_ops_t *ops = NULL;
@@ -478,11 +504,13 @@ epd_result_t epd_engine_create(const epd_engine_opts_t *opts, epd_engine_event_f
     snprintf(errbuf, errlen, "backend \"%s\" unknown; allowed: auto, host, cuda", bname);
     return EPD_ERR_INVALID;
   }
-  if (opts->nodes > 1 && ((ops->world_id && !opts->comm_id) || !opts->net ||
-                          opts->nodes * (uint32_t)opts->num_ranks > EPD_MAX_RANKS || opts->node_rank >= opts->nodes)) {
-    snprintf(errbuf, errlen, ops->world_id && !opts->comm_id
-                                 ? "%u nodes: the %s backend needs the world communicator's id from the rendezvous"
-                                 : "%u nodes: needs connected data links, node_rank < nodes and nodes * num_ranks <= 64",
+  if (opts->nodes > 1 &&
+      ((ops->world_id && !opts->comm_id) || !opts->net ||
+       opts->nodes * (uint32_t)opts->num_ranks > EPD_MAX_RANKS || opts->node_rank >= opts->nodes)) {
+    snprintf(errbuf, errlen,
+             ops->world_id && !opts->comm_id
+                 ? "%u nodes: the %s backend needs the world communicator's id from the rendezvous"
+                 : "%u nodes: needs connected data links, node_rank < nodes and nodes * num_ranks <= 64",
              opts->nodes, ops->name);
     return EPD_ERR_UNSUPPORTED;
   }
@@ -564,10 +592,18 @@ void epd_engine_destroy(epd_engine_t *eng) {
   free(eng);
 }
 
-const char *epd_engine_backend(const epd_engine_t *eng) { return eng->ops->name; }
-const char *epd_engine_mode(const epd_engine_t *eng) { return eng->ops->mode(eng); }
-int epd_engine_num_ranks(const epd_engine_t *eng) { return eng->o.num_ranks; }
-int epd_engine_world_ranks(const epd_engine_t *eng) { return eng->o.num_ranks * (int)eng->o.nodes; }
+const char *epd_engine_backend(const epd_engine_t *eng) {
+  return eng->ops->name;
+}
+const char *epd_engine_mode(const epd_engine_t *eng) {
+  return eng->ops->mode(eng);
+}
+int epd_engine_num_ranks(const epd_engine_t *eng) {
+  return eng->o.num_ranks;
+}
+int epd_engine_world_ranks(const epd_engine_t *eng) {
+  return eng->o.num_ranks * (int)eng->o.nodes;
+}
 
 /* ---- groups ------------------------------------------------------------------------------------- */
 
@@ -647,9 +683,10 @@ static epd_result_t group_create(epd_engine_t *eng, const char *name, const epd_
     return EPD_ERR_BUSY;
   }
   if (!req->num_experts || !req->hidden || !req->topk || !req->max_tokens) {
-    snprintf(err, errlen, "group \"%s\" does not exist: the first attach must give num_experts, hidden, "
-             "topk and max_tokens (got %u, %u, %u, %u)", name, req->num_experts, req->hidden, req->topk,
-             req->max_tokens);
+    snprintf(err, errlen,
+             "group \"%s\" does not exist: the first attach must give num_experts, hidden, "
+             "topk and max_tokens (got %u, %u, %u, %u)",
+             name, req->num_experts, req->hidden, req->topk, req->max_tokens);
     return EPD_ERR_INVALID;
   }
   if (check_range("num_experts", req->num_experts, 1, o->max_experts, err, errlen) ||
@@ -686,10 +723,11 @@ static epd_result_t group_create(epd_engine_t *eng, const char *name, const epd_
   g->arena_bytes = layout(g);
   epd_result_t rc = EPD_OK;
   if (g->arena_bytes > o->max_arena_bytes) {
-    snprintf(err, errlen, "group \"%s\": arena of %llu bytes (experts %u, hidden %u, topk %u, max_tokens %u, "
-             "%u slots x %u ranks) exceeds max_arena_bytes %llu", name, (unsigned long long)g->arena_bytes,
-             E, req->hidden, req->topk, req->max_tokens, g->g.slots_per_rank, R,
-             (unsigned long long)o->max_arena_bytes);
+    snprintf(err, errlen,
+             "group \"%s\": arena of %llu bytes (experts %u, hidden %u, topk %u, max_tokens %u, "
+             "%u slots x %u ranks) exceeds max_arena_bytes %llu",
+             name, (unsigned long long)g->arena_bytes, E, req->hidden, req->topk, req->max_tokens,
+             g->g.slots_per_rank, R, (unsigned long long)o->max_arena_bytes);
     rc = EPD_ERR_INVALID;
     goto fail;
   }
@@ -708,9 +746,11 @@ static epd_result_t group_create(epd_engine_t *eng, const char *name, const epd_
   g->next = eng->groups;
   eng->groups = g;
   eng->ngroups++;
-  EPD_LOGI(EPD_SUB_ENGINE, "group %s created: %u experts, hidden %u, topk %u, max_tokens %u, %u slots/rank, "
-           "ht capacity %u, arena %llu bytes", name, E, req->hidden, req->topk, req->max_tokens,
-           g->g.slots_per_rank, g->g.ht_capacity, (unsigned long long)g->arena_bytes);
+  EPD_LOGI(EPD_SUB_ENGINE,
+           "group %s created: %u experts, hidden %u, topk %u, max_tokens %u, %u slots/rank, "
+           "ht capacity %u, arena %llu bytes",
+           name, E, req->hidden, req->topk, req->max_tokens, g->g.slots_per_rank, g->g.ht_capacity,
+           (unsigned long long)g->arena_bytes);
   *out = g;
   return EPD_OK;
 fail:
@@ -729,8 +769,12 @@ static void group_unlink(epd_engine_t *eng, eng_group_t *grp) {
 }
 
 /* Later attaches must match the group's geometry where they give a value. */
-static epd_result_t check_geometry(const eng_group_t *g, const epd_attach_req_t *req, char *err, size_t errlen) {
-  struct { const char *name; uint32_t want, have; } f[] = {
+static epd_result_t check_geometry(const eng_group_t *g, const epd_attach_req_t *req, char *err,
+                                   size_t errlen) {
+  struct {
+    const char *name;
+    uint32_t want, have;
+  } f[] = {
       {"num_experts", req->num_experts, g->g.num_experts},
       {"hidden", req->hidden, g->g.hidden},
       {"topk", req->topk, g->g.topk},
@@ -744,8 +788,8 @@ static epd_result_t check_geometry(const eng_group_t *g, const epd_attach_req_t 
     }
   if (req->weight_bytes_per_slot && req->weight_bytes_per_slot != g->weight_bytes_per_slot) {
     snprintf(err, errlen, "weight_bytes_per_slot %llu does not match group \"%s\" (%llu); pass 0 or %llu",
-             (unsigned long long)req->weight_bytes_per_slot, g->name, (unsigned long long)g->weight_bytes_per_slot,
-             (unsigned long long)g->weight_bytes_per_slot);
+             (unsigned long long)req->weight_bytes_per_slot, g->name,
+             (unsigned long long)g->weight_bytes_per_slot, (unsigned long long)g->weight_bytes_per_slot);
     return EPD_ERR_INVALID;
   }
   return EPD_OK;
@@ -771,9 +815,11 @@ epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, e
   int rank0 = (int)eng->o.node_rank * eng->o.num_ranks; /* scale-out: this node's world ranks */
   if (req->rank < rank0 || req->rank >= rank0 + eng->o.num_ranks) {
     if (eng->o.nodes > 1)
-      snprintf(errbuf, errlen, "rank %d out of range [%d, %d): this daemon is node %u of %u and owns world ranks "
-               "%d..%d (attach each world rank at the daemon of its node)", req->rank, rank0,
-               rank0 + eng->o.num_ranks, eng->o.node_rank, eng->o.nodes, rank0, rank0 + eng->o.num_ranks - 1);
+      snprintf(errbuf, errlen,
+               "rank %d out of range [%d, %d): this daemon is node %u of %u and owns world ranks "
+               "%d..%d (attach each world rank at the daemon of its node)",
+               req->rank, rank0, rank0 + eng->o.num_ranks, eng->o.node_rank, eng->o.nodes, rank0,
+               rank0 + eng->o.num_ranks - 1);
     else
       snprintf(errbuf, errlen, "rank %d out of range [0, %d)", req->rank, eng->o.num_ranks);
     rc = EPD_ERR_INVALID;
@@ -790,8 +836,10 @@ epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, e
     /* The rank made its peers time out and has not submitted since: the new client takes its place
      * (its queue and memory are released; the old process, if it wakes up, finds its attachment gone). */
     eng_client_t *old = grp->client[req->rank];
-    EPD_LOGW(EPD_SUB_ENGINE, "group %s rank %d: client %llu (pid %u) hung since a step timed out waiting for it: "
-             "replaced by a new attach", name, req->rank, (unsigned long long)old->id, old->pid);
+    EPD_LOGW(EPD_SUB_ENGINE,
+             "group %s rank %d: client %llu (pid %u) hung since a step timed out waiting for it: "
+             "replaced by a new attach",
+             name, req->rank, (unsigned long long)old->id, old->pid);
     detach_locked(eng, old, 1, 1);
   }
   if (grp->client[req->rank]) {
@@ -837,8 +885,10 @@ epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, e
   grp->client[c->rank] = c;
   const int was_lost = grp->lost[c->rank];
   grp->lost[c->rank] = 0;
-  if (created && eng->so) eng->so->group_created(eng, grp);
-  else if (was_lost && eng->so) eng->so->rank_back(eng, grp, c->rank);
+  if (created && eng->so)
+    eng->so->group_created(eng, grp);
+  else if (was_lost && eng->so)
+    eng->so->rank_back(eng, grp, c->rank);
   map_table_write(c);
   memset(info, 0, sizeof *info);
   info->client_id = c->id;
@@ -860,8 +910,8 @@ epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, e
   info->nbuffers = grp->nbufs;
   info->weight_bytes_per_slot = grp->weight_bytes_per_slot;
   memcpy(info->buffers, grp->bufs, sizeof grp->bufs[0] * grp->nbufs);
-  EPD_LOGI(EPD_SUB_ENGINE, "client %llu (%s, pid %u) attached to group %s rank %d",
-           (unsigned long long)c->id, c->name, c->pid, name, c->rank);
+  EPD_LOGI(EPD_SUB_ENGINE, "client %llu (%s, pid %u) attached to group %s rank %d", (unsigned long long)c->id,
+           c->name, c->pid, name, c->rank);
 out:
   if (rc && created) {
     group_unlink(eng, grp);
@@ -965,8 +1015,10 @@ static epd_result_t check_copies(epd_engine_t *eng, const eng_group_t *grp, cons
                                  const epd_weight_copy_t *cp, uint32_t n, char *err, size_t errlen) {
   const epd_ref_geom_t *g = &grp->g;
   if (n && !grp->weight_bytes_per_slot) {
-    snprintf(err, errlen, "copies: group \"%s\" has no expert-weights region (attach with "
-             "weight_bytes_per_slot > 0)", grp->name);
+    snprintf(err, errlen,
+             "copies: group \"%s\" has no expert-weights region (attach with "
+             "weight_bytes_per_slot > 0)",
+             grp->name);
     return EPD_ERR_INVALID;
   }
   if (n && strcmp(eng->ops->name, "host") && !eng->ops->copy_weights) {
@@ -979,10 +1031,12 @@ static epd_result_t check_copies(epd_engine_t *eng, const eng_group_t *grp, cons
     return EPD_ERR_INVALID;
   }
   for (uint32_t i = 0; i < n; i++) {
-    if (cp[i].src_rank >= g->num_ranks || cp[i].dst_rank >= g->num_ranks || cp[i].src_slot >= g->slots_per_rank ||
-        cp[i].dst_slot >= g->slots_per_rank) {
-      snprintf(err, errlen, "copies[%u]: (rank %u, slot %u) -> (rank %u, slot %u): ranks must be in [0, %u), "
-               "slots in [0, %u)", i, cp[i].src_rank, cp[i].src_slot, cp[i].dst_rank, cp[i].dst_slot, g->num_ranks,
+    if (cp[i].src_rank >= g->num_ranks || cp[i].dst_rank >= g->num_ranks ||
+        cp[i].src_slot >= g->slots_per_rank || cp[i].dst_slot >= g->slots_per_rank) {
+      snprintf(err, errlen,
+               "copies[%u]: (rank %u, slot %u) -> (rank %u, slot %u): ranks must be in [0, %u), "
+               "slots in [0, %u)",
+               i, cp[i].src_rank, cp[i].src_slot, cp[i].dst_rank, cp[i].dst_slot, g->num_ranks,
                g->slots_per_rank);
       return EPD_ERR_INVALID;
     }
@@ -993,15 +1047,18 @@ static epd_result_t check_copies(epd_engine_t *eng, const eng_group_t *grp, cons
     }
     for (uint32_t j = 0; j < i; j++) {
       if (cp[j].dst_rank == cp[i].dst_rank && cp[j].dst_slot == cp[i].dst_slot) {
-        snprintf(err, errlen, "copies[%u]: destination (rank %u, slot %u) is also the destination of copies[%u]", i,
+        snprintf(err, errlen,
+                 "copies[%u]: destination (rank %u, slot %u) is also the destination of copies[%u]", i,
                  cp[i].dst_rank, cp[i].dst_slot, j);
         return EPD_ERR_INVALID;
       }
       /* All copies of a map happen at once: a chain would depend on their order. */
       if ((cp[j].dst_rank == cp[i].src_rank && cp[j].dst_slot == cp[i].src_slot) ||
           (cp[i].dst_rank == cp[j].src_rank && cp[i].dst_slot == cp[j].src_slot)) {
-        snprintf(err, errlen, "copies[%u] and copies[%u]: one copies from the slot the other copies into; "
-                 "split the migration into two maps", j, i);
+        snprintf(err, errlen,
+                 "copies[%u] and copies[%u]: one copies from the slot the other copies into; "
+                 "split the migration into two maps",
+                 j, i);
         return EPD_ERR_INVALID;
       }
     }
@@ -1010,9 +1067,11 @@ static epd_result_t check_copies(epd_engine_t *eng, const eng_group_t *grp, cons
     int32_t want = map_slot_expert(map, cp[i].dst_rank, cp[i].dst_slot);
     int32_t have = map_slot_expert(&grp->map, cp[i].src_rank, cp[i].src_slot);
     if (want >= 0 && have >= 0 && want != have) {
-      snprintf(err, errlen, "copies[%u]: source (rank %u, slot %u) holds expert %d in the active map version %u, "
-               "but the map places expert %d on the destination (rank %u, slot %u)", i, cp[i].src_rank,
-               cp[i].src_slot, have, grp->map.version, want, cp[i].dst_rank, cp[i].dst_slot);
+      snprintf(err, errlen,
+               "copies[%u]: source (rank %u, slot %u) holds expert %d in the active map version %u, "
+               "but the map places expert %d on the destination (rank %u, slot %u)",
+               i, cp[i].src_rank, cp[i].src_slot, have, grp->map.version, want, cp[i].dst_rank,
+               cp[i].dst_slot);
       return EPD_ERR_INVALID;
     }
   }
@@ -1024,19 +1083,22 @@ static epd_result_t check_copies(epd_engine_t *eng, const eng_group_t *grp, cons
     int32_t staged_e = map_slot_expert(&grp->staged, p->dst_rank, p->dst_slot);
     int32_t new_e = map_slot_expert(map, p->dst_rank, p->dst_slot);
     if (staged_e != new_e) {
-      snprintf(err, errlen, "(rank %u, slot %u) is being migrated for staged map version %u (expert %d); this map "
-               "places %s%d there: send it after the switch or keep the slot", p->dst_rank, p->dst_slot,
-               grp->staged.version, staged_e, new_e < 0 ? "nothing, not expert " : "expert ", new_e < 0 ? staged_e : new_e);
+      snprintf(err, errlen,
+               "(rank %u, slot %u) is being migrated for staged map version %u (expert %d); this map "
+               "places %s%d there: send it after the switch or keep the slot",
+               p->dst_rank, p->dst_slot, grp->staged.version, staged_e,
+               new_e < 0 ? "nothing, not expert " : "expert ", new_e < 0 ? staged_e : new_e);
       return EPD_ERR_BUSY;
     }
     for (uint32_t i = 0; i < n; i++)
       if ((cp[i].dst_rank == p->dst_rank && cp[i].dst_slot == p->dst_slot) ||
           (cp[i].src_rank == p->dst_rank && cp[i].src_slot == p->dst_slot) ||
           (cp[i].dst_rank == p->src_rank && cp[i].dst_slot == p->src_slot)) {
-        snprintf(err, errlen, "copies[%u]: (rank %u, slot %u) -> (rank %u, slot %u) touches a slot being migrated for "
-                 "staged map version %u ((rank %u, slot %u) -> (rank %u, slot %u)); send it after the switch", i,
-                 cp[i].src_rank, cp[i].src_slot, cp[i].dst_rank, cp[i].dst_slot, grp->staged.version, p->src_rank,
-                 p->src_slot, p->dst_rank, p->dst_slot);
+        snprintf(err, errlen,
+                 "copies[%u]: (rank %u, slot %u) -> (rank %u, slot %u) touches a slot being migrated for "
+                 "staged map version %u ((rank %u, slot %u) -> (rank %u, slot %u)); send it after the switch",
+                 i, cp[i].src_rank, cp[i].src_slot, cp[i].dst_rank, cp[i].dst_slot, grp->staged.version,
+                 p->src_rank, p->src_slot, p->dst_rank, p->dst_slot);
         return EPD_ERR_BUSY;
       }
   }
@@ -1110,14 +1172,14 @@ epd_result_t eng_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert
   /* A backend that runs steps without the engine thread (CUDA persistent kernels) must stop before the
    * call returns: the first dispatch executing after it uses the staged map. */
   if (eng->ops->sync_steps) eng->ops->sync_steps(eng, grp);
-  EPD_LOGD(EPD_SUB_ENGINE, "group %s: expert map version %u staged (%u weight copies pending)", grp->name, m.version,
-           nall);
+  EPD_LOGD(EPD_SUB_ENGINE, "group %s: expert map version %u staged (%u weight copies pending)", grp->name,
+           m.version, nall);
   return EPD_OK;
 }
 
 epd_result_t epd_engine_set_map_copies(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
-                                       const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t *version_out,
-                                       char *errbuf, size_t errlen) {
+                                       const epd_weight_copy_t *copies, uint32_t ncopies,
+                                       uint32_t *version_out, char *errbuf, size_t errlen) {
   const char *name = group && *group ? group : "default";
   /* Scale-out (either backend): node 0 numbers and stages every map and sends it to every node
    * (engine_net.c); the nodes switch to it at the same step (engine_net.c for the host backend,
@@ -1212,7 +1274,8 @@ epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out) {
     for (uint32_t r = 0; r < g->g.num_ranks; r++) s->attached_ranks += g->client[r] != NULL;
     s->map_version = g->map.version;
     s->steps = g->steps;
-    snprintf(s->mode, sizeof s->mode, "%s", eng->ops->group_mode ? eng->ops->group_mode(eng, g) : eng->ops->mode(eng));
+    snprintf(s->mode, sizeof s->mode, "%s",
+             eng->ops->group_mode ? eng->ops->group_mode(eng, g) : eng->ops->mode(eng));
     if (eng->so) eng->so->group_note(g, eng->o.nodes, s->nodes, sizeof s->nodes);
     s->expert_tokens = malloc(sizeof(uint64_t) * g->g.num_experts);
     if (!s->expert_tokens) goto nomem;
@@ -1245,8 +1308,8 @@ epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out) {
   out->gin = eng->ops->gin ? eng->ops->gin(eng) : NULL;
   out->rendezvous = eng->o.nodes <= 1 ? "" : eng->o.rendezvous_tls ? "mutual-tls" : "plaintext";
   if (eng->so)
-    eng->so->links(eng, out->links, sizeof out->links, &out->links_down, &out->net_tx_bytes, &out->net_rx_bytes,
-                   &out->net_tx_frames, &out->net_rx_frames);
+    eng->so->links(eng, out->links, sizeof out->links, &out->links_down, &out->net_tx_bytes,
+                   &out->net_rx_bytes, &out->net_tx_frames, &out->net_rx_frames);
   for (int li = 0; li < eng->o.num_ranks; li++) {
     epd_rank_snap_t *s = &out->ranks[li];
     int r = (int)eng->o.node_rank * eng->o.num_ranks + li; /* world rank */

@@ -22,14 +22,14 @@
 typedef struct epd_engine epd_engine_t;
 
 typedef struct epd_engine_opts {
-  const char *backend;   /* "host", "cuda" or "auto" (cuda when GPUs and NCCL are usable) */
-  int num_ranks;         /* ranks of the node (host: threads; cuda: GPUs, see devices) */
-  const int *devices;    /* cuda: the GPU of each local rank (num_ranks entries; ranks may share one); NULL: r */
-  uint32_t max_experts;  /* limits a group's geometry may not exceed */
+  const char *backend; /* "host", "cuda" or "auto" (cuda when GPUs and NCCL are usable) */
+  int num_ranks;       /* ranks of the node (host: threads; cuda: GPUs, see devices) */
+  const int *devices; /* cuda: the GPU of each local rank (num_ranks entries; ranks may share one); NULL: r */
+  uint32_t max_experts; /* limits a group's geometry may not exceed */
   uint32_t max_hidden;
   uint32_t max_topk;
   uint32_t max_tokens;
-  uint32_t slots_factor_pct; /* slots per rank = ceil(num_experts/num_ranks * pct/100) (redundancy) */
+  uint32_t slots_factor_pct;   /* slots per rank = ceil(num_experts/num_ranks * pct/100) (redundancy) */
   uint32_t ht_capacity_factor; /* HT receive capacity = max_tokens * num_ranks (if 0) or this * max_tokens */
   uint32_t ht_sms;             /* cuda: blocks (one per SM) of each HT data kernel; 0: the kernels' default */
   uint32_t ht_ce_split;        /* cuda: copies per dest rank of a copy-engine HT dispatch; 0: the default */
@@ -40,12 +40,12 @@ typedef struct epd_engine_opts {
   uint32_t max_clients_per_rank;
   uint64_t max_arena_bytes; /* per client */
   uint32_t step_timeout_ms; /* a rank waiting longer for its peers fails the step with EPD_ERR_TIMEOUT */
-  uint32_t ranks_per_node; /* node of a rank = rank / ranks_per_node (replica choice); 0: one node */
+  uint32_t ranks_per_node;  /* node of a rank = rank / ranks_per_node (replica choice); 0: one node */
   uint64_t max_weight_bytes_per_slot; /* limit of an attach's weight_bytes_per_slot; 0: 1 GiB */
   /* Scale-out (engine_net.h): nodes > 1 makes every group span nodes * num_ranks world ranks, this
    * node owning world ranks node_rank * num_ranks ..; needs connected links (and comm_id for cuda). */
   uint32_t nodes, node_rank;
-  uint32_t gin_probe; /* cuda across nodes: probe what NCCL offers for GIN at start-up (collective) */
+  uint32_t gin_probe;      /* cuda across nodes: probe what NCCL offers for GIN at start-up (collective) */
   uint32_t rendezvous_tls; /* reported only: the rendezvous ran over mutual TLS (cluster.tls_*) */
   struct epd_net *net;
   /* backend cuda across nodes: the world communicator's ncclUniqueId (128 bytes, from the rendezvous) */
@@ -68,8 +68,8 @@ typedef struct epd_engine_event {
 typedef void (*epd_engine_event_fn)(void *arg, const epd_engine_event_t *ev);
 
 /* Create the engine and start its rank threads; errbuf receives a message on failure. */
-epd_result_t epd_engine_create(const epd_engine_opts_t *opts, epd_engine_event_fn on_event,
-                               void *event_arg, epd_engine_t **out, char *errbuf, size_t errlen);
+epd_result_t epd_engine_create(const epd_engine_opts_t *opts, epd_engine_event_fn on_event, void *event_arg,
+                               epd_engine_t **out, char *errbuf, size_t errlen);
 /* A new id for the world communicator of a scale-out rendezvous, made by the named backend ("cuda":
  * ncclGetUniqueId; EPD_CLUSTER_COMM_ID_BYTES). EPD_ERR_UNSUPPORTED with err where that backend is not
  * built, needs no such id, or cannot start on this machine. */
@@ -105,7 +105,7 @@ typedef struct epd_attach_info {
   int queue_fd, arena_fd;
   uint64_t queue_bytes, arena_bytes;
   int on_gpu, device;
-  int has_uuid;           /* device_uuid holds the rank's GPU */
+  int has_uuid; /* device_uuid holds the rank's GPU */
   uint8_t device_uuid[16];
   uint32_t num_ranks, num_experts, hidden, topk, max_tokens, slots_per_rank, ht_capacity, map_version;
   uint32_t nbuffers;
@@ -132,8 +132,8 @@ void epd_engine_set_draining(epd_engine_t *eng, int drain);
 typedef struct epd_expert_map {
   uint32_t version;
   uint32_t num_experts, num_ranks, slots_per_rank;
-  uint32_t ranks_per_node;           /* replica choice prefers the source's node; 0: one node */
-  uint8_t *nrep;                     /* [num_experts] */
+  uint32_t ranks_per_node;                /* replica choice prefers the source's node; 0: one node */
+  uint8_t *nrep;                          /* [num_experts] */
   epd_replica_t (*rep)[EPD_MAX_REPLICAS]; /* [num_experts][EPD_MAX_REPLICAS] */
 } epd_expert_map_t;
 
@@ -147,12 +147,12 @@ typedef struct epd_weight_copy {
   uint32_t src_rank, src_slot, dst_rank, dst_slot;
 } epd_weight_copy_t;
 /* epd_engine_set_map with weight copies (ncopies may be 0). Copies need the group's weights region
- * (EPD_ERR_INVALID otherwise); across nodes the source's node sends the bytes (engine_net.c). A map that places a
- * different expert on, or copies from or into, a slot that a staged map's copies still have to fill
+ * (EPD_ERR_INVALID otherwise); across nodes the source's node sends the bytes (engine_net.c). A map that
+ * places a different expert on, or copies from or into, a slot that a staged map's copies still have to fill
  * is rejected with EPD_ERR_BUSY. */
 epd_result_t epd_engine_set_map_copies(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
-                                       const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t *version_out,
-                                       char *errbuf, size_t errlen);
+                                       const epd_weight_copy_t *copies, uint32_t ncopies,
+                                       uint32_t *version_out, char *errbuf, size_t errlen);
 /* Copy a group's active map (arrays allocated with malloc; free with epd_expert_map_free). */
 epd_result_t epd_engine_get_map(epd_engine_t *eng, const char *group, epd_expert_map_t *out);
 /* Install map, keeping its version, as the active map of a group that has run no step and staged no
@@ -168,7 +168,7 @@ typedef struct epd_group_snap {
   uint64_t steps;
   uint64_t *expert_tokens; /* [num_experts] tokens routed to each logical expert, cumulative */
   uint32_t num_ranks;
-  uint64_t *slot_tokens;   /* [num_ranks * slots_per_rank] tokens routed to each physical slot (replica) */
+  uint64_t *slot_tokens; /* [num_ranks * slots_per_rank] tokens routed to each physical slot (replica) */
   uint64_t map_switches, weight_bytes_copied;
   char mode[16]; /* how its steps run now ("persistent": in the CUDA backend's persistent kernels) */
   /* Across nodes: the other nodes that removed the group or drain ("node 1 removed it at step 7; node 2
@@ -209,9 +209,9 @@ typedef struct epd_engine_snap {
   /* Scale-out: ranks[] above are this node's, numbered by world rank. */
   uint32_t nodes, node_rank, world_ranks;
   const char *inter_node_transport; /* "none" (one node), "host-tcp" */
-  const char *gin; /* cuda across nodes: the start-up GIN probe's line; NULL otherwise */
-  const char *rendezvous; /* across nodes: "mutual-tls" or "plaintext"; "" on one node */
-  char links[512];    /* across nodes: "node 0 up; node 2 down: <why>" (epd_net_links); "" on one node */
+  const char *gin;                  /* cuda across nodes: the start-up GIN probe's line; NULL otherwise */
+  const char *rendezvous;           /* across nodes: "mutual-tls" or "plaintext"; "" on one node */
+  char links[512];     /* across nodes: "node 0 up; node 2 down: <why>" (epd_net_links); "" on one node */
   uint64_t links_down; /* bit n: the link to node n is down */
   uint64_t net_tx_bytes, net_rx_bytes, net_tx_frames, net_rx_frames;
 } epd_engine_snap_t;

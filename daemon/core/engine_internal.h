@@ -85,20 +85,20 @@ struct eng_group {
   epd_expert_map_t map;                /* active */
   epd_expert_map_t staged;             /* valid if has_staged */
   int has_staged;
-  uint32_t last_version;               /* highest version handed out */
-  epd_ref_plan_t plan[EPD_NUM_BANKS];  /* routing of each bank's last dispatch (combine input) */
+  uint32_t last_version;              /* highest version handed out */
+  epd_ref_plan_t plan[EPD_NUM_BANKS]; /* routing of each bank's last dispatch (combine input) */
   int plan_valid[EPD_NUM_BANKS];
-  uint64_t steps;                      /* steps finished; the number of the step being collected */
-  uint64_t *expert_tokens;             /* [E] cumulative */
-  uint64_t *slot_tokens;               /* [R*S] cumulative */
+  uint64_t steps;          /* steps finished; the number of the step being collected */
+  uint64_t *expert_tokens; /* [E] cumulative */
+  uint64_t *slot_tokens;   /* [R*S] cumulative */
   /* Expert placement (engine.c): the weights region of every client, the weight copies the staged map
    * needs before it becomes active (done at the switch, the switch waits for them), counters. */
-  uint64_t weight_bytes_per_slot;      /* 0: no EPD_BUF_EXPERT_WEIGHTS */
+  uint64_t weight_bytes_per_slot; /* 0: no EPD_BUF_EXPERT_WEIGHTS */
   epd_weight_copy_t *staged_copies;
   eng_copy_meta_t *staged_copy_meta; /* [nstaged_copies] */
   uint32_t nstaged_copies;
-  eng_wblob_t *wblobs;   /* scale-out: weights received from other nodes for staged copies into this node */
-  eng_wdefer_t *wdefer;  /* scale-out: reads of this node's source slots still to do */
+  eng_wblob_t *wblobs;  /* scale-out: weights received from other nodes for staged copies into this node */
+  eng_wdefer_t *wdefer; /* scale-out: reads of this node's source slots still to do */
   uint64_t map_switches, weight_bytes_copied;
   /* Arena layout of every client of the group. */
   uint32_t nbufs;
@@ -149,8 +149,8 @@ typedef struct eng_backend_ops {
   uint64_t (*copy_weights)(epd_engine_t *eng, eng_group_t *grp);
   /* (mu) Optional: copy n bytes at offset off of client c's arena to host memory (write 0) or from it
    * (write 1), synchronously. NULL: c->arena is CPU-visible. */
-  epd_result_t (*arena_io)(epd_engine_t *eng, eng_client_t *c, uint64_t off, void *host, uint64_t n, int write,
-                           char *err, size_t errlen);
+  epd_result_t (*arena_io)(epd_engine_t *eng, eng_client_t *c, uint64_t off, void *host, uint64_t n,
+                           int write, char *err, size_t errlen);
   /* (mu) Optional: what the next step of grp (NULL: of every group) must do changed - a map was staged
    * (it switches at the next executing dispatch), draining began (no new dispatch); return once no step
    * can execute without seeing it (a backend that runs steps without its threads stops doing so). */
@@ -189,8 +189,8 @@ typedef struct eng_scaleout {
   void (*notify_drain)(epd_engine_t *eng, int drain);
   /* SetExpertMap across nodes: node 0 numbers, stages and sends every map (without mu). */
   epd_result_t (*set_map)(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
-                          const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t *version_out, char *errbuf,
-                          size_t errlen);
+                          const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t *version_out,
+                          char *errbuf, size_t errlen);
   /* What the other nodes said about grp (drains, removals), "" when nothing: for its status. */
   void (*group_note)(const eng_group_t *grp, uint32_t nodes, char *out, size_t len);
   /* Links and traffic for the engine's status. */
@@ -242,7 +242,8 @@ void eng_apply_staged_map(epd_engine_t *eng, eng_group_t *grp);
 /* (mu) Scale-out: make the staged map of m's version active with the first ncopies staged weight
  * copies (those it carried), even if a newer map was staged since (it stays staged with the remaining
  * copies); -1 if no map of that version or newer is staged. */
-int eng_apply_staged_version(epd_engine_t *eng, eng_group_t *grp, const epd_expert_map_t *m, uint32_t ncopies);
+int eng_apply_staged_version(epd_engine_t *eng, eng_group_t *grp, const epd_expert_map_t *m,
+                             uint32_t ncopies);
 /* (mu) The group of that name, or NULL. */
 eng_group_t *eng_find_group(epd_engine_t *eng, const char *name);
 /* (mu) Validate map (and its copies if check) and stage it with `version` (0: the group's next one). */
@@ -253,13 +254,13 @@ epd_result_t eng_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert
  * on another node gets its bytes from that node (eng_wblob_t).
  * (mu) Read (write 0) or write (write 1) bytes off .. off + len of the weights of (rank, slot) of grp's
  * attached client on this node (a slot holds grp->weight_bytes_per_slot), into or from host memory. */
-epd_result_t eng_slot_weights_io(epd_engine_t *eng, eng_group_t *grp, uint32_t rank, uint32_t slot, uint64_t off,
-                                 uint64_t len, void *host, int write, char *err, size_t errlen);
+epd_result_t eng_slot_weights_io(epd_engine_t *eng, eng_group_t *grp, uint32_t rank, uint32_t slot,
+                                 uint64_t off, uint64_t len, void *host, int write, char *err, size_t errlen);
 /* 1 if world rank r is on this node. */
 int eng_rank_local(const epd_engine_t *eng, uint32_t r);
 /* (mu) Keep received weights (takes data; replaces a blob of the same copy and version). */
-void eng_wblob_put(eng_group_t *grp, const epd_weight_copy_t *cp, uint32_t version, int status, const char *why,
-                   uint8_t *data, uint64_t bytes);
+void eng_wblob_put(eng_group_t *grp, const epd_weight_copy_t *cp, uint32_t version, int status,
+                   const char *why, uint8_t *data, uint64_t bytes);
 /* (mu) 1 if every staged copy into this node from another node has its bytes (or its source's error), or
  * has waited for them longer than eng_weights_wait_ms (the switch then skips it with an event). */
 int eng_weights_ready(const epd_engine_t *eng, const eng_group_t *grp);
@@ -274,8 +275,7 @@ int eng_slot_being_filled(const eng_group_t *grp, uint32_t rank, uint32_t slot, 
  * slot (an event tells why not); returns bytes written. */
 uint64_t eng_weights_from_node(epd_engine_t *eng, eng_group_t *grp, uint32_t i);
 /* Account one finished op of one rank (status, bytes it sent, latency). */
-void eng_record_op(epd_engine_t *eng, int rank, uint32_t op, int status, uint64_t bytes,
-                   uint64_t latency_ns);
+void eng_record_op(epd_engine_t *eng, int rank, uint32_t op, int status, uint64_t bytes, uint64_t latency_ns);
 /* Name of a result code ("EPD_ERR_TIMEOUT"); the daemon does not link libepd's epd_strerror. */
 const char *eng_result_name(int result);
 /* Offset of buffer (kind, bank) in the arenas of grp's clients, UINT64_MAX if it has none. */

@@ -34,7 +34,9 @@ void epd_log_init(int level, uint32_t subsystems, int to_journal) {
   atomic_store(&journal, to_journal != 0);
 }
 
-void epd_log_fini(void) { fflush(stderr); }
+void epd_log_fini(void) {
+  fflush(stderr);
+}
 
 void epd_log_set(int level, uint32_t subsystems) {
   if (level < EPD_LOG_ERROR) level = EPD_LOG_ERROR;
@@ -43,8 +45,12 @@ void epd_log_set(int level, uint32_t subsystems) {
   atomic_store(&cur_mask, subsystems);
 }
 
-int epd_log_level(void) { return atomic_load(&cur_level); }
-uint32_t epd_log_subsystems(void) { return atomic_load(&cur_mask); }
+int epd_log_level(void) {
+  return atomic_load(&cur_level);
+}
+uint32_t epd_log_subsystems(void) {
+  return atomic_load(&cur_mask);
+}
 
 int epd_log_level_parse(const char *s) {
   for (int i = 0; i <= EPD_LOG_TRACE; i++)
@@ -155,8 +161,8 @@ static void log_va(int level, uint32_t sub, int rank, uint64_t client, const cha
     snprintf(extra, sizeof extra, " client=%llu", (unsigned long long)client);
   if (*group) snprintf(gx, sizeof gx, " group=%.*s", EPD_LOG_GROUP_MAX, group);
   pthread_mutex_lock(&out_lock);
-  fprintf(stderr, "%s.%03d %s %s: %s%s%s\n", ts, (int)(tv.tv_usec / 1000), level_upper[level], sn, msg,
-          extra, gx);
+  fprintf(stderr, "%s.%03d %s %s: %s%s%s\n", ts, (int)(tv.tv_usec / 1000), level_upper[level], sn, msg, extra,
+          gx);
   fflush(stderr);
   pthread_mutex_unlock(&out_lock);
 }

@@ -56,7 +56,8 @@ typedef struct epd_log_ratelimit {
   uint64_t next_ns;    /* CLOCK_MONOTONIC time before which nothing more is logged */
   uint64_t suppressed; /* events not logged since the last record */
 } epd_log_ratelimit_t;
-#define EPD_LOG_RATELIMIT_INITIALIZER(ms) {(ms), 0, 0}
+#define EPD_LOG_RATELIMIT_INITIALIZER(ms) \
+  { (ms), 0, 0 }
 /* Count one event and log it, unless a record of rl went out less than interval_ms ago; a record that
  * follows suppressed events ends with "(N times since the last report)". Returns 1 if it logged. */
 int epd_log_ratelimited(epd_log_ratelimit_t *rl, int level, uint32_t sub, const char *fmt, ...)

@@ -63,7 +63,8 @@ void epd_ref_quant_row(const uint16_t *x, uint32_t hidden, uint8_t *q, float *sc
   for (uint32_t b = 0; b * 128 < hidden; b++) {
     uint32_t end = b * 128 + 128 < hidden ? b * 128 + 128 : hidden;
     float amax = 0;
-    for (uint32_t i = b * 128; i < end; i++) { /* NaN skipped: glibc's fmaxf returns NaN for a signalling one */
+    for (uint32_t i = b * 128; i < end;
+         i++) { /* NaN skipped: glibc's fmaxf returns NaN for a signalling one */
       float v = fabsf(epd_bf16_to_f32(x[i]));
       if (!isnan(v)) amax = fmaxf(amax, v);
     }
@@ -118,8 +119,7 @@ epd_result_t epd_ref_map_validate(const epd_expert_map_t *m, uint32_t num_expert
     return EPD_ERR_INVALID;
   }
   if (m->slots_per_rank && m->slots_per_rank != slots_per_rank) {
-    snprintf(err, errlen, "map has slots_per_rank %u, the group has %u", m->slots_per_rank,
-             slots_per_rank);
+    snprintf(err, errlen, "map has slots_per_rank %u, the group has %u", m->slots_per_rank, slots_per_rank);
     return EPD_ERR_INVALID;
   }
   if (!m->nrep || !m->rep) {
@@ -445,7 +445,9 @@ uint64_t epd_ref_rand(uint64_t *state) {
   return z ^ (z >> 31);
 }
 
-static float rand_unit(uint64_t *st) { return (float)(epd_ref_rand(st) >> 40) / (float)(1 << 24); }
+static float rand_unit(uint64_t *st) {
+  return (float)(epd_ref_rand(st) >> 40) / (float)(1 << 24);
+}
 
 void epd_ref_gen_input(uint64_t seed, uint64_t step, uint32_t rank, const epd_ref_geom_t *g,
                        uint32_t num_tokens, int skew, uint16_t *x, int64_t *topk_idx, float *topk_weights) {
@@ -477,25 +479,25 @@ static uint16_t spec_value(uint32_t pat, uint32_t i, uint64_t *st) {
   const uint16_t normal = epd_f32_to_bf16(rand_unit(st) * 4.0f - 2.0f);
   static const uint16_t nans[] = {0x7fc0, 0xffc0, 0x7f81, 0xff81, 0x7fff, 0xffff, 0x7fa5};
   switch (pat) {
-  case 0: /* signed zeros: amax 0, the floor scale */
-    return sign;
-  case 1: /* BF16 subnormals: amax below the floor */
-    return sign | (uint16_t)(1 + u % 127);
-  case 2: /* one +inf: an infinite scale, finite values give signed zeros, inf / inf NaN */
-    return i == 37 ? 0x7f80 : normal;
-  case 3: /* both infinities and a NaN */
-    return i == 5 ? 0xff80 : i == 90 ? 0x7f80 : i == 91 ? 0x7fc1 : normal;
-  case 4: /* NaNs (quiet, signalling, both signs) among normals: the amax skips them */
-    return i % 9 == 4 ? nans[u % 7] : normal;
-  case 5: /* every value NaN */
-    return sign | 0x7f80 | (uint16_t)(1 + u % 127);
-  case 6: /* around the floor 1e-4 */
-    return sign | epd_f32_to_bf16(1e-4f * (0.5f + rand_unit(st)));
-  case 7: /* large finite values (2^100 scale) */
-    return sign | epd_f32_to_bf16(ldexpf(0.5f + rand_unit(st), 100));
-  default: /* one value of 1, the others tiny: quotients in e4m3's subnormal range and below it */
-    return i == 64 ? (uint16_t)(sign | 0x3f80)
-                   : (uint16_t)(sign | epd_f32_to_bf16(ldexpf(rand_unit(st), -6 - (int)(u % 10))));
+    case 0: /* signed zeros: amax 0, the floor scale */
+      return sign;
+    case 1: /* BF16 subnormals: amax below the floor */
+      return sign | (uint16_t)(1 + u % 127);
+    case 2: /* one +inf: an infinite scale, finite values give signed zeros, inf / inf NaN */
+      return i == 37 ? 0x7f80 : normal;
+    case 3: /* both infinities and a NaN */
+      return i == 5 ? 0xff80 : i == 90 ? 0x7f80 : i == 91 ? 0x7fc1 : normal;
+    case 4: /* NaNs (quiet, signalling, both signs) among normals: the amax skips them */
+      return i % 9 == 4 ? nans[u % 7] : normal;
+    case 5: /* every value NaN */
+      return sign | 0x7f80 | (uint16_t)(1 + u % 127);
+    case 6: /* around the floor 1e-4 */
+      return sign | epd_f32_to_bf16(1e-4f * (0.5f + rand_unit(st)));
+    case 7: /* large finite values (2^100 scale) */
+      return sign | epd_f32_to_bf16(ldexpf(0.5f + rand_unit(st), 100));
+    default: /* one value of 1, the others tiny: quotients in e4m3's subnormal range and below it */
+      return i == 64 ? (uint16_t)(sign | 0x3f80)
+                     : (uint16_t)(sign | epd_f32_to_bf16(ldexpf(rand_unit(st), -6 - (int)(u % 10))));
   }
 }
 

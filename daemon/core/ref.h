@@ -28,20 +28,20 @@ typedef struct epd_ref_geom {
 /* One rank's dispatch input (buffers of its arena). */
 typedef struct epd_ref_in {
   uint32_t num_tokens;
-  const uint16_t *x;          /* [M, H] bf16 */
-  const int64_t *topk_idx;    /* [M, K] */
-  const float *topk_weights;  /* [M, K] */
+  const uint16_t *x;         /* [M, H] bf16 */
+  const int64_t *topk_idx;   /* [M, K] */
+  const float *topk_weights; /* [M, K] */
 } epd_ref_in_t;
 
 /* One rank's dispatch output. LL uses recv_x/recv_scales/recv_count/recv_src (LL_* buffers); HT uses
  * all of them (HT_* buffers). A NULL member is not written; a NULL epd_ref_out_t pointer skips the rank. */
 typedef struct epd_ref_out {
-  void *recv_x;              /* LL [S, R*M, H] / HT [C, H]; bf16, or fp8 bytes in the first H bytes of a row */
-  float *recv_scales;        /* LL [S, R*M, H/128] / HT [C, H/128] */
-  int32_t *recv_count;       /* [S] */
-  int32_t *recv_src;         /* LL [S, R*M] / HT [C] */
-  int64_t *recv_topk_idx;    /* HT [C, K] */
-  float *recv_topk_weights;  /* HT [C, K] */
+  void *recv_x;             /* LL [S, R*M, H] / HT [C, H]; bf16, or fp8 bytes in the first H bytes of a row */
+  float *recv_scales;       /* LL [S, R*M, H/128] / HT [C, H/128] */
+  int32_t *recv_count;      /* [S] */
+  int32_t *recv_src;        /* LL [S, R*M] / HT [C] */
+  int64_t *recv_topk_idx;   /* HT [C, K] */
+  float *recv_topk_weights; /* HT [C, K] */
 } epd_ref_out_t;
 
 /* Routing of one step over all ranks (arrays indexed by source rank first). */
@@ -88,7 +88,9 @@ void epd_ref_ht_dense(epd_ref_plan_t *p);
 epd_result_t epd_ref_ht_combine(const epd_ref_plan_t *p, const uint16_t *const *y, uint16_t *const *out);
 
 /* Number of 128-channel scale blocks of a row (ceil(H/128)). */
-static inline uint32_t epd_ref_scale_blocks(uint32_t hidden) { return (hidden + 127) / 128; }
+static inline uint32_t epd_ref_scale_blocks(uint32_t hidden) {
+  return (hidden + 127) / 128;
+}
 
 /* Number formats. */
 float epd_bf16_to_f32(uint16_t b);

@@ -21,7 +21,8 @@
 #define LONG_SLEEP_NS 200000
 #define IDLE_AFTER_NS 100000000ull
 #define LAUNCH_QUIET_NS 20000000ull /* 20 ms */
-#define EPD_CUDA_PERSIST_BLOCKS 64u /* LL blocks per group in persistent mode (engine.ll_blocks overrides) */
+/* LL blocks per group in persistent mode (engine.ll_blocks overrides) */
+#define EPD_CUDA_PERSIST_BLOCKS 64u
 
 enum { MODE_LAUNCH = 0, MODE_PERSISTENT = 1 };
 enum { PH_COLLECT = 0, PH_RUN = 1 };
@@ -29,22 +30,23 @@ enum { PH_COLLECT = 0, PH_RUN = 1 };
 enum { PS_OFF = 0, PS_RUN = 1, PS_STOP = 2 };
 
 /* Driver entry points (resolved through the runtime, no libcuda link). */
-#define CU_FUNCS(X)                                                                                     \
+#define CU_FUNCS(X)                                                                                         \
   X(cuMemCreate, (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long)) \
-  X(cuMemGetAllocationGranularity, (size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags)) \
-  X(cuMemExportToShareableHandle, (void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType,       \
-                                   unsigned long long))                                                 \
-  X(cuMemAddressReserve, (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))              \
-  X(cuMemMap, (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))          \
-  X(cuMemSetAccess, (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))                             \
-  X(cuMemUnmap, (CUdeviceptr, size_t))                                                                  \
-  X(cuMemRelease, (CUmemGenericAllocationHandle))                                                       \
-  X(cuMemAddressFree, (CUdeviceptr, size_t))                                                            \
-  X(cuStreamWriteValue64, (CUstream, CUdeviceptr, cuuint64_t, unsigned int))                            \
+  X(cuMemGetAllocationGranularity,                                                                          \
+    (size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags))                              \
+  X(cuMemExportToShareableHandle,                                                                           \
+    (void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned long long))                  \
+  X(cuMemAddressReserve, (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))                  \
+  X(cuMemMap, (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))              \
+  X(cuMemSetAccess, (CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))                                 \
+  X(cuMemUnmap, (CUdeviceptr, size_t))                                                                      \
+  X(cuMemRelease, (CUmemGenericAllocationHandle))                                                           \
+  X(cuMemAddressFree, (CUdeviceptr, size_t))                                                                \
+  X(cuStreamWriteValue64, (CUstream, CUdeviceptr, cuuint64_t, unsigned int))                                \
   X(cuGetErrorString, (CUresult, const char **))
 
 typedef struct cuda_driver {
-#define X(name, args) CUresult (*name) args;
+#define X(name, args) CUresult(*name) args;
   CU_FUNCS(X)
 #undef X
 } cuda_driver_t;
@@ -63,10 +65,10 @@ typedef struct cuda_client {
   size_t arena_size; /* rounded to the allocation granularity */
   int queue_fd, arena_fd;
   uint32_t next_slot;
-  int peer_access; /* every GPU of the daemon may access the arena (weight copies) */
+  int peer_access;    /* every GPU of the daemon may access the arena (weight copies) */
   uint64_t dq_offset; /* the queue's device twin in the arena (include/epd/epd_abi.h) */
-  int busy; /* joined a step that has not finished on this rank */
-  int dead; /* its eng_client_t is gone: free when no longer busy */
+  int busy;           /* joined a step that has not finished on this rank */
+  int dead;           /* its eng_client_t is gone: free when no longer busy */
   struct cuda_client *next_dead;
 } cuda_client_t;
 
@@ -76,23 +78,23 @@ typedef struct cuda_grank {
   epd_k_ll_t *k;
   epd_k_ht_t *kh; /* HT kernels (NULL where the geometry exceeds the HT limits) */
   void *map_dev;
-  uint32_t map_version; /* uploaded */
+  uint32_t map_version;  /* uploaded */
   epd_comp_t *comp_host; /* pinned, mapped: the kernel writes it */
   epd_comp_t *comp_dev;
   cudaEvent_t ev;
   /* persistent mode */
-  epd_k_pctl_t *pctl, *pctl_dev;   /* host-mapped control block (host writes) */
-  uint64_t *dlimit;                 /* device word: the kernel's stop index (stream memory operations) */
-  cudaStream_t cstream;             /* carries every write of dlimit, in order (never behind the kernel) */
-  cudaEvent_t cev;                  /* the kernel's launch waits for its start value on cstream */
+  epd_k_pctl_t *pctl, *pctl_dev; /* host-mapped control block (host writes) */
+  uint64_t *dlimit;              /* device word: the kernel's stop index (stream memory operations) */
+  cudaStream_t cstream;          /* carries every write of dlimit, in order (never behind the kernel) */
+  cudaEvent_t cev;               /* the kernel's launch waits for its start value on cstream */
   int device;
   epd_k_pprog_t *pprog, *pprog_dev; /* host-mapped progress block (kernel writes) */
   cudaStream_t pstream;
-  cudaEvent_t pev;                  /* recorded after the persistent kernel */
-  int prun;                         /* launched, not yet seen returned */
-  struct cuda_client *pcc;          /* the client its kernel serves (kept busy) */
-  uint64_t pacct;                   /* its ops accounted */
-  uint64_t pwatch_ann, pwatch_ns;   /* watchdog: announcements seen, since when a slot waits untaken */
+  cudaEvent_t pev;                /* recorded after the persistent kernel */
+  int prun;                       /* launched, not yet seen returned */
+  struct cuda_client *pcc;        /* the client its kernel serves (kept busy) */
+  uint64_t pacct;                 /* its ops accounted */
+  uint64_t pwatch_ann, pwatch_ns; /* watchdog: announcements seen, since when a slot waits untaken */
 } cuda_grank_t;
 
 /* Backend state of one group (eng_group_t has no backend pointer: see cuda_grp_find). */
@@ -129,15 +131,15 @@ typedef struct cuda_grp {
    * record of the bank's dispatch is an older one): its combine fails with EPD_ERR_STATE */
   uint8_t disp_refused[2][EPD_NUM_BANKS];
   /* persistent mode */
-  int pstate;          /* PS_* */
-  int pfail;           /* a persistent launch failed: launch mode for good */
+  int pstate; /* PS_* */
+  int pfail;  /* a persistent launch failed: launch mode for good */
   int pnofit_logged;
-  uint64_t pidx;       /* highest agreement index used (a launch starts above it) */
-  uint64_t pstep0;     /* grp->steps at the launch */
-  uint64_t pstop_ns;   /* when the stop was asked */
-  int pabort;          /* the abort word was set (the stop took too long) */
+  uint64_t pidx;                /* highest agreement index used (a launch starts above it) */
+  uint64_t pstep0;              /* grp->steps at the launch */
+  uint64_t pstop_ns;            /* when the stop was asked */
+  int pabort;                   /* the abort word was set (the stop took too long) */
   uint64_t pwait_ann, pwait_ns; /* a rank announced index pwait_ann - 1 and waits for peers since pwait_ns */
-  uint64_t pcarry_ns;  /* first arrival carried into the launch-mode collection (host step timeout) */
+  uint64_t pcarry_ns; /* first arrival carried into the launch-mode collection (host step timeout) */
   uint64_t plaunches;
   /* back-off: kernels that stopped before running any op (an HT-only group) are retried only after
    * 2^pzero launch-mode steps */
@@ -162,10 +164,10 @@ typedef struct cuda_rank {
   cuda_client_t *dead; /* clients to free once idle */
   uint64_t bytes;      /* windows of this rank */
   void *scratch;
-  long president;      /* persistent kernel blocks this GPU keeps resident */
-  int has_uuid;        /* uuid: the GPU's, told to clients (their ordinal for it may differ) */
+  long president; /* persistent kernel blocks this GPU keeps resident */
+  int has_uuid;   /* uuid: the GPU's, told to clients (their ordinal for it may differ) */
   uint8_t uuid[16];
-  long pblocks;        /* blocks of the persistent kernels running on it */
+  long pblocks; /* blocks of the persistent kernels running on it */
   /* Launch-mode work of a group on this GPU: when it last wanted to launch (a persistent group of
    * another group resumes only after LAUNCH_QUIET_NS without it). */
   uint64_t last_launch_ns;
@@ -181,9 +183,10 @@ typedef struct cuda_be {
   uint64_t timeout_ns; /* per kernel wait: the engine's step timeout */
   uint64_t spin_ns;    /* rank threads spin without sleeping this long after activity (engine.idle_spin_ns) */
   uint32_t ll_blocks;  /* LL kernel blocks of every group (engine.ll_blocks or the mode's default) */
-  uint32_t ht_ce_split; /* copies per dest rank of a copy-engine HT dispatch (engine.ht_ce_split; 0: default) */
-  uint32_t ht_sms;     /* HT data kernel blocks of every group (engine.ht_sms; 0: the kernels' default) */
-  int share;           /* the most ranks one GPU holds (1: a GPU per rank; up to 4 share one) */
+  uint32_t
+      ht_ce_split; /* copies per dest rank of a copy-engine HT dispatch (engine.ht_ce_split; 0: default) */
+  uint32_t ht_sms; /* HT data kernel blocks of every group (engine.ht_sms; 0: the kernels' default) */
+  int share;       /* the most ranks one GPU holds (1: a GPU per rank; up to 4 share one) */
   cuda_rank_t rank[EPD_MAX_RANKS];
   uint64_t next_run_seq;
   uint32_t ngrp;

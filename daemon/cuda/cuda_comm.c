@@ -27,7 +27,7 @@ struct epd_cc {
   ncclComm_t world[EPD_CC_MAX_RANKS];
   ncclComm_t lsa[EPD_CC_MAX_RANKS];
   ncclUniqueId id;
-  int own_lsa;          /* the node-local communicators over lsa_id, not split from the world's */
+  int own_lsa; /* the node-local communicators over lsa_id, not split from the world's */
   ncclUniqueId lsa_id;
 };
 
@@ -83,7 +83,8 @@ static epd_result_t cc_init_rank(epd_cc_t *cc, int r, void *argp) {
   if (cc->own_lsa) {
     nr = ncclCommInitRank(&cc->lsa[r], cc->n, cc->lsa_id, r);
     if (nr != ncclSuccess) {
-      snprintf(a->err[r], sizeof a->err[r], "rank %d: ncclCommInitRank (node-local): %s", r, ncclGetErrorString(nr));
+      snprintf(a->err[r], sizeof a->err[r], "rank %d: ncclCommInitRank (node-local): %s", r,
+               ncclGetErrorString(nr));
       return EPD_ERR_NCCL;
     }
     return EPD_OK;
@@ -106,8 +107,10 @@ static const char *comms_wait(ncclComm_t *c, int n, uint32_t limit_ms, const int
     for (int r = 0; r < n; r++) {
       ncclResult_t st = ncclInProgress;
       if (!c[r] || ncclCommGetAsyncError(c[r], &st) != ncclSuccess) st = ncclInternalError;
-      if (st == ncclInProgress) pending++;
-      else if (st != ncclSuccess) return ncclGetErrorString(st);
+      if (st == ncclInProgress)
+        pending++;
+      else if (st != ncclSuccess)
+        return ncclGetErrorString(st);
     }
     if (!pending) return NULL;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -191,7 +194,6 @@ epd_result_t epd_cc_unique_id(uint8_t *id, char *err, size_t errlen) {
   return EPD_OK;
 }
 
-
 int epd_cc_devices_for(int n, int *devices) {
   int ndev = 0;
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < 1) {
@@ -233,23 +235,27 @@ epd_result_t epd_cc_check_devices(int n, const int *devices, char *err, size_t e
     const int d = devices ? devices[r] : r;
     if (d < 0 || d >= ndev) {
       if (devices)
-        snprintf(err, errlen, "rank %d on GPU %d, but %d GPU(s) are visible (engine.devices takes 0..%d)", r, d,
-                 ndev, ndev - 1);
+        snprintf(err, errlen, "rank %d on GPU %d, but %d GPU(s) are visible (engine.devices takes 0..%d)", r,
+                 d, ndev, ndev - 1);
       else
-        snprintf(err, errlen, "%d ranks but %d GPU(s) are visible: set engine.devices to share GPUs among "
-                 "ranks (e.g. engine.devices = %s for two ranks on GPU 0)", n, ndev, "0,0");
+        snprintf(err, errlen,
+                 "%d ranks but %d GPU(s) are visible: set engine.devices to share GPUs among "
+                 "ranks (e.g. engine.devices = %s for two ranks on GPU 0)",
+                 n, ndev, "0,0");
       return EPD_ERR_INVALID;
     }
     const int k = epd_cc_ranks_on(n, devices, r);
     if (k > EPD_CC_MAX_RANKS_PER_GPU) {
-      snprintf(err, errlen, "%d ranks on GPU %d: at most %d ranks may share a GPU", k, d, EPD_CC_MAX_RANKS_PER_GPU);
+      snprintf(err, errlen, "%d ranks on GPU %d: at most %d ranks may share a GPU", k, d,
+               EPD_CC_MAX_RANKS_PER_GPU);
       return EPD_ERR_INVALID;
     }
   }
   if (epd_cc_share(n, devices) == 1) return EPD_OK;
   const int v = epd_k_nccl_version();
   if (v < 23000) {
-    snprintf(err, errlen, "ranks sharing a GPU need NCCL 2.30 or later (its multi-rank mode); the NCCL runtime "
+    snprintf(err, errlen,
+             "ranks sharing a GPU need NCCL 2.30 or later (its multi-rank mode); the NCCL runtime "
              "is %d.%d.%d: install a newer one (pip install nvidia-nccl-cu13) or give every rank its own GPU",
              v / 10000, (v / 100) % 100, v % 100);
     return EPD_ERR_UNSUPPORTED;
@@ -263,8 +269,9 @@ epd_result_t epd_cc_create(int n, const int *devices, epd_cc_t **out, char *err,
   return epd_cc_create_world(n, devices, 1, 0, NULL, 0, out, err, errlen);
 }
 
-epd_result_t epd_cc_create_world(int n, const int *devices, uint32_t nodes, uint32_t node, const uint8_t *world_id,
-                                 int own_lsa, epd_cc_t **out, char *err, size_t errlen) {
+epd_result_t epd_cc_create_world(int n, const int *devices, uint32_t nodes, uint32_t node,
+                                 const uint8_t *world_id, int own_lsa, epd_cc_t **out, char *err,
+                                 size_t errlen) {
   *out = NULL;
   epd_result_t res = epd_k_check_nccl_version(err, errlen);
   if (res != EPD_OK) return res;
@@ -328,8 +335,12 @@ void epd_cc_destroy(epd_cc_t *cc) {
   free(cc);
 }
 
-int epd_cc_num_ranks(const epd_cc_t *cc) { return cc->n; }
-int epd_cc_world_ranks(const epd_cc_t *cc) { return cc->world_n; }
+int epd_cc_num_ranks(const epd_cc_t *cc) {
+  return cc->n;
+}
+int epd_cc_world_ranks(const epd_cc_t *cc) {
+  return cc->world_n;
+}
 void epd_cc_abort(epd_cc_t *cc) {
   for (int r = 0; r < cc->n; r++)
     if (cc->world[r]) {
@@ -337,9 +348,15 @@ void epd_cc_abort(epd_cc_t *cc) {
       cc->world[r] = NULL;
     }
 }
-int epd_cc_device(const epd_cc_t *cc, int rank) { return cc->dev[rank]; }
-struct ncclComm *epd_cc_world(const epd_cc_t *cc, int rank) { return cc->world[rank]; }
-struct ncclComm *epd_cc_lsa(const epd_cc_t *cc, int rank) { return cc->lsa[rank]; }
+int epd_cc_device(const epd_cc_t *cc, int rank) {
+  return cc->dev[rank];
+}
+struct ncclComm *epd_cc_world(const epd_cc_t *cc, int rank) {
+  return cc->world[rank];
+}
+struct ncclComm *epd_cc_lsa(const epd_cc_t *cc, int rank) {
+  return cc->lsa[rank];
+}
 
 typedef struct win_arg {
   epd_cc_win_t *w;
@@ -427,7 +444,8 @@ static void gin_rank_text(int contexts, int type, const char *err, char *out, si
   }
 }
 
-void epd_gin_line(int n, const int *contexts, const int *type, const char *const *err, char *out, size_t outlen) {
+void epd_gin_line(int n, const int *contexts, const int *type, const char *const *err, char *out,
+                  size_t outlen) {
   if (n < 1 || n > EPD_CC_MAX_RANKS) {
     snprintf(out, outlen, "probe failed: %d local ranks", n);
     return;
@@ -446,8 +464,9 @@ void epd_gin_line(int n, const int *contexts, const int *type, const char *const
     if (grp[r] == r) groups++;
     if (type[r] >= 0 && contexts[r] > 0) avail++;
   }
-  const char *tail = avail ? "; not used: this build has no GIN stage, the host stage (nccl-p2p) carries the data"
-                           : "; no device-initiated network transport, e.g. no InfiniBand/RoCE NIC";
+  const char *tail =
+      avail ? "; not used: this build has no GIN stage, the host stage (nccl-p2p) carries the data"
+            : "; no device-initiated network transport, e.g. no InfiniBand/RoCE NIC";
   if (groups == 1) {
     snprintf(out, outlen, "%s%s", txt[0], tail);
     return;

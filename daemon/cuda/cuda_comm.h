@@ -53,8 +53,9 @@ epd_result_t epd_cc_create(int n, const int *devices, epd_cc_t **out, char *err,
  * (own_lsa: a node-local communicator of its own instead, for a node that joins a running world: the
  * other nodes make their world communicator again without a split). Blocks until every node's ranks
  * joined (NCCL's bootstrap). */
-epd_result_t epd_cc_create_world(int n, const int *devices, uint32_t nodes, uint32_t node, const uint8_t *world_id,
-                                 int own_lsa, epd_cc_t **out, char *err, size_t errlen);
+epd_result_t epd_cc_create_world(int n, const int *devices, uint32_t nodes, uint32_t node,
+                                 const uint8_t *world_id, int own_lsa, epd_cc_t **out, char *err,
+                                 size_t errlen);
 /* Scale-out: abort the world communicators (a node is gone) and make them again over world_id with the
  * same ranks (a restarted node joins with own_lsa); the node-local ones stay. Returns once every node's
  * ranks joined, or fails (the new ones aborted) after limit_ms or once *cancel is set. The new world
@@ -73,7 +74,8 @@ int epd_cc_world_ranks(const epd_cc_t *cc);
 void epd_cc_gin_probe(epd_cc_t *cc, char *out, size_t outlen);
 /* The status line of the n local ranks' probe results (contexts, type: 3 GDAKI, 2 proxy, < 0 refused with
  * err[r]): one text when every rank got the same, else every rank's. Plain C (any build). */
-void epd_gin_line(int n, const int *contexts, const int *type, const char *const *err, char *out, size_t outlen);
+void epd_gin_line(int n, const int *contexts, const int *type, const char *const *err, char *out,
+                  size_t outlen);
 /* Abort the world communicators (a peer node hangs an exchange); they are unusable after. */
 void epd_cc_abort(epd_cc_t *cc);
 /* Destroy communicators (windows must have been freed). */

@@ -44,7 +44,6 @@
 #include "cuda/cuda_be.h"
 #include "epd_kernels.h"
 
-
 cuda_driver_t cu;
 
 /* Index of a world rank among this node's GPUs (the rank itself on one node). */
@@ -69,14 +68,13 @@ static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
 static int cu_loaded;
 static void cu_load(void) {
   int ok = 1;
-#define X(name, args)                                                                            \
-  {                                                                                              \
-    void *p = NULL;                                                                              \
-    enum cudaDriverEntryPointQueryResult q;                                                      \
-    if (cudaGetDriverEntryPointByVersion(#name, &p, 12000, cudaEnableDefault, &q) != cudaSuccess || \
-        !p)                                                                                      \
-      ok = 0;                                                                                    \
-    memcpy(&cu.name, &p, sizeof p);                                                              \
+#define X(name, args)                                                                                   \
+  {                                                                                                     \
+    void *p = NULL;                                                                                     \
+    enum cudaDriverEntryPointQueryResult q;                                                             \
+    if (cudaGetDriverEntryPointByVersion(#name, &p, 12000, cudaEnableDefault, &q) != cudaSuccess || !p) \
+      ok = 0;                                                                                           \
+    memcpy(&cu.name, &p, sizeof p);                                                                     \
   }
   CU_FUNCS(X)
 #undef X
@@ -155,7 +153,8 @@ static cuda_grp_t *cuda_grp_find(cuda_be_t *be, eng_group_t *grp, int create) {
   for (unsigned b = 0; b < EPD_NUM_BANKS; b++)
     for (unsigned k = 0; k < EPD_BUF_KINDS; k++) fr->off[b][k] = EPD_K_OFF_NONE;
   for (uint32_t i = 0; i < grp->nbufs; i++) /* the kernels see IO kinds only (not the expert weights) */
-    if (grp->bufs[i].kind < EPD_BUF_KINDS) fr->off[grp->bufs[i].bank][grp->bufs[i].kind] = grp->bufs[i].offset;
+    if (grp->bufs[i].kind < EPD_BUF_KINDS)
+      fr->off[grp->bufs[i].bank][grp->bufs[i].kind] = grp->bufs[i].offset;
   snprintf(fr->name, sizeof fr->name, "%s", grp->name);
   return fr;
 }
@@ -174,9 +173,13 @@ static epd_result_t grank_setup(epd_cc_t *cc, int rank, void *argp) {
   cuda_grank_t *gr = &cg->rk[rank];
   char *err = a->err[rank];
   size_t errlen = sizeof a->err[rank];
-  epd_k_ll_geom_t kg = {.num_ranks = cg->g.num_ranks, .rank = (uint32_t)rank,
-                        .num_experts = cg->g.num_experts, .hidden = cg->g.hidden, .topk = cg->g.topk,
-                        .max_tokens = cg->g.max_tokens, .slots_per_rank = cg->g.slots_per_rank,
+  epd_k_ll_geom_t kg = {.num_ranks = cg->g.num_ranks,
+                        .rank = (uint32_t)rank,
+                        .num_experts = cg->g.num_experts,
+                        .hidden = cg->g.hidden,
+                        .topk = cg->g.topk,
+                        .max_tokens = cg->g.max_tokens,
+                        .slots_per_rank = cg->g.slots_per_rank,
                         .blocks = a->be->ll_blocks};
   cudaError_t e;
   epd_result_t rc;
@@ -184,17 +187,24 @@ static epd_result_t grank_setup(epd_cc_t *cc, int rank, void *argp) {
                             errlen)))
     return rc;
   if (cg->have_hwin) {
-    epd_k_ht_geom_t hg = {.num_ranks = cg->g.num_ranks, .rank = (uint32_t)rank, .num_experts = cg->g.num_experts,
-                          .hidden = cg->g.hidden, .topk = cg->g.topk, .max_tokens = cg->g.max_tokens,
-                          .slots_per_rank = cg->g.slots_per_rank, .capacity = cg->g.ht_capacity,
-                          .blocks = a->be->ht_sms, .ce_split = a->be->ht_ce_split};
-    if ((rc = epd_k_ht_create(&hg, epd_cc_lsa(cc, rank), cg->hwin.win[rank], cg->hwin.ptr[rank], 0, &gr->kh, err,
-                              errlen)))
+    epd_k_ht_geom_t hg = {.num_ranks = cg->g.num_ranks,
+                          .rank = (uint32_t)rank,
+                          .num_experts = cg->g.num_experts,
+                          .hidden = cg->g.hidden,
+                          .topk = cg->g.topk,
+                          .max_tokens = cg->g.max_tokens,
+                          .slots_per_rank = cg->g.slots_per_rank,
+                          .capacity = cg->g.ht_capacity,
+                          .blocks = a->be->ht_sms,
+                          .ce_split = a->be->ht_ce_split};
+    if ((rc = epd_k_ht_create(&hg, epd_cc_lsa(cc, rank), cg->hwin.win[rank], cg->hwin.ptr[rank], 0, &gr->kh,
+                              err, errlen)))
       return rc;
   }
   if ((e = cudaMalloc(&gr->map_dev, epd_k_map_bytes(cg->g.num_experts))))
     return cuda_err(e, "cudaMalloc (expert map)", err, errlen);
-  if ((e = cudaHostAlloc((void **)&gr->comp_host, sizeof(epd_comp_t), cudaHostAllocMapped | cudaHostAllocPortable)))
+  if ((e = cudaHostAlloc((void **)&gr->comp_host, sizeof(epd_comp_t),
+                         cudaHostAllocMapped | cudaHostAllocPortable)))
     return cuda_err(e, "cudaHostAlloc (completion)", err, errlen);
   if ((e = cudaHostGetDevicePointer((void **)&gr->comp_dev, gr->comp_host, 0)))
     return cuda_err(e, "cudaHostGetDevicePointer (completion)", err, errlen);
@@ -215,7 +225,8 @@ static epd_result_t grank_setup(epd_cc_t *cc, int rank, void *argp) {
         (e = cudaEventCreateWithFlags(&gr->cev, cudaEventDisableTiming)) ||
         (e = cudaEventCreateWithFlags(&gr->pev, cudaEventDisableTiming)))
       return cuda_err(e, "persistent stream", err, errlen);
-    if ((e = cudaMalloc((void **)&gr->dlimit, sizeof *gr->dlimit)) || (e = cudaMemset(gr->dlimit, 0, sizeof *gr->dlimit)))
+    if ((e = cudaMalloc((void **)&gr->dlimit, sizeof *gr->dlimit)) ||
+        (e = cudaMemset(gr->dlimit, 0, sizeof *gr->dlimit)))
       return cuda_err(e, "cudaMalloc (persistent stop word)", err, errlen);
     gr->device = a->be->rank[rank].device;
     if (!a->be->rank[rank].president) a->be->rank[rank].president = epd_k_ll_resident_blocks(gr->k);
@@ -229,7 +240,8 @@ static epd_result_t grank_teardown(epd_cc_t *cc, int rank, void *argp) {
   cuda_grank_t *gr = &a->cg->rk[rank];
   if (gr->k) epd_k_ll_destroy(gr->k);
   if (gr->kh && epd_k_ht_ce_ops(gr->kh))
-    EPD_LOGI(EPD_SUB_CUDA, "group %s rank %d: %llu dense HT dispatches moved their BF16 rows with the copy engines",
+    EPD_LOGI(EPD_SUB_CUDA,
+             "group %s rank %d: %llu dense HT dispatches moved their BF16 rows with the copy engines",
              a->cg->name, rank, (unsigned long long)epd_k_ht_ce_ops(gr->kh));
   if (gr->kh) epd_k_ht_destroy(gr->kh);
   if (gr->map_dev) cudaFree(gr->map_dev);
@@ -272,9 +284,14 @@ static void grp_teardown(cuda_be_t *be, cuda_grp_t *cg) {
 
 /* Create a group's window and kernel contexts on every rank (first client of the group). */
 static epd_result_t grp_setup(cuda_be_t *be, cuda_grp_t *cg, char *err, size_t errlen) {
-  epd_k_ll_geom_t kg = {.num_ranks = cg->g.num_ranks, .rank = 0, .num_experts = cg->g.num_experts,
-                        .hidden = cg->g.hidden, .topk = cg->g.topk, .max_tokens = cg->g.max_tokens,
-                        .slots_per_rank = cg->g.slots_per_rank, .blocks = be->ll_blocks};
+  epd_k_ll_geom_t kg = {.num_ranks = cg->g.num_ranks,
+                        .rank = 0,
+                        .num_experts = cg->g.num_experts,
+                        .hidden = cg->g.hidden,
+                        .topk = cg->g.topk,
+                        .max_tokens = cg->g.max_tokens,
+                        .slots_per_rank = cg->g.slots_per_rank,
+                        .blocks = be->ll_blocks};
   uint64_t t0 = eng_now_ns();
   epd_result_t rc = epd_cc_window_alloc(be->cc, epd_k_ll_window_bytes(&kg), &cg->win, err, errlen);
   if (rc) return rc;
@@ -283,9 +300,13 @@ static epd_result_t grp_setup(cuda_be_t *be, cuda_grp_t *cg, char *err, size_t e
   /* HT: a staging window of ht_capacity rows per bank, where the geometry is within the HT limits. */
   if (cg->g.max_tokens <= EPD_K_HT_MAX_TOKENS && cg->g.ht_capacity >= 1 &&
       cg->g.ht_capacity <= (uint32_t)EPD_K_HT_MAX_TOKENS * EPD_K_MAX_RANKS) {
-    epd_k_ht_geom_t hg = {.num_ranks = cg->g.num_ranks, .num_experts = cg->g.num_experts, .hidden = cg->g.hidden,
-                          .topk = cg->g.topk, .max_tokens = cg->g.max_tokens,
-                          .slots_per_rank = cg->g.slots_per_rank, .capacity = cg->g.ht_capacity,
+    epd_k_ht_geom_t hg = {.num_ranks = cg->g.num_ranks,
+                          .num_experts = cg->g.num_experts,
+                          .hidden = cg->g.hidden,
+                          .topk = cg->g.topk,
+                          .max_tokens = cg->g.max_tokens,
+                          .slots_per_rank = cg->g.slots_per_rank,
+                          .capacity = cg->g.ht_capacity,
                           .blocks = be->ht_sms}; /* the window's flag arrays are per block */
     if ((rc = epd_cc_window_alloc(be->cc, epd_k_ht_window_bytes(&hg), &cg->hwin, err, errlen))) {
       grp_teardown(be, cg);
@@ -342,7 +363,9 @@ static void complete_rank(epd_engine_t *eng, cuda_grp_t *cg, int r, const epd_co
     c.status = kc ? kc->status : cg->status;
     c.peer = kc ? kc->peer : cg->peer;
     /* The kernel does not know the version: the host set it at the step's dispatch (combine: same). */
-    c.map_version = cg->op_map_version ? cg->op_map_version : kc && kc->map_version ? kc->map_version : cg->map_version;
+    c.map_version = cg->op_map_version      ? cg->op_map_version
+                    : kc && kc->map_version ? kc->map_version
+                                            : cg->map_version;
     c.num_recv = kc ? kc->num_recv : 0;
     c.step = cg->step;
     c.user_tag = cg->desc[r].user_tag;
@@ -407,8 +430,8 @@ int map_img_update(cuda_grp_t *cg, eng_group_t *grp) {
   void *img = realloc(cg->map_img, mb);
   if (img) {
     cg->map_img = img;
-    if (epd_k_map_pack(img, grp->map.version, grp->map.num_experts, grp->map.nrep, (const uint32_t *)grp->map.rep,
-                       EPD_MAX_REPLICAS) == EPD_OK)
+    if (epd_k_map_pack(img, grp->map.version, grp->map.num_experts, grp->map.nrep,
+                       (const uint32_t *)grp->map.rep, EPD_MAX_REPLICAS) == EPD_OK)
       cg->map_img_version = grp->map.version;
   }
   return cg->map_img_version != grp->map.version;
@@ -441,8 +464,8 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
       return;
     }
     if (d->op != d0->op || d->bank != d0->bank || (is_disp && d->flags != d0->flags)) {
-      snprintf(why, sizeof why, "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x", r,
-               d->op, d->bank, d->flags, d0->op, d0->bank, d0->flags);
+      snprintf(why, sizeof why, "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x",
+               r, d->op, d->bank, d->flags, d0->op, d0->bank, d0->flags);
       fail_collect(eng, be, cg, EPD_ERR_MISMATCH, (int)r, why);
       return;
     }
@@ -452,7 +475,8 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
       return;
     }
     if (is_disp && d->num_tokens > cg->g.max_tokens) {
-      snprintf(why, sizeof why, "rank %u: num_tokens %u over max_tokens %u", r, d->num_tokens, cg->g.max_tokens);
+      snprintf(why, sizeof why, "rank %u: num_tokens %u over max_tokens %u", r, d->num_tokens,
+               cg->g.max_tokens);
       fail_collect(eng, be, cg, EPD_ERR_TOO_MANY_TOKENS, (int)r, why);
       return;
     }
@@ -523,7 +547,8 @@ static int collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int r, uint
       cg->arrive_ns[r] = now;
       if (cg->narrived == cg->g.num_ranks) {
         /* Time each rank waited for the last arrival (rank r, just now), charged to that peer. */
-        for (uint32_t p = 0; p < cg->g.num_ranks; p++) eng->rank[p].wait_ns_by_peer[r] += now - cg->arrive_ns[p];
+        for (uint32_t p = 0; p < cg->g.num_ranks; p++)
+          eng->rank[p].wait_ns_by_peer[r] += now - cg->arrive_ns[p];
         start_step(eng, be, cg);
         return 1;
       }
@@ -538,7 +563,8 @@ static int collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int r, uint
     return 1;
   }
   /* now was read before mu: another rank thread may have stamped a later first arrival. */
-  if (now > cg->first_arrive_ns && now - cg->first_arrive_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
+  if (now > cg->first_arrive_ns &&
+      now - cg->first_arrive_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
     int missing = eng_timeout_rank(eng, cg->arrived, cg->g.num_ranks, why, sizeof why);
     eng_mark_hung(grp, missing);
     fail_collect(eng, be, cg, EPD_ERR_TIMEOUT, missing, why);
@@ -556,7 +582,8 @@ static epd_result_t launch(cuda_be_t *be, cuda_grp_t *cg, int r, char *err, size
   cudaError_t e;
   epd_result_t rc;
   if (gr->map_version != cg->map_img_version && eng_op_dispatch(d->op)) {
-    if ((e = cudaMemcpy(gr->map_dev, cg->map_img, epd_k_map_bytes(cg->g.num_experts), cudaMemcpyHostToDevice)))
+    if ((e = cudaMemcpy(gr->map_dev, cg->map_img, epd_k_map_bytes(cg->g.num_experts),
+                        cudaMemcpyHostToDevice)))
       return cuda_err(e, "cudaMemcpy (expert map)", err, errlen);
     gr->map_version = cg->map_img_version;
   }
@@ -571,13 +598,19 @@ static epd_result_t launch(cuda_be_t *be, cuda_grp_t *cg, int r, char *err, size
                cg->g.max_tokens, cg->g.ht_capacity);
       return EPD_ERR_UNSUPPORTED;
     }
-    epd_k_ht_op_t hop = {.op = d->op, .flags = d->flags, .num_tokens = d->num_tokens, .bank = d->bank,
-                         .timeout_ns = be->timeout_ns, .map = gr->map_dev, .slot_tokens = NULL,
+    epd_k_ht_op_t hop = {.op = d->op,
+                         .flags = d->flags,
+                         .num_tokens = d->num_tokens,
+                         .bank = d->bank,
+                         .timeout_ns = be->timeout_ns,
+                         .map = gr->map_dev,
+                         .slot_tokens = NULL,
                          .comp = gr->comp_dev};
     /* Rows straight into / out of the peers' arenas where every GPU may access every arena of the step;
      * else no rank gets any peer arena (every rank of the step decides the same: staging). */
     int direct = 1;
-    for (uint32_t q = 0; q < cg->g.num_ranks && q < EPD_K_MAX_RANKS; q++) direct &= cg->cc[q] && cg->cc[q]->peer_access;
+    for (uint32_t q = 0; q < cg->g.num_ranks && q < EPD_K_MAX_RANKS; q++)
+      direct &= cg->cc[q] && cg->cc[q]->peer_access;
     for (uint32_t q = 0; q < cg->g.num_ranks && q < EPD_K_MAX_RANKS; q++) {
       hop.peer_arena[q] = direct ? (uint64_t)cg->cc[q]->arena_dev : 0;
       hop.rank_tokens[q] = cg->desc[q].num_tokens;
@@ -586,8 +619,14 @@ static epd_result_t launch(cuda_be_t *be, cuda_grp_t *cg, int r, char *err, size
     if (d->op == EPD_OP_HT_DISPATCH && (d->flags & EPD_DESC_HT_DENSE)) hop.copy = EPD_K_HT_COPY_CE;
     if ((rc = epd_k_ht_launch(gr->kh, &a, &hop, rk->stream, err, errlen))) return rc;
   } else {
-    epd_k_ll_op_t op = {.op = d->op, .flags = d->flags, .num_tokens = d->num_tokens, .bank = d->bank,
-                        .timeout_ns = be->timeout_ns, .map = gr->map_dev, .slot_tokens = NULL, .comp = gr->comp_dev};
+    epd_k_ll_op_t op = {.op = d->op,
+                        .flags = d->flags,
+                        .num_tokens = d->num_tokens,
+                        .bank = d->bank,
+                        .timeout_ns = be->timeout_ns,
+                        .map = gr->map_dev,
+                        .slot_tokens = NULL,
+                        .comp = gr->comp_dev};
     if ((rc = epd_k_ll_launch(gr->k, &a, &op, rk->stream, err, errlen))) return rc;
   }
   if ((e = cudaEventRecord(gr->ev, rk->stream))) return cuda_err(e, "cudaEventRecord", err, errlen);
@@ -687,8 +726,10 @@ static void *rank_main(void *arg) {
           cg->need_reset = 1; /* the team's sequence numbers may disagree now */
           eng->rank[r].timeouts++;
           if (cg->grp)
-            eng_emit(eng, "timeout", cg->grp, r, 0, 0, 0, cg->step, "group %s step %llu: rank %d timed out "
-                     "waiting for rank %d", cg->name, (unsigned long long)cg->step, r, kc.peer);
+            eng_emit(eng, "timeout", cg->grp, r, 0, 0, 0, cg->step,
+                     "group %s step %llu: rank %d timed out "
+                     "waiting for rank %d",
+                     cg->name, (unsigned long long)cg->step, r, kc.peer);
         }
         rk->inflight = NULL;
         complete_rank(eng, cg, r, &kc);
@@ -706,7 +747,8 @@ static void *rank_main(void *arg) {
       for (uint32_t i = 0; i < be->ngrp; i++)
         if (be->grp[i].used && be->grp[i].pstate != PS_OFF) {
           pers = 1;
-          if (be->grp[i].pstate == PS_RUN) pers_stop(&be->grp[i], now, "another group's kernel is to be launched");
+          if (be->grp[i].pstate == PS_RUN)
+            pers_stop(&be->grp[i], now, "another group's kernel is to be launched");
         }
       if (pers) {
         cg = NULL;
@@ -820,7 +862,8 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
   if (!strcmp(m, "persistent")) {
     be->mode = MODE_PERSISTENT;
     if (!be->mps)
-      EPD_LOGW(EPD_SUB_CUDA, "engine.cuda_mode = persistent without CUDA MPS: client kernels share the GPU with "
+      EPD_LOGW(EPD_SUB_CUDA,
+               "engine.cuda_mode = persistent without CUDA MPS: client kernels share the GPU with "
                "never-ending kernels only by time slicing");
   }
   if (be->mode == MODE_PERSISTENT && eng->o.nodes > 1) { /* the inter-node stage launches per step */
@@ -837,12 +880,14 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
   /* A persistent kernel keeps its SMs (one block per SM): by default it takes half of the launch mode's
    * blocks, so a persistent group and a launched kernel fit together and the clients keep SMs. */
   if (!be->ll_blocks)
-    be->ll_blocks = (be->mode == MODE_PERSISTENT ? EPD_CUDA_PERSIST_BLOCKS : EPD_K_LL_BLOCKS) / (uint32_t)be->share;
+    be->ll_blocks =
+        (be->mode == MODE_PERSISTENT ? EPD_CUDA_PERSIST_BLOCKS : EPD_K_LL_BLOCKS) / (uint32_t)be->share;
   if (be->share > 1) {
     int nsm = 0;
     cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, eng->o.devices[0]);
     const uint32_t sms = be->ht_sms ? be->ht_sms : EPD_K_HT_BLOCKS;
-    if (nsm > 0 && sms * (uint32_t)be->share > (uint32_t)nsm) be->ht_sms = (uint32_t)nsm / (uint32_t)be->share;
+    if (nsm > 0 && sms * (uint32_t)be->share > (uint32_t)nsm)
+      be->ht_sms = (uint32_t)nsm / (uint32_t)be->share;
   }
   for (int r = 0; r < be->ndev; r++) {
     be->rank[r].device = eng->o.devices ? eng->o.devices[r] : r;
@@ -859,10 +904,10 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
     }
   }
   uint64_t t0 = eng_now_ns();
-  epd_result_t rc = eng->o.nodes > 1 ? epd_cc_create_world(be->ndev, eng->o.devices, eng->o.nodes,
-                                                           eng->o.node_rank, eng->o.comm_id, (int)eng->o.rejoined,
-                                                           &be->cc, err, errlen)
-                                     : epd_cc_create(be->ndev, eng->o.devices, &be->cc, err, errlen);
+  epd_result_t rc = eng->o.nodes > 1
+                        ? epd_cc_create_world(be->ndev, eng->o.devices, eng->o.nodes, eng->o.node_rank,
+                                              eng->o.comm_id, (int)eng->o.rejoined, &be->cc, err, errlen)
+                        : epd_cc_create(be->ndev, eng->o.devices, &be->cc, err, errlen);
   if (rc) {
     cuda_destroy(eng);
     return rc;
@@ -881,11 +926,12 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
       return rc;
     }
   }
-  EPD_LOGI(EPD_SUB_CUDA, "NCCL communicators of %d ranks up in %.1f ms (%s); MPS %s, mode %s, idle spin %llu ns, "
-           "LL blocks %u, HT SMs %u", be->ndev, (eng_now_ns() - t0) / 1e6,
-           be->share > 1 ? "ranks share GPUs: NCCL multi-rank mode" : "a GPU per rank", be->mps ? "on" : "off",
-           cuda_mode(eng),
-           (unsigned long long)be->spin_ns, be->ll_blocks,
+  EPD_LOGI(EPD_SUB_CUDA,
+           "NCCL communicators of %d ranks up in %.1f ms (%s); MPS %s, mode %s, idle spin %llu ns, "
+           "LL blocks %u, HT SMs %u",
+           be->ndev, (eng_now_ns() - t0) / 1e6,
+           be->share > 1 ? "ranks share GPUs: NCCL multi-rank mode" : "a GPU per rank",
+           be->mps ? "on" : "off", cuda_mode(eng), (unsigned long long)be->spin_ns, be->ll_blocks,
            be->ht_sms ? be->ht_sms : EPD_K_HT_BLOCKS);
   for (int r = 0; r < be->ndev; r++) {
     cuda_rank_t *rk = &be->rank[r];
@@ -1176,7 +1222,7 @@ static uint64_t cuda_copy_weights(epd_engine_t *eng, eng_group_t *grp) {
   uint64_t wb = grp->weight_bytes_per_slot, woff = eng_buf_offset(grp, EPD_BUF_EXPERT_WEIGHTS, 0), bytes = 0;
   int used[EPD_MAX_RANKS] = {0}, dev0 = 0;
   if (grp->nstaged_copies) pers_quiesce_all(eng, be); /* the copies must not wait behind persistent kernels */
-  cudaGetDevice(&dev0); /* a rank thread calls this: give it its device back */
+  cudaGetDevice(&dev0);                               /* a rank thread calls this: give it its device back */
   for (uint32_t i = 0; i < grp->nstaged_copies && woff != UINT64_MAX; i++) {
     const epd_weight_copy_t *cp = &grp->staged_copies[i];
     /* Scale-out: this node fills its own ranks' slots; a source on another node sent its bytes */
@@ -1190,8 +1236,8 @@ static uint64_t cuda_copy_weights(epd_engine_t *eng, eng_group_t *grp) {
     cuda_client_t *sc = src ? src->be : NULL, *dc = dst ? dst->be : NULL;
     const char *why = !sc || !dc ? "has no attached client"
                       : cp->src_rank != cp->dst_rank && (!sc->peer_access || !dc->peer_access)
-                                                                 ? "has no peer access to the other GPU"
-                                                                 : NULL;
+                          ? "has no peer access to the other GPU"
+                          : NULL;
     cudaError_t e = cudaSuccess;
     if (!why) {
       cudaSetDevice(dc->device);
@@ -1235,8 +1281,9 @@ static epd_result_t cuda_arena_io(epd_engine_t *eng, eng_client_t *c, uint64_t o
   void *d = (void *)(uintptr_t)(cc->arena_dev + off);
   /* waited for on this thread's stream: a pageable host-to-device cudaMemcpy may return before the bytes
    * reach the GPU, and the ops after the switch run on other (non-blocking) streams */
-  cudaError_t e = cudaMemcpyAsync(write ? d : host, write ? host : d, n,
-                                  write ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, cudaStreamPerThread);
+  cudaError_t e =
+      cudaMemcpyAsync(write ? d : host, write ? host : d, n,
+                      write ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, cudaStreamPerThread);
   cudaError_t w = cudaStreamSynchronize(cudaStreamPerThread);
   if (!e) e = w;
   cudaSetDevice(dev0);
@@ -1270,7 +1317,9 @@ static const char *cuda_group_mode(epd_engine_t *eng, eng_group_t *grp) {
 
 /* 1: the CUDA backend is in the program (a test of the static engine library calls it). */
 int epd_engine_cuda_linked(void);
-int epd_engine_cuda_linked(void) { return 1; }
+int epd_engine_cuda_linked(void) {
+  return 1;
+}
 
 /* ---- for engine_cuda_net.c (scale-out) ------------------------------------------------------------ */
 
@@ -1282,7 +1331,9 @@ void *eng_cuda_client_hold(eng_client_t *c) {
 void eng_cuda_client_unhold(void *h) {
   if (h) ((cuda_client_t *)h)->busy = 0;
 }
-uint64_t eng_cuda_client_arena(void *h) { return h ? (uint64_t)((cuda_client_t *)h)->arena_dev : 0; }
+uint64_t eng_cuda_client_arena(void *h) {
+  return h ? (uint64_t)((cuda_client_t *)h)->arena_dev : 0;
+}
 
 /* The world communicator's id for the coordinator of a rendezvous, where the backend can start here. */
 static int cuda_world_id(uint8_t *id, char *why, size_t whylen) {

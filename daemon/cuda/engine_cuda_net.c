@@ -77,7 +77,7 @@ typedef struct cnet_grp {
   epd_desc_t ldesc[EPD_MAX_RANKS]; /* local ranks' descriptors */
   uint32_t narrived;
   uint64_t first_ns, last_ns, run_ns;
-  uint64_t ready_seq, ready_ns; /* PH_READY: in which order (node 0 orders by it) and since when */
+  uint64_t ready_seq, ready_ns;   /* PH_READY: in which order (node 0 orders by it) and since when */
   uint8_t *frame[CNET_MAX_NODES]; /* every node's payload of the step (own included) */
   size_t flen[CNET_MAX_NODES];
   int plan_init;
@@ -111,16 +111,17 @@ struct cnet {
   epd_engine_t *eng;
   epd_cc_t *cc;
   uint32_t L, nodes, node, W;
-  char gin[2048]; /* the start-up GIN probe's line (epd_cc_gin_probe): every local rank's result when they differ */
+  char gin[2048]; /* the start-up GIN probe's line (epd_cc_gin_probe): every local rank's result when they
+                     differ */
   cnet_dev_t d[EPD_MAX_RANKS];
   cnet_grp_t *groups; /* the groups served (those with a client on this node) */
   cnet_grp_t *run;    /* the group whose step runs: one exchange at a time */
   uint64_t run_end_ns;
-  uint64_t go_seq;    /* node 0: exchanges ordered so far; other nodes: the number of the next GO */
+  uint64_t go_seq; /* node 0: exchanges ordered so far; other nodes: the number of the next GO */
   uint64_t ready_ctr;
-  cnet_go_t go;       /* other nodes: GO go_seq, taken, its step not yet ready here */
+  cnet_go_t go; /* other nodes: GO go_seq, taken, its step not yet ready here */
   int go_have;
-  uint64_t go_ns;     /* when go was taken */
+  uint64_t go_ns; /* when go was taken */
   cnet_addr_t addr[EPD_MAX_RANKS];
   cnet_prog_t prog;
   /* A restarted node joins (eng_cuda_net_remake): the world communicator is made again over remake_id by
@@ -173,7 +174,8 @@ epd_result_t eng_cuda_net_create(epd_engine_t *eng, epd_cc_t *cc, const int *dev
     epd_cc_gin_probe(cc, cn->gin, sizeof cn->gin);
   else
     snprintf(cn->gin, sizeof cn->gin, "not probed (%s)",
-             eng->o.rejoined ? "this daemon joined a running world: the probe is collective" : "cluster.gin_probe = 0");
+             eng->o.rejoined ? "this daemon joined a running world: the probe is collective"
+                             : "cluster.gin_probe = 0");
   EPD_LOGI(EPD_SUB_CUDA,
            "scale-out: node %u of %u, world ranks %u..%u of %u; inter-node transport nccl-p2p (grouped "
            "ncclSend/ncclRecv on the world communicator, control over the daemon links); GIN: %s",
@@ -239,13 +241,16 @@ static void group_free(cnet_t *cn, cnet_grp_t *cg) {
   if (!cn->groups) dev_free(cn);
 }
 
-const char *eng_cuda_net_gin(const cnet_t *cn) { return cn->gin; }
+const char *eng_cuda_net_gin(const cnet_t *cn) {
+  return cn->gin;
+}
 
 void eng_cuda_net_remake(cnet_t *cn, const uint8_t *id) {
   memcpy(cn->remake_id, id, sizeof cn->remake_id);
   cn->remake_req = 1;
   if (cn->remaking) __atomic_store_n(&cn->remake_cancel, 1, __ATOMIC_RELEASE); /* a newer id: that one wins */
-  EPD_LOGI(EPD_SUB_CUDA, "a restarted node joins the running world: the world communicator is made again once no "
+  EPD_LOGI(EPD_SUB_CUDA,
+           "a restarted node joins the running world: the world communicator is made again once no "
            "exchange runs here");
 }
 
@@ -265,7 +270,8 @@ static void *remake_main(void *arg) {
   if (rc && cn->remake_req)
     EPD_LOGW(EPD_SUB_CUDA, "making the world communicator again: %s; a newer id follows", err);
   else if (rc && !__atomic_load_n(&cn->remake_cancel, __ATOMIC_ACQUIRE))
-    eng_fail(eng, "making the world communicator again for a restarted node failed: %s (restart every node)", err);
+    eng_fail(eng, "making the world communicator again for a restarted node failed: %s (restart every node)",
+             err);
   else if (!rc)
     EPD_LOGI(EPD_SUB_CUDA, "world communicator made again (%u ranks) in %.1f ms: exchanges run again", cn->W,
              (eng_now_ns() - t0) / 1e6);
@@ -484,7 +490,8 @@ static void send_frame(cnet_t *cn, cnet_grp_t *cg) {
   /* Every local rank's top-k ids and weights: asynchronous reads into pinned memory on every GPU at once,
    * then one wait per GPU (two synchronous pageable reads per rank took ~40 us of the dispatch's frame). */
   cudaError_t te[EPD_MAX_RANKS] = {cudaSuccess};
-  const uint64_t oi = eng_buf_offset(grp, EPD_BUF_TOPK_IDX, d0->bank), ow = eng_buf_offset(grp, EPD_BUF_TOPK_WEIGHTS, d0->bank);
+  const uint64_t oi = eng_buf_offset(grp, EPD_BUF_TOPK_IDX, d0->bank),
+                 ow = eng_buf_offset(grp, EPD_BUF_TOPK_WEIGHTS, d0->bank);
   for (uint32_t l = 0; l < L; l++) {
     cnet_dev_t *d = &cn->d[l];
     if (!rows[l]) continue;
@@ -507,8 +514,8 @@ static void send_frame(cnet_t *cn, cnet_grp_t *cg) {
     te[l] = cudaMemcpyAsync(d->tk_host, (const void *)(uintptr_t)(arena + oi), rows[l] * K * 8,
                             cudaMemcpyDeviceToHost, d->tkstream);
     if (!te[l])
-      te[l] = cudaMemcpyAsync(d->tk_host + rows[l] * K * 8, (const void *)(uintptr_t)(arena + ow), rows[l] * K * 4,
-                              cudaMemcpyDeviceToHost, d->tkstream);
+      te[l] = cudaMemcpyAsync(d->tk_host + rows[l] * K * 8, (const void *)(uintptr_t)(arena + ow),
+                              rows[l] * K * 4, cudaMemcpyDeviceToHost, d->tkstream);
   }
   for (uint32_t l = 0; l < L; l++) {
     dd[l] = (cnet_desc_t){cg->ldesc[l].op, cg->ldesc[l].bank, cg->ldesc[l].flags, cg->ldesc[l].num_tokens};
@@ -619,15 +626,18 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
     uint32_t np = 0;
     for (uint32_t n = 0; n < nodes; n++)
       if (n != cn->node)
-        peers[np++] = (eng_map_peer_t){h[n]->staged_version, h[n]->map_version, h[n]->staged_hash, h[n]->map_hash};
+        peers[np++] =
+            (eng_map_peer_t){h[n]->staged_version, h[n]->map_version, h[n]->staged_hash, h[n]->map_hash};
     eng_vote_agree(&cg->vote, peers, np, cg->step);
   }
   /* a draining node's frame: the other nodes name its first rank, its own clients get no peer */
   for (uint32_t n = 0; n < nodes; n++)
     if (h[n]->status)
       FAIL(h[n]->status,
-           h[n]->status != EPD_ERR_DRAINING ? h[n]->bad_rank : n == cn->node ? -1 : (int)(n * L), "%.*s",
-           (int)sizeof h[n]->why, h[n]->why);
+           h[n]->status != EPD_ERR_DRAINING ? h[n]->bad_rank
+           : n == cn->node                  ? -1
+                                            : (int)(n * L),
+           "%.*s", (int)sizeof h[n]->why, h[n]->why);
   for (uint32_t n = 0; n < nodes; n++) {
     if (h[n]->num_experts != cg->g.num_experts || h[n]->hidden != cg->g.hidden || h[n]->topk != K ||
         h[n]->max_tokens != M)
@@ -728,7 +738,8 @@ static int fill_addr(cnet_t *cn, cnet_grp_t *cg) {
     memset(a, 0, sizeof *a);
     uint64_t base = eng_cuda_client_arena(cg->hold[l]);
     for (uint32_t i = 0; i < nbufs; i++)
-      if (bufs[i].bank == cg->bank && bufs[i].kind < EPD_BUF_KINDS) a->buf[bufs[i].kind] = base + bufs[i].offset;
+      if (bufs[i].bank == cg->bank && bufs[i].kind < EPD_BUF_KINDS)
+        a->buf[bufs[i].kind] = base + bufs[i].offset;
     for (uint32_t n = 0; n < cn->nodes; n++) {
       uint64_t o = (uint64_t)n * M * H * 4;
       a->xsend[n] = a->psend[n] = (uint64_t)(uintptr_t)cn->d[l].xsend + o;
@@ -1004,8 +1015,8 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   for (uint32_t n = 0; n < cn->nodes; n++) {
     if (n == cn->node || cg->frame[n]) continue;
     uint64_t later; /* node n's part of a later step, came with none of this one's: it skipped this step */
-    cg->frame[n] = epd_net_take_payload(net, cg->gname, cg->step, n, alive ? eng_net_frames_since(cg->grp) : 0, &later,
-                                        &cg->flen[n]);
+    cg->frame[n] = epd_net_take_payload(net, cg->gname, cg->step, n,
+                                        alive ? eng_net_frames_since(cg->grp) : 0, &later, &cg->flen[n]);
     if (cg->frame[n]) continue;
     char why[256], lw[160];
     if (epd_net_node_dead(net, n, lw, sizeof lw)) {
@@ -1016,8 +1027,9 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
     }
     if (alive && eng_net_drain_from(cg->grp, n) <= cg->step && eng_op_dispatch(cg->ldesc[0].op)) {
       /* its notice came after every frame it sent (one link, in order): its part would say DRAINING */
-      snprintf(why, sizeof why, "node %u (ranks %u..%u) is draining: it takes no dispatch of group %s from step %llu on",
-               n, n * L, n * L + L - 1, cg->gname, (unsigned long long)eng_net_drain_from(cg->grp, n));
+      snprintf(why, sizeof why,
+               "node %u (ranks %u..%u) is draining: it takes no dispatch of group %s from step %llu on", n,
+               n * L, n * L + L - 1, cg->gname, (unsigned long long)eng_net_drain_from(cg->grp, n));
       complete_all(cn, cg, EPD_ERR_DRAINING, (int)(n * L), why);
       return 1;
     }
@@ -1094,7 +1106,8 @@ static int schedule(cnet_t *cn, uint64_t now) {
     snprintf(go.group, sizeof go.group, "%s", next->gname);
     go.step = next->step;
     for (uint32_t n = 1; n < cn->nodes; n++)
-      if (epd_net_send_payload(net, n, "", cn->go_seq, &go, sizeof go)) /* its link is down: it fails the step */
+      if (epd_net_send_payload(net, n, "", cn->go_seq, &go,
+                               sizeof go)) /* its link is down: it fails the step */
         EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: the exchange order not sent to node %u (link down)",
                  next->gname, (unsigned long long)next->step, n);
     cn->go_seq++;
@@ -1119,7 +1132,8 @@ static int schedule(cnet_t *cn, uint64_t now) {
   }
   /* the step the GO names (a removed group's orphaned step too), else the group's live copy */
   cnet_grp_t *cg = cn->groups;
-  while (cg && (strcmp(cg->gname, cn->go.group) || cg->phase != PH_READY || cg->step != cn->go.step)) cg = cg->next;
+  while (cg && (strcmp(cg->gname, cn->go.group) || cg->phase != PH_READY || cg->step != cn->go.step))
+    cg = cg->next;
   if (!cg) {
     cg = cn->groups;
     while (cg && (strcmp(cg->gname, cn->go.group) || !grp_alive(cn, cg))) cg = cg->next;
@@ -1132,10 +1146,13 @@ static int schedule(cnet_t *cn, uint64_t now) {
   }
   /* A step this node already finished or failed (or of a group gone here): node 0's exchange has no
    * partner here (it fails by its timeout); the next order may be runnable. */
-  const uint64_t cur = !cg ? UINT64_MAX : cg->phase == PH_COLLECT && !cg->narrived ? cg->grp->steps : cg->step;
+  const uint64_t cur = !cg                                        ? UINT64_MAX
+                       : cg->phase == PH_COLLECT && !cg->narrived ? cg->grp->steps
+                                                                  : cg->step;
   if (cur > cn->go.step) {
-    EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: node 0 ordered its exchange, but %s here: ignored", cn->go.group,
-             (unsigned long long)cn->go.step, cg ? "this node is past that step" : "the group is not served");
+    EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: node 0 ordered its exchange, but %s here: ignored",
+             cn->go.group, (unsigned long long)cn->go.step,
+             cg ? "this node is past that step" : "the group is not served");
     cn->go_have = 0;
     cn->go_seq++;
     return 1;
@@ -1161,14 +1178,16 @@ static int ready_expired(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   const uint64_t since = cg->ready_ns > cn->run_end_ns ? cg->ready_ns : cn->run_end_ns;
   char why[256], lw[160];
   if (cn->node != 0 && epd_net_node_dead(eng->o.net, 0, lw, sizeof lw)) {
-    snprintf(why, sizeof why, "the data link to node 0 (ranks 0..%u), which orders the exchanges, is down: %s",
-             cn->L - 1, lw);
+    snprintf(why, sizeof why,
+             "the data link to node 0 (ranks 0..%u), which orders the exchanges, is down: %s", cn->L - 1, lw);
     complete_all(cn, cg, EPD_ERR_PEER, 0, why);
     return 1;
   }
-  if (cn->node == 0 || cn->run || now <= since || now - since <= (uint64_t)eng->o.step_timeout_ms * 1000000ull)
+  if (cn->node == 0 || cn->run || now <= since ||
+      now - since <= (uint64_t)eng->o.step_timeout_ms * 1000000ull)
     return 0;
-  snprintf(why, sizeof why, "waited %u ms for node 0 (rank 0) to order the step's exchange", eng->o.step_timeout_ms);
+  snprintf(why, sizeof why, "waited %u ms for node 0 (rank 0) to order the step's exchange",
+           eng->o.step_timeout_ms);
   EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
   complete_all(cn, cg, EPD_ERR_TIMEOUT, 0, why);
   return 1;
@@ -1183,7 +1202,8 @@ int eng_cuda_net_poll(cnet_t *cn) {
   /* groups removed (not while their exchange runs) */
   for (cnet_grp_t *cg = cn->groups, *next; cg; cg = next) {
     next = cg->next;
-    if (cg != cn->run && !grp_alive(cn, cg) && !(cg->orphan && (cg->phase == PH_WAIT || cg->phase == PH_READY)))
+    if (cg != cn->run && !grp_alive(cn, cg) &&
+        !(cg->orphan && (cg->phase == PH_WAIT || cg->phase == PH_READY)))
       group_free(cn, cg);
   }
   /* groups with a client here, taken up */

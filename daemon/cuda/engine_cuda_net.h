@@ -39,7 +39,8 @@ uint64_t eng_cuda_client_arena(void *h);
  * here) and logs the transport with the probe's line. */
 epd_result_t eng_cuda_net_create(epd_engine_t *eng, epd_cc_t *cc, const int *devices, cnet_t **out, char *err,
                                  size_t errlen);
-/* The start-up GIN probe's line ("unavailable (...)", "available (...); not used: ...", "probe failed: ..."). */
+/* The start-up GIN probe's line ("unavailable (...)", "available (...); not used: ...", "probe failed: ...").
+ */
 const char *eng_cuda_net_gin(const cnet_t *cn);
 /* Answer every waiting slot with EPD_ERR_CLOSED and release everything (rank threads stopped). */
 void eng_cuda_net_destroy(cnet_t *cn);

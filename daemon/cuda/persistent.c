@@ -29,8 +29,9 @@
 
 /* ---- persistent mode ---------------------------------------------------------------------------- */
 
-static const char *const pexit_name[] = {"running", "stop asked", "an op it does not run", "a peer stopped",
-                                         "mismatched ops", "a failed op", "a peer never announced"};
+static const char *const pexit_name[] = {
+    "running",        "stop asked",  "an op it does not run", "a peer stopped",
+    "mismatched ops", "a failed op", "a peer never announced"};
 
 static uint32_t grp_blocks(const cuda_grp_t *cg) {
   const epd_k_ll_geom_t *kg = cg->rk[0].k ? epd_k_ll_geom(cg->rk[0].k) : NULL;
@@ -65,10 +66,12 @@ int pers_eligible(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
   for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
     eng_client_t *c = grp->client[r];
     cuda_client_t *cc = c ? c->be : NULL;
-    if (!cc || cc->dead || cc->busy || c->hung || grp->lost[r] || !cg->rk[r].ready || !cg->rk[r].pctl) return 0;
+    if (!cc || cc->dead || cc->busy || c->hung || grp->lost[r] || !cg->rk[r].ready || !cg->rk[r].pctl)
+      return 0;
     /* an op the kernel would not run is the launch mode's */
     epd_slot_t *sl = head_slot(cc);
-    if (sl && ((sl->desc.op != EPD_OP_LL_DISPATCH && sl->desc.op != EPD_OP_LL_COMBINE) || sl->desc.bank >= EPD_NUM_BANKS))
+    if (sl && ((sl->desc.op != EPD_OP_LL_DISPATCH && sl->desc.op != EPD_OP_LL_COMBINE) ||
+               sl->desc.bank >= EPD_NUM_BANKS))
       return 0;
   }
   if (map_img_update(cg, grp)) return 0;
@@ -89,9 +92,10 @@ int pers_eligible(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
       return 0;
     if ((long)G + 1 > rk->president) { /* the op blocks and the controller block */
       if (!cg->pnofit_logged++)
-        EPD_LOGW(EPD_SUB_CUDA, "group %s stays in launch mode: its persistent kernel (%u blocks + 1) would not be "
-                 "resident on GPU %d (%ld blocks at once; engine.ll_blocks sets the blocks)", cg->name, G,
-                 rk->device, rk->president);
+        EPD_LOGW(EPD_SUB_CUDA,
+                 "group %s stays in launch mode: its persistent kernel (%u blocks + 1) would not be "
+                 "resident on GPU %d (%ld blocks at once; engine.ll_blocks sets the blocks)",
+                 cg->name, G, rk->device, rk->president);
       return 0;
     }
   }
@@ -129,15 +133,16 @@ static int pers_start(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self
     epd_result_t rc = EPD_OK;
     if (gr->map_version != cg->map_img_version) {
       /* on the kernel's stream, before it (nothing here may wait for the device) */
-      e = cudaMemcpyAsync(gr->map_dev, cg->map_img, epd_k_map_bytes(cg->g.num_experts), cudaMemcpyHostToDevice,
-                          gr->pstream);
+      e = cudaMemcpyAsync(gr->map_dev, cg->map_img, epd_k_map_bytes(cg->g.num_experts),
+                          cudaMemcpyHostToDevice, gr->pstream);
       if (!e) gr->map_version = cg->map_img_version;
     }
     memset(gr->pprog, 0, sizeof *gr->pprog);
     gr->pctl->abort = 0;
     /* no stop yet: written on the stop writes' stream (so a stop asked right after the launch lands after
      * it), and the kernel's stream waits for it */
-    if (!e && cu.cuStreamWriteValue64((CUstream)gr->cstream, (CUdeviceptr)(uintptr_t)gr->dlimit, UINT64_MAX, 0))
+    if (!e &&
+        cu.cuStreamWriteValue64((CUstream)gr->cstream, (CUdeviceptr)(uintptr_t)gr->dlimit, UINT64_MAX, 0))
       e = cudaErrorUnknown;
     if (!e) e = cudaEventRecord(gr->cev, gr->cstream);
     if (!e) e = cudaStreamWaitEvent(gr->pstream, gr->cev, 0);
@@ -163,7 +168,8 @@ static int pers_start(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self
       if (!rc) e = cudaEventRecord(gr->pev, gr->pstream);
     }
     if (e || rc) {
-      EPD_LOGE(EPD_SUB_CUDA, "group %s rank %u: persistent kernel launch failed (%s): the group stays in launch mode",
+      EPD_LOGE(EPD_SUB_CUDA,
+               "group %s rank %u: persistent kernel launch failed (%s): the group stays in launch mode",
                cg->name, r, e ? cudaGetErrorString(e) : "launch");
       cudaGetLastError();
       cg->pfail = 1;
@@ -186,8 +192,10 @@ static int pers_start(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self
   cg->pabort = 0;
   cg->pwait_ann = cg->pwait_ns = 0;
   if (cg->plaunches++ == 0)
-    EPD_LOGI(EPD_SUB_CUDA, "group %s: LL steps run in persistent kernels (%u blocks + a controller block per GPU, %ld resident)", cg->name,
-             G, be->rank[0].president);
+    EPD_LOGI(
+        EPD_SUB_CUDA,
+        "group %s: LL steps run in persistent kernels (%u blocks + a controller block per GPU, %ld resident)",
+        cg->name, G, be->rank[0].president);
   else
     EPD_LOGD(EPD_SUB_CUDA, "group %s: persistent kernels resumed at step %llu", cg->name,
              (unsigned long long)grp->steps);
@@ -226,10 +234,10 @@ static int pers_account(epd_engine_t *eng, cuda_grp_t *cg, int r) {
       }
       if (rec.status == EPD_ERR_TIMEOUT || rec.status == EPD_ERR_PEER) {
         if (grp)
-          eng_emit(eng, rec.status == EPD_ERR_TIMEOUT ? "timeout" : "error", grp, r, 0, 0, 0,
-                   cg->pstep0 + n, "group %s step %llu: rank %d %s rank %d", cg->name,
-                   (unsigned long long)(cg->pstep0 + n), r,
-                   rec.status == EPD_ERR_TIMEOUT ? "timed out waiting for" : "gave up waiting for", rec.peer);
+          eng_emit(eng, rec.status == EPD_ERR_TIMEOUT ? "timeout" : "error", grp, r, 0, 0, 0, cg->pstep0 + n,
+                   "group %s step %llu: rank %d %s rank %d", cg->name, (unsigned long long)(cg->pstep0 + n),
+                   r, rec.status == EPD_ERR_TIMEOUT ? "timed out waiting for" : "gave up waiting for",
+                   rec.peer);
       }
     }
     if (mine) c->ops++;
@@ -270,20 +278,25 @@ static void pers_takeover(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int 
    * kernels gave (a controller that saw the abort first reports LIMIT) */
   if (cg->pabort) reset = 1;
   if (cg->pst_n >= 64) {
-    EPD_LOGI(EPD_SUB_CUDA, "group %s: %llu ops in persistent kernels, mean per op and rank: seen -> all ranks agreed "
-             "%.2f us, agreed -> completion %.2f us (latency_ns %.2f us)", cg->name,
-             (unsigned long long)cg->pst_n, cg->pst_agree / 1e3 / cg->pst_n, cg->pst_run / 1e3 / cg->pst_n,
-             cg->pst_lat / 1e3 / cg->pst_n);
+    EPD_LOGI(EPD_SUB_CUDA,
+             "group %s: %llu ops in persistent kernels, mean per op and rank: seen -> all ranks agreed "
+             "%.2f us, agreed -> completion %.2f us (latency_ns %.2f us)",
+             cg->name, (unsigned long long)cg->pst_n, cg->pst_agree / 1e3 / cg->pst_n,
+             cg->pst_run / 1e3 / cg->pst_n, cg->pst_lat / 1e3 / cg->pst_n);
     if (cg->pst_nseen)
-      EPD_LOGI(EPD_SUB_CUDA, "group %s: %llu ops stamped by the client: submit -> seen by the kernel %.2f us", cg->name,
-               (unsigned long long)cg->pst_nseen, cg->pst_seen / 1e3 / cg->pst_nseen);
+      EPD_LOGI(EPD_SUB_CUDA, "group %s: %llu ops stamped by the client: submit -> seen by the kernel %.2f us",
+               cg->name, (unsigned long long)cg->pst_nseen, cg->pst_seen / 1e3 / cg->pst_nseen);
     for (int k = 0; k < 2; k++) {
       if (!cg->pst_opn[k]) continue;
       double m[8];
       for (int i = 0; i < 8; i++) m[i] = cg->pst_phase[k][i] / 1e3 / cg->pst_opn[k];
-      EPD_LOGI(EPD_SUB_CUDA, "group %s: %s timeline, us after the op's release to the blocks (block 0; 0: not stamped): body "
-               "start %.2f, sent %.2f, fenced %.2f, flagged %.2f, peers' flags %.2f, received %.2f, block 0 done %.2f, "
-               "completion %.2f", cg->name, k ? "combine" : "dispatch", m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7]);
+      EPD_LOGI(
+          EPD_SUB_CUDA,
+          "group %s: %s timeline, us after the op's release to the blocks (block 0; 0: not stamped): body "
+          "start %.2f, sent %.2f, fenced %.2f, flagged %.2f, peers' flags %.2f, received %.2f, block 0 done "
+          "%.2f, "
+          "completion %.2f",
+          cg->name, k ? "combine" : "dispatch", m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7]);
     }
     cg->pst_n = cg->pst_nseen = cg->pst_seen = cg->pst_agree = cg->pst_run = cg->pst_lat = 0;
     memset(cg->pst_opn, 0, sizeof cg->pst_opn);
@@ -302,8 +315,10 @@ static void pers_takeover(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int 
     /* the launch mode resets the team before its next step (rank threads, no lock held) */
     cg->need_reset = 1;
     for (int r = 0; r < EPD_MAX_RANKS; r++) cg->reset_done[r] = 0;
-    EPD_LOGI(EPD_SUB_CUDA, "group %s: persistent kernels stopped after %s at step %llu; the team is reset before "
-             "its next step", cg->name, why ? why : "a failure", (unsigned long long)(cg->grp ? cg->grp->steps : 0));
+    EPD_LOGI(EPD_SUB_CUDA,
+             "group %s: persistent kernels stopped after %s at step %llu; the team is reset before "
+             "its next step",
+             cg->name, why ? why : "a failure", (unsigned long long)(cg->grp ? cg->grp->steps : 0));
   } else {
     EPD_LOGD(EPD_SUB_CUDA, "group %s: persistent kernels stopped (%s) at step %llu", cg->name,
              why ? why : "stop asked", (unsigned long long)(cg->grp ? cg->grp->steps : 0));
@@ -348,7 +363,8 @@ static const char *pers_stop_reason(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t
       gr->pwatch_ann = ann;
       gr->pwatch_ns = now;
     } else if (now > gr->pwatch_ns && now - gr->pwatch_ns > be->timeout_ns) {
-      EPD_LOGW(EPD_SUB_CUDA, "group %s rank %u: a submitted slot was not taken by its persistent kernel for %u ms",
+      EPD_LOGW(EPD_SUB_CUDA,
+               "group %s rank %u: a submitted slot was not taken by its persistent kernel for %u ms",
                cg->name, r, eng->o.step_timeout_ms);
       return "a kernel does not take its slot";
     }
@@ -387,7 +403,8 @@ int pers_poll(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self_dev, ui
     gr->prun = 0;
     be->rank[r].pblocks -= grp_blocks(cg);
     if (e != cudaSuccess) {
-      EPD_LOGE(EPD_SUB_CUDA, "rank %u group %s: persistent kernel failed: %s", r, cg->name, cudaGetErrorString(e));
+      EPD_LOGE(EPD_SUB_CUDA, "rank %u group %s: persistent kernel failed: %s", r, cg->name,
+               cudaGetErrorString(e));
       eng->rank[r].errors++;
       eng_fail(eng, "rank %u: persistent kernel failed: %s", r, cudaGetErrorString(e));
     }
@@ -400,7 +417,8 @@ int pers_poll(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self_dev, ui
   /* (now was read before the lock: another thread may have stamped the stop later) */
   uint64_t since = now > cg->pstop_ns ? now - cg->pstop_ns : 0;
   if (!cg->pabort && since > be->timeout_ns + 1000000000ull) {
-    EPD_LOGW(EPD_SUB_CUDA, "group %s: persistent kernels still running %.1f s after the stop: aborting their waits",
+    EPD_LOGW(EPD_SUB_CUDA,
+             "group %s: persistent kernels still running %.1f s after the stop: aborting their waits",
              cg->name, since / 1e9);
     for (uint32_t r = 0; r < cg->g.num_ranks; r++)
       if (cg->rk[r].pctl) __atomic_store_n(&cg->rk[r].pctl->abort, r + 1, __ATOMIC_SEQ_CST);
@@ -440,6 +458,8 @@ void pers_quiesce(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *only) {
   }
   cudaSetDevice(dev);
 }
-void pers_quiesce_all(epd_engine_t *eng, cuda_be_t *be) { pers_quiesce(eng, be, NULL); }
+void pers_quiesce_all(epd_engine_t *eng, cuda_be_t *be) {
+  pers_quiesce(eng, be, NULL);
+}
 
 #endif /* EPD_WITH_CUDA */

@@ -26,10 +26,10 @@
 /* Polling: spin a little, then sleep longer the longer the rank has been idle, so that steps in a busy
  * loop see microseconds of latency and an idle daemon uses almost no CPU (the first op after a second
  * of idleness pays up to a millisecond). */
-#define SPIN_POLLS 256          /* busy polls before the first sleep */
-#define SHORT_SLEEP_NS 5000     /* idle less than WARM_NS */
-#define MID_SLEEP_NS 100000     /* idle less than COLD_NS */
-#define LONG_SLEEP_NS 1000000   /* idle longer (a rank without clients blocks instead) */
+#define SPIN_POLLS 256        /* busy polls before the first sleep */
+#define SHORT_SLEEP_NS 5000   /* idle less than WARM_NS */
+#define MID_SLEEP_NS 100000   /* idle less than COLD_NS */
+#define LONG_SLEEP_NS 1000000 /* idle longer (a rank without clients blocks instead) */
 #define WARM_NS 100000000ull
 #define COLD_NS 1000000000ull
 
@@ -46,10 +46,18 @@ typedef struct host_be {
   host_rank_t rank[EPD_MAX_RANKS];
 } host_be_t;
 
-static int host_available(char *why, size_t whylen) { return 1; }
-static const char *host_mode(const epd_engine_t *eng) { return "host-threads"; }
-static int host_device(const epd_engine_t *eng, int rank) { return -1; }
-static uint64_t host_rank_bytes(const epd_engine_t *eng, int rank) { return 0; }
+static int host_available(char *why, size_t whylen) {
+  return 1;
+}
+static const char *host_mode(const epd_engine_t *eng) {
+  return "host-threads";
+}
+static int host_device(const epd_engine_t *eng, int rank) {
+  return -1;
+}
+static uint64_t host_rank_bytes(const epd_engine_t *eng, int rank) {
+  return 0;
+}
 
 /* ---- step completion ---------------------------------------------------------------------------- */
 
@@ -102,7 +110,9 @@ static void finish_step(epd_engine_t *eng, eng_group_t *grp, int status, int pee
   grp->steps++;
 }
 
-static int op_valid(uint32_t op) { return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE; }
+static int op_valid(uint32_t op) {
+  return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE;
+}
 
 static void fail_step(epd_engine_t *eng, eng_group_t *grp, int status, int peer, const char *why) {
   uint32_t op = 0;
@@ -159,8 +169,7 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
   const epd_desc_t *d0 = &grp->desc[0];
   for (uint32_t r = 1; r < R; r++) {
     const epd_desc_t *d = &grp->desc[r];
-    if (d->op != d0->op || d->bank != d0->bank ||
-        (eng_op_dispatch(d->op) && d->flags != d0->flags)) {
+    if (d->op != d0->op || d->bank != d0->bank || (eng_op_dispatch(d->op) && d->flags != d0->flags)) {
       snprintf(why, sizeof why, "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x",
                r, d->op, d->bank, d->flags, d0->op, d0->bank, d0->flags);
       return fail_step(eng, grp, EPD_ERR_MISMATCH, (int)r, why);
@@ -234,7 +243,8 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
           for (uint32_t k = 0; k < g->topk; k++)
             rows += plan->dst_rank[((size_t)src * g->max_tokens + t) * g->topk + k] >= 0;
         } else {
-          for (uint32_t r = 0; r < R; r++) rows += plan->ht_pos[((size_t)src * g->max_tokens + t) * R + r] >= 0;
+          for (uint32_t r = 0; r < R; r++)
+            rows += plan->ht_pos[((size_t)src * g->max_tokens + t) * R + r] >= 0;
         }
       }
       bytes[src] = rows * row;
@@ -431,7 +441,8 @@ static void host_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
   int r = c->rank;
   /* across nodes, a group that stays here without this rank's client: the other nodes fail its steps at
    * once from the first one whose part was not sent (not after their step timeout) */
-  if (lost && eng->o.nodes > 1 && !eng_last_client(grp, c)) eng_net_rank_lost(eng, grp, r, eng_net_first_unsent(grp));
+  if (lost && eng->o.nodes > 1 && !eng_last_client(grp, c))
+    eng_net_rank_lost(eng, grp, r, eng_net_first_unsent(grp));
   if (c->in_step) {
     /* Its slot is going away: withdraw it from the step, never write there again. */
     grp->arrived[r] = 0;
@@ -458,7 +469,9 @@ static void host_client_free(epd_engine_t *eng, eng_client_t *c) {
 }
 
 /* A drain refuses a step from its first arrival on: a step some local rank already joined still runs. */
-static uint64_t host_drain_step(const eng_group_t *grp) { return grp->steps + (grp->narrived > 0 ? 1u : 0u); }
+static uint64_t host_drain_step(const eng_group_t *grp) {
+  return grp->steps + (grp->narrived > 0 ? 1u : 0u);
+}
 
 const eng_backend_ops_t eng_host_ops = {
     .name = "host",

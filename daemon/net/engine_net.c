@@ -42,7 +42,7 @@ typedef struct net_frame {
   char group[EPD_GROUP_NAME_MAX];
   uint64_t step;
   uint32_t src_node;
-  int local; /* made by this daemon (a link's revival), not received */
+  int local;    /* made by this daemon (a link's revival), not received */
   uint64_t seq; /* arrival order of the step frames (net->frame_seq) */
   uint8_t *buf; /* whole frame after the length */
   size_t len;
@@ -75,7 +75,7 @@ struct epd_net {
   net_peer_t peer[MAX_NODES];
   pthread_mutex_t mu;
   net_frame_t *frames;
-  uint64_t frame_seq; /* (mu) step frames received so far */
+  uint64_t frame_seq;        /* (mu) step frames received so far */
   atomic_int remake_pending; /* node 0: a world communicator id was sent and its remake has not ended here */
   atomic_int stop;
   _Atomic uint64_t tx_bytes, rx_bytes, tx_frames, rx_frames;
@@ -142,9 +142,10 @@ enum {
   CTL_WEIGHTS = 5,
   CTL_GONE = 6,
   CTL_JOIN = 7,
-  CTL_LOST = 8, /* version: a world rank of the sender; req_id: its first step without the rank's client (MAX: back) */
+  CTL_LOST = 8, /* version: a world rank of the sender; req_id: its first step without the rank's client (MAX:
+                   back) */
   CTL_LINK_UP = 9, /* local only (revive): the link to src_node is up again */
-  CTL_WORLD = 10   /* from node 0 (or local on node 0): make the world communicator again over the id in why */
+  CTL_WORLD = 10 /* from node 0 (or local on node 0): make the world communicator again over the id in why */
 };
 typedef struct ctl_msg {
   uint32_t kind, version;
@@ -390,8 +391,8 @@ static void *recv_main(void *arg) {
 static void *accept_main(void *arg);
 
 epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
-                             const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret, uint32_t timeout_ms,
-                             int rejoin, char *err, size_t errlen) {
+                             const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret,
+                             uint32_t timeout_ms, int rejoin, char *err, size_t errlen) {
   net->nodes = nodes;
   net->node_rank = node_rank;
   net->rejoined = rejoin;
@@ -421,7 +422,8 @@ epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
          * restarts it links to this node (accept_main) */
         net_peer_t *p = &net->peer[n];
         atomic_store(&p->dead, 1);
-        snprintf(p->why, sizeof p->why, "not reachable at %s when this daemon joined (%s)", peers[n], strerror(e));
+        snprintf(p->why, sizeof p->why, "not reachable at %s when this daemon joined (%s)", peers[n],
+                 strerror(e));
         EPD_LOGW(EPD_SUB_ENGINE, "data link to node %u: %s", n, p->why);
         break;
       }
@@ -451,8 +453,10 @@ epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
       close(fd);
       fd = -1;
       if (mono_ms() >= deadline) {
-        snprintf(err, errlen, "data link to node %u at %s: refused (its link to this node still up?) within "
-                 "cluster.timeout_ms %u", n, peers[n], timeout_ms);
+        snprintf(err, errlen,
+                 "data link to node %u at %s: refused (its link to this node still up?) within "
+                 "cluster.timeout_ms %u",
+                 n, peers[n], timeout_ms);
         freeaddrinfo(ai);
         return EPD_ERR_TIMEOUT;
       }
@@ -520,7 +524,9 @@ uint32_t epd_net_link_epoch(epd_net_t *net, uint32_t node) {
   return node < MAX_NODES ? atomic_load(&net->peer[node].epoch) : 0;
 }
 
-int epd_net_remake_pending(epd_net_t *net) { return atomic_load(&net->remake_pending); }
+int epd_net_remake_pending(epd_net_t *net) {
+  return atomic_load(&net->remake_pending);
+}
 void epd_net_world_made(epd_net_t *net) {
   if (net) atomic_store(&net->remake_pending, 0);
 }
@@ -551,7 +557,8 @@ void epd_net_world_remake(epd_net_t *net, uint32_t except, const uint8_t *id) {
   memcpy(m.why, id, EPD_NET_COMM_ID_BYTES);
   for (uint32_t n = 1; n < net->nodes; n++)
     if (n != except && !atomic_load(&net->peer[n].dead) && send_ctl(net, n, "", &m, NULL, NULL))
-      EPD_LOGW(EPD_SUB_ENGINE, "the new world communicator's id was not sent to node %u (its link is down)", n);
+      EPD_LOGW(EPD_SUB_ENGINE, "the new world communicator's id was not sent to node %u (its link is down)",
+               n);
   ctl_local(net, net->node_rank, &m);
 }
 
@@ -606,8 +613,10 @@ static void *accept_main(void *arg) {
       continue;
     }
     if (!atomic_load(&net->peer[got.node].dead)) {
-      EPD_LOGW(EPD_SUB_ENGINE, "data listener: refused node %u: its link is up (two daemons with that node rank, "
-               "or its old link not yet found dead: it asks again)", got.node);
+      EPD_LOGW(EPD_SUB_ENGINE,
+               "data listener: refused node %u: its link is up (two daemons with that node rank, "
+               "or its old link not yet found dead: it asks again)",
+               got.node);
       write_all(fd, &no, 1);
       close(fd);
       continue;
@@ -781,7 +790,10 @@ void epd_net_links(epd_net_t *net, char *out, size_t len, uint64_t *down) {
     if (dead) *down |= 1ull << i;
     if (n < len)
       n += (size_t)snprintf(out + n, len - n, "%snode %u %s%s%s", n ? "; " : "", i, dead ? "down" : "up",
-                            dead ? ": " : net->peer_draining[i] ? ", draining" : "", dead ? why : "");
+                            dead                    ? ": "
+                            : net->peer_draining[i] ? ", draining"
+                                                    : "",
+                            dead ? why : "");
   }
 }
 
@@ -825,7 +837,7 @@ typedef struct net_group {
   float *w[EPD_MAX_RANKS];
   uint32_t *ht_local;        /* [W] this node's HT tokens per destination rank */
   net_frame_t *f[MAX_NODES]; /* frames of the step, taken when all are in */
-  eng_map_vote_t vote; /* map switches (eng_vote_*) */
+  eng_map_vote_t vote;       /* map switches (eng_vote_*) */
 } net_group_t;
 
 #define NG(grp) ((net_group_t *)(grp)->net)
@@ -867,7 +879,8 @@ static epd_result_t group_init(epd_engine_t *eng, eng_group_t *grp) {
   if (!ng) return EPD_ERR_NOMEM;
   ng->sent_step = UINT64_MAX;
   ng->net = eng->o.net;
-  for (int n = 0; n < EPD_MAX_RANKS; n++) ng->drain_from[n] = ng->gone_from[n] = ng->lost_from[n] = UINT64_MAX;
+  for (int n = 0; n < EPD_MAX_RANKS; n++)
+    ng->drain_from[n] = ng->gone_from[n] = ng->lost_from[n] = UINT64_MAX;
   grp->net = ng;
   return EPD_OK;
 }
@@ -875,7 +888,9 @@ static epd_result_t group_init(epd_engine_t *eng, eng_group_t *grp) {
 uint64_t eng_net_drain_from(const eng_group_t *grp, uint32_t n) {
   return grp->net && n < EPD_MAX_RANKS ? NG(grp)->drain_from[n] : UINT64_MAX;
 }
-uint64_t eng_net_frames_since(const eng_group_t *grp) { return grp->net ? NG(grp)->frames_since : 0; }
+uint64_t eng_net_frames_since(const eng_group_t *grp) {
+  return grp->net ? NG(grp)->frames_since : 0;
+}
 
 /* The host backend's step state of grp, its buffers allocated at the first call. */
 static net_group_t *group_state(epd_engine_t *eng, eng_group_t *grp) {
@@ -992,8 +1007,8 @@ void eng_vote_switch(epd_engine_t *eng, eng_group_t *grp, eng_map_vote_t *v, uin
   if (!v->agree || v->agree_step + 1 != step) return;
   if (v->rep.version != v->agree_version || v->rep_hash != v->agree_hash) return;
   if (eng_apply_staged_version(eng, grp, &v->rep, v->rep_copies))
-    EPD_LOGE(EPD_SUB_ENGINE, "group %s: staged map version %u agreed by every node is gone on node %u", grp->name,
-             v->rep.version, eng->o.node_rank);
+    EPD_LOGE(EPD_SUB_ENGINE, "group %s: staged map version %u agreed by every node is gone on node %u",
+             grp->name, v->rep.version, eng->o.node_rank);
   v->agree = 0;
 }
 
@@ -1528,7 +1543,8 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
     }
     if (later) {
       drop_frames(ng);
-      return fail(res, EPD_ERR_PEER, (int)(n * L), "%s", eng_net_skipped(grp->name, n, L, grp->steps, later, why, sizeof why));
+      return fail(res, EPD_ERR_PEER, (int)(n * L), "%s",
+                  eng_net_skipped(grp->name, n, L, grp->steps, later, why, sizeof why));
     }
     return 0;
   }
@@ -1581,11 +1597,12 @@ static int send_ctl(epd_net_t *net, uint32_t node, const char *group, const ctl_
  * A node that stages a map (node 0 first, then every other node as its MAP_SET comes) reads, for each of
  * the map's copies whose source rank is its own and whose destination is on another node, the source
  * slot's weights (they are final: the source holds its expert in the active map and no staged copy
- * fills it; its control thread reads them, weights_read) and sends them to the destination's node as a CTL_WEIGHTS frame: ctl_msg_t (version: the
- * map's; req_id: the copy, 16 bits each of src rank, src slot, dst rank, dst slot; status and why: a
- * source that could not be read), then the bytes. The destination keeps them (eng_wblob_put) and
- * reports the map in its step frames only once every copy into it has its bytes (eng_vote_report), so
- * every node switches when every destination can write its slots; the switch writes them. */
+ * fills it; its control thread reads them, weights_read) and sends them to the destination's node as a
+ * CTL_WEIGHTS frame: ctl_msg_t (version: the map's; req_id: the copy, 16 bits each of src rank, src slot, dst
+ * rank, dst slot; status and why: a source that could not be read), then the bytes. The destination keeps
+ * them (eng_wblob_put) and reports the map in its step frames only once every copy into it has its bytes
+ * (eng_vote_report), so every node switches when every destination can write its slots; the switch writes
+ * them. */
 typedef struct wout {
   struct wout *next;
   uint32_t node;
@@ -1767,8 +1784,8 @@ static void weights_read(epd_net_t *net, const char *group, wout_t *w) {
       snprintf(w->m.why, sizeof w->m.why, "the client of rank %u %s while its slot was read", w->cp.src_rank,
                c ? "was replaced" : "left");
     } else {
-      w->m.status = eng_slot_weights_io(eng, grp, w->cp.src_rank, w->cp.src_slot, off, n, w->frame + WOUT_HDR + off,
-                                        0, w->m.why, sizeof w->m.why);
+      w->m.status = eng_slot_weights_io(eng, grp, w->cp.src_rank, w->cp.src_slot, off, n,
+                                        w->frame + WOUT_HDR + off, 0, w->m.why, sizeof w->m.why);
     }
     pthread_mutex_unlock(&eng->mu);
   }
@@ -1799,9 +1816,11 @@ static void weights_send(epd_net_t *net, const char *group, wout_t *w) {
       rc = net_send(net, w->node, b, WOUT_HDR + w->bytes);
     }
     if (rc)
-      EPD_LOGE(EPD_SUB_ENGINE, "group %s: the weights of a copy for map version %u not sent to node %u (%s): it "
-               "waits %u ms for them, then skips the copy", group, w->m.version, w->node,
-               b ? "link down" : "out of memory", eng_weights_wait_ms(net->eng));
+      EPD_LOGE(EPD_SUB_ENGINE,
+               "group %s: the weights of a copy for map version %u not sent to node %u (%s): it "
+               "waits %u ms for them, then skips the copy",
+               group, w->m.version, w->node, b ? "link down" : "out of memory",
+               eng_weights_wait_ms(net->eng));
     free(b);
     free(w);
     w = next;
@@ -1816,14 +1835,15 @@ static void weights_in(epd_engine_t *eng, const net_frame_t *f, const ctl_msg_t 
                                 (uint32_t)(c->req_id >> 16) & 0xffffu, (uint32_t)c->req_id & 0xffffu};
   pthread_mutex_lock(&eng->mu);
   eng_group_t *grp = eng_find_group(eng, group);
-  const char *bad = !grp                                                    ? "the group does not exist here"
-                    : cp.dst_rank >= grp->g.num_ranks || !eng_rank_local(eng, cp.dst_rank) ||
-                              cp.src_rank >= grp->g.num_ranks ||
-                              cp.src_rank / (uint32_t)eng->o.num_ranks != f->src_node
-                        ? "its ranks are not a copy from that node into this one"
-                    : cp.dst_slot >= grp->g.slots_per_rank || cp.src_slot >= grp->g.slots_per_rank ? "a slot is out of range"
-                    : !c->status && bytes != grp->weight_bytes_per_slot ? "its size is not the group's weights per slot"
-                                                                        : NULL;
+  const char *bad =
+      !grp ? "the group does not exist here"
+      : cp.dst_rank >= grp->g.num_ranks || !eng_rank_local(eng, cp.dst_rank) ||
+              cp.src_rank >= grp->g.num_ranks || cp.src_rank / (uint32_t)eng->o.num_ranks != f->src_node
+          ? "its ranks are not a copy from that node into this one"
+      : cp.dst_slot >= grp->g.slots_per_rank || cp.src_slot >= grp->g.slots_per_rank
+          ? "a slot is out of range"
+      : !c->status && bytes != grp->weight_bytes_per_slot ? "its size is not the group's weights per slot"
+                                                          : NULL;
   if (!bad && c->version <= grp->map.version) bad = "its map version is already active here";
   uint8_t *data = NULL;
   if (!bad && !c->status && bytes && !(data = malloc(bytes))) bad = "out of memory";
@@ -1833,21 +1853,27 @@ static void weights_in(epd_engine_t *eng, const net_frame_t *f, const ctl_msg_t 
   }
   pthread_mutex_unlock(&eng->mu);
   if (bad)
-    EPD_LOGW(EPD_SUB_ENGINE, "group %s: weights of copy (%u,%u) -> (%u,%u) for map version %u from node %u "
-             "dropped: %s", group, cp.src_rank, cp.src_slot, cp.dst_rank, cp.dst_slot, c->version, f->src_node, bad);
+    EPD_LOGW(EPD_SUB_ENGINE,
+             "group %s: weights of copy (%u,%u) -> (%u,%u) for map version %u from node %u "
+             "dropped: %s",
+             group, cp.src_rank, cp.src_slot, cp.dst_rank, cp.dst_slot, c->version, f->src_node, bad);
   else if (c->status)
-    EPD_LOGW(EPD_SUB_ENGINE, "group %s: weights of copy (%u,%u) -> (%u,%u) for map version %u: node %u could not "
-             "read them (%s); the copy is skipped at the switch", group, cp.src_rank, cp.src_slot, cp.dst_rank,
-             cp.dst_slot, c->version, f->src_node, c->why);
+    EPD_LOGW(EPD_SUB_ENGINE,
+             "group %s: weights of copy (%u,%u) -> (%u,%u) for map version %u: node %u could not "
+             "read them (%s); the copy is skipped at the switch",
+             group, cp.src_rank, cp.src_slot, cp.dst_rank, cp.dst_slot, c->version, f->src_node, c->why);
   else
-    EPD_LOGI(EPD_SUB_ENGINE, "group %s: weights of copy (%u,%u) -> (%u,%u) for map version %u received from node %u "
-             "(%llu bytes)", group, cp.src_rank, cp.src_slot, cp.dst_rank, cp.dst_slot, c->version, f->src_node,
+    EPD_LOGI(EPD_SUB_ENGINE,
+             "group %s: weights of copy (%u,%u) -> (%u,%u) for map version %u received from node %u "
+             "(%llu bytes)",
+             group, cp.src_rank, cp.src_slot, cp.dst_rank, cp.dst_slot, c->version, f->src_node,
              (unsigned long long)bytes);
 }
 
 /* Parse a MAP_REQ / MAP_SET body into m (its arrays point into the frame; free nothing); -1 if
  * malformed. */
-static int parse_map(const net_frame_t *f, const ctl_msg_t *c, epd_expert_map_t *m, const epd_weight_copy_t **cp) {
+static int parse_map(const net_frame_t *f, const ctl_msg_t *c, epd_expert_map_t *m,
+                     const epd_weight_copy_t **cp) {
   size_t E = c->num_experts, need = sizeof(net_hdr_t) + sizeof *c + MAP_NREP_BYTES(E) + E * sizeof *m->rep +
                                     (size_t)c->ncopies * sizeof **cp;
   if (!E || E > (1u << 20) || c->ncopies > (1u << 16) || f->len != need) return -1;
@@ -1863,21 +1889,25 @@ static int parse_map(const net_frame_t *f, const ctl_msg_t *c, epd_expert_map_t 
 
 /* (eng->mu, node 0) Stage a map with the next version and send it to every other node. */
 static epd_result_t stage_and_send(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
-                                   const epd_weight_copy_t *cp, uint32_t ncopies, uint32_t *version, wout_t **wo,
-                                   char *err, size_t errlen) {
+                                   const epd_weight_copy_t *cp, uint32_t ncopies, uint32_t *version,
+                                   wout_t **wo, char *err, size_t errlen) {
   epd_net_t *net = eng->o.net;
   eng_group_t *grp = eng_find_group(eng, group);
   if (!grp) {
-    snprintf(err, errlen, "group \"%s\" not found on node 0 (attach it on every node before SetExpertMap)", group);
+    snprintf(err, errlen, "group \"%s\" not found on node 0 (attach it on every node before SetExpertMap)",
+             group);
     return EPD_ERR_NOT_FOUND;
   }
   epd_result_t rc = eng_stage_map(eng, grp, map, cp, ncopies, 0, 1, version, err, errlen);
   if (rc) return rc;
-  ctl_msg_t m = {.kind = CTL_MAP_SET, .version = *version, .num_experts = map->num_experts, .ncopies = ncopies};
+  ctl_msg_t m = {
+      .kind = CTL_MAP_SET, .version = *version, .num_experts = map->num_experts, .ncopies = ncopies};
   for (uint32_t n = 1; n < net->nodes; n++)
     if (send_ctl(net, n, group, &m, map, cp))
-      EPD_LOGE(EPD_SUB_ENGINE, "group %s: expert map version %u not sent to node %u (link down): no node "
-               "switches to it", group, *version, n);
+      EPD_LOGE(EPD_SUB_ENGINE,
+               "group %s: expert map version %u not sent to node %u (link down): no node "
+               "switches to it",
+               group, *version, n);
   EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u staged and sent to every node (%u weight copies)",
            group, *version, ncopies);
   *wo = weights_out(eng, grp, cp, ncopies, *version, 0, NULL); /* queued by the caller */
@@ -1922,8 +1952,9 @@ static void send_gone(epd_engine_t *eng, const eng_group_t *grp, uint64_t from) 
   ctl_msg_t m = {.kind = CTL_GONE, .req_id = from};
   for (uint32_t n = 0; n < eng->o.nodes; n++)
     if (n != eng->o.node_rank && send_ctl(net, n, grp->name, &m, NULL, NULL) && from != UINT64_MAX)
-      EPD_LOGW(EPD_SUB_ENGINE, "group %s: the notice of its removal to node %u was not sent (its link is down)",
-               grp->name, n);
+      EPD_LOGW(EPD_SUB_ENGINE,
+               "group %s: the notice of its removal to node %u was not sent (its link is down)", grp->name,
+               n);
 }
 
 /* (engine mu) name was removed here (and forget it: take), or remember that it was (put). */
@@ -1974,10 +2005,14 @@ int eng_net_joining(epd_engine_t *eng, eng_group_t *grp) {
   if (NG(grp)->join_wait) {
     char why[160];
     for (uint32_t n = 0; n < eng->o.nodes && n < 64; n++)
-      if (NG(grp)->join_wait >> n & 1 && epd_net_node_dead(net, n, why, sizeof why)) NG(grp)->join_wait &= ~(1ull << n);
-    if (NG(grp)->join_wait && eng_now_ns() - NG(grp)->join_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
-      EPD_LOGW(EPD_SUB_ENGINE, "group %s: no reply to its creation notice from every node within %u ms: it "
-               "steps on from step %llu", grp->name, eng->o.step_timeout_ms, (unsigned long long)grp->steps);
+      if (NG(grp)->join_wait >> n & 1 && epd_net_node_dead(net, n, why, sizeof why))
+        NG(grp)->join_wait &= ~(1ull << n);
+    if (NG(grp)->join_wait &&
+        eng_now_ns() - NG(grp)->join_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
+      EPD_LOGW(EPD_SUB_ENGINE,
+               "group %s: no reply to its creation notice from every node within %u ms: it "
+               "steps on from step %llu",
+               grp->name, eng->o.step_timeout_ms, (unsigned long long)grp->steps);
       NG(grp)->join_wait = 0;
     }
     if (NG(grp)->join_wait) return 1;
@@ -1990,13 +2025,16 @@ int eng_net_joining(epd_engine_t *eng, eng_group_t *grp) {
     if (grp->has_staged && !grp->nstaged_copies && grp->staged.version == NG(grp)->join_map_version &&
         epd_net_map_hash(&grp->staged) == NG(grp)->join_map_hash)
       eng_apply_staged_map(eng, grp);
-    EPD_LOGI(EPD_SUB_ENGINE, "group %s: made again here while the other nodes step it: it runs from their "
-             "step %llu, expert map version %u", grp->name, (unsigned long long)grp->steps, grp->map.version);
+    EPD_LOGI(EPD_SUB_ENGINE,
+             "group %s: made again here while the other nodes step it: it runs from their "
+             "step %llu, expert map version %u",
+             grp->name, (unsigned long long)grp->steps, grp->map.version);
   } else if (NG(grp)->join_step > grp->steps) {
     /* a rank attached again after its client died: the others stepped on (failing) meanwhile */
-    EPD_LOGI(EPD_SUB_ENGINE, "group %s: a rank attached again here; the other nodes are at step %llu: it runs "
-             "from there (was at %llu)", grp->name, (unsigned long long)NG(grp)->join_step,
-             (unsigned long long)grp->steps);
+    EPD_LOGI(EPD_SUB_ENGINE,
+             "group %s: a rank attached again here; the other nodes are at step %llu: it runs "
+             "from there (was at %llu)",
+             grp->name, (unsigned long long)NG(grp)->join_step, (unsigned long long)grp->steps);
     grp->steps = NG(grp)->join_step;
   }
   NG(grp)->join_step = 0;
@@ -2009,24 +2047,26 @@ int eng_net_gone(const eng_group_t *grp, uint32_t n, uint32_t L, uint64_t step, 
   for (uint32_t r = n * L; r < n * L + L && r < EPD_MAX_RANKS; r++)
     if (NG(grp)->lost_from[r] <= step) {
       snprintf(why, len,
-               "the client of rank %u died on node %u at its step %llu of group %s and has not been replaced", r, n,
-               (unsigned long long)NG(grp)->lost_from[r], grp->name);
+               "the client of rank %u died on node %u at its step %llu of group %s and has not been replaced",
+               r, n, (unsigned long long)NG(grp)->lost_from[r], grp->name);
       return (int)r;
     }
   if (NG(grp)->gone_from[n] > step) return -1;
-  snprintf(why, len,
-           "node %u (ranks %u..%u) has no client of group %s since its step %llu (the group was removed there): "
-           "its clients there must attach again",
-           n, n * L, n * L + L - 1, grp->name, (unsigned long long)NG(grp)->gone_from[n]);
+  snprintf(
+      why, len,
+      "node %u (ranks %u..%u) has no client of group %s since its step %llu (the group was removed there): "
+      "its clients there must attach again",
+      n, n * L, n * L + L - 1, grp->name, (unsigned long long)NG(grp)->gone_from[n]);
   return (int)(n * L);
 }
 
-const char *eng_net_skipped(const char *group, uint32_t n, uint32_t L, uint64_t step, uint64_t later, char *why,
-                            size_t len) {
-  snprintf(why, len,
-           "node %u (ranks %u..%u) sent its part of step %llu of group %s but none of step %llu (the step failed "
-           "there)",
-           n, n * L, n * L + L - 1, (unsigned long long)later, group, (unsigned long long)step);
+const char *eng_net_skipped(const char *group, uint32_t n, uint32_t L, uint64_t step, uint64_t later,
+                            char *why, size_t len) {
+  snprintf(
+      why, len,
+      "node %u (ranks %u..%u) sent its part of step %llu of group %s but none of step %llu (the step failed "
+      "there)",
+      n, n * L, n * L + L - 1, (unsigned long long)later, group, (unsigned long long)step);
   return why;
 }
 
@@ -2036,14 +2076,17 @@ static void send_lost(epd_engine_t *eng, const eng_group_t *grp, int rank, uint6
   ctl_msg_t m = {.kind = CTL_LOST, .req_id = from, .version = (uint32_t)rank};
   for (uint32_t n = 0; n < eng->o.nodes; n++)
     if (n != eng->o.node_rank && send_ctl(eng->o.net, n, grp->name, &m, NULL, NULL))
-      EPD_LOGW(EPD_SUB_ENGINE, "group %s: the notice that rank %d %s to node %u was not sent (its link is down)",
-               grp->name, rank, from == UINT64_MAX ? "has a client again" : "lost its client", n);
+      EPD_LOGW(EPD_SUB_ENGINE,
+               "group %s: the notice that rank %d %s to node %u was not sent (its link is down)", grp->name,
+               rank, from == UINT64_MAX ? "has a client again" : "lost its client", n);
 }
 
 void eng_net_rank_lost(epd_engine_t *eng, eng_group_t *grp, int rank, uint64_t from) {
   if (eng->o.nodes <= 1 || !eng->o.net) return;
-  EPD_LOGW(EPD_SUB_ENGINE, "group %s: the client of rank %d died at step %llu: the other nodes fail the group's "
-           "steps at once until the rank is attached again", grp->name, rank, (unsigned long long)from);
+  EPD_LOGW(EPD_SUB_ENGINE,
+           "group %s: the client of rank %d died at step %llu: the other nodes fail the group's "
+           "steps at once until the rank is attached again",
+           grp->name, rank, (unsigned long long)from);
   send_lost(eng, grp, rank, from);
 }
 
@@ -2057,7 +2100,8 @@ void eng_net_rank_back(epd_engine_t *eng, eng_group_t *grp, int rank) {
     NG(grp)->join_step = 0;
     NG(grp)->join_ns = eng_now_ns();
     for (uint32_t n = 0; n < eng->o.nodes && n < 64; n++)
-      if (n != eng->o.node_rank && !epd_net_node_dead(net, n, why, sizeof why)) NG(grp)->join_wait |= 1ull << n;
+      if (n != eng->o.node_rank && !epd_net_node_dead(net, n, why, sizeof why))
+        NG(grp)->join_wait |= 1ull << n;
   }
   send_lost(eng, grp, rank, UINT64_MAX);
 }
@@ -2081,7 +2125,8 @@ void eng_net_group_created(epd_engine_t *eng, eng_group_t *grp) {
   char why[160];
   if (removed_take(net, grp->name) || net->rejoined) /* made again here, or this daemon restarted */
     for (uint32_t n = 0; n < eng->o.nodes && n < 64; n++)
-      if (n != eng->o.node_rank && !epd_net_node_dead(net, n, why, sizeof why)) NG(grp)->join_wait |= 1ull << n;
+      if (n != eng->o.node_rank && !epd_net_node_dead(net, n, why, sizeof why))
+        NG(grp)->join_wait |= 1ull << n;
   send_gone(eng, grp, UINT64_MAX);
   /* a node that drains takes no step of a group made here after its notice */
   for (uint32_t n = 0; n < eng->o.nodes && n < MAX_NODES && n < EPD_MAX_RANKS; n++)
@@ -2093,11 +2138,14 @@ void eng_net_group_created(epd_engine_t *eng, eng_group_t *grp) {
     char err[320] = "";
     epd_result_t rc = eng_stage_map(eng, grp, &p->map, NULL, 0, p->map.version, 0, NULL, err, sizeof err);
     if (rc)
-      EPD_LOGE(EPD_SUB_ENGINE, "group %s: expert map version %u kept from node 0 refused at the group's creation on "
-               "node %u: %s (no node switches to it)", grp->name, p->map.version, net->node_rank, err);
+      EPD_LOGE(EPD_SUB_ENGINE,
+               "group %s: expert map version %u kept from node 0 refused at the group's creation on "
+               "node %u: %s (no node switches to it)",
+               grp->name, p->map.version, net->node_rank, err);
     else
-      EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u kept from node 0 staged at the group's creation",
-               grp->name, p->map.version);
+      EPD_LOGI(EPD_SUB_ENGINE,
+               "group %s: expert map version %u kept from node 0 staged at the group's creation", grp->name,
+               p->map.version);
     pending_free(p);
     return;
   }
@@ -2123,7 +2171,8 @@ static void link_up(epd_engine_t *eng, uint32_t n) {
   pthread_mutex_unlock(&eng->mu);
   EPD_LOGI(EPD_SUB_ENGINE, "node %u joined the running world again%s", n,
            net->node_rank == 0 ? "" : " (node 0 sends it the groups' expert maps)");
-  if (net->node_rank == 0) EPD_LOGI(EPD_SUB_ENGINE, "node %u: the expert maps of %u groups sent to it", n, maps);
+  if (net->node_rank == 0)
+    EPD_LOGI(EPD_SUB_ENGINE, "node %u: the expert maps of %u groups sent to it", n, maps);
 }
 
 static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
@@ -2145,7 +2194,8 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
   }
   if (c.kind == CTL_WORLD) { /* why: the new world communicator's id (EPD_NET_COMM_ID_BYTES) */
     if (!f->local && f->src_node != 0) {
-      EPD_LOGW(EPD_SUB_ENGINE, "node %u sent a world communicator id (only node 0 may): ignored", f->src_node);
+      EPD_LOGW(EPD_SUB_ENGINE, "node %u sent a world communicator id (only node 0 may): ignored",
+               f->src_node);
       return;
     }
     pthread_mutex_lock(&eng->mu);
@@ -2176,18 +2226,23 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
        * sender has not has no step it would take; nor has a group made here later */
       net->peer_draining[f->src_node] = c.req_id != UINT64_MAX;
       for (eng_group_t *g = eng->groups; g; g = g->next)
-        if (c.req_id == UINT64_MAX || NG(g)->drain_from[f->src_node] == UINT64_MAX) NG(g)->drain_from[f->src_node] = c.req_id;
+        if (c.req_id == UINT64_MAX || NG(g)->drain_from[f->src_node] == UINT64_MAX)
+          NG(g)->drain_from[f->src_node] = c.req_id;
     }
     pthread_mutex_unlock(&eng->mu);
     if (!group[0]) {
       if (c.req_id != UINT64_MAX)
-        EPD_LOGI(EPD_SUB_ENGINE, "node %u is draining: the dispatches of groups it does not have fail here "
-                 "with EPD_ERR_DRAINING", f->src_node);
+        EPD_LOGI(EPD_SUB_ENGINE,
+                 "node %u is draining: the dispatches of groups it does not have fail here "
+                 "with EPD_ERR_DRAINING",
+                 f->src_node);
       return;
     }
     if (grp && c.req_id != UINT64_MAX)
-      EPD_LOGI(EPD_SUB_ENGINE, "group %s: node %u is draining: its dispatches from step %llu on fail here "
-               "with EPD_ERR_DRAINING", group, f->src_node, (unsigned long long)c.req_id);
+      EPD_LOGI(EPD_SUB_ENGINE,
+               "group %s: node %u is draining: its dispatches from step %llu on fail here "
+               "with EPD_ERR_DRAINING",
+               group, f->src_node, (unsigned long long)c.req_id);
     else if (grp)
       EPD_LOGI(EPD_SUB_ENGINE, "group %s: node %u takes steps again", group, f->src_node);
     return;
@@ -2196,7 +2251,8 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     weights_in(eng, f, &c, group);
     return;
   }
-  if (c.kind == CTL_GONE) { /* req_id: the sender's first step without the group; UINT64_MAX: it exists again */
+  if (c.kind ==
+      CTL_GONE) { /* req_id: the sender's first step without the group; UINT64_MAX: it exists again */
     if (f->src_node >= MAX_NODES || f->src_node >= EPD_MAX_RANKS) return;
     pthread_mutex_lock(&eng->mu);
     eng_group_t *grp = eng_find_group(eng, group);
@@ -2211,7 +2267,8 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
       if (grp->lost[r] && !grp->client[r]) lost_r[nlost++] = (int)r;
     if (grp) NG(grp)->gone_from[f->src_node] = c.req_id;
     if (grp && made) /* a group made there has none of its ranks' clients lost */
-      for (uint32_t r = f->src_node * L; r < f->src_node * L + L && r < EPD_MAX_RANKS; r++) NG(grp)->lost_from[r] = UINT64_MAX;
+      for (uint32_t r = f->src_node * L; r < f->src_node * L + L && r < EPD_MAX_RANKS; r++)
+        NG(grp)->lost_from[r] = UINT64_MAX;
     pthread_mutex_unlock(&eng->mu);
     if (made) {
       /* made there (again): tell it the step this node's group collects, which from now on waits for
@@ -2224,11 +2281,14 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
       }
     }
     if (grp && !made)
-      EPD_LOGW(EPD_SUB_ENGINE, "group %s: removed on node %u at its step %llu (its last client there left): its "
-               "steps from then on fail here with EPD_ERR_PEER", group, f->src_node, (unsigned long long)c.req_id);
+      EPD_LOGW(EPD_SUB_ENGINE,
+               "group %s: removed on node %u at its step %llu (its last client there left): its "
+               "steps from then on fail here with EPD_ERR_PEER",
+               group, f->src_node, (unsigned long long)c.req_id);
     else if (grp && was != UINT64_MAX)
-      EPD_LOGI(EPD_SUB_ENGINE, "group %s: made again on node %u; its steps wait for that node again from step %llu",
-               group, f->src_node, (unsigned long long)steps);
+      EPD_LOGI(EPD_SUB_ENGINE,
+               "group %s: made again on node %u; its steps wait for that node again from step %llu", group,
+               f->src_node, (unsigned long long)steps);
     return;
   }
   if (c.kind == CTL_LOST) {
@@ -2247,9 +2307,10 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     pthread_mutex_unlock(&eng->mu);
     if (back) send_join(net, n, group, steps, version, hash); /* taken there if it is ahead */
     if (grp && !back)
-      EPD_LOGW(EPD_SUB_ENGINE, "group %s: the client of rank %u died on node %u at its step %llu: the group's steps "
-               "from then on fail here with EPD_ERR_PEER until the rank is attached again", group, r, n,
-               (unsigned long long)c.req_id);
+      EPD_LOGW(EPD_SUB_ENGINE,
+               "group %s: the client of rank %u died on node %u at its step %llu: the group's steps "
+               "from then on fail here with EPD_ERR_PEER until the rank is attached again",
+               group, r, n, (unsigned long long)c.req_id);
     else if (grp)
       EPD_LOGI(EPD_SUB_ENGINE, "group %s: rank %u has a client again on node %u", group, r, n);
     return;
@@ -2291,21 +2352,27 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
                         : EPD_ERR_NOT_FOUND;
   const int kept = grp ? 1 : pending_put(eng, net, group, &m, c.ncopies);
   /* the copies whose source is here: their bytes, or why this node cannot give them */
-  wout_t *wo = weights_out(eng, grp, cp, c.ncopies, c.version, rc == EPD_ERR_NOT_FOUND ? 0 : (int)rc,
-                           rc ? err : NULL);
+  wout_t *wo =
+      weights_out(eng, grp, cp, c.ncopies, c.version, rc == EPD_ERR_NOT_FOUND ? 0 : (int)rc, rc ? err : NULL);
   pthread_mutex_unlock(&eng->mu);
   weights_queue(net, group, wo);
   if (rc == EPD_ERR_NOT_FOUND && kept == 0)
-    EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u from node 0 kept: the group does not exist on node "
-             "%u yet; it is staged when the group is created here", group, c.version, net->node_rank);
+    EPD_LOGI(EPD_SUB_ENGINE,
+             "group %s: expert map version %u from node 0 kept: the group does not exist on node "
+             "%u yet; it is staged when the group is created here",
+             group, c.version, net->node_rank);
   else if (rc == EPD_ERR_NOT_FOUND)
-    EPD_LOGW(EPD_SUB_ENGINE, "group %s: expert map version %u from node 0 ignored: the group does not exist on "
-             "node %u, and the map %s (no node switches to it; set it again once the group exists on every node)",
-             group, c.version, net->node_rank,
-             kept == -2 ? "carries weight copies, which are not kept" : "could not be kept (out of memory)");
+    EPD_LOGW(
+        EPD_SUB_ENGINE,
+        "group %s: expert map version %u from node 0 ignored: the group does not exist on "
+        "node %u, and the map %s (no node switches to it; set it again once the group exists on every node)",
+        group, c.version, net->node_rank,
+        kept == -2 ? "carries weight copies, which are not kept" : "could not be kept (out of memory)");
   else if (rc)
-    EPD_LOGE(EPD_SUB_ENGINE, "group %s: expert map version %u from node 0 refused on node %u: %s (no node "
-             "switches to it)", group, c.version, net->node_rank, err);
+    EPD_LOGE(EPD_SUB_ENGINE,
+             "group %s: expert map version %u from node 0 refused on node %u: %s (no node "
+             "switches to it)",
+             group, c.version, net->node_rank, err);
   else
     EPD_LOGI(EPD_SUB_ENGINE, "group %s: expert map version %u staged from node 0 (%u weight copies)", group,
              c.version, c.ncopies);
@@ -2352,10 +2419,13 @@ void eng_net_notify_drain(epd_engine_t *eng, int drain) {
      * arrival); cuda fails every dispatch from the group's next step on (its frame says
      * EPD_ERR_DRAINING, and a frame sent before the drain reaches the peers before this notice) */
     ctl_msg_t m = {.kind = CTL_DRAIN,
-                   .req_id = !drain ? UINT64_MAX : eng->ops->drain_step ? eng->ops->drain_step(g) : g->steps};
+                   .req_id = !drain                 ? UINT64_MAX
+                             : eng->ops->drain_step ? eng->ops->drain_step(g)
+                                                    : g->steps};
     for (uint32_t n = 0; n < eng->o.nodes; n++)
       if (n != eng->o.node_rank && send_ctl(net, n, g->name, &m, NULL, NULL))
-        EPD_LOGW(EPD_SUB_ENGINE, "group %s: the drain notice to node %u was not sent (its link is down)", g->name, n);
+        EPD_LOGW(EPD_SUB_ENGINE, "group %s: the drain notice to node %u was not sent (its link is down)",
+                 g->name, n);
   }
   /* then one for every group, those that do not exist here included (group ""; step 0: all of them) */
   ctl_msg_t m = {.kind = CTL_DRAIN, .req_id = drain ? 0 : UINT64_MAX};
@@ -2432,7 +2502,8 @@ epd_result_t eng_net_set_map(epd_engine_t *eng, const char *group, const epd_exp
     snprintf(errbuf, errlen, "group \"%s\" not found", group);
     rc = EPD_ERR_NOT_FOUND;
   } else {
-    rc = epd_ref_map_validate(map, grp->g.num_experts, grp->g.num_ranks, grp->g.slots_per_rank, errbuf, errlen);
+    rc = epd_ref_map_validate(map, grp->g.num_experts, grp->g.num_ranks, grp->g.slots_per_rank, errbuf,
+                              errlen);
   }
   pthread_mutex_unlock(&eng->mu);
   if (rc) return rc;
@@ -2442,7 +2513,8 @@ epd_result_t eng_net_set_map(epd_engine_t *eng, const char *group, const epd_exp
   w.next = net->waits;
   net->waits = &w;
   pthread_mutex_unlock(&net->mu);
-  ctl_msg_t m = {.kind = CTL_MAP_REQ, .req_id = w.req_id, .num_experts = map->num_experts, .ncopies = ncopies};
+  ctl_msg_t m = {
+      .kind = CTL_MAP_REQ, .req_id = w.req_id, .num_experts = map->num_experts, .ncopies = ncopies};
   int sent = send_ctl(net, 0, group, &m, map, copies) == 0;
   uint32_t wait_ms = eng->o.step_timeout_ms > 10000 ? eng->o.step_timeout_ms : 10000;
   struct timespec dl;
@@ -2462,11 +2534,14 @@ epd_result_t eng_net_set_map(epd_engine_t *eng, const char *group, const epd_exp
   if (!w.done) {
     char why[160] = "";
     if (epd_net_node_dead(net, 0, why, sizeof why)) {
-      snprintf(errbuf, errlen, "SetExpertMap goes through node 0, and the data link to node 0 is down: %s", why);
+      snprintf(errbuf, errlen, "SetExpertMap goes through node 0, and the data link to node 0 is down: %s",
+               why);
       return EPD_ERR_PEER;
     }
-    snprintf(errbuf, errlen, "node 0 did not answer this SetExpertMap within %u ms (if it staged the map, every "
-             "node still switches to it together)", wait_ms);
+    snprintf(errbuf, errlen,
+             "node 0 did not answer this SetExpertMap within %u ms (if it staged the map, every "
+             "node still switches to it together)",
+             wait_ms);
     return EPD_ERR_TIMEOUT;
   }
   if (w.status) {

@@ -33,8 +33,8 @@ epd_result_t epd_net_listen(const char *addr, epd_net_t **out, char *adv, size_t
  * restarted): connect to every other node. Starts one receiver thread per peer, and a thread that takes
  * a new link from a node whose link is down (its daemon restarted and joined again). */
 epd_result_t epd_net_connect(epd_net_t *net, uint32_t nodes, uint32_t node_rank,
-                             const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret, uint32_t timeout_ms,
-                             int rejoin, char *err, size_t errlen);
+                             const char (*peers)[EPD_NET_ADDR_MAX], const uint8_t *secret,
+                             uint32_t timeout_ms, int rejoin, char *err, size_t errlen);
 /* Close every connection, stop the threads, free queued frames. */
 void epd_net_destroy(epd_net_t *net);
 uint32_t epd_net_nodes(const epd_net_t *net);

@@ -43,9 +43,10 @@ epd_result_t eng_net_ctl_start(epd_engine_t *eng, char *err, size_t errlen);
 void eng_net_ctl_stop(epd_engine_t *eng);
 /* (mu) Across nodes: tell every other node, per group, the first step from which this node takes no
  * dispatch now that it drains (drain = 0: that it takes steps again); their dispatches from there on fail
- * with EPD_ERR_DRAINING at once instead of timing out, their combines still run. Nothing lifts a drain today (every caller of
- * epd_engine_set_draining passes 1): with the cuda backend a lift would have to reconcile the steps
- * the peers already refused, whose frames the node would otherwise wait for in its NCCL exchange. */
+ * with EPD_ERR_DRAINING at once instead of timing out, their combines still run. Nothing lifts a drain today
+ * (every caller of epd_engine_set_draining passes 1): with the cuda backend a lift would have to reconcile
+ * the steps the peers already refused, whose frames the node would otherwise wait for in its NCCL exchange.
+ */
 void eng_net_notify_drain(epd_engine_t *eng, int drain);
 /* (mu) A group was just created on this node (its first attach succeeded): stage the newest map node 0
  * sent for it while it did not exist here, so that every node reports the same staged map. */
@@ -63,9 +64,10 @@ int eng_net_joining(epd_engine_t *eng, eng_group_t *grp);
  * node n said the group is gone there from that step on, or that the client of one of its ranks died
  * there by then; else -1. */
 int eng_net_gone(const eng_group_t *grp, uint32_t n, uint32_t L, uint64_t step, char *why, size_t len);
-/* The verdict on node n's part of `step`, missing while its part of a later step came: why filled, returned. */
-const char *eng_net_skipped(const char *group, uint32_t n, uint32_t L, uint64_t step, uint64_t later, char *why,
-                            size_t len);
+/* The verdict on node n's part of `step`, missing while its part of a later step came: why filled, returned.
+ */
+const char *eng_net_skipped(const char *group, uint32_t n, uint32_t L, uint64_t step, uint64_t later,
+                            char *why, size_t len);
 /* (mu) The client of local rank `rank` died and grp stays here (other clients remain): tell the other
  * nodes that no part of grp comes from here from step `from` on (the first step whose part was not sent)
  * until the rank is attached again (eng_net_rank_back). */

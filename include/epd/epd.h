@@ -27,27 +27,27 @@ extern "C" {
 
 typedef enum epd_result {
   EPD_OK = 0,
-  EPD_ERR_INVALID = -1,      /* an argument is out of range; the message names it */
-  EPD_ERR_NOMEM = -2,        /* out of host or device memory */
-  EPD_ERR_SYSTEM = -3,       /* a system call failed (errno in the message) */
-  EPD_ERR_RPC = -4,          /* the control RPC failed (transport or server error) */
-  EPD_ERR_PROTOCOL = -5,     /* protocol or ABI version mismatch */
-  EPD_ERR_NOT_FOUND = -6,    /* unknown group, client or resource */
-  EPD_ERR_BUSY = -7,         /* rank already attached, or a limit reached */
-  EPD_ERR_TIMEOUT = -8,      /* a wait ran out; the completion names the peer rank */
-  EPD_ERR_PEER = -9,         /* a peer rank's client detached or failed mid-step */
-  EPD_ERR_DRAINING = -10,    /* the daemon is draining: no new attach or dispatch (combines of
-                              * dispatches that ran still run; across nodes: the peer rank's node is) */
-  EPD_ERR_CUDA = -11,        /* a CUDA call failed */
-  EPD_ERR_NCCL = -12,        /* an NCCL call failed */
-  EPD_ERR_UNSUPPORTED = -13, /* not available in this build, backend or mode */
-  EPD_ERR_BAD_EXPERT = -14,  /* a top-k entry is outside [-1, num_experts) */
+  EPD_ERR_INVALID = -1,          /* an argument is out of range; the message names it */
+  EPD_ERR_NOMEM = -2,            /* out of host or device memory */
+  EPD_ERR_SYSTEM = -3,           /* a system call failed (errno in the message) */
+  EPD_ERR_RPC = -4,              /* the control RPC failed (transport or server error) */
+  EPD_ERR_PROTOCOL = -5,         /* protocol or ABI version mismatch */
+  EPD_ERR_NOT_FOUND = -6,        /* unknown group, client or resource */
+  EPD_ERR_BUSY = -7,             /* rank already attached, or a limit reached */
+  EPD_ERR_TIMEOUT = -8,          /* a wait ran out; the completion names the peer rank */
+  EPD_ERR_PEER = -9,             /* a peer rank's client detached or failed mid-step */
+  EPD_ERR_DRAINING = -10,        /* the daemon is draining: no new attach or dispatch (combines of
+                                  * dispatches that ran still run; across nodes: the peer rank's node is) */
+  EPD_ERR_CUDA = -11,            /* a CUDA call failed */
+  EPD_ERR_NCCL = -12,            /* an NCCL call failed */
+  EPD_ERR_UNSUPPORTED = -13,     /* not available in this build, backend or mode */
+  EPD_ERR_BAD_EXPERT = -14,      /* a top-k entry is outside [-1, num_experts) */
   EPD_ERR_TOO_MANY_TOKENS = -15, /* num_tokens over the group's max_tokens */
-  EPD_ERR_PERMISSION = -16,  /* the caller is not allowed to do this */
-  EPD_ERR_OVERFLOW = -17,    /* HT receive capacity exceeded (nothing was written past it) */
-  EPD_ERR_MISMATCH = -18,    /* ranks submitted different ops or banks for one step */
-  EPD_ERR_CLOSED = -19,      /* no daemon listens at the socket, or the daemon connection dropped */
-  EPD_ERR_STATE = -20,       /* call out of order (combine without dispatch, ...) */
+  EPD_ERR_PERMISSION = -16,      /* the caller is not allowed to do this */
+  EPD_ERR_OVERFLOW = -17,        /* HT receive capacity exceeded (nothing was written past it) */
+  EPD_ERR_MISMATCH = -18,        /* ranks submitted different ops or banks for one step */
+  EPD_ERR_CLOSED = -19,          /* no daemon listens at the socket, or the daemon connection dropped */
+  EPD_ERR_STATE = -20,           /* call out of order (combine without dispatch, ...) */
   EPD_ERR_INTERNAL = -21,
   EPD_ERR_MIN = -22
 } epd_result_t;
@@ -101,11 +101,19 @@ epd_result_t epd_detach(epd_ep_t *ep);
 const char *epd_last_error(const epd_ep_t *ep);
 
 typedef enum epd_info {
-  EPD_INFO_RANK, EPD_INFO_NUM_RANKS, EPD_INFO_NUM_EXPERTS, EPD_INFO_HIDDEN, EPD_INFO_TOPK,
-  EPD_INFO_MAX_TOKENS, EPD_INFO_SLOTS_PER_RANK, EPD_INFO_HT_CAPACITY, EPD_INFO_ON_GPU,
+  EPD_INFO_RANK,
+  EPD_INFO_NUM_RANKS,
+  EPD_INFO_NUM_EXPERTS,
+  EPD_INFO_HIDDEN,
+  EPD_INFO_TOPK,
+  EPD_INFO_MAX_TOKENS,
+  EPD_INFO_SLOTS_PER_RANK,
+  EPD_INFO_HT_CAPACITY,
+  EPD_INFO_ON_GPU,
   EPD_INFO_DEVICE, /* this process's CUDA ordinal of the rank's GPU (found by its UUID: with
                     * CUDA_VISIBLE_DEVICES set to that one GPU it is 0), -1 on the host backend */
-  EPD_INFO_MAP_VERSION, EPD_INFO_CLIENT_ID,
+  EPD_INFO_MAP_VERSION,
+  EPD_INFO_CLIENT_ID,
   EPD_INFO_NEXT_SLOT, /* the queue slot libepd's next op will use (the daemon runs slots in ring order) */
   EPD_INFO_WEIGHT_BYTES_PER_SLOT, /* bytes per slot of EPD_BUF_EXPERT_WEIGHTS, 0 if the group has none */
   EPD_INFO_KERNEL_SUBMIT /* 1: ops are submitted through the queue's device twin with libepd's kernels
@@ -126,8 +134,8 @@ typedef enum epd_mode { EPD_MODE_LL = 0, EPD_MODE_HT = 1 } epd_mode_t;
  * status. stream != NULL (CUDA backend, a cudaStream_t): enqueue on the stream, return EPD_OK; the
  * status is read with epd_op_status() after the stream is synchronised. flags: EPD_DESC_* (EPD_DESC_FP8;
  * EPD_DESC_HT_DENSE for an HT dispatch: every rank receives every token, docs/SEMANTICS.md). */
-epd_result_t epd_dispatch(epd_ep_t *ep, epd_mode_t mode, uint32_t num_tokens, uint32_t flags,
-                          unsigned bank, void *stream);
+epd_result_t epd_dispatch(epd_ep_t *ep, epd_mode_t mode, uint32_t num_tokens, uint32_t flags, unsigned bank,
+                          void *stream);
 /* Combine the bank's expert outputs back into the bank's OUT buffer; same stream rules. */
 epd_result_t epd_combine(epd_ep_t *ep, epd_mode_t mode, unsigned bank, void *stream);
 /* Status of the last completed op (after the stream is synchronised) and its completion record. */
@@ -149,7 +157,9 @@ epd_result_t epd_slot_status(epd_ep_t *ep, unsigned slot, epd_comp_t *comp_out);
 void *epd_slot_device_ptr(epd_ep_t *ep, unsigned slot);
 
 /* Expert-map replica of a logical expert. */
-typedef struct epd_replica { uint32_t rank, slot; } epd_replica_t;
+typedef struct epd_replica {
+  uint32_t rank, slot;
+} epd_replica_t;
 
 /* The group's active expert map, read from the table the daemon keeps in this attachment's queue
  * memory (no round trip; consistent snapshots). The map of a step is the version in its completion

@@ -37,7 +37,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define EPD_ABI_VERSION 2u /* 2: device twin of the queue (dq_offset, qflags) */
+#define EPD_ABI_VERSION 2u          /* 2: device twin of the queue (dq_offset, qflags) */
 #define EPD_QUEUE_MAGIC 0x45504451u /* "EPDQ" */
 #define EPD_QUEUE_SLOTS 8u
 #define EPD_NUM_BANKS 2u /* LL/HT IO is double-buffered: step N+1 may dispatch while N combines */
@@ -54,8 +54,8 @@ enum {
 
 /* Descriptor flags. */
 enum {
-  EPD_DESC_FP8 = 1u << 0, /* dispatch: send FP8 e4m3 with per-128-channel f32 scales (recv_x holds
-                           * fp8 bytes, recv_scales the scales); x stays BF16 */
+  EPD_DESC_FP8 = 1u << 0,      /* dispatch: send FP8 e4m3 with per-128-channel f32 scales (recv_x holds
+                                * fp8 bytes, recv_scales the scales); x stays BF16 */
   EPD_DESC_HT_DENSE = 1u << 1, /* HT dispatch: dense layout, every rank receives every token of every rank
                                 * (rows ordered by (src, t); entries of other ranks -1): the receive
                                 * rows are known before routing, so BF16 rows move with the copy engines */
@@ -76,23 +76,23 @@ enum { EPD_SLOT_FREE = 0, EPD_SLOT_SUBMITTED = 1, EPD_SLOT_DONE = 2 };
  * H = hidden, K = topk, S = slots per rank, R = ranks, C = HT receive capacity):
  */
 enum {
-  EPD_BUF_X = 0,            /* [M, H] bf16 dispatch input (always BF16; FP8 is cast on the fly) */
-  EPD_BUF_X_SCALES = 1,     /* [M, H/128] f32, reserved for pre-quantized input */
-  EPD_BUF_TOPK_IDX = 2,     /* [M, K] int64 logical expert ids, -1 = none */
-  EPD_BUF_TOPK_WEIGHTS = 3, /* [M, K] f32 */
-  EPD_BUF_LL_RECV_X = 4,    /* [S, R*M, H] bf16 (or fp8) expert-major */
-  EPD_BUF_LL_RECV_SCALES = 5, /* [S, R*M, H/128] f32 */
-  EPD_BUF_LL_RECV_COUNT = 6,  /* [S] int32 tokens received per local slot */
-  EPD_BUF_LL_RECV_SRC = 7,    /* [S, R*M] int32 (src_rank << 24 | src_token), for inspection */
-  EPD_BUF_LL_Y = 8,           /* [S, R*M, H] bf16 expert outputs, combine input */
-  EPD_BUF_OUT = 9,            /* [M, H] bf16 combine output */
-  EPD_BUF_HT_RECV_X = 10,     /* [C, H] bf16 (or fp8) flat, ordered by (src rank, src token) */
-  EPD_BUF_HT_RECV_SCALES = 11, /* [C, H/128] f32 */
-  EPD_BUF_HT_RECV_TOPK_IDX = 12, /* [C, K] int64 local slot ids, -1 if not local */
+  EPD_BUF_X = 0,                     /* [M, H] bf16 dispatch input (always BF16; FP8 is cast on the fly) */
+  EPD_BUF_X_SCALES = 1,              /* [M, H/128] f32, reserved for pre-quantized input */
+  EPD_BUF_TOPK_IDX = 2,              /* [M, K] int64 logical expert ids, -1 = none */
+  EPD_BUF_TOPK_WEIGHTS = 3,          /* [M, K] f32 */
+  EPD_BUF_LL_RECV_X = 4,             /* [S, R*M, H] bf16 (or fp8) expert-major */
+  EPD_BUF_LL_RECV_SCALES = 5,        /* [S, R*M, H/128] f32 */
+  EPD_BUF_LL_RECV_COUNT = 6,         /* [S] int32 tokens received per local slot */
+  EPD_BUF_LL_RECV_SRC = 7,           /* [S, R*M] int32 (src_rank << 24 | src_token), for inspection */
+  EPD_BUF_LL_Y = 8,                  /* [S, R*M, H] bf16 expert outputs, combine input */
+  EPD_BUF_OUT = 9,                   /* [M, H] bf16 combine output */
+  EPD_BUF_HT_RECV_X = 10,            /* [C, H] bf16 (or fp8) flat, ordered by (src rank, src token) */
+  EPD_BUF_HT_RECV_SCALES = 11,       /* [C, H/128] f32 */
+  EPD_BUF_HT_RECV_TOPK_IDX = 12,     /* [C, K] int64 local slot ids, -1 if not local */
   EPD_BUF_HT_RECV_TOPK_WEIGHTS = 13, /* [C, K] f32 */
-  EPD_BUF_HT_RECV_SRC = 14,   /* [C] int32 (src_rank << 24 | src_token) */
-  EPD_BUF_HT_RECV_COUNT = 15, /* [S] int32 tokens received per local slot */
-  EPD_BUF_HT_Y = 16,          /* [C, H] bf16 combine input (already reduced over local experts) */
+  EPD_BUF_HT_RECV_SRC = 14,          /* [C] int32 (src_rank << 24 | src_token) */
+  EPD_BUF_HT_RECV_COUNT = 15,        /* [S] int32 tokens received per local slot */
+  EPD_BUF_HT_Y = 16,                 /* [C, H] bf16 combine input (already reduced over local experts) */
   EPD_BUF_KINDS = 17,
   /* Not an IO kind and not per bank (bank 0 only): present when the group was created with
    * weight_bytes_per_slot > 0. [S, weight_bytes_per_slot] bytes: the expert weights of each local slot,
@@ -141,10 +141,10 @@ typedef struct epd_queue {
   uint32_t nslots;      /* EPD_QUEUE_SLOTS */
   uint32_t rank;
   uint64_t client_id;
-  uint64_t heartbeat;     /* client: bumped while alive (host-side liveness is the attach socket) */
-  int32_t sticky_error;   /* daemon: first error of any op, cleared by epd_clear_error */
-  uint32_t map_version;   /* daemon: active expert map version of the group */
-  uint64_t steps_done;    /* daemon: ops completed on this queue */
+  uint64_t heartbeat;        /* client: bumped while alive (host-side liveness is the attach socket) */
+  int32_t sticky_error;      /* daemon: first error of any op, cleared by epd_clear_error */
+  uint32_t map_version;      /* daemon: active expert map version of the group */
+  uint64_t steps_done;       /* daemon: ops completed on this queue */
   uint32_t map_table_offset; /* daemon: offset of the epd_map_table_t in the queue mapping, 0: none */
   uint32_t qflags;           /* daemon: EPD_QF_* */
   uint64_t dq_offset;        /* daemon: offset of the device twin in the IO arena, 0: none (host backend) */
@@ -179,7 +179,7 @@ typedef struct epd_map_table {
   uint32_t version;
   uint32_t num_experts, num_ranks, slots_per_rank, max_replicas;
   uint32_t ranks_per_node;
-  uint64_t step;        /* group step at which this version became active */
+  uint64_t step; /* group step at which this version became active */
   uint32_t pad[6];
 } epd_map_table_t;
 EPD_ABI_ASSERT(sizeof(epd_map_table_t) == 64, "epd_map_table_t is 64 bytes");

@@ -28,7 +28,8 @@
 #ifdef __CUDACC__
 
 #ifndef EPD_DEV_ERR_TIMEOUT
-#define EPD_DEV_ERR_TIMEOUT (-8) /* == EPD_ERR_TIMEOUT of epd.h (kept here so kernels need not include it) */
+/* == EPD_ERR_TIMEOUT of epd.h (kept here so kernels need not include it) */
+#define EPD_DEV_ERR_TIMEOUT (-8)
 #endif
 #ifndef EPD_DEV_ERR_CLOSED
 #define EPD_DEV_ERR_CLOSED (-19) /* == EPD_ERR_CLOSED: the client's CPU abandoned the op (detach) */
@@ -86,8 +87,7 @@ static __device__ __forceinline__ void epd_dev_submit(epd_slot_t *slot, const ep
  * while waiting means libepd abandoned the op (epd_detach): EPD_DEV_ERR_CLOSED. */
 static __device__ __forceinline__ int epd_dev_wait_stamped(epd_slot_t *slot, uint64_t timeout_ns,
                                                            epd_comp_t *comp, uint64_t *done_seen_ns);
-static __device__ __forceinline__ int epd_dev_wait(epd_slot_t *slot, uint64_t timeout_ns,
-                                                   epd_comp_t *comp) {
+static __device__ __forceinline__ int epd_dev_wait(epd_slot_t *slot, uint64_t timeout_ns, epd_comp_t *comp) {
   return epd_dev_wait_stamped(slot, timeout_ns, comp, (uint64_t *)0);
 }
 
@@ -117,8 +117,10 @@ static __device__ __forceinline__ int epd_dev_wait_stamped(epd_slot_t *slot, uin
   }
   if (done_seen_ns) *done_seen_ns = epd_dev_now_ns();
   /* acquire: the completion record after the state that announced it */
-  if (src == slot && host) __threadfence();
-  else __threadfence_system();
+  if (src == slot && host)
+    __threadfence();
+  else
+    __threadfence_system();
   const volatile uint64_t *rec = (const volatile uint64_t *)&src->comp;
   uint64_t c[sizeof(epd_comp_t) / 8];
 #pragma unroll

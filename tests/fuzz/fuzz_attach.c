@@ -2,8 +2,8 @@
  * attach module (attach.c) on a libuv loop with an in-process host engine. Input byte 0: bit 0 attach a
  * client for real and issue a token first, bit 1 put the valid client_id, bit 2 the valid token, bit 3
  * the right magic/version into the request, bit 4 half-close after sending; the rest is the request
- * (any length, sent as is; bytes after the first 48 are ignored by the daemon). The daemon must answer with a well-formed reply or close, never crash, and
- * hand out fds only for a valid token. */
+ * (any length, sent as is; bytes after the first 48 are ignored by the daemon). The daemon must answer with a
+ * well-formed reply or close, never crash, and hand out fds only for a valid token. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
@@ -136,7 +136,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       struct cmsghdr align;
     } ctl;
     struct iovec iov = {rep + got, sizeof rep - got};
-    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf, .msg_controllen = sizeof ctl.buf};
+    struct msghdr m = {
+        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf, .msg_controllen = sizeof ctl.buf};
     ssize_t n = recvmsg(fd, &m, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
     if (n == 0) eof = 1;
     if (n <= 0) continue;
@@ -155,7 +156,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (got != sizeof r) abort(); /* replies are whole */
     memcpy(&r, rep, sizeof r);
     if (r.magic != EPD_WIRE_MAGIC || r.version != EPD_WIRE_VERSION) abort();
-    if ((r.status == 0) != valid || (int)r.nfds != nfds || (nfds != 0) != valid) abort(); /* fds only for a valid token */
+    if ((r.status == 0) != valid || (int)r.nfds != nfds || (nfds != 0) != valid)
+      abort(); /* fds only for a valid token */
     if (memchr(r.message, 0, sizeof r.message) == NULL) abort();
   }
   close(fd);

@@ -1,8 +1,8 @@
 /* fuzz_conf.c - libFuzzer target: configuration text parsed over the defaults (conf.c, libinih); an
  * accepted configuration must dump to text that parses back to the same dump (or, for a line too long
  * for the INI parser, be refused saying so). Regression inputs: corpus/conf/long-line (a 180-byte path
- * made a dump that libinih split in two), corpus/conf/quoted (a value in quotes of its own). The first line, when it
- * holds '=', is also tried as a command-line override (epd -o key=value). */
+ * made a dump that libinih split in two), corpus/conf/quoted (a value in quotes of its own). The first line,
+ * when it holds '=', is also tried as a command-line override (epd -o key=value). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

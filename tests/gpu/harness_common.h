@@ -56,11 +56,13 @@ static inline const char *kh_unfit(int R, char *why, size_t len) {
     return why;
   }
   const int share = epd_cc_devices_for(R, dev);
-  if (share < 0) snprintf(why, len, "needs a GPU (found none)");
+  if (share < 0)
+    snprintf(why, len, "needs a GPU (found none)");
   else if (share > EPD_CC_MAX_RANKS_PER_GPU)
     snprintf(why, len, "%d ranks on %d GPU(s): %d would share one (at most %d)", R, kh_gpus(), share,
              EPD_CC_MAX_RANKS_PER_GPU);
-  else return NULL;
+  else
+    return NULL;
   return why;
 }
 
@@ -84,7 +86,8 @@ static inline uint32_t kh_ll_blocks(uint32_t blocks, int share) {
  * SMs / share, as the daemon gives them. Unchanged with a GPU per rank. */
 static inline uint32_t kh_ht_blocks(uint32_t blocks, int share, int device) {
   int nsm = 0;
-  if (share <= 1 || cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || nsm < 1)
+  if (share <= 1 || cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      nsm < 1)
     return blocks;
   const uint32_t cap = (uint32_t)nsm / (uint32_t)share, b = blocks ? blocks : EPD_K_HT_BLOCKS;
   return b < cap ? b : cap;
@@ -151,7 +154,8 @@ static inline int kh_create(kh_t *h, int R, uint32_t num_experts, size_t window_
       if (dj == di || cudaDeviceCanAccessPeer(&ok, di, dj) || !ok) continue;
       cudaError_t ce = cudaDeviceEnablePeerAccess(dj, 0);
       if (ce != cudaSuccess && ce != cudaErrorPeerAccessAlreadyEnabled) {
-        snprintf(h->err, sizeof h->err, "cudaDeviceEnablePeerAccess(%d -> %d): %s", i, j, cudaGetErrorString(ce));
+        snprintf(h->err, sizeof h->err, "cudaDeviceEnablePeerAccess(%d -> %d): %s", i, j,
+                 cudaGetErrorString(ce));
         return EPD_ERR_CUDA;
       }
       cudaGetLastError();

@@ -14,9 +14,9 @@ typedef struct hth {
   kh_t kh;           /* communicators, window, arenas, maps, completions, streams */
   epd_k_ht_geom_t g; /* rank field unused here */
   epd_k_ht_t *k[EPD_K_MAX_RANKS];
-  int staging;   /* 1: no peer arenas in the ops (rows through the staging windows) */
-  uint32_t copy; /* epd_k_ht_op_t.copy */
-  uint32_t dense; /* dispatches with EPD_DESC_HT_DENSE */
+  int staging;                      /* 1: no peer arenas in the ops (rows through the staging windows) */
+  uint32_t copy;                    /* epd_k_ht_op_t.copy */
+  uint32_t dense;                   /* dispatches with EPD_DESC_HT_DENSE */
   uint64_t *trace[EPD_K_MAX_RANKS]; /* epd_k_ht_op_t.trace of each rank (device, optional) */
 } hth_t;
 

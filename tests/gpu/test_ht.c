@@ -18,12 +18,12 @@
 #define CK(e)                                                                                  \
   do {                                                                                         \
     int r_ = (int)(e);                                                                         \
-    if (r_ != 0) epd_test_fail(__FILE__, __LINE__, "%s returned %d: %s", #e, r_, T_.h.kh.err);    \
+    if (r_ != 0) epd_test_fail(__FILE__, __LINE__, "%s returned %d: %s", #e, r_, T_.h.kh.err); \
   } while (0)
-#define CUCK(e)                                                                                         \
-  do {                                                                                                  \
-    cudaError_t c_ = (e);                                                                               \
-    if (c_ != cudaSuccess) epd_test_fail(__FILE__, __LINE__, "%s: %s", #e, cudaGetErrorString(c_));     \
+#define CUCK(e)                                                                                     \
+  do {                                                                                              \
+    cudaError_t c_ = (e);                                                                           \
+    if (c_ != cudaSuccess) epd_test_fail(__FILE__, __LINE__, "%s: %s", #e, cudaGetErrorString(c_)); \
   } while (0)
 
 typedef struct tctx {
@@ -56,7 +56,8 @@ static void setup(uint32_t E, uint32_t H, uint32_t K, uint32_t M, uint32_t S, ui
   T_.rg = (epd_ref_geom_t){2, E, H, K, M, S, C};
   CK(epd_ref_map_default(&T_.map, E, 2, S));
   T_.mapimg = malloc(epd_k_map_bytes(E));
-  CK(epd_k_map_pack(T_.mapimg, T_.map.version, E, T_.map.nrep, (const uint32_t *)T_.map.rep, EPD_MAX_REPLICAS));
+  CK(epd_k_map_pack(T_.mapimg, T_.map.version, E, T_.map.nrep, (const uint32_t *)T_.map.rep,
+                    EPD_MAX_REPLICAS));
   CK(hth_set_map(&T_.h, T_.mapimg));
   CK(epd_ref_plan_init(&T_.plan, &T_.rg));
   size_t Cg = (size_t)C + HTH_GUARD_ROWS;
@@ -103,8 +104,10 @@ static void upload(unsigned bank) {
     uint32_t n = T_.ntok[r] > M ? M : T_.ntok[r];
     if (n) {
       CUCK(cudaMemcpy(hth_buf(h, r, bank, EPD_BUF_X), T_.x[r], (size_t)n * H * 2, cudaMemcpyHostToDevice));
-      CUCK(cudaMemcpy(hth_buf(h, r, bank, EPD_BUF_TOPK_IDX), T_.topk[r], (size_t)n * K * 8, cudaMemcpyHostToDevice));
-      CUCK(cudaMemcpy(hth_buf(h, r, bank, EPD_BUF_TOPK_WEIGHTS), T_.w[r], (size_t)n * K * 4, cudaMemcpyHostToDevice));
+      CUCK(cudaMemcpy(hth_buf(h, r, bank, EPD_BUF_TOPK_IDX), T_.topk[r], (size_t)n * K * 8,
+                      cudaMemcpyHostToDevice));
+      CUCK(cudaMemcpy(hth_buf(h, r, bank, EPD_BUF_TOPK_WEIGHTS), T_.w[r], (size_t)n * K * 4,
+                      cudaMemcpyHostToDevice));
     }
     CUCK(cudaMemset(hth_buf(h, r, bank, EPD_BUF_HT_RECV_X), 0xff, Cg * H * 2));
     CUCK(cudaMemset(hth_buf(h, r, bank, EPD_BUF_HT_RECV_SCALES), 0xff, Cg * (H / 128) * 4));
@@ -130,12 +133,16 @@ static void check_untouched(int r, unsigned bank, size_t from) {
   if (from >= Cg) return;
   cudaSetDevice(epd_cc_device(h->kh.cc, r));
   size_t n = Cg - from;
-  CUCK(cudaMemcpy(T_.gx, (char *)hth_buf(h, r, bank, EPD_BUF_HT_RECV_X) + from * H * 2, n * H * 2, cudaMemcpyDeviceToHost));
+  CUCK(cudaMemcpy(T_.gx, (char *)hth_buf(h, r, bank, EPD_BUF_HT_RECV_X) + from * H * 2, n * H * 2,
+                  cudaMemcpyDeviceToHost));
   for (size_t i = 0; i < n * H * 2; i++)
-    if (T_.gx[i] != 0xff) epd_test_fail(__FILE__, __LINE__, "rank %d: recv_x written at row %zu", r, from + i / (H * 2));
-  CUCK(cudaMemcpy(T_.gsrc, (int32_t *)hth_buf(h, r, bank, EPD_BUF_HT_RECV_SRC) + from, n * 4, cudaMemcpyDeviceToHost));
+    if (T_.gx[i] != 0xff)
+      epd_test_fail(__FILE__, __LINE__, "rank %d: recv_x written at row %zu", r, from + i / (H * 2));
+  CUCK(cudaMemcpy(T_.gsrc, (int32_t *)hth_buf(h, r, bank, EPD_BUF_HT_RECV_SRC) + from, n * 4,
+                  cudaMemcpyDeviceToHost));
   for (size_t i = 0; i < n; i++)
-    if (T_.gsrc[i] != -1) epd_test_fail(__FILE__, __LINE__, "rank %d: recv_src written at row %zu", r, from + i);
+    if (T_.gsrc[i] != -1)
+      epd_test_fail(__FILE__, __LINE__, "rank %d: recv_src written at row %zu", r, from + i);
 }
 
 static void dispatch_check(unsigned bank, int fp8) {
@@ -157,7 +164,8 @@ static void dispatch_check(unsigned bank, int fp8) {
   for (int r = 0; r < 2; r++) {
     epd_comp_t c;
     CK(hth_comp(h, r, 0, &c));
-    if (c.status != 0) epd_test_fail(__FILE__, __LINE__, "rank %d: dispatch status %d peer %d", r, c.status, c.peer);
+    if (c.status != 0)
+      epd_test_fail(__FILE__, __LINE__, "rank %d: dispatch status %d peer %d", r, c.status, c.peer);
     ASSERT_EQ(c.peer, -1);
     ASSERT_EQ(c.num_recv, T_.plan.ht_recv[r]);
     ASSERT_EQ(c.map_version, T_.map.version);
@@ -167,34 +175,42 @@ static void dispatch_check(unsigned bank, int fp8) {
     CUCK(cudaMemcpy(cnt, hth_buf(h, r, bank, EPD_BUF_HT_RECV_COUNT), S * 4, cudaMemcpyDeviceToHost));
     for (uint32_t s = 0; s < S; s++)
       if (cnt[s] != T_.ro[r].recv_count[s])
-        epd_test_fail(__FILE__, __LINE__, "rank %d slot %u: count %d, expected %d", r, s, cnt[s], T_.ro[r].recv_count[s]);
+        epd_test_fail(__FILE__, __LINE__, "rank %d slot %u: count %d, expected %d", r, s, cnt[s],
+                      T_.ro[r].recv_count[s]);
     free(cnt);
     if (N) {
       CUCK(cudaMemcpy(T_.gx, hth_buf(h, r, bank, EPD_BUF_HT_RECV_X), N * H * 2, cudaMemcpyDeviceToHost));
-      CUCK(cudaMemcpy(T_.gidx, hth_buf(h, r, bank, EPD_BUF_HT_RECV_TOPK_IDX), N * K * 8, cudaMemcpyDeviceToHost));
-      CUCK(cudaMemcpy(T_.gw, hth_buf(h, r, bank, EPD_BUF_HT_RECV_TOPK_WEIGHTS), N * K * 4, cudaMemcpyDeviceToHost));
+      CUCK(cudaMemcpy(T_.gidx, hth_buf(h, r, bank, EPD_BUF_HT_RECV_TOPK_IDX), N * K * 8,
+                      cudaMemcpyDeviceToHost));
+      CUCK(cudaMemcpy(T_.gw, hth_buf(h, r, bank, EPD_BUF_HT_RECV_TOPK_WEIGHTS), N * K * 4,
+                      cudaMemcpyDeviceToHost));
       CUCK(cudaMemcpy(T_.gsrc, hth_buf(h, r, bank, EPD_BUF_HT_RECV_SRC), N * 4, cudaMemcpyDeviceToHost));
-      if (fp8) CUCK(cudaMemcpy(T_.gsc, hth_buf(h, r, bank, EPD_BUF_HT_RECV_SCALES), N * nb * 4, cudaMemcpyDeviceToHost));
+      if (fp8)
+        CUCK(cudaMemcpy(T_.gsc, hth_buf(h, r, bank, EPD_BUF_HT_RECV_SCALES), N * nb * 4,
+                        cudaMemcpyDeviceToHost));
     }
     for (size_t j = 0; j < N; j++) {
       if (T_.gsrc[j] != T_.ro[r].recv_src[j])
-        epd_test_fail(__FILE__, __LINE__, "rank %d row %zu: src %x, expected %x", r, j, T_.gsrc[j], T_.ro[r].recv_src[j]);
+        epd_test_fail(__FILE__, __LINE__, "rank %d row %zu: src %x, expected %x", r, j, T_.gsrc[j],
+                      T_.ro[r].recv_src[j]);
       for (uint32_t k = 0; k < K; k++) {
         if (T_.gidx[j * K + k] != T_.ro[r].recv_topk_idx[j * K + k])
           epd_test_fail(__FILE__, __LINE__, "rank %d row %zu k %u: idx %lld, expected %lld", r, j, k,
                         (long long)T_.gidx[j * K + k], (long long)T_.ro[r].recv_topk_idx[j * K + k]);
         if (memcmp(&T_.gw[j * K + k], &T_.ro[r].recv_topk_weights[j * K + k], 4))
-          epd_test_fail(__FILE__, __LINE__, "rank %d row %zu k %u: weight %g, expected %g", r, j, k, T_.gw[j * K + k],
-                        T_.ro[r].recv_topk_weights[j * K + k]);
+          epd_test_fail(__FILE__, __LINE__, "rank %d row %zu k %u: weight %g, expected %g", r, j, k,
+                        T_.gw[j * K + k], T_.ro[r].recv_topk_weights[j * K + k]);
       }
       const uint8_t *gr = T_.gx + j * H * 2, *rr = (const uint8_t *)T_.ro[r].recv_x + j * H * 2;
       if (!fp8) {
-        if (memcmp(gr, rr, (size_t)H * 2)) epd_test_fail(__FILE__, __LINE__, "rank %d row %zu: BF16 row differs", r, j);
+        if (memcmp(gr, rr, (size_t)H * 2))
+          epd_test_fail(__FILE__, __LINE__, "rank %d row %zu: BF16 row differs", r, j);
       } else {
         /* the same bytes and scales as the reference (IEEE division, SEMANTICS.md) */
         for (uint32_t c2 = 0; c2 < H; c2++)
           if (gr[c2] != rr[c2])
-            epd_test_fail(__FILE__, __LINE__, "rank %d row %zu ch %u: fp8 %02x vs %02x", r, j, c2, gr[c2], rr[c2]);
+            epd_test_fail(__FILE__, __LINE__, "rank %d row %zu ch %u: fp8 %02x vs %02x", r, j, c2, gr[c2],
+                          rr[c2]);
         for (uint32_t b = 0; b < nb; b++) {
           float a = T_.gsc[j * nb + b], e = T_.ro[r].recv_scales[j * nb + b];
           if (memcmp(&a, &e, 4))
@@ -214,7 +230,8 @@ static void combine_check(unsigned bank) {
     cudaSetDevice(epd_cc_device(h->kh.cc, r));
     for (size_t i = 0; i < N * H; i++)
       T_.y[r][i] = epd_f32_to_bf16((float)((epd_ref_rand(&rng) >> 40) / 16777216.0 * 4.0 - 2.0));
-    /* dense: the rows of tokens with no entry on this rank are not partials; NaN shows a sum that uses them */
+    /* dense: the rows of tokens with no entry on this rank are not partials; NaN shows a sum that uses them
+     */
     for (size_t j = 0; j < N && T_.h.dense; j++) {
       int local = 0;
       for (uint32_t k = 0; k < T_.rg.topk; k++) local |= T_.ro[r].recv_topk_idx[j * T_.rg.topk + k] >= 0;
@@ -230,21 +247,23 @@ static void combine_check(unsigned bank) {
   for (int r = 0; r < 2; r++) {
     epd_comp_t c;
     CK(hth_comp(h, r, 1, &c));
-    if (c.status != 0) epd_test_fail(__FILE__, __LINE__, "rank %d: combine status %d peer %d", r, c.status, c.peer);
+    if (c.status != 0)
+      epd_test_fail(__FILE__, __LINE__, "rank %d: combine status %d peer %d", r, c.status, c.peer);
     uint32_t n = T_.ntok[r];
     if (!n) continue;
     cudaSetDevice(epd_cc_device(h->kh.cc, r));
     CUCK(cudaMemcpy(T_.out[r], hth_buf(h, r, bank, EPD_BUF_OUT), (size_t)n * H * 2, cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < (size_t)n * H; i++)
       if (T_.out[r][i] != T_.rout[r][i])
-        epd_test_fail(__FILE__, __LINE__, "rank %d token %zu ch %zu: out %04x, expected %04x", r, i / H, i % H,
-                      T_.out[r][i], T_.rout[r][i]);
+        epd_test_fail(__FILE__, __LINE__, "rank %d token %zu ch %zu: out %04x, expected %04x", r, i / H,
+                      i % H, T_.out[r][i], T_.rout[r][i]);
   }
 }
 
 static void step(uint64_t seed, uint64_t s, uint32_t t0, uint32_t t1, int skew, int fp8) {
   fprintf(stderr, "step seed %llu s %llu tokens %u/%u skew %d fp8 %d staging %d copy %u dense %u\n",
-          (unsigned long long)seed, (unsigned long long)s, t0, t1, skew, fp8, T_.h.staging, T_.h.copy, T_.h.dense);
+          (unsigned long long)seed, (unsigned long long)s, t0, t1, skew, fp8, T_.h.staging, T_.h.copy,
+          T_.h.dense);
   gen(seed, s, t0, t1, skew);
   unsigned bank = (unsigned)s % 2;
   upload(bank);
@@ -378,7 +397,8 @@ static void expect_fail(int code, int peer, unsigned bank, int check_recv) {
     epd_comp_t c;
     CK(hth_comp(&T_.h, r, 0, &c));
     if (c.status != code || c.peer != peer)
-      epd_test_fail(__FILE__, __LINE__, "rank %d: status %d peer %d, expected %d peer %d", r, c.status, c.peer, code, peer);
+      epd_test_fail(__FILE__, __LINE__, "rank %d: status %d peer %d, expected %d peer %d", r, c.status,
+                    c.peer, code, peer);
     if (check_recv) ASSERT_EQ(c.num_recv, T_.plan.ht_recv[r]);
     check_untouched(r, bank, 0); /* a failed dispatch writes nothing */
     int32_t cnt;
@@ -465,8 +485,8 @@ static void expect_timeout(uint32_t opc) {
   epd_comp_t c;
   CK(hth_comp(&T_.h, 0, opc == EPD_OP_HT_DISPATCH ? 0 : 1, &c));
   if (c.status != EPD_ERR_TIMEOUT || c.peer != 1)
-    epd_test_fail(__FILE__, __LINE__, "op %u staging %d: status %d peer %d, expected %d peer 1", opc, T_.h.staging,
-                  c.status, c.peer, EPD_ERR_TIMEOUT);
+    epd_test_fail(__FILE__, __LINE__, "op %u staging %d: status %d peer %d, expected %d peer 1", opc,
+                  T_.h.staging, c.status, c.peer, EPD_ERR_TIMEOUT);
   if (opc == EPD_OP_HT_DISPATCH) check_untouched(0, 0, 0); /* a timed-out dispatch writes no rows */
   for (int r = 0; r < 2; r++) {
     cudaSetDevice(epd_cc_device(T_.h.kh.cc, r));
@@ -489,7 +509,8 @@ EPD_TEST_T(gpu_ht_peer_timeout, 180) {
     for (int r = 0; r < 2; r++) { /* a good dispatch: the combine's timeout is its own */
       epd_comp_t c;
       CK(hth_comp(&T_.h, r, 0, &c));
-      if (c.status != 0) epd_test_fail(__FILE__, __LINE__, "rank %d: dispatch status %d peer %d", r, c.status, c.peer);
+      if (c.status != 0)
+        epd_test_fail(__FILE__, __LINE__, "rank %d: dispatch status %d peer %d", r, c.status, c.peer);
     }
     expect_timeout(EPD_OP_HT_COMBINE);
     step(34 + staging, 2, 512, 512, 1, 1 - staging);
@@ -521,8 +542,9 @@ EPD_TEST_T(gpu_ht_dense_ce_late_copy, 180) {
       epd_comp_t c1;
       CK(hth_sync(&T_.h, 2));
       CK(hth_comp(&T_.h, 1, 0, &c1));
-      epd_test_fail(__FILE__, __LINE__, "rank 0: status %d peer %d; rank 1: status %d peer %d (ranks on GPUs %d, %d)",
-                    c.status, c.peer, c1.status, c1.peer, epd_cc_device(T_.h.kh.cc, 0), epd_cc_device(T_.h.kh.cc, 1));
+      epd_test_fail(__FILE__, __LINE__,
+                    "rank 0: status %d peer %d; rank 1: status %d peer %d (ranks on GPUs %d, %d)", c.status,
+                    c.peer, c1.status, c1.peer, epd_cc_device(T_.h.kh.cc, 0), epd_cc_device(T_.h.kh.cc, 1));
     }
     ASSERT_EQ(c.num_recv, 700u);
     /* dense: rank 1's token t is row 300 + t of rank 0, the BF16 row as rank 1 sent it */
@@ -530,7 +552,8 @@ EPD_TEST_T(gpu_ht_dense_ce_late_copy, 180) {
     const size_t n = (size_t)400 * H * 2;
     CUCK(cudaMemcpy(T_.gx, (char *)hth_buf(&T_.h, 0, 0, EPD_BUF_HT_RECV_X) + (size_t)300 * H * 2, n,
                     cudaMemcpyDeviceToHost));
-    if (memcmp(T_.gx, T_.x[1], n)) epd_test_fail(__FILE__, __LINE__, "rank 0 completed before rank 1's rows landed");
+    if (memcmp(T_.gx, T_.x[1], n))
+      epd_test_fail(__FILE__, __LINE__, "rank 0 completed before rank 1's rows landed");
   }
   CK(hth_sync(&T_.h, 3));
   for (int r = 0; r < 2; r++) epd_k_ht_test_ce_delay(T_.h.k[r], 20000); /* 20 ms */
@@ -548,8 +571,8 @@ EPD_TEST_T(gpu_ht_dense_ce_late_copy, 180) {
     epd_comp_t c;
     CK(hth_comp(&T_.h, r, 0, &c));
     if (c.status != EPD_ERR_TIMEOUT || c.peer != r)
-      epd_test_fail(__FILE__, __LINE__, "rank %d: status %d peer %d, expected %d peer %d", r, c.status, c.peer,
-                    EPD_ERR_TIMEOUT, r);
+      epd_test_fail(__FILE__, __LINE__, "rank %d: status %d peer %d, expected %d peer %d", r, c.status,
+                    c.peer, EPD_ERR_TIMEOUT, r);
   }
   for (int r = 0; r < 2; r++) {
     cudaSetDevice(epd_cc_device(T_.h.kh.cc, r));
@@ -566,5 +589,7 @@ EPD_TEST_T(gpu_ht_dense_ce_late_copy, 180) {
 
 #else /* !EPD_WITH_CUDA */
 #include "../test.h"
-EPD_TEST(gpu_ht_without_cuda) { epd_test_skip("built without CUDA (WITH_CUDA=0)"); }
+EPD_TEST(gpu_ht_without_cuda) {
+  epd_test_skip("built without CUDA (WITH_CUDA=0)");
+}
 #endif

@@ -13,14 +13,14 @@
 #include "ll_harness.h"
 #include "core/ref.h"
 
-#define CK(e)                                                                                \
-  do {                                                                                       \
-    int r_ = (int)(e);                                                                       \
-    if (r_ != 0) epd_test_fail(__FILE__, __LINE__, "%s returned %d: %s", #e, r_, C.h.kh.err);  \
-  } while (0)
-#define CUCK(e)                                                                               \
+#define CK(e)                                                                                 \
   do {                                                                                        \
-    cudaError_t c_ = (e);                                                                     \
+    int r_ = (int)(e);                                                                        \
+    if (r_ != 0) epd_test_fail(__FILE__, __LINE__, "%s returned %d: %s", #e, r_, C.h.kh.err); \
+  } while (0)
+#define CUCK(e)                                                                                     \
+  do {                                                                                              \
+    cudaError_t c_ = (e);                                                                           \
     if (c_ != cudaSuccess) epd_test_fail(__FILE__, __LINE__, "%s: %s", #e, cudaGetErrorString(c_)); \
   } while (0)
 
@@ -104,7 +104,8 @@ static void gen(uint64_t seed, uint64_t step, const uint32_t ntok[2], int route)
                            C.rg.hidden, C.x[r]);
     if (route == ROUTE_ALL_TO_ONE)
       for (uint32_t t = 0; t < ntok[r] && t < C.rg.max_tokens; t++)
-        for (uint32_t k = 0; k < C.rg.topk; k++) C.topk[r][(size_t)t * C.rg.topk + k] = k % 3 == 2 ? -1 : (int64_t)k;
+        for (uint32_t k = 0; k < C.rg.topk; k++)
+          C.topk[r][(size_t)t * C.rg.topk + k] = k % 3 == 2 ? -1 : (int64_t)k;
   }
 }
 
@@ -118,8 +119,10 @@ static void upload(unsigned bank) {
     uint32_t T = C.ntok[r] > M ? M : C.ntok[r];
     if (T) {
       CUCK(cudaMemcpy(llh_buf(h, r, bank, EPD_BUF_X), C.x[r], (size_t)T * H * 2, cudaMemcpyHostToDevice));
-      CUCK(cudaMemcpy(llh_buf(h, r, bank, EPD_BUF_TOPK_IDX), C.topk[r], (size_t)T * K * 8, cudaMemcpyHostToDevice));
-      CUCK(cudaMemcpy(llh_buf(h, r, bank, EPD_BUF_TOPK_WEIGHTS), C.w[r], (size_t)T * K * 4, cudaMemcpyHostToDevice));
+      CUCK(cudaMemcpy(llh_buf(h, r, bank, EPD_BUF_TOPK_IDX), C.topk[r], (size_t)T * K * 8,
+                      cudaMemcpyHostToDevice));
+      CUCK(cudaMemcpy(llh_buf(h, r, bank, EPD_BUF_TOPK_WEIGHTS), C.w[r], (size_t)T * K * 4,
+                      cudaMemcpyHostToDevice));
     }
     CUCK(cudaMemset(llh_buf(h, r, bank, EPD_BUF_LL_RECV_X), 0xff, (size_t)S * RM * H * 2));
     CUCK(cudaMemset(llh_buf(h, r, bank, EPD_BUF_LL_RECV_SCALES), 0xff, (size_t)S * RM * (H / 128) * 4));
@@ -166,7 +169,8 @@ static void exec_op(uint32_t opc, unsigned bank, const uint32_t *ntok, uint32_t 
     uint32_t stv = 0;
     for (int i = 0; i < 200000 && stv != EPD_SLOT_DONE; i++)
       CUCK(cudaMemcpy(&stv, &g_q[r]->slot[si].state, 4, cudaMemcpyDeviceToHost));
-    if (stv != EPD_SLOT_DONE) epd_test_fail(__FILE__, __LINE__, "rank %d: slot %u never DONE (state %u)", r, si, stv);
+    if (stv != EPD_SLOT_DONE)
+      epd_test_fail(__FILE__, __LINE__, "rank %d: slot %u never DONE (state %u)", r, si, stv);
     epd_comp_t c;
     CUCK(cudaMemcpy(&c, &g_q[r]->slot[si].comp, sizeof c, cudaMemcpyDeviceToHost));
     ASSERT_EQ(c.user_tag, 1000 + g_qpos);
@@ -211,16 +215,21 @@ static void run_dispatch_check(unsigned bank, int fp8) {
     CUCK(cudaMemcpy(cnt, llh_buf(h, r, bank, EPD_BUF_LL_RECV_COUNT), S * 4, cudaMemcpyDeviceToHost));
     for (uint32_t s = 0; s < S; s++) {
       if (cnt[s] != C.ref_out[r].recv_count[s])
-        epd_test_fail(__FILE__, __LINE__, "rank %d slot %u count %d, expected %d", r, s, cnt[s], C.ref_out[r].recv_count[s]);
+        epd_test_fail(__FILE__, __LINE__, "rank %d slot %u count %d, expected %d", r, s, cnt[s],
+                      C.ref_out[r].recv_count[s]);
       int n = cnt[s];
       if (!n) continue;
-      CUCK(cudaMemcpy(src, (int32_t *)llh_buf(h, r, bank, EPD_BUF_LL_RECV_SRC) + s * RM, (size_t)n * 4, cudaMemcpyDeviceToHost));
-      CUCK(cudaMemcpy(C.gx[r], (char *)llh_buf(h, r, bank, EPD_BUF_LL_RECV_X) + s * RM * H * 2, (size_t)n * H * 2, cudaMemcpyDeviceToHost));
+      CUCK(cudaMemcpy(src, (int32_t *)llh_buf(h, r, bank, EPD_BUF_LL_RECV_SRC) + s * RM, (size_t)n * 4,
+                      cudaMemcpyDeviceToHost));
+      CUCK(cudaMemcpy(C.gx[r], (char *)llh_buf(h, r, bank, EPD_BUF_LL_RECV_X) + s * RM * H * 2,
+                      (size_t)n * H * 2, cudaMemcpyDeviceToHost));
       if (fp8)
-        CUCK(cudaMemcpy(sc, (float *)llh_buf(h, r, bank, EPD_BUF_LL_RECV_SCALES) + s * RM * (H / 128), (size_t)n * (H / 128) * 4, cudaMemcpyDeviceToHost));
+        CUCK(cudaMemcpy(sc, (float *)llh_buf(h, r, bank, EPD_BUF_LL_RECV_SCALES) + s * RM * (H / 128),
+                        (size_t)n * (H / 128) * 4, cudaMemcpyDeviceToHost));
       for (int j = 0; j < n; j++) {
         if (src[j] != C.ref_out[r].recv_src[s * RM + j])
-          epd_test_fail(__FILE__, __LINE__, "rank %d slot %u row %d src %x, expected %x", r, s, j, src[j], C.ref_out[r].recv_src[s * RM + j]);
+          epd_test_fail(__FILE__, __LINE__, "rank %d slot %u row %d src %x, expected %x", r, s, j, src[j],
+                        C.ref_out[r].recv_src[s * RM + j]);
         const uint8_t *gr = C.gx[r] + (size_t)j * H * 2;
         const uint8_t *rr = (const uint8_t *)C.ref_out[r].recv_x + ((size_t)s * RM + j) * H * 2;
         if (!fp8) {
@@ -230,9 +239,11 @@ static void run_dispatch_check(unsigned bank, int fp8) {
           /* the same bytes and scales as the reference (IEEE division, SEMANTICS.md) */
           for (uint32_t c = 0; c < H; c++)
             if (gr[c] != rr[c])
-              epd_test_fail(__FILE__, __LINE__, "rank %d slot %u row %d ch %u: fp8 %02x vs %02x", r, s, j, c, gr[c], rr[c]);
+              epd_test_fail(__FILE__, __LINE__, "rank %d slot %u row %d ch %u: fp8 %02x vs %02x", r, s, j, c,
+                            gr[c], rr[c]);
           for (uint32_t b = 0; b < H / 128; b++) {
-            float a = sc[(size_t)j * (H / 128) + b], e = C.ref_out[r].recv_scales[((size_t)s * RM + j) * (H / 128) + b];
+            float a = sc[(size_t)j * (H / 128) + b],
+                  e = C.ref_out[r].recv_scales[((size_t)s * RM + j) * (H / 128) + b];
             if (memcmp(&a, &e, 4))
               epd_test_fail(__FILE__, __LINE__, "rank %d slot %u row %d block %u: scale %a vs %a", r, s, j, b,
                             a, e);
@@ -259,7 +270,8 @@ static void run_combine_check(unsigned bank) {
       uint16_t *yr = C.y[r] + (size_t)s * RM * H;
       for (size_t i = 0; i < (size_t)n * H; i++)
         yr[i] = epd_f32_to_bf16((float)((epd_ref_rand(&rng_state) >> 40) / 16777216.0 * 4.0 - 2.0));
-      CUCK(cudaMemcpy((uint16_t *)llh_buf(h, r, bank, EPD_BUF_LL_Y) + s * RM * H, yr, (size_t)n * H * 2, cudaMemcpyHostToDevice));
+      CUCK(cudaMemcpy((uint16_t *)llh_buf(h, r, bank, EPD_BUF_LL_Y) + s * RM * H, yr, (size_t)n * H * 2,
+                      cudaMemcpyHostToDevice));
     }
     CUCK(cudaStreamSynchronize(0));
   }
@@ -286,10 +298,12 @@ static void run_combine_check(unsigned bank) {
           size_t row = (size_t)C.plan.dst_slot[idx] * RM + C.plan.dst_pos[idx];
           part_abs += fabs(C.plan.weight[idx] * epd_bf16_to_f32(C.y[d][row * H + c]));
         }
-        float g = epd_bf16_to_f32(C.out[r][(size_t)t * H + c]), e = epd_bf16_to_f32(C.rout[r][(size_t)t * H + c]);
+        float g = epd_bf16_to_f32(C.out[r][(size_t)t * H + c]),
+              e = epd_bf16_to_f32(C.rout[r][(size_t)t * H + c]);
         double tol = (part_abs + fabs(e)) * (1.0 / 128) + 1e-6;
         if (!(fabs((double)g - e) <= tol))
-          epd_test_fail(__FILE__, __LINE__, "rank %d token %u ch %u: out %g, expected %g (tol %g)", r, t, c, g, e, tol);
+          epd_test_fail(__FILE__, __LINE__, "rank %d token %u ch %u: out %g, expected %g (tol %g)", r, t, c,
+                        g, e, tol);
       }
     }
   }
@@ -424,7 +438,8 @@ EPD_TEST_T(gpu_ll_120_steps_replicas, 300) {
   for (int s = 0; s < 120; s++) {
     if (s % 10 == 0) {
       C.map.version = 1 + (uint32_t)s / 10;
-      CK(epd_k_map_pack(C.mapimg, C.map.version, 64, C.map.nrep, (const uint32_t *)C.map.rep, EPD_MAX_REPLICAS));
+      CK(epd_k_map_pack(C.mapimg, C.map.version, 64, C.map.nrep, (const uint32_t *)C.map.rep,
+                        EPD_MAX_REPLICAS));
       CK(llh_set_map(&C.h, C.mapimg));
     }
     uint32_t nt[2] = {(uint32_t)(epd_ref_rand(&rng_state) % 65), (uint32_t)(epd_ref_rand(&rng_state) % 65)};
@@ -570,7 +585,9 @@ static void pwait_exit(cudaStream_t *ps) {
       e = cudaStreamQuery(ps[r]);
       if (e == cudaErrorNotReady) usleep(1000);
     }
-    if (e != cudaSuccess) epd_test_fail(__FILE__, __LINE__, "rank %d: persistent kernel did not stop (%s)", r, cudaGetErrorString(e));
+    if (e != cudaSuccess)
+      epd_test_fail(__FILE__, __LINE__, "rank %d: persistent kernel did not stop (%s)", r,
+                    cudaGetErrorString(e));
     ASSERT_EQ(g_prog[r]->exited, 1u);
   }
 }
@@ -625,9 +642,11 @@ EPD_TEST_T(gpu_ll_persistent_queue, 120) {
     CUCK(cudaMemset(g_q[r], 0, sizeof(epd_queue_t)));
     CUCK(cudaDeviceSynchronize());
     CUCK(cudaStreamCreateWithFlags(&ps[r], cudaStreamNonBlocking));
-    CUCK(cudaHostAlloc((void **)&g_ctl[r], sizeof(epd_k_pctl_t), cudaHostAllocMapped | cudaHostAllocPortable));
+    CUCK(
+        cudaHostAlloc((void **)&g_ctl[r], sizeof(epd_k_pctl_t), cudaHostAllocMapped | cudaHostAllocPortable));
     CUCK(cudaHostAlloc((void **)&g_dlim[r], sizeof(uint64_t), cudaHostAllocMapped | cudaHostAllocPortable));
-    CUCK(cudaHostAlloc((void **)&g_prog[r], sizeof(epd_k_pprog_t), cudaHostAllocMapped | cudaHostAllocPortable));
+    CUCK(cudaHostAlloc((void **)&g_prog[r], sizeof(epd_k_pprog_t),
+                       cudaHostAllocMapped | cudaHostAllocPortable));
     memset(g_prog[r], 0, sizeof *g_prog[r]);
   }
   g_qpos = 0;
@@ -718,5 +737,7 @@ EPD_TEST_T(gpu_ll_persistent_queue, 120) {
 
 #else /* !EPD_WITH_CUDA */
 #include "../test.h"
-EPD_TEST(gpu_ll_without_cuda) { epd_test_skip("built without CUDA (WITH_CUDA=0)"); }
+EPD_TEST(gpu_ll_without_cuda) {
+  epd_test_skip("built without CUDA (WITH_CUDA=0)");
+}
 #endif

@@ -29,9 +29,9 @@
     cudaError_t e_ = (call);                                                                           \
     if (e_ != cudaSuccess) epd_test_fail(__FILE__, __LINE__, "%s: %s", #call, cudaGetErrorString(e_)); \
   } while (0)
-#define CKD(call)                                                                 \
-  do {                                                                            \
-    CUresult r_ = (call);                                                         \
+#define CKD(call)                                                                        \
+  do {                                                                                   \
+    CUresult r_ = (call);                                                                \
     if (r_ != CUDA_SUCCESS) epd_test_fail(__FILE__, __LINE__, "%s: %d", #call, (int)r_); \
   } while (0)
 
@@ -170,7 +170,8 @@ EPD_TEST_T(plumb_fd_export_fork, 60) {
   CUresult (*pcuMemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
                            unsigned long long) = drv("cuMemCreate");
   CUresult (*pcuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *,
-                                             CUmemAllocationGranularity_flags) = drv("cuMemGetAllocationGranularity");
+                                             CUmemAllocationGranularity_flags) =
+      drv("cuMemGetAllocationGranularity");
   CUresult (*pcuMemExportToShareableHandle)(void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
                                             unsigned long long) = drv("cuMemExportToShareableHandle");
   CUresult (*pcuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long) =
@@ -219,11 +220,11 @@ EPD_TEST_T(plumb_fd_export_fork, 60) {
 
 typedef struct fake_daemon {
   epd_queue_t *q;
-  int expect;          /* ops to serve */
-  uint64_t deadline;   /* give up (monotonic ns) */
+  int expect;        /* ops to serve */
+  uint64_t deadline; /* give up (monotonic ns) */
   atomic_int served;
-  int bad;             /* first protocol error seen */
-  int32_t status;      /* status to answer */
+  int bad;        /* first protocol error seen */
+  int32_t status; /* status to answer */
   pthread_t th;
 } fake_daemon_t;
 
@@ -232,7 +233,8 @@ static void *fake_daemon_main(void *arg) {
   uint32_t next = 0;
   while (atomic_load(&f->served) < f->expect && now_ns() < f->deadline) {
     epd_slot_t *s = &f->q->slot[next];
-    if (atomic_load_explicit((_Atomic uint32_t *)&s->state, memory_order_acquire) != EPD_SLOT_SUBMITTED) continue;
+    if (atomic_load_explicit((_Atomic uint32_t *)&s->state, memory_order_acquire) != EPD_SLOT_SUBMITTED)
+      continue;
     epd_desc_t d = s->desc;
     epd_comp_t c = {0};
     c.status = f->status;
@@ -352,8 +354,8 @@ EPD_TEST_T(plumb_graph_replay, 60) {
     ASSERT_EQ(p.client_view->slot[i].state, EPD_SLOT_FREE);
     ASSERT_EQ(p.client_view->slot[i].comp.user_tag, 0x7700u + i);
   }
-  report("graph replay: %.2f us/op over %d replays of %u ops\n", (t1 - t0) / 1e3 / ((R - 1) * EPD_QUEUE_SLOTS),
-         R - 1, EPD_QUEUE_SLOTS);
+  report("graph replay: %.2f us/op over %d replays of %u ops\n",
+         (t1 - t0) / 1e3 / ((R - 1) * EPD_QUEUE_SLOTS), R - 1, EPD_QUEUE_SLOTS);
   cudaGraphExecDestroy(ge);
   cudaGraphDestroy(g);
 }
@@ -365,8 +367,8 @@ EPD_TEST_T(plumb_device_submit_wait, 60) {
   CK(cudaFree(0));
   CUresult (*pcuModuleLoadData)(CUmodule *, const void *) = drv("cuModuleLoadData");
   CUresult (*pcuModuleGetFunction)(CUfunction *, CUmodule, const char *) = drv("cuModuleGetFunction");
-  CUresult (*pcuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                              CUstream, void **, void **) = drv("cuLaunchKernel");
+  CUresult (*pcuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              unsigned, CUstream, void **, void **) = drv("cuLaunchKernel");
   CUmodule mod;
   CUfunction fn;
   CKD(pcuModuleLoadData(&mod, plumb_dev_ptx));
@@ -407,5 +409,7 @@ EPD_TEST_T(plumb_device_submit_wait, 60) {
 
 #else /* !EPD_WITH_CUDA */
 #include "../test.h"
-EPD_TEST(gpu_plumb_without_cuda) { epd_test_skip("built without CUDA (WITH_CUDA=0)"); }
+EPD_TEST(gpu_plumb_without_cuda) {
+  epd_test_skip("built without CUDA (WITH_CUDA=0)");
+}
 #endif

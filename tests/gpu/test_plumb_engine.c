@@ -123,10 +123,12 @@ static void attach(epd_engine_t *eng, const char *group, int rank, uint32_t E, u
   c->q = mmap(NULL, c->info.queue_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, c->info.queue_fd, 0);
   ASSERT(c->q != MAP_FAILED);
   ASSERT_EQ(c->q->magic, EPD_QUEUE_MAGIC);
-  if ((rc = epd_cuda_register_host(c->q, c->info.queue_bytes, c->info.device, &c->reg, &c->qdev, err, sizeof err)))
+  if ((rc = epd_cuda_register_host(c->q, c->info.queue_bytes, c->info.device, &c->reg, &c->qdev, err,
+                                   sizeof err)))
     epd_test_fail(__FILE__, __LINE__, "register queue: %s", err);
   void *a = NULL;
-  if ((rc = epd_cuda_import(c->info.arena_fd, c->info.arena_bytes, c->info.device, &c->map, &a, err, sizeof err)))
+  if ((rc = epd_cuda_import(c->info.arena_fd, c->info.arena_bytes, c->info.device, &c->map, &a, err,
+                            sizeof err)))
     epd_test_fail(__FILE__, __LINE__, "import arena: %s", err);
   c->arena = a;
 }
@@ -176,12 +178,14 @@ static epd_comp_t finish(gclient_t *c, int timeout_s) {
   uint64_t dl = now_ns() + (uint64_t)timeout_s * 1000000000ull;
   cudaError_t e;
   while ((e = cudaStreamQuery(c->s)) == cudaErrorNotReady)
-    if (now_ns() > dl) epd_test_fail(__FILE__, __LINE__, "rank %d: submission not written in %d s", c->info.device, timeout_s);
+    if (now_ns() > dl)
+      epd_test_fail(__FILE__, __LINE__, "rank %d: submission not written in %d s", c->info.device, timeout_s);
   CK(e);
   epd_slot_t *sl = &c->q->slot[c->next];
   while (__atomic_load_n(&sl->state, __ATOMIC_ACQUIRE) != EPD_SLOT_DONE)
-    if (now_ns() > dl) epd_test_fail(__FILE__, __LINE__, "rank %d: op did not complete in %d s (state %u)", c->info.device,
-                                     timeout_s, sl->state);
+    if (now_ns() > dl)
+      epd_test_fail(__FILE__, __LINE__, "rank %d: op did not complete in %d s (state %u)", c->info.device,
+                    timeout_s, sl->state);
   epd_comp_t comp = sl->comp;
   __atomic_store_n(&sl->state, EPD_SLOT_FREE, __ATOMIC_RELEASE);
   c->next = (c->next + 1) % EPD_QUEUE_SLOTS;
@@ -195,7 +199,9 @@ static uint32_t rnd(void) {
   rng ^= rng << 17;
   return (uint32_t)(rng >> 11);
 }
-static float frand(void) { return (float)(rnd() % 2000001) / 1e6f - 1.0f; }
+static float frand(void) {
+  return (float)(rnd() % 2000001) / 1e6f - 1.0f;
+}
 
 typedef struct geom {
   uint32_t E, H, K, M, S;
@@ -283,8 +289,9 @@ static void run_ll(epd_engine_t *eng, const char *group, const geom_t *g, int st
       submit(&c[r], EPD_OP_LL_DISPATCH, bank, d.T[r], fp8 ? EPD_DESC_FP8 : 0, 100 + (uint64_t)step);
     for (int r = 0; r < NR; r++) {
       epd_comp_t comp = finish(&c[r], 30);
-      if (comp.status) epd_test_fail(__FILE__, __LINE__, "step %d rank %d dispatch: status %d peer %d", step, r,
-                                     comp.status, comp.peer);
+      if (comp.status)
+        epd_test_fail(__FILE__, __LINE__, "step %d rank %d dispatch: status %d peer %d", step, r, comp.status,
+                      comp.peer);
       ASSERT_EQ(comp.user_tag, 100 + (uint64_t)step);
       ASSERT_EQ(comp.num_recv, plan.ll_recv[r]);
     }
@@ -301,14 +308,16 @@ static void run_ll(epd_engine_t *eng, const char *group, const geom_t *g, int st
           ASSERT_EQ(gsrc[row], rsrc[r][row]);
           if (!fp8) {
             if (memcmp(gx + row * g->H, rx[r] + row * g->H, g->H * 2))
-              epd_test_fail(__FILE__, __LINE__, "step %d rank %d slot %u row %d: recv_x differs", step, r, s, j);
+              epd_test_fail(__FILE__, __LINE__, "step %d rank %d slot %u row %d: recv_x differs", step, r, s,
+                            j);
           } else {
             /* FP8 bytes in the first H bytes of the row: allow one e4m3 step of difference. */
             const uint8_t *a = (const uint8_t *)(gx + row * g->H), *b = (const uint8_t *)(rx[r] + row * g->H);
             for (uint32_t h = 0; h < g->H; h++)
-              if (fabsf(epd_e4m3_to_f32(a[h]) - epd_e4m3_to_f32(b[h])) > 0.07f * fabsf(epd_e4m3_to_f32(b[h])) + 1e-3f)
-                epd_test_fail(__FILE__, __LINE__, "step %d rank %d slot %u row %d ch %u: fp8 %02x vs %02x", step, r,
-                              s, j, h, a[h], b[h]);
+              if (fabsf(epd_e4m3_to_f32(a[h]) - epd_e4m3_to_f32(b[h])) >
+                  0.07f * fabsf(epd_e4m3_to_f32(b[h])) + 1e-3f)
+                epd_test_fail(__FILE__, __LINE__, "step %d rank %d slot %u row %d ch %u: fp8 %02x vs %02x",
+                              step, r, s, j, h, a[h], b[h]);
           }
         }
       }
@@ -331,8 +340,9 @@ static void run_ll(epd_engine_t *eng, const char *group, const geom_t *g, int st
     for (int r = 0; r < NR; r++) submit(&c[r], EPD_OP_LL_COMBINE, bank, 0, 0, 200 + (uint64_t)step);
     for (int r = 0; r < NR; r++) {
       epd_comp_t comp = finish(&c[r], 30);
-      if (comp.status) epd_test_fail(__FILE__, __LINE__, "step %d rank %d combine: status %d peer %d", step, r,
-                                     comp.status, comp.peer);
+      if (comp.status)
+        epd_test_fail(__FILE__, __LINE__, "step %d rank %d combine: status %d peer %d", step, r, comp.status,
+                      comp.peer);
     }
     comb_us += (now_ns() - t0) / 1e3;
     for (int r = 0; r < NR; r++) {
@@ -342,13 +352,15 @@ static void run_ll(epd_engine_t *eng, const char *group, const geom_t *g, int st
         for (uint32_t h = 0; h < g->H; h++) {
           float a = epd_bf16_to_f32(gout[t * g->H + h]), b = epd_bf16_to_f32(rout[r][t * g->H + h]);
           if (!(fabsf(a - b) <= 0.02f * fabsf(b) + 0.02f))
-            epd_test_fail(__FILE__, __LINE__, "step %d rank %d token %u ch %u: out %g vs ref %g", step, r, t, h, a, b);
+            epd_test_fail(__FILE__, __LINE__, "step %d rank %d token %u ch %u: out %g vs ref %g", step, r, t,
+                          h, a, b);
         }
     }
   }
-  report("%s: E%u H%u K%u M%u %s: %d steps ok; dispatch %.1f us, combine %.1f us per step (host-synced, "
-         "submit by stream memops, host-polled completion)\n", group, g->E, g->H, g->K, g->M, fp8 ? "fp8" : "bf16", steps, disp_us / steps,
-         comb_us / steps);
+  report(
+      "%s: E%u H%u K%u M%u %s: %d steps ok; dispatch %.1f us, combine %.1f us per step (host-synced, "
+      "submit by stream memops, host-polled completion)\n",
+      group, g->E, g->H, g->K, g->M, fp8 ? "fp8" : "bf16", steps, disp_us / steps, comb_us / steps);
   for (int r = 0; r < NR; r++) detach(eng, &c[r], 0);
   epd_ref_plan_free(&plan);
   epd_expert_map_free(&map);
@@ -426,11 +438,11 @@ EPD_TEST_T(plumb_engine_refused_dispatch_and_drain, 120) {
     uint32_t op, bank[NR];
     int draining, want;
   } seq[] = {
-      {EPD_OP_LL_DISPATCH, {0, 0}, 0, EPD_OK},         {EPD_OP_LL_COMBINE, {0, 0}, 0, EPD_OK},
+      {EPD_OP_LL_DISPATCH, {0, 0}, 0, EPD_OK},           {EPD_OP_LL_COMBINE, {0, 0}, 0, EPD_OK},
       {EPD_OP_LL_DISPATCH, {0, 1}, 0, EPD_ERR_MISMATCH}, {EPD_OP_LL_COMBINE, {0, 0}, 0, EPD_ERR_STATE},
-      {EPD_OP_LL_DISPATCH, {0, 0}, 0, EPD_OK},         {EPD_OP_LL_COMBINE, {0, 0}, 1, EPD_OK},
+      {EPD_OP_LL_DISPATCH, {0, 0}, 0, EPD_OK},           {EPD_OP_LL_COMBINE, {0, 0}, 1, EPD_OK},
       {EPD_OP_LL_DISPATCH, {1, 1}, 1, EPD_ERR_DRAINING}, {EPD_OP_LL_COMBINE, {1, 1}, 1, EPD_ERR_STATE},
-      {EPD_OP_LL_DISPATCH, {1, 1}, 0, EPD_OK},         {EPD_OP_LL_COMBINE, {1, 1}, 0, EPD_OK},
+      {EPD_OP_LL_DISPATCH, {1, 1}, 0, EPD_OK},           {EPD_OP_LL_COMBINE, {1, 1}, 0, EPD_OK},
   };
   for (size_t i = 0; i < sizeof seq / sizeof seq[0]; i++) {
     epd_engine_set_draining(eng, seq[i].draining);
@@ -450,5 +462,7 @@ EPD_TEST_T(plumb_engine_refused_dispatch_and_drain, 120) {
 
 #else /* !EPD_WITH_CUDA */
 #include "../test.h"
-EPD_TEST(gpu_plumb_engine_without_cuda) { epd_test_skip("built without CUDA (WITH_CUDA=0)"); }
+EPD_TEST(gpu_plumb_engine_without_cuda) {
+  epd_test_skip("built without CUDA (WITH_CUDA=0)");
+}
 #endif

@@ -70,11 +70,13 @@ typedef struct args {
   const char *hold_file;
 } args_t;
 
-static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1, 16, 256, 4, 64, 0, 0, 0, 0, 0, 0,
-                   -1, 0, 0, 0, NULL};
+static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0,  0, 0, 1, 16,
+                   256,  4,         64, 0, 0,  0, 0, 0, 0,  -1, 0, 0, 0, NULL};
 
 /* The flags of a dispatch in HT mode (ht) or LL: flags, plus EPD_DESC_HT_DENSE for HT with --dense. */
-static uint32_t dispatch_flags(uint32_t flags, int ht) { return flags | (ht && A.dense ? (uint32_t)EPD_DESC_HT_DENSE : 0u); }
+static uint32_t dispatch_flags(uint32_t flags, int ht) {
+  return flags | (ht && A.dense ? (uint32_t)EPD_DESC_HT_DENSE : 0u);
+}
 
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
@@ -143,11 +145,12 @@ static void graph_capture(epd_ep_t *ep, uint32_t T, uint32_t flags) {
       void *graph = NULL;
       g_slot[op][b] = (unsigned)epd_info(ep, EPD_INFO_NEXT_SLOT);
       int e1 = cug.begin(g_stream, 1 /* CU_STREAM_CAPTURE_MODE_THREAD_LOCAL */);
-      epd_result_t rc = op == 0 ? epd_dispatch(ep, EPD_MODE_LL, T, flags, b, g_stream) : epd_combine(ep, EPD_MODE_LL, b, g_stream);
+      epd_result_t rc = op == 0 ? epd_dispatch(ep, EPD_MODE_LL, T, flags, b, g_stream)
+                                : epd_combine(ep, EPD_MODE_LL, b, g_stream);
       int e2 = cug.end(g_stream, &graph);
       if (e1 || rc || e2 || cug.inst(&g_exec[op][b], graph, 0)) {
-        fprintf(stderr, "rank %d: --graph: capturing %s bank %u failed (%d, %s, %d)\n", A.rank, op ? "combine" : "dispatch",
-                b, e1, rc ? epd_last_error(ep) : "ok", e2);
+        fprintf(stderr, "rank %d: --graph: capturing %s bank %u failed (%d, %s, %d)\n", A.rank,
+                op ? "combine" : "dispatch", b, e1, rc ? epd_last_error(ep) : "ok", e2);
         exit(2);
       }
     }
@@ -163,7 +166,8 @@ static epd_result_t graph_run(epd_ep_t *ep, int op, unsigned bank, epd_comp_t *c
   int q;
   while ((q = cug.query(g_stream)) == 600 /* CUDA_ERROR_NOT_READY */)
     if (now_us() > dl) {
-      fprintf(stderr, "rank %d: graph replay (%s bank %u) not done after 60 s\n", A.rank, op ? "combine" : "dispatch", bank);
+      fprintf(stderr, "rank %d: graph replay (%s bank %u) not done after 60 s\n", A.rank,
+              op ? "combine" : "dispatch", bank);
       exit(2);
     }
   if (q) {
@@ -242,8 +246,8 @@ static int fetch_map(epd_expert_map_t *m, uint32_t E, uint32_t R, uint32_t S) {
   req.protocol_version = EPD_PROTOCOL_VERSION;
   req.group = (char *)A.group;
   ProtobufCMessage *msg = NULL;
-  epd_result_t rc = epd_rpc_call(rpc, "/epd.v1.Control/GetExpertMap", &req.base, &epd__v1__expert_map__descriptor,
-                                 &msg, err, sizeof err);
+  epd_result_t rc = epd_rpc_call(rpc, "/epd.v1.Control/GetExpertMap", &req.base,
+                                 &epd__v1__expert_map__descriptor, &msg, err, sizeof err);
   epd_rpc_close(rpc);
   if (rc) {
     fprintf(stderr, "rank %d: GetExpertMap: %s\n", A.rank, err);
@@ -280,7 +284,8 @@ static int table_map(epd_ep_t *ep, epd_expert_map_t *m, uint32_t E, uint32_t R, 
     epd_replica_t reps[EPD_MAX_REPLICAS];
     uint32_t n = 0;
     if (epd_expert_slots(ep, e, reps, EPD_MAX_REPLICAS, &n, &v) || v != v0 || n < 1 || n > EPD_MAX_REPLICAS) {
-      fprintf(stderr, "rank %d: map table: expert %u: %s (version %u, then %u)\n", A.rank, e, epd_last_error(ep), v0, v);
+      fprintf(stderr, "rank %d: map table: expert %u: %s (version %u, then %u)\n", A.rank, e,
+              epd_last_error(ep), v0, v);
       return -2;
     }
     m->nrep[e] = (uint8_t)n;
@@ -297,7 +302,8 @@ static int table_map(epd_ep_t *ep, epd_expert_map_t *m, uint32_t E, uint32_t R, 
         for (uint32_t i = 0; i < m->nrep[e]; i++)
           if (m->rep[e][i].rank == (uint32_t)A.rank && m->rep[e][i].slot == s) want = (int32_t)e;
       if (se[s] != want) {
-        fprintf(stderr, "rank %d: map table: slot %u holds expert %d, the replica lists say %d\n", A.rank, s, se[s], want);
+        fprintf(stderr, "rank %d: map table: slot %u holds expert %d, the replica lists say %d\n", A.rank, s,
+                se[s], want);
         return -2;
       }
     }
@@ -331,8 +337,8 @@ static uint32_t send_map(Epd__V1__ExpertPlacement **plp, uint32_t E, Epd__V1__We
   ProtobufCMessage *rep = NULL;
   map_busy = 0;
   if (epd_rpc_open(A.sock, 10000, &rpc, err, sizeof err) ||
-      epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &q.base, &epd__v1__set_expert_map_reply__descriptor, &rep, err,
-                   sizeof err)) {
+      epd_rpc_call(rpc, "/epd.v1.Control/SetExpertMap", &q.base, &epd__v1__set_expert_map_reply__descriptor,
+                   &rep, err, sizeof err)) {
     map_busy = ncp > 0 && strstr(err, "RESOURCE_EXHAUSTED") && strstr(err, "is being migrated");
     fprintf(map_busy ? stdout : stderr, "rank %d step %d: SetExpertMap: %s%s\n", A.rank, step, err,
             map_busy ? " (staged at the next step that stages a map)" : "");
@@ -383,7 +389,9 @@ static uint32_t stage_random_map(uint32_t E, uint32_t R, uint32_t S, int step) {
 /* ---- expert weights (--weights) ------------------------------------------------------------------- */
 
 /* Word i of logical expert e's weights; word 0 is the expert's output scale (toy expert). */
-static float logical_scale(uint32_t e) { return 0.5f + 0.0625f * (float)(e % 24); }
+static float logical_scale(uint32_t e) {
+  return 0.5f + 0.0625f * (float)(e % 24);
+}
 static uint32_t wword(uint32_t e, uint64_t i) {
   if (i == 0) {
     float f = logical_scale(e);
@@ -420,8 +428,10 @@ static int weights_check(uint8_t *wbuf, const epd_expert_map_t *m, uint32_t E, u
       for (uint64_t w = 0; w < nw; w++)
         if (sw[w] != wword(e, w)) {
           if (bad++ < 5)
-            fprintf(stderr, "rank %d step %d (map v%u): slot %u word %llu is 0x%08x, expert %u's weights say 0x%08x\n",
-                    A.rank, step, m->version, m->rep[e][i].slot, (unsigned long long)w, sw[w], e, wword(e, w));
+            fprintf(
+                stderr,
+                "rank %d step %d (map v%u): slot %u word %llu is 0x%08x, expert %u's weights say 0x%08x\n",
+                A.rank, step, m->version, m->rep[e][i].slot, (unsigned long long)w, sw[w], e, wword(e, w));
           break;
         }
     }
@@ -432,7 +442,8 @@ static int weights_check(uint8_t *wbuf, const epd_expert_map_t *m, uint32_t E, u
 /* --weights with --map-every: from the active map, move 1-3 experts' replicas into free slots, copying
  * the weights from a replica the active map has (copies never chain: sources hold an expert now,
  * destinations are free now); half the time the expert's old replica is dropped (a move). */
-static uint32_t copies_across; /* --weights --map-every --node-ranks: staged copies whose ranks are on two nodes */
+static uint32_t
+    copies_across; /* --weights --map-every --node-ranks: staged copies whose ranks are on two nodes */
 static uint32_t stage_migration_map(const epd_expert_map_t *cur, uint32_t E, uint32_t R, uint32_t S, int step,
                                     uint32_t *ncopies) {
   uint64_t st = A.seed * 104729 + (uint64_t)step;
@@ -469,7 +480,10 @@ static uint32_t stage_migration_map(const epd_expert_map_t *cur, uint32_t E, uin
     pick = (uint32_t)(epd_ref_rand(&st) % nfree);
     uint32_t f = 0;
     for (uint32_t i = 0; i < R * S; i++)
-      if (!held[i] && pick-- == 0) { f = i; break; }
+      if (!held[i] && pick-- == 0) {
+        f = i;
+        break;
+      }
     held[f] = 1; /* not a destination twice */
     const epd_replica_t src = cur->rep[e][epd_ref_rand(&st) % cur->nrep[e]];
     rep[e][nrep[e]++] = (epd_replica_t){f / S, f % S};
@@ -486,7 +500,8 @@ static uint32_t stage_migration_map(const epd_expert_map_t *cur, uint32_t E, uin
     }
   }
   Epd__V1__ExpertPlacement *pl = calloc(E, sizeof *pl), **plp = calloc(E, sizeof *plp);
-  Epd__V1__Replica *rp = calloc((size_t)E * EPD_MAX_REPLICAS, sizeof *rp), **rpp = calloc((size_t)E * EPD_MAX_REPLICAS, sizeof *rpp);
+  Epd__V1__Replica *rp = calloc((size_t)E * EPD_MAX_REPLICAS, sizeof *rp),
+                   **rpp = calloc((size_t)E * EPD_MAX_REPLICAS, sizeof *rpp);
   for (uint32_t e = 0; e < E; e++) {
     epd__v1__expert_placement__init(&pl[e]);
     pl[e].expert = e;
@@ -530,7 +545,9 @@ static void *dispatch_thread(void *arg) {
 
 /* ---- main ---------------------------------------------------------------------------------------- */
 
-static float expert_scale(uint32_t rank, uint32_t slot) { return 0.5f + 0.125f * (float)((rank * 7 + slot) % 8); }
+static float expert_scale(uint32_t rank, uint32_t slot) {
+  return 0.5f + 0.125f * (float)((rank * 7 + slot) % 8);
+}
 
 /* The toy expert's scale for a local slot: from the slot's weights with --weights (a slot whose weights
  * are no expert's gives NaN, so the step fails), else fixed per (rank, slot). */
@@ -547,10 +564,11 @@ static uint32_t tokens_of(uint64_t step, uint32_t rank, uint32_t M) {
 }
 
 static void usage(void) {
-  fprintf(stderr, "usage: epd-worker -s SOCKET -g GROUP -r RANK -n NRANKS --steps N --seed S [--experts E "
-                  "--hidden H --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] "
-                  "[--map-every N] [--node-ranks N] [--weights BYTES] [--graph] [--bench N] [--ht-every N] "
-                  "[--dense] [--specials] [--hold-at K --hold-file PATH] [-v]\n");
+  fprintf(stderr,
+          "usage: epd-worker -s SOCKET -g GROUP -r RANK -n NRANKS --steps N --seed S [--experts E "
+          "--hidden H --topk K --tokens T] [--mode ll|ht] [--fp8] [--skew] [--die-at-step k] "
+          "[--map-every N] [--node-ranks N] [--weights BYTES] [--graph] [--bench N] [--ht-every N] "
+          "[--dense] [--specials] [--hold-at K --hold-file PATH] [-v]\n");
   exit(2);
 }
 
@@ -565,50 +583,129 @@ static int skip_failed(const epd_ep_t *ep, const char *op, int step, int *fails)
 }
 
 static void parse(int argc, char **argv) {
-  static const struct option lo[] = {
-      {"socket", 1, 0, 's'},   {"group", 1, 0, 'g'},  {"rank", 1, 0, 'r'},   {"nranks", 1, 0, 'n'},
-      {"steps", 1, 0, 'S'},    {"seed", 1, 0, 'e'},   {"experts", 1, 0, 'E'}, {"hidden", 1, 0, 'H'},
-      {"topk", 1, 0, 'K'},     {"tokens", 1, 0, 'T'}, {"mode", 1, 0, 'm'},   {"fp8", 0, 0, 'f'},
-      {"skew", 0, 0, 'k'},     {"die-at-step", 1, 0, 'd'}, {"verbose", 0, 0, 'v'}, {"map-every", 1, 0, 'M'}, {"node-ranks", 1, 0, 'N'},
-      {"weights", 1, 0, 'W'},  {"graph", 0, 0, 'G'},  {"bench", 1, 0, 'B'}, {"ht-every", 1, 0, 'X'}, {"dense", 0, 0, 'D'},
-      {"specials", 0, 0, 'Z'}, {"hold-at", 1, 0, 'h'}, {"hold-file", 1, 0, 'F'},
-      {"same-inputs", 0, 0, 'I'}, {"until-streak", 1, 0, 'U'}, {"streak-any", 0, 0, 'Y'}, {0, 0, 0, 0}};
+  static const struct option lo[] = {{"socket", 1, 0, 's'},
+                                     {"group", 1, 0, 'g'},
+                                     {"rank", 1, 0, 'r'},
+                                     {"nranks", 1, 0, 'n'},
+                                     {"steps", 1, 0, 'S'},
+                                     {"seed", 1, 0, 'e'},
+                                     {"experts", 1, 0, 'E'},
+                                     {"hidden", 1, 0, 'H'},
+                                     {"topk", 1, 0, 'K'},
+                                     {"tokens", 1, 0, 'T'},
+                                     {"mode", 1, 0, 'm'},
+                                     {"fp8", 0, 0, 'f'},
+                                     {"skew", 0, 0, 'k'},
+                                     {"die-at-step", 1, 0, 'd'},
+                                     {"verbose", 0, 0, 'v'},
+                                     {"map-every", 1, 0, 'M'},
+                                     {"node-ranks", 1, 0, 'N'},
+                                     {"weights", 1, 0, 'W'},
+                                     {"graph", 0, 0, 'G'},
+                                     {"bench", 1, 0, 'B'},
+                                     {"ht-every", 1, 0, 'X'},
+                                     {"dense", 0, 0, 'D'},
+                                     {"specials", 0, 0, 'Z'},
+                                     {"hold-at", 1, 0, 'h'},
+                                     {"hold-file", 1, 0, 'F'},
+                                     {"same-inputs", 0, 0, 'I'},
+                                     {"until-streak", 1, 0, 'U'},
+                                     {"streak-any", 0, 0, 'Y'},
+                                     {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "s:g:r:n:v", lo, NULL)) != -1) {
     switch (c) {
-    case 's': A.sock = optarg; break;
-    case 'g': A.group = optarg; break;
-    case 'r': A.rank = atoi(optarg); break;
-    case 'n': A.nranks = atoi(optarg); break;
-    case 'S': A.steps = atoi(optarg); break;
-    case 'e': A.seed = strtoull(optarg, NULL, 0); break;
-    case 'E': A.experts = (uint32_t)atoi(optarg); break;
-    case 'H': A.hidden = (uint32_t)atoi(optarg); break;
-    case 'K': A.topk = (uint32_t)atoi(optarg); break;
-    case 'T': A.tokens = (uint32_t)atoi(optarg); break;
-    case 'm':
-      if (!strcmp(optarg, "ll")) A.ht = 0;
-      else if (!strcmp(optarg, "ht")) A.ht = 1;
-      else usage();
-      break;
-    case 'f': A.fp8 = 1; break;
-    case 'k': A.skew = 1; break;
-    case 'd': A.die_at = atoi(optarg); break;
-    case 'v': A.verbose = 1; break;
-    case 'M': A.map_every = atoi(optarg); break;
-    case 'N': A.node_ranks = atoi(optarg); break;
-    case 'W': A.weights = strtoull(optarg, NULL, 0); break;
-    case 'G': A.graph = 1; break;
-    case 'B': A.bench = atoi(optarg); break;
-    case 'X': A.ht_every = atoi(optarg); break;
-    case 'D': A.dense = 1; break;
-    case 'Z': A.specials = 1; break;
-    case 'h': A.hold_at = atoi(optarg); break;
-    case 'F': A.hold_file = optarg; break;
-    case 'I': A.same_inputs = 1; break;
-    case 'U': A.streak = atoi(optarg); break;
-    case 'Y': A.streak_any = 1; break;
-    default: usage();
+      case 's':
+        A.sock = optarg;
+        break;
+      case 'g':
+        A.group = optarg;
+        break;
+      case 'r':
+        A.rank = atoi(optarg);
+        break;
+      case 'n':
+        A.nranks = atoi(optarg);
+        break;
+      case 'S':
+        A.steps = atoi(optarg);
+        break;
+      case 'e':
+        A.seed = strtoull(optarg, NULL, 0);
+        break;
+      case 'E':
+        A.experts = (uint32_t)atoi(optarg);
+        break;
+      case 'H':
+        A.hidden = (uint32_t)atoi(optarg);
+        break;
+      case 'K':
+        A.topk = (uint32_t)atoi(optarg);
+        break;
+      case 'T':
+        A.tokens = (uint32_t)atoi(optarg);
+        break;
+      case 'm':
+        if (!strcmp(optarg, "ll"))
+          A.ht = 0;
+        else if (!strcmp(optarg, "ht"))
+          A.ht = 1;
+        else
+          usage();
+        break;
+      case 'f':
+        A.fp8 = 1;
+        break;
+      case 'k':
+        A.skew = 1;
+        break;
+      case 'd':
+        A.die_at = atoi(optarg);
+        break;
+      case 'v':
+        A.verbose = 1;
+        break;
+      case 'M':
+        A.map_every = atoi(optarg);
+        break;
+      case 'N':
+        A.node_ranks = atoi(optarg);
+        break;
+      case 'W':
+        A.weights = strtoull(optarg, NULL, 0);
+        break;
+      case 'G':
+        A.graph = 1;
+        break;
+      case 'B':
+        A.bench = atoi(optarg);
+        break;
+      case 'X':
+        A.ht_every = atoi(optarg);
+        break;
+      case 'D':
+        A.dense = 1;
+        break;
+      case 'Z':
+        A.specials = 1;
+        break;
+      case 'h':
+        A.hold_at = atoi(optarg);
+        break;
+      case 'F':
+        A.hold_file = optarg;
+        break;
+      case 'I':
+        A.same_inputs = 1;
+        break;
+      case 'U':
+        A.streak = atoi(optarg);
+        break;
+      case 'Y':
+        A.streak_any = 1;
+        break;
+      default:
+        usage();
     }
   }
   if (A.rank < 0 || A.nranks < 1 || A.rank >= A.nranks || A.steps < 0) usage();
@@ -666,15 +763,17 @@ int main(int argc, char **argv) {
     fprintf(stderr, "rank %d: --graph needs the cuda backend (stream-ordered submission)\n", A.rank);
     return 2;
   }
-  epd_ref_geom_t g = {(uint32_t)epd_info(ep, EPD_INFO_NUM_RANKS), (uint32_t)epd_info(ep, EPD_INFO_NUM_EXPERTS),
-                      (uint32_t)epd_info(ep, EPD_INFO_HIDDEN), (uint32_t)epd_info(ep, EPD_INFO_TOPK),
-                      (uint32_t)epd_info(ep, EPD_INFO_MAX_TOKENS), (uint32_t)epd_info(ep, EPD_INFO_SLOTS_PER_RANK),
-                      (uint32_t)epd_info(ep, EPD_INFO_HT_CAPACITY)};
+  epd_ref_geom_t g = {
+      (uint32_t)epd_info(ep, EPD_INFO_NUM_RANKS),  (uint32_t)epd_info(ep, EPD_INFO_NUM_EXPERTS),
+      (uint32_t)epd_info(ep, EPD_INFO_HIDDEN),     (uint32_t)epd_info(ep, EPD_INFO_TOPK),
+      (uint32_t)epd_info(ep, EPD_INFO_MAX_TOKENS), (uint32_t)epd_info(ep, EPD_INFO_SLOTS_PER_RANK),
+      (uint32_t)epd_info(ep, EPD_INFO_HT_CAPACITY)};
   if ((int)g.num_ranks != A.nranks) {
     fprintf(stderr, "rank %d: the group has %u ranks, -n says %d\n", A.rank, g.num_ranks, A.nranks);
     return 2;
   }
-  uint32_t R = g.num_ranks, M = g.max_tokens, H = g.hidden, K = g.topk, S = g.slots_per_rank, C = g.ht_capacity;
+  uint32_t R = g.num_ranks, M = g.max_tokens, H = g.hidden, K = g.topk, S = g.slots_per_rank,
+           C = g.ht_capacity;
   uint32_t nb = epd_ref_scale_blocks(H), me = (uint32_t)A.rank;
   epd_expert_map_t map;
   memset(&map, 0, sizeof map);
@@ -737,7 +836,8 @@ int main(int argc, char **argv) {
   uint64_t step0 = 0; /* group step of the first dispatch: every op is one group step */
   int fails = 0, streak = 0, after_fail = 0, ok_steps = 0; /* --until-streak */
   for (int step = 0; step < A.steps; step++) {
-    if (A.streak > 0 && (fails || A.streak_any) && streak >= A.streak) { /* --until-streak: N steps in a row after the last failure */
+    if (A.streak > 0 && (fails || A.streak_any) &&
+        streak >= A.streak) { /* --until-streak: N steps in a row after the last failure */
       printf("rank %d: %d steps in a row after %d failed ops\n", A.rank, streak, fails);
       A.steps = ok_steps;
       break;
@@ -785,7 +885,8 @@ int main(int argc, char **argv) {
       continue;
     }
     if (rc) {
-      fprintf(stderr, "rank %d step %d: dispatch failed: %s\n", A.rank, step, A.graph ? epd_strerror(rc) : epd_last_error(ep));
+      fprintf(stderr, "rank %d step %d: dispatch failed: %s\n", A.rank, step,
+              A.graph ? epd_strerror(rc) : epd_last_error(ep));
       return 2;
     }
     if (!A.graph) epd_op_status(ep, &comp);
@@ -818,7 +919,8 @@ int main(int argc, char **argv) {
       if (step == 0 || nswitch != weight_checks) {
         weight_checks = nswitch;
         if (weights_check(wbuf, &map, g.num_experts, S, step)) {
-          fprintf(stderr, "rank %d step %d: expert weights do not follow map v%u\n", A.rank, step, map.version);
+          fprintf(stderr, "rank %d step %d: expert weights do not follow map v%u\n", A.rank, step,
+                  map.version);
           bad_steps++;
         }
       }
@@ -830,8 +932,10 @@ int main(int argc, char **argv) {
       return 2;
     }
     if (ht && A.dense) epd_ref_ht_dense(&plan);
-    if (ht) epd_ref_ht_dispatch(&plan, in, A.fp8, outs, &bad);
-    else epd_ref_ll_dispatch(&plan, in, A.fp8, outs);
+    if (ht)
+      epd_ref_ht_dispatch(&plan, in, A.fp8, outs, &bad);
+    else
+      epd_ref_ll_dispatch(&plan, in, A.fp8, outs);
     /* Compare this rank's received buffers with the reference. */
     int errs = 0;
     uint32_t nrecv = ht ? plan.ht_recv[me] : plan.ll_recv[me];
@@ -868,13 +972,17 @@ int main(int argc, char **argv) {
     for (uint32_t row = 0; row < nrows && !errs; row++) {
       uint32_t s = ht ? 0 : row / (R * M), j = ht ? row : row % (R * M);
       if (!ht && (int32_t)j >= want.recv_count[s]) continue;
-      if (got_src[row] != want.recv_src[row] || memcmp(got_x + (size_t)row * H * 2, (uint8_t *)want.recv_x + (size_t)row * H * 2, xb) ||
+      if (got_src[row] != want.recv_src[row] ||
+          memcmp(got_x + (size_t)row * H * 2, (uint8_t *)want.recv_x + (size_t)row * H * 2, xb) ||
           (A.fp8 && memcmp(got_sc + (size_t)row * nb, want.recv_scales + (size_t)row * nb, (size_t)nb * 4)) ||
-          (ht && (memcmp(got_ti + (size_t)row * K, want.recv_topk_idx + (size_t)row * K, (size_t)K * 8) ||
-                    memcmp(got_tw + (size_t)row * K, want.recv_topk_weights + (size_t)row * K, (size_t)K * 4)))) {
+          (ht &&
+           (memcmp(got_ti + (size_t)row * K, want.recv_topk_idx + (size_t)row * K, (size_t)K * 8) ||
+            memcmp(got_tw + (size_t)row * K, want.recv_topk_weights + (size_t)row * K, (size_t)K * 4)))) {
         if (errs++ < 5)
-          fprintf(stderr, "rank %d step %d: received row %u (slot %u, src 0x%x, want 0x%x) differs from the reference\n",
-                  A.rank, step, j, s, got_src[row], want.recv_src[row]);
+          fprintf(
+              stderr,
+              "rank %d step %d: received row %u (slot %u, src 0x%x, want 0x%x) differs from the reference\n",
+              A.rank, step, j, s, got_src[row], want.recv_src[row]);
         continue;
       }
       for (uint32_t h = 0; h < H; h++)
@@ -885,7 +993,8 @@ int main(int argc, char **argv) {
         int local = 0;
         for (uint32_t k = 0; k < K; k++)
           if (got_ti[(size_t)row * K + k] >= 0) {
-            f += got_tw[(size_t)row * K + k] * slot_scale(me, (uint32_t)got_ti[(size_t)row * K + k], wbuf, slot_f);
+            f += got_tw[(size_t)row * K + k] *
+                 slot_scale(me, (uint32_t)got_ti[(size_t)row * K + k], wbuf, slot_f);
             local = 1;
           }
         if (!local) f = NAN; /* a dense row of a token with no entry here: not a partial */
@@ -896,7 +1005,8 @@ int main(int argc, char **argv) {
     }
     if (errs) {
       bad_steps++;
-      fprintf(stderr, "rank %d step %d: dispatch result differs from the reference (%d errors)\n", A.rank, step, errs);
+      fprintf(stderr, "rank %d step %d: dispatch result differs from the reference (%d errors)\n", A.rank,
+              step, errs);
     }
     for (uint32_t sg = 0; sg < nseg; sg++) {
       size_t r0 = (size_t)sg * seg_rows;
@@ -922,15 +1032,17 @@ int main(int argc, char **argv) {
       continue;
     }
     if (rc) {
-      fprintf(stderr, "rank %d step %d: combine failed: %s\n", A.rank, step, A.graph ? epd_strerror(rc) : epd_last_error(ep));
+      fprintf(stderr, "rank %d step %d: combine failed: %s\n", A.rank, step,
+              A.graph ? epd_strerror(rc) : epd_last_error(ep));
       return 2;
     }
     ok_steps++;
     if (fails || A.streak_any) streak++;
     if (!A.graph) epd_op_status(ep, &ccomp); /* graph replays: the record of the replayed slot */
     if (ccomp.step != comp.step + 1 || ccomp.map_version != comp.map_version) {
-      fprintf(stderr, "rank %d step %d: combine ran as group step %llu map %u, want %llu map %u\n", A.rank, step,
-              (unsigned long long)ccomp.step, ccomp.map_version, (unsigned long long)comp.step + 1, comp.map_version);
+      fprintf(stderr, "rank %d step %d: combine ran as group step %llu map %u, want %llu map %u\n", A.rank,
+              step, (unsigned long long)ccomp.step, ccomp.map_version, (unsigned long long)comp.step + 1,
+              comp.map_version);
       bad_steps++;
     }
     /* OUT[t] = sum over valid entries of w * scale(dest) * x, x as the destination received it. */
@@ -950,7 +1062,7 @@ int main(int argc, char **argv) {
           size_t e = ((size_t)me * M + t) * K + k;
           if (plan.dst_rank[e] < 0) continue;
           float esc = wbuf ? logical_scale((uint32_t)is[me][(size_t)t * K + k])
-                          : expert_scale((uint32_t)plan.dst_rank[e], (uint32_t)plan.dst_slot[e]);
+                           : expert_scale((uint32_t)plan.dst_rank[e], (uint32_t)plan.dst_slot[e]);
           float term = plan.weight[e] * esc * xv;
           wantv += term;
           mag += fabsf(term);
@@ -966,7 +1078,8 @@ int main(int argc, char **argv) {
     }
     if (oerrs) {
       bad_steps += errs ? 0 : 1;
-      fprintf(stderr, "rank %d step %d: combine result differs from the reference (%d errors)\n", A.rank, step, oerrs);
+      fprintf(stderr, "rank %d step %d: combine result differs from the reference (%d errors)\n", A.rank,
+              step, oerrs);
     }
     if (step == A.hold_at) {
       printf("rank %d: the combine of step %d after the hold: %s\n", A.rank, step,
@@ -974,11 +1087,12 @@ int main(int argc, char **argv) {
       fflush(NULL);
     }
     if (A.verbose)
-      printf("rank %d step %d: %s%s T=%u recv=%u map v%u %s\n", A.rank, step, ht ? "HT" : "LL", A.fp8 ? " fp8" : "",
-             T, nrecv, comp.map_version, errs || oerrs ? "MISMATCH" : "ok");
+      printf("rank %d step %d: %s%s T=%u recv=%u map v%u %s\n", A.rank, step, ht ? "HT" : "LL",
+             A.fp8 ? " fp8" : "", T, nrecv, comp.map_version, errs || oerrs ? "MISMATCH" : "ok");
     if (A.map_every > 0 && A.rank == 0 && (step + 1) % A.map_every == 0) {
       uint32_t nc = 0;
-      if (wbuf ? stage_migration_map(&map, g.num_experts, R, S, step, &nc) : stage_random_map(g.num_experts, R, S, step)) {
+      if (wbuf ? stage_migration_map(&map, g.num_experts, R, S, step, &nc)
+               : stage_random_map(g.num_experts, R, S, step)) {
         total_copies += nc;
         nstaged++;
       } else if (!map_busy) {
@@ -987,15 +1101,16 @@ int main(int argc, char **argv) {
     }
   }
   if (A.map_every > 0)
-    printf("rank %d: %d map switches seen, %d maps staged, %u weight copies asked (%u across nodes)\n", A.rank,
-           nswitch, nstaged, total_copies, copies_across);
+    printf("rank %d: %d map switches seen, %d maps staged, %u weight copies asked (%u across nodes)\n",
+           A.rank, nswitch, nstaged, total_copies, copies_across);
   /* --bench N: N more steps of the last bank's inputs, unchecked, back to back: no reference work between
    * ops, so the time is the ops' own (every rank waits for the slowest), not the workers' skew. */
   if (A.bench > 0 && !bad_steps) {
     double *dt = calloc((size_t)A.bench * 2, sizeof *dt), sd = 0, sc = 0;
     for (int i = 0; i < A.bench && dt && !rc; i++) {
       double b0 = now_us();
-      rc = epd_dispatch(ep, A.ht ? EPD_MODE_HT : EPD_MODE_LL, last_T, dispatch_flags(flags, A.ht), last_bank, NULL);
+      rc = epd_dispatch(ep, A.ht ? EPD_MODE_HT : EPD_MODE_LL, last_T, dispatch_flags(flags, A.ht), last_bank,
+                        NULL);
       double b1 = now_us();
       if (!rc) rc = epd_combine(ep, A.ht ? EPD_MODE_HT : EPD_MODE_LL, last_bank, NULL);
       dt[i] = b1 - b0;
@@ -1010,9 +1125,10 @@ int main(int argc, char **argv) {
     }
     qsort(dt, (size_t)A.bench, sizeof *dt, cmp_double);
     qsort(dt + A.bench, (size_t)A.bench, sizeof *dt, cmp_double);
-    printf("rank %d: bench %d steps of %u tokens: dispatch mean %.1f us (median %.1f), combine mean %.1f us "
-           "(median %.1f)\n",
-           A.rank, A.bench, last_T, sd / A.bench, dt[A.bench / 2], sc / A.bench, dt[A.bench + A.bench / 2]);
+    printf(
+        "rank %d: bench %d steps of %u tokens: dispatch mean %.1f us (median %.1f), combine mean %.1f us "
+        "(median %.1f)\n",
+        A.rank, A.bench, last_T, sd / A.bench, dt[A.bench / 2], sc / A.bench, dt[A.bench + A.bench / 2]);
     free(dt);
   }
   if (A.ht_every > 0) printf("rank %d: %d HT steps in between\n", A.rank, nht);
@@ -1048,8 +1164,8 @@ int main(int argc, char **argv) {
     printf("rank %d: %d of %d steps differ from the reference\n", A.rank, bad_steps, A.steps);
     return 1;
   }
-  printf("rank %d: %d steps ok, %.1f us/step (%s%s%s%s%s%s)\n", A.rank, A.steps, A.steps ? t_ops / A.steps : 0.0,
-         A.ht ? "HT" : "LL", A.fp8 ? ", fp8" : "", A.skew ? ", skew" : "", A.graph ? ", graph replays" : "",
-         A.weights ? ", weights" : "", ksub ? ", kernel submission" : "");
+  printf("rank %d: %d steps ok, %.1f us/step (%s%s%s%s%s%s)\n", A.rank, A.steps,
+         A.steps ? t_ops / A.steps : 0.0, A.ht ? "HT" : "LL", A.fp8 ? ", fp8" : "", A.skew ? ", skew" : "",
+         A.graph ? ", graph replays" : "", A.weights ? ", weights" : "", ksub ? ", kernel submission" : "");
   return rc ? 2 : 0;
 }
