@@ -179,6 +179,10 @@ static void print_status_json(const Epd__V1__StatusReply *s) {
     jkv_u("map_version", gr->map_version, &g);
     jkv_s("mode", gr->mode, &g);
     jkv_s("nodes", gr->nodes ? gr->nodes : "", &g);
+    jkv_s("on_rank_loss", gr->on_rank_loss && *gr->on_rank_loss ? gr->on_rank_loss : "fail", &g);
+    jkv_u("masked_ranks", gr->masked_ranks, &g);
+    jkv_u("masks", gr->masks, &g);
+    jkv_u("entries_dropped", gr->entries_dropped, &g);
     putchar('}');
   }
   putchar(']');
@@ -236,6 +240,16 @@ static void print_status_human(const Epd__V1__StatusReply *s) {
            g->topk, g->max_tokens, g->attached_ranks, g->steps, g->map_version,
            g->mode && *g->mode ? g->mode : "-");
     if (g->nodes && *g->nodes) printf("  %-16s across nodes: %s\n", "", g->nodes);
+    if (g->on_rank_loss && !strcmp(g->on_rank_loss, "mask")) {
+      char list[256] = "none";
+      size_t n = 0;
+      for (int r = 0; r < 64; r++)
+        if (g->masked_ranks >> r & 1 && n < sizeof list)
+          n += (size_t)snprintf(list + n, sizeof list - n, "%s%d", n ? "," : "", r);
+      printf("  %-16s on rank loss: mask%s; masked now: %s; masked so far: %" PRIu64
+             "; entries dropped: %" PRIu64 "\n",
+             "", g->renormalize ? " (renormalize)" : "", list, g->masks, g->entries_dropped);
+    }
   }
   printf("clients:  %zu\n", s->n_clients);
   if (s->n_clients) {

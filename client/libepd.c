@@ -354,7 +354,15 @@ EPD_EXPORT epd_result_t epd_attach(epd_conn_t *conn, const epd_attach_opts_t *op
   *out = NULL;
   if (!opts || !opts_ok(opts->size, opts->magic, offsetof(epd_attach_opts_t, weight_bytes_per_slot)))
     return fail(conn->err, EPD_ERR_INVALID, "opts: not initialised with EPD_ATTACH_OPTS_INITIALIZER");
-  uint64_t wbytes = opts->size >= sizeof *opts ? opts->weight_bytes_per_slot : 0;
+    /* fields added after API version 1: an older, shorter struct means 0 */
+#define HAS_FIELD(f) (opts->size >= offsetof(epd_attach_opts_t, f) + sizeof opts->f)
+  const uint64_t wbytes = HAS_FIELD(weight_bytes_per_slot) ? opts->weight_bytes_per_slot : 0;
+  const uint32_t on_loss = HAS_FIELD(on_rank_loss) ? opts->on_rank_loss : 0;
+  const uint32_t renorm = HAS_FIELD(renormalize) ? opts->renormalize : 0;
+#undef HAS_FIELD
+  if (on_loss > EPD_RANK_LOSS_MASK)
+    return fail(conn->err, EPD_ERR_INVALID,
+                "on_rank_loss %u: must be 0, EPD_RANK_LOSS_FAIL or EPD_RANK_LOSS_MASK", on_loss);
   if (opts->rank < 0) /* the daemon checks the upper bound: it knows num_ranks */
     return fail(conn->err, EPD_ERR_INVALID, "rank %d: must be >= 0", opts->rank);
   char name[64];
@@ -368,6 +376,8 @@ EPD_EXPORT epd_result_t epd_attach(epd_conn_t *conn, const epd_attach_opts_t *op
   req.topk = opts->topk;
   req.max_tokens = opts->max_tokens;
   req.weight_bytes_per_slot = wbytes;
+  req.on_rank_loss = on_loss;
+  req.renormalize = renorm;
   req.client_name = (char *)(opts->client_name ? opts->client_name : name);
   req.pid = (uint32_t)getpid();
   ProtobufCMessage *msg = NULL;
@@ -553,6 +563,12 @@ static uint32_t map_read(const epd_map_table_t *t, map_read_fn fn, void *arg) {
     if (atomic_load_explicit(seq, memory_order_relaxed) == s1) return v;
   }
   return 0;
+}
+
+EPD_EXPORT uint64_t epd_masked_ranks(const epd_ep_t *ep) {
+  return ep && ep->queue
+             ? atomic_load_explicit((const _Atomic uint64_t *)&ep->queue->masked_ranks, memory_order_acquire)
+             : 0;
 }
 
 EPD_EXPORT uint32_t epd_map_version(const epd_ep_t *ep) {

@@ -1,7 +1,8 @@
 /*
  * test_engine.c - the engine in-process with the host backend: clients map their queue and arena from
  * the attach fds and drive the slot protocol from one thread per rank; results must equal the
- * reference. Also: mismatch, timeout naming the peer, a client leaving mid-step, map staging, limits.
+ * reference. Also: mismatch, timeout naming the peer, a client leaving mid-step, map staging, limits,
+ * and groups that mask lost ranks (failover to replicas, dropped entries, a rank's return).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -64,10 +65,15 @@ static epd_engine_t *engine_up(const epd_engine_opts_t *o) {
   return eng;
 }
 
+/* The rank-loss policy the next attaches ask for (0: the group's). */
+static uint32_t attach_on_loss, attach_renorm;
+
 static epd_result_t attach(epd_engine_t *eng, const char *group, int rank, uint32_t E, uint32_t H, uint32_t K,
                            uint32_t M, tclient_t *c, char *err, size_t errlen) {
   epd_attach_req_t req;
   memset(&req, 0, sizeof req);
+  req.on_rank_loss = attach_on_loss;
+  req.renormalize = attach_renorm;
   snprintf(req.group, sizeof req.group, "%s", group);
   snprintf(req.name, sizeof req.name, "test-r%d", rank);
   req.rank = rank;
@@ -753,5 +759,317 @@ EPD_TEST(engine_draining_refuses_dispatches_runs_combines) {
   epd_engine_set_draining(w.eng, 0);
   both_ranks(&w, EPD_OP_LL_DISPATCH, 1, 6, EPD_OK);
   both_ranks(&w, EPD_OP_LL_COMBINE, 0, 7, EPD_OK);
+  epd_engine_destroy(w.eng);
+}
+
+/* ---- masked ranks --------------------------------------------------------------------------------- */
+
+/* 4 ranks, 8 experts, 4 slots per rank. Expert e lives on rank e / 2, slot e % 2; with replicas, also on
+ * rank (e / 2 + 1) % 4, slot 2 + e % 2. An expert multiplies a token by scale(e), so the combined output
+ * of a token does not depend on which replica served it. */
+#define MR 4
+#define ME 8
+#define MH 16
+#define MK 2
+#define MM 8
+typedef struct mworld {
+  epd_engine_t *eng;
+  tclient_t c[MR];
+  int live[MR];
+  epd_ref_geom_t g;
+  int replicas;
+  uint64_t step_seed;
+  int joiner; /* a masked rank's new worker: its dispatch goes first, so that it joins this step (-1: none) */
+} mworld_t;
+
+static float mscale(uint32_t e) {
+  return 0.25f + 0.25f * (float)(e % 5);
+}
+
+static int slot_expert(const mworld_t *w, uint32_t r, uint32_t s) {
+  if (s < 2) return (int)(r * 2 + s);
+  if (!w->replicas) return -1;
+  return (int)(((r + MR - 1) % MR) * 2 + (s - 2));
+}
+
+static void mworld_up(mworld_t *w, int replicas, uint32_t renorm, uint32_t timeout_ms) {
+  memset(w, 0, sizeof *w);
+  w->joiner = -1;
+  epd_engine_opts_t o = opts_default(MR);
+  o.slots_factor_pct = 200;
+  o.step_timeout_ms = timeout_ms;
+  w->eng = engine_up(&o);
+  w->replicas = replicas;
+  attach_on_loss = EPD_RANK_LOSS_MASK;
+  attach_renorm = renorm;
+  for (int r = 0; r < MR; r++) {
+    attach_ok(w->eng, "m", r, ME, MH, MK, MM, &w->c[r]);
+    w->live[r] = 1;
+  }
+  attach_on_loss = attach_renorm = 0;
+  w->g = (epd_ref_geom_t){MR, ME, MH, MK, MM, w->c[0].info.slots_per_rank, 0};
+  ASSERT_EQ(w->g.slots_per_rank, 4u);
+  epd_expert_map_t m;
+  ASSERT_OK(epd_engine_get_map(w->eng, "m", &m));
+  for (uint32_t e = 0; e < ME; e++) {
+    m.nrep[e] = replicas ? 2 : 1;
+    m.rep[e][0] = (epd_replica_t){e / 2, e % 2};
+    m.rep[e][1] = (epd_replica_t){(e / 2 + 1) % MR, 2 + e % 2};
+  }
+  uint32_t v = 0;
+  char err[256];
+  ASSERT_OK(epd_engine_set_map(w->eng, "m", &m, &v, err, sizeof err));
+  epd_expert_map_free(&m);
+}
+
+/* One dispatch + combine on the live ranks with fresh random inputs (some -1 entries); checks every
+ * live rank's output against the sum over its entries whose expert has a replica on a live rank (scaled
+ * to the full weight sum when renorm), and that the completions report `mask` and the dropped entries.
+ * Returns the entries dropped over all ranks. */
+static uint32_t mstep(mworld_t *w, uint64_t mask, int renorm) {
+  const uint32_t T = MM;
+  uint16_t x[MR][MM * MH];
+  int64_t idx[MR][MM * MK];
+  float wt[MR][MM * MK];
+  w->step_seed++;
+  for (int r = 0; r < MR; r++) {
+    if (!w->live[r]) continue;
+    epd_ref_gen_input(77, w->step_seed, (uint32_t)r, &w->g, T, 0, x[r], idx[r], wt[r]);
+    memcpy(buf(&w->c[r], EPD_BUF_X, 0), x[r], sizeof x[r]);
+    memcpy(buf(&w->c[r], EPD_BUF_TOPK_IDX, 0), idx[r], sizeof idx[r]);
+    memcpy(buf(&w->c[r], EPD_BUF_TOPK_WEIGHTS, 0), wt[r], sizeof wt[r]);
+  }
+  if (w->joiner >= 0) {
+    submit(&w->c[w->joiner], EPD_OP_LL_DISPATCH, T, 0, 0, w->step_seed);
+    usleep(50000); /* taken at the step boundary before the others arrive */
+  }
+  for (int r = 0; r < MR; r++)
+    if (w->live[r] && r != w->joiner) submit(&w->c[r], EPD_OP_LL_DISPATCH, T, 0, 0, w->step_seed);
+  w->joiner = -1;
+  uint32_t dropped = 0, want_drop[MR] = {0};
+  for (int r = 0; r < MR; r++) {
+    if (!w->live[r]) continue;
+    epd_comp_t c = wait_done(&w->c[r], 5000);
+    ASSERT_EQ(c.status, EPD_OK);
+    ASSERT_EQ(c.masked, mask);
+    for (uint32_t i = 0; i < T * MK; i++) {
+      const int64_t e = idx[r][i];
+      int dup = e < 0;
+      for (uint32_t k2 = 0; k2 < i % MK && !dup; k2++) dup = idx[r][i - i % MK + k2] == e;
+      if (dup) continue;
+      const uint32_t p = (uint32_t)e / 2, q = (p + 1) % MR;
+      const int alive = !(mask >> p & 1) || (w->replicas && !(mask >> q & 1));
+      want_drop[r] += !alive;
+    }
+    ASSERT_EQ(c.dropped, want_drop[r]);
+    dropped += c.dropped;
+  }
+  /* every live rank's experts: y = scale(e) * x for each token it received */
+  for (int r = 0; r < MR; r++) {
+    if (!w->live[r]) continue;
+    const int32_t *cnt = buf(&w->c[r], EPD_BUF_LL_RECV_COUNT, 0);
+    const uint16_t *rx = buf(&w->c[r], EPD_BUF_LL_RECV_X, 0);
+    uint16_t *y = buf(&w->c[r], EPD_BUF_LL_Y, 0);
+    for (uint32_t s = 0; s < w->g.slots_per_rank; s++) {
+      const int e = slot_expert(w, (uint32_t)r, s);
+      ASSERT(cnt[s] == 0 || e >= 0);
+      for (int32_t i = 0; i < cnt[s]; i++)
+        for (uint32_t h = 0; h < MH; h++) {
+          const size_t at = ((size_t)s * MR * MM + (size_t)i) * MH + h;
+          y[at] = epd_f32_to_bf16(mscale((uint32_t)e) * epd_bf16_to_f32(rx[at]));
+        }
+    }
+  }
+  for (int r = 0; r < MR; r++)
+    if (w->live[r]) submit(&w->c[r], EPD_OP_LL_COMBINE, 0, 0, 0, w->step_seed);
+  for (int r = 0; r < MR; r++) {
+    if (!w->live[r]) continue;
+    epd_comp_t c = wait_done(&w->c[r], 5000);
+    ASSERT_EQ(c.status, EPD_OK);
+    ASSERT_EQ(c.masked, mask);
+    ASSERT_EQ(c.dropped, want_drop[r]); /* the dispatch's (no rank masked in between) */
+    const uint16_t *out = buf(&w->c[r], EPD_BUF_OUT, 0);
+    for (uint32_t t = 0; t < T; t++) {
+      float wk[MK];
+      int keep[MK];
+      double all = 0, kept = 0;
+      for (uint32_t k = 0; k < MK; k++) {
+        const int64_t e = idx[r][t * MK + k];
+        int dup = e < 0;
+        for (uint32_t k2 = 0; k2 < k && !dup; k2++) dup = idx[r][t * MK + k2] == e;
+        const uint32_t p = (uint32_t)e / 2, q = (p + 1) % MR;
+        keep[k] = !dup && (!(mask >> p & 1) || (w->replicas && !(mask >> q & 1)));
+        wk[k] = wt[r][t * MK + k];
+        if (!dup) all += wk[k];
+        if (keep[k]) kept += wk[k];
+      }
+      if (renorm && kept > 0 && kept < all)
+        for (uint32_t k = 0; k < MK; k++) wk[k] *= (float)(all / kept);
+      for (uint32_t h = 0; h < MH; h++) {
+        float acc = 0;
+        for (uint32_t k = 0; k < MK; k++) {
+          if (!keep[k]) continue;
+          const float yv = epd_bf16_to_f32(
+              epd_f32_to_bf16(mscale((uint32_t)idx[r][t * MK + k]) * epd_bf16_to_f32(x[r][t * MH + h])));
+          acc += wk[k] * yv;
+        }
+        const uint16_t want = epd_f32_to_bf16(acc), got = out[t * MH + h];
+        if (want != got)
+          epd_test_fail(__FILE__, __LINE__, "rank %d token %u h %u: out 0x%04x, want 0x%04x (mask 0x%llx)", r,
+                        t, h, got, want, (unsigned long long)mask);
+      }
+    }
+  }
+  return dropped;
+}
+
+static void group_status(epd_engine_t *eng, uint64_t *masked, uint64_t *masks, uint64_t *dropped) {
+  epd_engine_snap_t snap;
+  ASSERT_OK(epd_engine_snapshot(eng, &snap));
+  ASSERT_EQ(snap.ngroups, 1u);
+  ASSERT_EQ(snap.groups[0].on_rank_loss, EPD_RANK_LOSS_MASK);
+  *masked = snap.groups[0].masked_ranks;
+  *masks = snap.groups[0].masks;
+  *dropped = snap.groups[0].entries_dropped;
+  epd_engine_snapshot_free(&snap);
+}
+
+EPD_TEST(engine_mask_lost_ranks_failover_to_replicas_and_return) {
+  mworld_t w;
+  mworld_up(&w, 1, 0, 5000);
+  for (int i = 0; i < 3; i++) ASSERT_EQ(mstep(&w, 0, 0), 0u);
+  /* Rank 2's worker dies: the next steps run without it, its experts served by their replicas. */
+  pthread_mutex_lock(&ev_mu);
+  ev_log[0] = 0;
+  pthread_mutex_unlock(&ev_mu);
+  uint64_t t0 = now_ms();
+  ASSERT_OK(epd_engine_detach(w.eng, w.c[2].info.client_id, 1));
+  unmap(&w.c[2]);
+  w.live[2] = 0;
+  ASSERT_EQ(w.c[0].q->masked_ranks, 1ull << 2);
+  ASSERT_EQ(mstep(&w, 1ull << 2, 0), 0u); /* zero entries dropped: every expert has a live replica */
+  ASSERT_LT(now_ms() - t0, 1000u);
+  for (int i = 0; i < 3; i++) ASSERT_EQ(mstep(&w, 1ull << 2, 0), 0u);
+  pthread_mutex_lock(&ev_mu);
+  ASSERT_STR_CONTAINS(ev_log, "rank_masked(2,");
+  pthread_mutex_unlock(&ev_mu);
+  /* Rank 3 dies too: experts 4 and 5 (rank 2, replicas on rank 3) have no live replica: dropped. */
+  ASSERT_OK(epd_engine_detach(w.eng, w.c[3].info.client_id, 1));
+  unmap(&w.c[3]);
+  w.live[3] = 0;
+  uint32_t d = 0;
+  for (int i = 0; i < 4; i++) d += mstep(&w, 3ull << 2, 0);
+  ASSERT_GT(d, 0u);
+  uint64_t masked, masks, dropped;
+  group_status(w.eng, &masked, &masks, &dropped);
+  ASSERT_EQ(masked, 3ull << 2);
+  ASSERT_EQ(masks, 2u);
+  ASSERT_EQ(dropped, d);
+  /* A new worker attaches to rank 2: it is unmasked when its first dispatch joins a step. */
+  attach_ok(w.eng, "m", 2, 0, 0, 0, 0, &w.c[2]);
+  ASSERT_EQ(w.c[2].q->masked_ranks, 3ull << 2);
+  w.live[2] = 1;
+  w.joiner = 2;
+  ASSERT_EQ(mstep(&w, 1ull << 3, 0), 0u);
+  ASSERT_EQ(w.c[0].q->masked_ranks, 1ull << 3);
+  attach_ok(w.eng, "m", 3, 0, 0, 0, 0, &w.c[3]);
+  w.live[3] = 1;
+  w.joiner = 3;
+  ASSERT_EQ(mstep(&w, 0, 0), 0u);
+  pthread_mutex_lock(&ev_mu);
+  ASSERT_STR_CONTAINS(ev_log, "rank_unmasked(2,");
+  ASSERT_STR_CONTAINS(ev_log, "rank_unmasked(3,");
+  pthread_mutex_unlock(&ev_mu);
+  group_status(w.eng, &masked, &masks, &dropped);
+  ASSERT_EQ(masked, 0u);
+  epd_engine_destroy(w.eng);
+}
+
+EPD_TEST(engine_mask_without_replicas_drops_and_renormalizes) {
+  for (uint32_t renorm = 0; renorm < 2; renorm++) {
+    mworld_t w;
+    mworld_up(&w, 0, renorm, 5000);
+    ASSERT_EQ(mstep(&w, 0, (int)renorm), 0u);
+    ASSERT_OK(epd_engine_detach(w.eng, w.c[1].info.client_id, 0)); /* a clean detach masks too */
+    unmap(&w.c[1]);
+    w.live[1] = 0;
+    uint32_t d = 0;
+    for (int i = 0; i < 4; i++) d += mstep(&w, 1ull << 1, (int)renorm);
+    ASSERT_GT(d, 0u); /* experts 2 and 3 lived on rank 1 only */
+    epd_engine_destroy(w.eng);
+  }
+}
+
+EPD_TEST(engine_mask_hung_rank_after_timeout_and_its_return) {
+  mworld_t w;
+  mworld_up(&w, 1, 0, 300);
+  ASSERT_EQ(mstep(&w, 0, 0), 0u);
+  /* Rank 3 does not submit: the step fails with a timeout naming it, then the group goes on without it. */
+  for (int r = 0; r < 3; r++) submit(&w.c[r], EPD_OP_LL_DISPATCH, 0, 0, 0, 9);
+  for (int r = 0; r < 3; r++) {
+    epd_comp_t c = wait_done(&w.c[r], 5000);
+    ASSERT_EQ(c.status, EPD_ERR_TIMEOUT);
+    ASSERT_EQ(c.peer, 3);
+  }
+  w.live[3] = 0;
+  for (int i = 0; i < 2; i++) ASSERT_EQ(mstep(&w, 1ull << 3, 0), 0u);
+  /* The hung worker wakes up mid-pair: its combine fails, naming itself masked; its next dispatch rejoins. */
+  submit(&w.c[3], EPD_OP_LL_COMBINE, 0, 0, 0, 10);
+  epd_comp_t c = wait_done(&w.c[3], 5000);
+  ASSERT_EQ(c.status, EPD_ERR_PEER);
+  ASSERT_EQ(c.masked, 1ull << 3);
+  w.live[3] = 1;
+  w.joiner = 3;
+  ASSERT_EQ(mstep(&w, 0, 0), 0u);
+  epd_engine_destroy(w.eng);
+}
+
+EPD_TEST(engine_mask_policy_fixed_by_the_first_attach) {
+  epd_engine_opts_t o = opts_default(2);
+  epd_engine_t *eng = engine_up(&o);
+  tclient_t a, b;
+  char err[256] = "";
+  attach_on_loss = 3;
+  ASSERT_EQ(attach(eng, "p", 0, 4, 16, 2, 4, &a, err, sizeof err), EPD_ERR_INVALID);
+  ASSERT_STR_CONTAINS(err, "on_rank_loss 3");
+  attach_on_loss = EPD_RANK_LOSS_MASK;
+  attach_ok(eng, "p", 0, 4, 16, 2, 4, &a);
+  attach_on_loss = EPD_RANK_LOSS_FAIL;
+  ASSERT_EQ(attach(eng, "p", 1, 0, 0, 0, 0, &b, err, sizeof err), EPD_ERR_INVALID);
+  ASSERT_STR_CONTAINS(err, "on_rank_loss fail does not match group \"p\" (mask)");
+  attach_on_loss = 0;
+  attach_renorm = 1;
+  ASSERT_EQ(attach(eng, "p", 1, 0, 0, 0, 0, &b, err, sizeof err), EPD_ERR_INVALID);
+  ASSERT_STR_CONTAINS(err, "renormalize 1 does not match");
+  attach_renorm = 0;
+  attach_ok(eng, "p", 1, 0, 0, 0, 0, &b); /* 0: the group's policy */
+  unmap(&a);
+  unmap(&b);
+  epd_engine_destroy(eng);
+}
+
+EPD_TEST(engine_mask_rejoin_after_every_rank_of_an_open_dispatch_left) {
+  mworld_t w;
+  mworld_up(&w, 1, 0, 5000);
+  ASSERT_EQ(mstep(&w, 0, 0), 0u);
+  for (int r = 2; r < 4; r++) {
+    ASSERT_OK(epd_engine_detach(w.eng, w.c[r].info.client_id, 1));
+    unmap(&w.c[r]);
+  }
+  /* ranks 0 and 1 dispatch; both die before the combine */
+  for (int r = 0; r < 2; r++) submit(&w.c[r], EPD_OP_LL_DISPATCH, 0, 0, 0, 5);
+  for (int r = 0; r < 2; r++) ASSERT_EQ(wait_done(&w.c[r], 5000).status, EPD_OK);
+  /* a new worker of rank 2 attaches, then ranks 0 and 1 die: no combine is due any more, and the new
+   * worker's dispatch rejoins (it runs alone) */
+  attach_ok(w.eng, "m", 2, 0, 0, 0, 0, &w.c[2]);
+  for (int r = 0; r < 2; r++) {
+    ASSERT_OK(epd_engine_detach(w.eng, w.c[r].info.client_id, 1));
+    unmap(&w.c[r]);
+  }
+  submit(&w.c[2], EPD_OP_LL_DISPATCH, 0, 0, 0, 6);
+  epd_comp_t c = wait_done(&w.c[2], 5000);
+  ASSERT_EQ(c.status, EPD_OK);
+  ASSERT_EQ(c.masked, 0xbull);
+  unmap(&w.c[2]);
   epd_engine_destroy(w.eng);
 }

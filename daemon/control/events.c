@@ -78,9 +78,9 @@ static void publish_v(const char *kind, const char *group, int rank, uint64_t cl
   /* Problems are logged as warnings so that they stand out in the journal, map switches as information;
    * the other events repeat what their module logged already (attach, detach, drain, ready): debug. Only
    * the fields that say something: the versions of a switch, a step where there is one. */
-  const int warn =
-      !strcmp(ev.kind, "timeout") || !strcmp(ev.kind, "error") || !strcmp(ev.kind, "client_lost");
-  const int map = !strcmp(ev.kind, "map_switch");
+  const int warn = !strcmp(ev.kind, "timeout") || !strcmp(ev.kind, "error") ||
+                   !strcmp(ev.kind, "client_lost") || !strcmp(ev.kind, "rank_masked");
+  const int map = !strcmp(ev.kind, "map_switch") || !strcmp(ev.kind, "rank_unmasked");
   char versions[48] = "", at[32] = "";
   if (map) snprintf(versions, sizeof versions, " (map v%u -> v%u)", old_version, new_version);
   if (step) snprintf(at, sizeof at, " at step %llu", (unsigned long long)step);

@@ -277,6 +277,26 @@ epd_result_t epd_metrics_text(const epd_engine_snap_t *snap, const epd_daemon_in
     sb_label(&sb, snap->groups[g].name);
     sb_printf(&sb, "\"} %llu\n", (unsigned long long)snap->groups[g].map_switches);
   }
+  sb_head(&sb, "epd_group_masked_ranks", "gauge",
+          "Ranks of an EP group masked now (on_rank_loss = mask): no token goes to them.");
+  for (uint32_t g = 0; g < snap->ngroups; g++) {
+    sb_printf(&sb, "epd_group_masked_ranks{group=\"");
+    sb_label(&sb, snap->groups[g].name);
+    sb_printf(&sb, "\"} %d\n", __builtin_popcountll(snap->groups[g].masked_ranks));
+  }
+  sb_head(&sb, "epd_group_rank_masks_total", "counter", "Ranks of an EP group masked after a loss.");
+  for (uint32_t g = 0; g < snap->ngroups; g++) {
+    sb_printf(&sb, "epd_group_rank_masks_total{group=\"");
+    sb_label(&sb, snap->groups[g].name);
+    sb_printf(&sb, "\"} %llu\n", (unsigned long long)snap->groups[g].masks);
+  }
+  sb_head(&sb, "epd_group_entries_dropped_total", "counter",
+          "Top-k entries of an EP group dropped because no replica of their expert was on a live rank.");
+  for (uint32_t g = 0; g < snap->ngroups; g++) {
+    sb_printf(&sb, "epd_group_entries_dropped_total{group=\"");
+    sb_label(&sb, snap->groups[g].name);
+    sb_printf(&sb, "\"} %llu\n", (unsigned long long)snap->groups[g].entries_dropped);
+  }
   sb_head(&sb, "epd_weight_bytes_copied_total", "counter", "Expert weight bytes copied by migrations.");
   for (uint32_t g = 0; g < snap->ngroups; g++) {
     sb_printf(&sb, "epd_weight_bytes_copied_total{group=\"");
@@ -348,6 +368,11 @@ epd_result_t epd_metrics_status(const epd_engine_snap_t *snap, const epd_daemon_
     g->map_version = s->map_version;
     g->mode = dup_str(s->mode, &failed);
     g->nodes = dup_str(s->nodes, &failed);
+    g->on_rank_loss = dup_str(s->on_rank_loss == EPD_RANK_LOSS_MASK ? "mask" : "fail", &failed);
+    g->masked_ranks = s->masked_ranks;
+    g->entries_dropped = s->entries_dropped;
+    g->masks = s->masks;
+    g->renormalize = s->renormalize != 0;
   }
   if (snap->nclients) {
     st->clients = calloc(snap->nclients, sizeof *st->clients);
@@ -416,6 +441,7 @@ void epd_metrics_status_free(Epd__V1__StatusReply *st) {
     free(st->groups[i]->name);
     free(st->groups[i]->mode);
     free(st->groups[i]->nodes);
+    free(st->groups[i]->on_rank_loss);
     free(st->groups[i]);
   }
   for (size_t i = 0; i < st->n_clients; i++) {

@@ -249,6 +249,8 @@ static void h_attach(const rpc_call_t *c, const Epd__V1__AttachRequest *q, rpc_r
   ar.topk = q->topk;
   ar.max_tokens = q->max_tokens;
   ar.weight_bytes_per_slot = q->weight_bytes_per_slot;
+  ar.on_rank_loss = q->on_rank_loss;
+  ar.renormalize = q->renormalize;
   /* The kernel's word (SO_PEERCRED) over the client's: AttachRequest.pid is only a fallback. */
   ar.pid = c->peer_known ? c->peer_pid : q->pid;
   ar.uid = c->peer_known ? c->peer_uid : 0;

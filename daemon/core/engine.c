@@ -166,6 +166,7 @@ static void map_table_write(eng_client_t *c) {
     }
   }
   c->queue->map_table_offset = MAP_TABLE_OFFSET;
+  atomic_store_explicit((_Atomic uint64_t *)&c->queue->masked_ranks, grp->mask, memory_order_release);
   atomic_store_explicit(seq, (s0 | 1u) + 1u, memory_order_release);
 }
 
@@ -341,6 +342,55 @@ static uint64_t do_weight_copies(epd_engine_t *eng, eng_group_t *grp) {
   return bytes;
 }
 
+/* ---- masked ranks ----------------------------------------------------------------------------- */
+
+static void mask_changed(epd_engine_t *eng, eng_group_t *grp) {
+  epd_expert_map_free(&grp->mask_map);
+  if (grp->mask && epd_ref_map_mask(&grp->mask_map, &grp->map, grp->mask))
+    EPD_LOGE(EPD_SUB_ENGINE, "group %s: out of memory for the masked map: its steps route by the full map",
+             grp->name);
+  for (uint32_t r = 0; r < grp->g.num_ranks; r++)
+    if (grp->client[r] && grp->client[r]->queue)
+      atomic_store_explicit((_Atomic uint64_t *)&grp->client[r]->queue->masked_ranks, grp->mask,
+                            memory_order_release);
+}
+
+void eng_mask_rank(epd_engine_t *eng, eng_group_t *grp, int rank, const char *why) {
+  if (rank < 0 || rank >= (int)grp->g.num_ranks || grp->on_rank_loss != EPD_RANK_LOSS_MASK ||
+      (grp->mask >> rank & 1))
+    return;
+  grp->mask |= 1ull << rank;
+  grp->masks++;
+  /* A dispatch none of whose ranks is live any more has no combine to wait for (a rank waiting to rejoin
+   * would wait for it forever). */
+  const uint64_t all = grp->g.num_ranks >= 64 ? ~0ull : (1ull << grp->g.num_ranks) - 1;
+  for (uint32_t b = 0; b < EPD_NUM_BANKS; b++)
+    if ((grp->open_banks >> b & 1) && !(all & ~grp->plan_mask[b] & ~grp->mask)) grp->open_banks &= ~(1u << b);
+  mask_changed(eng, grp);
+  uint32_t lost_experts = 0;
+  for (uint32_t e = 0; grp->mask_map.nrep && e < grp->g.num_experts; e++)
+    lost_experts += !grp->mask_map.nrep[e];
+  eng_emit(eng, "rank_masked", grp, rank, 0, 0, 0, grp->steps,
+           "group %s rank %d masked from step %llu (%s): %u of %u experts without a live replica", grp->name,
+           rank, (unsigned long long)grp->steps, why, lost_experts, grp->g.num_experts);
+}
+
+void eng_unmask_rank(epd_engine_t *eng, eng_group_t *grp, int rank) {
+  if (rank < 0 || rank >= (int)grp->g.num_ranks || !(grp->mask >> rank & 1)) return;
+  grp->mask &= ~(1ull << rank);
+  mask_changed(eng, grp);
+  eng_emit(eng, "rank_unmasked", grp, rank, 0, 0, 0, grp->steps, "group %s rank %d back from step %llu",
+           grp->name, rank, (unsigned long long)grp->steps);
+}
+
+const epd_expert_map_t *eng_route_map(const eng_group_t *grp) {
+  return grp->mask && grp->mask_map.nrep ? &grp->mask_map : &grp->map;
+}
+
+uint32_t eng_live_ranks(const eng_group_t *grp) {
+  return grp->g.num_ranks - (uint32_t)__builtin_popcountll(grp->mask);
+}
+
 /* Make m active (taken over), after the first ncopies of the staged copies (those m carried); the rest
  * stay staged with the newer staged map, if any (none: unstage, once the copies are done). */
 static void switch_map(epd_engine_t *eng, eng_group_t *grp, epd_expert_map_t *m, uint32_t ncopies,
@@ -370,6 +420,7 @@ static void switch_map(epd_engine_t *eng, eng_group_t *grp, epd_expert_map_t *m,
   memset(m, 0, sizeof *m);
   for (uint32_t r = 0; r < grp->g.num_ranks; r++)
     if (grp->client[r]) map_table_write(grp->client[r]);
+  if (grp->mask) mask_changed(eng, grp);
   eng_emit(eng, "map_switch", grp, -1, 0, old, grp->map.version, grp->steps,
            "group %s switched expert map %u -> %u at step %llu (%llu weight bytes copied)", grp->name, old,
            grp->map.version, (unsigned long long)grp->steps, (unsigned long long)copied);
@@ -554,6 +605,7 @@ static void group_free(const epd_engine_t *eng, eng_group_t *g) {
   if (eng->so) eng->so->group_free(g);
   epd_expert_map_free(&g->map);
   epd_expert_map_free(&g->staged);
+  epd_expert_map_free(&g->mask_map);
   for (unsigned b = 0; b < EPD_NUM_BANKS; b++) epd_ref_plan_free(&g->plan[b]);
   free(g->expert_tokens);
   free(g->slot_tokens);
@@ -720,6 +772,8 @@ static epd_result_t group_create(epd_engine_t *eng, const char *name, const epd_
     return EPD_ERR_INVALID;
   }
   g->weight_bytes_per_slot = req->weight_bytes_per_slot;
+  g->on_rank_loss = req->on_rank_loss ? req->on_rank_loss : EPD_RANK_LOSS_FAIL;
+  g->renormalize = req->renormalize != 0;
   g->arena_bytes = layout(g);
   epd_result_t rc = EPD_OK;
   if (g->arena_bytes > o->max_arena_bytes) {
@@ -792,6 +846,16 @@ static epd_result_t check_geometry(const eng_group_t *g, const epd_attach_req_t 
              (unsigned long long)g->weight_bytes_per_slot, (unsigned long long)g->weight_bytes_per_slot);
     return EPD_ERR_INVALID;
   }
+  if (req->on_rank_loss && req->on_rank_loss != g->on_rank_loss) {
+    snprintf(err, errlen, "on_rank_loss %s does not match group \"%s\" (%s); pass 0 or the group's",
+             req->on_rank_loss == EPD_RANK_LOSS_MASK ? "mask" : "fail", g->name,
+             g->on_rank_loss == EPD_RANK_LOSS_MASK ? "mask" : "fail");
+    return EPD_ERR_INVALID;
+  }
+  if (req->renormalize && !g->renormalize) {
+    snprintf(err, errlen, "renormalize 1 does not match group \"%s\" (0); pass 0", g->name);
+    return EPD_ERR_INVALID;
+  }
   return EPD_OK;
 }
 
@@ -823,6 +887,18 @@ epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, e
     else
       snprintf(errbuf, errlen, "rank %d out of range [0, %d)", req->rank, eng->o.num_ranks);
     rc = EPD_ERR_INVALID;
+    goto out;
+  }
+  if (req->on_rank_loss > EPD_RANK_LOSS_MASK) {
+    snprintf(errbuf, errlen, "on_rank_loss %u: allowed 0 (the group's), 1 (fail) or 2 (mask)",
+             req->on_rank_loss);
+    rc = EPD_ERR_INVALID;
+    goto out;
+  }
+  if (req->on_rank_loss == EPD_RANK_LOSS_MASK && (!eng->ops->masks || eng->so)) {
+    snprintf(errbuf, errlen, "on_rank_loss = mask: the %s backend%s does not mask ranks yet (use fail)",
+             eng->ops->name, eng->so ? " across nodes" : "");
+    rc = EPD_ERR_UNSUPPORTED;
     goto out;
   }
   grp = find_group(eng, name);
@@ -1277,6 +1353,11 @@ epd_result_t epd_engine_snapshot(epd_engine_t *eng, epd_engine_snap_t *out) {
     snprintf(s->mode, sizeof s->mode, "%s",
              eng->ops->group_mode ? eng->ops->group_mode(eng, g) : eng->ops->mode(eng));
     if (eng->so) eng->so->group_note(g, eng->o.nodes, s->nodes, sizeof s->nodes);
+    s->on_rank_loss = g->on_rank_loss;
+    s->renormalize = g->renormalize;
+    s->masked_ranks = g->mask;
+    s->entries_dropped = g->entries_dropped;
+    s->masks = g->masks;
     s->expert_tokens = malloc(sizeof(uint64_t) * g->g.num_experts);
     if (!s->expert_tokens) goto nomem;
     memcpy(s->expert_tokens, g->expert_tokens, sizeof(uint64_t) * g->g.num_experts);

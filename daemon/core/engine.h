@@ -92,6 +92,8 @@ typedef struct epd_attach_req {
   uint32_t num_experts, hidden, topk, max_tokens;
   uint32_t pid, uid, gid;
   uint64_t weight_bytes_per_slot; /* 0: no EPD_BUF_EXPERT_WEIGHTS (the first attach fixes it) */
+  uint32_t on_rank_loss;          /* EPD_RANK_LOSS_FAIL / _MASK; 0: the group's (FAIL for a new group) */
+  uint32_t renormalize;           /* masked groups: renormalise the weights of tokens with dropped entries */
 } epd_attach_req_t;
 
 typedef struct epd_buffer_desc {
@@ -174,6 +176,9 @@ typedef struct epd_group_snap {
   /* Across nodes: the other nodes that removed the group or drain ("node 1 removed it at step 7; node 2
    * drains from step 12"); empty when none (or one node). */
   char nodes[160];
+  uint32_t on_rank_loss, renormalize; /* EPD_RANK_LOSS_* */
+  uint64_t masked_ranks;              /* bit r: world rank r masked now */
+  uint64_t entries_dropped, masks;    /* cumulative: top-k entries dropped, ranks masked */
 } epd_group_snap_t;
 typedef struct epd_client_snap {
   uint64_t client_id;

@@ -82,8 +82,19 @@ struct eng_group {
   epd_ref_geom_t g;
   eng_client_t *client[EPD_MAX_RANKS]; /* the attached client of each rank, or NULL */
   int lost[EPD_MAX_RANKS];             /* the rank's client died; steps fail until it re-attaches */
-  epd_expert_map_t map;                /* active */
-  epd_expert_map_t staged;             /* valid if has_staged */
+  /* Rank loss (docs/SEMANTICS.md "Masked ranks"): the policy (EPD_RANK_LOSS_*), the ranks masked now
+   * (they take no part in steps, no token goes to them), the active map without their replicas (while
+   * mask != 0), the banks whose dispatch ran and whose combine has not (a rank is unmasked only when
+   * none is open), counters. */
+  uint32_t on_rank_loss, renormalize;
+  uint64_t mask;
+  epd_expert_map_t mask_map;
+  uint32_t open_banks;
+  uint64_t entries_dropped, masks;
+  uint32_t step_dropped[EPD_MAX_RANKS]; /* host: entries of each rank's tokens dropped in the step */
+  uint64_t plan_mask[EPD_NUM_BANKS];    /* host: the mask each bank's dispatch ran with */
+  epd_expert_map_t map;                 /* active */
+  epd_expert_map_t staged;              /* valid if has_staged */
   int has_staged;
   uint32_t last_version;              /* highest version handed out */
   epd_ref_plan_t plan[EPD_NUM_BANKS]; /* routing of each bank's last dispatch (combine input) */
@@ -170,6 +181,8 @@ typedef struct eng_backend_ops {
   uint64_t (*drain_step)(const eng_group_t *grp);
   /* How steps cross nodes: "host-tcp", "nccl-p2p". */
   const char *inter_node_transport;
+  /* 1: runs groups with on_rank_loss = EPD_RANK_LOSS_MASK (on one node). */
+  int masks;
 } eng_backend_ops_t;
 
 /* Scale-out as the core sees it: what it tells the layer that joins this node's engine to the other
@@ -333,6 +346,14 @@ void eng_rank_thread_init(const char *prefix, int rank);
 /* Sleep ns nanoseconds (less than a second). */
 void eng_sleep_ns(long ns);
 
+/* (mu) Masked ranks (engine.c): mask a rank from the group's next step (why: the event's text), unmask
+ * it (a worker attached to it again and its first dispatch joins), the map a dispatch routes with (the
+ * active one, without the masked ranks' replicas while any is masked), and the number of ranks a step
+ * waits for. */
+void eng_mask_rank(epd_engine_t *eng, eng_group_t *grp, int rank, const char *why);
+void eng_unmask_rank(epd_engine_t *eng, eng_group_t *grp, int rank);
+const epd_expert_map_t *eng_route_map(const eng_group_t *grp);
+uint32_t eng_live_ranks(const eng_group_t *grp);
 /* (mu) 1 if c is the only client of its group (the group goes with it). */
 int eng_last_client(const eng_group_t *grp, const eng_client_t *c);
 

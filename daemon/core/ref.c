@@ -173,6 +173,18 @@ epd_result_t epd_ref_map_copy(epd_expert_map_t *dst, const epd_expert_map_t *src
   return EPD_OK;
 }
 
+epd_result_t epd_ref_map_mask(epd_expert_map_t *dst, const epd_expert_map_t *src, uint64_t mask) {
+  epd_result_t rc = epd_ref_map_copy(dst, src);
+  if (rc) return rc;
+  for (uint32_t e = 0; e < src->num_experts; e++) {
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < src->nrep[e]; i++)
+      if (!(src->rep[e][i].rank < 64 && (mask >> src->rep[e][i].rank & 1))) dst->rep[e][n++] = src->rep[e][i];
+    dst->nrep[e] = (uint8_t)n;
+  }
+  return EPD_OK;
+}
+
 void epd_expert_map_free(epd_expert_map_t *map) {
   if (!map) return;
   free(map->nrep);
@@ -200,8 +212,10 @@ epd_result_t epd_ref_plan_init(epd_ref_plan_t *p, const epd_ref_geom_t *g) {
   p->ht_recv = calloc(R, sizeof *p->ht_recv);
   p->expert_tokens = calloc(g->num_experts + 1, sizeof *p->expert_tokens);
   p->slot_tokens = calloc(R * S + 1, sizeof *p->slot_tokens);
+  p->dropped = calloc(R, sizeof *p->dropped);
   if (!p->num_tokens || !p->dst_rank || !p->dst_slot || !p->dst_pos || !p->weight || !p->ht_pos ||
-      !p->ll_count || !p->ht_count || !p->ll_recv || !p->ht_recv || !p->expert_tokens || !p->slot_tokens) {
+      !p->ll_count || !p->ht_count || !p->ll_recv || !p->ht_recv || !p->expert_tokens || !p->slot_tokens ||
+      !p->dropped) {
     epd_ref_plan_free(p);
     return EPD_ERR_NOMEM;
   }
@@ -221,8 +235,33 @@ void epd_ref_plan_free(epd_ref_plan_t *p) {
   free(p->ht_recv);
   free(p->expert_tokens);
   free(p->slot_tokens);
+  free(p->dropped);
   memset(p, 0, sizeof *p);
   p->mode = -1;
+}
+
+/* Token t of src lost entries (no live replica): scale the weights it keeps so that they sum to what
+ * all its valid entries (not -1, not duplicates) weighed. Nothing kept or a zero sum: unchanged. */
+static void renormalize(epd_ref_plan_t *p, const epd_ref_in_t *in, uint32_t src, uint32_t t) {
+  const uint32_t K = p->g.topk;
+  const size_t row = ((size_t)src * p->g.max_tokens + t) * K;
+  const int64_t *idx = &in[src].topk_idx[(size_t)t * K];
+  double all = 0, kept = 0;
+  int lost = 0;
+  for (uint32_t k = 0; k < K; k++) {
+    int dup = idx[k] < 0;
+    for (uint32_t k2 = 0; k2 < k && !dup; k2++) dup = idx[k2] == idx[k];
+    if (dup) continue;
+    all += p->weight[row + k];
+    if (p->dst_rank[row + k] >= 0)
+      kept += p->weight[row + k];
+    else
+      lost = 1;
+  }
+  if (!lost || kept == 0) return;
+  const float f = (float)(all / kept);
+  for (uint32_t k = 0; k < K; k++)
+    if (p->dst_rank[row + k] >= 0) p->weight[row + k] *= f;
 }
 
 epd_result_t epd_ref_plan_build(epd_ref_plan_t *p, const epd_expert_map_t *map, const epd_ref_in_t *in,
@@ -259,6 +298,7 @@ epd_result_t epd_ref_plan_build(epd_ref_plan_t *p, const epd_expert_map_t *map, 
   memset(p->ht_recv, 0, sizeof *p->ht_recv * R);
   memset(p->expert_tokens, 0, sizeof *p->expert_tokens * E);
   memset(p->slot_tokens, 0, sizeof *p->slot_tokens * R * S);
+  memset(p->dropped, 0, sizeof *p->dropped * R);
   /* Ordered by src, then t, then k: the row of every entry in its destination slot and rank. */
   for (uint32_t src = 0; src < R; src++) {
     uint32_t T = in[src].num_tokens;
@@ -278,6 +318,10 @@ epd_result_t epd_ref_plan_build(epd_ref_plan_t *p, const epd_expert_map_t *map, 
         for (uint32_t k2 = 0; k2 < k; k2++)
           if (in[src].topk_idx[(size_t)t * K + k2] == e) dup = 1;
         if (dup) continue;
+        if (!map->nrep[e]) { /* no live replica (a masked map): dropped */
+          p->dropped[src]++;
+          continue;
+        }
         epd_replica_t d = epd_ref_map_dest(map, M, src, t, (uint32_t)e);
         p->dst_rank[row + k] = (int32_t)d.rank;
         p->dst_slot[row + k] = (int32_t)d.slot;
@@ -288,9 +332,20 @@ epd_result_t epd_ref_plan_build(epd_ref_plan_t *p, const epd_expert_map_t *map, 
         p->ht_count[(size_t)d.rank * S + d.slot]++;
         if (hp[d.rank] < 0) hp[d.rank] = (int32_t)p->ht_recv[d.rank]++;
       }
+      if (p->renormalize) renormalize(p, in, src, t);
     }
   }
   return EPD_OK;
+}
+
+uint32_t epd_ref_plan_routed_to(const epd_ref_plan_t *p, uint32_t src, uint64_t ranks) {
+  const size_t MK = (size_t)p->g.max_tokens * p->g.topk;
+  uint32_t n = 0;
+  for (size_t i = 0; i < (size_t)p->num_tokens[src] * p->g.topk; i++) {
+    const int32_t d = p->dst_rank[src * MK + i];
+    n += d >= 0 && d < 64 && (ranks >> d & 1);
+  }
+  return n;
 }
 
 /* ---- data movement ------------------------------------------------------------------------------ */
@@ -351,7 +406,7 @@ epd_result_t epd_ref_ll_combine(const epd_ref_plan_t *p, const uint16_t *const *
       for (uint32_t h = 0; h < H; h++) acc[h] = 0;
       for (uint32_t k = 0; k < K; k++) {
         int32_t d = p->dst_rank[row + k];
-        if (d < 0) continue;
+        if (d < 0 || !y[d]) continue;
         const uint16_t *yr = y[d] + ((size_t)p->dst_slot[row + k] * R * M + p->dst_pos[row + k]) * H;
         float w = p->weight[row + k];
         for (uint32_t h = 0; h < H; h++) acc[h] += w * epd_bf16_to_f32(yr[h]);
@@ -425,7 +480,7 @@ epd_result_t epd_ref_ht_combine(const epd_ref_plan_t *p, const uint16_t *const *
         /* the ranks holding an entry of t (a dense layout's other rows are not partials) */
         int routed = 0;
         for (uint32_t k = 0; k < K; k++) routed |= dr[k] == (int32_t)r;
-        if (hp[r] < 0 || !routed) continue;
+        if (hp[r] < 0 || !routed || !y[r]) continue;
         const uint16_t *yr = y[r] + (size_t)hp[r] * H;
         for (uint32_t h = 0; h < H; h++) acc[h] += epd_bf16_to_f32(yr[h]);
       }

@@ -61,12 +61,19 @@ typedef struct epd_ref_plan {
   uint32_t *ht_recv;       /* [R] HT tokens received by each rank (may exceed C: overflow) */
   uint64_t *expert_tokens; /* [E] valid (t, k) entries routed to each logical expert this step */
   uint64_t *slot_tokens;   /* [R][S] the same per physical slot */
+  /* Masked ranks (docs/SEMANTICS.md "Masked ranks"): the map given to epd_ref_plan_build may list no
+   * replica for an expert (epd_ref_map_mask): its entries are dropped, counted per source rank. */
+  uint32_t *dropped; /* [R] entries of each source rank's tokens dropped (no live replica) */
+  int renormalize;   /* set before building: scale the weights a token keeps to its entries' sum */
 } epd_ref_plan_t;
 
 /* Allocate a plan for a geometry; EPD_ERR_NOMEM. */
 epd_result_t epd_ref_plan_init(epd_ref_plan_t *p, const epd_ref_geom_t *g);
 void epd_ref_plan_free(epd_ref_plan_t *p);
-/* Validate every rank's input (T <= M, top-k ids in [-1, E)) and compute the routing with the map.
+/* Validate every rank's input (T <= M, top-k ids in [-1, E)) and compute the routing with the map. An
+ * expert without replicas in the map (a masked map) drops its entries (plan->dropped); with
+ * plan->renormalize a token that lost entries has its remaining weights scaled to the sum of the weights
+ * of all its valid entries.
  * On failure returns TOO_MANY_TOKENS or BAD_EXPERT, *bad_rank the rank at fault, and err says why. */
 epd_result_t epd_ref_plan_build(epd_ref_plan_t *p, const epd_expert_map_t *map, const epd_ref_in_t *in,
                                 int *bad_rank, char *err, size_t errlen);
@@ -74,7 +81,8 @@ epd_result_t epd_ref_plan_build(epd_ref_plan_t *p, const epd_expert_map_t *map, 
 /* LL dispatch of a built plan: fills out[r] of every rank r (out may hold NULL entries). */
 epd_result_t epd_ref_ll_dispatch(epd_ref_plan_t *p, const epd_ref_in_t *in, int fp8,
                                  epd_ref_out_t *const *out);
-/* LL combine: y[r] is rank r's LL_Y [S, R*M, H] bf16; writes out[r] = OUT [M, H] bf16 (NULL: skip). */
+/* LL combine: y[r] is rank r's LL_Y [S, R*M, H] bf16; writes out[r] = OUT [M, H] bf16 (NULL: skip). A
+ * NULL y[r] (a rank masked since the dispatch) contributes nothing. */
 epd_result_t epd_ref_ll_combine(const epd_ref_plan_t *p, const uint16_t *const *y, uint16_t *const *out);
 /* HT dispatch: EPD_ERR_OVERFLOW (nothing written, *bad_rank the overflowing rank) when a rank would
  * receive more than C tokens. */
@@ -84,7 +92,7 @@ epd_result_t epd_ref_ht_dispatch(epd_ref_plan_t *p, const epd_ref_in_t *in, int 
  * sum(T of the ranks before src) + t; the entries of other ranks stay -1 (call before the dispatch). */
 void epd_ref_ht_dense(epd_ref_plan_t *p);
 /* HT combine: y[r] is rank r's HT_Y [C, H] bf16; out[r] = OUT [M, H] bf16 (NULL: skip). Sums the rows
- * of the ranks that hold an entry of the token. */
+ * of the ranks that hold an entry of the token; a NULL y[r] contributes nothing. */
 epd_result_t epd_ref_ht_combine(const epd_ref_plan_t *p, const uint16_t *const *y, uint16_t *const *out);
 
 /* Number of 128-channel scale blocks of a row (ceil(H/128)). */
@@ -109,6 +117,12 @@ epd_result_t epd_ref_map_validate(const epd_expert_map_t *m, uint32_t num_expert
                                   uint32_t slots_per_rank, char *err, size_t errlen);
 /* Deep copy (arrays malloc'ed). */
 epd_result_t epd_ref_map_copy(epd_expert_map_t *dst, const epd_expert_map_t *src);
+/* The map without the replicas on the masked ranks (bit r of mask: world rank r), each expert's other
+ * replicas in map order; an expert with none left has nrep 0 (its entries are dropped). dst is
+ * allocated (epd_expert_map_free). */
+epd_result_t epd_ref_map_mask(epd_expert_map_t *dst, const epd_expert_map_t *src, uint64_t mask);
+/* Entries of source rank src's tokens the plan routed to any rank of `ranks` (bit r). */
+uint32_t epd_ref_plan_routed_to(const epd_ref_plan_t *p, uint32_t src, uint64_t ranks);
 /* Replica of expert e used by token t of rank src (SEMANTICS.md): with u = src * M + t, the replica
  * (u % n) of the n replicas on src's node (node = rank / ranks_per_node), in map order; when the node
  * has none, or there is one node, replica u % nrep[e]. */

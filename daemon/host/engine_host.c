@@ -76,6 +76,8 @@ static void complete_slot(epd_engine_t *eng, eng_client_t *c, const epd_desc_t *
   comp.step = step;
   comp.user_tag = d->user_tag;
   comp.latency_ns = latency_ns;
+  comp.masked = c->grp->mask;
+  comp.dropped = c->grp->step_dropped[c->rank];
   c->ops++;
   c->next_slot = (c->next_slot + 1) % EPD_QUEUE_SLOTS;
   c->in_step = 0;
@@ -106,6 +108,7 @@ static void finish_step(epd_engine_t *eng, eng_group_t *grp, int status, int pee
                     now - last, bytes ? bytes[r] : 0);
     grp->arrived[r] = 0;
   }
+  memset(grp->step_dropped, 0, sizeof grp->step_dropped);
   grp->narrived = 0;
   grp->steps++;
 }
@@ -120,8 +123,10 @@ static void fail_step(epd_engine_t *eng, eng_group_t *grp, int status, int peer,
     if (grp->arrived[r]) op = grp->desc[r].op;
   /* A failed dispatch leaves its bank without routing: a combine of it must fail, not reuse old state. */
   for (uint32_t r = 0; r < grp->g.num_ranks; r++)
-    if (grp->arrived[r] && eng_op_dispatch(grp->desc[r].op) && grp->desc[r].bank < EPD_NUM_BANKS)
-      grp->plan_valid[grp->desc[r].bank] = 0;
+    if (grp->arrived[r] && grp->desc[r].bank < EPD_NUM_BANKS) {
+      if (eng_op_dispatch(grp->desc[r].op)) grp->plan_valid[grp->desc[r].bank] = 0;
+      grp->open_banks &= ~(1u << grp->desc[r].bank); /* its combine fails, or failed */
+    }
   const char *kind = status == EPD_ERR_TIMEOUT ? "timeout" : "error";
   eng_emit(eng, kind, grp, peer, 0, 0, 0, grp->steps, "group %s step %llu (op %u) failed: %s: %s", grp->name,
            (unsigned long long)grp->steps, op, eng_result_name(status), why);
@@ -152,8 +157,14 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
     snprintf(why, sizeof why, "the engine failed: %s", epd_engine_failure(eng));
     return fail_step(eng, grp, EPD_ERR_INTERNAL, -1, why);
   }
-  /* Descriptor checks, in the order of the contract: bad op or bank, then agreement. */
+  /* Descriptor checks, in the order of the contract: bad op or bank, then agreement. Masked ranks take
+   * no part. */
+  const uint64_t mask = grp->mask;
+#define LIVE(r) (!(mask >> (r)&1))
+  uint32_t first = 0;
+  while (first < R && !LIVE(first)) first++;
   for (uint32_t r = 0; r < R; r++) {
+    if (!LIVE(r)) continue;
     const epd_desc_t *d = &grp->desc[r];
     if (!op_valid(d->op)) {
       snprintf(why, sizeof why, "rank %u: op %u out of range [1, %u]", r, d->op, EPD_OP_MAX - 1);
@@ -166,12 +177,14 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
     const int fl = eng_check_flags(d, r, 0, why, sizeof why);
     if (fl) return fail_step(eng, grp, fl, (int)r, why);
   }
-  const epd_desc_t *d0 = &grp->desc[0];
-  for (uint32_t r = 1; r < R; r++) {
+  const epd_desc_t *d0 = &grp->desc[first];
+  for (uint32_t r = first + 1; r < R; r++) {
     const epd_desc_t *d = &grp->desc[r];
+    if (!LIVE(r)) continue;
     if (d->op != d0->op || d->bank != d0->bank || (eng_op_dispatch(d->op) && d->flags != d0->flags)) {
-      snprintf(why, sizeof why, "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x",
-               r, d->op, d->bank, d->flags, d0->op, d0->bank, d0->flags);
+      snprintf(why, sizeof why,
+               "rank %u submitted op %u bank %u flags 0x%x, rank %u op %u bank %u flags 0x%x", r, d->op,
+               d->bank, d->flags, first, d0->op, d0->bank, d0->flags);
       return fail_step(eng, grp, EPD_ERR_MISMATCH, (int)r, why);
     }
   }
@@ -193,6 +206,11 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
     epd_ref_out_t outs[EPD_MAX_RANKS], *out[EPD_MAX_RANKS];
     for (uint32_t r = 0; r < R; r++) {
       eng_client_t *c = grp->client[r];
+      if (!LIVE(r)) { /* no tokens from it, none to it (the masked map has no replica there) */
+        memset(&in[r], 0, sizeof in[r]);
+        out[r] = NULL;
+        continue;
+      }
       in[r].num_tokens = grp->desc[r].num_tokens;
       in[r].x = eng_buf(c, EPD_BUF_X, bank);
       in[r].topk_idx = eng_buf(c, EPD_BUF_TOPK_IDX, bank);
@@ -214,7 +232,8 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
       }
     }
     grp->plan_valid[bank] = 0;
-    rc = epd_ref_plan_build(plan, &grp->map, in, &bad, why, sizeof why);
+    plan->renormalize = grp->renormalize;
+    rc = epd_ref_plan_build(plan, eng_route_map(grp), in, &bad, why, sizeof why);
     if (rc) return fail_step(eng, grp, rc, bad, why);
     if (mode == EPD_MODE_LL) {
       rc = epd_ref_ll_dispatch(plan, in, fp8, out);
@@ -249,6 +268,12 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
       }
       bytes[src] = rows * row;
     }
+    for (uint32_t r = 0; r < R; r++) {
+      grp->step_dropped[r] = plan->dropped[r];
+      grp->entries_dropped += plan->dropped[r];
+    }
+    grp->plan_mask[bank] = mask;
+    grp->open_banks |= 1u << bank;
     for (uint32_t e = 0; e < g->num_experts; e++) grp->expert_tokens[e] += plan->expert_tokens[e];
     for (size_t i = 0; i < (size_t)R * g->slots_per_rank; i++) grp->slot_tokens[i] += plan->slot_tokens[i];
     return finish_step(eng, grp, EPD_OK, -1, plan->map_version, num_recv, bytes);
@@ -261,7 +286,21 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
   }
   const uint16_t *y[EPD_MAX_RANKS];
   uint16_t *o[EPD_MAX_RANKS];
+  /* Ranks masked since the dispatch: their expert outputs are gone, their entries dropped. */
+  const uint64_t gone = mask & ~grp->plan_mask[bank];
+  grp->open_banks &= ~(1u << bank);
   for (uint32_t r = 0; r < R; r++) {
+    if (!LIVE(r)) {
+      y[r] = NULL;
+      o[r] = NULL;
+      continue;
+    }
+    grp->step_dropped[r] = plan->dropped[r]; /* its dispatch's, and those of the ranks gone since */
+    if (gone) {
+      const uint32_t n = epd_ref_plan_routed_to(plan, r, gone);
+      grp->step_dropped[r] += n;
+      grp->entries_dropped += n;
+    }
     y[r] = eng_buf(grp->client[r], mode == EPD_MODE_LL ? EPD_BUF_LL_Y : EPD_BUF_HT_Y, bank);
     o[r] = eng_buf(grp->client[r], EPD_BUF_OUT, bank);
     bytes[r] = (uint64_t)(mode == EPD_MODE_LL ? plan->ll_recv[r] : plan->ht_recv[r]) * g->hidden * 2;
@@ -270,6 +309,7 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
   rc = mode == EPD_MODE_LL ? epd_ref_ll_combine(plan, y, o) : epd_ref_ht_combine(plan, y, o);
   if (rc) return fail_step(eng, grp, rc, -1, "combine failed");
   finish_step(eng, grp, EPD_OK, -1, plan->map_version, num_recv, bytes);
+#undef LIVE
 }
 
 /* ---- polling ------------------------------------------------------------------------------------ */
@@ -285,6 +325,12 @@ static int net_progress(epd_engine_t *eng, eng_group_t *grp) {
   return 1;
 }
 
+static uint32_t first_arrived(const eng_group_t *grp) {
+  for (uint32_t r = 0; r < grp->g.num_ranks; r++)
+    if (grp->arrived[r]) return r;
+  return 0;
+}
+
 /* Look at one client of this rank; returns 1 if it did something. */
 static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
   eng_group_t *grp = c->grp;
@@ -292,10 +338,13 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
     if (eng->o.nodes > 1 && net_progress(eng, grp)) return 1;
     if (now - grp->first_arrive_ns <= (uint64_t)eng->o.step_timeout_ms * 1000000ull) return 0;
     char why[256];
-    int missing = eng_timeout_rank(eng, grp->arrived, grp->g.num_ranks, why, sizeof why);
+    int present[EPD_MAX_RANKS]; /* a masked rank is not waited for */
+    for (uint32_t r = 0; r < grp->g.num_ranks; r++) present[r] = grp->arrived[r] || (grp->mask >> r & 1);
+    int missing = eng_timeout_rank(eng, present, grp->g.num_ranks, why, sizeof why);
     if (eng->o.nodes > 1) missing = eng_net_missing_rank(eng, grp, why, sizeof why);
     eng_mark_hung(grp, missing);
     fail_step(eng, grp, EPD_ERR_TIMEOUT, missing, why);
+    eng_mask_rank(eng, grp, missing, "hung past engine.step_timeout_ms"); /* groups that mask */
     return 1;
   }
   epd_slot_t *s = &c->queue->slot[c->next_slot];
@@ -310,6 +359,19 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
     return 1;
   }
   int r = c->rank;
+  if (grp->mask >> r & 1) { /* masked: its next dispatch rejoins the group, at a step boundary */
+    const int boundary = !grp->open_banks && eng_op_dispatch(d.op) &&
+                         (grp->narrived == 0 || eng_op_dispatch(grp->desc[first_arrived(grp)].op));
+    if (!eng_op_dispatch(d.op)) {
+      c->in_step = 1;
+      complete_slot(eng, c, &d, EPD_ERR_PEER, r, grp->map.version, 0, grp->steps, 0, 0);
+      EPD_LOGW(EPD_SUB_ENGINE, "group %s rank %d is masked: its op %u fails; its next dispatch rejoins",
+               grp->name, r, d.op);
+      return 1;
+    }
+    if (!boundary) return 0; /* wait for the combines of the dispatches that ran without it */
+    eng_unmask_rank(eng, grp, r);
+  }
   c->hung = 0;
   grp->arrived[r] = 1;
   grp->desc[r] = d;
@@ -324,7 +386,7 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
   }
   if (eng->o.nodes > 1)
     net_progress(eng, grp);
-  else if (grp->narrived == grp->g.num_ranks)
+  else if (grp->narrived == eng_live_ranks(grp))
     execute_step(eng, grp);
   return 1;
 }
@@ -449,13 +511,16 @@ static void host_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
     grp->narrived--;
     c->in_step = 0;
   }
-  if (lost) grp->lost[r] = 1;
+  if (lost && grp->on_rank_loss != EPD_RANK_LOSS_MASK) grp->lost[r] = 1;
   if (grp->narrived) {
     char why[160];
     snprintf(why, sizeof why, "client %llu of rank %d %s mid-step", (unsigned long long)c->id, r,
              lost ? "died" : "detached");
     fail_step(eng, grp, EPD_ERR_PEER, r, why);
   }
+  /* Groups that mask go on without the rank from the next step (the one in flight failed above); the
+   * last client's leave removes the group anyway. */
+  if (!eng_last_client(grp, c)) eng_mask_rank(eng, grp, r, lost ? "its client died" : "its client detached");
 }
 
 static void host_client_free(epd_engine_t *eng, eng_client_t *c) {
@@ -477,6 +542,7 @@ const eng_backend_ops_t eng_host_ops = {
     .name = "host",
     .drain_step = host_drain_step,
     .inter_node_transport = "host-tcp",
+    .masks = 1,
     .available = host_available,
     .create = host_create,
     .destroy = host_destroy,

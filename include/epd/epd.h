@@ -86,9 +86,20 @@ typedef struct epd_attach_opts {
    * copies migrate between ranks; later attaches pass 0 or the same. (Added after API version 1: an
    * older, shorter struct is accepted and means 0.) */
   uint64_t weight_bytes_per_slot;
+  /* What the group does when a rank is lost (its client dies, hangs past engine.step_timeout_ms):
+   * EPD_RANK_LOSS_FAIL fails every step until a worker attaches to the rank again; EPD_RANK_LOSS_MASK
+   * goes on without it from the next step (docs/SEMANTICS.md "Masked ranks"); 0 takes the group's (FAIL
+   * for a new group). renormalize (masked groups): 1 scales a token's remaining top-k weights to their
+   * original sum when entries were dropped for lack of a live replica; 0 (default) leaves them. The first
+   * attach fixes both; later attaches pass 0 or the same. (Added after API version 1, like the field
+   * above.) */
+  uint32_t on_rank_loss;
+  uint32_t renormalize;
 } epd_attach_opts_t;
+#define EPD_RANK_LOSS_FAIL 1u
+#define EPD_RANK_LOSS_MASK 2u
 #define EPD_ATTACH_OPTS_INITIALIZER \
-  { sizeof(epd_attach_opts_t), EPD_OPTS_MAGIC, EPD_API_VERSION, NULL, 0, 0, 0, 0, 0, NULL, 0 }
+  { sizeof(epd_attach_opts_t), EPD_OPTS_MAGIC, EPD_API_VERSION, NULL, 0, 0, 0, 0, 0, NULL, 0, 0, 0 }
 
 /* Attach to (group, rank): RPC Attach, then redeem the one-time token on the attach socket for the
  * queue and arena file descriptors, and map them. */
@@ -166,6 +177,9 @@ typedef struct epd_replica {
  * (epd_comp_t.map_version); the table shows it from that step's dispatch until the next switch. */
 /* Active map version (0 if the daemon publishes no table). */
 uint32_t epd_map_version(const epd_ep_t *ep);
+/* The group's world ranks masked now (bit r; on_rank_loss = EPD_RANK_LOSS_MASK), from the queue header
+ * the daemon keeps; a step's own mask is in its completion (epd_comp_t.masked). */
+uint64_t epd_masked_ranks(const epd_ep_t *ep);
 /* Replicas of a logical expert: up to max of them in reps, their number in *nrep, the version read in
  * *version (either may be NULL). EPD_ERR_INVALID for an expert out of range, EPD_ERR_UNSUPPORTED without
  * a table. */

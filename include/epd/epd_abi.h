@@ -121,7 +121,13 @@ typedef struct epd_comp {
   uint64_t step;        /* group step number the op ran as */
   uint64_t user_tag;    /* from the descriptor */
   uint64_t latency_ns;  /* from the last rank's submission to completion */
-  uint32_t reserved[6];
+  /* Groups with on_rank_loss = EPD_RANK_LOSS_MASK (docs/SEMANTICS.md "Masked ranks"): the world ranks
+   * masked in the step (bit r: rank r took no part and no token went to it; 0: none). */
+  uint64_t masked;
+  /* Top-k entries of this rank's tokens dropped in the step's dispatch because no replica of their expert
+   * was on a live rank; a combine reports its dispatch's plus the entries routed to ranks masked since. */
+  uint32_t dropped;
+  uint32_t reserved[3];
 } epd_comp_t;
 
 /* One submission slot: 256 bytes; the state word has its own 128-byte line. */
@@ -148,7 +154,8 @@ typedef struct epd_queue {
   uint32_t map_table_offset; /* daemon: offset of the epd_map_table_t in the queue mapping, 0: none */
   uint32_t qflags;           /* daemon: EPD_QF_* */
   uint64_t dq_offset;        /* daemon: offset of the device twin in the IO arena, 0: none (host backend) */
-  uint32_t pad0[16];
+  uint64_t masked_ranks;     /* daemon: the group's world ranks masked now (on_rank_loss = mask), bit r */
+  uint32_t pad0[14];
   epd_slot_t slot[EPD_QUEUE_SLOTS];
 } epd_queue_t;
 
@@ -162,6 +169,8 @@ EPD_ABI_ASSERT(sizeof(epd_comp_t) == 64, "epd_comp_t is 64 bytes");
 EPD_ABI_ASSERT(sizeof(epd_slot_t) == 256, "epd_slot_t is 256 bytes");
 EPD_ABI_ASSERT(sizeof(epd_queue_t) == 128 + 256 * EPD_QUEUE_SLOTS, "epd_queue_t layout");
 EPD_ABI_ASSERT(offsetof(epd_queue_t, dq_offset) == 56, "epd_queue_t.dq_offset at 56");
+EPD_ABI_ASSERT(offsetof(epd_queue_t, masked_ranks) == 64, "epd_queue_t.masked_ranks at 64");
+EPD_ABI_ASSERT(offsetof(epd_comp_t, masked) == 40, "epd_comp_t.masked at 40");
 EPD_ABI_ASSERT(offsetof(epd_slot_t, twin_host) == 136, "epd_slot_t.twin_host at 136");
 
 /* The active expert map, mapped read-only in meaning for the client: written by the daemon into the

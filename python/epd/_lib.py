@@ -72,7 +72,14 @@ class EpdAttachOpts(ctypes.Structure):
         ("topk", ctypes.c_uint32),
         ("max_tokens", ctypes.c_uint32),
         ("client_name", ctypes.c_char_p),
+        ("weight_bytes_per_slot", ctypes.c_uint64),
+        ("on_rank_loss", ctypes.c_uint32),
+        ("renormalize", ctypes.c_uint32),
     ]
+
+
+EPD_RANK_LOSS_FAIL = 1
+EPD_RANK_LOSS_MASK = 2
 
 
 class EpdComp(ctypes.Structure):
@@ -86,7 +93,9 @@ class EpdComp(ctypes.Structure):
         ("step", ctypes.c_uint64),
         ("user_tag", ctypes.c_uint64),
         ("latency_ns", ctypes.c_uint64),
-        ("reserved", ctypes.c_uint32 * 6),
+        ("masked", ctypes.c_uint64),
+        ("dropped", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32 * 3),
     ]
 
 
@@ -134,6 +143,8 @@ def _declare(lib):
     lib.epd_detach.restype = c.c_int
     lib.epd_last_error.argtypes = [vp]
     lib.epd_last_error.restype = c.c_char_p
+    lib.epd_masked_ranks.argtypes = [vp]
+    lib.epd_masked_ranks.restype = c.c_uint64
     lib.epd_info.argtypes = [vp, c.c_int]
     lib.epd_info.restype = c.c_int64
     lib.epd_buffer.argtypes = [vp, c.c_int, c.c_uint, c.POINTER(c.c_size_t)]

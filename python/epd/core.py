@@ -43,8 +43,10 @@ def default_socket_path():
 
 
 class OpStatus(collections.namedtuple(
-        "OpStatus", "status peer map_version num_recv step user_tag latency_ns")):
-    """Completion record of an operation (epd_comp_t). status is 0 or an epd error code."""
+        "OpStatus", "status peer map_version num_recv step user_tag latency_ns masked dropped")):
+    """Completion record of an operation (epd_comp_t). status is 0 or an epd error code. masked: the
+    world ranks masked in the step (bit r; groups attached with on_rank_loss="mask"); dropped: top-k
+    entries of this rank's tokens dropped because no replica of their expert was live."""
 
     __slots__ = ()
 
@@ -71,7 +73,13 @@ class OpStatus(collections.namedtuple(
 
     @classmethod
     def _from_c(cls, c):
-        return cls(c.status, c.peer, c.map_version, c.num_recv, c.step, c.user_tag, c.latency_ns)
+        return cls(c.status, c.peer, c.map_version, c.num_recv, c.step, c.user_tag, c.latency_ns, c.masked,
+                   c.dropped)
+
+    @property
+    def masked_ranks(self):
+        """The ranks masked in the step, as a sorted list."""
+        return [r for r in range(64) if self.masked >> r & 1]
 
 
 def connect(socket=None, timeout_ms=0):
@@ -104,6 +112,13 @@ class Connection:
         self._h = h
 
     # -- lifecycle
+    @property
+    def masked_ranks(self):
+        """The group's ranks masked now (on_rank_loss="mask"), as a sorted list."""
+        self._check_open()
+        m = int(self._lib.epd_masked_ranks(self._h))
+        return [r for r in range(64) if m >> r & 1]
+
     @property
     def closed(self):
         return self._h is None
@@ -144,11 +159,15 @@ class Connection:
 
     # -- attach
     def attach(self, group="default", rank=0, num_experts=0, hidden=0, topk=0, max_tokens=0,
-               client_name=None):
+               client_name=None, on_rank_loss=None, renormalize=False):
         """Attach to (group, rank) and map its queue and arena; returns an Endpoint.
 
         The first attach of a group fixes its geometry (num_experts, hidden, topk, max_tokens); later
-        attaches pass 0 to take the group's, or the same values."""
+        attaches pass 0 to take the group's, or the same values. on_rank_loss: "fail" (a lost rank fails
+        the group's steps until it is attached again), "mask" (the group goes on without it; see
+        docs/SEMANTICS.md "Masked ranks") or None (the group's; "fail" for a new group). renormalize
+        (masked groups): scale a token's remaining top-k weights when some were dropped. The first attach
+        fixes both."""
         self._check_open()
         if not isinstance(group, str) or not group:
             raise TypeError("group must be a non-empty str, got %r" % (group,))
@@ -158,9 +177,13 @@ class Connection:
         if client_name is None:
             client_name = "python:%d" % os.getpid()
         group_b, name_b = group.encode(), str(client_name).encode()
+        losses = {None: 0, "fail": _lib.EPD_RANK_LOSS_FAIL, "mask": _lib.EPD_RANK_LOSS_MASK}
+        if on_rank_loss not in losses:
+            raise ValueError("on_rank_loss must be None, 'fail' or 'mask', got %r" % (on_rank_loss,))
         opts = _lib.EpdAttachOpts(ctypes.sizeof(_lib.EpdAttachOpts), _lib.EPD_OPTS_MAGIC,
                                   _lib.EPD_API_VERSION, group_b, rank, geo["num_experts"], geo["hidden"],
-                                  geo["topk"], geo["max_tokens"], name_b)
+                                  geo["topk"], geo["max_tokens"], name_b, 0, losses[on_rank_loss],
+                                  1 if renormalize else 0)
         h = ctypes.c_void_p()
         with self._lock:
             rc = self._lib.epd_attach(self._h, ctypes.byref(opts), ctypes.byref(h))
@@ -264,6 +287,13 @@ class Endpoint:
         """Active expert-map version of the group, as this attachment sees it now."""
         self._check_open()
         return int(self._lib.epd_info(self._h, _lib.EPD_INFO_MAP_VERSION))
+
+    @property
+    def masked_ranks(self):
+        """The group's ranks masked now (on_rank_loss="mask"), as a sorted list."""
+        self._check_open()
+        m = int(self._lib.epd_masked_ranks(self._h))
+        return [r for r in range(64) if m >> r & 1]
 
     @property
     def closed(self):

@@ -1,6 +1,8 @@
 """The epd package against a real daemon on the host backend: attach, LL/HT steps (BF16 and FP8)
 compared with the NumPy reference of docs/SEMANTICS.md, errors, detach, bad shapes and dtypes."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -505,3 +507,47 @@ def test_invalid_expert_map_rejected(conn):
             conn.set_expert_map(bad, group="badmap")
         assert isinstance(ei.value, epd.InvalidArgument), ei.value
         assert "INVALID_ARGUMENT" in ei.value.message
+
+
+# ---- masked ranks ------------------------------------------------------------------------------------
+
+def test_masked_rank_group_goes_on_and_rank_returns(conn):
+    """on_rank_loss="mask": rank 1 leaves, rank 0 steps alone (its tokens for rank 1's experts dropped,
+    counted in the completion), then a new rank 1 rejoins at its first dispatch."""
+    rng = np.random.default_rng(21)
+    eps = [conn.attach("mask", rank=0, num_experts=E, hidden=H, topk=K, max_tokens=M, on_rank_loss="mask")]
+    eps.append(conn.attach("mask", rank=1))  # takes the group's policy
+    g = reference.geom_of(eps[0])
+    ll_step(eps, make_inputs(rng, g, [M, M]), bank=0)
+    eps[1].detach()
+    idx = rng.integers(0, E, (M, K)).astype(np.int64)
+    eps[0].set_inputs(formats.f32_to_bf16(rng.standard_normal((M, H)).astype(np.float32)), idx,
+                      np.full((M, K), 0.5, np.float32))
+    eps[0].dispatch(M)
+    st = eps[0].op_status(check=True)
+    assert st.masked_ranks == [1] and eps[0].masked_ranks == [1]
+    per = (E + R - 1) // R  # default map: expert e on rank e // per
+    want = sum(1 for t in range(M) for k in range(K)
+               if idx[t, k] // per == 1 and idx[t, k] not in idx[t, :k])
+    assert st.dropped == want and want > 0
+    eps[0].combine()
+    assert eps[0].op_status(check=True).masked == 2
+    grp = [gr for gr in conn.control.status()["groups"] if gr["name"] == "mask"][0]
+    assert grp["on_rank_loss"] == "mask" and int(grp["masked_ranks"]) == 2
+    assert int(grp["entries_dropped"]) >= want
+    eps[1] = conn.attach("mask", rank=1)
+    inputs = make_inputs(rng, g, [M, M])
+    for ep, (x, i, w) in zip(eps, inputs):
+        ep.set_inputs(x, i, w)
+
+    def rank0_later():  # the returning rank's dispatch is at the step boundary first, so it joins this step
+        time.sleep(0.2)
+        return eps[0].dispatch(M)
+
+    run_ranks([rank0_later, lambda: eps[1].dispatch(M)])
+    assert eps[0].op_status().masked == 0 and eps[1].op_status().masked == 0 and eps[0].masked_ranks == []
+    run_ranks([lambda ep=ep: ep.combine() for ep in eps])
+    with pytest.raises(ValueError):
+        conn.attach("other", rank=0, num_experts=E, hidden=H, topk=K, max_tokens=M, on_rank_loss="later")
+    for ep in eps:
+        ep.detach()

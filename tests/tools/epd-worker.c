@@ -42,6 +42,9 @@
  * after its last failure (at most 2000 failures; --steps bounds the steps tried). --streak-any: N steps
  * in a row also stop it when none failed (a worker that joins a running group, whose first ops may fail
  * while the nodes agree on the step again).
+ * --mask: attach with on_rank_loss = EPD_RANK_LOSS_MASK (--renormalize: and renormalisation); every
+ * step's reference is computed with the mask its completion reports (no tokens from masked ranks, the
+ * map without their replicas), and the entries dropped must be those of experts with no live replica.
  * Exit: 0 all steps matched; 1 a result differed; 2 an op or the attach failed; 3 --die-at-step.
  */
 #define _GNU_SOURCE
@@ -68,10 +71,11 @@ typedef struct args {
   uint64_t weights;
   int graph, ht_every, node_ranks, dense, specials, hold_at, same_inputs, streak, streak_any;
   const char *hold_file;
+  int mask, renorm;
 } args_t;
 
-static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0,  0, 0, 1, 16,
-                   256,  4,         64, 0, 0,  0, 0, 0, 0,  -1, 0, 0, 0, NULL};
+static args_t A = {NULL, "default", -1, 0, 10, 0, 0, 0, -1, 0, 0, 0, 1,    16, 256,
+                   4,    64,        0,  0, 0,  0, 0, 0, -1, 0, 0, 0, NULL, 0,  0};
 
 /* The flags of a dispatch in HT mode (ht) or LL: flags, plus EPD_DESC_HT_DENSE for HT with --dense. */
 static uint32_t dispatch_flags(uint32_t flags, int ht) {
@@ -611,6 +615,8 @@ static void parse(int argc, char **argv) {
                                      {"same-inputs", 0, 0, 'I'},
                                      {"until-streak", 1, 0, 'U'},
                                      {"streak-any", 0, 0, 'Y'},
+                                     {"mask", 0, 0, 'Q'},
+                                     {"renormalize", 0, 0, 'R'},
                                      {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "s:g:r:n:v", lo, NULL)) != -1) {
@@ -701,6 +707,12 @@ static void parse(int argc, char **argv) {
       case 'U':
         A.streak = atoi(optarg);
         break;
+      case 'Q':
+        A.mask = 1;
+        break;
+      case 'R':
+        A.renorm = 1;
+        break;
       case 'Y':
         A.streak_any = 1;
         break;
@@ -749,6 +761,8 @@ int main(int argc, char **argv) {
   snprintf(name, sizeof name, "epd-worker:r%d", A.rank);
   ao.client_name = name;
   ao.weight_bytes_per_slot = A.weights;
+  ao.on_rank_loss = A.mask ? EPD_RANK_LOSS_MASK : 0;
+  ao.renormalize = (uint32_t)A.renorm;
   epd_ep_t *ep = NULL;
   /* A replaced rank's dead client may still be being detached: retry BUSY for a few seconds. */
   double t_end = now_us() + 5e6;
@@ -890,7 +904,10 @@ int main(int argc, char **argv) {
       return 2;
     }
     if (!A.graph) epd_op_status(ep, &comp);
-    if (step == 0 || after_fail) step0 = comp.step - 2 * (uint64_t)step;
+    /* --mask: a step that failed for the ranks that had arrived when a peer was lost (they skip it) takes
+     * a group step number the ranks that came later never see: a gap, not an error */
+    if (step == 0 || after_fail || (A.mask && comp.step > step0 + 2 * (uint64_t)step))
+      step0 = comp.step - 2 * (uint64_t)step;
     after_fail = 0;
     if (comp.step != step0 + 2 * (uint64_t)step) {
       fprintf(stderr, "rank %d step %d: dispatch ran as group step %llu, want %llu\n", A.rank, step,
@@ -927,15 +944,32 @@ int main(int argc, char **argv) {
     }
     int bad = -1;
     char err[256];
-    if (epd_ref_plan_build(&plan, &map, in, &bad, err, sizeof err)) {
+    /* --mask: the step's reference has no tokens from the masked ranks and routes by the map without
+     * their replicas */
+    epd_ref_in_t rin[EPD_MAX_RANKS];
+    epd_expert_map_t mmap = {0};
+    for (uint32_t r = 0; r < R; r++) {
+      rin[r] = in[r];
+      if (comp.masked >> r & 1) rin[r].num_tokens = 0;
+    }
+    if (comp.masked && epd_ref_map_mask(&mmap, &map, comp.masked)) return 2;
+    plan.renormalize = A.renorm;
+    rc = epd_ref_plan_build(&plan, comp.masked ? &mmap : &map, rin, &bad, err, sizeof err);
+    epd_expert_map_free(&mmap);
+    if (rc) {
       fprintf(stderr, "rank %d step %d: reference: %s\n", A.rank, step, err);
       return 2;
     }
+    if (comp.dropped != plan.dropped[me]) {
+      fprintf(stderr, "rank %d step %d: %u entries dropped (mask 0x%llx), want %u\n", A.rank, step,
+              comp.dropped, (unsigned long long)comp.masked, plan.dropped[me]);
+      bad_steps++;
+    }
     if (ht && A.dense) epd_ref_ht_dense(&plan);
     if (ht)
-      epd_ref_ht_dispatch(&plan, in, A.fp8, outs, &bad);
+      epd_ref_ht_dispatch(&plan, rin, A.fp8, outs, &bad);
     else
-      epd_ref_ll_dispatch(&plan, in, A.fp8, outs);
+      epd_ref_ll_dispatch(&plan, rin, A.fp8, outs);
     /* Compare this rank's received buffers with the reference. */
     int errs = 0;
     uint32_t nrecv = ht ? plan.ht_recv[me] : plan.ll_recv[me];
@@ -1045,6 +1079,13 @@ int main(int argc, char **argv) {
               comp.map_version);
       bad_steps++;
     }
+    /* A rank masked since the dispatch: the entries routed to it are dropped in the combine. */
+    const uint64_t gone = ccomp.masked & ~comp.masked;
+    if (ccomp.dropped != plan.dropped[me] + (gone ? epd_ref_plan_routed_to(&plan, me, gone) : 0)) {
+      fprintf(stderr, "rank %d step %d: combine dropped %u entries (mask 0x%llx after 0x%llx)\n", A.rank,
+              step, ccomp.dropped, (unsigned long long)ccomp.masked, (unsigned long long)comp.masked);
+      bad_steps++;
+    }
     /* OUT[t] = sum over valid entries of w * scale(dest) * x, x as the destination received it. */
     rd(out, bufp(ep, EPD_BUF_OUT, bank, (size_t)M * H * 2), (size_t)T * H * 2);
     int oerrs = 0;
@@ -1060,7 +1101,7 @@ int main(int argc, char **argv) {
         float wantv = 0, mag = 0;
         for (uint32_t k = 0; k < K; k++) {
           size_t e = ((size_t)me * M + t) * K + k;
-          if (plan.dst_rank[e] < 0) continue;
+          if (plan.dst_rank[e] < 0 || (gone >> plan.dst_rank[e] & 1)) continue;
           float esc = wbuf ? logical_scale((uint32_t)is[me][(size_t)t * K + k])
                            : expert_scale((uint32_t)plan.dst_rank[e], (uint32_t)plan.dst_slot[e]);
           float term = plan.weight[e] * esc * xv;

@@ -1,0 +1,184 @@
+#!/usr/bin/python3
+"""Masked ranks, measured (host backend, one node): a group of 4 ranks attached with on_rank_loss = mask,
+LL steps of 64 tokens x hidden 1024, top-4 of 32 experts. Ranks 0-2 step in threads of this process,
+rank 3 in a child process that is SIGKILLed mid-run. Reported, per expert map (every expert on two ranks,
+or on one):
+  - recovery: from the SIGKILL to the survivors' first step (dispatch + combine) completed with rank 3
+    masked, and the same minus the median step time (the target is <= 10 ms plus one step);
+  - ops failed by the loss (the step in flight);
+  - step time (rank 0's dispatch + combine, median and p90) before the kill and with the mask;
+  - top-k entries dropped per step: with a replica of every expert on a live rank there must be none.
+
+Usage: bench/mask/bench_mask.py [BUILD] [--steps N] [--json FILE]   (BUILD: default build)
+"""
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "python"))
+
+R, E, H, K, M = 4, 32, 1024, 4, 64
+
+
+def placement(replicas):
+    per = E // R
+    if not replicas:
+        return [[(e // per, e % per)] for e in range(E)]
+    return [[(e // per, e % per), ((e // per + 1) % R, per + e % per)] for e in range(E)]
+
+
+def inputs(np, rank, seed):
+    rng = np.random.default_rng(seed * 10 + rank)
+    from epd import formats
+    x = formats.f32_to_bf16(rng.standard_normal((M, H)).astype(np.float32))
+    idx = np.array([rng.permutation(E)[:K] for _ in range(M)], np.int64)
+    w = rng.random((M, K)).astype(np.float32)
+    return x, idx, w
+
+
+def step(ep):
+    """One dispatch + toy expert + combine; returns (seconds, dispatch OpStatus) or raises EpdError."""
+    t0 = time.monotonic()
+    ep.dispatch(M)
+    st = ep.op_status()
+    b = ep.bank(0)
+    for s in range(ep.slots_per_rank):
+        n = int(b.ll_recv_count[s])
+        b.ll_y[s, :n] = b.ll_recv_x[s, :n]
+    ep.combine()
+    return time.monotonic() - t0, st
+
+
+def child(sock, rank):
+    """Rank `rank` in its own process: steps until killed."""
+    import numpy as np
+    import epd
+    conn = epd.connect(sock)
+    ep = conn.attach("bench", rank=rank)
+    ep.set_inputs(*inputs(np, rank, 1))
+    print("ready", flush=True)
+    while True:
+        try:
+            step(ep)
+        except epd.EpdError:
+            time.sleep(0.001)
+
+
+def run(build, sock, replicas, steps):
+    import numpy as np
+    import epd
+    conn = epd.connect(sock)
+    eps = [conn.attach("bench", rank=0, num_experts=E, hidden=H, topk=K, max_tokens=M, on_rank_loss="mask")]
+    eps += [conn.attach("bench", rank=r) for r in (1, 2)]
+    kid = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", sock, "3"],
+                           stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+    if kid.stdout.readline().strip() != "ready":
+        raise RuntimeError("the child rank did not attach")
+    conn.control.set_expert_map(placement(replicas), group="bench")
+    for r, ep in enumerate(eps):
+        ep.set_inputs(*inputs(np, r, 1))
+    log = [[] for _ in eps]  # per rank: (end time, seconds, masked, dropped) of each completed step
+    failed = [0] * len(eps)
+    stop = threading.Event()
+
+    def loop(r):
+        while not stop.is_set():
+            try:
+                dt, st = step(eps[r])
+                log[r].append((time.monotonic(), dt, st.masked, st.dropped))
+            except epd.EpdError:
+                failed[r] += 1
+                time.sleep(0.001)
+
+    threads = [threading.Thread(target=loop, args=(r,), daemon=True) for r in range(len(eps))]
+    for t in threads:
+        t.start()
+    while len(log[0]) < steps:
+        time.sleep(0.01)
+    t_kill = time.monotonic()
+    kid.send_signal(signal.SIGKILL)
+    kid.wait()
+    n0 = len(log[0])
+    while len([e for e in log[0][n0:] if e[2]]) < steps:
+        time.sleep(0.01)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    before = [e[1] for e in log[0][:n0] if e[0] < t_kill][steps // 10:]  # the first steps warm up
+    first = min(e[0] for e in log[0] if e[0] > t_kill and e[2])
+    after = [e[1] for e in log[0] if e[0] > first]
+    dropped = [e[3] for lg in log for e in lg if e[0] > first]
+    med_b, med_a = statistics.median(before), statistics.median(after)
+    res = {
+        "replicas": 2 if replicas else 1,
+        "recovery_ms": (first - t_kill) * 1e3,
+        "recovery_minus_step_ms": (first - t_kill - med_a) * 1e3,
+        "ops_failed": sum(failed),
+        "step_ms_before": {"median": med_b * 1e3, "p90": sorted(before)[int(len(before) * 0.9)] * 1e3,
+                           "n": len(before)},
+        "step_ms_masked": {"median": med_a * 1e3, "p90": sorted(after)[int(len(after) * 0.9)] * 1e3,
+                           "n": len(after)},
+        "dropped_per_step": statistics.mean(dropped) if dropped else 0.0,
+        "entries_per_step": M * K,
+    }
+    for ep in eps:
+        ep.detach()
+    conn.close()
+    return res
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        return child(sys.argv[2], int(sys.argv[3]))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build", nargs="?", default=os.path.join(REPO, "build"))
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    os.environ.setdefault("EPD_LIBRARY", os.path.join(a.build, "lib", "libepd.so"))
+    results = []
+    for replicas in (True, False):
+        d = tempfile.mkdtemp(prefix="epd-bench-mask-")
+        sock = os.path.join(d, "control.sock")
+        conf = os.path.join(d, "epd.conf")
+        open(conf, "w").close()
+        log = open(os.path.join(d, "epd.log"), "w")
+        daemon = subprocess.Popen([os.path.join(a.build, "bin", "epd"), "-f", "-c", conf, "-s", sock,
+                                   "-o", "engine.backend=host", "-o", "engine.num_ranks=%d" % R,
+                                   "-o", "engine.slots_factor_pct=200", "-o", "engine.step_timeout_ms=2000",
+                                   "-o", "engine.max_hidden=%d" % H],
+                                  stdout=log, stderr=subprocess.STDOUT)
+        try:
+            for _ in range(300):
+                if os.path.exists(sock):
+                    break
+                time.sleep(0.05)
+            time.sleep(0.2)
+            results.append(run(a.build, sock, replicas, a.steps))
+        finally:
+            daemon.terminate()
+            daemon.wait(15)
+    for r in results:
+        print("replicas %d: recovery %.2f ms (%.2f ms past one masked step); %d ops failed; step %.3f ms "
+              "(p90 %.3f) before, %.3f ms (p90 %.3f) masked; %.2f of %d entries dropped per step" %
+              (r["replicas"], r["recovery_ms"], r["recovery_minus_step_ms"], r["ops_failed"],
+               r["step_ms_before"]["median"], r["step_ms_before"]["p90"], r["step_ms_masked"]["median"],
+               r["step_ms_masked"]["p90"], r["dropped_per_step"], r["entries_per_step"]))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"geometry": {"ranks": R, "experts": E, "hidden": H, "topk": K, "tokens": M},
+                       "results": results}, f, indent=1)
+    return 0 if results and results[0]["dropped_per_step"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
