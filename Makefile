@@ -50,9 +50,13 @@ PKG_LIBS := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 CUDA_CFLAGS := $(if $(filter 1,$(WITH_CUDA)),-I$(CUDA_HOME)/include -I$(NCCL_HOME)/include)
 # An NCCL outside the system's library path (.deps, a wheel, NCCL_HOME) is found at run time too.
 NCCL_RPATH := $(if $(filter /usr $(CUDA_HOME),$(NCCL_HOME)),,-Wl,-rpath,$(NCCL_HOME)/lib)
-CUDA_LINK := -L$(NCCL_HOME)/lib -L$(NCCL_HOME)/lib64 -L$(CUDA_HOME)/lib64 $(NCCL_RPATH) -lnccl -lcudart_static \
-  -ldl -lrt -lstdc++
+# The daemon opens libnccl.so.2 when the CUDA backend starts (kernels/nccl_load.cu), so it is not linked
+# with it: the host backend runs where NCCL is not installed. The tests and benchmarks link it (some call
+# NCCL functions of their own); the run path finds the build's NCCL either way.
+CUDA_LINK_DAEMON := -L$(CUDA_HOME)/lib64 $(NCCL_RPATH) -lcudart_static -ldl -lrt -lstdc++
+CUDA_LINK := -L$(NCCL_HOME)/lib -L$(NCCL_HOME)/lib64 $(CUDA_LINK_DAEMON) -lnccl
 CUDA_LIBS := $(if $(filter 1,$(WITH_CUDA)),$(CUDA_LINK))
+CUDA_LIBS_DAEMON := $(if $(filter 1,$(WITH_CUDA)),$(CUDA_LINK_DAEMON))
 CFLAGS_ALL += $(PKG_CFLAGS) $(CUDA_CFLAGS)
 LDFLAGS_ALL := $(SAN) -pthread '-Wl,-rpath,$$ORIGIN/../lib' -Wl,--disable-new-dtags $(LDFLAGS)
 NVCCFLAGS := -std=c++17 $(CUDA_ARCH) -O3 -Xcompiler -fPIC,-fvisibility=hidden -Iinclude/epd -Iclient -Ikernels \
@@ -145,13 +149,13 @@ $(LIBEPD): $(CLIENT_OBJS) $(GEN_OBJS) client/libepd.map
 	$(Q)ln -sf libepd.so $(B)/lib/libepd.so.1
 $(EPD): $(call obj,$(DAEMON_MAIN)) $(ENGINE_LIB)
 	$(call msg,LD,$@)
-	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -lm
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS_DAEMON) -lm
 $(EPDCTL): $(call obj,client/epdctl.c) $(LIBEPD_A)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) -ldl -lm
 $(EPD_FAULTS): $(call obj,$(DAEMON_MAIN)) $(HOOK_C_OBJS) $(ENGINE_LIB)
 	$(call msg,LD,$@)
-	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -lm
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS_DAEMON) -lm
 $(TESTS): $(call obj,$(TEST_SRCS)) $(HOOK_C_OBJS) $(ENGINE_LIB) $(LIBEPD_A)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
@@ -160,7 +164,7 @@ $(GPU_TESTS): $(call obj,$(GPU_TEST_SRCS) tests/runner_lib.c) $(HOOK_C_OBJS) $(H
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
 $(WORKER): $(call obj,tests/tools/epd-worker.c) $(ENGINE_LIB) $(LIBEPD_A)
 	$(call msg,LD,$@)
-	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm
+	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS_DAEMON) -ldl -lm
 $(BENCH): $(call obj,$(BENCH_SRCS)) $(if $(filter 1,$(WITH_CUDA)),$(B)/obj/bench/e2e/e2e_dev.o) $(ENGINE_LIB) $(LIBEPD_A)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(@D) && $(CC) -o $@ $^ $(LDFLAGS_ALL) $(PKG_LIBS) $(CUDA_LIBS) -ldl -lm

@@ -82,6 +82,9 @@ void epd_k_map_default(void *host_dst, uint32_t version, uint32_t num_experts, u
 /* Check the NCCL runtime takes the device API the kernels were built with (built with 2.28: 2.28.x;
  * with 2.29 or later: that version or newer); EPD_ERR_UNSUPPORTED with the version to install if not. */
 epd_result_t epd_k_check_nccl_version(char *err, size_t errlen);
+/* Open libnccl.so.2 (nccl_load.cu: the daemon is not linked with it): EPD_OK, or EPD_ERR_UNSUPPORTED with
+ * err saying why and what to install. Every NCCL call loads it first anyway. */
+epd_result_t epd_k_nccl_load(char *err, size_t errlen);
 /* The NCCL runtime's version code (ncclGetVersion: 23203 for 2.32.3), 0 if it cannot say. */
 int epd_k_nccl_version(void);
 

@@ -1359,6 +1359,7 @@ int epd_k_nccl_version(void) {
 }
 
 epd_result_t epd_k_check_nccl_version(char *err, size_t errlen) {
+  if (epd_k_nccl_load(err, errlen)) return EPD_ERR_UNSUPPORTED;
   const int v = epd_k_nccl_version();
   if (!v) return set_err(err, errlen, EPD_ERR_NCCL, "%s failed (%ld %ld)", "ncclGetVersion", 0, 0);
   if (nccl_dev_api_ok(v, NCCL_VERSION_CODE)) return EPD_OK;

@@ -109,6 +109,10 @@ for f in bin/epd bin/epdctl bin/epd-worker lib/libepd.so.1 include/epd/epd.h lib
   [ -e "$U/$f" ] || fail "dist lacks $f"
 done
 readelf -d "$U/bin/epd" | grep -E 'RPATH|RUNPATH' | grep -qF '$ORIGIN/../lib' || fail "bin/epd has no RPATH \$ORIGIN/../lib"
+# NCCL is opened when the CUDA backend starts, never needed to load: the host backend runs without it
+for bin in epd epdctl epd-worker; do
+  readelf -d "$U/bin/$bin" | grep NEEDED | grep -q libnccl && fail "bin/$bin needs libnccl at load time"
+done
 nbundled=0
 for bin in "$U/bin/epd" "$U/bin/epdctl" "$U/bin/epd-worker"; do
   ldd "$bin" > "$T/ldd.log" 2>&1 || fail "ldd $bin"
