@@ -2,7 +2,7 @@
 """Masked ranks under chaos (host backend): one group of 4 ranks attached with on_rank_loss = mask and an
 expert map that places every expert on two ranks. For EPD_MASK_CHAOS_SECONDS (default 20) a random worker
 is SIGKILLed about every 0.4 s (at most two ranks down at once) and a new worker of its rank starts
-0.1-0.5 s later. Every worker (epd-worker --mask) checks each step against the reference computed with
+0.1-0.5 s later. Every third step is an HT dispatch/combine, the others LL. Every worker (epd-worker --mask) checks each step against the reference computed with
 the mask its completion reports: no tokens from masked ranks, the map without their replicas, exactly
 the entries of experts without a live replica dropped. Then every worker runs to its end.
 
@@ -55,7 +55,7 @@ def start(rank):
     out = open(logdir / f"w{rank}.{seq}.out", "w+")
     p = subprocess.Popen([str(WORKER), "-s", d.sock, "-g", "chaos", "-r", str(rank), "-n", str(R),
                           "--steps", str(STEPS), "--seed", "9", "--experts", str(E), "--hidden", "64",
-                          "--topk", "4", "--tokens", "16", "--same-inputs", "--mask",
+                          "--topk", "4", "--tokens", "16", "--same-inputs", "--mask", "--ht-every", "3",
                           "--until-streak", "1000000"],
                          stdout=out, stderr=subprocess.STDOUT)
     p.out = out
