@@ -507,6 +507,22 @@ void *eng_buf(const eng_client_t *c, uint32_t kind, uint32_t bank) {
   return c->arena && off != UINT64_MAX ? c->arena + off : NULL;
 }
 
+void eng_ref_io(eng_client_t *c, int mode, uint32_t bank, uint32_t num_tokens, epd_ref_in_t *in,
+                epd_ref_out_t *out) {
+  *in = (epd_ref_in_t){num_tokens, eng_buf(c, EPD_BUF_X, bank), eng_buf(c, EPD_BUF_TOPK_IDX, bank),
+                       eng_buf(c, EPD_BUF_TOPK_WEIGHTS, bank)};
+  memset(out, 0, sizeof *out);
+  const int ll = mode == EPD_MODE_LL;
+  out->recv_x = eng_buf(c, ll ? EPD_BUF_LL_RECV_X : EPD_BUF_HT_RECV_X, bank);
+  out->recv_scales = eng_buf(c, ll ? EPD_BUF_LL_RECV_SCALES : EPD_BUF_HT_RECV_SCALES, bank);
+  out->recv_count = eng_buf(c, ll ? EPD_BUF_LL_RECV_COUNT : EPD_BUF_HT_RECV_COUNT, bank);
+  out->recv_src = eng_buf(c, ll ? EPD_BUF_LL_RECV_SRC : EPD_BUF_HT_RECV_SRC, bank);
+  if (!ll) {
+    out->recv_topk_idx = eng_buf(c, EPD_BUF_HT_RECV_TOPK_IDX, bank);
+    out->recv_topk_weights = eng_buf(c, EPD_BUF_HT_RECV_TOPK_WEIGHTS, bank);
+  }
+}
+
 /* ---- create / destroy --------------------------------------------------------------------------- */
 
 static const eng_backend_ops_t *find_backend(const char *name) {

@@ -295,6 +295,11 @@ const char *eng_result_name(int result);
 uint64_t eng_buf_offset(const eng_group_t *g, uint32_t kind, uint32_t bank);
 /* Address of buffer (kind, bank) in a client's CPU-visible arena. */
 void *eng_buf(const eng_client_t *c, uint32_t kind, uint32_t bank);
+/* (mu) The reference's view of client c's arena for a dispatch in `mode` (EPD_MODE_LL/HT) on `bank`: its
+ * inputs (num_tokens tokens) and the receive buffers the dispatch writes. Both host steps (one node, and
+ * across nodes) bind the arenas with it. */
+void eng_ref_io(eng_client_t *c, int mode, uint32_t bank, uint32_t num_tokens, epd_ref_in_t *in,
+                epd_ref_out_t *out);
 
 /* Queues and slots, shared by the backends. */
 /* A memfd "epd-<what>-<client id>" of `bytes` for client c, mapped in *map; fd or -1 (err). */

@@ -211,25 +211,8 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
         out[r] = NULL;
         continue;
       }
-      in[r].num_tokens = grp->desc[r].num_tokens;
-      in[r].x = eng_buf(c, EPD_BUF_X, bank);
-      in[r].topk_idx = eng_buf(c, EPD_BUF_TOPK_IDX, bank);
-      in[r].topk_weights = eng_buf(c, EPD_BUF_TOPK_WEIGHTS, bank);
-      memset(&outs[r], 0, sizeof outs[r]);
+      eng_ref_io(c, mode, bank, grp->desc[r].num_tokens, &in[r], &outs[r]);
       out[r] = &outs[r];
-      if (mode == EPD_MODE_LL) {
-        outs[r].recv_x = eng_buf(c, EPD_BUF_LL_RECV_X, bank);
-        outs[r].recv_scales = eng_buf(c, EPD_BUF_LL_RECV_SCALES, bank);
-        outs[r].recv_count = eng_buf(c, EPD_BUF_LL_RECV_COUNT, bank);
-        outs[r].recv_src = eng_buf(c, EPD_BUF_LL_RECV_SRC, bank);
-      } else {
-        outs[r].recv_x = eng_buf(c, EPD_BUF_HT_RECV_X, bank);
-        outs[r].recv_scales = eng_buf(c, EPD_BUF_HT_RECV_SCALES, bank);
-        outs[r].recv_count = eng_buf(c, EPD_BUF_HT_RECV_COUNT, bank);
-        outs[r].recv_src = eng_buf(c, EPD_BUF_HT_RECV_SRC, bank);
-        outs[r].recv_topk_idx = eng_buf(c, EPD_BUF_HT_RECV_TOPK_IDX, bank);
-        outs[r].recv_topk_weights = eng_buf(c, EPD_BUF_HT_RECV_TOPK_WEIGHTS, bank);
-      }
     }
     grp->plan_valid[bank] = 0;
     plan->renormalize = grp->renormalize;

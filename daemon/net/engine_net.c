@@ -1355,23 +1355,8 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
     for (uint32_t r = 0; r < W; r++) {
       out[r] = NULL;
       if (r / L == me) {
-        eng_client_t *c = grp->client[r];
-        in[r] = (epd_ref_in_t){d[r].num_tokens, eng_buf(c, EPD_BUF_X, bank),
-                               eng_buf(c, EPD_BUF_TOPK_IDX, bank), eng_buf(c, EPD_BUF_TOPK_WEIGHTS, bank)};
+        eng_ref_io(grp->client[r], mode, bank, d[r].num_tokens, &in[r], &outs[r]);
         out[r] = &outs[r];
-        if (mode == EPD_MODE_LL) {
-          outs[r].recv_x = eng_buf(c, EPD_BUF_LL_RECV_X, bank);
-          outs[r].recv_scales = eng_buf(c, EPD_BUF_LL_RECV_SCALES, bank);
-          outs[r].recv_count = eng_buf(c, EPD_BUF_LL_RECV_COUNT, bank);
-          outs[r].recv_src = eng_buf(c, EPD_BUF_LL_RECV_SRC, bank);
-        } else {
-          outs[r].recv_x = eng_buf(c, EPD_BUF_HT_RECV_X, bank);
-          outs[r].recv_scales = eng_buf(c, EPD_BUF_HT_RECV_SCALES, bank);
-          outs[r].recv_count = eng_buf(c, EPD_BUF_HT_RECV_COUNT, bank);
-          outs[r].recv_src = eng_buf(c, EPD_BUF_HT_RECV_SRC, bank);
-          outs[r].recv_topk_idx = eng_buf(c, EPD_BUF_HT_RECV_TOPK_IDX, bank);
-          outs[r].recv_topk_weights = eng_buf(c, EPD_BUF_HT_RECV_TOPK_WEIGHTS, bank);
-        }
         continue;
       }
       uint32_t T = d[r].num_tokens > M ? M : d[r].num_tokens;
