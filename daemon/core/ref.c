@@ -240,30 +240,6 @@ void epd_ref_plan_free(epd_ref_plan_t *p) {
   p->mode = -1;
 }
 
-/* Token t of src lost entries (no live replica): scale the weights it keeps so that they sum to what
- * all its valid entries (not -1, not duplicates) weighed. Nothing kept or a zero sum: unchanged. */
-static void renormalize(epd_ref_plan_t *p, const epd_ref_in_t *in, uint32_t src, uint32_t t) {
-  const uint32_t K = p->g.topk;
-  const size_t row = ((size_t)src * p->g.max_tokens + t) * K;
-  const int64_t *idx = &in[src].topk_idx[(size_t)t * K];
-  double all = 0, kept = 0;
-  int lost = 0;
-  for (uint32_t k = 0; k < K; k++) {
-    int dup = idx[k] < 0;
-    for (uint32_t k2 = 0; k2 < k && !dup; k2++) dup = idx[k2] == idx[k];
-    if (dup) continue;
-    all += p->weight[row + k];
-    if (p->dst_rank[row + k] >= 0)
-      kept += p->weight[row + k];
-    else
-      lost = 1;
-  }
-  if (!lost || kept == 0) return;
-  const float f = (float)(all / kept);
-  for (uint32_t k = 0; k < K; k++)
-    if (p->dst_rank[row + k] >= 0) p->weight[row + k] *= f;
-}
-
 epd_result_t epd_ref_plan_build(epd_ref_plan_t *p, const epd_expert_map_t *map, const epd_ref_in_t *in,
                                 int *bad_rank, char *err, size_t errlen) {
   const epd_ref_geom_t *g = &p->g;
@@ -307,6 +283,8 @@ epd_result_t epd_ref_plan_build(epd_ref_plan_t *p, const epd_expert_map_t *map, 
       size_t row = ((size_t)src * M + t) * K;
       int32_t *hp = &p->ht_pos[((size_t)src * M + t) * R];
       for (uint32_t r = 0; r < R; r++) hp[r] = -1;
+      double all = 0, kept = 0; /* the weights of the token's valid entries, and of those routed */
+      int lost = 0;
       for (uint32_t k = 0; k < K; k++) {
         int64_t e = in[src].topk_idx[(size_t)t * K + k];
         p->weight[row + k] = in[src].topk_weights[(size_t)t * K + k];
@@ -318,10 +296,13 @@ epd_result_t epd_ref_plan_build(epd_ref_plan_t *p, const epd_expert_map_t *map, 
         for (uint32_t k2 = 0; k2 < k; k2++)
           if (in[src].topk_idx[(size_t)t * K + k2] == e) dup = 1;
         if (dup) continue;
+        all += p->weight[row + k];
         if (!map->nrep[e]) { /* no live replica (a masked map): dropped */
           p->dropped[src]++;
+          lost = 1;
           continue;
         }
+        kept += p->weight[row + k];
         epd_replica_t d = epd_ref_map_dest(map, M, src, t, (uint32_t)e);
         p->dst_rank[row + k] = (int32_t)d.rank;
         p->dst_slot[row + k] = (int32_t)d.slot;
@@ -332,7 +313,13 @@ epd_result_t epd_ref_plan_build(epd_ref_plan_t *p, const epd_expert_map_t *map, 
         p->ht_count[(size_t)d.rank * S + d.slot]++;
         if (hp[d.rank] < 0) hp[d.rank] = (int32_t)p->ht_recv[d.rank]++;
       }
-      if (p->renormalize) renormalize(p, in, src, t);
+      /* renormalise: the weights the token keeps scaled to what all its valid entries weighed (a token
+       * that lost nothing, or kept nothing, is left alone) */
+      if (p->renormalize && lost && kept != 0) {
+        const float f = (float)(all / kept);
+        for (uint32_t k = 0; k < K; k++)
+          if (p->dst_rank[row + k] >= 0) p->weight[row + k] *= f;
+      }
     }
   }
   return EPD_OK;
