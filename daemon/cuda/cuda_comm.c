@@ -220,7 +220,7 @@ int epd_cc_share(int n, const int *devices) {
 }
 
 epd_result_t epd_cc_check_devices(int n, const int *devices, char *err, size_t errlen) {
-  int ndev = 0;
+  int ndev = 0, share = 1;
   cudaError_t ce = cudaGetDeviceCount(&ndev);
   if (ce != cudaSuccess) {
     snprintf(err, errlen, "cudaGetDeviceCount: %s", cudaGetErrorString(ce));
@@ -250,8 +250,9 @@ epd_result_t epd_cc_check_devices(int n, const int *devices, char *err, size_t e
                EPD_CC_MAX_RANKS_PER_GPU);
       return EPD_ERR_INVALID;
     }
+    if (k > share) share = k;
   }
-  if (epd_cc_share(n, devices) == 1) return EPD_OK;
+  if (share == 1) return EPD_OK;
   const int v = epd_k_nccl_version();
   if (v < 23000) {
     snprintf(err, errlen,
@@ -263,6 +264,46 @@ epd_result_t epd_cc_check_devices(int n, const int *devices, char *err, size_t e
   /* NCCL refuses two ranks of a communicator on one GPU unless asked; set before the first init. */
   setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1);
   return EPD_OK;
+}
+
+#ifdef EPD_TEST_HOOKS
+size_t epd_cc_test_free_bytes; /* test builds: nonzero is the free memory every GPU reports */
+#endif
+
+epd_result_t epd_cc_check_free(int n, const int *devices, int rank, size_t bytes, const char *what, char *err,
+                               size_t errlen) {
+  int prev = -1;
+  cudaGetDevice(&prev);
+  epd_result_t rc = EPD_OK;
+  for (int r = 0; r < n && rc == EPD_OK; r++) {
+    const int d = devices ? devices[r] : r;
+    int first = 1; /* each GPU once: at its lowest rank */
+    for (int q = 0; q < r; q++) first &= (devices ? devices[q] : q) != d;
+    if (!first || (rank >= 0 && d != (devices ? devices[rank] : rank))) continue;
+    const int k = rank >= 0 ? 1 : epd_cc_ranks_on(n, devices, r);
+    size_t avail = 0, total = 0;
+    cudaError_t ce = cudaSetDevice(d);
+    if (ce == cudaSuccess) ce = cudaMemGetInfo(&avail, &total);
+    if (ce != cudaSuccess) {
+      cudaGetLastError();
+      continue; /* the allocation itself will say what is wrong */
+    }
+#ifdef EPD_TEST_HOOKS
+    if (epd_cc_test_free_bytes) avail = epd_cc_test_free_bytes;
+#endif
+    if ((double)bytes * k > (double)avail) {
+      if (k > 1)
+        snprintf(err, errlen,
+                 "%s needs %.1f MiB on GPU %d (%.1f MiB for each of the %d ranks sharing it), %.1f MiB are free",
+                 what, (double)bytes * k / 1048576.0, d, bytes / 1048576.0, k, avail / 1048576.0);
+      else
+        snprintf(err, errlen, "%s needs %.1f MiB on GPU %d, %.1f MiB are free", what, bytes / 1048576.0, d,
+                 avail / 1048576.0);
+      rc = EPD_ERR_NOMEM;
+    }
+  }
+  if (prev >= 0) cudaSetDevice(prev);
+  return rc;
 }
 
 epd_result_t epd_cc_create(int n, const int *devices, epd_cc_t **out, char *err, size_t errlen) {

@@ -45,6 +45,11 @@ int epd_cc_share(int n, const int *devices);
  * ranks on one, and where ranks share a GPU an NCCL of 2.30 or later (its multi-rank mode, which this
  * turns on: NCCL_MULTI_RANK_GPU_ENABLE=1). EPD_OK, or the reason in err. */
 epd_result_t epd_cc_check_devices(int n, const int *devices, char *err, size_t errlen);
+/* Is there room for `bytes` on the GPUs? rank < 0: bytes for every rank, on every GPU (ranks sharing a
+ * GPU each need theirs); else bytes on rank's GPU. EPD_ERR_NOMEM with what, the GPU, the bytes needed
+ * and free in err when not. */
+epd_result_t epd_cc_check_free(int n, const int *devices, int rank, size_t bytes, const char *what, char *err,
+                               size_t errlen);
 /* Create communicators for GPUs devices[0..n-1] (NULL: 0..n-1), rank i on devices[i] (checked as
  * epd_cc_check_devices does). */
 epd_result_t epd_cc_create(int n, const int *devices, epd_cc_t **out, char *err, size_t errlen);

@@ -293,22 +293,27 @@ static epd_result_t grp_setup(cuda_be_t *be, cuda_grp_t *cg, char *err, size_t e
                         .slots_per_rank = cg->g.slots_per_rank,
                         .blocks = be->ll_blocks};
   uint64_t t0 = eng_now_ns();
-  epd_result_t rc = epd_cc_window_alloc(be->cc, epd_k_ll_window_bytes(&kg), &cg->win, err, errlen);
+  /* HT: a staging window of ht_capacity rows per bank, where the geometry is within the HT limits. */
+  const int ht = cg->g.max_tokens <= EPD_K_HT_MAX_TOKENS && cg->g.ht_capacity >= 1 &&
+                 cg->g.ht_capacity <= (uint32_t)EPD_K_HT_MAX_TOKENS * EPD_K_MAX_RANKS;
+  epd_k_ht_geom_t hg = {.num_ranks = cg->g.num_ranks,
+                        .num_experts = cg->g.num_experts,
+                        .hidden = cg->g.hidden,
+                        .topk = cg->g.topk,
+                        .max_tokens = cg->g.max_tokens,
+                        .slots_per_rank = cg->g.slots_per_rank,
+                        .capacity = cg->g.ht_capacity,
+                        .blocks = be->ht_sms}; /* the window's flag arrays are per block */
+  const size_t wbytes = epd_k_ll_window_bytes(&kg), hbytes = ht ? epd_k_ht_window_bytes(&hg) : 0;
+  /* Ranks sharing a GPU each take a window: say so before NCCL runs out of memory half-way. */
+  epd_result_t rc = epd_cc_check_free(be->ndev, be->rank[0].eng->o.devices, -1, wbytes + hbytes,
+                                      "the group's LL and HT windows", err, errlen);
   if (rc) return rc;
+  if ((rc = epd_cc_window_alloc(be->cc, wbytes, &cg->win, err, errlen))) return rc;
   cg->have_win = 1;
   for (int r = 0; r < be->ndev; r++) be->rank[r].bytes += cg->win.bytes;
-  /* HT: a staging window of ht_capacity rows per bank, where the geometry is within the HT limits. */
-  if (cg->g.max_tokens <= EPD_K_HT_MAX_TOKENS && cg->g.ht_capacity >= 1 &&
-      cg->g.ht_capacity <= (uint32_t)EPD_K_HT_MAX_TOKENS * EPD_K_MAX_RANKS) {
-    epd_k_ht_geom_t hg = {.num_ranks = cg->g.num_ranks,
-                          .num_experts = cg->g.num_experts,
-                          .hidden = cg->g.hidden,
-                          .topk = cg->g.topk,
-                          .max_tokens = cg->g.max_tokens,
-                          .slots_per_rank = cg->g.slots_per_rank,
-                          .capacity = cg->g.ht_capacity,
-                          .blocks = be->ht_sms}; /* the window's flag arrays are per block */
-    if ((rc = epd_cc_window_alloc(be->cc, epd_k_ht_window_bytes(&hg), &cg->hwin, err, errlen))) {
+  if (ht) {
+    if ((rc = epd_cc_window_alloc(be->cc, hbytes, &cg->hwin, err, errlen))) {
       grp_teardown(be, cg);
       return rc;
     }
@@ -1050,9 +1055,7 @@ static epd_result_t arena_alloc(cuda_be_t *be, cuda_client_t *cc, uint64_t bytes
   cc->peer_access = reach == be->ndev;
   if (nacc > 1 && cu.cuMemSetAccess(cc->arena_dev, cc->arena_size, acc, (size_t)nacc)) {
     nacc = 1;
-    int here = 0;
-    for (int d = 0; d < be->ndev; d++) here += be->rank[d].device == device;
-    cc->peer_access = here == be->ndev;
+    cc->peer_access = be->share == be->ndev; /* every rank on this one GPU */
   }
   if (nacc == 1 && (r = cu.cuMemSetAccess(cc->arena_dev, cc->arena_size, acc, 1)))
     return cu_err(r, "cuMemSetAccess", err, errlen);
@@ -1120,7 +1123,10 @@ static epd_result_t cuda_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
   cc->queue_dev = (uint64_t)(uintptr_t)qd;
   /* the IO buffers, then the queue's device twin (zeroed: every slot FREE) */
   cc->dq_offset = (c->arena_bytes + 255) / 256 * 256;
-  if ((rc = arena_alloc(be, cc, cc->dq_offset + sizeof(epd_queue_t), cc->device, err, errlen))) goto fail;
+  if ((rc = epd_cc_check_free(be->ndev, eng->o.devices, local_rank(eng, c->rank), cc->dq_offset + sizeof(epd_queue_t),
+                              "the client's arena", err, errlen)) ||
+      (rc = arena_alloc(be, cc, cc->dq_offset + sizeof(epd_queue_t), cc->device, err, errlen)))
+    goto fail;
   cudaStream_t zs = be->rank[local_rank(eng, c->rank)].copy_stream;
   if ((e = cudaMemsetAsync((void *)(uintptr_t)(cc->arena_dev + cc->dq_offset), 0, sizeof(epd_queue_t), zs)) ||
       (e = cudaStreamSynchronize(zs))) {

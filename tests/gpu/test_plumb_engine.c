@@ -460,6 +460,52 @@ EPD_TEST_T(plumb_engine_refused_dispatch_and_drain, 120) {
   epd_engine_destroy(eng);
 }
 
+extern size_t epd_cc_test_free_bytes; /* cuda_comm.c, test builds: the free memory every GPU reports */
+
+/* A group whose windows do not fit the GPUs' free memory is refused at its first attach, naming the
+ * GPU, the bytes and the ranks sharing it; an arena that does not fit likewise; with the memory back,
+ * the same attach works. */
+EPD_TEST_T(plumb_engine_refuses_what_does_not_fit, 120) {
+  need_gpus();
+  epd_engine_t *eng = engine_up(2000);
+  epd_attach_req_t req;
+  memset(&req, 0, sizeof req);
+  snprintf(req.group, sizeof req.group, "fit");
+  snprintf(req.name, sizeof req.name, "fit-r0");
+  req.num_experts = 16;
+  req.hidden = 1024;
+  req.topk = 4;
+  req.max_tokens = 128;
+  req.pid = (uint32_t)getpid();
+  epd_attach_info_t info;
+  char err[256] = "";
+  epd_cc_test_free_bytes = 1 << 20;
+  ASSERT_EQ(epd_engine_attach(eng, &req, &info, err, sizeof err), EPD_ERR_NOMEM);
+  ASSERT_STR_CONTAINS(err, "windows needs");
+  ASSERT_STR_CONTAINS(err, "1.0 MiB are free");
+  if (g_dev[0] == g_dev[1]) ASSERT_STR_CONTAINS(err, "of the 2 ranks sharing it");
+  /* the group is set up by rank 0's attach; then rank 1's arena does not fit */
+  epd_cc_test_free_bytes = 0;
+  gclient_t c0;
+  attach(eng, "fit", 0, 16, 1024, 4, 128, &c0);
+  epd_cc_test_free_bytes = 4096;
+  req.rank = 1;
+  snprintf(req.name, sizeof req.name, "fit-r1");
+  err[0] = 0;
+  ASSERT_EQ(epd_engine_attach(eng, &req, &info, err, sizeof err), EPD_ERR_NOMEM);
+  ASSERT_STR_CONTAINS(err, "the client's arena needs");
+  epd_cc_test_free_bytes = 0;
+  gclient_t c1;
+  attach(eng, "fit", 1, 0, 0, 0, 0, &c1);
+  submit(&c0, EPD_OP_LL_DISPATCH, 0, 0, 0, 1);
+  submit(&c1, EPD_OP_LL_DISPATCH, 0, 0, 0, 1);
+  ASSERT_EQ(finish(&c0, 10).status, EPD_OK);
+  ASSERT_EQ(finish(&c1, 10).status, EPD_OK);
+  detach(eng, &c0, 0);
+  detach(eng, &c1, 0);
+  epd_engine_destroy(eng);
+}
+
 #else /* !EPD_WITH_CUDA */
 #include "../test.h"
 EPD_TEST(gpu_plumb_engine_without_cuda) {
