@@ -72,7 +72,8 @@ size_t epd_k_ll_window_bytes(const epd_k_ll_geom_t *g);
 /* Device expert-map table: bytes for num_experts experts. */
 size_t epd_k_map_bytes(uint32_t num_experts);
 /* Fill a host image of the table (then copy it to the device). rep is [num_experts][rep_stride] pairs
- * of uint32 (rank, slot) (the layout of epd_replica_t rows); nrep[e] in 1..EPD_K_MAX_REPLICAS. */
+ * of uint32 (rank, slot) (the layout of epd_replica_t rows); nrep[e] in 0..EPD_K_MAX_REPLICAS (0: no live
+ * replica, the kernels drop the expert's entries). */
 epd_result_t epd_k_map_pack(void *host_dst, uint32_t version, uint32_t num_experts, const uint8_t *nrep,
                             const uint32_t *rep, uint32_t rep_stride);
 /* Fill a host image with the default map of SEMANTICS.md (expert e on rank e/ceil(E/R), slot

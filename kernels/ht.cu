@@ -250,7 +250,9 @@ __global__ void __launch_bounds__(NTHR) ht_route_kernel(const HTParams p) {
       bad = true;
     } else {
       uint32_t nrep = __ldg(map_nrep + e);
-      if (nrep == 0 || nrep > EPD_K_MAX_REPLICAS) {
+      if (nrep == 0) {
+        valid = false; /* no live replica (a map without masked ranks): the entry is dropped */
+      } else if (nrep > EPD_K_MAX_REPLICAS) {
         valid = false;
         errb |= ERRB_BAD_MAP;
       } else {

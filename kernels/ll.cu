@@ -493,7 +493,9 @@ __device__ bool ll_dispatch_body(const LLParams &p, const LLOp &o) {
 #pragma unroll
           for (int j = 0; j < EPD_K_MAX_REPLICAS; j++)
             reps[j] = __ldcg(map_rep + (uint64_t)e * EPD_K_MAX_REPLICAS + j);
-          if (nrep == 0 || nrep > EPD_K_MAX_REPLICAS) {
+          if (nrep == 0) {
+            valid = false; /* no live replica (a map without masked ranks): the entry is dropped */
+          } else if (nrep > EPD_K_MAX_REPLICAS) {
             valid = false;
             atomicOr(&sh_err, ERRB_BAD_MAP);
           } else {
@@ -1322,7 +1324,7 @@ epd_result_t epd_k_map_pack(void *host_dst, uint32_t version, uint32_t num_exper
   m[1] = num_experts;
   m[2] = EPD_K_MAX_REPLICAS;
   for (uint32_t e = 0; e < num_experts; e++) {
-    if (nrep[e] < 1 || nrep[e] > EPD_K_MAX_REPLICAS || nrep[e] > rep_stride) return EPD_ERR_INVALID;
+    if (nrep[e] > EPD_K_MAX_REPLICAS || nrep[e] > rep_stride) return EPD_ERR_INVALID;
     m[4 + e] = nrep[e];
     for (uint32_t i = 0; i < nrep[e]; i++) {
       uint32_t r = rep[((size_t)e * rep_stride + i) * 2], s = rep[((size_t)e * rep_stride + i) * 2 + 1];

@@ -917,6 +917,14 @@ epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, e
     rc = EPD_ERR_UNSUPPORTED;
     goto out;
   }
+  if (req->renormalize && !eng->ops->renormalizes) {
+    snprintf(errbuf, errlen,
+             "renormalize = 1: the %s backend does not renormalise the weights of masked "
+             "entries (pass 0)",
+             eng->ops->name);
+    rc = EPD_ERR_UNSUPPORTED;
+    goto out;
+  }
   grp = find_group(eng, name);
   if (grp) {
     if ((rc = check_geometry(grp, req, errbuf, errlen))) goto out;

@@ -92,7 +92,7 @@ struct eng_group {
   uint32_t open_banks;
   uint64_t entries_dropped, masks;
   uint32_t step_dropped[EPD_MAX_RANKS]; /* host: entries of each rank's tokens dropped in the step */
-  uint64_t plan_mask[EPD_NUM_BANKS];    /* host: the mask each bank's dispatch ran with */
+  uint64_t plan_mask[EPD_NUM_BANKS];    /* the mask each bank's dispatch ran with */
   epd_expert_map_t map;                 /* active */
   epd_expert_map_t staged;              /* valid if has_staged */
   int has_staged;
@@ -181,8 +181,9 @@ typedef struct eng_backend_ops {
   uint64_t (*drain_step)(const eng_group_t *grp);
   /* How steps cross nodes: "host-tcp", "nccl-p2p". */
   const char *inter_node_transport;
-  /* 1: runs groups with on_rank_loss = EPD_RANK_LOSS_MASK (on one node). */
-  int masks;
+  /* 1: runs groups with on_rank_loss = EPD_RANK_LOSS_MASK (on one node); renormalizes: also with
+   * renormalize = 1. */
+  int masks, renormalizes;
 } eng_backend_ops_t;
 
 /* Scale-out as the core sees it: what it tells the layer that joins this node's engine to the other

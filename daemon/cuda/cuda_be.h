@@ -78,7 +78,10 @@ typedef struct cuda_grank {
   epd_k_ll_t *k;
   epd_k_ht_t *kh; /* HT kernels (NULL where the geometry exceeds the HT limits) */
   void *map_dev;
-  uint32_t map_version;  /* uploaded */
+  uint64_t map_gen; /* the map image uploaded (cuda_grp_t.map_img_gen) */
+  /* masked ranks: this rank's top-k of a dispatch, copied after the kernel to count the dropped entries */
+  int64_t *topk_host;
+  uint32_t dropped;
   epd_comp_t *comp_host; /* pinned, mapped: the kernel writes it */
   epd_comp_t *comp_dev;
   cudaEvent_t ev;
@@ -122,8 +125,17 @@ typedef struct cuda_grp {
   uint64_t first_arrive_ns, last_arrive_ns;
   uint64_t arrive_ns[EPD_MAX_RANKS]; /* per rank, for the per-peer wait metric */
   uint32_t map_version;
-  void *map_img; /* host image of the active map (epd_k_map_pack) */
+  void *map_img; /* host image of the route map (epd_k_map_pack): the active map without masked ranks */
   uint32_t map_img_version;
+  uint64_t map_img_mask, map_img_gen; /* the mask it was built with; bumped at every build */
+  /* Masked ranks (docs/SEMANTICS.md): the kernels of a step need every rank of the team, so a masked
+   * rank's part runs with no tokens (synth[r]: no client slot to complete) on the memory its last client
+   * left (ghost[r], kept until the rank rejoins) or its hung client's; step_mask is the mask the step runs
+   * with; bank_dropped the entries each rank's dispatch of a bank dropped (its combine reports them). */
+  cuda_client_t *ghost[EPD_MAX_RANKS];
+  int synth[EPD_MAX_RANKS];
+  uint64_t step_mask;
+  uint32_t bank_dropped[EPD_NUM_BANKS][EPD_MAX_RANKS];
   /* Map version of each bank's last LL dispatch, and the version the current op reports: a combine
    * reports its bank's dispatch version even when a later dispatch (other bank) switched the map. */
   uint32_t bank_map_version[EPD_NUM_BANKS], op_map_version;

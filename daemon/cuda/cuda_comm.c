@@ -293,9 +293,10 @@ epd_result_t epd_cc_check_free(int n, const int *devices, int rank, size_t bytes
 #endif
     if ((double)bytes * k > (double)avail) {
       if (k > 1)
-        snprintf(err, errlen,
-                 "%s needs %.1f MiB on GPU %d (%.1f MiB for each of the %d ranks sharing it), %.1f MiB are free",
-                 what, (double)bytes * k / 1048576.0, d, bytes / 1048576.0, k, avail / 1048576.0);
+        snprintf(
+            err, errlen,
+            "%s needs %.1f MiB on GPU %d (%.1f MiB for each of the %d ranks sharing it), %.1f MiB are free",
+            what, (double)bytes * k / 1048576.0, d, bytes / 1048576.0, k, avail / 1048576.0);
       else
         snprintf(err, errlen, "%s needs %.1f MiB on GPU %d, %.1f MiB are free", what, bytes / 1048576.0, d,
                  avail / 1048576.0);

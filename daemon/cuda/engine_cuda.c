@@ -246,6 +246,7 @@ static epd_result_t grank_teardown(epd_cc_t *cc, int rank, void *argp) {
   if (gr->kh) epd_k_ht_destroy(gr->kh);
   if (gr->map_dev) cudaFree(gr->map_dev);
   if (gr->comp_host) cudaFreeHost(gr->comp_host);
+  if (gr->topk_host) cudaFreeHost(gr->topk_host);
   if (gr->ev) cudaEventDestroy(gr->ev);
   if (gr->pctl) cudaFreeHost(gr->pctl);
   if (gr->pprog) cudaFreeHost(gr->pprog);
@@ -361,7 +362,7 @@ static void complete_rank(epd_engine_t *eng, cuda_grp_t *cg, int r, const epd_co
   cuda_client_t *cc = cg->cc[r];
   uint64_t now = eng_now_ns();
   uint64_t lat = cg->last_arrive_ns && now > cg->last_arrive_ns ? now - cg->last_arrive_ns : 0;
-  if (cc && !cc->dead) {
+  if (cc && !cc->dead && !cg->synth[r]) {
     epd_slot_t *s = &cc->queue->slot[cc->next_slot];
     epd_comp_t c;
     memset(&c, 0, sizeof c);
@@ -375,6 +376,8 @@ static void complete_rank(epd_engine_t *eng, cuda_grp_t *cg, int r, const epd_co
     c.step = cg->step;
     c.user_tag = cg->desc[r].user_tag;
     c.latency_ns = lat;
+    c.masked = cg->step_mask;
+    c.dropped = c.status == EPD_OK ? cg->rk[r].dropped : 0;
     eng_slot_complete(cc->queue, s, &c, cg->map_version);
     cc->next_slot = (cc->next_slot + 1) % EPD_QUEUE_SLOTS;
     if (cg->grp && cg->grp->client[r]) cg->grp->client[r]->ops++;
@@ -395,9 +398,11 @@ static void complete_rank(epd_engine_t *eng, cuda_grp_t *cg, int r, const epd_co
   cg->first_arrive_ns = cg->last_arrive_ns = 0;
   for (int i = 0; i < EPD_MAX_RANKS; i++) {
     if (cg->cc[i]) cg->cc[i]->busy = 0;
-    cg->arrived[i] = cg->launched[i] = cg->finished[i] = cg->reset_done[i] = 0;
+    cg->arrived[i] = cg->launched[i] = cg->finished[i] = cg->reset_done[i] = cg->synth[i] = 0;
     cg->cc[i] = NULL;
+    cg->rk[i].dropped = 0;
   }
+  cg->step_mask = cg->grp ? cg->grp->mask : 0;
   cg->need_reset = reset;
 }
 
@@ -407,6 +412,7 @@ static void fail_collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int s
   cg->status = status;
   cg->peer = peer;
   snprintf(cg->why, sizeof cg->why, "%s", why);
+  cg->step_mask = cg->grp ? cg->grp->mask : 0;
   if (cg->grp) {
     eng_emit(eng, status == EPD_ERR_TIMEOUT ? "timeout" : "error", cg->grp, peer, 0, 0, 0, cg->grp->steps,
              "group %s step %llu: %s", cg->name, (unsigned long long)cg->grp->steps, why);
@@ -419,6 +425,8 @@ static void fail_collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int s
     const epd_desc_t *d = &cg->desc[r];
     if (cg->arrived[r] && eng_op_dispatch(d->op) && d->bank < EPD_NUM_BANKS)
       cg->disp_refused[d->op == EPD_OP_HT_DISPATCH][d->bank] = 1;
+    if (cg->arrived[r] && d->bank < EPD_NUM_BANKS && cg->grp)
+      cg->grp->open_banks &= ~(1u << d->bank); /* its combine fails, or failed */
   }
   uint32_t n = cg->narrived;
   for (int r = 0; r < (int)cg->g.num_ranks && n; r++)
@@ -430,22 +438,83 @@ static void fail_collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int s
 
 /* (mu) Build the host image of the group's active map if it is not current; 0 when it is. */
 int map_img_update(cuda_grp_t *cg, eng_group_t *grp) {
-  if (cg->map_img_version == grp->map.version) return 0;
-  size_t mb = epd_k_map_bytes(grp->map.num_experts);
-  void *img = realloc(cg->map_img, mb);
-  if (img) {
-    cg->map_img = img;
-    if (epd_k_map_pack(img, grp->map.version, grp->map.num_experts, grp->map.nrep,
-                       (const uint32_t *)grp->map.rep, EPD_MAX_REPLICAS) == EPD_OK)
-      cg->map_img_version = grp->map.version;
+  if (cg->map_img_gen && cg->map_img_version == grp->map.version && cg->map_img_mask == grp->mask) return 0;
+  const epd_expert_map_t *m = eng_route_map(grp); /* without the masked ranks' replicas */
+  void *img = realloc(cg->map_img, epd_k_map_bytes(m->num_experts));
+  if (!img) return 1;
+  cg->map_img = img;
+  cg->map_img_gen++; /* a failed pack leaves no image: built again at the next dispatch */
+  if (epd_k_map_pack(img, grp->map.version, m->num_experts, m->nrep, (const uint32_t *)m->rep,
+                     EPD_MAX_REPLICAS) != EPD_OK) {
+    cg->map_img_mask = UINT64_MAX; /* no image: no mask matches it (a step needs a live rank) */
+    return 1;
   }
-  return cg->map_img_version != grp->map.version;
+  cg->map_img_version = grp->map.version;
+  cg->map_img_mask = grp->mask;
+  return 0;
+}
+
+/* Entries of T tokens' top-k (K each) that the map image routes nowhere: experts without a live replica
+ * (invalid and repeated entries are not entries; the kernels skip them). */
+static uint32_t img_dropped(const void *img, const int64_t *idx, uint32_t T, uint32_t K) {
+  const uint32_t *m = img, E = m[1];
+  uint32_t n = 0;
+  for (uint32_t t = 0; t < T; t++)
+    for (uint32_t k = 0; k < K; k++) {
+      const int64_t e = idx[(size_t)t * K + k];
+      int dup = 0;
+      for (uint32_t j = 0; j < k; j++) dup |= idx[(size_t)t * K + j] == e;
+      n += e >= 0 && e < (int64_t)E && !dup && m[4 + e] == 0;
+    }
+  return n;
+}
+
+/* (mu) The masked ranks' parts of a step the live ranks agreed on (d0): no tokens, on the memory the
+ * rank's last client left or its hung client's (the kernels touch only its outputs). A combine whose
+ * dispatch ran with a rank masked since fails: that rank's expert outputs are gone, and the kernels'
+ * routing of the bank still counts on them. 1 when the step failed. */
+static int masked_parts(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, const epd_desc_t *d0,
+                        uint64_t mask) {
+  eng_group_t *grp = cg->grp;
+  char why[160];
+  const uint64_t gone = mask & ~grp->plan_mask[d0->bank];
+  if (!eng_op_dispatch(d0->op) && gone) {
+    const int r = __builtin_ctzll(gone);
+    snprintf(why, sizeof why, "rank %d was masked after the dispatch of bank %u: its expert outputs are gone",
+             r, d0->bank);
+    fail_collect(eng, be, cg, EPD_ERR_PEER, r, why);
+    return 1;
+  }
+  cuda_client_t *mem[EPD_MAX_RANKS] = {0};
+  for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
+    if (!(mask >> r & 1)) continue;
+    mem[r] = cg->ghost[r] ? cg->ghost[r] : grp->client[r] ? grp->client[r]->be : NULL;
+    if (!mem[r] || mem[r]->busy) {
+      snprintf(why, sizeof why, "masked rank %u has no memory for its part of the step", r);
+      fail_collect(eng, be, cg, EPD_ERR_PEER, (int)r, why);
+      return 1;
+    }
+  }
+  for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
+    if (!mem[r]) continue;
+    cg->desc[r] = *d0;
+    cg->desc[r].num_tokens = 0;
+    cg->desc[r].user_tag = 0;
+    cg->cc[r] = mem[r];
+    mem[r]->busy = 1;
+    cg->synth[r] = cg->arrived[r] = 1;
+    cg->narrived++;
+  }
+  return 0;
 }
 
 /* (mu) All ranks arrived: check the step on the host and hand it to the rank threads. */
 static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
   eng_group_t *grp = cg->grp;
-  const epd_desc_t *d0 = &cg->desc[0];
+  const uint64_t mask = grp ? grp->mask : 0;
+  uint32_t first = 0; /* the lowest live rank: masked ranks submit nothing */
+  while (first + 1 < cg->g.num_ranks && (mask >> first & 1)) first++;
+  const epd_desc_t *d0 = &cg->desc[first];
   char why[160];
   /* After a sticky fault nothing more runs on this context: say why instead of launching. */
   if (epd_engine_failure(eng)) {
@@ -454,6 +523,7 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
     return;
   }
   for (uint32_t r = 0; r < cg->g.num_ranks; r++) {
+    if (mask >> r & 1) continue;
     const epd_desc_t *d = &cg->desc[r];
     const int is_ht = d->op == EPD_OP_HT_DISPATCH || d->op == EPD_OP_HT_COMBINE;
     if ((d->op != EPD_OP_LL_DISPATCH && d->op != EPD_OP_LL_COMBINE && !is_ht) || (is_ht && !cg->have_hwin)) {
@@ -469,8 +539,9 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
       return;
     }
     if (d->op != d0->op || d->bank != d0->bank || (is_disp && d->flags != d0->flags)) {
-      snprintf(why, sizeof why, "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x",
-               r, d->op, d->bank, d->flags, d0->op, d0->bank, d0->flags);
+      snprintf(why, sizeof why,
+               "rank %u submitted op %u bank %u flags 0x%x, rank %u op %u bank %u flags 0x%x", r, d->op,
+               d->bank, d->flags, first, d0->op, d0->bank, d0->flags);
       fail_collect(eng, be, cg, EPD_ERR_MISMATCH, (int)r, why);
       return;
     }
@@ -501,6 +572,7 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
     fail_collect(eng, be, cg, EPD_ERR_CUDA, -1, "the group's GPU resources could not be set up (see log)");
     return;
   }
+  if (mask && masked_parts(eng, be, cg, d0, mask)) return;
   if (eng_op_dispatch(d0->op) && grp) {
     eng_apply_staged_map(eng, grp);
     if (map_img_update(cg, grp)) {
@@ -511,14 +583,59 @@ static void start_step(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
   }
   if (eng_op_dispatch(d0->op)) cg->disp_refused[ht][d0->bank] = 0; /* its kernel records how it went */
   if (d0->op == EPD_OP_LL_DISPATCH) cg->bank_map_version[d0->bank % EPD_NUM_BANKS] = cg->map_version;
+  if (grp && eng_op_dispatch(d0->op)) {
+    grp->plan_mask[d0->bank] = mask;
+    grp->open_banks |= 1u << d0->bank;
+  } else if (grp) {
+    grp->open_banks &= ~(1u << d0->bank);
+    for (uint32_t r = 0; r < cg->g.num_ranks; r++) cg->rk[r].dropped = cg->bank_dropped[d0->bank][r];
+  }
   cg->op_map_version = d0->op == EPD_OP_LL_COMBINE && cg->bank_map_version[d0->bank % EPD_NUM_BANKS]
                            ? cg->bank_map_version[d0->bank % EPD_NUM_BANKS]
                            : cg->map_version;
   cg->status = 0;
   cg->peer = -1;
   cg->step = grp ? grp->steps : 0;
+  cg->step_mask = mask;
   cg->phase = PH_RUN;
   cg->run_seq = be->next_run_seq++;
+}
+
+/* (mu) Slot s of client c of masked rank r was submitted: a dispatch at a step boundary (no combine due,
+ * no combine being collected) rejoins the group, which frees the memory its last client left (1: it
+ * joins the step being collected); a combine fails at once (0); a dispatch before the boundary waits (0,
+ * the slot stays submitted). */
+static int rejoin(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, eng_client_t *c, int r, epd_slot_t *s) {
+  eng_group_t *grp = cg->grp;
+  cuda_client_t *cc = c->be;
+  if (!eng_op_dispatch(s->desc.op)) {
+    epd_comp_t comp;
+    memset(&comp, 0, sizeof comp);
+    comp.status = EPD_ERR_PEER;
+    comp.peer = r;
+    comp.map_version = cg->map_version;
+    comp.step = grp->steps;
+    comp.user_tag = s->desc.user_tag;
+    comp.masked = grp->mask;
+    eng_slot_complete(cc->queue, s, &comp, grp->map.version);
+    cc->next_slot = (cc->next_slot + 1) % EPD_QUEUE_SLOTS;
+    c->ops++;
+    eng_record_op(eng, r, s->desc.op, EPD_ERR_PEER, 0, 0);
+    EPD_LOGW(EPD_SUB_CUDA, "group %s rank %d is masked: its op %u fails; its next dispatch rejoins",
+             grp->name, r, s->desc.op);
+    return 0;
+  }
+  uint32_t first = 0;
+  while (first < cg->g.num_ranks && !cg->arrived[first]) first++;
+  if (grp->open_banks || (first < cg->g.num_ranks && !eng_op_dispatch(cg->desc[first].op))) return 0;
+  eng_unmask_rank(eng, grp, r);
+  cuda_client_t *g = cg->ghost[r];
+  if (g) { /* released by its rank thread once no step uses it */
+    cg->ghost[r] = NULL;
+    g->next_dead = be->rank[r].dead;
+    be->rank[r].dead = g;
+  }
+  return 1;
 }
 
 /* (mu) Poll rank r's client of group cg; returns 1 if something moved. */
@@ -537,7 +654,9 @@ static int collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int r, uint
       k++;
     if (k > 0 && k < EPD_QUEUE_SLOTS) cc->next_slot = (cc->next_slot + k) % EPD_QUEUE_SLOTS;
     epd_slot_t *s = &cc->queue->slot[cc->next_slot];
-    if (eng_slot_state(s) == EPD_SLOT_SUBMITTED) {
+    int state = eng_slot_state(s);
+    if (state == EPD_SLOT_SUBMITTED && (grp->mask >> r & 1) && !rejoin(eng, be, cg, c, r, s)) state = -1;
+    if (state == EPD_SLOT_SUBMITTED) {
       cg->desc[r] = s->desc;
       cg->arrived[r] = 1;
       c->hung = 0;
@@ -550,10 +669,10 @@ static int collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int r, uint
       }
       cg->last_arrive_ns = now;
       cg->arrive_ns[r] = now;
-      if (cg->narrived == cg->g.num_ranks) {
+      if (cg->narrived == eng_live_ranks(grp)) {
         /* Time each rank waited for the last arrival (rank r, just now), charged to that peer. */
         for (uint32_t p = 0; p < cg->g.num_ranks; p++)
-          eng->rank[p].wait_ns_by_peer[r] += now - cg->arrive_ns[p];
+          if (cg->arrived[p]) eng->rank[p].wait_ns_by_peer[r] += now - cg->arrive_ns[p];
         start_step(eng, be, cg);
         return 1;
       }
@@ -570,9 +689,12 @@ static int collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int r, uint
   /* now was read before mu: another rank thread may have stamped a later first arrival. */
   if (now > cg->first_arrive_ns &&
       now - cg->first_arrive_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
-    int missing = eng_timeout_rank(eng, cg->arrived, cg->g.num_ranks, why, sizeof why);
+    int present[EPD_MAX_RANKS]; /* a masked rank is not waited for */
+    for (uint32_t p = 0; p < cg->g.num_ranks; p++) present[p] = cg->arrived[p] || (grp->mask >> p & 1);
+    int missing = eng_timeout_rank(eng, present, cg->g.num_ranks, why, sizeof why);
     eng_mark_hung(grp, missing);
     fail_collect(eng, be, cg, EPD_ERR_TIMEOUT, missing, why);
+    eng_mask_rank(eng, grp, missing, "hung past engine.step_timeout_ms"); /* groups that mask */
     return 1;
   }
   return 0;
@@ -586,11 +708,11 @@ static epd_result_t launch(cuda_be_t *be, cuda_grp_t *cg, int r, char *err, size
   const epd_desc_t *d = &cg->desc[r];
   cudaError_t e;
   epd_result_t rc;
-  if (gr->map_version != cg->map_img_version && eng_op_dispatch(d->op)) {
+  if (gr->map_gen != cg->map_img_gen && eng_op_dispatch(d->op)) {
     if ((e = cudaMemcpy(gr->map_dev, cg->map_img, epd_k_map_bytes(cg->g.num_experts),
                         cudaMemcpyHostToDevice)))
       return cuda_err(e, "cudaMemcpy (expert map)", err, errlen);
-    gr->map_version = cg->map_img_version;
+    gr->map_gen = cg->map_img_gen;
   }
   epd_k_arena_t a;
   a.base = (uint64_t)cc->arena_dev;
@@ -634,6 +756,16 @@ static epd_result_t launch(cuda_be_t *be, cuda_grp_t *cg, int r, char *err, size
                         .comp = gr->comp_dev};
     if ((rc = epd_k_ll_launch(gr->k, &a, &op, rk->stream, err, errlen))) return rc;
   }
+  /* with ranks masked, the entries this rank's dispatch dropped are counted on the host (rank_main) */
+  if (cg->step_mask && eng_op_dispatch(d->op) && !cg->synth[r] && d->num_tokens) {
+    const size_t kb = (size_t)cg->g.max_tokens * cg->g.topk * sizeof(int64_t);
+    if (!gr->topk_host && (e = cudaMallocHost((void **)&gr->topk_host, kb)))
+      return cuda_err(e, "cudaMallocHost (top-k copy)", err, errlen);
+    if ((e = cudaMemcpyAsync(
+             gr->topk_host, (const void *)(uintptr_t)(a.base + cg->off[d->bank][EPD_BUF_TOPK_IDX]),
+             (size_t)d->num_tokens * cg->g.topk * sizeof(int64_t), cudaMemcpyDeviceToHost, rk->stream)))
+      return cuda_err(e, "cudaMemcpyAsync (top-k copy)", err, errlen);
+  }
   if ((e = cudaEventRecord(gr->ev, rk->stream))) return cuda_err(e, "cudaEventRecord", err, errlen);
   return EPD_OK;
 }
@@ -672,6 +804,8 @@ static void reap(epd_engine_t *eng, cuda_be_t *be, cuda_rank_t *rk) {
     pers_quiesce_all(eng, be);
     /* Windows are deregistered locally (no barrier): every rank is idle on this group. */
     grp_teardown(be, cg);
+    for (uint32_t r = 0; r < cg->g.num_ranks; r++)
+      if (cg->ghost[r]) cuda_client_release(cg->ghost[r]);
     free(cg->map_img);
     memset(cg, 0, sizeof *cg);
   }
@@ -737,6 +871,15 @@ static void *rank_main(void *arg) {
                      cg->name, (unsigned long long)cg->step, r, kc.peer);
         }
         rk->inflight = NULL;
+        const epd_desc_t *d = &cg->desc[r];
+        if (eng_op_dispatch(d->op) && d->bank < EPD_NUM_BANKS) {
+          cuda_grank_t *gr = &cg->rk[r];
+          gr->dropped = kc.status == EPD_OK && cg->step_mask && !cg->synth[r] && d->num_tokens
+                            ? img_dropped(cg->map_img, gr->topk_host, d->num_tokens, cg->g.topk)
+                            : 0;
+          cg->bank_dropped[d->bank][r] = gr->dropped;
+          if (cg->grp) cg->grp->entries_dropped += gr->dropped;
+        }
         complete_rank(eng, cg, r, &kc);
         busy = 1;
       }
@@ -1123,8 +1266,8 @@ static epd_result_t cuda_client_alloc(epd_engine_t *eng, eng_client_t *c, char *
   cc->queue_dev = (uint64_t)(uintptr_t)qd;
   /* the IO buffers, then the queue's device twin (zeroed: every slot FREE) */
   cc->dq_offset = (c->arena_bytes + 255) / 256 * 256;
-  if ((rc = epd_cc_check_free(be->ndev, eng->o.devices, local_rank(eng, c->rank), cc->dq_offset + sizeof(epd_queue_t),
-                              "the client's arena", err, errlen)) ||
+  if ((rc = epd_cc_check_free(be->ndev, eng->o.devices, local_rank(eng, c->rank),
+                              cc->dq_offset + sizeof(epd_queue_t), "the client's arena", err, errlen)) ||
       (rc = arena_alloc(be, cc, cc->dq_offset + sizeof(epd_queue_t), cc->device, err, errlen)))
     goto fail;
   cudaStream_t zs = be->rank[local_rank(eng, c->rank)].copy_stream;
@@ -1165,7 +1308,7 @@ static void cuda_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
   eng_group_t *grp = c->grp;
   cuda_client_t *cc = c->be;
   int r = c->rank;
-  if (lost) grp->lost[r] = 1;
+  if (lost && grp->on_rank_loss != EPD_RANK_LOSS_MASK) grp->lost[r] = 1;
   if (be->net) {
     eng_cuda_net_client_leave(be->net, c, lost);
     return;
@@ -1185,12 +1328,17 @@ static void cuda_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
                lost ? "died" : "detached");
       fail_collect(eng, be, cg, EPD_ERR_PEER, r, why);
     }
-  } else if (cg->phase == PH_COLLECT && cg->narrived && lost) {
+  } else if (cg->phase == PH_COLLECT && cg->narrived && (lost || grp->on_rank_loss == EPD_RANK_LOSS_MASK) &&
+             !(grp->mask >> r & 1)) {
     char why[160];
-    snprintf(why, sizeof why, "client %llu of rank %d died", (unsigned long long)c->id, r);
+    snprintf(why, sizeof why, "client %llu of rank %d %s", (unsigned long long)c->id, r,
+             lost ? "died" : "detached");
     fail_collect(eng, be, cg, EPD_ERR_PEER, r, why);
   }
-  /* In RUN the step goes on: the daemon still owns the arena, and the peers' kernels need this rank's. */
+  /* In RUN the step goes on: the daemon still owns the arena, and the peers' kernels need this rank's.
+   * Groups that mask go on without the rank from the next step; its arena stays for its parts of them
+   * (cuda_client_free). */
+  if (!eng_last_client(grp, c)) eng_mask_rank(eng, grp, r, lost ? "its client died" : "its client detached");
 }
 
 static void cuda_client_free(epd_engine_t *eng, eng_client_t *c) {
@@ -1209,6 +1357,15 @@ static void cuda_client_free(epd_engine_t *eng, eng_client_t *c) {
     if (cg && empty) cg->grp = NULL; /* reap() releases its device state once idle */
   }
   if (!cc) return;
+  cuda_grp_t *cg = be && !be->net ? cuda_grp_find(be, grp, 0) : NULL;
+  if (cg && cg->grp && (grp->mask >> c->rank & 1)) {
+    /* a masked rank's parts of the steps run on the memory its last client left (until it rejoins) */
+    cuda_client_t *old = cg->ghost[c->rank];
+    cc->dead = 1;
+    cg->ghost[c->rank] = cc;
+    if (!old) return;
+    cc = old; /* the older one goes */
+  }
   if (cc->busy && be) {
     cc->dead = 1;
     cc->next_dead = be->rank[local_rank(eng, c->rank)].dead;
@@ -1351,6 +1508,7 @@ const eng_backend_ops_t eng_cuda_ops = {
     .name = "cuda",
     .world_id = cuda_world_id,
     .inter_node_transport = "nccl-p2p",
+    .masks = 1,
     .available = cuda_available,
     .create = cuda_create,
     .destroy = cuda_destroy,

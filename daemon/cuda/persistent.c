@@ -57,6 +57,7 @@ int pers_eligible(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
   if (cg->pcarry_ns && t > cg->pcarry_ns && t - cg->pcarry_ns > 2 * be->timeout_ns) cg->pcarry_ns = 0;
   if (cg->phase != PH_COLLECT || cg->narrived || cg->need_reset || cg->pcarry_ns) return 0;
   if (eng->draining || epd_engine_failure(eng) || grp->has_staged || grp->steps < cg->presume_step) return 0;
+  if (grp->mask) return 0; /* masked ranks' parts are launched with no tokens (launch mode) */
   /* a bank whose last LL dispatch was refused: its combine must be refused too, which the kernels cannot
    * tell (their record of the bank is an older dispatch's); launch mode until a dispatch of it runs */
   for (uint32_t b = 0; b < EPD_NUM_BANKS; b++)
@@ -131,11 +132,11 @@ static int pers_start(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int self
     cudaSetDevice(be->rank[r].device);
     cudaError_t e = cudaSuccess;
     epd_result_t rc = EPD_OK;
-    if (gr->map_version != cg->map_img_version) {
+    if (gr->map_gen != cg->map_img_gen) {
       /* on the kernel's stream, before it (nothing here may wait for the device) */
       e = cudaMemcpyAsync(gr->map_dev, cg->map_img, epd_k_map_bytes(cg->g.num_experts),
                           cudaMemcpyHostToDevice, gr->pstream);
-      if (!e) gr->map_version = cg->map_img_version;
+      if (!e) gr->map_gen = cg->map_img_gen;
     }
     memset(gr->pprog, 0, sizeof *gr->pprog);
     gr->pctl->abort = 0;

@@ -526,6 +526,7 @@ const eng_backend_ops_t eng_host_ops = {
     .drain_step = host_drain_step,
     .inter_node_transport = "host-tcp",
     .masks = 1,
+    .renormalizes = 1,
     .available = host_available,
     .create = host_create,
     .destroy = host_destroy,

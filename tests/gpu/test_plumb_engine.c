@@ -99,10 +99,13 @@ static epd_engine_t *engine_up(uint32_t timeout_ms) {
   return eng;
 }
 
+static uint32_t g_on_loss; /* attach: on_rank_loss of the request */
+
 static void attach(epd_engine_t *eng, const char *group, int rank, uint32_t E, uint32_t H, uint32_t K,
                    uint32_t M, gclient_t *c) {
   epd_attach_req_t req;
   memset(&req, 0, sizeof req);
+  req.on_rank_loss = g_on_loss;
   snprintf(req.group, sizeof req.group, "%s", group);
   snprintf(req.name, sizeof req.name, "gpu-test-r%d", rank);
   req.rank = rank;
@@ -503,6 +506,128 @@ EPD_TEST_T(plumb_engine_refuses_what_does_not_fit, 120) {
   ASSERT_EQ(finish(&c1, 10).status, EPD_OK);
   detach(eng, &c0, 0);
   detach(eng, &c1, 0);
+  epd_engine_destroy(eng);
+}
+
+/* Top-k entries of T tokens whose expert lives on `rank` in the default map (E experts over NR ranks),
+ * valid and first of their token only. */
+static uint32_t entries_on(const int64_t *idx, uint32_t T, uint32_t K, uint32_t E, int rank) {
+  const uint32_t per = (E + NR - 1) / NR;
+  uint32_t n = 0;
+  for (uint32_t t = 0; t < T; t++)
+    for (uint32_t k = 0; k < K; k++) {
+      const int64_t e = idx[t * K + k];
+      int dup = 0;
+      for (uint32_t j = 0; j < k; j++) dup |= idx[t * K + j] == e;
+      n += e >= 0 && !dup && (int)(e / per) == rank;
+    }
+  return n;
+}
+
+/* One dispatch + combine of the ranks in `live` (bank 0, T tokens of random top-k); checks each
+ * completion's status, mask, dropped entries (those on the masked ranks' experts: the default map has
+ * no replicas) and received rows. */
+static void mask_step(gclient_t *c, int live, uint64_t mask, uint32_t E, uint32_t K, uint32_t T, uint64_t tag,
+                      int joiner) {
+  int64_t idx[NR][64 * 8];
+  ASSERT(T * K <= 64 * 8);
+  for (int r = 0; r < NR; r++) {
+    if (!(live >> r & 1)) continue;
+    for (uint32_t i = 0; i < T * K; i++) idx[r][i] = (int64_t)(rnd() % (E + 1)) - 1;
+    CK(cudaSetDevice(c[r].info.device));
+    CK(cudaMemcpy(buf(&c[r], EPD_BUF_TOPK_IDX, 0, NULL), idx[r], (size_t)T * K * 8, cudaMemcpyHostToDevice));
+  }
+  /* a masked rank's dispatch rejoins at the boundary: taken before the others arrive (else they would
+   * run the step without it) */
+  if (joiner >= 0) {
+    submit(&c[joiner], EPD_OP_LL_DISPATCH, 0, T, 0, tag);
+    CK(cudaStreamSynchronize(c[joiner].s));
+    usleep(50000);
+  }
+  for (int r = 0; r < NR; r++)
+    if ((live >> r & 1) && r != joiner) submit(&c[r], EPD_OP_LL_DISPATCH, 0, T, 0, tag);
+  for (int r = 0; r < NR; r++) {
+    if (!(live >> r & 1)) continue;
+    epd_comp_t comp = finish(&c[r], 10);
+    if (comp.status)
+      epd_test_fail(__FILE__, __LINE__, "rank %d dispatch: status %d peer %d", r, comp.status, comp.peer);
+    ASSERT_EQ(comp.masked, mask);
+    uint32_t drop = 0, recv = 0;
+    for (int q = 0; q < NR; q++)
+      if (mask >> q & 1) drop += entries_on(idx[r], T, K, E, q);
+    for (int q = 0; q < NR; q++)
+      if (live >> q & 1) recv += entries_on(idx[q], T, K, E, r);
+    ASSERT_EQ(comp.dropped, drop);
+    ASSERT_EQ(comp.num_recv, recv);
+  }
+  for (int r = 0; r < NR; r++)
+    if (live >> r & 1) submit(&c[r], EPD_OP_LL_COMBINE, 0, 0, 0, tag + 1);
+  for (int r = 0; r < NR; r++)
+    if (live >> r & 1) {
+      epd_comp_t comp = finish(&c[r], 10);
+      ASSERT_EQ(comp.status, EPD_OK);
+      ASSERT_EQ(comp.masked, mask);
+    }
+}
+
+/* on_rank_loss = mask on the CUDA backend: a rank whose client dies is masked (its part of each step runs
+ * with no tokens on the memory it left) and rank 0 steps alone, its entries for rank 1's experts dropped;
+ * a combine whose dispatch ran before the mask fails naming the rank; a hung rank is masked after the
+ * step timeout, its combine fails, its next dispatch rejoins; a new client of a dead rank rejoins too;
+ * renormalisation is refused. */
+EPD_TEST_T(plumb_engine_masked_ranks, 120) {
+  need_gpus();
+  epd_engine_t *eng = engine_up(300);
+  const uint32_t E = 16, H = 256, K = 4, T = 32;
+  gclient_t c[NR];
+  g_on_loss = EPD_RANK_LOSS_MASK;
+  for (int r = 0; r < NR; r++) attach(eng, "mk", r, E, H, K, T, &c[r]);
+  mask_step(c, 3, 0, E, K, T, 10, -1);
+  /* both dispatch; rank 1 dies before the combine: rank 0's combine fails, naming it */
+  for (int r = 0; r < NR; r++) submit(&c[r], EPD_OP_LL_DISPATCH, 0, 4, 0, 20);
+  for (int r = 0; r < NR; r++) ASSERT_EQ(finish(&c[r], 10).status, EPD_OK);
+  detach(eng, &c[1], 1);
+  ASSERT_EQ(c[0].q->masked_ranks, 2u);
+  submit(&c[0], EPD_OP_LL_COMBINE, 0, 0, 0, 21);
+  epd_comp_t comp = finish(&c[0], 10);
+  ASSERT_EQ(comp.status, EPD_ERR_PEER);
+  ASSERT_EQ(comp.peer, 1);
+  /* rank 0 alone, three steps */
+  for (int i = 0; i < 3; i++) mask_step(c, 1, 2, E, K, T, 30 + 2 * (uint64_t)i, -1);
+  /* a new client of rank 1 rejoins with its first dispatch */
+  g_on_loss = 0;
+  attach(eng, "mk", 1, 0, 0, 0, 0, &c[1]);
+  ASSERT_EQ(c[1].q->masked_ranks, 2u);
+  mask_step(c, 3, 0, E, K, T, 40, 1);
+  /* rank 1 hangs: rank 0's dispatch times out naming it, then rank 0 steps alone */
+  submit(&c[0], EPD_OP_LL_DISPATCH, 0, 4, 0, 50);
+  comp = finish(&c[0], 10);
+  ASSERT_EQ(comp.status, EPD_ERR_TIMEOUT);
+  ASSERT_EQ(comp.peer, 1);
+  mask_step(c, 1, 2, E, K, T, 51, -1);
+  /* it wakes up with a combine: refused at once, naming itself; its dispatch rejoins */
+  submit(&c[1], EPD_OP_LL_COMBINE, 0, 0, 0, 60);
+  comp = finish(&c[1], 10);
+  ASSERT_EQ(comp.status, EPD_ERR_PEER);
+  ASSERT_EQ(comp.peer, 1);
+  ASSERT_EQ(comp.masked, 2u);
+  mask_step(c, 3, 0, E, K, T, 61, 1);
+  for (int r = 0; r < NR; r++) detach(eng, &c[r], 0);
+  /* renormalisation: refused on this backend */
+  epd_attach_req_t req;
+  memset(&req, 0, sizeof req);
+  snprintf(req.group, sizeof req.group, "rn");
+  req.num_experts = E;
+  req.hidden = H;
+  req.topk = K;
+  req.max_tokens = T;
+  req.on_rank_loss = EPD_RANK_LOSS_MASK;
+  req.renormalize = 1;
+  req.pid = (uint32_t)getpid();
+  epd_attach_info_t info;
+  char err[256] = "";
+  ASSERT_EQ(epd_engine_attach(eng, &req, &info, err, sizeof err), EPD_ERR_UNSUPPORTED);
+  ASSERT_STR_CONTAINS(err, "does not renormalise");
   epd_engine_destroy(eng);
 }
 
