@@ -23,7 +23,7 @@ start_daemon -o engine.step_timeout_ms=2000 -o engine.slots_factor_pct=200
 ctl() { "$CTL" -s "$SOCK" "$@"; }
 now_ms() { date +%s%3N; }
 
-declare -A PIDS OUTS DOWN
+declare -A PIDS=() OUTS=() DOWN=()
 seq_no=0 killed=0 retried=0 maps=0
 FINISHED=$T/finished # rank rc outfile, one line per worker that exited on its own
 : > "$FINISHED"
