@@ -11,15 +11,19 @@
 # Fails on: a result mismatch or a wrong dropped count, a worker still running 60 s after the chaos,
 # fewer than 1000 checked steps, no rank masked, a daemon fd count above its baseline once every worker
 # left, or a daemon that is not ready afterwards.
+# EPD_MASK_MODE=persistent (169-mask-chaos-persistent-cuda.sh, under MPS): the same in persistent mode,
+# where a group runs its steps in launch mode while a rank is masked; its kernels must have run
+# persistent too.
 # Usage (repository root, on the GPU machine): bash tests/gpu/168-mask-chaos-cuda.sh [build-dir]
 set -u
 B=${1:-${EPD_BUILD:-build}}
 DL_NGPU=4
 . "$(dirname "$0")/daemon-lib.sh"
 CHAOS_S=${EPD_MASK_CHAOS_SECONDS:-20}
+MODE=${EPD_MASK_MODE:-launch}
 R=4 E=16
 RANDOM=${EPD_CHAOS_SEED:-4321}
-start_daemon -o engine.step_timeout_ms=2000 -o engine.slots_factor_pct=200
+start_daemon -o engine.step_timeout_ms=2000 -o engine.slots_factor_pct=200 -o engine.cuda_mode="$MODE"
 ctl() { "$CTL" -s "$SOCK" "$@"; }
 now_ms() { date +%s%3N; }
 
@@ -146,6 +150,11 @@ echo "killed $killed workers, $masks ranks masked; $(wc -l < "$FINISHED") worker
   "retried, $maps replicated maps staged); $steps checked steps"
 [ $killed -ge 3 ] || fail "only $killed kills in $CHAOS_S s: the run exercised too little"
 [ $steps -ge 1000 ] || fail "only $steps checked steps (want 1000+)"
+if [ "$MODE" = persistent ]; then
+  n=$(grep -c "group chaos: LL steps run in persistent kernels" "$LOG")
+  echo "group chaos started its persistent kernels $n times"
+  [ "$n" -ge 1 ] || fail "group chaos never ran persistent kernels"
+fi
 ctl status | grep -q "^state: *ready" || fail "daemon not ready after the chaos: $(ctl status | head -3)"
 # once every worker left: the group is gone and the daemon's fds are back to the baseline
 wait_for 20 sh -c "[ \$(ls /proc/$PID/fd | wc -l) -le $((base_fds + 2)) ]" ||
