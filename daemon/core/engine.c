@@ -373,6 +373,11 @@ void eng_mask_rank(epd_engine_t *eng, eng_group_t *grp, int rank, const char *wh
   eng_emit(eng, "rank_masked", grp, rank, 0, 0, 0, grp->steps,
            "group %s rank %d masked from step %llu (%s): %u of %u experts without a live replica", grp->name,
            rank, (unsigned long long)grp->steps, why, lost_experts, grp->g.num_experts);
+  if (eng->so && eng->so->rank_masked && eng_local_rank(eng, rank)) eng->so->rank_masked(eng, grp, rank, 1);
+}
+
+int eng_local_rank(const epd_engine_t *eng, int rank) {
+  return rank >= 0 && (uint32_t)rank / (uint32_t)eng->o.num_ranks == eng->o.node_rank;
 }
 
 void eng_unmask_rank(epd_engine_t *eng, eng_group_t *grp, int rank) {
@@ -381,6 +386,7 @@ void eng_unmask_rank(epd_engine_t *eng, eng_group_t *grp, int rank) {
   mask_changed(eng, grp);
   eng_emit(eng, "rank_unmasked", grp, rank, 0, 0, 0, grp->steps, "group %s rank %d back from step %llu",
            grp->name, rank, (unsigned long long)grp->steps);
+  if (eng->so && eng->so->rank_masked && eng_local_rank(eng, rank)) eng->so->rank_masked(eng, grp, rank, 0);
 }
 
 const epd_expert_map_t *eng_route_map(const eng_group_t *grp) {
@@ -911,7 +917,7 @@ epd_result_t epd_engine_attach(epd_engine_t *eng, const epd_attach_req_t *req, e
     rc = EPD_ERR_INVALID;
     goto out;
   }
-  if (req->on_rank_loss == EPD_RANK_LOSS_MASK && (!eng->ops->masks || eng->so)) {
+  if (req->on_rank_loss == EPD_RANK_LOSS_MASK && (!eng->ops->masks || (eng->so && eng->ops->masks < 2))) {
     snprintf(errbuf, errlen, "on_rank_loss = mask: the %s backend%s does not mask ranks yet (use fail)",
              eng->ops->name, eng->so ? " across nodes" : "");
     rc = EPD_ERR_UNSUPPORTED;

@@ -181,8 +181,8 @@ typedef struct eng_backend_ops {
   uint64_t (*drain_step)(const eng_group_t *grp);
   /* How steps cross nodes: "host-tcp", "nccl-p2p". */
   const char *inter_node_transport;
-  /* 1: runs groups with on_rank_loss = EPD_RANK_LOSS_MASK (on one node); renormalizes: also with
-   * renormalize = 1. */
+  /* Runs groups with on_rank_loss = EPD_RANK_LOSS_MASK: 1 on one node, 2 across nodes too; renormalizes:
+   * also with renormalize = 1. */
   int masks, renormalizes;
 } eng_backend_ops_t;
 
@@ -195,6 +195,8 @@ typedef struct eng_scaleout {
   /* Its first attach succeeded (created), or a worker attached to a rank whose client was lost. */
   void (*group_created)(epd_engine_t *eng, eng_group_t *grp);
   void (*rank_back)(epd_engine_t *eng, eng_group_t *grp, int rank);
+  /* A rank of this node was masked (masked = 1) or unmasked in a group that masks lost ranks. */
+  void (*rank_masked)(epd_engine_t *eng, eng_group_t *grp, int rank, int masked);
   /* Its last client left: it is removed on this node. */
   void (*group_removed)(epd_engine_t *eng, eng_group_t *grp);
   /* Free grp->net (also on the way out of a failed group_init). */
@@ -358,6 +360,8 @@ void eng_sleep_ns(long ns);
  * waits for. */
 void eng_mask_rank(epd_engine_t *eng, eng_group_t *grp, int rank, const char *why);
 void eng_unmask_rank(epd_engine_t *eng, eng_group_t *grp, int rank);
+/* Is world rank `rank` one of this node's? */
+int eng_local_rank(const epd_engine_t *eng, int rank);
 const epd_expert_map_t *eng_route_map(const eng_group_t *grp);
 uint32_t eng_live_ranks(const eng_group_t *grp);
 /* (mu) 1 if c is the only client of its group (the group goes with it). */

@@ -64,7 +64,7 @@ static uint64_t host_rank_bytes(const epd_engine_t *eng, int rank) {
 /* Complete the slot a client submitted for the current step. */
 static void complete_slot(epd_engine_t *eng, eng_client_t *c, const epd_desc_t *d, int status, int peer,
                           uint32_t map_version, uint32_t num_recv, uint64_t step, uint64_t latency_ns,
-                          uint64_t bytes) {
+                          uint64_t bytes, uint64_t masked) {
   epd_queue_t *q = c->queue;
   epd_slot_t *s = &q->slot[c->next_slot];
   epd_comp_t comp;
@@ -76,7 +76,7 @@ static void complete_slot(epd_engine_t *eng, eng_client_t *c, const epd_desc_t *
   comp.step = step;
   comp.user_tag = d->user_tag;
   comp.latency_ns = latency_ns;
-  comp.masked = c->grp->mask;
+  comp.masked = masked;
   comp.dropped = c->grp->step_dropped[c->rank];
   c->ops++;
   c->next_slot = (c->next_slot + 1) % EPD_QUEUE_SLOTS;
@@ -86,8 +86,10 @@ static void complete_slot(epd_engine_t *eng, eng_client_t *c, const epd_desc_t *
 }
 
 /* Finish the step being collected for every arrived rank, then start collecting the next. */
+/* masked: the ranks the step ran without (across nodes, those it was routed without: a notice may have
+ * changed grp->mask since). */
 static void finish_step(epd_engine_t *eng, eng_group_t *grp, int status, int peer, uint32_t map_version,
-                        const uint32_t *num_recv, const uint64_t *bytes) {
+                        const uint32_t *num_recv, const uint64_t *bytes, uint64_t masked) {
   uint64_t now = eng_now_ns(), last = 0;
   uint32_t R = grp->g.num_ranks;
   int last_rank = -1;
@@ -105,7 +107,7 @@ static void finish_step(epd_engine_t *eng, eng_group_t *grp, int status, int pee
     eng_client_t *c = grp->client[r];
     if (c && c->in_step)
       complete_slot(eng, c, &grp->desc[r], status, peer, map_version, num_recv ? num_recv[r] : 0, grp->steps,
-                    now - last, bytes ? bytes[r] : 0);
+                    now - last, bytes ? bytes[r] : 0, masked);
     grp->arrived[r] = 0;
   }
   memset(grp->step_dropped, 0, sizeof grp->step_dropped);
@@ -130,7 +132,7 @@ static void fail_step(epd_engine_t *eng, eng_group_t *grp, int status, int peer,
   const char *kind = status == EPD_ERR_TIMEOUT ? "timeout" : "error";
   eng_emit(eng, kind, grp, peer, 0, 0, 0, grp->steps, "group %s step %llu (op %u) failed: %s: %s", grp->name,
            (unsigned long long)grp->steps, op, eng_result_name(status), why);
-  finish_step(eng, grp, status, peer, grp->map.version, NULL, NULL);
+  finish_step(eng, grp, status, peer, grp->map.version, NULL, NULL, grp->mask);
 }
 
 #ifdef EPD_TEST_HOOKS
@@ -234,7 +236,7 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
         snprintf(why, sizeof why, "dispatch failed");
       eng_emit(eng, "error", grp, bad, 0, 0, 0, grp->steps, "group %s step %llu: %s: %s", grp->name,
                (unsigned long long)grp->steps, eng_result_name(rc), why);
-      return finish_step(eng, grp, rc, bad, plan->map_version, num_recv, NULL);
+      return finish_step(eng, grp, rc, bad, plan->map_version, num_recv, NULL, mask);
     }
     grp->plan_valid[bank] = 1;
     uint64_t row = (uint64_t)g->hidden * (fp8 ? 1 : 2) + (fp8 ? epd_ref_scale_blocks(g->hidden) * 4 : 0);
@@ -259,7 +261,7 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
     grp->open_banks |= 1u << bank;
     for (uint32_t e = 0; e < g->num_experts; e++) grp->expert_tokens[e] += plan->expert_tokens[e];
     for (size_t i = 0; i < (size_t)R * g->slots_per_rank; i++) grp->slot_tokens[i] += plan->slot_tokens[i];
-    return finish_step(eng, grp, EPD_OK, -1, plan->map_version, num_recv, bytes);
+    return finish_step(eng, grp, EPD_OK, -1, plan->map_version, num_recv, bytes, mask);
   }
   /* Combine: the routing of this bank's dispatch. */
   if (!grp->plan_valid[bank] || plan->mode != mode) {
@@ -291,7 +293,7 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
   }
   rc = mode == EPD_MODE_LL ? epd_ref_ll_combine(plan, y, o) : epd_ref_ht_combine(plan, y, o);
   if (rc) return fail_step(eng, grp, rc, -1, "combine failed");
-  finish_step(eng, grp, EPD_OK, -1, plan->map_version, num_recv, bytes);
+  finish_step(eng, grp, EPD_OK, -1, plan->map_version, num_recv, bytes, mask);
 #undef LIVE
 }
 
@@ -302,7 +304,7 @@ static int net_progress(epd_engine_t *eng, eng_group_t *grp) {
   eng_net_result_t res;
   if (!eng_net_step(eng, grp, &res)) return 0;
   if (res.status == EPD_OK)
-    finish_step(eng, grp, EPD_OK, -1, res.map_version, res.num_recv, res.bytes);
+    finish_step(eng, grp, EPD_OK, -1, res.map_version, res.num_recv, res.bytes, res.mask);
   else
     fail_step(eng, grp, res.status, res.peer, res.why);
   return 1;
@@ -312,6 +314,17 @@ static uint32_t first_arrived(const eng_group_t *grp) {
   for (uint32_t r = 0; r < grp->g.num_ranks; r++)
     if (grp->arrived[r]) return r;
   return 0;
+}
+
+/* Across nodes, a node whose ranks of a group were all masked would send no part of its steps, and the
+ * others could not tell a node that rejoins from one that lags: the last live rank of a node is not
+ * masked but lost (its steps fail until a worker attaches to it again, as in groups that fail). */
+static int last_live_here(const epd_engine_t *eng, const eng_group_t *grp, int rank) {
+  if (eng->o.nodes <= 1) return 0;
+  const uint32_t L = (uint32_t)eng->o.num_ranks, base = eng->o.node_rank * L;
+  for (uint32_t r = base; r < base + L; r++)
+    if ((int)r != rank && !(grp->mask >> r & 1)) return 0;
+  return 1;
 }
 
 /* Look at one client of this rank; returns 1 if it did something. */
@@ -327,7 +340,9 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
     if (eng->o.nodes > 1) missing = eng_net_missing_rank(eng, grp, why, sizeof why);
     eng_mark_hung(grp, missing);
     fail_step(eng, grp, EPD_ERR_TIMEOUT, missing, why);
-    eng_mask_rank(eng, grp, missing, "hung past engine.step_timeout_ms"); /* groups that mask */
+    /* groups that mask: a rank of this node (another node masks its own ranks) */
+    if (eng_local_rank(eng, missing) && !last_live_here(eng, grp, missing))
+      eng_mask_rank(eng, grp, missing, "hung past engine.step_timeout_ms");
     return 1;
   }
   epd_slot_t *s = &c->queue->slot[c->next_slot];
@@ -338,16 +353,18 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
      * refused one fails (EPD_ERR_STATE), not on the bank's older routing */
     if (d.bank < EPD_NUM_BANKS) grp->plan_valid[d.bank] = 0;
     c->in_step = 1;
-    complete_slot(eng, c, &d, EPD_ERR_DRAINING, -1, grp->map.version, 0, grp->steps, 0, 0);
+    complete_slot(eng, c, &d, EPD_ERR_DRAINING, -1, grp->map.version, 0, grp->steps, 0, 0, grp->mask);
     return 1;
   }
   int r = c->rank;
   if (grp->mask >> r & 1) { /* masked: its next dispatch rejoins the group, at a step boundary */
+    /* across nodes also before this node sent its part of the step (it was routed without the rank) */
     const int boundary = !grp->open_banks && eng_op_dispatch(d.op) &&
-                         (grp->narrived == 0 || eng_op_dispatch(grp->desc[first_arrived(grp)].op));
+                         (grp->narrived == 0 || eng_op_dispatch(grp->desc[first_arrived(grp)].op)) &&
+                         (eng->o.nodes <= 1 || eng_net_first_unsent(grp) == grp->steps);
     if (!eng_op_dispatch(d.op)) {
       c->in_step = 1;
-      complete_slot(eng, c, &d, EPD_ERR_PEER, r, grp->map.version, 0, grp->steps, 0, 0);
+      complete_slot(eng, c, &d, EPD_ERR_PEER, r, grp->map.version, 0, grp->steps, 0, 0, grp->mask);
       EPD_LOGW(EPD_SUB_ENGINE, "group %s rank %d is masked: its op %u fails; its next dispatch rejoins",
                grp->name, r, d.op);
       return 1;
@@ -456,7 +473,7 @@ static void host_destroy(epd_engine_t *eng) {
   /* Fail what is in flight so that a client still polling sees an answer. */
   pthread_mutex_lock(&eng->mu);
   for (eng_group_t *g = eng->groups; g; g = g->next)
-    if (g->narrived) finish_step(eng, g, EPD_ERR_CLOSED, -1, g->map.version, NULL, NULL);
+    if (g->narrived) finish_step(eng, g, EPD_ERR_CLOSED, -1, g->map.version, NULL, NULL, g->mask);
   pthread_mutex_unlock(&eng->mu);
   pthread_cond_destroy(&be->attached);
   free(be);
@@ -486,7 +503,8 @@ static void host_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
   int r = c->rank;
   /* across nodes, a group that stays here without this rank's client: the other nodes fail its steps at
    * once from the first one whose part was not sent (not after their step timeout) */
-  if (lost && eng->o.nodes > 1 && !eng_last_client(grp, c))
+  const int mask = grp->on_rank_loss == EPD_RANK_LOSS_MASK && !last_live_here(eng, grp, r);
+  if (lost && eng->o.nodes > 1 && !eng_last_client(grp, c) && !mask)
     eng_net_rank_lost(eng, grp, r, eng_net_first_unsent(grp));
   if (c->in_step) {
     /* Its slot is going away: withdraw it from the step, never write there again. */
@@ -494,7 +512,7 @@ static void host_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
     grp->narrived--;
     c->in_step = 0;
   }
-  if (lost && grp->on_rank_loss != EPD_RANK_LOSS_MASK) grp->lost[r] = 1;
+  if (lost && !mask) grp->lost[r] = 1;
   if (grp->narrived) {
     char why[160];
     snprintf(why, sizeof why, "client %llu of rank %d %s mid-step", (unsigned long long)c->id, r,
@@ -503,7 +521,8 @@ static void host_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
   }
   /* Groups that mask go on without the rank from the next step (the one in flight failed above); the
    * last client's leave removes the group anyway. */
-  if (!eng_last_client(grp, c)) eng_mask_rank(eng, grp, r, lost ? "its client died" : "its client detached");
+  if (!eng_last_client(grp, c) && mask)
+    eng_mask_rank(eng, grp, r, lost ? "its client died" : "its client detached");
 }
 
 static void host_client_free(epd_engine_t *eng, eng_client_t *c) {
@@ -525,7 +544,7 @@ const eng_backend_ops_t eng_host_ops = {
     .name = "host",
     .drain_step = host_drain_step,
     .inter_node_transport = "host-tcp",
-    .masks = 1,
+    .masks = 2,
     .renormalizes = 1,
     .available = host_available,
     .create = host_create,

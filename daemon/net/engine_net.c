@@ -128,7 +128,8 @@ typedef struct net_hdr {
   uint32_t num_experts, topk, max_tokens;
   uint32_t staged_version; /* host backend: the staged map the sender reports (0: none), and its hash */
   uint64_t map_hash, staged_hash;
-  char why[184]; /* the header keeps its size (320 bytes) */
+  uint64_t mask; /* the world ranks the sender steps without (groups that mask lost ranks) */
+  char why[176]; /* the header keeps its size (320 bytes) */
 } net_hdr_t;
 _Static_assert(sizeof(net_hdr_t) == 320, "net_hdr_t changed size");
 
@@ -145,7 +146,8 @@ enum {
   CTL_LOST = 8, /* version: a world rank of the sender; req_id: its first step without the rank's client (MAX:
                    back) */
   CTL_LINK_UP = 9, /* local only (revive): the link to src_node is up again */
-  CTL_WORLD = 10 /* from node 0 (or local on node 0): make the world communicator again over the id in why */
+  CTL_WORLD = 10, /* from node 0 (or local on node 0): make the world communicator again over the id in why */
+  CTL_MASK = 11   /* version: a world rank of the sender, status: 1 masked there, 0 back (groups that mask) */
 };
 typedef struct ctl_msg {
   uint32_t kind, version;
@@ -829,6 +831,7 @@ typedef struct net_group {
   /* The host backend's step (group_state): */
   int have_bufs;
   uint64_t sent_step; /* UINT64_MAX: nothing sent yet */
+  uint64_t sent_mask; /* the masked ranks it was routed with */
   int lstatus, lbad;
   char lwhy[192];
   epd_ref_plan_t lplan;        /* routing of this node's tokens only (dedup, HT counts, statistics) */
@@ -957,7 +960,7 @@ static void add_partial(const epd_ref_plan_t *p, int mode, uint32_t L, uint32_t 
     size_t row = ((size_t)src * M + t) * K;
     for (uint32_t k = 0; k < K; k++) {
       int32_t d = p->dst_rank[row + k];
-      if (d < 0 || (uint32_t)d / L != node) continue;
+      if (d < 0 || (uint32_t)d / L != node || !y[d]) continue; /* !y: a rank masked since the dispatch */
       const uint16_t *yr = y[d] + ((size_t)p->dst_slot[row + k] * R * M + p->dst_pos[row + k]) * H;
       float w = p->weight[row + k];
       for (uint32_t h = 0; h < H; h++) acc[h] += w * epd_bf16_to_f32(yr[h]);
@@ -965,7 +968,7 @@ static void add_partial(const epd_ref_plan_t *p, int mode, uint32_t L, uint32_t 
   } else {
     const int32_t *hp = &p->ht_pos[((size_t)src * M + t) * R];
     for (uint32_t r = node * L; r < (node + 1) * L; r++) {
-      if (hp[r] < 0) continue;
+      if (hp[r] < 0 || !y[r]) continue;
       const uint16_t *yr = y[r] + (size_t)hp[r] * H;
       for (uint32_t h = 0; h < H; h++) acc[h] += epd_bf16_to_f32(yr[h]);
     }
@@ -1076,13 +1079,24 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
   const epd_ref_geom_t *g = &grp->g;
   uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank, base = me * L, W = g->num_ranks;
   uint32_t M = g->max_tokens, H = g->hidden, K = g->topk;
-  const epd_desc_t *d0 = &grp->desc[base];
+  /* Masked ranks of this node take no part: their descriptors are the first live rank's, with no tokens
+   * (last_live_here in engine_host.c keeps one live). */
+  const uint64_t mask = grp->mask;
+  uint32_t first = base;
+  while (first + 1 < base + L && (mask >> first & 1)) first++;
+  const epd_desc_t *d0 = &grp->desc[first];
   int same = 1;
   for (uint32_t r = base; r < base + L; r++) {
+    if (mask >> r & 1) {
+      grp->desc[r] = *d0;
+      grp->desc[r].num_tokens = 0;
+      continue;
+    }
     const epd_desc_t *d = &grp->desc[r];
     same &= op_ok(d->op) && d->bank < EPD_NUM_BANKS && d->op == d0->op && d->bank == d0->bank &&
             (d->flags & EPD_DESC_FP8) == (d0->flags & EPD_DESC_FP8);
   }
+  ng->sent_mask = mask;
   ng->lstatus = EPD_OK;
   ng->lbad = -1;
   ng->lwhy[0] = 0;
@@ -1095,11 +1109,14 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
     memset(in, 0, sizeof in);
     for (uint32_t r = base; r < base + L; r++) {
       eng_client_t *c = grp->client[r];
+      if (mask >> r & 1) continue;
       in[r] =
           (epd_ref_in_t){grp->desc[r].num_tokens, eng_buf(c, EPD_BUF_X, d0->bank),
                          eng_buf(c, EPD_BUF_TOPK_IDX, d0->bank), eng_buf(c, EPD_BUF_TOPK_WEIGHTS, d0->bank)};
     }
-    ng->lstatus = epd_ref_plan_build(&ng->lplan, &grp->map, in, &ng->lbad, ng->lwhy, sizeof ng->lwhy);
+    ng->lplan.renormalize = grp->renormalize;
+    ng->lstatus =
+        epd_ref_plan_build(&ng->lplan, eng_route_map(grp), in, &ng->lbad, ng->lwhy, sizeof ng->lwhy);
     if (!ng->lstatus) memcpy(ng->ht_local, ng->lplan.ht_recv, sizeof *ng->ht_local * W);
   }
   eng_vote_report(eng, grp, &ng->vote);
@@ -1115,7 +1132,8 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
   const uint16_t *y[EPD_MAX_RANKS] = {0};
   if (combine)
     for (uint32_t r = base; r < base + L; r++)
-      y[r] = eng_buf(grp->client[r], mode == EPD_MODE_LL ? EPD_BUF_LL_Y : EPD_BUF_HT_Y, d0->bank);
+      if (!(mask >> r & 1))
+        y[r] = eng_buf(grp->client[r], mode == EPD_MODE_LL ? EPD_BUF_LL_Y : EPD_BUF_HT_Y, d0->bank);
   for (uint32_t n = 0; n < eng->o.nodes; n++) {
     if (n == me) continue;
     obuf_t b = {0};
@@ -1138,6 +1156,7 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
       h->hidden = H;
       h->topk = K;
       h->max_tokens = M;
+      h->mask = mask;
       snprintf(h->why, sizeof h->why, "%.*s", (int)sizeof h->why - 1, ng->lwhy);
     }
     for (uint32_t r = base; r < base + L; r++) {
@@ -1201,7 +1220,8 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
                       .map_version = grp->map.version,
                       .map_hash = epd_net_map_hash(&grp->map),
                       .staged_version = ng->vote.rep.version,
-                      .staged_hash = ng->vote.rep_hash};
+                      .staged_hash = ng->vote.rep_hash,
+                      .mask = mask};
       snprintf(hh.group, sizeof hh.group, "%s", grp->name);
       snprintf(hh.why, sizeof hh.why, "node %u: out of memory building the step's frame", me);
       oput(&b, &hh, sizeof hh);
@@ -1217,7 +1237,7 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
 int eng_net_missing_rank(epd_engine_t *eng, const eng_group_t *grp, char *why, size_t len) {
   uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank, base = me * L;
   for (uint32_t r = base; r < base + L; r++)
-    if (!grp->arrived[r]) {
+    if (!grp->arrived[r] && !(grp->mask >> r & 1)) {
       snprintf(why, len, "waited %u ms for rank %u", eng->o.step_timeout_ms, r);
       return (int)r;
     }
@@ -1297,7 +1317,31 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
     pay[n] = (const uint8_t *)(htc[n] + W);
     end[n] = f->buf + f->len;
   }
-  /* Descriptor checks of engine_host.c's execute_step, over the world. */
+  /* Groups that mask: every node must have routed with the same masked ranks. Each node masks its own
+   * ranks and tells the others (CTL_MASK); a notice that came after a node sent its part fails the step
+   * everywhere, and the next step runs with each node's own ranks as it said (taken from the frames). */
+  const uint64_t mask = ng->sent_mask;
+  res->mask = mask;
+  uint64_t differ = 0;
+  for (uint32_t n = 0; n < nodes; n++)
+    if (n != me) differ |= ((const net_hdr_t *)ng->f[n]->buf)->mask ^ mask;
+  if (differ) {
+    for (uint32_t n = 0; n < nodes; n++) {
+      if (n == me) continue;
+      const uint64_t hm = ((const net_hdr_t *)ng->f[n]->buf)->mask;
+      for (uint32_t r = n * L; r < (n + 1) * L && r < 64; r++) {
+        if ((hm >> r & 1) && !(grp->mask >> r & 1)) eng_mask_rank(eng, grp, (int)r, "masked on its node");
+        if (!(hm >> r & 1) && (grp->mask >> r & 1)) eng_unmask_rank(eng, grp, (int)r);
+      }
+    }
+    const int r = __builtin_ctzll(differ);
+    return fail(res, EPD_ERR_PEER, r,
+                "rank %d is %smasked on node %u but not on every node yet: the step fails, the next one runs "
+                "without the ranks each node masked",
+                r, (mask >> r & 1) ? "" : "not ", me);
+  }
+  /* Descriptor checks of engine_host.c's execute_step, over the world (masked ranks' descriptors are their
+   * node's first live rank's). */
   for (uint32_t r = 0; r < W; r++) {
     if (!op_ok(d[r].op))
       return fail(res, EPD_ERR_INVALID, (int)r, "rank %u: op %u out of range [1, %u]", r, d[r].op,
@@ -1354,6 +1398,10 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
     memset(outs, 0, sizeof outs);
     for (uint32_t r = 0; r < W; r++) {
       out[r] = NULL;
+      if (r / L == me && (mask >> r & 1)) {
+        memset(&in[r], 0, sizeof in[r]);
+        continue;
+      }
       if (r / L == me) {
         eng_ref_io(grp->client[r], mode, bank, d[r].num_tokens, &in[r], &outs[r]);
         out[r] = &outs[r];
@@ -1389,16 +1437,21 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
     char why[256] = "";
     int bad = -1;
     grp->plan_valid[bank] = 0;
-    epd_result_t rc = epd_ref_plan_build(plan, &grp->map, in, &bad, why, sizeof why);
+    plan->renormalize = grp->renormalize;
+    epd_result_t rc = epd_ref_plan_build(plan, eng_route_map(grp), in, &bad, why, sizeof why);
     if (rc) return fail(res, rc, bad, "%s", why);
     rc = mode == EPD_MODE_LL ? epd_ref_ll_dispatch(plan, in, fp8, out)
                              : epd_ref_ht_dispatch(plan, in, fp8, out, &bad);
     if (rc) return fail(res, rc, bad, "dispatch failed (rank %d)", bad);
     grp->plan_valid[bank] = 1;
+    grp->plan_mask[bank] = mask;
+    grp->open_banks |= 1u << bank;
     res->map_version = plan->map_version;
     uint64_t row = (uint64_t)H * (fp8 ? 1 : 2) + (fp8 ? epd_ref_scale_blocks(H) * 4 : 0);
     for (uint32_t r = base; r < base + L; r++) {
       res->num_recv[r] = mode == EPD_MODE_LL ? plan->ll_recv[r] : plan->ht_recv[r];
+      grp->step_dropped[r] = plan->dropped[r];
+      grp->entries_dropped += plan->dropped[r];
       uint64_t rows = 0;
       for (uint32_t t = 0; t < plan->num_tokens[r]; t++)
         for (uint32_t k = 0; k < K; k++) rows += plan->dst_rank[((size_t)r * M + t) * K + k] >= 0;
@@ -1423,7 +1476,12 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
                 mode == EPD_MODE_LL ? "LL" : "HT", bank, mode == EPD_MODE_LL ? "LL" : "HT");
   const uint16_t *y[EPD_MAX_RANKS] = {0};
   for (uint32_t r = base; r < base + L; r++)
-    y[r] = eng_buf(grp->client[r], mode == EPD_MODE_LL ? EPD_BUF_LL_Y : EPD_BUF_HT_Y, bank);
+    if (!(mask >> r & 1))
+      y[r] = eng_buf(grp->client[r], mode == EPD_MODE_LL ? EPD_BUF_LL_Y : EPD_BUF_HT_Y, bank);
+  /* Ranks masked since the dispatch: their expert outputs are gone, their entries dropped (as on one node).
+   */
+  const uint64_t gone = mask & ~grp->plan_mask[bank];
+  grp->open_banks &= ~(1u << bank);
   /* Index the partial rows: part[n][(r - base) * M + t]. */
   const float **part = calloc((size_t)nodes * L * M, sizeof *part);
   float *acc = malloc(sizeof(float) * H);
@@ -1462,6 +1520,13 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
     return fail(res, EPD_ERR_PEER, bad_frame * (int)L, "node %d sent a malformed combine frame", bad_frame);
   }
   for (uint32_t r = base; r < base + L; r++) {
+    if (mask >> r & 1) continue;
+    grp->step_dropped[r] = plan->dropped[r];
+    if (gone) {
+      const uint32_t nd = epd_ref_plan_routed_to(plan, r, gone);
+      grp->step_dropped[r] += nd;
+      grp->entries_dropped += nd;
+    }
     uint16_t *o = eng_buf(grp->client[r], EPD_BUF_OUT, bank);
     for (uint32_t t = 0; t < plan->num_tokens[r]; t++) {
       for (uint32_t h = 0; h < H; h++) acc[h] = 0;
@@ -1491,7 +1556,7 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
   memset(res, 0, sizeof *res);
   res->peer = -1;
   for (uint32_t r = base; r < base + L; r++)
-    if (!grp->arrived[r]) return 0;
+    if (!grp->arrived[r] && !(grp->mask >> r & 1)) return 0; /* masked ranks take no part */
   net_group_t *ng = group_state(eng, grp);
   if (!ng) return fail(res, EPD_ERR_NOMEM, -1, "out of memory for the group's scale-out state");
   if (ng->sent_step != grp->steps) {
@@ -2091,6 +2156,18 @@ void eng_net_rank_back(epd_engine_t *eng, eng_group_t *grp, int rank) {
   send_lost(eng, grp, rank, UINT64_MAX);
 }
 
+/* A rank of this node was masked or is back (groups that mask): the other nodes route without it, or
+ * with it again, from the first step whose part they send after this notice (run_step fails a step
+ * they sent before it). */
+static void rank_masked(epd_engine_t *eng, eng_group_t *grp, int rank, int masked) {
+  ctl_msg_t m = {.kind = CTL_MASK, .version = (uint32_t)rank, .status = masked, .req_id = grp->steps};
+  for (uint32_t n = 0; n < eng->o.nodes; n++)
+    if (n != eng->o.node_rank && send_ctl(eng->o.net, n, grp->name, &m, NULL, NULL))
+      EPD_LOGW(EPD_SUB_ENGINE,
+               "group %s: the notice that rank %d is %s to node %u was not sent (its link is down)",
+               grp->name, rank, masked ? "masked" : "back", n);
+}
+
 uint64_t eng_net_first_unsent(const eng_group_t *grp) {
   const net_group_t *ng = grp->net; /* none yet: nothing sent */
   return ng && ng->sent_step == grp->steps ? grp->steps + 1 : grp->steps;
@@ -2274,6 +2351,21 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
       EPD_LOGI(EPD_SUB_ENGINE,
                "group %s: made again on node %u; its steps wait for that node again from step %llu", group,
                f->src_node, (unsigned long long)steps);
+    return;
+  }
+  if (c.kind == CTL_MASK) {
+    const uint32_t r = c.version, n = f->src_node;
+    if (n >= MAX_NODES || r >= EPD_MAX_RANKS || r / L != n) {
+      EPD_LOGW(EPD_SUB_ENGINE, "node %u sent a notice about rank %u, not one of its ranks: ignored", n, r);
+      return;
+    }
+    pthread_mutex_lock(&eng->mu);
+    eng_group_t *grp = eng_find_group(eng, group);
+    if (grp && c.status)
+      eng_mask_rank(eng, grp, (int)r, "masked on its node");
+    else if (grp)
+      eng_unmask_rank(eng, grp, (int)r);
+    pthread_mutex_unlock(&eng->mu);
     return;
   }
   if (c.kind == CTL_LOST) {
@@ -2563,6 +2655,7 @@ const eng_scaleout_t eng_net_scaleout = {
     .group_init = group_init,
     .group_created = eng_net_group_created,
     .rank_back = eng_net_rank_back,
+    .rank_masked = rank_masked,
     .group_removed = eng_net_group_removed,
     .group_free = eng_net_group_free,
     .notify_drain = eng_net_notify_drain,

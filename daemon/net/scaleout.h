@@ -23,6 +23,7 @@ uint64_t eng_net_frames_since(const eng_group_t *grp);
 typedef struct eng_net_result {
   int status, peer;
   uint32_t map_version;
+  uint64_t mask; /* the world ranks the step was routed without (groups that mask lost ranks) */
   uint32_t num_recv[EPD_MAX_RANKS];
   uint64_t bytes[EPD_MAX_RANKS];
   char why[256];
