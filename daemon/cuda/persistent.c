@@ -57,7 +57,9 @@ int pers_eligible(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg) {
   if (cg->pcarry_ns && t > cg->pcarry_ns && t - cg->pcarry_ns > 2 * be->timeout_ns) cg->pcarry_ns = 0;
   if (cg->phase != PH_COLLECT || cg->narrived || cg->need_reset || cg->pcarry_ns) return 0;
   if (eng->draining || epd_engine_failure(eng) || grp->has_staged || grp->steps < cg->presume_step) return 0;
-  if (grp->mask) return 0; /* masked ranks' parts are launched with no tokens (launch mode) */
+  /* Groups that mask lost ranks step in launch mode: their masked ranks' parts are launched with no tokens,
+   * and persistent kernels next to a client killed mid-step faulted under chaos (not understood yet). */
+  if (grp->on_rank_loss == EPD_RANK_LOSS_MASK) return 0;
   /* a bank whose last LL dispatch was refused: its combine must be refused too, which the kernels cannot
    * tell (their record of the bank is an older dispatch's); launch mode until a dispatch of it runs */
   for (uint32_t b = 0; b < EPD_NUM_BANKS; b++)
