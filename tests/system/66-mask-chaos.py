@@ -41,7 +41,9 @@ def fail(msg):
     failures.append(msg)
 
 
-d = epdtest.Daemon(num_ranks=R, extra=["[engine]", "slots_factor_pct = 200", "step_timeout_ms = 2000"])
+# a worker killed between its Attach and the attach socket holds its rank until the token expires
+d = epdtest.Daemon(num_ranks=R, extra=["[engine]", "slots_factor_pct = 200", "step_timeout_ms = 2000",
+                                       "[daemon]", "token_ttl_ms = 3000"])
 logdir = Path(d.dir)
 procs = {}     # rank -> Popen of its current worker
 finished = []  # (rank, returncode, output) of workers that exited on their own

@@ -163,11 +163,18 @@ nfin=$(wc -l < "$FINISHED")
 : > "$FINISHED"
 for r in 0 1 2 3; do start $r 100; done
 end=$(($(now_ms) + 60000))
-while [ ${#WP[@]} -gt 0 ] && [ "$(now_ms)" -lt $end ]; do
+while { [ ${#WP[@]} -gt 0 ] || [ ${#DOWN[@]} -gt 0 ]; } && [ "$(now_ms)" -lt $end ]; do
   reap
+  for r in "${!DOWN[@]}"; do # its rank still held by a killed worker's attach: again
+    if [ "$(now_ms)" -ge "${DOWN[$r]}" ]; then
+      start "$r" 100
+      unset "DOWN[$r]"
+    fi
+  done
   sleep 0.05
 done
-[ ${#WP[@]} -eq 0 ] || fail "the clean round after the chaos did not end within 60 s: a hang"
+[ ${#WP[@]} -eq 0 ] && [ ${#DOWN[@]} -eq 0 ] || fail "the clean round after the chaos did not end within 60 s: a hang"
+[ "$(wc -l < "$FINISHED")" -eq 4 ] || fail "the clean round: $(wc -l < "$FINISHED") of 4 workers ran"
 while read -r r rc f; do
   [ "$rc" = 0 ] || fail "after the chaos: rank $r's worker exited $rc: $(grep -v '^  ' "$f" | head -12)"
 done < "$FINISHED"

@@ -42,6 +42,8 @@
  * after its last failure (at most 2000 failures; --steps bounds the steps tried). --streak-any: N steps
  * in a row also stop it when none failed (a worker that joins a running group, whose first ops may fail
  * while the nodes agree on the step again).
+ * --mask --ht-every N: the HT steps are every N-th step pair of the group (by the group step numbers
+ * the completions report), so that a worker that restarts keeps the others' cadence.
  * --mask: attach with on_rank_loss = EPD_RANK_LOSS_MASK (--renormalize: and renormalisation); every
  * step's reference is computed with the mask its completion reports (no tokens from masked ranks, the
  * map without their replicas), and the entries dropped must be those of experts with no live replica.
@@ -849,6 +851,10 @@ int main(int argc, char **argv) {
   int nht = 0;
   uint64_t step0 = 0; /* group step of the first dispatch: every op is one group step */
   int fails = 0, streak = 0, after_fail = 0, ok_steps = 0; /* --until-streak */
+  /* --mask --ht-every: the group step the next dispatch should run as (from the last completion; -1:
+   * none yet). Workers that restart at any step follow the cadence of the group's steps, not their own
+   * count: one that guesses wrong at its first op fails that step once, then agrees. */
+  int64_t next_g = -1;
   for (int step = 0; step < A.steps; step++) {
     if (A.streak > 0 && (fails || A.streak_any) &&
         streak >= A.streak) { /* --until-streak: N steps in a row after the last failure */
@@ -858,7 +864,8 @@ int main(int argc, char **argv) {
     }
     const uint64_t gstep = A.same_inputs ? 0 : (uint64_t)step; /* the step the inputs are made for */
     /* --ht-every N: every N-th step is an HT step in an LL group (same buffers, other kinds) */
-    const int ht = A.ht || (A.ht_every > 0 && step % A.ht_every == A.ht_every - 1);
+    const int ht = A.ht || (A.ht_every > 0 && (A.mask && next_g >= 0 ? (next_g / 2) % A.ht_every
+                                                                     : step % A.ht_every) == A.ht_every - 1);
     const epd_mode_t mode = ht ? EPD_MODE_HT : EPD_MODE_LL;
     if (ht && !A.ht) nht++;
     const uint32_t dflags = dispatch_flags(flags, ht); /* this step's dispatch */
@@ -896,6 +903,8 @@ int main(int argc, char **argv) {
     if (rc && skip_failed(ep, "dispatch", step, &fails)) {
       streak = 0;
       after_fail = 1;
+      epd_comp_t fc;
+      if (!A.graph && epd_op_status(ep, &fc) == EPD_OK) next_g = (int64_t)fc.step + 1;
       continue;
     }
     if (rc) {
@@ -1063,6 +1072,8 @@ int main(int argc, char **argv) {
     if (rc && skip_failed(ep, "combine", step, &fails)) {
       streak = 0;
       after_fail = 1;
+      epd_comp_t fc;
+      if (!A.graph && epd_op_status(ep, &fc) == EPD_OK) next_g = (int64_t)fc.step + 1;
       continue;
     }
     if (rc) {
@@ -1073,6 +1084,7 @@ int main(int argc, char **argv) {
     ok_steps++;
     if (fails || A.streak_any) streak++;
     if (!A.graph) epd_op_status(ep, &ccomp); /* graph replays: the record of the replayed slot */
+    next_g = (int64_t)ccomp.step + 1;
     if (ccomp.step != comp.step + 1 || ccomp.map_version != comp.map_version) {
       fprintf(stderr, "rank %d step %d: combine ran as group step %llu map %u, want %llu map %u\n", A.rank,
               step, (unsigned long long)ccomp.step, ccomp.map_version, (unsigned long long)comp.step + 1,
