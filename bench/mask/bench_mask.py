@@ -1,15 +1,16 @@
 #!/usr/bin/python3
-"""Masked ranks, measured (host backend, one node): a group of 4 ranks attached with on_rank_loss = mask,
-LL steps of 64 tokens (hidden 256 unless --hidden), top-4 of 32 experts. Ranks 0-2 step in threads of this process,
-rank 3 in a child process that is SIGKILLed mid-run. Reported, per expert map (every expert on two ranks,
-or on one):
+"""Masked ranks, measured (host backend): a group of 4 ranks attached with on_rank_loss = mask, LL steps
+of 64 tokens (hidden 256 unless --hidden), top-4 of 32 experts. Ranks 0-2 step in threads of this process,
+rank 3 in a child process that is SIGKILLed mid-run. One daemon of 4 ranks, or with --nodes 2 two daemons
+on this host as the nodes of one world (2 ranks each, ranks 2 and 3 on node 1; the second replica of
+every expert on the other node). Reported, per expert map (every expert on two ranks, or on one):
   - recovery: from the SIGKILL to the survivors' first step (dispatch + combine) completed with rank 3
     masked, and the same minus the median step time (the target is <= 10 ms plus one step);
   - ops failed by the loss (the step in flight);
   - step time (rank 0's dispatch + combine, median and p90) before the kill and with the mask;
   - top-k entries dropped per step: with a replica of every expert on a live rank there must be none.
 
-Usage: bench/mask/bench_mask.py [BUILD] [--steps N] [--hidden H] [--rounds N] [--json FILE]
+Usage: bench/mask/bench_mask.py [BUILD] [--steps N] [--hidden H] [--rounds N] [--nodes 1|2] [--json FILE]
 (BUILD: default build). Each round runs both maps with a daemon of its own.
 """
 import argparse
@@ -32,13 +33,15 @@ sys.path.insert(0, os.path.join(REPO, "python"))
 
 R, E, K, M = 4, 32, 4, 64
 H = 256
+NODES = 1
 
 
 def placement(replicas):
     per = E // R
     if not replicas:
         return [[(e // per, e % per)] for e in range(E)]
-    return [[(e // per, e % per), ((e // per + 1) % R, per + e % per)] for e in range(E)]
+    other = 1 if NODES == 1 else R // NODES  # the next rank, or the same rank of the other node
+    return [[(e // per, e % per), ((e // per + other) % R, per + e % per)] for e in range(E)]
 
 
 def inputs(np, rank, seed):
@@ -89,17 +92,20 @@ def mask_time(log_path, rank):
     return None
 
 
-def run(build, sock, replicas, steps, log_path):
+def run(build, socks, replicas, steps, log_path):
+    """socks: each node's control socket (world rank r attaches at node r // (R / nodes))."""
     import numpy as np
     import epd
-    conn = epd.connect(sock)
-    eps = [conn.attach("bench", rank=0, num_experts=E, hidden=H, topk=K, max_tokens=M, on_rank_loss="mask")]
-    eps += [conn.attach("bench", rank=r) for r in (1, 2)]
-    kid = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", sock, "3"],
+    conns = [epd.connect(s) for s in socks]
+    at = lambda r: conns[r * len(socks) // R]  # noqa: E731
+    eps = [at(0).attach("bench", rank=0, num_experts=E, hidden=H, topk=K, max_tokens=M, on_rank_loss="mask")]
+    eps += [at(r).attach("bench", rank=r, num_experts=E, hidden=H, topk=K, max_tokens=M, on_rank_loss="mask")
+            for r in (1, 2)]
+    kid = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", socks[-1], "3"],
                            stdout=subprocess.PIPE, text=True, env=dict(os.environ))
     if kid.stdout.readline().strip() != "ready":
         raise RuntimeError("the child rank did not attach")
-    conn.control.set_expert_map(placement(replicas), group="bench")
+    conns[0].control.set_expert_map(placement(replicas), group="bench")
     for r, ep in enumerate(eps):
         ep.set_inputs(*inputs(np, r, 1))
     log = [[] for _ in eps]  # per rank: (end time, seconds, masked, dropped) of each completed step
@@ -150,7 +156,8 @@ def run(build, sock, replicas, steps, log_path):
     }
     for ep in eps:
         ep.detach()
-    conn.close()
+    for conn in conns:
+        conn.close()
     return res
 
 
@@ -162,33 +169,48 @@ def main():
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--hidden", type=int, default=H)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--nodes", type=int, default=1, choices=(1, 2))
     ap.add_argument("--json")
     a = ap.parse_args()
     globals()["H"] = a.hidden
+    globals()["NODES"] = a.nodes
     os.environ.setdefault("EPD_LIBRARY", os.path.join(a.build, "lib", "libepd.so"))
     results = []
     for replicas in [True, False] * a.rounds:
         d = tempfile.mkdtemp(prefix="epd-bench-mask-")
-        sock = os.path.join(d, "control.sock")
         conf = os.path.join(d, "epd.conf")
         open(conf, "w").close()
-        log = open(os.path.join(d, "epd.log"), "w")
-        daemon = subprocess.Popen([os.path.join(a.build, "bin", "epd"), "-f", "-c", conf, "-s", sock,
-                                   "-o", "engine.backend=host", "-o", "engine.num_ranks=%d" % R,
-                                   "-o", "engine.slots_factor_pct=200", "-o", "engine.step_timeout_ms=2000",
-                                   "-o", "engine.max_hidden=%d" % H],
-                                  stdout=log, stderr=subprocess.STDOUT)
+        import socket
+        ps = socket.socket()
+        ps.bind(("127.0.0.1", 0))
+        port = ps.getsockname()[1]
+        ps.close()
+        socks, daemons = [], []
         try:
+            for n in range(a.nodes):
+                socks.append(os.path.join(d, "control%d.sock" % n))
+                cluster = [] if a.nodes == 1 else [
+                    "-o", "cluster.nodes=%d" % a.nodes, "-o", "cluster.node_rank=%d" % n,
+                    "-o", "cluster.data_listen=127.0.0.1:0",
+                    "-o", ("cluster.listen=127.0.0.1:%d" if n == 0 else "cluster.coordinator=127.0.0.1:%d") % port]
+                daemons.append(subprocess.Popen(
+                    [os.path.join(a.build, "bin", "epd"), "-f", "-c", conf, "-s", socks[-1],
+                     "-o", "daemon.attach_socket=%s" % os.path.join(d, "attach%d.sock" % n),
+                     "-o", "engine.backend=host", "-o", "engine.num_ranks=%d" % (R // a.nodes),
+                     "-o", "engine.slots_factor_pct=200", "-o", "engine.step_timeout_ms=2000",
+                     "-o", "engine.max_hidden=%d" % H] + cluster,
+                    stdout=open(os.path.join(d, "epd%d.log" % n), "w"), stderr=subprocess.STDOUT))
             for _ in range(300):
-                if os.path.exists(sock):
+                if all(os.path.exists(s) for s in socks):
                     break
                 time.sleep(0.05)
-            time.sleep(0.2)
-            log.flush()
-            results.append(run(a.build, sock, replicas, a.steps, os.path.join(d, "epd.log")))
+            time.sleep(0.3)
+            results.append(run(a.build, socks, replicas, a.steps, os.path.join(d, "epd%d.log" % (a.nodes - 1))))
         finally:
-            daemon.terminate()
-            daemon.wait(15)
+            for daemon in daemons:
+                daemon.terminate()
+            for daemon in daemons:
+                daemon.wait(15)
             shutil.rmtree(d, ignore_errors=True)
     for r in results:
         print("replicas %d: masked %.1f ms after the SIGKILL; recovery %.2f ms (%.2f ms past one masked step); "
@@ -199,7 +221,8 @@ def main():
                r["step_ms_masked"]["p90"], r["dropped_per_step"], r["entries_per_step"]))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"geometry": {"ranks": R, "experts": E, "hidden": H, "topk": K, "tokens": M},
+            json.dump({"geometry": {"ranks": R, "nodes": a.nodes, "experts": E, "hidden": H, "topk": K,
+                                    "tokens": M},
                        "results": results}, f, indent=1)
     return 0 if all(r["dropped_per_step"] == 0 for r in results if r["replicas"] == 2) else 1
 
