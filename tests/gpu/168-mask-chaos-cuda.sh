@@ -22,158 +22,23 @@ DL_NGPU=4
 . "$(dirname "$0")/daemon-lib.sh"
 CHAOS_S=${EPD_MASK_CHAOS_SECONDS:-20}
 MASK_MODE=${EPD_MASK_MODE:-launch}
-R=4 E=16
+CHAOS_STEPS=400 E=16 REP_NEXT=1
 RANDOM=${EPD_CHAOS_SEED:-4321}
 start_daemon -o engine.step_timeout_ms=2000 -o engine.slots_factor_pct=200 -o engine.cuda_mode="$MASK_MODE"
 ctl() { "$CTL" -s "$SOCK" "$@"; }
-now_ms() { date +%s%3N; }
-fds() { ls /proc/"$1"/fd | wc -l; }
-
-declare -A WP=() WO=() DOWN=()
-GROUP=chaos MODE=ll
-seq_no=0 killed=0 retried=0 maps=0
-FINISHED=$T/finished # rank rc outfile, one line per worker that exited on its own
-: > "$FINISHED"
-start() { # start RANK [STEPS]: a new worker of the rank
-  local r=$1 n=${2:-400}
-  seq_no=$((seq_no + 1))
-  WO[$r]=$T/w$r.$seq_no.out
-  "$WORKER" -s "$SOCK" -g "$GROUP" --mode "$MODE" -r "$r" -n $R --steps "$n" --seed 9 --experts $E \
-    --hidden 128 --topk 4 --tokens 16 --same-inputs --mask --until-streak 1000000 > "${WO[$r]}" 2>&1 &
-  WP[$r]=$!
+run_worker() { # RANK STEPS OUT
+  "$WORKER" -s "$SOCK" -g "$GROUP" --mode "$MODE" -r "$1" -n 4 --steps "$2" --seed 9 --experts $E --hidden 128 \
+    --topk 4 --tokens 16 --same-inputs --mask --until-streak 1000000 > "$3" 2>&1 &
 }
-reap() { # collect the workers that exited; one whose attach found its rank still held retries soon
-  local r rc
-  for r in "${!WP[@]}"; do
-    kill -0 "${WP[$r]}" 2> /dev/null && continue
-    wait "${WP[$r]}"
-    rc=$?
-    if [ $rc -eq 2 ] && grep -q "is already attached" "${WO[$r]}"; then
-      retried=$((retried + 1))
-      DOWN[$r]=$(($(now_ms) + 200))
-    else
-      echo "$r $rc ${WO[$r]}" >> "$FINISHED"
-    fi
-    unset "WP[$r]"
-  done
-}
-# every expert on its rank and on the next one: one rank down drops nothing
-replicated_map() {
-  local head S per e
-  head=$(ctl experts "$GROUP" 2> /dev/null | head -1)
-  [ -n "$head" ] || return 0
-  ctl experts "$GROUP" 2> /dev/null | grep -q '^expert [0-9]*: [0-9]*:[0-9]* [0-9]' && return 0 # replicated
-  S=$(echo "$head" | sed -n 's/.*slots_per_rank \([0-9]*\).*/\1/p')
-  per=$(((E + R - 1) / R))
-  [ "$S" -ge $((2 * per)) ] || fail "slots_per_rank $S: no room for the replicas"
-  {
-    echo "$head"
-    for e in $(seq 0 $((E - 1))); do
-      echo "expert $e: $((e / per)):$((e % per)) $(((e / per + 1) % R)):$((per + e % per))"
-    done
-  } > "$T/map.txt"
-  ctl set-map "$T/map.txt" > /dev/null 2>&1 && maps=$((maps + 1))
-  return 0
-}
+may_kill() { [ ${#WP[@]} -gt 2 ]; } # at most two ranks down
+daemons_alive() { kill -0 "$PID" 2> /dev/null || fail "the daemon exited"; }
+. "$(dirname "$0")/../mask-chaos-lib.sh"
 
 echo "== warm-up: one clean round of 4 workers, then the daemon's fds with nobody attached"
-for r in 0 1 2 3; do start $r; done
-while [ ${#WP[@]} -gt 0 ]; do
-  reap
-  sleep 0.05
-done
-while read -r r rc f; do [ "$rc" = 0 ] || fail "warm-up: rank $r's worker exited $rc: $(head -5 "$f")"; done < "$FINISHED"
-: > "$FINISHED"
-sleep 0.5
+warm_up
 base_fds=$(fds "$PID")
-
-# chaos SECONDS: kill and restart workers of group $GROUP (at most two ranks down); then kill the ones
-# still running
-chaos() {
-  local stop next_kill next_map t r alive
-  for r in 0 1 2 3; do start $r; done
-  wait_for 20 sh -c "'$CTL' -s '$SOCK' experts $GROUP | grep -q '^expert'" || fail "group $GROUP not made"
-  replicated_map
-  stop=$(($(now_ms) + $1 * 1000))
-  next_kill=$(($(now_ms) + 700))
-  next_map=$(($(now_ms) + 500))
-  while [ "$(now_ms)" -lt $stop ]; do
-    t=$(now_ms)
-    if [ "$t" -ge $next_map ]; then
-      replicated_map
-      next_map=$((t + 500))
-    fi
-    reap
-    for r in 0 1 2 3; do # a worker that ran all its steps: a new one of its rank
-      [ -z "${WP[$r]:-}" ] && [ -z "${DOWN[$r]:-}" ] && start $r
-    done
-    for r in "${!DOWN[@]}"; do
-      if [ "$t" -ge "${DOWN[$r]}" ]; then
-        start "$r"
-        unset "DOWN[$r]"
-      fi
-    done
-    if [ "$t" -ge $next_kill ] && [ ${#DOWN[@]} -lt 2 ]; then
-      alive=()
-      for r in "${!WP[@]}"; do kill -0 "${WP[$r]}" 2> /dev/null && alive+=("$r"); done
-      if [ ${#alive[@]} -gt 2 ]; then
-        r=${alive[$((RANDOM % ${#alive[@]}))]}
-        kill -KILL "${WP[$r]}" 2> /dev/null
-        wait "${WP[$r]}" 2> /dev/null
-        unset "WP[$r]"
-        killed=$((killed + 1))
-        DOWN[$r]=$((t + 100 + RANDOM % 400))
-      fi
-      next_kill=$((t + 300 + RANDOM % 400))
-    fi
-    kill -0 "$PID" 2> /dev/null || fail "the daemon exited"
-    sleep 0.02
-  done
-  reap
-  for r in "${!WP[@]}"; do kill -KILL "${WP[$r]}" 2> /dev/null; done
-  for r in "${!WP[@]}"; do wait "${WP[$r]}" 2> /dev/null; done
-  WP=() DOWN=()
-}
-
-# Workers that restart at any step agree on a step's kind only without a cadence: LL steps, then HT.
-half=$(((CHAOS_S + 1) / 2))
-echo "== LL steps, chaos for $half s: SIGKILL a random worker about every 0.5 s, a new one of its rank 0.1-0.5 s later"
-GROUP=chaos MODE=ll
-chaos $half
-echo "== HT steps, the same for $half s"
-GROUP=chaos-ht MODE=ht
-chaos $half
-
-echo "== then one clean round of 4 workers"
-# every step a worker checked, killed or not, matched the reference with its mask (printed as it runs)
-pat="differs from the reference\|, want \|dropped [0-9]* entries\|entries dropped"
-bad=$(grep -l "$pat" "$T"/w*.out | head -3)
-[ -z "$bad" ] || fail "steps differ from the reference: $(grep -h "$pat" $bad | head -8)"
-steps=0
-while read -r r rc f; do
-  [ "$rc" = 0 ] || fail "rank $r's worker exited $rc: $(grep -v '^  ' "$f" | head -12)"
-  n=$(sed -n 's/^rank [0-9]*: \([0-9]*\) steps ok.*/\1/p' "$f")
-  steps=$((steps + ${n:-0}))
-done < "$FINISHED"
-nfin=$(wc -l < "$FINISHED")
-: > "$FINISHED"
-for r in 0 1 2 3; do start $r 100; done
-end=$(($(now_ms) + 60000))
-while { [ ${#WP[@]} -gt 0 ] || [ ${#DOWN[@]} -gt 0 ]; } && [ "$(now_ms)" -lt $end ]; do
-  reap
-  for r in "${!DOWN[@]}"; do # its rank still held by a killed worker's attach: again
-    if [ "$(now_ms)" -ge "${DOWN[$r]}" ]; then
-      start "$r" 100
-      unset "DOWN[$r]"
-    fi
-  done
-  sleep 0.05
-done
-[ ${#WP[@]} -eq 0 ] && [ ${#DOWN[@]} -eq 0 ] || fail "the clean round after the chaos did not end within 60 s: a hang"
-[ "$(wc -l < "$FINISHED")" -eq 4 ] || fail "the clean round: $(wc -l < "$FINISHED") of 4 workers ran"
-while read -r r rc f; do
-  [ "$rc" = 0 ] || fail "after the chaos: rank $r's worker exited $rc: $(grep -v '^  ' "$f" | head -12)"
-done < "$FINISHED"
+chaos_phases "$CHAOS_S"
+clean_round
 masks=$(grep -c "rank_masked: group chaos[-ht]* rank [0-9] masked.*(its client" "$LOG")
 failed=$(cat "$T"/w*.out | grep -c "failed")
 echo "killed $killed workers, $masks ranks masked; $nfin workers finished ($retried attaches retried, $maps" \
