@@ -1438,7 +1438,17 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
     int bad = -1;
     grp->plan_valid[bank] = 0;
     plan->renormalize = grp->renormalize;
-    epd_result_t rc = epd_ref_plan_build(plan, eng_route_map(grp), in, &bad, why, sizeof why);
+    /* route with the mask every node sent: a notice may have changed grp->mask since */
+    const epd_expert_map_t *route = eng_route_map(grp);
+    epd_expert_map_t sent_map;
+    memset(&sent_map, 0, sizeof sent_map);
+    if (mask != grp->mask) {
+      if (mask && epd_ref_map_mask(&sent_map, &grp->map, mask))
+        return fail(res, EPD_ERR_NOMEM, -1, "out of memory for the step's masked map");
+      route = mask ? &sent_map : &grp->map;
+    }
+    epd_result_t rc = epd_ref_plan_build(plan, route, in, &bad, why, sizeof why);
+    epd_expert_map_free(&sent_map);
     if (rc) return fail(res, rc, bad, "%s", why);
     rc = mode == EPD_MODE_LL ? epd_ref_ll_dispatch(plan, in, fp8, out)
                              : epd_ref_ht_dispatch(plan, in, fp8, out, &bad);
