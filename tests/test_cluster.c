@@ -1,6 +1,6 @@
 /*
  * test_cluster.c - scale-out in-process: two host-backend engines as nodes 0 and 1 of one world (2 ranks
- * each, 4 world ranks) over real loopback TCP links (engine_net.c). Every step's dispatch output must
+ * each, 4 world ranks) over real loopback TCP links (daemon/net/link.c). Every step's dispatch output must
  * equal the single-node reference of the 4-rank world byte for byte, combine within BF16 rounding of
  * it; the bytes node 0 sends for a dispatch must be exactly one copy of each token per destination
  * node (deduplicated across that node's ranks); an expert map set on either node reaches the other and
@@ -22,7 +22,7 @@
 
 #define L 2           /* ranks per node */
 #define W 4           /* world ranks */
-#define HDR_BYTES 320 /* sizeof(net_hdr_t) in engine_net.c, plus the 8-byte length in front of a frame */
+#define HDR_BYTES 320 /* sizeof(net_hdr_t) in net_internal.h, plus the 8-byte length in front of a frame */
 
 typedef struct cl_client {
   epd_attach_info_t info;

@@ -1288,8 +1288,8 @@ epd_result_t epd_engine_set_map_copies(epd_engine_t *eng, const char *group, con
                                        uint32_t *version_out, char *errbuf, size_t errlen) {
   const char *name = group && *group ? group : "default";
   /* Scale-out (either backend): node 0 numbers and stages every map and sends it to every node
-   * (engine_net.c); the nodes switch to it at the same step (engine_net.c for the host backend,
-   * engine_cuda_net.c for cuda). */
+   * (net/maps.c); the nodes switch to it at the same step (the vote in net/maps.c, over the step frames
+   * of net/step.c for the host backend and of cuda/engine_cuda_net.c for cuda). */
   if (eng->so) return eng->so->set_map(eng, name, map, copies, ncopies, version_out, errbuf, errlen);
   pthread_mutex_lock(&eng->mu);
   epd_result_t rc = EPD_OK;

@@ -149,7 +149,7 @@ typedef struct epd_weight_copy {
   uint32_t src_rank, src_slot, dst_rank, dst_slot;
 } epd_weight_copy_t;
 /* epd_engine_set_map with weight copies (ncopies may be 0). Copies need the group's weights region
- * (EPD_ERR_INVALID otherwise); across nodes the source's node sends the bytes (engine_net.c). A map that
+ * (EPD_ERR_INVALID otherwise); across nodes the source's node sends the bytes (net/weights.c). A map that
  * places a different expert on, or copies from or into, a slot that a staged map's copies still have to fill
  * is rejected with EPD_ERR_BUSY. */
 epd_result_t epd_engine_set_map_copies(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,

@@ -48,7 +48,7 @@ struct eng_client {
 };
 
 /* Scale-out: the weights of a staged copy whose source rank is on another node, sent by that node when it
- * staged the map (engine_net.c, CTL_WEIGHTS) and kept here, on the destination's node, until the switch
+ * staged the map (net/weights.c, CTL_WEIGHTS) and kept here, on the destination's node, until the switch
  * writes them into the destination slot. */
 typedef struct eng_wblob {
   struct eng_wblob *next;
@@ -68,7 +68,7 @@ typedef struct eng_copy_meta {
 
 /* Scale-out: a copy from one of this node's ranks into another node whose source slot could not be read
  * when the map was staged (its client not attached, or an older staged copy still fills it); retried at
- * every step frame of the group (engine_net.c). */
+ * every step frame of the group (net/maps.c). */
 typedef struct eng_wdefer {
   struct eng_wdefer *next;
   epd_weight_copy_t cp;

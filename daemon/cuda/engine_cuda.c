@@ -1067,8 +1067,8 @@ static epd_result_t cuda_create(epd_engine_t *eng, char *err, size_t errlen) {
       cuda_destroy(eng);
       return rc;
     }
-    /* expert maps from the other nodes (engine_net.c) */
-    eng->so = &eng_net_scaleout; /* the core's hooks (net/engine_net.c) */
+    /* expert maps from the other nodes (net/maps.c) */
+    eng->so = &eng_net_scaleout; /* the core's hooks (net/members.c) */
     if ((rc = eng_net_ctl_start(eng, err, errlen))) {
       cuda_destroy(eng);
       return rc;

@@ -299,7 +299,7 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
 
 /* ---- polling ------------------------------------------------------------------------------------ */
 
-/* Scale-out (engine_net.c): run the step once the local ranks and the other nodes' parts are in. */
+/* Scale-out (net/step.c): run the step once the local ranks and the other nodes' parts are in. */
 static int net_progress(epd_engine_t *eng, eng_group_t *grp) {
   eng_net_result_t res;
   if (!eng_net_step(eng, grp, &res)) return 0;
@@ -456,7 +456,7 @@ static epd_result_t host_create(epd_engine_t *eng, char *err, size_t errlen) {
     }
     hr->started = 1;
   }
-  /* Scale-out: the core's hooks, and expert maps from the other nodes (net/engine_net.c). */
+  /* Scale-out: the core's hooks, and expert maps from the other nodes (daemon/net/). */
   if (eng->o.nodes > 1) eng->so = &eng_net_scaleout;
   epd_result_t rc = eng->o.nodes > 1 ? eng_net_ctl_start(eng, err, errlen) : EPD_OK;
   if (rc) host_destroy(eng);

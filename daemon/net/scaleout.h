@@ -1,5 +1,5 @@
 /*
- * scaleout.h - the scale-out layer as the backends see it (engine_net.c): the table the core calls
+ * scaleout.h - the scale-out layer as the backends see it (daemon/net/): the table the core calls
  * (eng_net_scaleout, an eng_scaleout_t), the host backend's step across nodes, the state of every group
  * across nodes (drains, removals, lost ranks and joins the other nodes announced) and the expert-map
  * vote both backends run over their step frames. Functions marked (mu) run with eng->mu held.
@@ -79,7 +79,7 @@ void eng_net_rank_back(epd_engine_t *eng, eng_group_t *grp, int rank);
 /* (mu) Host backend: the first step of grp whose part this node has not sent. */
 uint64_t eng_net_first_unsent(const eng_group_t *grp);
 
-/* Expert-map switches across nodes (engine_net.c; both backends run this protocol over their step
+/* Expert-map switches across nodes (maps.c; both backends run this protocol over their step
  * frames): each node reports the map it has staged in its frame of every step; when the frames of a
  * step, from every node, all report the same staged map, every node switches to it at the next step if
  * that is a dispatch (every node sees the same frames, so every node decides the same). */
