@@ -152,7 +152,7 @@ __device__ __forceinline__ float fp8_scale(float amax) {
 }
 /* What a group's quotients need of its scale, computed once per group: its reciprocal (the hardware's
  * approximation, within an ulp by PTX's bound, and one Newton step: RN(1/scale) for every scale a BF16 amax
- * gives, as a CPU emulation from any start within 2 ulp found in session 20, and the quotient's correction
+ * gives, as a CPU emulation from any start within 2 ulp shows, and the quotient's correction
  * would absorb an ulp anyway; 0 for an infinite scale), and the scale for the residual (0 for an
  * infinite scale, so that finite x / inf comes out as a zero of x's sign and inf / inf as NaN, as the
  * division gives). */

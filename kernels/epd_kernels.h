@@ -318,7 +318,7 @@ typedef struct epd_k_ht_op {
 /* Opt-in: BF16 dispatch rows and combine partials move with cp.async.bulk (TMA) through shared memory
  * (FP8 dispatch uses register copies). Tested with hidden 640 / 4096 / 7168, one or several tiles of 512
  * tokens per block; slower than register copies at these sizes (bench/results/bench_ht_h200x2.md,
- * sanitizer_h200x2_s17.md, which also has the combine fault fixed in session 17). */
+ * and the sanitizer record, which also has the combine fault this fixed). */
 #define EPD_K_HT_COPY_TMA 1u
 /* A dense (EPD_DESC_HT_DENSE) BF16 dispatch with peer arenas: each rank's x goes to every other rank's
  * receive rows in one cudaMemcpyAsync per dest (the GPU's copy engines, no SM), on a stream of its own

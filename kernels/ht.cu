@@ -352,7 +352,7 @@ __device__ __forceinline__ void warp_copy_row(int4 *dst, const int4 *src, uint32
 /* Ranks whose rows' loads a warp issues together (RB), and vectors per lane and row (NV) of the direct
  * register combine: 2 x 7 in flight. 2x H200, 24 SMs, combine BF16: 201.4 us with a rank at a time x 8,
  * 195.5 with 2 x 7 (116 bytes of spills), 199.3 with 2 x 6, 204.4 with 2 x 5, 207.0 with 2 x 4
- * (bench/results/bench_ht_h200x2_s8.md). */
+ * (bench/results/bench_ht_h200x2_20261126_a7f2fa2.md). */
 #ifndef EPD_HT_COMBINE_RB
 #define EPD_HT_COMBINE_RB 2
 #endif
@@ -1329,8 +1329,8 @@ __global__ void __launch_bounds__(NTHR) ht_combine_kernel(const HTParams p) {
              * round after round. A parity wait tells only consecutive phases apart: with units of one stage
              * on two warps, the warp of round q + 1 passed its wait on round q - 1's phase, read a stage
              * still in flight and arrived on `empty` early, and the producer then re-armed a `full` barrier
-             * with bytes pending (a fault at its arrive.expect_tx; compute-sanitizer memcheck and racecheck,
-             * session 17) */
+             * with bytes pending (a fault at its arrive.expect_tx; compute-sanitizer memcheck and
+             * racecheck) */
             for (uint32_t u = (warp - 1 + p.ncw - gu % p.ncw) % p.ncw; u < nu; u += p.ncw) {
               const uint32_t g = gu + u, s = g % ns;
               /* every lane waits (each acquires the bulk copy's bytes); the warp gives up together, so that

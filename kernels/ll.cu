@@ -999,7 +999,7 @@ __device__ __noinline__ void persist_controller(const LLParams &base, const PArg
          * host's abort word a PCIe read now and then. Polling faster made the ops slower: the slot
          * states loaded before the stop word's shuffle (one round trip per poll instead of two), or the
          * abort word read without waiting for it, each took ~1.2 us longer from the client's submit to
-         * this loop seeing it (bench_ll EPD_BENCH_PERSIST, 2x H100, session 14); a
+         * this loop seeing it (bench_ll EPD_BENCH_PERSIST, 2x H100); a
          * __nanosleep of 100 or 400 ns between polls changed nothing. */
         const uint64_t lim = __shfl_sync(FULL, lane == 0 ? *(volatile const uint64_t *)a.dlimit : 0ull, 0);
         uint32_t ab = 0;

@@ -28,9 +28,9 @@ NCCL_LIB=${NCCL_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/nccl/l
 export EPD_LIBRARY=$LIB PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 # Only the two GPUs the test uses: on 4x H100 every process started CUDA on all four (a daemon's start to
 # its control socket took 1.0-2.05 s there against 0.8 s on 2x H100: the daemon logs in
-# bench/results/raw/s14/), and the whole test took 108-229 s there against 40-67 s on 2 GPUs. The parent's CPU reference check runs small torch ops one result at a time: cap its thread
+# bench/results/raw/e2e_persistent_h100_20261126/), and the whole test took 108-229 s there against 40-67 s on 2 GPUs. The parent's CPU reference check runs small torch ops one result at a time: cap its thread
 # pools, which size themselves to every vCPU of the machine. With both: 40-46 s on 4x H100 (75 s without,
-# same machine; bench/results/python_moe_env_h100x4_s15.txt).
+# same machine; bench/results/python_moe_env_h100x4.txt).
 # With one GPU, only it (a list naming a GPU twice is not one CUDA takes), both ranks on it.
 if [ "$(visible_gpus)" -ge 2 ]; then CUDA_VISIBLE_DEVICES="$(gpu_of 0),$(gpu_of 1)"
 else CUDA_VISIBLE_DEVICES="$(gpu_of 0)"; fi

@@ -9,7 +9,7 @@
 # not reported: --report-api-errors no) or any failed test. On one GPU the tests' two ranks share it
 # (tests/gpu/harness_common.h: NCCL's multi-rank mode, half the blocks each).
 # Known and excluded: racecheck reports the opt-in TMA combine's shared-memory reads against its bulk copies,
-# which an mbarrier orders (bench/results/sanitizer_h200x2_s17.md); the racecheck list has no TMA steps.
+# which an mbarrier orders (bench/results/sanitizer_h200x2.md); the racecheck list has no TMA steps.
 set -u
 B=${1:-${EPD_BUILD:-build}}
 export EPD_BUILD=$B
