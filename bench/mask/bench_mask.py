@@ -3,14 +3,18 @@
 of 64 tokens (hidden 256 unless --hidden), top-4 of 32 experts. Ranks 0-2 step in threads of this process,
 rank 3 in a child process that is SIGKILLed mid-run. One daemon of 4 ranks, or with --nodes 2 two daemons
 on this host as the nodes of one world (2 ranks each, ranks 2 and 3 on node 1; the second replica of
-every expert on the other node). Reported, per expert map (every expert on two ranks, or on one):
+every expert on the other node). --lose workers (two nodes): ranks 2 and 3 step in the child, both killed
+at once: node 1 has no worker of the group left and node 0 goes on without that node; --lose daemon: the
+same ranks, and node 1's daemon is SIGKILLed instead (its data link goes down). Reported, per expert map
+(every expert on two ranks, or on one):
   - recovery: from the SIGKILL to the survivors' first step (dispatch + combine) completed with rank 3
     masked, and the same minus the median step time (the target is <= 10 ms plus one step);
   - ops failed by the loss (the step in flight);
   - step time (rank 0's dispatch + combine, median and p90) before the kill and with the mask;
   - top-k entries dropped per step: with a replica of every expert on a live rank there must be none.
 
-Usage: bench/mask/bench_mask.py [BUILD] [--steps N] [--hidden H] [--rounds N] [--nodes 1|2] [--json FILE]
+Usage: bench/mask/bench_mask.py [BUILD] [--steps N] [--hidden H] [--rounds N] [--nodes 1|2]
+                                [--lose rank|workers|daemon] [--json FILE]
 (BUILD: default build). Each round runs both maps with a daemon of its own.
 """
 import argparse
@@ -34,6 +38,7 @@ sys.path.insert(0, os.path.join(REPO, "python"))
 R, E, K, M = 4, 32, 4, 64
 H = 256
 NODES = 1
+LOSE = "rank"
 
 
 def placement(replicas):
@@ -66,19 +71,27 @@ def step(ep):
     return time.monotonic() - t0, st
 
 
-def child(sock, rank):
-    """Rank `rank` in its own process: steps until killed."""
+def child(sock, ranks):
+    """These ranks in their own process, a thread each: they step until killed."""
     import numpy as np
     import epd
     conn = epd.connect(sock)
-    ep = conn.attach("bench", rank=rank)
-    ep.set_inputs(*inputs(np, rank, 1))
+    eps = [conn.attach("bench", rank=r, num_experts=E, hidden=H, topk=K, max_tokens=M, on_rank_loss="mask")
+           for r in ranks]
+    for r, ep in zip(ranks, eps):
+        ep.set_inputs(*inputs(np, r, 1))
     print("ready", flush=True)
-    while True:
-        try:
-            step(ep)
-        except epd.EpdError:
-            time.sleep(0.001)
+
+    def loop(ep):
+        while True:
+            try:
+                step(ep)
+            except epd.EpdError:
+                time.sleep(0.001)
+
+    for ep in eps[1:]:
+        threading.Thread(target=loop, args=(ep,), daemon=True).start()
+    loop(eps[0])
 
 
 def mask_time(log_path, rank):
@@ -92,17 +105,18 @@ def mask_time(log_path, rank):
     return None
 
 
-def run(build, socks, replicas, steps, log_path):
+def run(build, socks, replicas, steps, log_path, daemons):
     """socks: each node's control socket (world rank r attaches at node r // (R / nodes))."""
     import numpy as np
     import epd
     conns = [epd.connect(s) for s in socks]
     at = lambda r: conns[r * len(socks) // R]  # noqa: E731
     eps = [at(0).attach("bench", rank=0, num_experts=E, hidden=H, topk=K, max_tokens=M, on_rank_loss="mask")]
+    lost = [3] if LOSE == "rank" else [2, 3]  # the ranks of the child process
     eps += [at(r).attach("bench", rank=r, num_experts=E, hidden=H, topk=K, max_tokens=M, on_rank_loss="mask")
-            for r in (1, 2)]
-    kid = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", socks[-1], "3"],
-                           stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+            for r in range(1, R) if r not in lost]
+    kid = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", socks[-1],
+                            ",".join(map(str, lost)), str(H)], stdout=subprocess.PIPE, text=True, env=dict(os.environ))
     if kid.stdout.readline().strip() != "ready":
         raise RuntimeError("the child rank did not attach")
     conns[0].control.set_expert_map(placement(replicas), group="bench")
@@ -127,6 +141,9 @@ def run(build, socks, replicas, steps, log_path):
     while len(log[0]) < steps:
         time.sleep(0.01)
     t_kill, t_kill_wall = time.monotonic(), time.time()
+    if LOSE == "daemon":
+        daemons[-1].send_signal(signal.SIGKILL)
+        daemons[-1].wait()
     kid.send_signal(signal.SIGKILL)
     kid.wait()
     n0 = len(log[0])
@@ -142,6 +159,7 @@ def run(build, socks, replicas, steps, log_path):
     med_b, med_a = statistics.median(before), statistics.median(after)
     t_mask = mask_time(log_path, 3)
     res = {
+        "lose": LOSE,
         "replicas": 2 if replicas else 1,
         "masked_after_ms": (t_mask - t_kill_wall) * 1e3 if t_mask else None,
         "recovery_ms": (first - t_kill) * 1e3,
@@ -156,24 +174,29 @@ def run(build, socks, replicas, steps, log_path):
     }
     for ep in eps:
         ep.detach()
-    for conn in conns:
+    for conn in conns[:len(conns) - (LOSE == "daemon")]:
         conn.close()
     return res
 
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        return child(sys.argv[2], int(sys.argv[3]))
+        globals()["H"] = int(sys.argv[4])
+        return child(sys.argv[2], [int(r) for r in sys.argv[3].split(",")])
     ap = argparse.ArgumentParser()
     ap.add_argument("build", nargs="?", default=os.path.join(REPO, "build"))
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--hidden", type=int, default=H)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--nodes", type=int, default=1, choices=(1, 2))
+    ap.add_argument("--lose", default="rank", choices=("rank", "workers", "daemon"))
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.lose != "rank" and a.nodes != 2:
+        ap.error("--lose workers|daemon needs --nodes 2")
     globals()["H"] = a.hidden
     globals()["NODES"] = a.nodes
+    globals()["LOSE"] = a.lose
     os.environ.setdefault("EPD_LIBRARY", os.path.join(a.build, "lib", "libepd.so"))
     results = []
     for replicas in [True, False] * a.rounds:
@@ -205,24 +228,27 @@ def main():
                     break
                 time.sleep(0.05)
             time.sleep(0.3)
-            results.append(run(a.build, socks, replicas, a.steps, os.path.join(d, "epd%d.log" % (a.nodes - 1))))
+            # the rank_masked event of rank 3: on its node for a rank's loss, on node 0 for a node's
+            log = os.path.join(d, "epd%d.log" % (a.nodes - 1 if a.lose == "rank" else 0))
+            results.append(run(a.build, socks, replicas, a.steps, log, daemons))
         finally:
             for daemon in daemons:
-                daemon.terminate()
+                if daemon.poll() is None:
+                    daemon.terminate()
             for daemon in daemons:
                 daemon.wait(15)
             shutil.rmtree(d, ignore_errors=True)
     for r in results:
-        print("replicas %d: masked %.1f ms after the SIGKILL; recovery %.2f ms (%.2f ms past one masked step); "
+        print("lose %s, replicas %d: masked %.1f ms after the SIGKILL; recovery %.2f ms (%.2f ms past one masked step); "
               "%d ops failed; step %.3f ms (p90 %.3f) before, %.3f ms (p90 %.3f) masked; %.2f of %d entries "
               "dropped per step" %
-              (r["replicas"], r["masked_after_ms"] or -1, r["recovery_ms"], r["recovery_minus_step_ms"], r["ops_failed"],
+              (r["lose"], r["replicas"], r["masked_after_ms"] or -1, r["recovery_ms"], r["recovery_minus_step_ms"], r["ops_failed"],
                r["step_ms_before"]["median"], r["step_ms_before"]["p90"], r["step_ms_masked"]["median"],
                r["step_ms_masked"]["p90"], r["dropped_per_step"], r["entries_per_step"]))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"geometry": {"ranks": R, "nodes": a.nodes, "experts": E, "hidden": H, "topk": K,
-                                    "tokens": M},
+                                    "tokens": M, "lose": a.lose},
                        "results": results}, f, indent=1)
     return 0 if all(r["dropped_per_step"] == 0 for r in results if r["replicas"] == 2) else 1
 

@@ -54,6 +54,14 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     if (f->local && f->src_node < MAX_NODES) net_link_up(eng, f->src_node);
     return;
   }
+  if (c.kind == CTL_LINK_DOWN) { /* groups that mask go on without the node until it is back */
+    if (!f->local || f->src_node >= eng->o.nodes) return;
+    pthread_mutex_lock(&eng->mu);
+    for (eng_group_t *g = eng->groups; g; g = g->next)
+      net_node_out(eng, g, f->src_node, "the link to its node is down");
+    pthread_mutex_unlock(&eng->mu);
+    return;
+  }
   if (c.kind == CTL_WORLD) { /* why: the new world communicator's id (EPD_NET_COMM_ID_BYTES) */
     if (!f->local && f->src_node != 0) {
       EPD_LOGW(EPD_SUB_ENGINE, "node %u sent a world communicator id (only node 0 may): ignored",
@@ -118,9 +126,15 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     if (f->src_node >= MAX_NODES || f->src_node >= EPD_MAX_RANKS) return;
     pthread_mutex_lock(&eng->mu);
     eng_group_t *grp = eng_find_group(eng, group);
-    const uint64_t was = grp ? NG(grp)->gone_from[f->src_node] : UINT64_MAX, steps = grp ? grp->steps : 0;
-    /* a creation notice is answered with the map this node runs (a removal needs nothing back) */
     const int made = c.req_id == UINT64_MAX;
+    /* a node out of a group that masks (net_node_out) takes part again from the first step this node has
+     * not sent: the one it is told to run from (the steps sent run without it) */
+    const int was_out = grp && net_node_masked(eng, grp->mask, f->src_node);
+    const uint64_t was = grp ? NG(grp)->gone_from[f->src_node] : UINT64_MAX,
+                   steps = !grp              ? 0
+                           : was_out && made ? eng_net_first_unsent(grp)
+                                             : grp->steps;
+    /* a creation notice is answered with the map this node runs (a removal needs nothing back) */
     const uint32_t version = grp && made ? grp->map.version : 0;
     const uint64_t hash = grp && made ? epd_net_map_hash(&grp->map) : 0;
     int lost_r[EPD_MAX_RANKS], nlost = 0;
@@ -131,6 +145,10 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     if (grp && made) /* a group made there has none of its ranks' clients lost */
       for (uint32_t r = f->src_node * L; r < f->src_node * L + L && r < EPD_MAX_RANKS; r++)
         NG(grp)->lost_from[r] = UINT64_MAX;
+    if (grp && made)
+      net_node_back(eng, grp, f->src_node, -1);
+    else if (grp)
+      net_node_out(eng, grp, f->src_node, "the group was removed on its node");
     pthread_mutex_unlock(&eng->mu);
     if (made) {
       /* made there (again): tell it the step this node's group collects, which from now on waits for
@@ -142,7 +160,7 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
         net_send_ctl(net, f->src_node, group, &m, NULL, NULL);
       }
     }
-    if (grp && !made)
+    if (grp && !made && grp->on_rank_loss != EPD_RANK_LOSS_MASK)
       EPD_LOGW(EPD_SUB_ENGINE,
                "group %s: removed on node %u at its step %llu (its last client there left): its "
                "steps from then on fail here with EPD_ERR_PEER",
@@ -177,13 +195,19 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     const int back = c.req_id == UINT64_MAX;
     pthread_mutex_lock(&eng->mu);
     eng_group_t *grp = eng_find_group(eng, group);
-    const uint64_t steps = grp ? grp->steps : UINT64_MAX;
+    const int was_out = grp && net_node_masked(eng, grp->mask, n);
+    const uint64_t steps = !grp ? UINT64_MAX : was_out && back ? eng_net_first_unsent(grp) : grp->steps;
     const uint32_t version = grp && back ? grp->map.version : 0;
     const uint64_t hash = grp && back ? epd_net_map_hash(&grp->map) : 0;
     if (grp) NG(grp)->lost_from[r] = c.req_id;
+    /* groups that mask: a node tells the loss of its last live rank only (the others it masks) */
+    if (grp && back)
+      net_node_back(eng, grp, n, (int)r);
+    else if (grp)
+      net_node_out(eng, grp, n, "the last live rank of its node lost its client");
     pthread_mutex_unlock(&eng->mu);
     if (back) net_send_join(net, n, group, steps, version, hash); /* taken there if it is ahead */
-    if (grp && !back)
+    if (grp && !back && grp->on_rank_loss != EPD_RANK_LOSS_MASK)
       EPD_LOGW(EPD_SUB_ENGINE,
                "group %s: the client of rank %u died on node %u at its step %llu: the group's steps "
                "from then on fail here with EPD_ERR_PEER until the rank is attached again",

@@ -158,10 +158,16 @@ epd_result_t epd_net_listen(const char *addr, epd_net_t **out, char *adv, size_t
   return EPD_OK;
 }
 
+static void ctl_local(epd_net_t *net, uint32_t src_node, const ctl_msg_t *m);
+
 static void peer_dead(net_peer_t *p, const char *fmt, const char *what) {
   if (atomic_exchange(&p->dead, 1)) return;
   snprintf(p->why, sizeof p->why, fmt, what);
-  if (!atomic_load(&p->net->stop)) EPD_LOGE(EPD_SUB_ENGINE, "data link to node %u lost: %s", p->node, p->why);
+  if (atomic_load(&p->net->stop)) return;
+  EPD_LOGE(EPD_SUB_ENGINE, "data link to node %u lost: %s", p->node, p->why);
+  /* groups that mask go on without the node (ctl.c, under the engine lock) */
+  const ctl_msg_t down = {.kind = CTL_LINK_DOWN};
+  ctl_local(p->net, p->node, &down);
 }
 
 /* Drop the queued step frames of group (NULL: any) from node (-1: any). */

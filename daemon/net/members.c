@@ -269,6 +269,32 @@ void net_link_up(epd_engine_t *eng, uint32_t n) {
     EPD_LOGI(EPD_SUB_ENGINE, "node %u: the expert maps of %u groups sent to it", n, maps);
 }
 
+/* ---- nodes out of a group's steps (groups that mask) ---------------------------------------------- */
+
+int net_node_masked(const epd_engine_t *eng, uint64_t mask, uint32_t n) {
+  const uint32_t L = (uint32_t)eng->o.num_ranks;
+  if (n == eng->o.node_rank || (n + 1) * L > 64) return 0;
+  const uint64_t all = (L >= 64 ? ~0ull : (1ull << L) - 1) << (n * L);
+  return (mask & all) == all;
+}
+
+void net_node_out(epd_engine_t *eng, eng_group_t *grp, uint32_t n, const char *why) {
+  const uint32_t L = (uint32_t)eng->o.num_ranks;
+  if (grp->on_rank_loss != EPD_RANK_LOSS_MASK || n == eng->o.node_rank || n >= eng->o.nodes ||
+      net_node_masked(eng, grp->mask, n))
+    return;
+  EPD_LOGW(EPD_SUB_ENGINE, "group %s: node %u (ranks %u..%u) is out of its steps from step %llu (%s)",
+           grp->name, n, n * L, n * L + L - 1, (unsigned long long)eng_net_first_unsent(grp), why);
+  for (uint32_t r = n * L; r < n * L + L && r < grp->g.num_ranks; r++) eng_mask_rank(eng, grp, (int)r, why);
+}
+
+void net_node_back(epd_engine_t *eng, eng_group_t *grp, uint32_t n, int r) {
+  const uint32_t L = (uint32_t)eng->o.num_ranks;
+  if (grp->on_rank_loss != EPD_RANK_LOSS_MASK || n == eng->o.node_rank || n >= eng->o.nodes) return;
+  for (uint32_t k = n * L; k < n * L + L && k < grp->g.num_ranks; k++)
+    if (r < 0 || (int)k == r) eng_unmask_rank(eng, grp, (int)k);
+}
+
 /* ---- the table the core calls ------------------------------------------------------------------ */
 
 static void group_note(const eng_group_t *grp, uint32_t nodes, char *out, size_t len) {

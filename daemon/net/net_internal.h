@@ -131,7 +131,8 @@ enum {
                    back) */
   CTL_LINK_UP = 9, /* local only (revive): the link to src_node is up again */
   CTL_WORLD = 10, /* from node 0 (or local on node 0): make the world communicator again over the id in why */
-  CTL_MASK = 11   /* version: a world rank of the sender, status: 1 masked there, 0 back (groups that mask) */
+  CTL_MASK = 11,  /* version: a world rank of the sender, status: 1 masked there, 0 back (groups that mask) */
+  CTL_LINK_DOWN = 12 /* local only (the link's receiver): the link to src_node is down */
 };
 typedef struct ctl_msg {
   uint32_t kind, version;
@@ -246,5 +247,13 @@ void net_send_join(epd_net_t *net, uint32_t n, const char *group, uint64_t steps
                    uint64_t hash);
 void net_join_reply(eng_group_t *grp, uint32_t n, const ctl_msg_t *c);
 void net_link_up(epd_engine_t *eng, uint32_t n);
+/* (mu) Groups that mask lost ranks: node n takes no part in grp's steps any more (its link is down, the
+ * group was removed there, its last live rank lost its client): its ranks are masked here from the next
+ * step this node sends, and steps sent so no longer wait for its part. net_node_back: rank r of node n
+ * (-1: every rank of it) takes part again. */
+void net_node_out(epd_engine_t *eng, eng_group_t *grp, uint32_t n, const char *why);
+void net_node_back(epd_engine_t *eng, eng_group_t *grp, uint32_t n, int r);
+/* Every rank of node n is in mask (n is out of the steps routed with it). */
+int net_node_masked(const epd_engine_t *eng, uint64_t mask, uint32_t n);
 
 #endif

@@ -191,7 +191,7 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
       if (!(mask >> r & 1))
         y[r] = eng_buf(grp->client[r], mode == EPD_MODE_LL ? EPD_BUF_LL_Y : EPD_BUF_HT_Y, d0->bank);
   for (uint32_t n = 0; n < eng->o.nodes; n++) {
-    if (n == me) continue;
+    if (n == me || net_node_masked(eng, mask, n)) continue; /* a node out of the steps gets none */
     obuf_t b = {0};
     net_hdr_t *h = oput(&b, NULL, sizeof *h);
     if (h) {
@@ -299,7 +299,9 @@ int eng_net_missing_rank(epd_engine_t *eng, const eng_group_t *grp, char *why, s
     }
   const net_group_t *ng = grp->net;
   for (uint32_t n = 0; n < eng->o.nodes; n++)
-    if (n != me && !(ng && ng->f[n]) && !net_has(eng->o.net, grp->name, grp->steps, n)) {
+    if (n != me && !(ng && ng->f[n]) &&
+        !(ng && ng->sent_step == grp->steps && net_node_masked(eng, ng->sent_mask, n)) &&
+        !net_has(eng->o.net, grp->name, grp->steps, n)) {
       snprintf(why, len, "waited %u ms for rank %u: node %u (ranks %u..%u) did not send its part of the step",
                eng->o.step_timeout_ms, n * L, n, n * L, n * L + L - 1);
       return (int)(n * L);
@@ -347,6 +349,7 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
       continue;
     }
     net_frame_t *f = ng->f[n];
+    if (!f) continue; /* a node out of the step (its ranks all masked: below) */
     const net_hdr_t *h = (const net_hdr_t *)f->buf;
     if (h->nlocal == 0) return fail(res, h->status ? h->status : EPD_ERR_PEER, h->bad_rank, "%s", h->why);
     if (h->num_experts != g->num_experts || h->hidden != H || h->topk != K || h->max_tokens != M)
@@ -373,29 +376,16 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
     pay[n] = (const uint8_t *)(htc[n] + W);
     end[n] = f->buf + f->len;
   }
-  /* Groups that mask: every node must have routed with the same masked ranks. Each node masks its own
-   * ranks and tells the others (CTL_MASK); a notice that came after a node sent its part fails the step
-   * everywhere, and the next step runs with each node's own ranks as it said (taken from the frames). */
+  /* every frame in had the mask this node sent (eng_net_step, mask_differs); the ranks of a node out of
+   * the step take part as masked ranks do */
   const uint64_t mask = ng->sent_mask;
   res->mask = mask;
-  uint64_t differ = 0;
-  for (uint32_t n = 0; n < nodes; n++)
-    if (n != me) differ |= ((const net_hdr_t *)ng->f[n]->buf)->mask ^ mask;
-  if (differ) {
-    for (uint32_t n = 0; n < nodes; n++) {
-      if (n == me) continue;
-      const uint64_t hm = ((const net_hdr_t *)ng->f[n]->buf)->mask;
-      for (uint32_t r = n * L; r < (n + 1) * L && r < 64; r++) {
-        if ((hm >> r & 1) && !(grp->mask >> r & 1)) eng_mask_rank(eng, grp, (int)r, "masked on its node");
-        if (!(hm >> r & 1) && (grp->mask >> r & 1)) eng_unmask_rank(eng, grp, (int)r);
-      }
+  for (uint32_t r = 0; r < W; r++)
+    if (r / L != me && !ng->f[r / L]) {
+      d[r] = grp->desc[base];
+      d[r].num_tokens = 0;
+      d[r].user_tag = 0;
     }
-    const int r = __builtin_ctzll(differ);
-    return fail(res, EPD_ERR_PEER, r,
-                "rank %d is %smasked on node %u but not on every node yet: the step fails, the next one runs "
-                "without the ranks each node masked",
-                r, (mask >> r & 1) ? "" : "not ", me);
-  }
   /* Descriptor checks of engine_host.c's execute_step, over the world (masked ranks' descriptors are their
    * node's first live rank's). */
   for (uint32_t r = 0; r < W; r++) {
@@ -424,7 +414,7 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
       return fail(res, EPD_ERR_INVALID, -1, "FP8 dispatch needs hidden a multiple of 128 (hidden %u)", H);
     uint64_t mh = epd_net_map_hash(&grp->map);
     for (uint32_t n = 0; n < nodes; n++) {
-      const net_hdr_t *h = n == me ? NULL : (const net_hdr_t *)ng->f[n]->buf;
+      const net_hdr_t *h = n == me || !ng->f[n] ? NULL : (const net_hdr_t *)ng->f[n]->buf;
       if (h && (h->map_version != grp->map.version || h->map_hash != mh))
         return fail(
             res, EPD_ERR_MISMATCH, (int)(n * L),
@@ -436,14 +426,14 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
     /* Input errors, the lowest node's first (every node reports the same). */
     for (uint32_t n = 0; n < nodes; n++) {
       if (n == me && ng->lstatus) return fail(res, ng->lstatus, ng->lbad, "%s", ng->lwhy);
-      const net_hdr_t *h = n == me ? NULL : (const net_hdr_t *)ng->f[n]->buf;
+      const net_hdr_t *h = n == me || !ng->f[n] ? NULL : (const net_hdr_t *)ng->f[n]->buf;
       if (h && h->status) return fail(res, h->status, h->bad_rank, "%s", h->why);
     }
     /* HT capacity over the world: the sum of every node's counts. */
     if (mode == EPD_MODE_HT)
       for (uint32_t r = 0; r < W; r++) {
         uint64_t sum = 0;
-        for (uint32_t n = 0; n < nodes; n++) sum += htc[n][r];
+        for (uint32_t n = 0; n < nodes; n++) sum += htc[n] ? htc[n][r] : 0;
         if (sum > g->ht_capacity)
           return fail(res, EPD_ERR_OVERFLOW, (int)r, "rank %u would receive %llu tokens, HT capacity %u", r,
                       (unsigned long long)sum, g->ht_capacity);
@@ -468,7 +458,7 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
       in[r] = (epd_ref_in_t){T, ng->x[r], ng->idx[r], ng->w[r]};
     }
     for (uint32_t n = 0; n < nodes; n++) {
-      if (n == me) continue;
+      if (n == me || !pay[n]) continue;
       const uint8_t *p = pay[n];
       size_t ent = 4 + (size_t)H * 2 + (size_t)K * 12;
       for (uint32_t r = n * L; r < (n + 1) * L; r++) {
@@ -534,7 +524,7 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
    * could not combine (no valid dispatch of the bank there) says so in its frame. */
   for (uint32_t n = 0; n < nodes; n++) {
     if (n == me && ng->lstatus) return fail(res, ng->lstatus, ng->lbad, "%s", ng->lwhy);
-    const net_hdr_t *h = n == me ? NULL : (const net_hdr_t *)ng->f[n]->buf;
+    const net_hdr_t *h = n == me || !ng->f[n] ? NULL : (const net_hdr_t *)ng->f[n]->buf;
     if (h && h->status) return fail(res, h->status, h->bad_rank, "%s", h->why);
   }
   if (!grp->plan_valid[bank] || plan->mode != mode)
@@ -558,7 +548,7 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
   }
   int bad_frame = -1;
   for (uint32_t n = 0; n < nodes && bad_frame < 0; n++) {
-    if (n == me) continue;
+    if (n == me || !pay[n]) continue;
     const uint8_t *p = pay[n];
     size_t ent = 4 + (size_t)H * 4;
     for (uint32_t r = base; r < base + L && bad_frame < 0; r++) {
@@ -616,6 +606,33 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
   return 1;
 }
 
+/* Groups that mask: every node must have routed with the same masked ranks. Each node masks its own
+ * ranks and tells the others (CTL_MASK), and takes a node whose link is down, whose group is removed or
+ * whose last live rank was lost out of the steps (net_node_out); a step one node sent before such news
+ * came fails everywhere, at once (the first frame that differs: no node waits for a part that will not
+ * come), and the next step runs with each node's own ranks as it said (taken from the frames). */
+static int mask_differs(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_net_result_t *res) {
+  const uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank;
+  const uint64_t mask = ng->sent_mask;
+  uint64_t differ = 0;
+  for (uint32_t n = 0; n < eng->o.nodes; n++)
+    if (n != me && ng->f[n]) differ |= ((const net_hdr_t *)ng->f[n]->buf)->mask ^ mask;
+  if (!differ) return 0;
+  for (uint32_t n = 0; n < eng->o.nodes; n++) {
+    if (n == me || !ng->f[n]) continue;
+    const uint64_t hm = ((const net_hdr_t *)ng->f[n]->buf)->mask;
+    for (uint32_t r = n * L; r < (n + 1) * L && r < 64; r++) {
+      if ((hm >> r & 1) && !(grp->mask >> r & 1)) eng_mask_rank(eng, grp, (int)r, "masked on its node");
+      if (!(hm >> r & 1) && (grp->mask >> r & 1)) eng_unmask_rank(eng, grp, (int)r);
+    }
+  }
+  const int r = __builtin_ctzll(differ);
+  return fail(res, EPD_ERR_PEER, r,
+              "rank %d is %smasked on node %u but not on every node yet: the step fails, the next one runs "
+              "without the ranks each node masked",
+              r, (mask >> r & 1) ? "" : "not ", me);
+}
+
 int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
   epd_net_t *net = eng->o.net;
   uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank, base = me * L;
@@ -631,13 +648,24 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
     send_step(eng, grp, ng);
     ng->sent_step = grp->steps;
   }
+  /* every part that came, then what a missing one means */
+  int missing = 0;
+  uint64_t later[MAX_NODES] = {0}; /* node n's part of a later step came with none of this one's */
   for (uint32_t n = 0; n < eng->o.nodes; n++) {
-    if (n == me || ng->f[n]) continue;
-    uint64_t later; /* node n's part of a later step, came with none of this one's: it skipped this step */
-    ng->f[n] = net_take(net, grp->name, grp->steps, n, NG(grp)->frames_since, &later);
-    if (ng->f[n]) continue;
+    if (n == me || ng->f[n] || net_node_masked(eng, ng->sent_mask, n)) continue; /* out: none comes */
+    ng->f[n] = net_take(net, grp->name, grp->steps, n, NG(grp)->frames_since, &later[n]);
+    missing |= !ng->f[n];
+  }
+  if (mask_differs(eng, grp, ng, res)) {
+    drop_frames(ng);
+    return 1;
+  }
+  for (uint32_t n = 0; missing && n < eng->o.nodes; n++) {
+    if (n == me || ng->f[n] || net_node_masked(eng, ng->sent_mask, n)) continue;
     net_peer_t *p = &net->peer[n];
+    /* a node out of the steps from now on (groups that mask): this step, sent with it, fails */
     if (atomic_load(&p->dead)) {
+      net_node_out(eng, grp, n, "the link to its node is down");
       drop_frames(ng);
       return fail(res, EPD_ERR_PEER, (int)(n * L), "the data link to node %u (ranks %u..%u) is down: %s", n,
                   n * L, n * L + L - 1, p->why);
@@ -654,16 +682,19 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
     char why[256];
     const int gone = eng_net_gone(grp, n, L, grp->steps, why, sizeof why);
     if (gone >= 0) {
+      net_node_out(eng, grp, n,
+                   NG(grp)->gone_from[n] <= grp->steps ? "the group was removed on its node"
+                                                       : "the last live rank of its node lost its client");
       drop_frames(ng);
       return fail(res, EPD_ERR_PEER, gone, "%s", why);
     }
-    if (later) {
+    if (later[n]) {
       drop_frames(ng);
       return fail(res, EPD_ERR_PEER, (int)(n * L), "%s",
-                  eng_net_skipped(grp->name, n, L, grp->steps, later, why, sizeof why));
+                  eng_net_skipped(grp->name, n, L, grp->steps, later[n], why, sizeof why));
     }
-    return 0;
   }
+  if (missing) return 0; /* parts still to come */
   int done = run_step(eng, grp, ng, res);
   drop_frames(ng);
   return done;

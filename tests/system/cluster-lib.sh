@@ -15,6 +15,7 @@ fail() {
   for f in "$T"/*.out; do [ -f "$f" ] && sed "s/^/  $(basename "$f"): /" "$f" | tail -6; done
   for f in "$T"/*.log; do [ -f "$f" ] && sed "s/^/  $(basename "$f")| /" "$f" | tail -15; done
   for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  echo "FAIL: $*" # again last: the test runner keeps the tail
   exit 1
 }
 wait_for() { local n=$(( $1 * 20 )); shift; while ! "$@" 2>/dev/null; do n=$((n-1)); [ $n -le 0 ] && return 1; sleep 0.05; done; }

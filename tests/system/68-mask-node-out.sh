@@ -1,0 +1,103 @@
+#!/bin/bash
+# 68-mask-node-out: a node out of a group that masks (host backend, two nodes on this host, 2 ranks each,
+# every expert on two ranks of different nodes). The workers of node 0 run throughout (epd-worker --mask
+# checks every step against the reference with the mask its completion reports, and that no entry was
+# dropped where a replica was live); meanwhile:
+#   1. both workers of node 1 are SIGKILLed: the group is removed there, node 0 masks ranks 2-3 and its
+#      workers go on alone;
+#   2. two new workers attach at node 1: node 0 takes ranks 2-3 back at a step boundary; the new workers
+#      must check 300 steps with node 0's;
+#   3. node 1's daemon is SIGKILLed: its link goes down, node 0 masks ranks 2-3 again and goes on.
+# Fails on: a mismatch or a wrong dropped count in any worker's output, node 0's workers not stepping
+# (200+ checked steps each) after a loss, the new workers of node 1 not checking 300 steps, no
+# "out of its steps" / rank_unmasked line in node 0's log, more than 10 failed ops per worker of node 0.
+set -u
+STEP_TIMEOUT_MS=2000 WORKER_TIMEOUT=300
+. "$(dirname "$0")/cluster-lib.sh"
+E=16 REP_NEXT=2
+PORT=$(free_ports 1)
+node a 0 2 "$PORT" -o engine.slots_factor_pct=200
+node b 1 2 "$PORT" -o engine.slots_factor_pct=200
+wait_for 15 test -S "$T/a/attach.sock" || fail "node 0 did not come up"
+wait_for 15 test -S "$T/b/attach.sock" || fail "node 1 did not come up"
+ctl() { "$EPDCTL" -s "$T/a/control.sock" "$@"; }
+# run_worker RANK STEPS OUT [ARGS...]: at its node (ranks 0-1 node a, 2-3 node b)
+run_worker() {
+  local r=$1 steps=$2 out=$3 nd=a
+  shift 3
+  [ "$r" -ge 2 ] && nd=b
+  ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" "$WORKER" -s "$T/$nd/control.sock" -g "$GROUP" \
+    --mode "$MODE" -r "$r" -n 4 --steps "$steps" --seed 9 --experts $E --hidden 64 --topk 4 --tokens 16 \
+    --same-inputs --mask --node-ranks 2 "$@" > "$out" 2>&1 &
+}
+CHAOS_STEPS=1000000
+. "$(dirname "$0")/../mask-chaos-lib.sh"
+GROUP=out MODE=ll
+checked() { grep -c " ok$" "$1"; } # the steps a worker (-v) checked and found equal to the reference
+stepping() { # stepping N: each of node 0's workers checked N more steps (within 20 s)
+  local want0=$(($(checked "$T/a0.out") + $1)) want1=$(($(checked "$T/a1.out") + $1))
+  wait_for 20 sh -c "[ \$(grep -c ' ok\$' $T/a0.out) -ge $want0 ] && [ \$(grep -c ' ok\$' $T/a1.out) -ge $want1 ]"
+}
+alive() { kill -0 "$A0" 2> /dev/null && kill -0 "$A1" 2> /dev/null || fail "a worker of node 0 exited"; }
+
+echo "== 4 workers, every expert replicated across the nodes"
+run_worker 0 $CHAOS_STEPS "$T/a0.out" -v --until-streak 1000000
+A0=$!
+run_worker 1 $CHAOS_STEPS "$T/a1.out" -v --until-streak 1000000
+A1=$!
+run_worker 2 $CHAOS_STEPS "$T/b2.out" --until-streak 1000000
+B2=$!
+run_worker 3 $CHAOS_STEPS "$T/b3.out" --until-streak 1000000
+B3=$!
+wait_for 20 group_made || fail "group $GROUP not made"
+replicated_map
+[ "$maps" -ge 1 ] || fail "the replicated map was not staged"
+stepping 100 || fail "no steps with the 4 workers"
+alive
+
+echo "== 1. node 1's workers SIGKILLed: node 0 goes on without ranks 2-3"
+kill -KILL "$B2" "$B3"
+wait "$B2" "$B3" 2> /dev/null
+stepping 200 || fail "node 0's workers did not step without node 1"
+alive
+grep -q "node 1 (ranks 2..3) is out of its steps.*removed on its node" "$T/a.log" ||
+  fail "node 0 did not take node 1 out when its group was removed there"
+
+echo "== 2. new workers at node 1: ranks 2-3 back at a step boundary"
+run_worker 2 $CHAOS_STEPS "$T/c2.out" -v --until-streak 1000000
+C2=$!
+run_worker 3 $CHAOS_STEPS "$T/c3.out" -v --until-streak 1000000
+C3=$!
+wait_for 30 sh -c "[ \$(grep -c ' ok\$' $T/c2.out) -ge 300 ] && [ \$(grep -c ' ok\$' $T/c3.out) -ge 300 ]" ||
+  fail "node 1's new workers did not check 300 steps each"
+grep -q "rank_unmasked: group $GROUP rank 2 back" "$T/a.log" || fail "node 0 did not take rank 2 back"
+alive
+
+echo "== 3. node 1's daemon SIGKILLed: its link goes down, node 0 goes on"
+kill -KILL "$P_b"
+wait "$P_b" 2> /dev/null
+kill -KILL "$C2" "$C3" 2> /dev/null
+wait "$C2" "$C3" 2> /dev/null
+stepping 200 || fail "node 0's workers did not step after node 1's daemon died"
+alive
+grep -q "node 1 (ranks 2..3) is out of its steps.*link to its node is down" "$T/a.log" ||
+  fail "node 0 did not take node 1 out when its link went down"
+
+kill -TERM "$A0" "$A1"
+wait "$A0" "$A1" 2> /dev/null
+for f in "$T"/a0.out "$T"/a1.out "$T"/b2.out "$T"/b3.out "$T"/c2.out "$T"/c3.out; do
+  # a step checked wrong (-v prints MISMATCH at the end of its line), a result or a dropped count that
+  # differs from the reference, a completion with another step or map than the reference's
+  if grep -q " MISMATCH$\|differs\|entries dropped\|, want" "$f"; then
+    fail "$(basename "$f"): $(grep -m3 " MISMATCH$\|differs\|entries dropped\|, want" "$f")"
+  fi
+done
+for f in "$T"/a0.out "$T"/a1.out; do
+  n=$(grep -c "failed" "$f")
+  [ "$n" -le 10 ] || fail "$(basename "$f"): $n failed ops (want at most 10)"
+done
+echo "node 0's workers checked $(checked "$T/a0.out") and $(checked "$T/a1.out") steps," \
+  "$(cat "$T"/a0.out "$T"/a1.out | grep -c failed) ops failed at the losses and the return"
+kill -TERM "$P_a"
+wait "$P_a"
+echo "68-mask-node-out: node 0 served on through its peer's losses and took it back"
