@@ -3,7 +3,7 @@
 # epd-worker processes at it. Before sourcing: B (build directory). Optional: DL_NGPU (the daemon's ranks,
 # default 2), GPU_MPS=1 (start CUDA MPS for the script, pipe and log directories under its temporary
 # directory; skip if it does not start), EPD_KEEP_LOG=FILE (copy the daemon's log there on exit or
-# failure). Skips (exit 77) without the binaries or a GPU.
+# failure, and under MPS the MPS logs to FILE.mps/). Skips (exit 77) without the binaries or a GPU.
 # A GPU per rank where the view has enough (rank r on GPU r); with fewer, ranks share them (rank r on GPU
 # r mod count, up to 4 on one: SHARE, the most on one GPU; the daemon gets engine.devices from
 # devices_opt, a worker of rank r CUDA_VISIBLE_DEVICES=$(gpu_of r) as before). The daemon then splits each
@@ -41,7 +41,12 @@ if [ "${GPU_MPS:-0}" = 1 ]; then
   nvidia-cuda-mps-control -d || { echo "skip: CUDA MPS did not start"; exit 77; }
 fi
 stop_mps() { [ "${GPU_MPS:-0}" = 1 ] && echo quit | nvidia-cuda-mps-control; }
-keep_log() { [ -n "${EPD_KEEP_LOG:-}" ] && cp "$LOG" "$EPD_KEEP_LOG"; }
+keep_log() { # the daemon's log, and under MPS the MPS server's (which client faulted) beside it
+  [ -n "${EPD_KEEP_LOG:-}" ] || return 0
+  cp "$LOG" "$EPD_KEEP_LOG"
+  [ "${GPU_MPS:-0}" = 1 ] && cp -r "$CUDA_MPS_LOG_DIRECTORY" "$EPD_KEEP_LOG.mps"
+  return 0
+}
 fail() {
   echo "FAIL: $*"
   keep_log
