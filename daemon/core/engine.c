@@ -513,10 +513,18 @@ void *eng_buf(const eng_client_t *c, uint32_t kind, uint32_t bank) {
   return c->arena && off != UINT64_MAX ? c->arena + off : NULL;
 }
 
+epd_ref_in_t eng_ref_in(eng_client_t *c, uint32_t bank, uint32_t num_tokens) {
+  return (epd_ref_in_t){num_tokens, eng_buf(c, EPD_BUF_X, bank), eng_buf(c, EPD_BUF_TOPK_IDX, bank),
+                        eng_buf(c, EPD_BUF_TOPK_WEIGHTS, bank)};
+}
+
+const uint16_t *eng_ref_y(eng_client_t *c, int mode, uint32_t bank) {
+  return eng_buf(c, mode == EPD_MODE_LL ? EPD_BUF_LL_Y : EPD_BUF_HT_Y, bank);
+}
+
 void eng_ref_io(eng_client_t *c, int mode, uint32_t bank, uint32_t num_tokens, epd_ref_in_t *in,
                 epd_ref_out_t *out) {
-  *in = (epd_ref_in_t){num_tokens, eng_buf(c, EPD_BUF_X, bank), eng_buf(c, EPD_BUF_TOPK_IDX, bank),
-                       eng_buf(c, EPD_BUF_TOPK_WEIGHTS, bank)};
+  *in = eng_ref_in(c, bank, num_tokens);
   memset(out, 0, sizeof *out);
   const int ll = mode == EPD_MODE_LL;
   out->recv_x = eng_buf(c, ll ? EPD_BUF_LL_RECV_X : EPD_BUF_HT_RECV_X, bank);

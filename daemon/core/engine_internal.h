@@ -303,6 +303,9 @@ void *eng_buf(const eng_client_t *c, uint32_t kind, uint32_t bank);
  * across nodes) bind the arenas with it. */
 void eng_ref_io(eng_client_t *c, int mode, uint32_t bank, uint32_t num_tokens, epd_ref_in_t *in,
                 epd_ref_out_t *out);
+/* The inputs alone (a node's own tokens routed across nodes), and the expert outputs a combine reads. */
+epd_ref_in_t eng_ref_in(eng_client_t *c, uint32_t bank, uint32_t num_tokens);
+const uint16_t *eng_ref_y(eng_client_t *c, int mode, uint32_t bank);
 
 /* Queues and slots, shared by the backends. */
 /* A memfd "epd-<what>-<client id>" of `bytes` for client c, mapped in *map; fd or -1 (err). */

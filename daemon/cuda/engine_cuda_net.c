@@ -11,6 +11,7 @@
 
 #include "cuda/cnet_plan.h"
 #include "net/engine_net.h"
+#include "net/frame.h"
 #include "net/scaleout.h"
 #include "core/log.h"
 
@@ -23,26 +24,11 @@
 
 #include "epd_kernels_net.h"
 
-#define FRAME_MAGIC 0x54454e43u /* "CNET" */
 enum { PH_COLLECT = 0, PH_WAIT = 1, PH_RUN = 2 };
 
-typedef struct cnet_desc {
-  uint32_t op, bank, flags, num_tokens;
-} cnet_desc_t;
-
-/* A node's control frame of a step: this header, nlocal descriptors, then (dispatch, status 0) for each
- * local rank min(num_tokens, max_tokens) rows of top-k ids (int64) followed by as many rows of weights. */
-typedef struct cnet_fhdr {
-  uint32_t magic;
-  int32_t status, bad_rank;
-  uint32_t nlocal, world, map_version;
-  uint32_t num_experts, hidden, topk, max_tokens;
-  uint64_t map_hash;
-  uint32_t staged_version, pad; /* the staged map this node reports (0: none) and its hash */
-  uint64_t staged_hash;
-  char why[192];
-} cnet_fhdr_t;
-_Static_assert(sizeof(cnet_fhdr_t) % 16 == 0, "frame parts stay 8-byte aligned");
+/* A node's part of a step (net/frame.h): the step header, nlocal descriptors, then (dispatch, status 0)
+ * for each local rank min(num_tokens, max_tokens) rows of top-k ids (int64) followed by as many rows of
+ * weights: the world plan's inputs (the tokens themselves move over NCCL). */
 
 /* One local GPU. */
 typedef struct cnet_dev {
@@ -132,10 +118,6 @@ struct cnet {
   uint8_t remake_id[EPD_CC_UNIQUE_ID_BYTES];
 };
 #define REMAKE_LIMIT_MS 60000u /* the restarted node's ranks must join within this */
-
-static int op_ok(uint32_t op) {
-  return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE;
-}
 
 /* ---- create / destroy ----------------------------------------------------------------------------- */
 
@@ -449,14 +431,13 @@ static void send_frame(cnet_t *cn, cnet_grp_t *cg) {
   int same = 1;
   for (uint32_t l = 0; l < L; l++) same &= cg->ldesc[l].op == d0->op && cg->ldesc[l].bank == d0->bank;
   int dispatch = same && eng_op_dispatch(d0->op) && d0->bank < EPD_NUM_BANKS;
-  cnet_fhdr_t h = {.magic = FRAME_MAGIC,
-                   .bad_rank = -1,
-                   .nlocal = L,
-                   .world = cn->W,
-                   .num_experts = cg->g.num_experts,
-                   .hidden = cg->g.hidden,
-                   .topk = K,
-                   .max_tokens = M};
+  net_step_hdr_t h = {.bad_rank = -1,
+                      .nlocal = L,
+                      .world = cn->W,
+                      .num_experts = cg->g.num_experts,
+                      .hidden = cg->g.hidden,
+                      .topk = K,
+                      .max_tokens = M};
   if (epd_engine_failure(eng)) {
     h.status = EPD_ERR_INTERNAL;
     snprintf(h.why, sizeof h.why, "node %u: the engine failed: %s", cn->node, epd_engine_failure(eng));
@@ -470,7 +451,7 @@ static void send_frame(cnet_t *cn, cnet_grp_t *cg) {
   h.map_hash = epd_net_map_hash(&grp->map);
   h.staged_version = cg->vote.rep.version;
   h.staged_hash = cg->vote.rep_hash;
-  size_t len = sizeof h + L * sizeof(cnet_desc_t), rows[EPD_MAX_RANKS] = {0};
+  size_t len = sizeof h + L * sizeof(net_step_desc_t), rows[EPD_MAX_RANKS] = {0};
   if (dispatch && !h.status)
     for (uint32_t l = 0; l < L; l++) {
       rows[l] = cg->ldesc[l].num_tokens < M ? cg->ldesc[l].num_tokens : M;
@@ -480,12 +461,12 @@ static void send_frame(cnet_t *cn, cnet_grp_t *cg) {
   if (!b) {
     h.status = EPD_ERR_NOMEM;
     snprintf(h.why, sizeof h.why, "node %u: out of memory for the step's frame", cn->node);
-    len = sizeof h + L * sizeof(cnet_desc_t);
+    len = sizeof h + L * sizeof(net_step_desc_t);
     b = calloc(1, len);
     if (!b) return; /* the other nodes time out on this step */
     memset(rows, 0, sizeof rows);
   }
-  cnet_desc_t *dd = (cnet_desc_t *)(b + sizeof h);
+  net_step_desc_t *dd = (net_step_desc_t *)(b + sizeof h);
   uint8_t *p = (uint8_t *)(dd + L);
   /* Every local rank's top-k ids and weights: asynchronous reads into pinned memory on every GPU at once,
    * then one wait per GPU (two synchronous pageable reads per rank took ~40 us of the dispatch's frame). */
@@ -518,7 +499,8 @@ static void send_frame(cnet_t *cn, cnet_grp_t *cg) {
                               rows[l] * K * 4, cudaMemcpyDeviceToHost, d->tkstream);
   }
   for (uint32_t l = 0; l < L; l++) {
-    dd[l] = (cnet_desc_t){cg->ldesc[l].op, cg->ldesc[l].bank, cg->ldesc[l].flags, cg->ldesc[l].num_tokens};
+    dd[l] =
+        (net_step_desc_t){cg->ldesc[l].op, cg->ldesc[l].bank, cg->ldesc[l].flags, cg->ldesc[l].num_tokens};
     if (!rows[l]) continue;
     cudaError_t e = te[l];
     if (cn->d[l].tk_cap) { /* whatever was issued is waited for, even after an error */
@@ -610,70 +592,27 @@ static int collect(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
 static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
   const epd_expert_map_t *map = grp_alive(cn, cg) ? &cg->grp->map : cg->orphan ? &cg->omap : NULL;
   uint32_t L = cn->L, W = cn->W, nodes = cn->nodes, M = cg->g.max_tokens, K = cg->g.topk;
-  const cnet_fhdr_t *h[CNET_MAX_NODES];
-  const cnet_desc_t *dd[CNET_MAX_NODES];
+  const net_step_hdr_t *h[CNET_MAX_NODES] = {0};
   epd_desc_t d[EPD_MAX_RANKS];
+  int st;
   *peer = -1;
   for (uint32_t n = 0; n < nodes; n++) {
-    h[n] = (const cnet_fhdr_t *)cg->frame[n];
+    h[n] = (const net_step_hdr_t *)cg->frame[n];
     if (!h[n]) /* this node could not build its own frame (out of memory) */
       FAIL(EPD_ERR_NOMEM, (int)(n * L), "node %u: out of memory for the step's control frame", n);
-    if (cg->flen[n] < sizeof(cnet_fhdr_t) || h[n]->magic != FRAME_MAGIC)
+    if (cg->flen[n] < sizeof(net_step_hdr_t))
       FAIL(EPD_ERR_PEER, (int)(n * L), "node %u sent a malformed control frame", n);
   }
-  {
-    eng_map_peer_t peers[CNET_MAX_NODES] = {{0}};
-    uint32_t np = 0;
-    for (uint32_t n = 0; n < nodes; n++)
-      if (n != cn->node)
-        peers[np++] =
-            (eng_map_peer_t){h[n]->staged_version, h[n]->map_version, h[n]->staged_hash, h[n]->map_hash};
-    eng_vote_agree(&cg->vote, peers, np, cg->step);
-  }
-  /* a draining node's frame: the other nodes name its first rank, its own clients get no peer */
-  for (uint32_t n = 0; n < nodes; n++)
-    if (h[n]->status)
-      FAIL(h[n]->status,
-           h[n]->status != EPD_ERR_DRAINING ? h[n]->bad_rank
-           : n == cn->node                  ? -1
-                                            : (int)(n * L),
-           "%.*s", (int)sizeof h[n]->why, h[n]->why);
+  net_vote_frames(&cg->vote, h, nodes, cn->node, cg->step);
+  /* a node's failure to take part first: unlike the host backend's, these parts carry no routing errors
+   * (the world plan below finds those, the same on every node) */
+  if ((st = net_frames_status(h, nodes, cn->node, L, peer, why, wl))) return st;
   for (uint32_t n = 0; n < nodes; n++) {
-    if (h[n]->num_experts != cg->g.num_experts || h[n]->hidden != cg->g.hidden || h[n]->topk != K ||
-        h[n]->max_tokens != M)
-      FAIL(EPD_ERR_MISMATCH, (int)(n * L),
-           "group %s has num_experts %u, hidden %u, topk %u, max_tokens %u on node %u but %u, %u, %u, %u on "
-           "node %u (the first attach on each node fixes it)",
-           cg->gname, h[n]->num_experts, h[n]->hidden, h[n]->topk, h[n]->max_tokens, n, cg->g.num_experts,
-           cg->g.hidden, K, M, cn->node);
-    if (h[n]->nlocal != L || h[n]->world != W || cg->flen[n] < sizeof(cnet_fhdr_t) + L * sizeof(cnet_desc_t))
-      FAIL(EPD_ERR_MISMATCH, (int)(n * L),
-           "node %u sent a frame for %u ranks of %u, this node expects %u of %u (engine.num_ranks differs?)",
-           n, h[n]->nlocal, h[n]->world, L, W);
-    dd[n] = (const cnet_desc_t *)(h[n] + 1);
-    for (uint32_t i = 0; i < L; i++) {
-      memset(&d[n * L + i], 0, sizeof d[0]);
-      d[n * L + i].op = dd[n][i].op;
-      d[n * L + i].bank = dd[n][i].bank;
-      d[n * L + i].flags = dd[n][i].flags;
-      d[n * L + i].num_tokens = dd[n][i].num_tokens;
-    }
+    if ((st = net_frame_geom(h[n], cg->flen[n], 0, n, cn->node, L, W, &cg->g, cg->gname, peer, why, wl)))
+      return st;
+    net_frame_descs(h[n], n, L, d);
   }
-  for (uint32_t r = 0; r < W; r++) {
-    if (!op_ok(d[r].op))
-      FAIL(EPD_ERR_INVALID, (int)r, "rank %u: op %u out of range [1, %u]", r, d[r].op, EPD_OP_MAX - 1);
-    if (d[r].bank >= EPD_NUM_BANKS)
-      FAIL(EPD_ERR_INVALID, (int)r, "rank %u: bank %u out of range [0, %u)", r, d[r].bank, EPD_NUM_BANKS);
-    char fwhy[160];
-    const int fl = eng_check_flags(&d[r], r, 1, fwhy, sizeof fwhy);
-    if (fl) FAIL(fl, (int)r, "%s", fwhy);
-  }
-  for (uint32_t r = 1; r < W; r++)
-    if (d[r].op != d[0].op || d[r].bank != d[0].bank ||
-        (eng_op_dispatch(d[r].op) && (d[r].flags & EPD_DESC_FP8) != (d[0].flags & EPD_DESC_FP8)))
-      FAIL(EPD_ERR_MISMATCH, (int)r,
-           "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x", r, d[r].op,
-           d[r].bank, d[r].flags, d[0].op, d[0].bank, d[0].flags);
+  if ((st = net_check_descs(d, W, peer, why, wl))) return st;
   cg->op = d[0].op;
   cg->bank = d[0].bank;
   cg->fp8 = eng_op_dispatch(cg->op) && (d[0].flags & EPD_DESC_FP8);
@@ -687,17 +626,13 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
     cg->op_version = plan->map_version;
     return EPD_OK;
   }
-  for (uint32_t n = 0; n < nodes; n++)
-    if (h[n]->map_version != h[cn->node]->map_version || h[n]->map_hash != h[cn->node]->map_hash)
-      FAIL(EPD_ERR_MISMATCH, (int)(n * L),
-           "node %u dispatches with expert map version %u, node %u with version %u%s (set the same map on "
-           "every node)",
-           n, h[n]->map_version, cn->node, h[cn->node]->map_version,
-           h[n]->map_version == h[cn->node]->map_version ? " but different placements" : "");
+  if ((st = net_check_maps(h, nodes, cn->node, L, h[cn->node]->map_version, h[cn->node]->map_hash, peer, why,
+                           wl)))
+    return st;
   if (!map) FAIL(EPD_ERR_PEER, -1, "group %s was removed here mid-step", cg->gname);
   epd_ref_in_t in[EPD_MAX_RANKS];
   for (uint32_t n = 0; n < nodes; n++) {
-    const uint8_t *p = (const uint8_t *)(dd[n] + L), *end = cg->frame[n] + cg->flen[n];
+    const uint8_t *p = (const uint8_t *)(net_step_descs(h[n]) + L), *end = cg->frame[n] + cg->flen[n];
     for (uint32_t i = 0; i < L; i++) {
       uint32_t r = n * L + i, rows = d[r].num_tokens < M ? d[r].num_tokens : M;
       if ((size_t)(end - p) < (size_t)rows * K * 12)
@@ -958,7 +893,8 @@ static int poll_run(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
       /* Statistics count this node's ranks' tokens (as the host backend's scale-out does). */
       const epd_ref_plan_t *p = &cg->plan[cg->bank];
       uint32_t M = cg->g.max_tokens, K = cg->g.topk, S = cg->g.slots_per_rank;
-      const uint8_t *f = cg->frame[cn->node] + sizeof(cnet_fhdr_t) + cn->L * sizeof(cnet_desc_t);
+      const uint8_t *f =
+          (const uint8_t *)(net_step_descs((const net_step_hdr_t *)cg->frame[cn->node]) + cn->L);
       for (uint32_t l = 0; l < cn->L; l++) {
         uint32_t src = cn->node * cn->L + l;
         const int64_t *idx = (const int64_t *)f;
@@ -1018,32 +954,17 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
     cg->frame[n] = epd_net_take_payload(net, cg->gname, cg->step, n,
                                         alive ? eng_net_frames_since(cg->grp) : 0, &later, &cg->flen[n]);
     if (cg->frame[n]) continue;
-    char why[256], lw[160];
-    if (epd_net_node_dead(net, n, lw, sizeof lw)) {
-      snprintf(why, sizeof why, "the data link to node %u (ranks %u..%u) is down: %s", n, n * L,
-               n * L + L - 1, lw);
-      complete_all(cn, cg, EPD_ERR_PEER, (int)(n * L), why);
-      return 1;
-    }
-    if (alive && eng_net_drain_from(cg->grp, n) <= cg->step && eng_op_dispatch(cg->ldesc[0].op)) {
-      /* its notice came after every frame it sent (one link, in order): its part would say DRAINING */
-      snprintf(why, sizeof why,
-               "node %u (ranks %u..%u) is draining: it takes no dispatch of group %s from step %llu on", n,
-               n * L, n * L + L - 1, cg->gname, (unsigned long long)eng_net_drain_from(cg->grp, n));
-      complete_all(cn, cg, EPD_ERR_DRAINING, (int)(n * L), why);
-      return 1;
-    }
-    const int gone = alive ? eng_net_gone(cg->grp, n, L, cg->step, why, sizeof why) : -1;
-    if (gone < 0 && later) eng_net_skipped(cg->gname, n, L, cg->step, later, why, sizeof why);
-    if (gone >= 0 || later) {
+    char why[256];
+    int peer = -1;
+    const int st = net_part_missing(eng, alive ? cg->grp : NULL, cg->gname, n, cg->step,
+                                    eng_op_dispatch(cg->ldesc[0].op), later, &peer, why, sizeof why);
+    if (st) {
       EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
-      complete_all(cn, cg, EPD_ERR_PEER, gone >= 0 ? gone : (int)(n * L), why);
+      complete_all(cn, cg, st, peer, why);
       return 1;
     }
     if (now > cg->first_ns && now - cg->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
-      snprintf(why, sizeof why,
-               "waited %u ms for rank %u: node %u (ranks %u..%u) did not send its part of the step",
-               eng->o.step_timeout_ms, n * L, n, n * L, n * L + L - 1);
+      net_silent_why(n, L, eng->o.step_timeout_ms, why, sizeof why);
       EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
       eng->rank[n * L].timeouts++;
       complete_all(cn, cg, EPD_ERR_TIMEOUT, (int)(n * L), why);

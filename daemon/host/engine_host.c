@@ -286,7 +286,7 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
       grp->step_dropped[r] += n;
       grp->entries_dropped += n;
     }
-    y[r] = eng_buf(grp->client[r], mode == EPD_MODE_LL ? EPD_BUF_LL_Y : EPD_BUF_HT_Y, bank);
+    y[r] = eng_ref_y(grp->client[r], mode, bank);
     o[r] = eng_buf(grp->client[r], EPD_BUF_OUT, bank);
     bytes[r] = (uint64_t)(mode == EPD_MODE_LL ? plan->ll_recv[r] : plan->ht_recv[r]) * g->hidden * 2;
     num_recv[r] = mode == EPD_MODE_LL ? plan->ll_recv[r] : plan->ht_recv[r];

@@ -88,19 +88,6 @@ void eng_vote_reset(eng_map_vote_t *v) {
   memset(v, 0, sizeof *v);
 }
 
-/* The other nodes' map reports in the frames of the step being run (all in; a node out of the step has
- * no vote: it takes the map the others run when it joins again). */
-void net_agree(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
-  eng_map_peer_t peers[MAX_NODES] = {{0}};
-  uint32_t np = 0;
-  for (uint32_t n = 0; n < eng->o.nodes; n++) {
-    if (n == eng->o.node_rank || !ng->f[n]) continue;
-    const net_hdr_t *h = (const net_hdr_t *)ng->f[n]->buf;
-    peers[np++] = (eng_map_peer_t){h->staged_version, h->map_version, h->staged_hash, h->map_hash};
-  }
-  eng_vote_agree(&ng->vote, peers, np, grp->steps);
-}
-
 /* ---- expert maps across nodes (both backends) -------------------------------------------------- */
 
 /* A control frame: net_hdr_t (CTL_MAGIC, the group), then ctl_msg_t, then for MAP_REQ and MAP_SET the

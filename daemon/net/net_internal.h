@@ -20,6 +20,7 @@
 #include "core/engine_internal.h"
 #include "core/log.h"
 #include "net/engine_net.h"
+#include "net/frame.h"
 #include "net/scaleout.h"
 
 #define NET_MAGIC 0x4e445045u   /* "EPDN" */
@@ -103,17 +104,13 @@ typedef struct pending_map {
   epd_expert_map_t map; /* without weight copies: a map with copies is not kept */
 } pending_map_t;
 
+/* Every frame on a link: which group and step it belongs to (CTL_MAGIC: a control frame, not part of a
+ * step), then for a part of a step its step header (frame.h; control frames leave it zero). */
 typedef struct net_hdr {
   uint32_t magic, src_node;
-  int32_t status, bad_rank;
   uint64_t step;
   char group[EPD_GROUP_NAME_MAX];
-  uint32_t map_version, nlocal, world, hidden;
-  uint32_t num_experts, topk, max_tokens;
-  uint32_t staged_version; /* host backend: the staged map the sender reports (0: none), and its hash */
-  uint64_t map_hash, staged_hash;
-  uint64_t mask; /* the world ranks the sender steps without (groups that mask lost ranks) */
-  char why[176]; /* the header keeps its size (320 bytes) */
+  net_step_hdr_t s;
 } net_hdr_t;
 _Static_assert(sizeof(net_hdr_t) == 320, "net_hdr_t changed size");
 
@@ -142,10 +139,6 @@ typedef struct ctl_msg {
   char why[320];
   uint64_t hash; /* CTL_JOIN: the hash of the sender's active map (its version in version) */
 } ctl_msg_t;
-
-typedef struct net_desc {
-  uint32_t op, bank, flags, num_tokens;
-} net_desc_t;
 
 /* Per group (grp->net, made with the group on every engine of several nodes): what the other nodes
  * announced, and for the host backend's step what this node sent for the step being collected and the
@@ -225,7 +218,6 @@ void net_drop_queued(epd_net_t *net, const char *group, int node);
 int net_send_ctl(epd_net_t *net, uint32_t node, const char *group, const ctl_msg_t *m,
                  const epd_expert_map_t *map, const epd_weight_copy_t *cp);
 /* expert maps (maps.c) */
-void net_agree(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng);
 void net_pending_free(pending_map_t *p);
 int net_parse_map(const net_frame_t *f, const ctl_msg_t *c, epd_expert_map_t *m,
                   const epd_weight_copy_t **cp);

@@ -159,17 +159,12 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
   memset(ng->ht_local, 0, sizeof *ng->ht_local * W);
   int dispatch = same && eng_op_dispatch(d0->op),
       mode = d0->op <= EPD_OP_LL_COMBINE ? EPD_MODE_LL : EPD_MODE_HT;
+  epd_ref_in_t in[EPD_MAX_RANKS]; /* this node's ranks' tokens (a dispatch) */
+  memset(in, 0, sizeof in);
   if (dispatch) {
     eng_vote_switch(eng, grp, &ng->vote, grp->steps);
-    epd_ref_in_t in[EPD_MAX_RANKS];
-    memset(in, 0, sizeof in);
-    for (uint32_t r = base; r < base + L; r++) {
-      eng_client_t *c = grp->client[r];
-      if (mask >> r & 1) continue;
-      in[r] =
-          (epd_ref_in_t){grp->desc[r].num_tokens, eng_buf(c, EPD_BUF_X, d0->bank),
-                         eng_buf(c, EPD_BUF_TOPK_IDX, d0->bank), eng_buf(c, EPD_BUF_TOPK_WEIGHTS, d0->bank)};
-    }
+    for (uint32_t r = base; r < base + L; r++)
+      if (!(mask >> r & 1)) in[r] = eng_ref_in(grp->client[r], d0->bank, grp->desc[r].num_tokens);
     ng->lplan.renormalize = grp->renormalize;
     ng->lstatus =
         epd_ref_plan_build(&ng->lplan, eng_route_map(grp), in, &ng->lbad, ng->lwhy, sizeof ng->lwhy);
@@ -188,8 +183,7 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
   const uint16_t *y[EPD_MAX_RANKS] = {0};
   if (combine)
     for (uint32_t r = base; r < base + L; r++)
-      if (!(mask >> r & 1))
-        y[r] = eng_buf(grp->client[r], mode == EPD_MODE_LL ? EPD_BUF_LL_Y : EPD_BUF_HT_Y, d0->bank);
+      if (!(mask >> r & 1)) y[r] = eng_ref_y(grp->client[r], mode, d0->bank);
   for (uint32_t n = 0; n < eng->o.nodes; n++) {
     if (n == me || net_node_masked(eng, mask, n)) continue; /* a node out of the steps gets none */
     obuf_t b = {0};
@@ -198,25 +192,25 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
       memset(h, 0, sizeof *h);
       h->magic = NET_MAGIC;
       h->src_node = me;
-      h->status = ng->lstatus;
-      h->bad_rank = ng->lbad;
+      h->s.status = ng->lstatus;
+      h->s.bad_rank = ng->lbad;
       h->step = grp->steps;
       snprintf(h->group, sizeof h->group, "%s", grp->name);
-      h->map_version = grp->map.version;
-      h->map_hash = epd_net_map_hash(&grp->map);
-      h->staged_version = ng->vote.rep.version;
-      h->staged_hash = ng->vote.rep_hash;
-      h->nlocal = L;
-      h->world = W;
-      h->num_experts = g->num_experts;
-      h->hidden = H;
-      h->topk = K;
-      h->max_tokens = M;
-      h->mask = mask;
-      snprintf(h->why, sizeof h->why, "%.*s", (int)sizeof h->why - 1, ng->lwhy);
+      h->s.map_version = grp->map.version;
+      h->s.map_hash = epd_net_map_hash(&grp->map);
+      h->s.staged_version = ng->vote.rep.version;
+      h->s.staged_hash = ng->vote.rep_hash;
+      h->s.nlocal = L;
+      h->s.world = W;
+      h->s.num_experts = g->num_experts;
+      h->s.hidden = H;
+      h->s.topk = K;
+      h->s.max_tokens = M;
+      h->s.mask = mask;
+      snprintf(h->s.why, sizeof h->s.why, "%.*s", (int)sizeof h->s.why - 1, ng->lwhy);
     }
     for (uint32_t r = base; r < base + L; r++) {
-      net_desc_t nd = {grp->desc[r].op, grp->desc[r].bank, grp->desc[r].flags, grp->desc[r].num_tokens};
+      net_step_desc_t nd = {grp->desc[r].op, grp->desc[r].bank, grp->desc[r].flags, grp->desc[r].num_tokens};
       oput(&b, &nd, sizeof nd);
     }
     oput(&b, ng->ht_local, sizeof *ng->ht_local * W);
@@ -228,16 +222,10 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
         oput(&b, &cnt, 4);
         for (uint32_t t = 0; t < ng->lplan.num_tokens[r]; t++) {
           if (!goes_to(&ng->lplan, L, r, t, n)) continue;
-          const epd_ref_in_t *ir = NULL;
-          (void)ir;
-          eng_client_t *c = grp->client[r];
-          const uint16_t *x = eng_buf(c, EPD_BUF_X, d0->bank);
-          const int64_t *ix = eng_buf(c, EPD_BUF_TOPK_IDX, d0->bank);
-          const float *wt = eng_buf(c, EPD_BUF_TOPK_WEIGHTS, d0->bank);
           oput(&b, &t, 4);
-          oput(&b, x + (size_t)t * H, (size_t)H * 2);
-          oput(&b, ix + (size_t)t * K, (size_t)K * 8);
-          oput(&b, wt + (size_t)t * K, (size_t)K * 4);
+          oput(&b, in[r].x + (size_t)t * H, (size_t)H * 2);
+          oput(&b, in[r].topk_idx + (size_t)t * K, (size_t)K * 8);
+          oput(&b, in[r].topk_weights + (size_t)t * K, (size_t)K * 4);
           cnt++;
         }
         if (!b.oom) memcpy(b.p + at, &cnt, 4);
@@ -268,22 +256,22 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
       b.oom = 0;
       net_hdr_t hh = {.magic = NET_MAGIC,
                       .src_node = me,
-                      .status = EPD_ERR_NOMEM,
-                      .bad_rank = (int32_t)base,
                       .step = grp->steps,
-                      .nlocal = 0,
-                      .world = W,
-                      .map_version = grp->map.version,
-                      .map_hash = epd_net_map_hash(&grp->map),
-                      .staged_version = ng->vote.rep.version,
-                      .staged_hash = ng->vote.rep_hash,
-                      .mask = mask};
+                      .s = {.status = EPD_ERR_NOMEM,
+                            .bad_rank = (int32_t)base,
+                            .nlocal = 0,
+                            .world = W,
+                            .map_version = grp->map.version,
+                            .map_hash = epd_net_map_hash(&grp->map),
+                            .staged_version = ng->vote.rep.version,
+                            .staged_hash = ng->vote.rep_hash,
+                            .mask = mask}};
       snprintf(hh.group, sizeof hh.group, "%s", grp->name);
-      snprintf(hh.why, sizeof hh.why, "node %u: out of memory building the step's frame", me);
+      snprintf(hh.s.why, sizeof hh.s.why, "node %u: out of memory building the step's frame", me);
       oput(&b, &hh, sizeof hh);
       ng->lstatus = EPD_ERR_NOMEM;
       ng->lbad = (int)base;
-      snprintf(ng->lwhy, sizeof ng->lwhy, "%s", hh.why);
+      snprintf(ng->lwhy, sizeof ng->lwhy, "%s", hh.s.why);
     }
     if (b.p) net_send(net, n, b.p, b.len);
     free(b.p);
@@ -302,8 +290,7 @@ int eng_net_missing_rank(epd_engine_t *eng, const eng_group_t *grp, char *why, s
     if (n != me && !(ng && ng->f[n]) &&
         !(ng && ng->sent_step == grp->steps && net_node_masked(eng, ng->sent_mask, n)) &&
         !net_has(eng->o.net, grp->name, grp->steps, n)) {
-      snprintf(why, len, "waited %u ms for rank %u: node %u (ranks %u..%u) did not send its part of the step",
-               eng->o.step_timeout_ms, n * L, n, n * L, n * L + L - 1);
+      net_silent_why(n, L, eng->o.step_timeout_ms, why, len);
       return (int)(n * L);
     }
   snprintf(why, len, "waited %u ms for the step", eng->o.step_timeout_ms);
@@ -335,11 +322,19 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
   const epd_ref_geom_t *g = &grp->g;
   uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank, base = me * L, W = g->num_ranks;
   uint32_t nodes = eng->o.nodes, M = g->max_tokens, H = g->hidden, K = g->topk;
-  /* The global descriptors, world rank order; and each frame's parts. */
+  /* The global descriptors, world rank order; each node's step header (this node's own status in own) and
+   * the host backend's part after the descriptors: HT counts per world rank, then the payload. */
   epd_desc_t d[EPD_MAX_RANKS];
+  const net_step_hdr_t *hs[MAX_NODES] = {0};
   const uint8_t *pay[MAX_NODES] = {0}, *end[MAX_NODES] = {0};
   const uint32_t *htc[MAX_NODES] = {0};
-  net_agree(eng, grp, ng);
+  net_step_hdr_t own = {.status = ng->lstatus, .bad_rank = ng->lbad};
+  snprintf(own.why, sizeof own.why, "%.*s", (int)sizeof own.why - 1, ng->lwhy);
+  char why[256];
+  int peer = -1, st;
+  for (uint32_t n = 0; n < nodes; n++)
+    hs[n] = n == me ? &own : ng->f[n] ? &((const net_hdr_t *)ng->f[n]->buf)->s : NULL;
+  net_vote_frames(&ng->vote, hs, nodes, me, grp->steps);
   /* A node that could not build its frame (out of memory) fails the step everywhere. */
   if (ng->lstatus == EPD_ERR_NOMEM) return fail(res, EPD_ERR_NOMEM, ng->lbad, "%s", ng->lwhy);
   for (uint32_t n = 0; n < nodes; n++) {
@@ -350,29 +345,13 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
     }
     net_frame_t *f = ng->f[n];
     if (!f) continue; /* a node out of the step (its ranks all masked: below) */
-    const net_hdr_t *h = (const net_hdr_t *)f->buf;
+    const net_step_hdr_t *h = hs[n];
     if (h->nlocal == 0) return fail(res, h->status ? h->status : EPD_ERR_PEER, h->bad_rank, "%s", h->why);
-    if (h->num_experts != g->num_experts || h->hidden != H || h->topk != K || h->max_tokens != M)
-      return fail(res, EPD_ERR_MISMATCH, (int)(n * L),
-                  "group %s has num_experts %u, hidden %u, topk %u, max_tokens %u "
-                  "on node %u but %u, %u, %u, %u on node %u (the first attach on each node fixes it)",
-                  grp->name, h->num_experts, h->hidden, h->topk, h->max_tokens, n, g->num_experts, H, K, M,
-                  me);
-    if (h->nlocal != L || h->world != W ||
-        f->len < sizeof *h + (size_t)L * sizeof(net_desc_t) + (size_t)W * 4)
-      return fail(res, EPD_ERR_MISMATCH, (int)(n * L),
-                  "node %u sent a frame for %u ranks of %u, this node expects %u of %u "
-                  "(engine.num_ranks differs?)",
-                  n, h->nlocal, h->world, L, W);
-    const net_desc_t *nd = (const net_desc_t *)(h + 1);
-    for (uint32_t i = 0; i < L; i++) {
-      memset(&d[n * L + i], 0, sizeof d[0]);
-      d[n * L + i].op = nd[i].op;
-      d[n * L + i].bank = nd[i].bank;
-      d[n * L + i].flags = nd[i].flags;
-      d[n * L + i].num_tokens = nd[i].num_tokens;
-    }
-    htc[n] = (const uint32_t *)(nd + L);
+    if ((st = net_frame_geom(h, f->len - offsetof(net_hdr_t, s), (size_t)W * 4, n, me, L, W, g, grp->name,
+                             &peer, why, sizeof why)))
+      return fail(res, st, peer, "%s", why);
+    net_frame_descs(h, n, L, d);
+    htc[n] = (const uint32_t *)(net_step_descs(h) + L);
     pay[n] = (const uint8_t *)(htc[n] + W);
     end[n] = f->buf + f->len;
   }
@@ -386,49 +365,24 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
       d[r].num_tokens = 0;
       d[r].user_tag = 0;
     }
-  /* Descriptor checks of engine_host.c's execute_step, over the world (masked ranks' descriptors are their
-   * node's first live rank's). */
-  for (uint32_t r = 0; r < W; r++) {
-    if (!op_ok(d[r].op))
-      return fail(res, EPD_ERR_INVALID, (int)r, "rank %u: op %u out of range [1, %u]", r, d[r].op,
-                  EPD_OP_MAX - 1);
-    if (d[r].bank >= EPD_NUM_BANKS)
-      return fail(res, EPD_ERR_INVALID, (int)r, "rank %u: bank %u out of range [0, %u)", r, d[r].bank,
-                  EPD_NUM_BANKS);
-    char why[160];
-    const int fl = eng_check_flags(&d[r], r, 1, why, sizeof why);
-    if (fl) return fail(res, fl, (int)r, "%s", why);
-  }
-  for (uint32_t r = 1; r < W; r++)
-    if (d[r].op != d[0].op || d[r].bank != d[0].bank ||
-        (eng_op_dispatch(d[r].op) && (d[r].flags & EPD_DESC_FP8) != (d[0].flags & EPD_DESC_FP8)))
-      return fail(res, EPD_ERR_MISMATCH, (int)r,
-                  "rank %u submitted op %u bank %u flags 0x%x, rank 0 op %u bank %u flags 0x%x", r, d[r].op,
-                  d[r].bank, d[r].flags, d[0].op, d[0].bank, d[0].flags);
+  /* masked ranks' descriptors are their node's first live rank's */
+  if ((st = net_check_descs(d, W, &peer, why, sizeof why))) return fail(res, st, peer, "%s", why);
   uint32_t op = d[0].op, bank = d[0].bank;
   int fp8 = (d[0].flags & EPD_DESC_FP8) != 0, mode = op <= EPD_OP_LL_COMBINE ? EPD_MODE_LL : EPD_MODE_HT;
   epd_ref_plan_t *plan = &grp->plan[bank];
   res->map_version = grp->map.version;
   if (eng_op_dispatch(op)) {
+    /* the host backend checks FP8's hidden here; the CUDA backend refuses such a group at attach */
     if (fp8 && H % 128)
       return fail(res, EPD_ERR_INVALID, -1, "FP8 dispatch needs hidden a multiple of 128 (hidden %u)", H);
-    uint64_t mh = epd_net_map_hash(&grp->map);
-    for (uint32_t n = 0; n < nodes; n++) {
-      const net_hdr_t *h = n == me || !ng->f[n] ? NULL : (const net_hdr_t *)ng->f[n]->buf;
-      if (h && (h->map_version != grp->map.version || h->map_hash != mh))
-        return fail(
-            res, EPD_ERR_MISMATCH, (int)(n * L),
-            "node %u dispatches with expert map version %u, node %u with version %u%s (set the same map on "
-            "every node)",
-            n, h->map_version, me, grp->map.version,
-            h->map_version == grp->map.version ? " but different placements" : "");
-    }
-    /* Input errors, the lowest node's first (every node reports the same). */
-    for (uint32_t n = 0; n < nodes; n++) {
-      if (n == me && ng->lstatus) return fail(res, ng->lstatus, ng->lbad, "%s", ng->lwhy);
-      const net_hdr_t *h = n == me || !ng->f[n] ? NULL : (const net_hdr_t *)ng->f[n]->buf;
-      if (h && h->status) return fail(res, h->status, h->bad_rank, "%s", h->why);
-    }
+    if ((st = net_check_maps(hs, nodes, me, L, grp->map.version, epd_net_map_hash(&grp->map), &peer, why,
+                             sizeof why)))
+      return fail(res, st, peer, "%s", why);
+    /* Input errors, the lowest node's first (every node reports the same). The host backend's parts carry
+     * each node's routing errors of its own tokens, so they come after the agreement on what to run; the
+     * CUDA backend's carry only a node's failure to take part, checked first there. */
+    if ((st = net_frames_status(hs, nodes, me, L, &peer, why, sizeof why)))
+      return fail(res, st, peer, "%s", why);
     /* HT capacity over the world: the sum of every node's counts. */
     if (mode == EPD_MODE_HT)
       for (uint32_t r = 0; r < W; r++) {
@@ -480,7 +434,7 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
         }
       }
     }
-    char why[256] = "";
+    why[0] = 0;
     int bad = -1;
     grp->plan_valid[bank] = 0;
     plan->renormalize = grp->renormalize;
@@ -522,18 +476,14 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
   }
   /* Combine: own partials plus every other node's, added in node order, rounded once. A node that
    * could not combine (no valid dispatch of the bank there) says so in its frame. */
-  for (uint32_t n = 0; n < nodes; n++) {
-    if (n == me && ng->lstatus) return fail(res, ng->lstatus, ng->lbad, "%s", ng->lwhy);
-    const net_hdr_t *h = n == me || !ng->f[n] ? NULL : (const net_hdr_t *)ng->f[n]->buf;
-    if (h && h->status) return fail(res, h->status, h->bad_rank, "%s", h->why);
-  }
+  if ((st = net_frames_status(hs, nodes, me, L, &peer, why, sizeof why)))
+    return fail(res, st, peer, "%s", why);
   if (!grp->plan_valid[bank] || plan->mode != mode)
     return fail(res, EPD_ERR_STATE, -1, "%s combine of bank %u without a successful %s dispatch of that bank",
                 mode == EPD_MODE_LL ? "LL" : "HT", bank, mode == EPD_MODE_LL ? "LL" : "HT");
   const uint16_t *y[EPD_MAX_RANKS] = {0};
   for (uint32_t r = base; r < base + L; r++)
-    if (!(mask >> r & 1))
-      y[r] = eng_buf(grp->client[r], mode == EPD_MODE_LL ? EPD_BUF_LL_Y : EPD_BUF_HT_Y, bank);
+    if (!(mask >> r & 1)) y[r] = eng_ref_y(grp->client[r], mode, bank);
   /* Ranks masked since the dispatch: their expert outputs are gone, their entries dropped (as on one node).
    */
   const uint64_t gone = mask & ~grp->plan_mask[bank];
@@ -616,11 +566,11 @@ static int mask_differs(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, en
   const uint64_t mask = ng->sent_mask;
   uint64_t differ = 0;
   for (uint32_t n = 0; n < eng->o.nodes; n++)
-    if (n != me && ng->f[n]) differ |= ((const net_hdr_t *)ng->f[n]->buf)->mask ^ mask;
+    if (n != me && ng->f[n]) differ |= ((const net_hdr_t *)ng->f[n]->buf)->s.mask ^ mask;
   if (!differ) return 0;
   for (uint32_t n = 0; n < eng->o.nodes; n++) {
     if (n == me || !ng->f[n]) continue;
-    const uint64_t hm = ((const net_hdr_t *)ng->f[n]->buf)->mask;
+    const uint64_t hm = ((const net_hdr_t *)ng->f[n]->buf)->s.mask;
     for (uint32_t r = n * L; r < (n + 1) * L && r < 64; r++) {
       if ((hm >> r & 1) && !(grp->mask >> r & 1)) eng_mask_rank(eng, grp, (int)r, "masked on its node");
       if (!(hm >> r & 1) && (grp->mask >> r & 1)) eng_unmask_rank(eng, grp, (int)r);
@@ -662,36 +612,14 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
   }
   for (uint32_t n = 0; missing && n < eng->o.nodes; n++) {
     if (n == me || ng->f[n] || net_node_masked(eng, ng->sent_mask, n)) continue;
-    net_peer_t *p = &net->peer[n];
-    /* a node out of the steps from now on (groups that mask): this step, sent with it, fails */
-    if (atomic_load(&p->dead)) {
-      net_node_out(eng, grp, n, "the link to its node is down");
-      drop_frames(ng);
-      return fail(res, EPD_ERR_PEER, (int)(n * L), "the data link to node %u (ranks %u..%u) is down: %s", n,
-                  n * L, n * L + L - 1, p->why);
-    }
     /* the local ranks' op (desc[base]'s; run_step checks that they agree) */
-    if (NG(grp)->drain_from[n] <= grp->steps && eng_op_dispatch(grp->desc[base].op)) {
-      /* its notice came after every frame it sent (one link, in order): this dispatch's part will not
-       * come (a draining node still runs combines: their parts come as usual) */
-      drop_frames(ng);
-      return fail(res, EPD_ERR_DRAINING, (int)(n * L),
-                  "node %u (ranks %u..%u) is draining: it takes no dispatch of group %s from step %llu on", n,
-                  n * L, n * L + L - 1, grp->name, (unsigned long long)NG(grp)->drain_from[n]);
-    }
     char why[256];
-    const int gone = eng_net_gone(grp, n, L, grp->steps, why, sizeof why);
-    if (gone >= 0) {
-      net_node_out(eng, grp, n,
-                   NG(grp)->gone_from[n] <= grp->steps ? "the group was removed on its node"
-                                                       : "the last live rank of its node lost its client");
+    int peer = -1;
+    const int st = net_part_missing(eng, grp, grp->name, n, grp->steps, eng_op_dispatch(grp->desc[base].op),
+                                    later[n], &peer, why, sizeof why);
+    if (st) {
       drop_frames(ng);
-      return fail(res, EPD_ERR_PEER, gone, "%s", why);
-    }
-    if (later[n]) {
-      drop_frames(ng);
-      return fail(res, EPD_ERR_PEER, (int)(n * L), "%s",
-                  eng_net_skipped(grp->name, n, L, grp->steps, later[n], why, sizeof why));
+      return fail(res, st, peer, "%s", why);
     }
   }
   if (missing) return 0; /* parts still to come */
