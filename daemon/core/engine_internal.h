@@ -303,6 +303,13 @@ void *eng_buf(const eng_client_t *c, uint32_t kind, uint32_t bank);
  * across nodes) bind the arenas with it. */
 void eng_ref_io(eng_client_t *c, int mode, uint32_t bank, uint32_t num_tokens, epd_ref_in_t *in,
                 epd_ref_out_t *out);
+/* Between the core's files (maps.c, engine.c): the bytes of a client's queue mapping (the queue, then the
+ * map table), writing the group's active map into a client's map table, freeing a weight blob, and
+ * (mu) publishing grp->mask (its masked map, every client's queue word). */
+uint64_t eng_queue_bytes(const eng_group_t *grp);
+void eng_map_table_write(eng_client_t *c);
+void eng_wblob_free(eng_wblob_t *b);
+void eng_mask_changed(epd_engine_t *eng, eng_group_t *grp);
 /* The inputs alone (a node's own tokens routed across nodes), and the expert outputs a combine reads. */
 epd_ref_in_t eng_ref_in(eng_client_t *c, uint32_t bank, uint32_t num_tokens);
 const uint16_t *eng_ref_y(eng_client_t *c, int mode, uint32_t bank);

@@ -1,7 +1,7 @@
 /*
- * cuda_be.h - the CUDA backend's own state, shared by its launch mode (engine_cuda.c) and its persistent
- * mode (persistent.c): clients, groups and ranks as the backend sees them. Not for other layers.
- * Functions marked (mu) run with the engine mutex held.
+ * cuda_be.h - the CUDA backend's own state, shared by its set-up and clients (engine_cuda.c), its launch mode
+ * (launch.c) and its persistent mode (persistent.c): clients, groups and ranks as the backend sees them. Not
+ * for other layers. Functions marked (mu) run with the engine mutex held.
  */
 #ifndef EPD_CUDA_BE_H
 #define EPD_CUDA_BE_H
@@ -206,9 +206,23 @@ typedef struct cuda_be {
   cnet_t *net;     /* scale-out (engine_cuda_net.c): it runs every step; NULL on one node */
 } cuda_be_t;
 
-/* ---- launch mode (engine_cuda.c) for persistent.c ---- */
+/* ---- launch mode (launch.c) ---- */
 /* (mu) Build the host image of the group's active map if it is not current; 0 when it is. */
 int map_img_update(cuda_grp_t *cg, eng_group_t *grp);
+/* (mu) Complete rank r's slot of the current step of cg from the kernel's completion and account it. */
+void cuda_complete_rank(epd_engine_t *eng, cuda_grp_t *cg, int r, const epd_comp_t *kc);
+/* (mu) Fail the step cg collects (status, the peer rank it names, why). */
+void cuda_fail_collect(epd_engine_t *eng, cuda_be_t *be, cuda_grp_t *cg, int status, int peer,
+                       const char *why);
+/* (mu) Free what no step uses any more: dead clients, gone groups (rank thread rk). */
+void cuda_reap(epd_engine_t *eng, cuda_be_t *be, cuda_rank_t *rk);
+/* The thread of one GPU (a cuda_rank_t). */
+void *cuda_rank_main(void *arg);
+
+/* ---- the backend (engine_cuda.c) for launch.c ---- */
+epd_result_t cuda_err(cudaError_t e, const char *what, char *err, size_t errlen);
+void cuda_client_release(cuda_client_t *cc);
+void cuda_grp_teardown(cuda_be_t *be, cuda_grp_t *cg);
 
 /* ---- persistent mode (persistent.c) ---- */
 /* (mu) 1 when cg may run its LL ops in persistent kernels now (every rank has a live client, steady
