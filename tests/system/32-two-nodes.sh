@@ -24,11 +24,7 @@ world() {
   for r in 2 3; do worker "${g}$r" b -g "$g" -r $r -n 4 --steps "$s" --seed 11 "$@"; done
 }
 
-PORT=$(free_ports 1)
-node a 0 2 "$PORT"
-node b 1 2 "$PORT"
-wait_for 15 test -S "$T/a/attach.sock" || fail "node 0 did not come up"
-wait_for 15 test -S "$T/b/attach.sock" || fail "node 1 did not come up"
+two_nodes
 
 echo "== status and metrics show the cluster"
 "$EPDCTL" -s "$T/b/control.sock" status > "$T/status.out" || fail "epdctl status"

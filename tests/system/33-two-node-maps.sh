@@ -49,11 +49,7 @@ wait_same() {
 # switches GROUP NODE: the "switched expert map A -> B at step S" events of GROUP in NODE's log.
 switches() { grep -o "group $1 switched expert map [0-9]* -> [0-9]* at step [0-9]*" "$T/$2.log"; }
 
-PORT=$(free_ports 1)
-node a 0 2 "$PORT" -o engine.slots_factor_pct=200
-node b 1 2 "$PORT" -o engine.slots_factor_pct=200
-wait_for 15 test -S "$T/a/attach.sock" || fail "node 0 did not come up"
-wait_for 15 test -S "$T/b/attach.sock" || fail "node 1 did not come up"
+two_nodes -o engine.slots_factor_pct=200
 
 echo "== rank 0 stages a new map on node 0's daemon only: LL 300 steps every 3, HT FP8 160 steps every 4"
 world ll 300 --skew --hidden 64 --map-every 3

@@ -19,11 +19,7 @@ STEP_TIMEOUT_MS=2000 WORKER_TIMEOUT=300
 CHAOS_S=${EPD_MASK_CHAOS_SECONDS:-15} CHAOS_STEPS=300
 E=16 REP_NEXT=2 # the second replica of every expert on the other node
 RANDOM=${EPD_CHAOS_SEED:-4321}
-PORT=$(free_ports 1)
-node a 0 2 "$PORT" -o engine.slots_factor_pct=200
-node b 1 2 "$PORT" -o engine.slots_factor_pct=200
-wait_for 15 test -S "$T/a/attach.sock" || fail "node 0 did not come up"
-wait_for 15 test -S "$T/b/attach.sock" || fail "node 1 did not come up"
+two_nodes -o engine.slots_factor_pct=200
 ctl() { "$EPDCTL" -s "$T/a/control.sock" "$@"; }
 run_worker() { # RANK STEPS OUT: at its node (ranks 0-1 node a, 2-3 node b)
   local nd=a

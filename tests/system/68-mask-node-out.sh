@@ -15,11 +15,7 @@ set -u
 STEP_TIMEOUT_MS=2000 WORKER_TIMEOUT=300
 . "$(dirname "$0")/cluster-lib.sh"
 E=16 REP_NEXT=2
-PORT=$(free_ports 1)
-node a 0 2 "$PORT" -o engine.slots_factor_pct=200
-node b 1 2 "$PORT" -o engine.slots_factor_pct=200
-wait_for 15 test -S "$T/a/attach.sock" || fail "node 0 did not come up"
-wait_for 15 test -S "$T/b/attach.sock" || fail "node 1 did not come up"
+two_nodes -o engine.slots_factor_pct=200
 ctl() { "$EPDCTL" -s "$T/a/control.sock" "$@"; }
 # run_worker RANK STEPS OUT [ARGS...]: at its node (ranks 0-1 node a, 2-3 node b)
 run_worker() {

@@ -40,6 +40,14 @@ node() {
   eval "P_$n=$!"
   PIDS+=($!)
 }
+# two_nodes [-o k=v ...]: nodes a (0) and b (1) of a world of 2, 2 ranks each, on a free port, both up.
+two_nodes() {
+  PORT=$(free_ports 1)
+  node a 0 2 "$PORT" "$@"
+  node b 1 2 "$PORT" "$@"
+  wait_for 15 test -S "$T/a/attach.sock" || fail "node 0 did not come up"
+  wait_for 15 test -S "$T/b/attach.sock" || fail "node 1 did not come up"
+}
 # worker NAME NODE ARGS...: one epd-worker at NODE's daemon, output in $T/NAME.out, pid in W_NAME.
 worker() {
   local n=$1 nd=$2; shift 2
