@@ -503,8 +503,11 @@ static void host_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
   int r = c->rank;
   /* across nodes, a group that stays here without this rank's client: the other nodes fail its steps at
    * once from the first one whose part was not sent (not after their step timeout) */
-  const int mask = grp->on_rank_loss == EPD_RANK_LOSS_MASK && !last_live_here(eng, grp, r);
-  if (lost && eng->o.nodes > 1 && !eng_last_client(grp, c) && !mask)
+  const int masks = grp->on_rank_loss == EPD_RANK_LOSS_MASK, mask = masks && !last_live_here(eng, grp, r);
+  /* (a group that masks: also when the last live rank of this node detaches; the others take the node
+   * out of the steps until a worker attaches to the rank again) */
+  const int gone = (lost || masks) && !mask;
+  if (gone && eng->o.nodes > 1 && !eng_last_client(grp, c))
     eng_net_rank_lost(eng, grp, r, eng_net_first_unsent(grp));
   if (c->in_step) {
     /* Its slot is going away: withdraw it from the step, never write there again. */
@@ -512,7 +515,7 @@ static void host_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
     grp->narrived--;
     c->in_step = 0;
   }
-  if (lost && !mask) grp->lost[r] = 1;
+  if (gone) grp->lost[r] = 1;
   if (grp->narrived) {
     char why[160];
     snprintf(why, sizeof why, "client %llu of rank %d %s mid-step", (unsigned long long)c->id, r,

@@ -132,8 +132,10 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     const int was_out = grp && net_node_masked(eng, grp->mask, f->src_node);
     const uint64_t was = grp ? NG(grp)->gone_from[f->src_node] : UINT64_MAX,
                    steps = !grp              ? 0
-                           : was_out && made ? eng_net_first_unsent(grp)
-                                             : grp->steps;
+                           : was_out && made ? net_join_step(eng, grp, f->src_node)
+                                             : grp->steps,
+                   mask = grp ? grp->mask : 0;
+    const int masks = grp && grp->on_rank_loss == EPD_RANK_LOSS_MASK;
     /* a creation notice is answered with the map this node runs (a removal needs nothing back) */
     const uint32_t version = grp && made ? grp->map.version : 0;
     const uint64_t hash = grp && made ? epd_net_map_hash(&grp->map) : 0;
@@ -153,19 +155,19 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     if (made) {
       /* made there (again): tell it the step this node's group collects, which from now on waits for
        * its part (it takes this number before its first part goes out) */
-      net_send_join(net, f->src_node, group, grp ? steps : UINT64_MAX, version, hash);
+      net_send_join(net, f->src_node, group, grp ? steps : UINT64_MAX, version, hash, mask);
       /* and which of this node's ranks lost their client (its parts do not come until they attach again) */
       for (int k = 0; k < nlost; k++) {
         ctl_msg_t m = {.kind = CTL_LOST, .req_id = steps, .version = lost_r[k]};
         net_send_ctl(net, f->src_node, group, &m, NULL, NULL);
       }
     }
-    if (grp && !made && grp->on_rank_loss != EPD_RANK_LOSS_MASK)
+    if (grp && !made && !masks) /* (a group that masks logged taking the node out) */
       EPD_LOGW(EPD_SUB_ENGINE,
                "group %s: removed on node %u at its step %llu (its last client there left): its "
                "steps from then on fail here with EPD_ERR_PEER",
                group, f->src_node, (unsigned long long)c.req_id);
-    else if (grp && was != UINT64_MAX)
+    else if (grp && made && was != UINT64_MAX)
       EPD_LOGI(EPD_SUB_ENGINE,
                "group %s: made again on node %u; its steps wait for that node again from step %llu", group,
                f->src_node, (unsigned long long)steps);
@@ -181,7 +183,7 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     eng_group_t *grp = eng_find_group(eng, group);
     if (grp && c.status)
       eng_mask_rank(eng, grp, (int)r, "masked on its node");
-    else if (grp)
+    else if (grp && !net_node_gone(eng, grp, n)) /* an out node comes back with its lost rank (CTL_LOST) */
       eng_unmask_rank(eng, grp, (int)r);
     pthread_mutex_unlock(&eng->mu);
     return;
@@ -196,7 +198,11 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     pthread_mutex_lock(&eng->mu);
     eng_group_t *grp = eng_find_group(eng, group);
     const int was_out = grp && net_node_masked(eng, grp->mask, n);
-    const uint64_t steps = !grp ? UINT64_MAX : was_out && back ? eng_net_first_unsent(grp) : grp->steps;
+    const uint64_t steps = !grp              ? UINT64_MAX
+                           : was_out && back ? net_join_step(eng, grp, n)
+                                             : grp->steps,
+                   mask = grp ? grp->mask : 0;
+    const int masks = grp && grp->on_rank_loss == EPD_RANK_LOSS_MASK;
     const uint32_t version = grp && back ? grp->map.version : 0;
     const uint64_t hash = grp && back ? epd_net_map_hash(&grp->map) : 0;
     if (grp) NG(grp)->lost_from[r] = c.req_id;
@@ -206,13 +212,13 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     else if (grp)
       net_node_out(eng, grp, n, "the last live rank of its node lost its client");
     pthread_mutex_unlock(&eng->mu);
-    if (back) net_send_join(net, n, group, steps, version, hash); /* taken there if it is ahead */
-    if (grp && !back && grp->on_rank_loss != EPD_RANK_LOSS_MASK)
+    if (back) net_send_join(net, n, group, steps, version, hash, mask); /* taken there if it is ahead */
+    if (grp && !back && !masks) /* (a group that masks logged taking the node out) */
       EPD_LOGW(EPD_SUB_ENGINE,
                "group %s: the client of rank %u died on node %u at its step %llu: the group's steps "
                "from then on fail here with EPD_ERR_PEER until the rank is attached again",
                group, r, n, (unsigned long long)c.req_id);
-    else if (grp)
+    else if (grp && back)
       EPD_LOGI(EPD_SUB_ENGINE, "group %s: rank %u has a client again on node %u", group, r, n);
     return;
   }
@@ -220,7 +226,7 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     if (f->src_node >= MAX_NODES || f->src_node >= 64) return;
     pthread_mutex_lock(&eng->mu);
     eng_group_t *grp = eng_find_group(eng, group);
-    if (grp) net_join_reply(grp, f->src_node, &c);
+    if (grp) net_join_reply(eng, grp, f->src_node, &c);
     pthread_mutex_unlock(&eng->mu);
     return;
   }

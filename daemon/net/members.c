@@ -67,16 +67,22 @@ void eng_net_group_removed(epd_engine_t *eng, eng_group_t *grp) {
 /* To node n, which made grp (or attached a lost rank of it) again: the step grp collects here (UINT64_MAX:
  * no such group here) and the map it runs (their version and hash, read under the engine lock). */
 void net_send_join(epd_net_t *net, uint32_t n, const char *group, uint64_t steps, uint32_t version,
-                   uint64_t hash) {
-  ctl_msg_t r = {.kind = CTL_JOIN, .req_id = steps, .version = version, .hash = hash};
+                   uint64_t hash, uint64_t mask) {
+  ctl_msg_t r = {.kind = CTL_JOIN, .req_id = steps, .version = version, .hash = hash, .mask = mask};
   net_send_ctl(net, n, group, &r, NULL, NULL);
 }
 
 /* (mu) Node n's reply to this node's creation notice: the step it is at (UINT64_MAX: none). */
-void net_join_reply(eng_group_t *grp, uint32_t n, const ctl_msg_t *c) {
+void net_join_reply(epd_engine_t *eng, eng_group_t *grp, uint32_t n, const ctl_msg_t *c) {
   if (!(NG(grp)->join_wait >> n & 1)) return;
   NG(grp)->join_wait &= ~(1ull << n);
-  if (c->req_id == UINT64_MAX || c->req_id < NG(grp)->join_step) return;
+  if (c->req_id == UINT64_MAX) return;
+  /* groups that mask: a third node that is out of the steps there is out here too (made again here, this
+   * node heard nothing of its leaving; its own ranks masked there come with its first part) */
+  for (uint32_t m = 0; m < eng->o.nodes; m++)
+    if (m != n && net_node_masked(eng, c->mask, m))
+      net_node_out(eng, grp, m, "out of the steps on the node that answered this node's return");
+  if (c->req_id < NG(grp)->join_step) return;
   NG(grp)->join_step = c->req_id;
   NG(grp)->join_map_version = c->version;
   NG(grp)->join_map_hash = c->hash;
@@ -165,10 +171,16 @@ static void send_lost(epd_engine_t *eng, const eng_group_t *grp, int rank, uint6
 
 void eng_net_rank_lost(epd_engine_t *eng, eng_group_t *grp, int rank, uint64_t from) {
   if (eng->o.nodes <= 1 || !eng->o.net) return;
-  EPD_LOGW(EPD_SUB_ENGINE,
-           "group %s: the client of rank %d died at step %llu: the other nodes fail the group's "
-           "steps at once until the rank is attached again",
-           grp->name, rank, (unsigned long long)from);
+  if (grp->on_rank_loss == EPD_RANK_LOSS_MASK)
+    EPD_LOGW(EPD_SUB_ENGINE,
+             "group %s: the last live rank of this node, %d, has no client from step %llu: the other "
+             "nodes go on without this node until a worker attaches to it again",
+             grp->name, rank, (unsigned long long)from);
+  else
+    EPD_LOGW(EPD_SUB_ENGINE,
+             "group %s: the client of rank %d died at step %llu: the other nodes fail the group's "
+             "steps at once until the rank is attached again",
+             grp->name, rank, (unsigned long long)from);
   send_lost(eng, grp, rank, from);
 }
 
@@ -222,6 +234,10 @@ void eng_net_group_created(epd_engine_t *eng, eng_group_t *grp) {
       if (n != eng->o.node_rank && !epd_net_node_dead(net, n, why, sizeof why))
         NG(grp)->join_wait |= 1ull << n;
   send_gone(eng, grp, UINT64_MAX);
+  /* groups that mask: a node whose link is down already takes no part (its LINK_DOWN came before) */
+  for (uint32_t n = 0; n < eng->o.nodes; n++)
+    if (n != eng->o.node_rank && epd_net_node_dead(net, n, why, sizeof why))
+      net_node_out(eng, grp, n, "the link to its node is down");
   /* a node that drains takes no step of a group made here after its notice */
   for (uint32_t n = 0; n < eng->o.nodes && n < MAX_NODES && n < EPD_MAX_RANKS; n++)
     if (net->peer_draining[n]) NG(grp)->drain_from[n] = 0;
@@ -270,6 +286,22 @@ void net_link_up(epd_engine_t *eng, uint32_t n) {
 }
 
 /* ---- nodes out of a group's steps (groups that mask) ---------------------------------------------- */
+
+uint64_t net_join_step(const epd_engine_t *eng, const eng_group_t *grp, uint32_t n) {
+  const net_group_t *ng = grp->net;
+  return ng && ng->sent_step == grp->steps && net_node_masked(eng, ng->sent_mask, n) ? grp->steps + 1
+                                                                                     : grp->steps;
+}
+
+int net_node_gone(epd_engine_t *eng, const eng_group_t *grp, uint32_t n) {
+  const uint32_t L = (uint32_t)eng->o.num_ranks;
+  char why[160];
+  if (n >= eng->o.nodes || n >= EPD_MAX_RANKS) return 0;
+  if (epd_net_node_dead(eng->o.net, n, why, sizeof why) || NG(grp)->gone_from[n] != UINT64_MAX) return 1;
+  for (uint32_t r = n * L; r < n * L + L && r < EPD_MAX_RANKS; r++)
+    if (NG(grp)->lost_from[r] != UINT64_MAX) return 1;
+  return 0;
+}
 
 int net_node_masked(const epd_engine_t *eng, uint64_t mask, uint32_t n) {
   const uint32_t L = (uint32_t)eng->o.num_ranks;

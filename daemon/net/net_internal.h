@@ -138,6 +138,7 @@ typedef struct ctl_msg {
   uint32_t num_experts, ncopies, pad;
   char why[320];
   uint64_t hash; /* CTL_JOIN: the hash of the sender's active map (its version in version) */
+  uint64_t mask; /* CTL_JOIN: the world ranks the sender's group masks (groups that mask) */
 } ctl_msg_t;
 
 /* Per group (grp->net, made with the group on every engine of several nodes): what the other nodes
@@ -236,8 +237,14 @@ void net_weights_send(epd_net_t *net, const char *group, wout_t *w);
 void net_weights_in(epd_engine_t *eng, const net_frame_t *f, const ctl_msg_t *c, const char *group);
 /* membership (members.c) */
 void net_send_join(epd_net_t *net, uint32_t n, const char *group, uint64_t steps, uint32_t version,
-                   uint64_t hash);
-void net_join_reply(eng_group_t *grp, uint32_t n, const ctl_msg_t *c);
+                   uint64_t hash, uint64_t mask);
+void net_join_reply(epd_engine_t *eng, eng_group_t *grp, uint32_t n, const ctl_msg_t *c);
+/* (mu) The step node n, back in a group that masks, joins at: the first one this node sends with it in
+ * (the one being collected, unless its part went out with the node out). */
+uint64_t net_join_step(const epd_engine_t *eng, const eng_group_t *grp, uint32_t n);
+/* (mu) This node knows node n gone from grp: its link is down, the group was removed there, or a rank's
+ * client died there and was not replaced. */
+int net_node_gone(epd_engine_t *eng, const eng_group_t *grp, uint32_t n);
 void net_link_up(epd_engine_t *eng, uint32_t n);
 /* (mu) Groups that mask lost ranks: node n takes no part in grp's steps any more (its link is down, the
  * group was removed there, its last live rank lost its client): its ranks are masked here from the next

@@ -569,7 +569,8 @@ static int mask_differs(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, en
     if (n != me && ng->f[n]) differ |= ((const net_hdr_t *)ng->f[n]->buf)->s.mask ^ mask;
   if (!differ) return 0;
   for (uint32_t n = 0; n < eng->o.nodes; n++) {
-    if (n == me || !ng->f[n]) continue;
+    /* a part sent before its node's loss came here must not take the node back in */
+    if (n == me || !ng->f[n] || net_node_gone(eng, grp, n)) continue;
     const uint64_t hm = ((const net_hdr_t *)ng->f[n]->buf)->s.mask;
     for (uint32_t r = n * L; r < (n + 1) * L && r < 64; r++) {
       if ((hm >> r & 1) && !(grp->mask >> r & 1)) eng_mask_rank(eng, grp, (int)r, "masked on its node");
@@ -602,7 +603,14 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
   int missing = 0;
   uint64_t later[MAX_NODES] = {0}; /* node n's part of a later step came with none of this one's */
   for (uint32_t n = 0; n < eng->o.nodes; n++) {
-    if (n == me || ng->f[n] || net_node_masked(eng, ng->sent_mask, n)) continue; /* out: none comes */
+    if (n == me || ng->f[n]) continue;
+    if (net_node_masked(eng, ng->sent_mask, n)) { /* out: none is waited for; what it sent goes */
+      uint64_t l;
+      net_frame_t *x = net_take(net, grp->name, grp->steps, n, NG(grp)->frames_since, &l);
+      if (x) free(x->buf);
+      free(x);
+      continue;
+    }
     ng->f[n] = net_take(net, grp->name, grp->steps, n, NG(grp)->frames_since, &later[n]);
     missing |= !ng->f[n];
   }

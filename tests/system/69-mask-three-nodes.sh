@@ -1,0 +1,98 @@
+#!/bin/bash
+# 69-mask-three-nodes: nodes out of a group that masks, three nodes (host backend, 2 ranks each, every
+# expert on two ranks of different nodes). The workers of node 0 run throughout (epd-worker --mask checks
+# every step against the reference with the mask its completion reports); meanwhile:
+#   1. node 1's workers are SIGKILLed: node 1 is out (its group is removed there);
+#   2. node 2's workers are SIGKILLed, and new ones attach there while node 1 is still out: node 2's new
+#      group learns from node 0's answer that node 1 is out, and nodes 0 and 2 step together;
+#   3. one of node 2's new workers hangs (SIGSTOP: masked after the step timeout) and the other ends
+#      its steps and detaches: node 2's last live rank left, node 0 takes node 2 out and goes on alone.
+# Fails on: a mismatch or a wrong dropped count in any worker's output, node 0's workers not stepping
+# (200+ checked steps each) after a loss, node 2's new workers not checking 300 steps each, more than 10
+# failed ops per worker of node 0.
+set -u
+STEP_TIMEOUT_MS=1000 WORKER_TIMEOUT=300
+. "$(dirname "$0")/cluster-lib.sh"
+E=24 REP_NEXT=1 R=6
+PORT=$(free_ports 1)
+node a 0 3 "$PORT" -o engine.slots_factor_pct=200
+node b 1 3 "$PORT" -o engine.slots_factor_pct=200
+node c 2 3 "$PORT" -o engine.slots_factor_pct=200
+for n in a b c; do wait_for 15 test -S "$T/$n/attach.sock" || fail "node $n did not come up"; done
+ctl() { "$EPDCTL" -s "$T/a/control.sock" "$@"; }
+NODE_OF=(a a b b c c)
+run_worker() { # run_worker RANK OUT [ARGS...]
+  local r=$1 out=$2
+  shift 2
+  ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" "$WORKER" -s "$T/${NODE_OF[$r]}/control.sock" \
+    -g "$GROUP" --mode ll -r "$r" -n 6 --seed 9 --experts $E --hidden 64 --topk 4 --tokens 16 --same-inputs \
+    --mask --node-ranks 2 -v --until-streak 1000000 "$@" > "$out" 2>&1 &
+}
+CHAOS_STEPS=1000000
+. "$(dirname "$0")/../mask-chaos-lib.sh"
+GROUP=out R=6
+checked() { grep -c " ok$" "$1"; }
+stepping() { # stepping N FILE...: each worker output checked N more steps (within 20 s)
+  local n=$1 f c=""
+  shift
+  for f in "$@"; do c="$c [ \$(grep -c ' ok\$' $f) -ge $(($(checked "$f") + n)) ] &&"; done
+  wait_for 20 sh -c "$c true"
+}
+alive() { kill -0 "$A0" 2> /dev/null && kill -0 "$A1" 2> /dev/null || fail "a worker of node 0 exited"; }
+
+echo "== 6 workers, every expert on two ranks of different nodes"
+for r in 0 1 2 3 4 5; do run_worker $r "$T/w$r.out" --steps $CHAOS_STEPS; eval "W$r=\$!"; done
+A0=$W0 A1=$W1
+wait_for 20 group_made || fail "group $GROUP not made"
+replicated_map
+[ "$maps" -ge 1 ] || fail "the replicated map was not staged"
+stepping 100 "$T/w0.out" "$T/w1.out" || fail "no steps with the 6 workers"
+
+echo "== 1. node 1's workers SIGKILLed"
+kill -KILL "$W2" "$W3"
+wait "$W2" "$W3" 2> /dev/null
+stepping 200 "$T/w0.out" "$T/w1.out" "$T/w4.out" || fail "nodes 0 and 2 did not step without node 1"
+alive
+
+echo "== 2. node 2's workers SIGKILLed, new ones attach there while node 1 is out"
+kill -KILL "$W4" "$W5"
+wait "$W4" "$W5" 2> /dev/null
+stepping 200 "$T/w0.out" "$T/w1.out" || fail "node 0 did not step alone"
+run_worker 4 "$T/n4.out" --steps 1500
+N4=$!
+run_worker 5 "$T/n5.out" --steps $CHAOS_STEPS
+N5=$!
+wait_for 30 sh -c "[ \$(grep -c ' ok\$' $T/n4.out) -ge 300 ] && [ \$(grep -c ' ok\$' $T/n5.out) -ge 300 ]" ||
+  fail "node 2's new workers did not check 300 steps each (node 1 is out)"
+grep -q "rank_masked: group $GROUP rank 2 masked.*(out of the steps on the node that answered" "$T/c.log" ||
+  fail "node 2's new group did not learn that node 1 is out"
+alive
+
+echo "== 3. rank 5 hangs, rank 4 ends its steps and detaches: node 2 is out"
+kill -STOP "$N5"
+wait "$N4" || fail "rank 4's worker exited $?"
+grep -q "node 2 (ranks 4..5) is out of its steps.*last live rank" "$T/a.log" ||
+  fail "node 0 did not take node 2 out when its last live rank detached"
+stepping 200 "$T/w0.out" "$T/w1.out" || fail "node 0 did not step after node 2's last live rank left"
+alive
+{
+  kill -CONT "$N5"
+  kill -KILL "$N5"
+  wait "$N5"
+} 2> /dev/null
+kill -TERM "$A0" "$A1"
+wait "$A0" "$A1" 2> /dev/null
+for f in "$T"/w*.out "$T"/n*.out; do
+  if grep -q " MISMATCH$\|differs\|entries dropped\|, want" "$f"; then
+    fail "$(basename "$f"): $(grep -m3 " MISMATCH$\|differs\|entries dropped\|, want" "$f")"
+  fi
+done
+for f in "$T"/w0.out "$T"/w1.out; do
+  n=$(grep -c "failed" "$f")
+  [ "$n" -le 10 ] || fail "$(basename "$f"): $n failed ops (want at most 10)"
+done
+echo "node 0's workers checked $(checked "$T/w0.out") and $(checked "$T/w1.out") steps," \
+  "$(cat "$T"/w0.out "$T"/w1.out | grep -c failed) ops failed over the three losses and the return"
+for p in "$P_a" "$P_b" "$P_c"; do kill -TERM "$p"; done
+for p in "$P_a" "$P_b" "$P_c"; do wait "$p"; done
+echo "69-mask-three-nodes: node 0 served on through two nodes' losses and a return"
