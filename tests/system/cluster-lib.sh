@@ -48,6 +48,21 @@ two_nodes() {
   wait_for 15 test -S "$T/a/attach.sock" || fail "node 0 did not come up"
   wait_for 15 test -S "$T/b/attach.sock" || fail "node 1 did not come up"
 }
+# outputs_clean MAX_FAILED FILE...: no step an epd-worker (--mask -v) checked was wrong in any of these
+# outputs (-v prints MISMATCH at the end of a wrong step's line; a result or a dropped count that differs
+# from the reference, a completion with another step or map than the reference's), and none of them has
+# more than MAX_FAILED failed ops.
+outputs_clean() {
+  local max=$1 f n
+  shift
+  for f in "$@"; do
+    if grep -q " MISMATCH$\|differs\|entries dropped\|, want" "$f"; then
+      fail "$(basename "$f"): $(grep -m3 " MISMATCH$\|differs\|entries dropped\|, want" "$f")"
+    fi
+    n=$(grep -c "failed" "$f")
+    [ "$n" -le "$max" ] || fail "$(basename "$f"): $n failed ops (want at most $max)"
+  done
+}
 # worker NAME NODE ARGS...: one epd-worker at NODE's daemon, output in $T/NAME.out, pid in W_NAME.
 worker() {
   local n=$1 nd=$2; shift 2
