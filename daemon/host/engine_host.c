@@ -503,10 +503,10 @@ static void host_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
   int r = c->rank;
   /* across nodes, a group that stays here without this rank's client: the other nodes fail its steps at
    * once from the first one whose part was not sent (not after their step timeout) */
-  const int masks = grp->on_rank_loss == EPD_RANK_LOSS_MASK, mask = masks && !last_live_here(eng, grp, r);
-  /* (a group that masks: also when the last live rank of this node detaches; the others take the node
-   * out of the steps until a worker attaches to the rank again) */
-  const int gone = (lost || masks) && !mask;
+  const int mask = grp->on_rank_loss == EPD_RANK_LOSS_MASK && !last_live_here(eng, grp, r);
+  /* (a last live rank that detaches is not told: in a group that masks, telling it made two nodes whose
+   * last workers ended their steps each take the other out and step alone) */
+  const int gone = lost && !mask;
   if (gone && eng->o.nodes > 1 && !eng_last_client(grp, c))
     eng_net_rank_lost(eng, grp, r, eng_net_first_unsent(grp));
   if (c->in_step) {

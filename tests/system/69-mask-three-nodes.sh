@@ -4,9 +4,7 @@
 # every step against the reference with the mask its completion reports); meanwhile:
 #   1. node 1's workers are SIGKILLed: node 1 is out (its group is removed there);
 #   2. node 2's workers are SIGKILLed, and new ones attach there while node 1 is still out: node 2's new
-#      group learns from node 0's answer that node 1 is out, and nodes 0 and 2 step together;
-#   3. one of node 2's new workers hangs (SIGSTOP: masked after the step timeout) and the other ends
-#      its steps and detaches: node 2's last live rank left, node 0 takes node 2 out and goes on alone.
+#      group learns from node 0's answer that node 1 is out, and nodes 0 and 2 step together.
 # Fails on: a mismatch or a wrong dropped count in any worker's output, node 0's workers not stepping
 # (200+ checked steps each) after a loss, node 2's new workers not checking 300 steps each, more than 10
 # failed ops per worker of node 0.
@@ -58,7 +56,7 @@ echo "== 2. node 2's workers SIGKILLed, new ones attach there while node 1 is ou
 kill -KILL "$W4" "$W5"
 wait "$W4" "$W5" 2> /dev/null
 stepping 200 "$T/w0.out" "$T/w1.out" || fail "node 0 did not step alone"
-run_worker 4 "$T/n4.out" --steps 1500
+run_worker 4 "$T/n4.out" --steps $CHAOS_STEPS
 N4=$!
 run_worker 5 "$T/n5.out" --steps $CHAOS_STEPS
 N5=$!
@@ -68,24 +66,16 @@ grep -q "rank_masked: group $GROUP rank 2 masked.*(out of the steps on the node 
   fail "node 2's new group did not learn that node 1 is out"
 alive
 
-echo "== 3. rank 5 hangs, rank 4 ends its steps and detaches: node 2 is out"
-kill -STOP "$N5"
-wait "$N4" || fail "rank 4's worker exited $?"
-grep -q "node 2 (ranks 4..5) is out of its steps.*last live rank" "$T/a.log" ||
-  fail "node 0 did not take node 2 out when its last live rank detached"
-stepping 200 "$T/w0.out" "$T/w1.out" || fail "node 0 did not step after node 2's last live rank left"
-alive
 {
-  kill -CONT "$N5"
-  kill -KILL "$N5"
-  wait "$N5"
+  kill -KILL "$N4" "$N5"
+  wait "$N4" "$N5"
 } 2> /dev/null
 kill -TERM "$A0" "$A1"
 wait "$A0" "$A1" 2> /dev/null
 outputs_clean 10 "$T"/w0.out "$T"/w1.out
-outputs_clean 2000 "$T"/w[2-5].out "$T"/n*.out # killed or stopped: their last ops failed
+outputs_clean 2000 "$T"/w[2-5].out "$T"/n*.out # killed: their last ops failed
 echo "node 0's workers checked $(checked "$T/w0.out") and $(checked "$T/w1.out") steps," \
-  "$(cat "$T"/w0.out "$T"/w1.out | grep -c failed) ops failed over the three losses and the return"
+  "$(cat "$T"/w0.out "$T"/w1.out | grep -c failed) ops failed over the two losses and the return"
 for p in "$P_a" "$P_b" "$P_c"; do kill -TERM "$p"; done
 for p in "$P_a" "$P_b" "$P_c"; do wait "$p"; done
 echo "69-mask-three-nodes: node 0 served on through two nodes' losses and a return"
