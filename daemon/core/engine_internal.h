@@ -320,6 +320,10 @@ int eng_client_memfd(const eng_client_t *c, const char *what, uint64_t bytes, vo
                      size_t errlen);
 /* (mu) Write the header of c's fresh (zeroed: every slot FREE) queue q and start c's ring at slot 0. */
 void eng_queue_init(eng_client_t *c, epd_queue_t *q);
+/* An op a step can run (LL or HT, dispatch or combine). */
+static inline int eng_op_ok(uint32_t op) {
+  return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE;
+}
 /* A dispatch op (LL or HT). */
 static inline int eng_op_dispatch(uint32_t op) {
   return op == EPD_OP_LL_DISPATCH || op == EPD_OP_HT_DISPATCH;

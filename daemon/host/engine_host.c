@@ -115,10 +115,6 @@ static void finish_step(epd_engine_t *eng, eng_group_t *grp, int status, int pee
   grp->steps++;
 }
 
-static int op_valid(uint32_t op) {
-  return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE;
-}
-
 static void fail_step(epd_engine_t *eng, eng_group_t *grp, int status, int peer, const char *why) {
   uint32_t op = 0;
   for (uint32_t r = 0; r < grp->g.num_ranks; r++)
@@ -168,7 +164,7 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
   for (uint32_t r = 0; r < R; r++) {
     if (!LIVE(r)) continue;
     const epd_desc_t *d = &grp->desc[r];
-    if (!op_valid(d->op)) {
+    if (!eng_op_ok(d->op)) {
       snprintf(why, sizeof why, "rank %u: op %u out of range [1, %u]", r, d->op, EPD_OP_MAX - 1);
       return fail_step(eng, grp, EPD_ERR_INVALID, (int)r, why);
     }

@@ -51,7 +51,7 @@ void net_frame_descs(const net_step_hdr_t *h, uint32_t n, uint32_t L, epd_desc_t
 
 int net_check_descs(const epd_desc_t *d, uint32_t W, int *peer, char *why, size_t wl) {
   for (uint32_t r = 0; r < W; r++) {
-    if (d[r].op < EPD_OP_LL_DISPATCH || d[r].op > EPD_OP_HT_COMBINE)
+    if (!eng_op_ok(d[r].op))
       return verdict(EPD_ERR_INVALID, (int)r, peer, why, wl, "rank %u: op %u out of range [1, %u]", r,
                      d[r].op, EPD_OP_MAX - 1);
     if (d[r].bank >= EPD_NUM_BANKS)

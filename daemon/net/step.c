@@ -67,10 +67,6 @@ static net_group_t *group_state(epd_engine_t *eng, eng_group_t *grp) {
   return ng;
 }
 
-static int op_ok(uint32_t op) {
-  return op >= EPD_OP_LL_DISPATCH && op <= EPD_OP_HT_COMBINE;
-}
-
 /* Does token (src, t) of plan p have an entry on a rank of node n? */
 static int goes_to(const epd_ref_plan_t *p, uint32_t L, uint32_t src, uint32_t t, uint32_t n) {
   const epd_ref_geom_t *g = &p->g;
@@ -149,7 +145,7 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
       continue;
     }
     const epd_desc_t *d = &grp->desc[r];
-    same &= op_ok(d->op) && d->bank < EPD_NUM_BANKS && d->op == d0->op && d->bank == d0->bank &&
+    same &= eng_op_ok(d->op) && d->bank < EPD_NUM_BANKS && d->op == d0->op && d->bank == d0->bank &&
             (d->flags & EPD_DESC_FP8) == (d0->flags & EPD_DESC_FP8);
   }
   ng->sent_mask = mask;
