@@ -69,6 +69,10 @@ typedef struct cnet_grp {
   int plan_init;
   epd_ref_plan_t plan[EPD_NUM_BANKS];
   int plan_valid[EPD_NUM_BANKS];
+  uint64_t plan_mask[EPD_NUM_BANKS]; /* the mask each bank's dispatch ran with */
+  /* Groups that mask lost ranks: the world ranks the step was routed without, as this node sent it (every
+   * part must say the same: net_frames_mask). Masked ranks of this node take no part: no slot, no tokens. */
+  uint64_t sent_mask;
   uint32_t op, bank, fp8, mode, op_version;
   /* Where a step's time goes (logged when the group goes away), per dispatch [0] / combine [1]: last
    * local arrival -> frame sent, -> every frame in, -> work issued (plan, tables, launches), -> GPUs
@@ -334,15 +338,9 @@ epd_result_t eng_cuda_net_attach(cnet_t *cn, eng_group_t *grp, char *err, size_t
   return EPD_OK;
 }
 
-void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost) {
-  cnet_grp_t *cg = cn->groups;
-  while (cg && (cg->grp != c->grp || cg->grp_serial != c->grp->serial)) cg = cg->next;
-  const int last = eng_last_client(c->grp, c);
-  /* a group that stays here without this rank's client: the other nodes fail its steps at once from the
-   * first one whose part was not sent (a step past its collection goes on: its part was sent) */
-  if (lost && !last)
-    eng_net_rank_lost(cn->eng, c->grp, c->rank, cg && cg->phase != PH_COLLECT ? cg->step + 1 : c->grp->steps);
-  if (!cg) return;
+/* (mu) Client c leaves the step of its group here: withdrawn from a step being collected (the others'
+ * slots fail), kept in one that goes on. */
+static void leave_step(cnet_t *cn, cnet_grp_t *cg, eng_client_t *c, int lost, int last) {
   if (cg->phase != PH_COLLECT) { /* later phases: the step goes on (memory held) */
     if (last && cg != cn->run && !cg->orphan) {
       /* the group goes with this client: keep what its step needs */
@@ -369,13 +367,56 @@ void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost) {
   }
 }
 
+void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost) {
+  eng_group_t *grp = c->grp;
+  cnet_grp_t *cg = cn->groups;
+  while (cg && (cg->grp != grp || cg->grp_serial != grp->serial)) cg = cg->next;
+  const int last = eng_last_client(grp, c);
+  /* Groups that mask go on without the rank from the next step (as the host backend's: a node's last live
+   * rank is lost instead, eng_net_last_live_here). A group that stays here without a lost rank's client:
+   * the other nodes fail its steps at once from the first one whose part was not sent (a step past its
+   * collection goes on: its part was sent). */
+  const int mask = grp->on_rank_loss == EPD_RANK_LOSS_MASK && !eng_net_last_live_here(cn->eng, grp, c->rank);
+  const int gone = lost && !mask;
+  if (gone) grp->lost[c->rank] = 1;
+  if (gone && !last)
+    eng_net_rank_lost(cn->eng, grp, c->rank, cg && cg->phase != PH_COLLECT ? cg->step + 1 : grp->steps);
+  if (cg) leave_step(cn, cg, c, lost, last);
+  if (!last && mask) eng_mask_rank(cn->eng, grp, c->rank, lost ? "its client died" : "its client detached");
+}
+
 /* ---- completion ----------------------------------------------------------------------------------- */
+
+/* (mu) Answer client c's current slot (its op d) with comp; bytes for the statistics. */
+static void answer(epd_engine_t *eng, eng_group_t *grp, eng_client_t *c, const epd_desc_t *d,
+                   const epd_comp_t *comp, uint64_t bytes) {
+  eng_slot_complete(c->queue, &c->queue->slot[c->next_slot], comp, grp->map.version);
+  c->next_slot = (c->next_slot + 1) % EPD_QUEUE_SLOTS;
+  c->ops++;
+  eng_record_op(eng, c->rank, d->op, comp->status, bytes, comp->latency_ns);
+}
 
 static void complete_all(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const char *why) {
   epd_engine_t *eng = cn->eng;
   int alive = grp_alive(cn, cg);
   eng_group_t *grp = alive ? cg->grp : NULL;
   uint64_t now = eng_now_ns();
+  /* the step's op, its mask and the bank it leaves open: a dispatch that ran waits for its combine (a
+   * masked rank rejoins only when none does); one that failed has no combine to wait for */
+  const epd_desc_t *op = NULL;
+  for (uint32_t l = 0; l < cn->L && !op; l++)
+    if (cg->arrived[l]) op = &cg->ldesc[l];
+  const uint64_t mask = cg->phase == PH_COLLECT && grp ? grp->mask : cg->sent_mask;
+  const int dispatch = op && eng_op_dispatch(op->op);
+  if (grp && op && op->bank < EPD_NUM_BANKS) {
+    if (!status && dispatch) {
+      grp->plan_mask[op->bank] = mask;
+      grp->open_banks |= 1u << op->bank;
+    } else {
+      grp->open_banks &= ~(1u << op->bank);
+    }
+  }
+  const epd_ref_plan_t *plan = op && !status && cg->bank < EPD_NUM_BANKS ? &cg->plan[cg->bank] : NULL;
   if (status && grp)
     eng_emit(eng, status == EPD_ERR_TIMEOUT ? "timeout" : "error", grp, peer, 0, 0, 0, cg->step,
              "group %s step %llu: %s", grp->name, (unsigned long long)cg->step, why ? why : "");
@@ -384,7 +425,6 @@ static void complete_all(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const
     uint32_t r = cn->node * cn->L + l;
     eng_client_t *c = cg->cl[l];
     if (grp && grp->client[r] == c && c->id == cg->cid[l] && c->queue) {
-      epd_slot_t *s = &c->queue->slot[c->next_slot];
       epd_comp_t comp;
       memset(&comp, 0, sizeof comp);
       comp.status = status;
@@ -394,14 +434,14 @@ static void complete_all(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const
       comp.step = cg->step;
       comp.user_tag = cg->ldesc[l].user_tag;
       comp.latency_ns = now > cg->last_ns ? now - cg->last_ns : 0;
-      eng_slot_complete(c->queue, s, &comp, grp->map.version);
-      c->next_slot = (c->next_slot + 1) % EPD_QUEUE_SLOTS;
-      c->ops++;
+      comp.masked = mask;
+      comp.dropped = plan && plan->dropped ? plan->dropped[r] : 0;
+      if (plan && dispatch) grp->entries_dropped += comp.dropped;
       uint64_t bytes = 0;
       if (!status)
         for (uint32_t n = 0; n < cn->nodes; n++)
           bytes += (uint64_t)cn->prog.side[l].send_rows[n] * cn->prog.row_bytes;
-      eng_record_op(eng, (int)r, cg->ldesc[l].op, status, bytes, comp.latency_ns);
+      answer(eng, grp, c, &cg->ldesc[l], &comp, bytes);
     }
     eng_cuda_client_unhold(cg->hold[l]);
     cg->arrived[l] = 0;
@@ -427,7 +467,20 @@ static void send_frame(cnet_t *cn, cnet_grp_t *cg) {
   epd_engine_t *eng = cn->eng;
   eng_group_t *grp = cg->grp;
   uint32_t L = cn->L, K = cg->g.topk, M = cg->g.max_tokens;
-  const epd_desc_t *d0 = &cg->ldesc[0];
+  /* Masked ranks of this node take no part: their descriptors are the first live rank's, with no tokens
+   * (eng_net_last_live_here keeps one live). */
+  const uint64_t mask = grp->mask;
+  uint32_t first = 0;
+  while (first + 1 < L && (mask >> (cn->node * L + first) & 1)) first++;
+  for (uint32_t l = 0; l < L; l++)
+    if (mask >> (cn->node * L + l) & 1) {
+      cg->ldesc[l] = cg->ldesc[first];
+      cg->ldesc[l].num_tokens = 0;
+      cg->ldesc[l].user_tag = 0;
+    }
+  cg->sent_mask = mask;
+  eng_net_sent(grp, cg->step, mask);
+  const epd_desc_t *d0 = &cg->ldesc[first];
   int same = 1;
   for (uint32_t l = 0; l < L; l++) same &= cg->ldesc[l].op == d0->op && cg->ldesc[l].bank == d0->bank;
   int dispatch = same && eng_op_dispatch(d0->op) && d0->bank < EPD_NUM_BANKS;
@@ -437,7 +490,8 @@ static void send_frame(cnet_t *cn, cnet_grp_t *cg) {
                       .num_experts = cg->g.num_experts,
                       .hidden = cg->g.hidden,
                       .topk = K,
-                      .max_tokens = M};
+                      .max_tokens = M,
+                      .mask = mask};
   if (epd_engine_failure(eng)) {
     h.status = EPD_ERR_INTERNAL;
     snprintf(h.why, sizeof h.why, "node %u: the engine failed: %s", cn->node, epd_engine_failure(eng));
@@ -518,11 +572,38 @@ static void send_frame(cnet_t *cn, cnet_grp_t *cg) {
     p += rows[l] * K * 12;
   }
   memcpy(b, &h, sizeof h);
-  for (uint32_t n = 0; n < cn->nodes; n++)
-    if (n != cn->node) epd_net_send_payload(eng->o.net, n, grp->name, cg->step, b, len);
+  for (uint32_t n = 0; n < cn->nodes; n++) /* a node out of the steps gets none */
+    if (n != cn->node && !net_node_masked(eng, mask, n))
+      epd_net_send_payload(eng->o.net, n, grp->name, cg->step, b, len);
   free(cg->frame[cn->node]);
   cg->frame[cn->node] = b;
   cg->flen[cn->node] = len;
+}
+
+/* (mu) Slot s of client c of masked rank r was submitted: a dispatch at a step boundary (no combine due,
+ * none being collected) rejoins the group from this step (1); a combine fails at once (-1); a dispatch
+ * before the boundary waits (0, the slot stays submitted). */
+static int rejoin(cnet_t *cn, cnet_grp_t *cg, eng_client_t *c, int r, const epd_slot_t *s) {
+  eng_group_t *grp = cg->grp;
+  const epd_desc_t *d = &s->desc;
+  if (!eng_op_dispatch(d->op)) {
+    epd_comp_t comp = {.status = EPD_ERR_PEER,
+                       .peer = r,
+                       .map_version = grp->map.version,
+                       .step = grp->steps,
+                       .user_tag = d->user_tag,
+                       .masked = grp->mask};
+    answer(cn->eng, grp, c, d, &comp, 0);
+    EPD_LOGW(EPD_SUB_CUDA, "group %s rank %d is masked: its op %u fails; its next dispatch rejoins",
+             grp->name, r, d->op);
+    return -1;
+  }
+  const epd_desc_t *other = NULL;
+  for (uint32_t l = 0; l < cn->L && !other; l++)
+    if (cg->arrived[l]) other = &cg->ldesc[l];
+  if (grp->open_banks || (other && !eng_op_dispatch(other->op))) return 0;
+  eng_unmask_rank(cn->eng, grp, r);
+  return 1;
 }
 
 /* (mu) Poll the local clients' slots; 1 if something moved. */
@@ -541,6 +622,11 @@ static int collect(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
     if (k > 0 && k < EPD_QUEUE_SLOTS) c->next_slot = (c->next_slot + k) % EPD_QUEUE_SLOTS;
     epd_slot_t *s = &c->queue->slot[c->next_slot];
     if (eng_slot_state(s) != EPD_SLOT_SUBMITTED) continue;
+    if (grp->mask >> r & 1) {
+      const int j = rejoin(cn, cg, c, (int)r, s);
+      moved |= j != 0;
+      if (j <= 0) continue;
+    }
     if (!cg->narrived) cg->step = grp->steps;
     cg->ldesc[l] = s->desc;
     cg->arrived[l] = 1;
@@ -552,7 +638,9 @@ static int collect(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
     cg->last_ns = now;
     moved = 1;
   }
-  if (cg->narrived == cn->L && !eng_net_joining(eng, grp)) {
+  uint32_t live = 0; /* masked ranks are not waited for */
+  for (uint32_t l = 0; l < cn->L; l++) live += !(grp->mask >> (cn->node * cn->L + l) & 1);
+  if (live && cg->narrived == live && !eng_net_joining(eng, grp)) {
     cg->step = grp->steps;
     send_frame(cn, cg);
     cg->t_sent = eng_now_ns();
@@ -569,11 +657,15 @@ static int collect(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   if (now > cg->first_ns && now - cg->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
     int missing = -1;
     for (uint32_t l = 0; l < cn->L && missing < 0; l++)
-      if (!cg->arrived[l]) missing = (int)(cn->node * cn->L + l);
+      if (!cg->arrived[l] && !(grp->mask >> (cn->node * cn->L + l) & 1))
+        missing = (int)(cn->node * cn->L + l);
     snprintf(why, sizeof why, "waited %u ms for rank %d", eng->o.step_timeout_ms, missing);
     eng_mark_hung(grp, missing);
     if (missing >= 0) eng->rank[missing].timeouts++;
     complete_all(cn, cg, EPD_ERR_TIMEOUT, missing, why);
+    /* groups that mask go on without it (not a node's last live rank: eng_net_last_live_here) */
+    if (missing >= 0 && !eng_net_last_live_here(eng, grp, missing))
+      eng_mask_rank(eng, grp, missing, "hung past engine.step_timeout_ms");
     return 1;
   }
   return moved;
@@ -598,8 +690,9 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
   *peer = -1;
   for (uint32_t n = 0; n < nodes; n++) {
     h[n] = (const net_step_hdr_t *)cg->frame[n];
-    if (!h[n]) /* this node could not build its own frame (out of memory) */
+    if (!h[n] && n == cn->node) /* this node could not build its own frame (out of memory) */
       FAIL(EPD_ERR_NOMEM, (int)(n * L), "node %u: out of memory for the step's control frame", n);
+    if (!h[n]) continue; /* a node out of the step (wait_frames) */
     if (cg->flen[n] < sizeof(net_step_hdr_t))
       FAIL(EPD_ERR_PEER, (int)(n * L), "node %u sent a malformed control frame", n);
   }
@@ -608,6 +701,14 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
    * (the world plan below finds those, the same on every node) */
   if ((st = net_frames_status(h, nodes, cn->node, L, peer, why, wl))) return st;
   for (uint32_t n = 0; n < nodes; n++) {
+    if (!h[n]) { /* the ranks of a node out of the step take part as masked ranks do */
+      for (uint32_t r = n * L; r < n * L + L; r++) {
+        d[r] = cg->ldesc[0];
+        d[r].num_tokens = 0;
+        d[r].user_tag = 0;
+      }
+      continue;
+    }
     if ((st = net_frame_geom(h[n], cg->flen[n], 0, n, cn->node, L, W, &cg->g, cg->gname, peer, why, wl)))
       return st;
     net_frame_descs(h[n], n, L, d);
@@ -623,6 +724,12 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
     if (!cg->plan_valid[cg->bank] || plan->mode != (int)cg->mode)
       FAIL(EPD_ERR_STATE, -1, "%s combine of bank %u without a successful %s dispatch of that bank", mn,
            cg->bank, mn);
+    /* as on one node (launch.c): the expert outputs of a rank masked since the dispatch are gone */
+    const uint64_t gone = cg->sent_mask & ~cg->plan_mask[cg->bank];
+    if (gone)
+      FAIL(EPD_ERR_PEER, __builtin_ctzll(gone),
+           "rank %d was masked after the dispatch of bank %u: its expert outputs are gone",
+           __builtin_ctzll(gone), cg->bank);
     cg->op_version = plan->map_version;
     return EPD_OK;
   }
@@ -631,7 +738,9 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
     return st;
   if (!map) FAIL(EPD_ERR_PEER, -1, "group %s was removed here mid-step", cg->gname);
   epd_ref_in_t in[EPD_MAX_RANKS];
+  memset(in, 0, sizeof in);
   for (uint32_t n = 0; n < nodes; n++) {
+    if (!h[n]) continue;
     const uint8_t *p = (const uint8_t *)(net_step_descs(h[n]) + L), *end = cg->frame[n] + cg->flen[n];
     for (uint32_t i = 0; i < L; i++) {
       uint32_t r = n * L + i, rows = d[r].num_tokens < M ? d[r].num_tokens : M;
@@ -643,8 +752,19 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
     }
   }
   cg->plan_valid[cg->bank] = 0;
+  /* route without the ranks every part was sent without (a notice may have changed the group's since) */
+  const epd_expert_map_t *route = map;
+  epd_expert_map_t masked;
+  memset(&masked, 0, sizeof masked);
+  if (cg->sent_mask && grp_alive(cn, cg) && cg->sent_mask == cg->grp->mask)
+    route = eng_route_map(cg->grp);
+  else if (cg->sent_mask && epd_ref_map_mask(&masked, map, cg->sent_mask))
+    FAIL(EPD_ERR_NOMEM, -1, "out of memory for the step's masked map");
+  else if (cg->sent_mask)
+    route = &masked;
   int bad = -1;
-  epd_result_t rc = epd_ref_plan_build(plan, map, in, &bad, why, wl);
+  epd_result_t rc = epd_ref_plan_build(plan, route, in, &bad, why, wl);
+  epd_expert_map_free(&masked);
   if (rc) {
     *peer = bad;
     return rc;
@@ -671,8 +791,8 @@ static int fill_addr(cnet_t *cn, cnet_grp_t *cg) {
   for (uint32_t l = 0; l < cn->L; l++) {
     cnet_addr_t *a = &cn->addr[l];
     memset(a, 0, sizeof *a);
-    uint64_t base = eng_cuda_client_arena(cg->hold[l]);
-    for (uint32_t i = 0; i < nbufs; i++)
+    uint64_t base = eng_cuda_client_arena(cg->hold[l]); /* 0: a masked rank (no tokens, none to it) */
+    for (uint32_t i = 0; i < nbufs && base; i++)
       if (bufs[i].bank == cg->bank && bufs[i].kind < EPD_BUF_KINDS)
         a->buf[bufs[i].kind] = base + bufs[i].offset;
     for (uint32_t n = 0; n < cn->nodes; n++) {
@@ -909,6 +1029,7 @@ static int poll_run(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
           }
       }
       cg->plan_valid[cg->bank] = 1;
+      cg->plan_mask[cg->bank] = cg->sent_mask;
     }
     uint64_t tx = 0, rx = 0; /* the exchange's payload counts with the control frames (metrics) */
     for (uint32_t l = 0; l < cn->L; l++)
@@ -948,16 +1069,34 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   epd_net_t *net = eng->o.net;
   uint32_t L = cn->L;
   const int alive = grp_alive(cn, cg); /* a removed group's kept step (orphan) has no notices to heed */
+  const uint64_t since = alive ? eng_net_frames_since(cg->grp) : 0;
+  /* every part that came, then what a missing one means */
+  uint64_t later[CNET_MAX_NODES] = {0}; /* node n's part of a later step came with none of this one's */
+  int missing = 0;
+  const net_step_hdr_t *h[CNET_MAX_NODES] = {0};
   for (uint32_t n = 0; n < cn->nodes; n++) {
-    if (n == cn->node || cg->frame[n]) continue;
-    uint64_t later; /* node n's part of a later step, came with none of this one's: it skipped this step */
-    cg->frame[n] = epd_net_take_payload(net, cg->gname, cg->step, n,
-                                        alive ? eng_net_frames_since(cg->grp) : 0, &later, &cg->flen[n]);
-    if (cg->frame[n]) continue;
-    char why[256];
-    int peer = -1;
-    const int st = net_part_missing(eng, alive ? cg->grp : NULL, cg->gname, n, cg->step,
-                                    eng_op_dispatch(cg->ldesc[0].op), later, &peer, why, sizeof why);
+    if (n == cn->node) continue;
+    if (net_node_masked(eng, cg->sent_mask, n)) { /* out of the step: none is waited for; what it sent goes */
+      size_t len;
+      free(epd_net_take_payload(net, cg->gname, cg->step, n, since, NULL, &len));
+      continue;
+    }
+    if (!cg->frame[n])
+      cg->frame[n] = epd_net_take_payload(net, cg->gname, cg->step, n, since, &later[n], &cg->flen[n]);
+    missing |= !cg->frame[n];
+    if (cg->frame[n] && cg->flen[n] >= sizeof(net_step_hdr_t)) h[n] = (const net_step_hdr_t *)cg->frame[n];
+  }
+  char why[256] = "";
+  int peer = -1, st;
+  if ((st = net_frames_mask(eng, alive ? cg->grp : NULL, h, cg->sent_mask, &peer, why, sizeof why))) {
+    EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
+    complete_all(cn, cg, st, peer, why);
+    return 1;
+  }
+  for (uint32_t n = 0; missing && n < cn->nodes; n++) {
+    if (n == cn->node || cg->frame[n] || net_node_masked(eng, cg->sent_mask, n)) continue;
+    st = net_part_missing(eng, alive ? cg->grp : NULL, cg->gname, n, cg->step,
+                          eng_op_dispatch(cg->ldesc[0].op), later[n], &peer, why, sizeof why);
     if (st) {
       EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
       complete_all(cn, cg, st, peer, why);
@@ -970,12 +1109,10 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
       complete_all(cn, cg, EPD_ERR_TIMEOUT, (int)(n * L), why);
       return 1;
     }
-    return 0;
   }
+  if (missing) return 0; /* parts still to come */
   cg->t_in = eng_now_ns();
-  char why[256] = "";
-  int peer = -1;
-  int st = decide(cn, cg, &peer, why, sizeof why);
+  st = decide(cn, cg, &peer, why, sizeof why);
   if (st) {
     complete_all(cn, cg, st, peer, why);
     return 1;

@@ -312,17 +312,6 @@ static uint32_t first_arrived(const eng_group_t *grp) {
   return 0;
 }
 
-/* Across nodes, a node whose ranks of a group were all masked would send no part of its steps, and the
- * others could not tell a node that rejoins from one that lags: the last live rank of a node is not
- * masked but lost (its steps fail until a worker attaches to it again, as in groups that fail). */
-static int last_live_here(const epd_engine_t *eng, const eng_group_t *grp, int rank) {
-  if (eng->o.nodes <= 1) return 0;
-  const uint32_t L = (uint32_t)eng->o.num_ranks, base = eng->o.node_rank * L;
-  for (uint32_t r = base; r < base + L; r++)
-    if ((int)r != rank && !(grp->mask >> r & 1)) return 0;
-  return 1;
-}
-
 /* Look at one client of this rank; returns 1 if it did something. */
 static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
   eng_group_t *grp = c->grp;
@@ -337,7 +326,7 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
     eng_mark_hung(grp, missing);
     fail_step(eng, grp, EPD_ERR_TIMEOUT, missing, why);
     /* groups that mask: a rank of this node (another node masks its own ranks) */
-    if (eng_local_rank(eng, missing) && !last_live_here(eng, grp, missing))
+    if (eng_local_rank(eng, missing) && !eng_net_last_live_here(eng, grp, missing))
       eng_mask_rank(eng, grp, missing, "hung past engine.step_timeout_ms");
     return 1;
   }
@@ -499,7 +488,7 @@ static void host_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
   int r = c->rank;
   /* across nodes, a group that stays here without this rank's client: the other nodes fail its steps at
    * once from the first one whose part was not sent (not after their step timeout) */
-  const int mask = grp->on_rank_loss == EPD_RANK_LOSS_MASK && !last_live_here(eng, grp, r);
+  const int mask = grp->on_rank_loss == EPD_RANK_LOSS_MASK && !eng_net_last_live_here(eng, grp, r);
   /* (a last live rank that detaches is not told: in a group that masks, telling it made two nodes whose
    * last workers ended their steps each take the other out and step alone) */
   const int gone = lost && !mask;

@@ -138,6 +138,30 @@ int net_part_missing(epd_engine_t *eng, eng_group_t *grp, const char *group, uin
   return 0;
 }
 
+int net_frames_mask(epd_engine_t *eng, eng_group_t *grp, const net_step_hdr_t *const *h, uint64_t sent,
+                    int *peer, char *why, size_t wl) {
+  const uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank;
+  uint64_t differ = 0;
+  for (uint32_t n = 0; n < eng->o.nodes; n++)
+    if (n != me && h[n]) differ |= h[n]->mask ^ sent;
+  if (!differ) return 0;
+  for (uint32_t n = 0; grp && n < eng->o.nodes; n++) {
+    /* a part sent before its node's loss came here must not take the node back in */
+    if (n == me || !h[n] || net_node_gone(eng, grp, n)) continue;
+    for (uint32_t r = n * L; r < (n + 1) * L && r < 64; r++) {
+      if ((h[n]->mask >> r & 1) && !(grp->mask >> r & 1))
+        eng_mask_rank(eng, grp, (int)r, "masked on its node");
+      if (!(h[n]->mask >> r & 1) && (grp->mask >> r & 1)) eng_unmask_rank(eng, grp, (int)r);
+    }
+  }
+  const int r = __builtin_ctzll(differ);
+  return verdict(
+      EPD_ERR_PEER, r, peer, why, wl,
+      "rank %d is %smasked on node %u but not on every node yet: the step fails, the next one runs "
+      "without the ranks each node masked",
+      r, (sent >> r & 1) ? "" : "not ", me);
+}
+
 void net_silent_why(uint32_t n, uint32_t L, uint32_t timeout_ms, char *why, size_t wl) {
   snprintf(why, wl, "waited %u ms for rank %u: node %u (ranks %u..%u) did not send its part of the step",
            timeout_ms, n * L, n, n * L, n * L + L - 1);

@@ -20,7 +20,7 @@ typedef struct net_step_hdr {
   uint32_t num_experts, hidden, topk, max_tokens;
   uint32_t map_version, staged_version; /* the map it runs, the staged one it reports (0: none) */
   uint64_t map_hash, staged_hash;
-  uint64_t mask; /* the world ranks it routed without (groups that mask lost ranks; the host backend) */
+  uint64_t mask; /* the world ranks it routed without (groups that mask lost ranks) */
   char why[176];
 } net_step_hdr_t;
 _Static_assert(sizeof(net_step_hdr_t) == 240, "net_step_hdr_t changed size");
@@ -58,6 +58,18 @@ int net_frames_status(const net_step_hdr_t *const *h, uint32_t nodes, uint32_t m
  * whose step still runs (no notice applies). Groups that mask take the node out of their next steps. */
 int net_part_missing(epd_engine_t *eng, eng_group_t *grp, const char *group, uint32_t n, uint64_t step,
                      int dispatch, uint64_t later, int *peer, char *why, size_t wl);
+/* Groups that mask: every node must have routed with the same masked ranks. Each node masks its own
+ * ranks and tells the others (CTL_MASK), and takes a node whose link is down, whose group is removed or
+ * whose last live rank was lost out of the steps (net_node_out); a step one node sent before such news
+ * came fails everywhere, at once (the first part that differs: no node waits for a part that will not
+ * come), and the next step runs with each node's own ranks as it said (taken here from the parts). h[n]:
+ * node n's header (NULL: none in, or this node), sent: the mask this node sent; grp NULL: a group
+ * removed here whose step still runs (nothing to take). */
+int net_frames_mask(epd_engine_t *eng, eng_group_t *grp, const net_step_hdr_t *const *h, uint64_t sent,
+                    int *peer, char *why, size_t wl);
+/* Every rank of node n is in mask (n is out of the steps routed with it: no part goes to it, none is
+ * waited for). */
+int net_node_masked(const epd_engine_t *eng, uint64_t mask, uint32_t n);
 /* The message of a step timeout that waited for node n's part. */
 void net_silent_why(uint32_t n, uint32_t L, uint32_t timeout_ms, char *why, size_t wl);
 

@@ -217,6 +217,20 @@ uint64_t eng_net_first_unsent(const eng_group_t *grp) {
   return ng && ng->sent_step == grp->steps ? grp->steps + 1 : grp->steps;
 }
 
+void eng_net_sent(eng_group_t *grp, uint64_t step, uint64_t mask) {
+  if (!grp->net) return;
+  NG(grp)->sent_step = step;
+  NG(grp)->sent_mask = mask;
+}
+
+int eng_net_last_live_here(const epd_engine_t *eng, const eng_group_t *grp, int rank) {
+  if (eng->o.nodes <= 1) return 0;
+  const uint32_t L = (uint32_t)eng->o.num_ranks, base = eng->o.node_rank * L;
+  for (uint32_t r = base; r < base + L; r++)
+    if ((int)r != rank && !(grp->mask >> r & 1)) return 0;
+  return 1;
+}
+
 void eng_net_group_created(epd_engine_t *eng, eng_group_t *grp) {
   epd_net_t *net = eng->o.net;
   if (eng->o.nodes <= 1 || !net) return;

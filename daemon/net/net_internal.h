@@ -252,7 +252,5 @@ void net_link_up(epd_engine_t *eng, uint32_t n);
  * (-1: every rank of it) takes part again. */
 void net_node_out(epd_engine_t *eng, eng_group_t *grp, uint32_t n, const char *why);
 void net_node_back(epd_engine_t *eng, eng_group_t *grp, uint32_t n, int r);
-/* Every rank of node n is in mask (n is out of the steps routed with it). */
-int net_node_masked(const epd_engine_t *eng, uint64_t mask, uint32_t n);
 
 #endif

@@ -78,6 +78,15 @@ void eng_net_rank_lost(epd_engine_t *eng, eng_group_t *grp, int rank, uint64_t f
 void eng_net_rank_back(epd_engine_t *eng, eng_group_t *grp, int rank);
 /* (mu) Host backend: the first step of grp whose part this node has not sent. */
 uint64_t eng_net_first_unsent(const eng_group_t *grp);
+/* This node sent its part of step `step` of grp, routed without the ranks of `mask` (the CUDA backend's
+ * step; the host backend's records it itself): eng_net_first_unsent and the answers to a node's return
+ * count from it. */
+void eng_net_sent(eng_group_t *grp, uint64_t step, uint64_t mask);
+/* Groups that mask, across nodes: rank (of this node) is the last one of its node not masked. A node whose
+ * ranks were all masked would send no part of its steps, and the others could not tell a node that
+ * rejoins from one that lags: that rank is not masked but lost (its steps fail until a worker attaches to
+ * it again), and the other nodes take the node out of their steps (CTL_LOST). */
+int eng_net_last_live_here(const epd_engine_t *eng, const eng_group_t *grp, int rank);
 
 /* Expert-map switches across nodes (maps.c; both backends run this protocol over their step
  * frames): each node reports the map it has staged in its frame of every step; when the frames of a

@@ -132,7 +132,7 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
   uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank, base = me * L, W = g->num_ranks;
   uint32_t M = g->max_tokens, H = g->hidden, K = g->topk;
   /* Masked ranks of this node take no part: their descriptors are the first live rank's, with no tokens
-   * (last_live_here in engine_host.c keeps one live). */
+   * (eng_net_last_live_here keeps one live). */
   const uint64_t mask = grp->mask;
   uint32_t first = base;
   while (first + 1 < base + L && (mask >> first & 1)) first++;
@@ -552,32 +552,14 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
   return 1;
 }
 
-/* Groups that mask: every node must have routed with the same masked ranks. Each node masks its own
- * ranks and tells the others (CTL_MASK), and takes a node whose link is down, whose group is removed or
- * whose last live rank was lost out of the steps (net_node_out); a step one node sent before such news
- * came fails everywhere, at once (the first frame that differs: no node waits for a part that will not
- * come), and the next step runs with each node's own ranks as it said (taken from the frames). */
+/* Groups that mask: every part in routed with the mask this node sent (net_frames_mask). */
 static int mask_differs(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_net_result_t *res) {
-  const uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank;
-  const uint64_t mask = ng->sent_mask;
-  uint64_t differ = 0;
+  const net_step_hdr_t *h[MAX_NODES] = {0};
   for (uint32_t n = 0; n < eng->o.nodes; n++)
-    if (n != me && ng->f[n]) differ |= ((const net_hdr_t *)ng->f[n]->buf)->s.mask ^ mask;
-  if (!differ) return 0;
-  for (uint32_t n = 0; n < eng->o.nodes; n++) {
-    /* a part sent before its node's loss came here must not take the node back in */
-    if (n == me || !ng->f[n] || net_node_gone(eng, grp, n)) continue;
-    const uint64_t hm = ((const net_hdr_t *)ng->f[n]->buf)->s.mask;
-    for (uint32_t r = n * L; r < (n + 1) * L && r < 64; r++) {
-      if ((hm >> r & 1) && !(grp->mask >> r & 1)) eng_mask_rank(eng, grp, (int)r, "masked on its node");
-      if (!(hm >> r & 1) && (grp->mask >> r & 1)) eng_unmask_rank(eng, grp, (int)r);
-    }
-  }
-  const int r = __builtin_ctzll(differ);
-  return fail(res, EPD_ERR_PEER, r,
-              "rank %d is %smasked on node %u but not on every node yet: the step fails, the next one runs "
-              "without the ranks each node masked",
-              r, (mask >> r & 1) ? "" : "not ", me);
+    if (n != eng->o.node_rank && ng->f[n]) h[n] = &((const net_hdr_t *)ng->f[n]->buf)->s;
+  int st = net_frames_mask(eng, grp, h, ng->sent_mask, &res->peer, res->why, sizeof res->why);
+  if (st) res->status = st;
+  return st != 0;
 }
 
 int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
