@@ -786,6 +786,14 @@ epd_result_t epd_engine_client_fds(epd_engine_t *eng, uint64_t client_id, int *q
 static void detach_locked(epd_engine_t *eng, eng_client_t *c, int lost, int replaced) {
   eng_group_t *grp = c->grp;
   if (!replaced || c->in_step) eng->ops->client_leave(eng, c, replaced ? 0 : lost);
+  /* A lost client's waits may still spin on its queue: a kernel that submitted from the GPU outlives its
+   * process until the GPU tears the context down (under MPS the server evicts it, and a fault while it
+   * does takes down every client of the GPU). Its submitted slots read FREE make them give up now, as a
+   * detach does (libepd's ep_release); nothing answers a lost client's slots any more. */
+  if (lost && !replaced && c->queue)
+    for (unsigned i = 0; i < EPD_QUEUE_SLOTS; i++)
+      if (eng_slot_state(&c->queue->slot[i]) == EPD_SLOT_SUBMITTED)
+        __atomic_store_n(&c->queue->slot[i].state, EPD_SLOT_FREE, __ATOMIC_RELEASE);
   if (lost)
     eng_emit(eng, "client_lost", grp, c->rank, c->id, 0, 0, grp->steps,
              "client %llu (%s, pid %u) of group %s rank %d %s", (unsigned long long)c->id, c->name, c->pid,

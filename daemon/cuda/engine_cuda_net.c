@@ -1133,6 +1133,14 @@ static cnet_grp_t *grp_of(cnet_t *cn, const eng_group_t *grp) {
   return NULL;
 }
 
+/* (mu) The step runs on this node alone (every other node out of it): no NCCL call crosses nodes, so it
+ * takes no place in node 0's order (and runs while node 0 is out). */
+static int solo(const cnet_t *cn, const cnet_grp_t *cg) {
+  for (uint32_t n = 0; n < cn->nodes; n++)
+    if (n != cn->node && !net_node_masked(cn->eng, cg->sent_mask, n)) return 0;
+  return 1;
+}
+
 /* (mu) No exchange runs: start the next one. Node 0 takes the step that became ready first and tells
  * every other node (GO, numbered); the others run steps in GO order only, so every node issues the
  * groups' NCCL calls on the world communicator in the same order. */
@@ -1154,6 +1162,11 @@ static int schedule(cnet_t *cn, uint64_t now) {
     return moved;
   }
   if (cn->remake_req || cn->remaking) return 0; /* the world communicator is being made again */
+  for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
+    if (cg->phase == PH_READY && solo(cn, cg)) {
+      start_run(cn, cg);
+      return 1;
+    }
   if (cn->node == 0) {
     cnet_grp_t *next = NULL;
     for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
@@ -1235,6 +1248,7 @@ static int ready_expired(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   epd_engine_t *eng = cn->eng;
   const uint64_t since = cg->ready_ns > cn->run_end_ns ? cg->ready_ns : cn->run_end_ns;
   char why[256], lw[160];
+  if (solo(cn, cg)) return 0; /* no order to wait for */
   if (cn->node != 0 && epd_net_node_dead(eng->o.net, 0, lw, sizeof lw)) {
     snprintf(why, sizeof why,
              "the data link to node 0 (ranks 0..%u), which orders the exchanges, is down: %s", cn->L - 1, lw);
