@@ -1,6 +1,7 @@
 /*
  * engine_cuda_net.c - the CUDA backend across nodes (see engine_cuda_net.h): control frames over the
- * daemon links, the world plan, and the NCCL point-to-point exchange around the cnet_plan.c kernels.
+ * daemon links, the verdict on every node's part, and the order of the exchanges (their running:
+ * cnet_run.c).
  */
 #define _GNU_SOURCE
 #include "cuda/engine_cuda_net.h"
@@ -9,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cuda/cnet_internal.h"
 #include "cuda/cnet_plan.h"
 #include "net/engine_net.h"
 #include "net/frame.h"
@@ -17,110 +19,9 @@
 
 #if EPD_WITH_CUDA
 #include <cuda_runtime_api.h>
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wstrict-prototypes"
-#include <nccl.h>
-#pragma GCC diagnostic pop
 
 #include "epd_kernels_net.h"
 
-enum { PH_COLLECT = 0, PH_WAIT = 1, PH_RUN = 2 };
-
-/* A node's part of a step (net/frame.h): the step header, nlocal descriptors, then (dispatch, status 0)
- * for each local rank min(num_tokens, max_tokens) rows of top-k ids (int64) followed by as many rows of
- * weights: the world plan's inputs (the tokens themselves move over NCCL). */
-
-/* One local GPU. */
-typedef struct cnet_dev {
-  int device;
-  cudaStream_t stream;
-  cudaEvent_t done, xdone;
-  uint8_t *xsend, *xrecv; /* nodes x max_tokens rows of H floats (BF16 rows use the first half) */
-  size_t xbytes;
-  uint8_t *tab_dev, *tab_host; /* the step's tables (device copy, pinned staging) */
-  size_t tab_cap;
-  cudaStream_t tkstream; /* the local rank's top-k read for the dispatch frame (send_frame) */
-  uint8_t *tk_host;      /* pinned: its top-k ids and weights */
-  size_t tk_cap;
-  size_t off[9]; /* offsets of the 9 tables in the staging buffer */
-} cnet_dev_t;
-
-enum { PH_READY = 3 }; /* every frame in, verdict OK: the exchange waits for its turn (schedule) */
-
-/* One group served: the step it collects, decides or runs. */
-typedef struct cnet_grp {
-  struct cnet_grp *next;
-  eng_group_t *grp;
-  uint64_t grp_serial; /* grp->serial when taken up (see grp_alive) */
-  char gname[EPD_GROUP_NAME_MAX];
-  epd_ref_geom_t g;
-  int phase;
-  uint64_t step;
-  int arrived[EPD_MAX_RANKS];
-  void *hold[EPD_MAX_RANKS];
-  eng_client_t *cl[EPD_MAX_RANKS];
-  uint64_t cid[EPD_MAX_RANKS];
-  epd_desc_t ldesc[EPD_MAX_RANKS]; /* local ranks' descriptors */
-  uint32_t narrived;
-  uint64_t first_ns, last_ns, run_ns;
-  uint64_t ready_seq, ready_ns;   /* PH_READY: in which order (node 0 orders by it) and since when */
-  uint8_t *frame[CNET_MAX_NODES]; /* every node's payload of the step (own included) */
-  size_t flen[CNET_MAX_NODES];
-  int plan_init;
-  epd_ref_plan_t plan[EPD_NUM_BANKS];
-  int plan_valid[EPD_NUM_BANKS];
-  uint64_t plan_mask[EPD_NUM_BANKS]; /* the mask each bank's dispatch ran with */
-  /* Groups that mask lost ranks: the world ranks the step was routed without, as this node sent it (every
-   * part must say the same: net_frames_mask). Masked ranks of this node take no part: no slot, no tokens. */
-  uint64_t sent_mask;
-  uint32_t op, bank, fp8, mode, op_version;
-  /* Where a step's time goes (logged when the group goes away), per dispatch [0] / combine [1]: last
-   * local arrival -> frame sent, -> every frame in, -> work issued (plan, tables, launches), -> GPUs
-   * done. */
-  uint64_t t_sent, t_in, t_issued;
-  uint64_t prof_n[2], prof_ns[2][4];
-  uint64_t behind; /* steps that found another group's exchange running or ready (logged with the profile) */
-  eng_map_vote_t vote; /* expert-map switches, the protocol of both backends (engine_internal.h) */
-  /* The group removed here (its last local client left) while its step was past collect: what the step
-   * still needs of the group, kept so that it is decided and its exchange runs as on the other nodes
-   * (whose NCCL calls would otherwise find no partner here). Valid if orphan. */
-  int orphan;
-  epd_expert_map_t omap;
-  epd_buffer_desc_t obufs[EPD_MAX_BUFFERS];
-  uint32_t onbufs;
-} cnet_grp_t;
-
-/* Node 0's word on the next exchange (a payload of group "" numbered by cnet.go_seq): every node runs the
- * groups' exchanges in this order, so the NCCL calls on the world communicator match. */
-typedef struct cnet_go {
-  char group[EPD_GROUP_NAME_MAX];
-  uint64_t step;
-} cnet_go_t;
-
-struct cnet {
-  epd_engine_t *eng;
-  epd_cc_t *cc;
-  uint32_t L, nodes, node, W;
-  char gin[2048]; /* the start-up GIN probe's line (epd_cc_gin_probe): every local rank's result when they
-                     differ */
-  cnet_dev_t d[EPD_MAX_RANKS];
-  cnet_grp_t *groups; /* the groups served (those with a client on this node) */
-  cnet_grp_t *run;    /* the group whose step runs: one exchange at a time */
-  uint64_t run_end_ns;
-  uint64_t go_seq; /* node 0: exchanges ordered so far; other nodes: the number of the next GO */
-  uint64_t ready_ctr;
-  cnet_go_t go; /* other nodes: GO go_seq, taken, its step not yet ready here */
-  int go_have;
-  uint64_t go_ns; /* when go was taken */
-  cnet_addr_t addr[EPD_MAX_RANKS];
-  cnet_prog_t prog;
-  /* A restarted node joins (eng_cuda_net_remake): the world communicator is made again over remake_id by
-   * a thread of its own once no exchange runs; meanwhile no exchange starts here. */
-  int remake_req, remaking, remake_started;
-  int remake_cancel; /* (atomic) give the attempt up: stopping, or a newer id came */
-  pthread_t remake_th;
-  uint8_t remake_id[EPD_CC_UNIQUE_ID_BYTES];
-};
 #define REMAKE_LIMIT_MS 60000u /* the restarted node's ranks must join within this */
 
 /* ---- create / destroy ----------------------------------------------------------------------------- */
@@ -170,23 +71,7 @@ epd_result_t eng_cuda_net_create(epd_engine_t *eng, epd_cc_t *cc, const int *dev
   return EPD_OK;
 }
 
-static void dev_free(cnet_t *cn) {
-  for (uint32_t l = 0; l < cn->L; l++) {
-    cnet_dev_t *d = &cn->d[l];
-    cudaSetDevice(d->device);
-    if (d->xsend) cudaFree(d->xsend);
-    if (d->xrecv) cudaFree(d->xrecv);
-    d->xsend = d->xrecv = NULL;
-    d->xbytes = 0;
-  }
-}
-
-/* (mu) Answer the step's slots and start collecting the next one. */
-static void complete_all(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const char *why);
-
-/* (mu) The group is still the one the stage took up: same address and serial (a group removed and
- * created again may get the freed memory back). */
-static int grp_alive(cnet_t *cn, cnet_grp_t *cg) {
+int cnet_grp_alive(cnet_t *cn, cnet_grp_t *cg) {
   for (eng_group_t *g = cn->eng->groups; g; g = g->next)
     if (g == cg->grp && g->serial == cg->grp_serial) return 1;
   return 0;
@@ -224,7 +109,7 @@ static void group_free(cnet_t *cn, cnet_grp_t *cg) {
     }
   if (cn->run == cg) cn->run = NULL;
   free(cg);
-  if (!cn->groups) dev_free(cn);
+  if (!cn->groups) cnet_dev_free(cn);
 }
 
 const char *eng_cuda_net_gin(const cnet_t *cn) {
@@ -309,7 +194,7 @@ void eng_cuda_net_destroy(cnet_t *cn) {
   pthread_mutex_lock(&eng->mu);
   while (cn->groups) {
     cnet_grp_t *cg = cn->groups;
-    if (cg->narrived) complete_all(cn, cg, EPD_ERR_CLOSED, -1, "the daemon is stopping");
+    if (cg->narrived) cnet_complete(cn, cg, EPD_ERR_CLOSED, -1, "the daemon is stopping");
     group_free(cn, cg);
   }
   pthread_mutex_unlock(&eng->mu);
@@ -363,7 +248,7 @@ static void leave_step(cnet_t *cn, cnet_grp_t *cg, eng_client_t *c, int lost, in
     char why[160];
     snprintf(why, sizeof why, "client %llu of rank %d %s mid-step", (unsigned long long)c->id, c->rank,
              lost ? "died" : "detached");
-    complete_all(cn, cg, EPD_ERR_PEER, c->rank, why);
+    cnet_complete(cn, cg, EPD_ERR_PEER, c->rank, why);
   }
 }
 
@@ -396,9 +281,9 @@ static void answer(epd_engine_t *eng, eng_group_t *grp, eng_client_t *c, const e
   eng_record_op(eng, c->rank, d->op, comp->status, bytes, comp->latency_ns);
 }
 
-static void complete_all(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const char *why) {
+void cnet_complete(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const char *why) {
   epd_engine_t *eng = cn->eng;
-  int alive = grp_alive(cn, cg);
+  int alive = cnet_grp_alive(cn, cg);
   eng_group_t *grp = alive ? cg->grp : NULL;
   uint64_t now = eng_now_ns();
   /* the step's op, its mask and the bank it leaves open: a dispatch that ran waits for its combine (a
@@ -651,7 +536,7 @@ static int collect(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   char why[160];
   int lost = eng_lost_rank(grp, why, sizeof why);
   if (lost >= 0) {
-    complete_all(cn, cg, EPD_ERR_PEER, lost, why);
+    cnet_complete(cn, cg, EPD_ERR_PEER, lost, why);
     return 1;
   }
   if (now > cg->first_ns && now - cg->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
@@ -662,7 +547,7 @@ static int collect(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
     snprintf(why, sizeof why, "waited %u ms for rank %d", eng->o.step_timeout_ms, missing);
     eng_mark_hung(grp, missing);
     if (missing >= 0) eng->rank[missing].timeouts++;
-    complete_all(cn, cg, EPD_ERR_TIMEOUT, missing, why);
+    cnet_complete(cn, cg, EPD_ERR_TIMEOUT, missing, why);
     /* groups that mask go on without it (not a node's last live rank: eng_net_last_live_here) */
     if (missing >= 0 && !eng_net_last_live_here(eng, grp, missing))
       eng_mask_rank(eng, grp, missing, "hung past engine.step_timeout_ms");
@@ -682,7 +567,7 @@ static int collect(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
 
 /* (mu) Every node's frame is in: the same verdict on every node. EPD_OK: run the step. */
 static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
-  const epd_expert_map_t *map = grp_alive(cn, cg) ? &cg->grp->map : cg->orphan ? &cg->omap : NULL;
+  const epd_expert_map_t *map = cnet_grp_alive(cn, cg) ? &cg->grp->map : cg->orphan ? &cg->omap : NULL;
   uint32_t L = cn->L, W = cn->W, nodes = cn->nodes, M = cg->g.max_tokens, K = cg->g.topk;
   const net_step_hdr_t *h[CNET_MAX_NODES] = {0};
   epd_desc_t d[EPD_MAX_RANKS];
@@ -756,7 +641,7 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
   const epd_expert_map_t *route = map;
   epd_expert_map_t masked;
   memset(&masked, 0, sizeof masked);
-  if (cg->sent_mask && grp_alive(cn, cg) && cg->sent_mask == cg->grp->mask)
+  if (cg->sent_mask && cnet_grp_alive(cn, cg) && cg->sent_mask == cg->grp->mask)
     route = eng_route_map(cg->grp);
   else if (cg->sent_mask && epd_ref_map_mask(&masked, map, cg->sent_mask))
     FAIL(EPD_ERR_NOMEM, -1, "out of memory for the step's masked map");
@@ -780,295 +665,12 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
 }
 #undef FAIL
 
-/* ---- running -------------------------------------------------------------------------------------- */
-
-/* (mu) Addresses of the step's buffers on every local rank; 0 or -1 (a buffer is missing). */
-static int fill_addr(cnet_t *cn, cnet_grp_t *cg) {
-  const int alive = grp_alive(cn, cg);
-  const epd_buffer_desc_t *bufs = alive ? cg->grp->bufs : cg->obufs;
-  const uint32_t nbufs = alive ? cg->grp->nbufs : cg->orphan ? cg->onbufs : 0;
-  uint32_t M = cg->g.max_tokens, H = cg->g.hidden;
-  for (uint32_t l = 0; l < cn->L; l++) {
-    cnet_addr_t *a = &cn->addr[l];
-    memset(a, 0, sizeof *a);
-    uint64_t base = eng_cuda_client_arena(cg->hold[l]); /* 0: a masked rank (no tokens, none to it) */
-    for (uint32_t i = 0; i < nbufs && base; i++)
-      if (bufs[i].bank == cg->bank && bufs[i].kind < EPD_BUF_KINDS)
-        a->buf[bufs[i].kind] = base + bufs[i].offset;
-    for (uint32_t n = 0; n < cn->nodes; n++) {
-      uint64_t o = (uint64_t)n * M * H * 4;
-      a->xsend[n] = a->psend[n] = (uint64_t)(uintptr_t)cn->d[l].xsend + o;
-      a->xrecv[n] = a->precv[n] = (uint64_t)(uintptr_t)cn->d[l].xrecv + o;
-    }
-  }
-  return 0;
-}
-
-/* (mu) Exchange buffers for the group's geometry. */
-static epd_result_t dev_alloc(cnet_t *cn, cnet_grp_t *cg, char *err, size_t errlen) {
-  size_t need = (size_t)cn->nodes * cg->g.max_tokens * cg->g.hidden * 4;
-  for (uint32_t l = 0; l < cn->L; l++) {
-    cnet_dev_t *d = &cn->d[l];
-    if (d->xbytes >= need) continue;
-    cudaSetDevice(d->device);
-    if (d->xsend) cudaFree(d->xsend);
-    if (d->xrecv) cudaFree(d->xrecv);
-    d->xsend = d->xrecv = NULL;
-    d->xbytes = 0;
-    cudaError_t e = cudaMalloc((void **)&d->xsend, need);
-    if (!e) e = cudaMalloc((void **)&d->xrecv, need);
-    if (e) {
-      snprintf(err, errlen, "cudaMalloc of %zu bytes of exchange buffers on GPU %d: %s", need, d->device,
-               cudaGetErrorString(e));
-      return EPD_ERR_NOMEM;
-    }
-    d->xbytes = need;
-  }
-  return EPD_OK;
-}
-
-/* Copy the side's 9 tables into the staging buffer and to the GPU (stream-ordered). */
-static epd_result_t upload(cnet_dev_t *d, const cnet_side_t *s, char *err, size_t errlen) {
-  const cnet_vec_t *v[9] = {&s->pre_rows, &s->post_rows, &s->puts,       &s->pre_off, &s->pre_terms,
-                            &s->pre_out,  &s->post_off,  &s->post_terms, &s->post_out};
-  size_t total = 0;
-  for (int i = 0; i < 9; i++) {
-    d->off[i] = total;
-    total += (v[i]->len + 255) / 256 * 256;
-  }
-  if (!total) return EPD_OK;
-  cudaError_t e;
-  if (total > d->tab_cap) {
-    size_t cap = total * 2;
-    if (d->tab_dev) cudaFree(d->tab_dev);
-    if (d->tab_host) cudaFreeHost(d->tab_host);
-    d->tab_dev = d->tab_host = NULL;
-    d->tab_cap = 0;
-    if ((e = cudaMalloc((void **)&d->tab_dev, cap)) || (e = cudaHostAlloc((void **)&d->tab_host, cap, 0))) {
-      snprintf(err, errlen, "allocating %zu bytes of step tables: %s", cap, cudaGetErrorString(e));
-      return EPD_ERR_NOMEM;
-    }
-    d->tab_cap = cap;
-  }
-  for (int i = 0; i < 9; i++)
-    if (v[i]->len) memcpy(d->tab_host + d->off[i], v[i]->p, v[i]->len);
-  if ((e = cudaMemcpyAsync(d->tab_dev, d->tab_host, total, cudaMemcpyHostToDevice, d->stream))) {
-    snprintf(err, errlen, "cudaMemcpyAsync (step tables): %s", cudaGetErrorString(e));
-    return EPD_ERR_CUDA;
-  }
-  return EPD_OK;
-}
-
-#define TAB(d, i, type) ((const type *)((d)->tab_dev + (d)->off[i]))
-
-/* Issue the step on every local GPU (no mu: the clients' memory is held, the program is ours). */
-static epd_result_t issue(cnet_t *cn, cnet_grp_t *cg, char *err, size_t errlen) {
-  cnet_prog_t *pg = &cn->prog;
-  uint32_t L = cn->L, H = cg->g.hidden;
-  int combine = pg->combine;
-  epd_result_t rc;
-  for (uint32_t l = 0; l < L; l++) {
-    cnet_dev_t *d = &cn->d[l];
-    const cnet_side_t *s = &pg->side[l];
-    cudaSetDevice(d->device);
-    if ((rc = upload(d, s, err, errlen))) return rc;
-    rc = combine
-             ? epd_k_net_wsum(TAB(d, 3, uint32_t), TAB(d, 4, epd_k_net_term_t), TAB(d, 5, uint64_t),
-                              cnet_count(&s->pre_out, 8), H, 1, d->stream)
-             : epd_k_net_rows(TAB(d, 0, epd_k_net_row_t), cnet_count(&s->pre_rows, sizeof(epd_k_net_row_t)),
-                              H, (int)cg->fp8, d->stream);
-    if (rc) {
-      snprintf(err, errlen, "launching the %s kernel on GPU %d failed", combine ? "partial-sum" : "pack",
-               d->device);
-      return rc;
-    }
-  }
-  /* The exchange: one grouped send/recv per rail peer of every other node. */
-  ncclResult_t nr = ncclGroupStart();
-  for (uint32_t l = 0; l < L && nr == ncclSuccess; l++) {
-    cnet_dev_t *d = &cn->d[l];
-    const cnet_side_t *s = &pg->side[l];
-    ncclComm_t comm = epd_cc_world(cn->cc, (int)l);
-    for (uint32_t n = 0; n < cn->nodes && nr == ncclSuccess; n++) {
-      if (n == cn->node) continue;
-      size_t o = (size_t)n * cg->g.max_tokens * H * 4;
-      int peer = (int)(n * L + l);
-      if (s->send_rows[n])
-        nr = ncclSend(d->xsend + o, s->send_rows[n] * pg->row_bytes, ncclUint8, peer, comm, d->stream);
-      if (nr == ncclSuccess && s->recv_rows[n])
-        nr = ncclRecv(d->xrecv + o, s->recv_rows[n] * pg->row_bytes, ncclUint8, peer, comm, d->stream);
-    }
-  }
-  ncclResult_t ne = ncclGroupEnd();
-  if (nr == ncclSuccess) nr = ne;
-  if (nr == ncclInProgress) { /* world communicators made again are non-blocking (epd_cc_world_remake) */
-    const char *why = epd_cc_world_wait(cn->cc, cn->eng->o.step_timeout_ms);
-    if (why) {
-      snprintf(err, errlen, "ncclSend/ncclRecv: %s", why);
-      return EPD_ERR_NCCL;
-    }
-    nr = ncclSuccess;
-  }
-  if (nr != ncclSuccess) {
-    snprintf(err, errlen, "ncclSend/ncclRecv: %s (%s)", ncclGetErrorString(nr), ncclGetLastError(NULL));
-    return EPD_ERR_NCCL;
-  }
-  /* Expansion reads the siblings' received rows: every GPU's exchange first. */
-  if (!combine && L > 1) {
-    for (uint32_t l = 0; l < L; l++) {
-      cudaSetDevice(cn->d[l].device);
-      cudaEventRecord(cn->d[l].xdone, cn->d[l].stream);
-    }
-    for (uint32_t l = 0; l < L; l++) {
-      cudaSetDevice(cn->d[l].device);
-      for (uint32_t p = 0; p < L; p++)
-        if (p != l) cudaStreamWaitEvent(cn->d[l].stream, cn->d[p].xdone, 0);
-    }
-  }
-  for (uint32_t l = 0; l < L; l++) {
-    cnet_dev_t *d = &cn->d[l];
-    const cnet_side_t *s = &pg->side[l];
-    cudaSetDevice(d->device);
-    if (combine) {
-      rc = epd_k_net_wsum(TAB(d, 6, uint32_t), TAB(d, 7, epd_k_net_term_t), TAB(d, 8, uint64_t),
-                          cnet_count(&s->post_out, 8), H, 0, d->stream);
-    } else {
-      rc = epd_k_net_rows(TAB(d, 1, epd_k_net_row_t), cnet_count(&s->post_rows, sizeof(epd_k_net_row_t)), H,
-                          (int)cg->fp8, d->stream);
-      if (!rc)
-        rc = epd_k_net_put(TAB(d, 2, epd_k_net_put_t), cnet_count(&s->puts, sizeof(epd_k_net_put_t)),
-                           d->stream);
-    }
-    if (rc) {
-      snprintf(err, errlen, "launching the %s kernel on GPU %d failed", combine ? "combine" : "expand",
-               d->device);
-      return rc;
-    }
-    cudaError_t e = cudaEventRecord(d->done, d->stream);
-    if (e) {
-      snprintf(err, errlen, "cudaEventRecord: %s", cudaGetErrorString(e));
-      return EPD_ERR_CUDA;
-    }
-  }
-  return EPD_OK;
-}
-
-/* (mu) The step's turn (schedule): run it (mu released while issuing). */
-static void start_run(cnet_t *cn, cnet_grp_t *cg) {
-  epd_engine_t *eng = cn->eng;
-  char err[256] = "";
-  epd_result_t rc = dev_alloc(cn, cg, err, sizeof err);
-  if (!rc) {
-    fill_addr(cn, cg);
-    const epd_ref_plan_t *plan = &cg->plan[cg->bank];
-    rc = eng_op_dispatch(cg->op)
-             ? cnet_build_dispatch(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cg->mode, (int)cg->fp8,
-                                   cn->addr)
-             : cnet_build_combine(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cg->mode, cn->addr);
-    if (rc) snprintf(err, sizeof err, "building the step program failed (%d)", rc);
-  }
-  if (rc) {
-    /* Every node decided to run: a node that cannot makes the others' exchange hang, so fail for good. */
-    eng_fail(eng, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, err);
-    complete_all(cn, cg, rc, -1, err);
-    return;
-  }
-  cg->phase = PH_RUN;
-  cg->run_ns = eng_now_ns();
-  cn->run = cg;
-  pthread_mutex_unlock(&eng->mu);
-  rc = issue(cn, cg, err, sizeof err);
-  cg->t_issued = eng_now_ns();
-  pthread_mutex_lock(&eng->mu);
-  if (rc) {
-    EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, err);
-    eng_fail(eng, "group %s step %llu: inter-node stage: %s", cg->gname, (unsigned long long)cg->step, err);
-    epd_cc_abort(cn->cc);
-    complete_all(cn, cg, rc, -1, err);
-  }
-}
-
-/* (mu) The step's GPU work: done, failed, or past the timeout. */
-static int poll_run(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
-  epd_engine_t *eng = cn->eng;
-  int ready = 1;
-  for (uint32_t l = 0; l < cn->L; l++) {
-    cudaSetDevice(cn->d[l].device);
-    cudaError_t e = cudaEventQuery(cn->d[l].done);
-    if (e == cudaErrorNotReady) {
-      ready = 0;
-      continue;
-    }
-    if (e != cudaSuccess) {
-      EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: GPU %d failed: %s", cg->gname, (unsigned long long)cg->step,
-               cn->d[l].device, cudaGetErrorString(e));
-      eng_fail(eng, "GPU %d: inter-node stage failed: %s", cn->d[l].device, cudaGetErrorString(e));
-      complete_all(cn, cg, EPD_ERR_CUDA, -1, cudaGetErrorString(e));
-      return 1;
-    }
-  }
-  if (ready) {
-    eng_group_t *grp = grp_alive(cn, cg) ? cg->grp : NULL;
-    if (grp && eng_op_dispatch(cg->op)) {
-      /* Statistics count this node's ranks' tokens (as the host backend's scale-out does). */
-      const epd_ref_plan_t *p = &cg->plan[cg->bank];
-      uint32_t M = cg->g.max_tokens, K = cg->g.topk, S = cg->g.slots_per_rank;
-      const uint8_t *f =
-          (const uint8_t *)(net_step_descs((const net_step_hdr_t *)cg->frame[cn->node]) + cn->L);
-      for (uint32_t l = 0; l < cn->L; l++) {
-        uint32_t src = cn->node * cn->L + l;
-        const int64_t *idx = (const int64_t *)f;
-        f += (size_t)p->num_tokens[src] * K * 12;
-        for (uint32_t t = 0; t < p->num_tokens[src]; t++)
-          for (uint32_t k = 0; k < K; k++) {
-            size_t row = ((size_t)src * M + t) * K + k;
-            if (p->dst_rank[row] < 0) continue;
-            int64_t e = idx[(size_t)t * K + k];
-            if (e >= 0 && e < (int64_t)cg->g.num_experts) grp->expert_tokens[e]++;
-            grp->slot_tokens[(size_t)p->dst_rank[row] * S + (size_t)p->dst_slot[row]]++;
-          }
-      }
-      cg->plan_valid[cg->bank] = 1;
-      cg->plan_mask[cg->bank] = cg->sent_mask;
-    }
-    uint64_t tx = 0, rx = 0; /* the exchange's payload counts with the control frames (metrics) */
-    for (uint32_t l = 0; l < cn->L; l++)
-      for (uint32_t n = 0; n < cn->nodes; n++) {
-        tx += (uint64_t)cn->prog.side[l].send_rows[n] * cn->prog.row_bytes;
-        rx += (uint64_t)cn->prog.side[l].recv_rows[n] * cn->prog.row_bytes;
-      }
-    epd_net_add_bytes(eng->o.net, tx, rx);
-    int o = !eng_op_dispatch(cg->op);
-    uint64_t t_done = eng_now_ns();
-    cg->prof_n[o]++;
-    cg->prof_ns[o][0] += cg->t_sent - cg->last_ns;
-    cg->prof_ns[o][1] += cg->t_in - cg->t_sent;
-    cg->prof_ns[o][2] += cg->t_issued - cg->t_in;
-    cg->prof_ns[o][3] += t_done - cg->t_issued;
-    complete_all(cn, cg, EPD_OK, -1, NULL);
-    return 1;
-  }
-  if (now > cg->run_ns && now - cg->run_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
-    char why[200];
-    snprintf(why, sizeof why,
-             "the inter-node exchange did not finish within %u ms (a node stopped mid-step?): world "
-             "communicator aborted",
-             eng->o.step_timeout_ms);
-    EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
-    epd_cc_abort(cn->cc);
-    eng_fail(eng, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
-    complete_all(cn, cg, EPD_ERR_TIMEOUT, -1, why);
-    return 1;
-  }
-  return 0;
-}
-
 /* (mu) Wait for every node's frame of the step. */
 static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   epd_engine_t *eng = cn->eng;
   epd_net_t *net = eng->o.net;
   uint32_t L = cn->L;
-  const int alive = grp_alive(cn, cg); /* a removed group's kept step (orphan) has no notices to heed */
+  const int alive = cnet_grp_alive(cn, cg); /* a removed group's kept step (orphan) has no notices to heed */
   const uint64_t since = alive ? eng_net_frames_since(cg->grp) : 0;
   /* every part that came, then what a missing one means */
   uint64_t later[CNET_MAX_NODES] = {0}; /* node n's part of a later step came with none of this one's */
@@ -1090,7 +692,7 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   int peer = -1, st;
   if ((st = net_frames_mask(eng, alive ? cg->grp : NULL, h, cg->sent_mask, &peer, why, sizeof why))) {
     EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
-    complete_all(cn, cg, st, peer, why);
+    cnet_complete(cn, cg, st, peer, why);
     return 1;
   }
   for (uint32_t n = 0; missing && n < cn->nodes; n++) {
@@ -1099,14 +701,14 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
                           eng_op_dispatch(cg->ldesc[0].op), later[n], &peer, why, sizeof why);
     if (st) {
       EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
-      complete_all(cn, cg, st, peer, why);
+      cnet_complete(cn, cg, st, peer, why);
       return 1;
     }
     if (now > cg->first_ns && now - cg->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
       net_silent_why(n, L, eng->o.step_timeout_ms, why, sizeof why);
       EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
       eng->rank[n * L].timeouts++;
-      complete_all(cn, cg, EPD_ERR_TIMEOUT, (int)(n * L), why);
+      cnet_complete(cn, cg, EPD_ERR_TIMEOUT, (int)(n * L), why);
       return 1;
     }
   }
@@ -1114,7 +716,7 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   cg->t_in = eng_now_ns();
   st = decide(cn, cg, &peer, why, sizeof why);
   if (st) {
-    complete_all(cn, cg, st, peer, why);
+    cnet_complete(cn, cg, st, peer, why);
     return 1;
   }
   int behind = cn->run != NULL;
@@ -1156,7 +758,7 @@ static int schedule(cnet_t *cn, uint64_t now) {
     int moved = 0;
     for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
       if (cg->phase == PH_READY) {
-        complete_all(cn, cg, EPD_ERR_INTERNAL, -1, why);
+        cnet_complete(cn, cg, EPD_ERR_INTERNAL, -1, why);
         moved = 1;
       }
     return moved;
@@ -1164,7 +766,7 @@ static int schedule(cnet_t *cn, uint64_t now) {
   if (cn->remake_req || cn->remaking) return 0; /* the world communicator is being made again */
   for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
     if (cg->phase == PH_READY && solo(cn, cg)) {
-      start_run(cn, cg);
+      cnet_start_run(cn, cg);
       return 1;
     }
   if (cn->node == 0) {
@@ -1182,7 +784,7 @@ static int schedule(cnet_t *cn, uint64_t now) {
         EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: the exchange order not sent to node %u (link down)",
                  next->gname, (unsigned long long)next->step, n);
     cn->go_seq++;
-    start_run(cn, next);
+    cnet_start_run(cn, next);
     return 1;
   }
   if (!cn->go_have) {
@@ -1207,12 +809,12 @@ static int schedule(cnet_t *cn, uint64_t now) {
     cg = cg->next;
   if (!cg) {
     cg = cn->groups;
-    while (cg && (strcmp(cg->gname, cn->go.group) || !grp_alive(cn, cg))) cg = cg->next;
+    while (cg && (strcmp(cg->gname, cn->go.group) || !cnet_grp_alive(cn, cg))) cg = cg->next;
   }
   if (cg && cg->phase == PH_READY && cg->step == cn->go.step) {
     cn->go_have = 0;
     cn->go_seq++;
-    start_run(cn, cg);
+    cnet_start_run(cn, cg);
     return 1;
   }
   /* A step this node already finished or failed (or of a group gone here): node 0's exchange has no
@@ -1252,7 +854,7 @@ static int ready_expired(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   if (cn->node != 0 && epd_net_node_dead(eng->o.net, 0, lw, sizeof lw)) {
     snprintf(why, sizeof why,
              "the data link to node 0 (ranks 0..%u), which orders the exchanges, is down: %s", cn->L - 1, lw);
-    complete_all(cn, cg, EPD_ERR_PEER, 0, why);
+    cnet_complete(cn, cg, EPD_ERR_PEER, 0, why);
     return 1;
   }
   if (cn->node == 0 || cn->run || now <= since ||
@@ -1261,7 +863,7 @@ static int ready_expired(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   snprintf(why, sizeof why, "waited %u ms for node 0 (rank 0) to order the step's exchange",
            eng->o.step_timeout_ms);
   EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
-  complete_all(cn, cg, EPD_ERR_TIMEOUT, 0, why);
+  cnet_complete(cn, cg, EPD_ERR_TIMEOUT, 0, why);
   return 1;
 }
 
@@ -1274,7 +876,7 @@ int eng_cuda_net_poll(cnet_t *cn) {
   /* groups removed (not while their exchange runs) */
   for (cnet_grp_t *cg = cn->groups, *next; cg; cg = next) {
     next = cg->next;
-    if (cg != cn->run && !grp_alive(cn, cg) &&
+    if (cg != cn->run && !cnet_grp_alive(cn, cg) &&
         !(cg->orphan && (cg->phase == PH_WAIT || cg->phase == PH_READY)))
       group_free(cn, cg);
   }
@@ -1302,9 +904,9 @@ int eng_cuda_net_poll(cnet_t *cn) {
     while (*tail) tail = &(*tail)->next;
     *tail = cg;
   }
-  if (cn->run) moved |= poll_run(cn, cn->run, now);
+  if (cn->run) moved |= cnet_poll_run(cn, cn->run, now);
   for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next) {
-    if (cg->phase == PH_COLLECT && grp_alive(cn, cg)) moved |= collect(cn, cg, now);
+    if (cg->phase == PH_COLLECT && cnet_grp_alive(cn, cg)) moved |= collect(cn, cg, now);
     if (cg->phase == PH_WAIT) moved |= wait_frames(cn, cg, now);
   }
   if (!cn->run) moved |= schedule(cn, now);
