@@ -363,6 +363,7 @@ epd_result_t epd_engine_create(const epd_engine_opts_t *opts, epd_engine_event_f
 
 static void group_free(const epd_engine_t *eng, eng_group_t *g) {
   if (eng->so) eng->so->group_free(g);
+  if (eng->ops->group_free) eng->ops->group_free(g);
   epd_expert_map_free(&g->map);
   epd_expert_map_free(&g->staged);
   epd_expert_map_free(&g->mask_map);

@@ -115,12 +115,7 @@ struct eng_group {
   uint32_t nbufs;
   epd_buffer_desc_t bufs[EPD_MAX_BUFFERS];
   uint64_t arena_bytes;
-  /* Step being collected (host backend). */
-  uint32_t narrived;
-  int arrived[EPD_MAX_RANKS];
-  epd_desc_t desc[EPD_MAX_RANKS];
-  uint64_t arrive_ns[EPD_MAX_RANKS];
-  uint64_t first_arrive_ns;
+  void *be;  /* the backend's state of the group (ops->group_free releases it), NULL: none */
   void *net; /* the scale-out layer's state of the group (eng_scaleout_t), NULL on one node */
 };
 
@@ -154,6 +149,8 @@ typedef struct eng_backend_ops {
   void (*client_leave)(epd_engine_t *eng, eng_client_t *c, int lost);
   /* (mu) Release the client's memory and fds. */
   void (*client_free)(epd_engine_t *eng, eng_client_t *c);
+  /* Optional: release grp->be (the group is freed). */
+  void (*group_free)(eng_group_t *grp);
   /* (mu) Optional: run the staged map's weight copies (grp->staged_copies) between the clients'
    * EPD_BUF_EXPERT_WEIGHTS regions and return when they are done; returns bytes copied. NULL: the
    * regions are CPU-visible (c->arena) and the core copies them with memmove. */

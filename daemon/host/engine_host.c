@@ -40,6 +40,16 @@ typedef struct host_rank {
   int started;
 } host_rank_t;
 
+/* A group's step being collected (grp->be, made at its first client's allocation). */
+typedef struct host_grp {
+  uint32_t narrived;
+  int arrived[EPD_MAX_RANKS];
+  epd_desc_t desc[EPD_MAX_RANKS];
+  uint64_t arrive_ns[EPD_MAX_RANKS];
+  uint64_t first_arrive_ns;
+} host_grp_t;
+#define HG(grp) ((host_grp_t *)(grp)->be)
+
 typedef struct host_be {
   atomic_int stop;
   pthread_cond_t attached; /* signalled (under eng->mu) when a client attaches: wakes client-less ranks */
@@ -94,36 +104,36 @@ static void finish_step(epd_engine_t *eng, eng_group_t *grp, int status, int pee
   uint32_t R = grp->g.num_ranks;
   int last_rank = -1;
   for (uint32_t r = 0; r < R; r++)
-    if (grp->arrived[r] && grp->arrive_ns[r] >= last) {
-      last = grp->arrive_ns[r];
+    if (HG(grp)->arrived[r] && HG(grp)->arrive_ns[r] >= last) {
+      last = HG(grp)->arrive_ns[r];
       last_rank = (int)r;
     }
   /* Time each rank waited for the last arrival, charged to that peer. */
   if (status == EPD_OK && last_rank >= 0)
     for (uint32_t r = 0; r < R; r++)
-      if (grp->arrived[r]) eng->rank[r].wait_ns_by_peer[last_rank] += last - grp->arrive_ns[r];
+      if (HG(grp)->arrived[r]) eng->rank[r].wait_ns_by_peer[last_rank] += last - HG(grp)->arrive_ns[r];
   for (uint32_t r = 0; r < R; r++) {
-    if (!grp->arrived[r]) continue;
+    if (!HG(grp)->arrived[r]) continue;
     eng_client_t *c = grp->client[r];
     if (c && c->in_step)
-      complete_slot(eng, c, &grp->desc[r], status, peer, map_version, num_recv ? num_recv[r] : 0, grp->steps,
-                    now - last, bytes ? bytes[r] : 0, masked);
-    grp->arrived[r] = 0;
+      complete_slot(eng, c, &HG(grp)->desc[r], status, peer, map_version, num_recv ? num_recv[r] : 0,
+                    grp->steps, now - last, bytes ? bytes[r] : 0, masked);
+    HG(grp)->arrived[r] = 0;
   }
   memset(grp->step_dropped, 0, sizeof grp->step_dropped);
-  grp->narrived = 0;
+  HG(grp)->narrived = 0;
   grp->steps++;
 }
 
 static void fail_step(epd_engine_t *eng, eng_group_t *grp, int status, int peer, const char *why) {
   uint32_t op = 0;
   for (uint32_t r = 0; r < grp->g.num_ranks; r++)
-    if (grp->arrived[r]) op = grp->desc[r].op;
+    if (HG(grp)->arrived[r]) op = HG(grp)->desc[r].op;
   /* A failed dispatch leaves its bank without routing: a combine of it must fail, not reuse old state. */
   for (uint32_t r = 0; r < grp->g.num_ranks; r++)
-    if (grp->arrived[r] && grp->desc[r].bank < EPD_NUM_BANKS) {
-      if (eng_op_dispatch(grp->desc[r].op)) grp->plan_valid[grp->desc[r].bank] = 0;
-      grp->open_banks &= ~(1u << grp->desc[r].bank); /* its combine fails, or failed */
+    if (HG(grp)->arrived[r] && HG(grp)->desc[r].bank < EPD_NUM_BANKS) {
+      if (eng_op_dispatch(HG(grp)->desc[r].op)) grp->plan_valid[HG(grp)->desc[r].bank] = 0;
+      grp->open_banks &= ~(1u << HG(grp)->desc[r].bank); /* its combine fails, or failed */
     }
   const char *kind = status == EPD_ERR_TIMEOUT ? "timeout" : "error";
   eng_emit(eng, kind, grp, peer, 0, 0, 0, grp->steps, "group %s step %llu (op %u) failed: %s: %s", grp->name,
@@ -163,7 +173,7 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
   while (first < R && !LIVE(first)) first++;
   for (uint32_t r = 0; r < R; r++) {
     if (!LIVE(r)) continue;
-    const epd_desc_t *d = &grp->desc[r];
+    const epd_desc_t *d = &HG(grp)->desc[r];
     if (!eng_op_ok(d->op)) {
       snprintf(why, sizeof why, "rank %u: op %u out of range [1, %u]", r, d->op, EPD_OP_MAX - 1);
       return fail_step(eng, grp, EPD_ERR_INVALID, (int)r, why);
@@ -175,9 +185,9 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
     const int fl = eng_check_flags(d, r, 0, why, sizeof why);
     if (fl) return fail_step(eng, grp, fl, (int)r, why);
   }
-  const epd_desc_t *d0 = &grp->desc[first];
+  const epd_desc_t *d0 = &HG(grp)->desc[first];
   for (uint32_t r = first + 1; r < R; r++) {
-    const epd_desc_t *d = &grp->desc[r];
+    const epd_desc_t *d = &HG(grp)->desc[r];
     if (!LIVE(r)) continue;
     if (d->op != d0->op || d->bank != d0->bank || (eng_op_dispatch(d->op) && d->flags != d0->flags)) {
       snprintf(why, sizeof why,
@@ -209,7 +219,7 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
         out[r] = NULL;
         continue;
       }
-      eng_ref_io(c, mode, bank, grp->desc[r].num_tokens, &in[r], &outs[r]);
+      eng_ref_io(c, mode, bank, HG(grp)->desc[r].num_tokens, &in[r], &outs[r]);
       out[r] = &outs[r];
     }
     grp->plan_valid[bank] = 0;
@@ -298,7 +308,7 @@ static void execute_step(epd_engine_t *eng, eng_group_t *grp) {
 /* Scale-out (net/step.c): run the step once the local ranks and the other nodes' parts are in. */
 static int net_progress(epd_engine_t *eng, eng_group_t *grp) {
   eng_net_result_t res;
-  if (!eng_net_step(eng, grp, &res)) return 0;
+  if (!eng_net_step(eng, grp, HG(grp)->arrived, HG(grp)->desc, &res)) return 0;
   if (res.status == EPD_OK)
     finish_step(eng, grp, EPD_OK, -1, res.map_version, res.num_recv, res.bytes, res.mask);
   else
@@ -308,7 +318,7 @@ static int net_progress(epd_engine_t *eng, eng_group_t *grp) {
 
 static uint32_t first_arrived(const eng_group_t *grp) {
   for (uint32_t r = 0; r < grp->g.num_ranks; r++)
-    if (grp->arrived[r]) return r;
+    if (HG(grp)->arrived[r]) return r;
   return 0;
 }
 
@@ -317,12 +327,12 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
   eng_group_t *grp = c->grp;
   if (c->in_step) {
     if (eng->o.nodes > 1 && net_progress(eng, grp)) return 1;
-    if (now - grp->first_arrive_ns <= (uint64_t)eng->o.step_timeout_ms * 1000000ull) return 0;
+    if (now - HG(grp)->first_arrive_ns <= (uint64_t)eng->o.step_timeout_ms * 1000000ull) return 0;
     char why[256];
     int present[EPD_MAX_RANKS]; /* a masked rank is not waited for */
-    for (uint32_t r = 0; r < grp->g.num_ranks; r++) present[r] = grp->arrived[r] || (grp->mask >> r & 1);
+    for (uint32_t r = 0; r < grp->g.num_ranks; r++) present[r] = HG(grp)->arrived[r] || (grp->mask >> r & 1);
     int missing = eng_timeout_rank(eng, present, grp->g.num_ranks, why, sizeof why);
-    if (eng->o.nodes > 1) missing = eng_net_missing_rank(eng, grp, why, sizeof why);
+    if (eng->o.nodes > 1) missing = eng_net_missing_rank(eng, grp, HG(grp)->arrived, why, sizeof why);
     eng_mark_hung(grp, missing);
     fail_step(eng, grp, EPD_ERR_TIMEOUT, missing, why);
     /* groups that mask: a rank of this node (another node masks its own ranks) */
@@ -333,7 +343,7 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
   epd_slot_t *s = &c->queue->slot[c->next_slot];
   if (eng_slot_state(s) != EPD_SLOT_SUBMITTED) return 0;
   epd_desc_t d = s->desc;
-  if (grp->narrived == 0 && eng->draining && eng_op_dispatch(d.op)) {
+  if (HG(grp)->narrived == 0 && eng->draining && eng_op_dispatch(d.op)) {
     /* draining: no new dispatch; the combines of dispatches that ran still run, and a combine of this
      * refused one fails (EPD_ERR_STATE), not on the bank's older routing */
     if (d.bank < EPD_NUM_BANKS) grp->plan_valid[d.bank] = 0;
@@ -345,7 +355,7 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
   if (grp->mask >> r & 1) { /* masked: its next dispatch rejoins the group, at a step boundary */
     /* across nodes also before this node sent its part of the step (it was routed without the rank) */
     const int boundary = !grp->open_banks && eng_op_dispatch(d.op) &&
-                         (grp->narrived == 0 || eng_op_dispatch(grp->desc[first_arrived(grp)].op)) &&
+                         (HG(grp)->narrived == 0 || eng_op_dispatch(HG(grp)->desc[first_arrived(grp)].op)) &&
                          (eng->o.nodes <= 1 || eng_net_first_unsent(grp) == grp->steps);
     if (!eng_op_dispatch(d.op)) {
       c->in_step = 1;
@@ -358,10 +368,10 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
     eng_unmask_rank(eng, grp, r);
   }
   c->hung = 0;
-  grp->arrived[r] = 1;
-  grp->desc[r] = d;
-  grp->arrive_ns[r] = now;
-  if (grp->narrived++ == 0) grp->first_arrive_ns = now;
+  HG(grp)->arrived[r] = 1;
+  HG(grp)->desc[r] = d;
+  HG(grp)->arrive_ns[r] = now;
+  if (HG(grp)->narrived++ == 0) HG(grp)->first_arrive_ns = now;
   c->in_step = 1;
   char why[128];
   int lost = eng_lost_rank(grp, why, sizeof why);
@@ -371,7 +381,7 @@ static int progress(epd_engine_t *eng, eng_client_t *c, uint64_t now) {
   }
   if (eng->o.nodes > 1)
     net_progress(eng, grp);
-  else if (grp->narrived == eng_live_ranks(grp))
+  else if (HG(grp)->narrived == eng_live_ranks(grp))
     execute_step(eng, grp);
   return 1;
 }
@@ -458,7 +468,8 @@ static void host_destroy(epd_engine_t *eng) {
   /* Fail what is in flight so that a client still polling sees an answer. */
   pthread_mutex_lock(&eng->mu);
   for (eng_group_t *g = eng->groups; g; g = g->next)
-    if (g->narrived) finish_step(eng, g, EPD_ERR_CLOSED, -1, g->map.version, NULL, NULL, g->mask);
+    if (HG(g) && HG(g)->narrived)
+      finish_step(eng, g, EPD_ERR_CLOSED, -1, g->map.version, NULL, NULL, g->mask);
   pthread_mutex_unlock(&eng->mu);
   pthread_cond_destroy(&be->attached);
   free(be);
@@ -467,6 +478,10 @@ static void host_destroy(epd_engine_t *eng) {
 
 static epd_result_t host_client_alloc(epd_engine_t *eng, eng_client_t *c, char *err, size_t errlen) {
   void *q = NULL, *a = NULL;
+  if (!c->grp->be && !(c->grp->be = calloc(1, sizeof(host_grp_t)))) {
+    snprintf(err, errlen, "out of memory for the group's step state");
+    return EPD_ERR_NOMEM;
+  }
   c->queue_fd = eng_client_memfd(c, "queue", c->queue_bytes, &q, err, errlen);
   if (c->queue_fd < 0) return EPD_ERR_SYSTEM;
   c->arena_fd = eng_client_memfd(c, "arena", c->arena_bytes, &a, err, errlen);
@@ -496,12 +511,12 @@ static void host_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
     eng_net_rank_lost(eng, grp, r, eng_net_first_unsent(grp));
   if (c->in_step) {
     /* Its slot is going away: withdraw it from the step, never write there again. */
-    grp->arrived[r] = 0;
-    grp->narrived--;
+    HG(grp)->arrived[r] = 0;
+    HG(grp)->narrived--;
     c->in_step = 0;
   }
   if (gone) grp->lost[r] = 1;
-  if (grp->narrived) {
+  if (HG(grp)->narrived) {
     char why[160];
     snprintf(why, sizeof why, "client %llu of rank %d %s mid-step", (unsigned long long)c->id, r,
              lost ? "died" : "detached");
@@ -523,9 +538,14 @@ static void host_client_free(epd_engine_t *eng, eng_client_t *c) {
   c->queue_fd = c->arena_fd = -1;
 }
 
+static void host_group_free(eng_group_t *grp) {
+  free(grp->be);
+  grp->be = NULL;
+}
+
 /* A drain refuses a step from its first arrival on: a step some local rank already joined still runs. */
 static uint64_t host_drain_step(const eng_group_t *grp) {
-  return grp->steps + (grp->narrived > 0 ? 1u : 0u);
+  return grp->steps + (HG(grp) && HG(grp)->narrived > 0 ? 1u : 0u);
 }
 
 const eng_backend_ops_t eng_host_ops = {
@@ -543,4 +563,5 @@ const eng_backend_ops_t eng_host_ops = {
     .client_alloc = host_client_alloc,
     .client_leave = host_client_leave,
     .client_free = host_client_free,
+    .group_free = host_group_free,
 };

@@ -28,12 +28,16 @@ typedef struct eng_net_result {
   uint64_t bytes[EPD_MAX_RANKS];
   char why[256];
 } eng_net_result_t;
-/* (mu) Once every local rank of grp has submitted: send this node's part of the step (once), and run
- * the step when every other node's part is in. 1 when *res holds the outcome, 0 while waiting. */
-int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res);
+/* (mu) Once every local rank of grp has submitted (arrived[r], its op desc[r]; the host backend's step
+ * being collected): send this node's part of the step (once; masked ranks' desc[r] are set to the
+ * first live rank's with no tokens), and run the step when every other node's part is in. 1 when *res
+ * holds the outcome, 0 while waiting. */
+int eng_net_step(epd_engine_t *eng, eng_group_t *grp, const int *arrived, epd_desc_t *desc,
+                 eng_net_result_t *res);
 /* (mu) The rank a timed-out step waits for (a local rank, or the first rank of a silent node); why
  * gets the timeout message. */
-int eng_net_missing_rank(epd_engine_t *eng, const eng_group_t *grp, char *why, size_t len);
+int eng_net_missing_rank(epd_engine_t *eng, const eng_group_t *grp, const int *arrived, char *why,
+                         size_t len);
 /* SetExpertMap across nodes (host backend; called without mu): node 0 stages the map with the next
  * version and sends it to every other node; another node asks node 0 to and waits for its answer. */
 epd_result_t eng_net_set_map(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,

@@ -126,7 +126,7 @@ static void *oput(obuf_t *b, const void *src, size_t n) {
 }
 
 /* Build and send this node's frame of the step to every other node. */
-static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
+static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, epd_desc_t *desc) {
   epd_net_t *net = eng->o.net;
   const epd_ref_geom_t *g = &grp->g;
   uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank, base = me * L, W = g->num_ranks;
@@ -136,15 +136,15 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
   const uint64_t mask = grp->mask;
   uint32_t first = base;
   while (first + 1 < base + L && (mask >> first & 1)) first++;
-  const epd_desc_t *d0 = &grp->desc[first];
+  const epd_desc_t *d0 = &desc[first];
   int same = 1;
   for (uint32_t r = base; r < base + L; r++) {
     if (mask >> r & 1) {
-      grp->desc[r] = *d0;
-      grp->desc[r].num_tokens = 0;
+      desc[r] = *d0;
+      desc[r].num_tokens = 0;
       continue;
     }
-    const epd_desc_t *d = &grp->desc[r];
+    const epd_desc_t *d = &desc[r];
     same &= eng_op_ok(d->op) && d->bank < EPD_NUM_BANKS && d->op == d0->op && d->bank == d0->bank &&
             (d->flags & EPD_DESC_FP8) == (d0->flags & EPD_DESC_FP8);
   }
@@ -160,7 +160,7 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
   if (dispatch) {
     eng_vote_switch(eng, grp, &ng->vote, grp->steps);
     for (uint32_t r = base; r < base + L; r++)
-      if (!(mask >> r & 1)) in[r] = eng_ref_in(grp->client[r], d0->bank, grp->desc[r].num_tokens);
+      if (!(mask >> r & 1)) in[r] = eng_ref_in(grp->client[r], d0->bank, desc[r].num_tokens);
     ng->lplan.renormalize = grp->renormalize;
     ng->lstatus =
         epd_ref_plan_build(&ng->lplan, eng_route_map(grp), in, &ng->lbad, ng->lwhy, sizeof ng->lwhy);
@@ -206,7 +206,7 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
       snprintf(h->s.why, sizeof h->s.why, "%.*s", (int)sizeof h->s.why - 1, ng->lwhy);
     }
     for (uint32_t r = base; r < base + L; r++) {
-      net_step_desc_t nd = {grp->desc[r].op, grp->desc[r].bank, grp->desc[r].flags, grp->desc[r].num_tokens};
+      net_step_desc_t nd = {desc[r].op, desc[r].bank, desc[r].flags, desc[r].num_tokens};
       oput(&b, &nd, sizeof nd);
     }
     oput(&b, ng->ht_local, sizeof *ng->ht_local * W);
@@ -274,10 +274,11 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng) {
   }
 }
 
-int eng_net_missing_rank(epd_engine_t *eng, const eng_group_t *grp, char *why, size_t len) {
+int eng_net_missing_rank(epd_engine_t *eng, const eng_group_t *grp, const int *arrived, char *why,
+                         size_t len) {
   uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank, base = me * L;
   for (uint32_t r = base; r < base + L; r++)
-    if (!grp->arrived[r] && !(grp->mask >> r & 1)) {
+    if (!arrived[r] && !(grp->mask >> r & 1)) {
       snprintf(why, len, "waited %u ms for rank %u", eng->o.step_timeout_ms, r);
       return (int)r;
     }
@@ -314,7 +315,8 @@ static void drop_frames(net_group_t *ng) {
     }
 }
 
-static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_net_result_t *res) {
+static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, const epd_desc_t *desc,
+                    eng_net_result_t *res) {
   const epd_ref_geom_t *g = &grp->g;
   uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank, base = me * L, W = g->num_ranks;
   uint32_t nodes = eng->o.nodes, M = g->max_tokens, H = g->hidden, K = g->topk;
@@ -335,7 +337,7 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
   if (ng->lstatus == EPD_ERR_NOMEM) return fail(res, EPD_ERR_NOMEM, ng->lbad, "%s", ng->lwhy);
   for (uint32_t n = 0; n < nodes; n++) {
     if (n == me) {
-      for (uint32_t r = base; r < base + L; r++) d[r] = grp->desc[r];
+      for (uint32_t r = base; r < base + L; r++) d[r] = desc[r];
       htc[n] = ng->ht_local;
       continue;
     }
@@ -357,7 +359,7 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_ne
   res->mask = mask;
   for (uint32_t r = 0; r < W; r++)
     if (r / L != me && !ng->f[r / L]) {
-      d[r] = grp->desc[base];
+      d[r] = desc[base];
       d[r].num_tokens = 0;
       d[r].user_tag = 0;
     }
@@ -562,19 +564,20 @@ static int mask_differs(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, en
   return st != 0;
 }
 
-int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
+int eng_net_step(epd_engine_t *eng, eng_group_t *grp, const int *arrived, epd_desc_t *desc,
+                 eng_net_result_t *res) {
   epd_net_t *net = eng->o.net;
   uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank, base = me * L;
   memset(res, 0, sizeof *res);
   res->peer = -1;
   for (uint32_t r = base; r < base + L; r++)
-    if (!grp->arrived[r] && !(grp->mask >> r & 1)) return 0; /* masked ranks take no part */
+    if (!arrived[r] && !(grp->mask >> r & 1)) return 0; /* masked ranks take no part */
   net_group_t *ng = group_state(eng, grp);
   if (!ng) return fail(res, EPD_ERR_NOMEM, -1, "out of memory for the group's scale-out state");
   if (ng->sent_step != grp->steps) {
     if (eng_net_joining(eng, grp)) return 0; /* made just now: the step number comes with the replies */
     drop_frames(ng);
-    send_step(eng, grp, ng);
+    send_step(eng, grp, ng, desc);
     ng->sent_step = grp->steps;
   }
   /* every part that came, then what a missing one means */
@@ -601,7 +604,7 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
     /* the local ranks' op (desc[base]'s; run_step checks that they agree) */
     char why[256];
     int peer = -1;
-    const int st = net_part_missing(eng, grp, grp->name, n, grp->steps, eng_op_dispatch(grp->desc[base].op),
+    const int st = net_part_missing(eng, grp, grp->name, n, grp->steps, eng_op_dispatch(desc[base].op),
                                     later[n], &peer, why, sizeof why);
     if (st) {
       drop_frames(ng);
@@ -609,7 +612,7 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, eng_net_result_t *res) {
     }
   }
   if (missing) return 0; /* parts still to come */
-  int done = run_step(eng, grp, ng, res);
+  int done = run_step(eng, grp, ng, desc, res);
   drop_frames(ng);
   return done;
 }
