@@ -37,6 +37,13 @@ int net_send_ctl(epd_net_t *net, uint32_t node, const char *group, const ctl_msg
   return rc;
 }
 
+/* A notice of node n about its rank r (CTL_MASK, CTL_LOST): 1 if r is one of n's ranks, else logged. */
+static int own_rank(uint32_t n, uint32_t r, uint32_t L) {
+  if (n < MAX_NODES && r < EPD_MAX_RANKS && r / L == n) return 1;
+  EPD_LOGW(EPD_SUB_ENGINE, "node %u sent a notice about rank %u, not one of its ranks: ignored", n, r);
+  return 0;
+}
+
 static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
   epd_net_t *net = eng->o.net;
   const net_hdr_t *h = (const net_hdr_t *)f->buf;
@@ -175,10 +182,7 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
   }
   if (c.kind == CTL_MASK) {
     const uint32_t r = c.version, n = f->src_node;
-    if (n >= MAX_NODES || r >= EPD_MAX_RANKS || r / L != n) {
-      EPD_LOGW(EPD_SUB_ENGINE, "node %u sent a notice about rank %u, not one of its ranks: ignored", n, r);
-      return;
-    }
+    if (!own_rank(n, r, L)) return;
     pthread_mutex_lock(&eng->mu);
     eng_group_t *grp = eng_find_group(eng, group);
     if (grp && c.status)
@@ -190,10 +194,7 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
   }
   if (c.kind == CTL_LOST) {
     const uint32_t r = c.version, n = f->src_node;
-    if (n >= MAX_NODES || r >= EPD_MAX_RANKS || r / L != n) {
-      EPD_LOGW(EPD_SUB_ENGINE, "node %u sent a notice about rank %u, not one of its ranks: ignored", n, r);
-      return;
-    }
+    if (!own_rank(n, r, L)) return;
     const int back = c.req_id == UINT64_MAX;
     pthread_mutex_lock(&eng->mu);
     eng_group_t *grp = eng_find_group(eng, group);
