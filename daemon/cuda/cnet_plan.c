@@ -183,7 +183,8 @@ epd_result_t cnet_build_dispatch(cnet_prog_t *pg, const epd_ref_plan_t *p, uint3
     cnet_side_t *s = &pg->side[l];
     const int32_t *cnt = (mode == EPD_MODE_LL ? p->ll_count : p->ht_count) + (size_t)r * S;
     uint64_t cb = addr[l].buf[mode == EPD_MODE_LL ? EPD_BUF_LL_RECV_COUNT : EPD_BUF_HT_RECV_COUNT];
-    for (uint32_t sl = 0; sl < S; sl++) oom |= put32(s, cb + sl * 4, (uint32_t)cnt[sl]);
+    /* a masked rank has no arena (address 0: its client is gone) and receives nothing */
+    for (uint32_t sl = 0; cb && sl < S; sl++) oom |= put32(s, cb + sl * 4, (uint32_t)cnt[sl]);
     s->num_recv = mode == EPD_MODE_LL ? p->ll_recv[r] : p->ht_recv[r];
   }
   return oom ? EPD_ERR_NOMEM : EPD_OK;

@@ -695,11 +695,11 @@ static void cuda_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
   eng_group_t *grp = c->grp;
   cuda_client_t *cc = c->be;
   int r = c->rank;
-  if (lost && grp->on_rank_loss != EPD_RANK_LOSS_MASK) grp->lost[r] = 1;
-  if (be->net) {
+  if (be->net) { /* (it marks a lost rank) */
     eng_cuda_net_client_leave(be->net, c, lost);
     return;
   }
+  if (lost && grp->on_rank_loss != EPD_RANK_LOSS_MASK) grp->lost[r] = 1;
   cuda_grp_t *cg = cuda_grp_find(be, grp, 0);
   if (!cg || !cc) return;
   if (cg->pstate == PS_RUN) pers_stop(cg, eng_now_ns(), lost ? "a client died" : "a client detached");
@@ -895,7 +895,7 @@ const eng_backend_ops_t eng_cuda_ops = {
     .name = "cuda",
     .world_id = cuda_world_id,
     .inter_node_transport = "nccl-p2p",
-    .masks = 1,
+    .masks = 2,
     .available = cuda_available,
     .create = cuda_create,
     .destroy = cuda_destroy,

@@ -1,6 +1,7 @@
 /*
  * engine_cuda_net.c - the CUDA backend across nodes (see engine_cuda_net.h): control frames over the
- * daemon links, the world plan, and the NCCL point-to-point exchange around the cnet_plan.c kernels.
+ * daemon links, the verdict on every node's part, and the order of the exchanges (their running:
+ * cnet_run.c).
  */
 #define _GNU_SOURCE
 #include "cuda/engine_cuda_net.h"
@@ -9,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cuda/cnet_internal.h"
 #include "cuda/cnet_plan.h"
 #include "net/engine_net.h"
 #include "net/frame.h"
@@ -17,106 +19,9 @@
 
 #if EPD_WITH_CUDA
 #include <cuda_runtime_api.h>
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wstrict-prototypes"
-#include <nccl.h>
-#pragma GCC diagnostic pop
 
 #include "epd_kernels_net.h"
 
-enum { PH_COLLECT = 0, PH_WAIT = 1, PH_RUN = 2 };
-
-/* A node's part of a step (net/frame.h): the step header, nlocal descriptors, then (dispatch, status 0)
- * for each local rank min(num_tokens, max_tokens) rows of top-k ids (int64) followed by as many rows of
- * weights: the world plan's inputs (the tokens themselves move over NCCL). */
-
-/* One local GPU. */
-typedef struct cnet_dev {
-  int device;
-  cudaStream_t stream;
-  cudaEvent_t done, xdone;
-  uint8_t *xsend, *xrecv; /* nodes x max_tokens rows of H floats (BF16 rows use the first half) */
-  size_t xbytes;
-  uint8_t *tab_dev, *tab_host; /* the step's tables (device copy, pinned staging) */
-  size_t tab_cap;
-  cudaStream_t tkstream; /* the local rank's top-k read for the dispatch frame (send_frame) */
-  uint8_t *tk_host;      /* pinned: its top-k ids and weights */
-  size_t tk_cap;
-  size_t off[9]; /* offsets of the 9 tables in the staging buffer */
-} cnet_dev_t;
-
-enum { PH_READY = 3 }; /* every frame in, verdict OK: the exchange waits for its turn (schedule) */
-
-/* One group served: the step it collects, decides or runs. */
-typedef struct cnet_grp {
-  struct cnet_grp *next;
-  eng_group_t *grp;
-  uint64_t grp_serial; /* grp->serial when taken up (see grp_alive) */
-  char gname[EPD_GROUP_NAME_MAX];
-  epd_ref_geom_t g;
-  int phase;
-  uint64_t step;
-  int arrived[EPD_MAX_RANKS];
-  void *hold[EPD_MAX_RANKS];
-  eng_client_t *cl[EPD_MAX_RANKS];
-  uint64_t cid[EPD_MAX_RANKS];
-  epd_desc_t ldesc[EPD_MAX_RANKS]; /* local ranks' descriptors */
-  uint32_t narrived;
-  uint64_t first_ns, last_ns, run_ns;
-  uint64_t ready_seq, ready_ns;   /* PH_READY: in which order (node 0 orders by it) and since when */
-  uint8_t *frame[CNET_MAX_NODES]; /* every node's payload of the step (own included) */
-  size_t flen[CNET_MAX_NODES];
-  int plan_init;
-  epd_ref_plan_t plan[EPD_NUM_BANKS];
-  int plan_valid[EPD_NUM_BANKS];
-  uint32_t op, bank, fp8, mode, op_version;
-  /* Where a step's time goes (logged when the group goes away), per dispatch [0] / combine [1]: last
-   * local arrival -> frame sent, -> every frame in, -> work issued (plan, tables, launches), -> GPUs
-   * done. */
-  uint64_t t_sent, t_in, t_issued;
-  uint64_t prof_n[2], prof_ns[2][4];
-  uint64_t behind; /* steps that found another group's exchange running or ready (logged with the profile) */
-  eng_map_vote_t vote; /* expert-map switches, the protocol of both backends (engine_internal.h) */
-  /* The group removed here (its last local client left) while its step was past collect: what the step
-   * still needs of the group, kept so that it is decided and its exchange runs as on the other nodes
-   * (whose NCCL calls would otherwise find no partner here). Valid if orphan. */
-  int orphan;
-  epd_expert_map_t omap;
-  epd_buffer_desc_t obufs[EPD_MAX_BUFFERS];
-  uint32_t onbufs;
-} cnet_grp_t;
-
-/* Node 0's word on the next exchange (a payload of group "" numbered by cnet.go_seq): every node runs the
- * groups' exchanges in this order, so the NCCL calls on the world communicator match. */
-typedef struct cnet_go {
-  char group[EPD_GROUP_NAME_MAX];
-  uint64_t step;
-} cnet_go_t;
-
-struct cnet {
-  epd_engine_t *eng;
-  epd_cc_t *cc;
-  uint32_t L, nodes, node, W;
-  char gin[2048]; /* the start-up GIN probe's line (epd_cc_gin_probe): every local rank's result when they
-                     differ */
-  cnet_dev_t d[EPD_MAX_RANKS];
-  cnet_grp_t *groups; /* the groups served (those with a client on this node) */
-  cnet_grp_t *run;    /* the group whose step runs: one exchange at a time */
-  uint64_t run_end_ns;
-  uint64_t go_seq; /* node 0: exchanges ordered so far; other nodes: the number of the next GO */
-  uint64_t ready_ctr;
-  cnet_go_t go; /* other nodes: GO go_seq, taken, its step not yet ready here */
-  int go_have;
-  uint64_t go_ns; /* when go was taken */
-  cnet_addr_t addr[EPD_MAX_RANKS];
-  cnet_prog_t prog;
-  /* A restarted node joins (eng_cuda_net_remake): the world communicator is made again over remake_id by
-   * a thread of its own once no exchange runs; meanwhile no exchange starts here. */
-  int remake_req, remaking, remake_started;
-  int remake_cancel; /* (atomic) give the attempt up: stopping, or a newer id came */
-  pthread_t remake_th;
-  uint8_t remake_id[EPD_CC_UNIQUE_ID_BYTES];
-};
 #define REMAKE_LIMIT_MS 60000u /* the restarted node's ranks must join within this */
 
 /* ---- create / destroy ----------------------------------------------------------------------------- */
@@ -166,23 +71,7 @@ epd_result_t eng_cuda_net_create(epd_engine_t *eng, epd_cc_t *cc, const int *dev
   return EPD_OK;
 }
 
-static void dev_free(cnet_t *cn) {
-  for (uint32_t l = 0; l < cn->L; l++) {
-    cnet_dev_t *d = &cn->d[l];
-    cudaSetDevice(d->device);
-    if (d->xsend) cudaFree(d->xsend);
-    if (d->xrecv) cudaFree(d->xrecv);
-    d->xsend = d->xrecv = NULL;
-    d->xbytes = 0;
-  }
-}
-
-/* (mu) Answer the step's slots and start collecting the next one. */
-static void complete_all(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const char *why);
-
-/* (mu) The group is still the one the stage took up: same address and serial (a group removed and
- * created again may get the freed memory back). */
-static int grp_alive(cnet_t *cn, cnet_grp_t *cg) {
+int cnet_grp_alive(cnet_t *cn, cnet_grp_t *cg) {
   for (eng_group_t *g = cn->eng->groups; g; g = g->next)
     if (g == cg->grp && g->serial == cg->grp_serial) return 1;
   return 0;
@@ -220,7 +109,7 @@ static void group_free(cnet_t *cn, cnet_grp_t *cg) {
     }
   if (cn->run == cg) cn->run = NULL;
   free(cg);
-  if (!cn->groups) dev_free(cn);
+  if (!cn->groups) cnet_dev_free(cn);
 }
 
 const char *eng_cuda_net_gin(const cnet_t *cn) {
@@ -305,7 +194,7 @@ void eng_cuda_net_destroy(cnet_t *cn) {
   pthread_mutex_lock(&eng->mu);
   while (cn->groups) {
     cnet_grp_t *cg = cn->groups;
-    if (cg->narrived) complete_all(cn, cg, EPD_ERR_CLOSED, -1, "the daemon is stopping");
+    if (cg->narrived) cnet_complete(cn, cg, EPD_ERR_CLOSED, -1, "the daemon is stopping");
     group_free(cn, cg);
   }
   pthread_mutex_unlock(&eng->mu);
@@ -334,15 +223,9 @@ epd_result_t eng_cuda_net_attach(cnet_t *cn, eng_group_t *grp, char *err, size_t
   return EPD_OK;
 }
 
-void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost) {
-  cnet_grp_t *cg = cn->groups;
-  while (cg && (cg->grp != c->grp || cg->grp_serial != c->grp->serial)) cg = cg->next;
-  const int last = eng_last_client(c->grp, c);
-  /* a group that stays here without this rank's client: the other nodes fail its steps at once from the
-   * first one whose part was not sent (a step past its collection goes on: its part was sent) */
-  if (lost && !last)
-    eng_net_rank_lost(cn->eng, c->grp, c->rank, cg && cg->phase != PH_COLLECT ? cg->step + 1 : c->grp->steps);
-  if (!cg) return;
+/* (mu) Client c leaves the step of its group here: withdrawn from a step being collected (the others'
+ * slots fail), kept in one that goes on. */
+static void leave_step(cnet_t *cn, cnet_grp_t *cg, eng_client_t *c, int lost, int last) {
   if (cg->phase != PH_COLLECT) { /* later phases: the step goes on (memory held) */
     if (last && cg != cn->run && !cg->orphan) {
       /* the group goes with this client: keep what its step needs */
@@ -360,22 +243,66 @@ void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost) {
   if (l >= cn->L || !cg->arrived[l] || cg->cl[l] != c) return;
   cg->arrived[l] = 0;
   eng_cuda_client_unhold(cg->hold[l]);
+  cg->hold[l] = NULL;
   cg->narrived--;
   if (cg->narrived) {
     char why[160];
     snprintf(why, sizeof why, "client %llu of rank %d %s mid-step", (unsigned long long)c->id, c->rank,
              lost ? "died" : "detached");
-    complete_all(cn, cg, EPD_ERR_PEER, c->rank, why);
+    cnet_complete(cn, cg, EPD_ERR_PEER, c->rank, why);
   }
+}
+
+void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost) {
+  eng_group_t *grp = c->grp;
+  cnet_grp_t *cg = cn->groups;
+  while (cg && (cg->grp != grp || cg->grp_serial != grp->serial)) cg = cg->next;
+  const int last = eng_last_client(grp, c);
+  /* Groups that mask go on without the rank from the next step (as the host backend's: a node's last live
+   * rank is lost instead, eng_net_last_live_here). A group that stays here without a lost rank's client:
+   * the other nodes fail its steps at once from the first one whose part was not sent (a step past its
+   * collection goes on: its part was sent). */
+  const int mask = grp->on_rank_loss == EPD_RANK_LOSS_MASK && !eng_net_last_live_here(cn->eng, grp, c->rank);
+  const int gone = lost && !mask;
+  if (gone) grp->lost[c->rank] = 1;
+  if (gone && !last)
+    eng_net_rank_lost(cn->eng, grp, c->rank, cg && cg->phase != PH_COLLECT ? cg->step + 1 : grp->steps);
+  if (cg) leave_step(cn, cg, c, lost, last);
+  if (!last && mask) eng_mask_rank(cn->eng, grp, c->rank, lost ? "its client died" : "its client detached");
 }
 
 /* ---- completion ----------------------------------------------------------------------------------- */
 
-static void complete_all(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const char *why) {
+/* (mu) Answer client c's current slot (its op d) with comp; bytes for the statistics. */
+static void answer(epd_engine_t *eng, eng_group_t *grp, eng_client_t *c, const epd_desc_t *d,
+                   const epd_comp_t *comp, uint64_t bytes) {
+  eng_slot_complete(c->queue, &c->queue->slot[c->next_slot], comp, grp->map.version);
+  c->next_slot = (c->next_slot + 1) % EPD_QUEUE_SLOTS;
+  c->ops++;
+  eng_record_op(eng, c->rank, d->op, comp->status, bytes, comp->latency_ns);
+}
+
+void cnet_complete(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const char *why) {
   epd_engine_t *eng = cn->eng;
-  int alive = grp_alive(cn, cg);
+  int alive = cnet_grp_alive(cn, cg);
   eng_group_t *grp = alive ? cg->grp : NULL;
   uint64_t now = eng_now_ns();
+  /* the step's op, its mask and the bank it leaves open: a dispatch that ran waits for its combine (a
+   * masked rank rejoins only when none does); one that failed has no combine to wait for */
+  const epd_desc_t *op = NULL;
+  for (uint32_t l = 0; l < cn->L && !op; l++)
+    if (cg->arrived[l]) op = &cg->ldesc[l];
+  const uint64_t mask = cg->phase == PH_COLLECT && grp ? grp->mask : cg->sent_mask;
+  const int dispatch = op && eng_op_dispatch(op->op);
+  if (grp && op && op->bank < EPD_NUM_BANKS) {
+    if (!status && dispatch) {
+      grp->plan_mask[op->bank] = mask;
+      grp->open_banks |= 1u << op->bank;
+    } else {
+      grp->open_banks &= ~(1u << op->bank);
+    }
+  }
+  const epd_ref_plan_t *plan = op && !status && cg->bank < EPD_NUM_BANKS ? &cg->plan[cg->bank] : NULL;
   if (status && grp)
     eng_emit(eng, status == EPD_ERR_TIMEOUT ? "timeout" : "error", grp, peer, 0, 0, 0, cg->step,
              "group %s step %llu: %s", grp->name, (unsigned long long)cg->step, why ? why : "");
@@ -384,7 +311,6 @@ static void complete_all(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const
     uint32_t r = cn->node * cn->L + l;
     eng_client_t *c = cg->cl[l];
     if (grp && grp->client[r] == c && c->id == cg->cid[l] && c->queue) {
-      epd_slot_t *s = &c->queue->slot[c->next_slot];
       epd_comp_t comp;
       memset(&comp, 0, sizeof comp);
       comp.status = status;
@@ -394,16 +320,17 @@ static void complete_all(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const
       comp.step = cg->step;
       comp.user_tag = cg->ldesc[l].user_tag;
       comp.latency_ns = now > cg->last_ns ? now - cg->last_ns : 0;
-      eng_slot_complete(c->queue, s, &comp, grp->map.version);
-      c->next_slot = (c->next_slot + 1) % EPD_QUEUE_SLOTS;
-      c->ops++;
+      comp.masked = mask;
+      comp.dropped = plan && plan->dropped ? plan->dropped[r] : 0;
+      if (plan && dispatch) grp->entries_dropped += comp.dropped;
       uint64_t bytes = 0;
       if (!status)
         for (uint32_t n = 0; n < cn->nodes; n++)
           bytes += (uint64_t)cn->prog.side[l].send_rows[n] * cn->prog.row_bytes;
-      eng_record_op(eng, (int)r, cg->ldesc[l].op, status, bytes, comp.latency_ns);
+      answer(eng, grp, c, &cg->ldesc[l], &comp, bytes);
     }
     eng_cuda_client_unhold(cg->hold[l]);
+    cg->hold[l] = NULL;
     cg->arrived[l] = 0;
   }
   if (grp) grp->steps++;
@@ -427,7 +354,20 @@ static void send_frame(cnet_t *cn, cnet_grp_t *cg) {
   epd_engine_t *eng = cn->eng;
   eng_group_t *grp = cg->grp;
   uint32_t L = cn->L, K = cg->g.topk, M = cg->g.max_tokens;
-  const epd_desc_t *d0 = &cg->ldesc[0];
+  /* Masked ranks of this node take no part: their descriptors are the first live rank's, with no tokens
+   * (eng_net_last_live_here keeps one live). */
+  const uint64_t mask = grp->mask;
+  uint32_t first = 0;
+  while (first + 1 < L && (mask >> (cn->node * L + first) & 1)) first++;
+  for (uint32_t l = 0; l < L; l++)
+    if (mask >> (cn->node * L + l) & 1) {
+      cg->ldesc[l] = cg->ldesc[first];
+      cg->ldesc[l].num_tokens = 0;
+      cg->ldesc[l].user_tag = 0;
+    }
+  cg->sent_mask = mask;
+  eng_net_sent(grp, cg->step, mask);
+  const epd_desc_t *d0 = &cg->ldesc[first];
   int same = 1;
   for (uint32_t l = 0; l < L; l++) same &= cg->ldesc[l].op == d0->op && cg->ldesc[l].bank == d0->bank;
   int dispatch = same && eng_op_dispatch(d0->op) && d0->bank < EPD_NUM_BANKS;
@@ -437,7 +377,8 @@ static void send_frame(cnet_t *cn, cnet_grp_t *cg) {
                       .num_experts = cg->g.num_experts,
                       .hidden = cg->g.hidden,
                       .topk = K,
-                      .max_tokens = M};
+                      .max_tokens = M,
+                      .mask = mask};
   if (epd_engine_failure(eng)) {
     h.status = EPD_ERR_INTERNAL;
     snprintf(h.why, sizeof h.why, "node %u: the engine failed: %s", cn->node, epd_engine_failure(eng));
@@ -518,11 +459,38 @@ static void send_frame(cnet_t *cn, cnet_grp_t *cg) {
     p += rows[l] * K * 12;
   }
   memcpy(b, &h, sizeof h);
-  for (uint32_t n = 0; n < cn->nodes; n++)
-    if (n != cn->node) epd_net_send_payload(eng->o.net, n, grp->name, cg->step, b, len);
+  for (uint32_t n = 0; n < cn->nodes; n++) /* a node out of the steps gets none */
+    if (n != cn->node && !net_node_masked(eng, mask, n))
+      epd_net_send_payload(eng->o.net, n, grp->name, cg->step, b, len);
   free(cg->frame[cn->node]);
   cg->frame[cn->node] = b;
   cg->flen[cn->node] = len;
+}
+
+/* (mu) Slot s of client c of masked rank r was submitted: a dispatch at a step boundary (no combine due,
+ * none being collected) rejoins the group from this step (1); a combine fails at once (-1); a dispatch
+ * before the boundary waits (0, the slot stays submitted). */
+static int rejoin(cnet_t *cn, cnet_grp_t *cg, eng_client_t *c, int r, const epd_slot_t *s) {
+  eng_group_t *grp = cg->grp;
+  const epd_desc_t *d = &s->desc;
+  if (!eng_op_dispatch(d->op)) {
+    epd_comp_t comp = {.status = EPD_ERR_PEER,
+                       .peer = r,
+                       .map_version = grp->map.version,
+                       .step = grp->steps,
+                       .user_tag = d->user_tag,
+                       .masked = grp->mask};
+    answer(cn->eng, grp, c, d, &comp, 0);
+    EPD_LOGW(EPD_SUB_CUDA, "group %s rank %d is masked: its op %u fails; its next dispatch rejoins",
+             grp->name, r, d->op);
+    return -1;
+  }
+  const epd_desc_t *other = NULL;
+  for (uint32_t l = 0; l < cn->L && !other; l++)
+    if (cg->arrived[l]) other = &cg->ldesc[l];
+  if (grp->open_banks || (other && !eng_op_dispatch(other->op))) return 0;
+  eng_unmask_rank(cn->eng, grp, r);
+  return 1;
 }
 
 /* (mu) Poll the local clients' slots; 1 if something moved. */
@@ -541,6 +509,11 @@ static int collect(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
     if (k > 0 && k < EPD_QUEUE_SLOTS) c->next_slot = (c->next_slot + k) % EPD_QUEUE_SLOTS;
     epd_slot_t *s = &c->queue->slot[c->next_slot];
     if (eng_slot_state(s) != EPD_SLOT_SUBMITTED) continue;
+    if (grp->mask >> r & 1) {
+      const int j = rejoin(cn, cg, c, (int)r, s);
+      moved |= j != 0;
+      if (j <= 0) continue;
+    }
     if (!cg->narrived) cg->step = grp->steps;
     cg->ldesc[l] = s->desc;
     cg->arrived[l] = 1;
@@ -552,7 +525,9 @@ static int collect(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
     cg->last_ns = now;
     moved = 1;
   }
-  if (cg->narrived == cn->L && !eng_net_joining(eng, grp)) {
+  uint32_t live = 0; /* masked ranks are not waited for */
+  for (uint32_t l = 0; l < cn->L; l++) live += !(grp->mask >> (cn->node * cn->L + l) & 1);
+  if (live && cg->narrived == live && !eng_net_joining(eng, grp)) {
     cg->step = grp->steps;
     send_frame(cn, cg);
     cg->t_sent = eng_now_ns();
@@ -563,17 +538,21 @@ static int collect(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   char why[160];
   int lost = eng_lost_rank(grp, why, sizeof why);
   if (lost >= 0) {
-    complete_all(cn, cg, EPD_ERR_PEER, lost, why);
+    cnet_complete(cn, cg, EPD_ERR_PEER, lost, why);
     return 1;
   }
   if (now > cg->first_ns && now - cg->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
     int missing = -1;
     for (uint32_t l = 0; l < cn->L && missing < 0; l++)
-      if (!cg->arrived[l]) missing = (int)(cn->node * cn->L + l);
+      if (!cg->arrived[l] && !(grp->mask >> (cn->node * cn->L + l) & 1))
+        missing = (int)(cn->node * cn->L + l);
     snprintf(why, sizeof why, "waited %u ms for rank %d", eng->o.step_timeout_ms, missing);
     eng_mark_hung(grp, missing);
     if (missing >= 0) eng->rank[missing].timeouts++;
-    complete_all(cn, cg, EPD_ERR_TIMEOUT, missing, why);
+    cnet_complete(cn, cg, EPD_ERR_TIMEOUT, missing, why);
+    /* groups that mask go on without it (not a node's last live rank: eng_net_last_live_here) */
+    if (missing >= 0 && !eng_net_last_live_here(eng, grp, missing))
+      eng_mask_rank(eng, grp, missing, "hung past engine.step_timeout_ms");
     return 1;
   }
   return moved;
@@ -590,7 +569,7 @@ static int collect(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
 
 /* (mu) Every node's frame is in: the same verdict on every node. EPD_OK: run the step. */
 static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
-  const epd_expert_map_t *map = grp_alive(cn, cg) ? &cg->grp->map : cg->orphan ? &cg->omap : NULL;
+  const epd_expert_map_t *map = cnet_grp_alive(cn, cg) ? &cg->grp->map : cg->orphan ? &cg->omap : NULL;
   uint32_t L = cn->L, W = cn->W, nodes = cn->nodes, M = cg->g.max_tokens, K = cg->g.topk;
   const net_step_hdr_t *h[CNET_MAX_NODES] = {0};
   epd_desc_t d[EPD_MAX_RANKS];
@@ -598,8 +577,9 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
   *peer = -1;
   for (uint32_t n = 0; n < nodes; n++) {
     h[n] = (const net_step_hdr_t *)cg->frame[n];
-    if (!h[n]) /* this node could not build its own frame (out of memory) */
+    if (!h[n] && n == cn->node) /* this node could not build its own frame (out of memory) */
       FAIL(EPD_ERR_NOMEM, (int)(n * L), "node %u: out of memory for the step's control frame", n);
+    if (!h[n]) continue; /* a node out of the step (wait_frames) */
     if (cg->flen[n] < sizeof(net_step_hdr_t))
       FAIL(EPD_ERR_PEER, (int)(n * L), "node %u sent a malformed control frame", n);
   }
@@ -608,6 +588,14 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
    * (the world plan below finds those, the same on every node) */
   if ((st = net_frames_status(h, nodes, cn->node, L, peer, why, wl))) return st;
   for (uint32_t n = 0; n < nodes; n++) {
+    if (!h[n]) { /* the ranks of a node out of the step take part as masked ranks do */
+      for (uint32_t r = n * L; r < n * L + L; r++) {
+        d[r] = cg->ldesc[0];
+        d[r].num_tokens = 0;
+        d[r].user_tag = 0;
+      }
+      continue;
+    }
     if ((st = net_frame_geom(h[n], cg->flen[n], 0, n, cn->node, L, W, &cg->g, cg->gname, peer, why, wl)))
       return st;
     net_frame_descs(h[n], n, L, d);
@@ -623,6 +611,12 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
     if (!cg->plan_valid[cg->bank] || plan->mode != (int)cg->mode)
       FAIL(EPD_ERR_STATE, -1, "%s combine of bank %u without a successful %s dispatch of that bank", mn,
            cg->bank, mn);
+    /* as on one node (launch.c): the expert outputs of a rank masked since the dispatch are gone */
+    const uint64_t gone = cg->sent_mask & ~cg->plan_mask[cg->bank];
+    if (gone)
+      FAIL(EPD_ERR_PEER, __builtin_ctzll(gone),
+           "rank %d was masked after the dispatch of bank %u: its expert outputs are gone",
+           __builtin_ctzll(gone), cg->bank);
     cg->op_version = plan->map_version;
     return EPD_OK;
   }
@@ -631,7 +625,9 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
     return st;
   if (!map) FAIL(EPD_ERR_PEER, -1, "group %s was removed here mid-step", cg->gname);
   epd_ref_in_t in[EPD_MAX_RANKS];
+  memset(in, 0, sizeof in);
   for (uint32_t n = 0; n < nodes; n++) {
+    if (!h[n]) continue;
     const uint8_t *p = (const uint8_t *)(net_step_descs(h[n]) + L), *end = cg->frame[n] + cg->flen[n];
     for (uint32_t i = 0; i < L; i++) {
       uint32_t r = n * L + i, rows = d[r].num_tokens < M ? d[r].num_tokens : M;
@@ -643,8 +639,19 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
     }
   }
   cg->plan_valid[cg->bank] = 0;
+  /* route without the ranks every part was sent without (a notice may have changed the group's since) */
+  const epd_expert_map_t *route = map;
+  epd_expert_map_t masked;
+  memset(&masked, 0, sizeof masked);
+  if (cg->sent_mask && cnet_grp_alive(cn, cg) && cg->sent_mask == cg->grp->mask)
+    route = eng_route_map(cg->grp);
+  else if (cg->sent_mask && epd_ref_map_mask(&masked, map, cg->sent_mask))
+    FAIL(EPD_ERR_NOMEM, -1, "out of memory for the step's masked map");
+  else if (cg->sent_mask)
+    route = &masked;
   int bad = -1;
-  epd_result_t rc = epd_ref_plan_build(plan, map, in, &bad, why, wl);
+  epd_result_t rc = epd_ref_plan_build(plan, route, in, &bad, why, wl);
+  epd_expert_map_free(&masked);
   if (rc) {
     *peer = bad;
     return rc;
@@ -660,324 +667,58 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
 }
 #undef FAIL
 
-/* ---- running -------------------------------------------------------------------------------------- */
-
-/* (mu) Addresses of the step's buffers on every local rank; 0 or -1 (a buffer is missing). */
-static int fill_addr(cnet_t *cn, cnet_grp_t *cg) {
-  const int alive = grp_alive(cn, cg);
-  const epd_buffer_desc_t *bufs = alive ? cg->grp->bufs : cg->obufs;
-  const uint32_t nbufs = alive ? cg->grp->nbufs : cg->orphan ? cg->onbufs : 0;
-  uint32_t M = cg->g.max_tokens, H = cg->g.hidden;
-  for (uint32_t l = 0; l < cn->L; l++) {
-    cnet_addr_t *a = &cn->addr[l];
-    memset(a, 0, sizeof *a);
-    uint64_t base = eng_cuda_client_arena(cg->hold[l]);
-    for (uint32_t i = 0; i < nbufs; i++)
-      if (bufs[i].bank == cg->bank && bufs[i].kind < EPD_BUF_KINDS)
-        a->buf[bufs[i].kind] = base + bufs[i].offset;
-    for (uint32_t n = 0; n < cn->nodes; n++) {
-      uint64_t o = (uint64_t)n * M * H * 4;
-      a->xsend[n] = a->psend[n] = (uint64_t)(uintptr_t)cn->d[l].xsend + o;
-      a->xrecv[n] = a->precv[n] = (uint64_t)(uintptr_t)cn->d[l].xrecv + o;
-    }
-  }
-  return 0;
-}
-
-/* (mu) Exchange buffers for the group's geometry. */
-static epd_result_t dev_alloc(cnet_t *cn, cnet_grp_t *cg, char *err, size_t errlen) {
-  size_t need = (size_t)cn->nodes * cg->g.max_tokens * cg->g.hidden * 4;
-  for (uint32_t l = 0; l < cn->L; l++) {
-    cnet_dev_t *d = &cn->d[l];
-    if (d->xbytes >= need) continue;
-    cudaSetDevice(d->device);
-    if (d->xsend) cudaFree(d->xsend);
-    if (d->xrecv) cudaFree(d->xrecv);
-    d->xsend = d->xrecv = NULL;
-    d->xbytes = 0;
-    cudaError_t e = cudaMalloc((void **)&d->xsend, need);
-    if (!e) e = cudaMalloc((void **)&d->xrecv, need);
-    if (e) {
-      snprintf(err, errlen, "cudaMalloc of %zu bytes of exchange buffers on GPU %d: %s", need, d->device,
-               cudaGetErrorString(e));
-      return EPD_ERR_NOMEM;
-    }
-    d->xbytes = need;
-  }
-  return EPD_OK;
-}
-
-/* Copy the side's 9 tables into the staging buffer and to the GPU (stream-ordered). */
-static epd_result_t upload(cnet_dev_t *d, const cnet_side_t *s, char *err, size_t errlen) {
-  const cnet_vec_t *v[9] = {&s->pre_rows, &s->post_rows, &s->puts,       &s->pre_off, &s->pre_terms,
-                            &s->pre_out,  &s->post_off,  &s->post_terms, &s->post_out};
-  size_t total = 0;
-  for (int i = 0; i < 9; i++) {
-    d->off[i] = total;
-    total += (v[i]->len + 255) / 256 * 256;
-  }
-  if (!total) return EPD_OK;
-  cudaError_t e;
-  if (total > d->tab_cap) {
-    size_t cap = total * 2;
-    if (d->tab_dev) cudaFree(d->tab_dev);
-    if (d->tab_host) cudaFreeHost(d->tab_host);
-    d->tab_dev = d->tab_host = NULL;
-    d->tab_cap = 0;
-    if ((e = cudaMalloc((void **)&d->tab_dev, cap)) || (e = cudaHostAlloc((void **)&d->tab_host, cap, 0))) {
-      snprintf(err, errlen, "allocating %zu bytes of step tables: %s", cap, cudaGetErrorString(e));
-      return EPD_ERR_NOMEM;
-    }
-    d->tab_cap = cap;
-  }
-  for (int i = 0; i < 9; i++)
-    if (v[i]->len) memcpy(d->tab_host + d->off[i], v[i]->p, v[i]->len);
-  if ((e = cudaMemcpyAsync(d->tab_dev, d->tab_host, total, cudaMemcpyHostToDevice, d->stream))) {
-    snprintf(err, errlen, "cudaMemcpyAsync (step tables): %s", cudaGetErrorString(e));
-    return EPD_ERR_CUDA;
-  }
-  return EPD_OK;
-}
-
-#define TAB(d, i, type) ((const type *)((d)->tab_dev + (d)->off[i]))
-
-/* Issue the step on every local GPU (no mu: the clients' memory is held, the program is ours). */
-static epd_result_t issue(cnet_t *cn, cnet_grp_t *cg, char *err, size_t errlen) {
-  cnet_prog_t *pg = &cn->prog;
-  uint32_t L = cn->L, H = cg->g.hidden;
-  int combine = pg->combine;
-  epd_result_t rc;
-  for (uint32_t l = 0; l < L; l++) {
-    cnet_dev_t *d = &cn->d[l];
-    const cnet_side_t *s = &pg->side[l];
-    cudaSetDevice(d->device);
-    if ((rc = upload(d, s, err, errlen))) return rc;
-    rc = combine
-             ? epd_k_net_wsum(TAB(d, 3, uint32_t), TAB(d, 4, epd_k_net_term_t), TAB(d, 5, uint64_t),
-                              cnet_count(&s->pre_out, 8), H, 1, d->stream)
-             : epd_k_net_rows(TAB(d, 0, epd_k_net_row_t), cnet_count(&s->pre_rows, sizeof(epd_k_net_row_t)),
-                              H, (int)cg->fp8, d->stream);
-    if (rc) {
-      snprintf(err, errlen, "launching the %s kernel on GPU %d failed", combine ? "partial-sum" : "pack",
-               d->device);
-      return rc;
-    }
-  }
-  /* The exchange: one grouped send/recv per rail peer of every other node. */
-  ncclResult_t nr = ncclGroupStart();
-  for (uint32_t l = 0; l < L && nr == ncclSuccess; l++) {
-    cnet_dev_t *d = &cn->d[l];
-    const cnet_side_t *s = &pg->side[l];
-    ncclComm_t comm = epd_cc_world(cn->cc, (int)l);
-    for (uint32_t n = 0; n < cn->nodes && nr == ncclSuccess; n++) {
-      if (n == cn->node) continue;
-      size_t o = (size_t)n * cg->g.max_tokens * H * 4;
-      int peer = (int)(n * L + l);
-      if (s->send_rows[n])
-        nr = ncclSend(d->xsend + o, s->send_rows[n] * pg->row_bytes, ncclUint8, peer, comm, d->stream);
-      if (nr == ncclSuccess && s->recv_rows[n])
-        nr = ncclRecv(d->xrecv + o, s->recv_rows[n] * pg->row_bytes, ncclUint8, peer, comm, d->stream);
-    }
-  }
-  ncclResult_t ne = ncclGroupEnd();
-  if (nr == ncclSuccess) nr = ne;
-  if (nr == ncclInProgress) { /* world communicators made again are non-blocking (epd_cc_world_remake) */
-    const char *why = epd_cc_world_wait(cn->cc, cn->eng->o.step_timeout_ms);
-    if (why) {
-      snprintf(err, errlen, "ncclSend/ncclRecv: %s", why);
-      return EPD_ERR_NCCL;
-    }
-    nr = ncclSuccess;
-  }
-  if (nr != ncclSuccess) {
-    snprintf(err, errlen, "ncclSend/ncclRecv: %s (%s)", ncclGetErrorString(nr), ncclGetLastError(NULL));
-    return EPD_ERR_NCCL;
-  }
-  /* Expansion reads the siblings' received rows: every GPU's exchange first. */
-  if (!combine && L > 1) {
-    for (uint32_t l = 0; l < L; l++) {
-      cudaSetDevice(cn->d[l].device);
-      cudaEventRecord(cn->d[l].xdone, cn->d[l].stream);
-    }
-    for (uint32_t l = 0; l < L; l++) {
-      cudaSetDevice(cn->d[l].device);
-      for (uint32_t p = 0; p < L; p++)
-        if (p != l) cudaStreamWaitEvent(cn->d[l].stream, cn->d[p].xdone, 0);
-    }
-  }
-  for (uint32_t l = 0; l < L; l++) {
-    cnet_dev_t *d = &cn->d[l];
-    const cnet_side_t *s = &pg->side[l];
-    cudaSetDevice(d->device);
-    if (combine) {
-      rc = epd_k_net_wsum(TAB(d, 6, uint32_t), TAB(d, 7, epd_k_net_term_t), TAB(d, 8, uint64_t),
-                          cnet_count(&s->post_out, 8), H, 0, d->stream);
-    } else {
-      rc = epd_k_net_rows(TAB(d, 1, epd_k_net_row_t), cnet_count(&s->post_rows, sizeof(epd_k_net_row_t)), H,
-                          (int)cg->fp8, d->stream);
-      if (!rc)
-        rc = epd_k_net_put(TAB(d, 2, epd_k_net_put_t), cnet_count(&s->puts, sizeof(epd_k_net_put_t)),
-                           d->stream);
-    }
-    if (rc) {
-      snprintf(err, errlen, "launching the %s kernel on GPU %d failed", combine ? "combine" : "expand",
-               d->device);
-      return rc;
-    }
-    cudaError_t e = cudaEventRecord(d->done, d->stream);
-    if (e) {
-      snprintf(err, errlen, "cudaEventRecord: %s", cudaGetErrorString(e));
-      return EPD_ERR_CUDA;
-    }
-  }
-  return EPD_OK;
-}
-
-/* (mu) The step's turn (schedule): run it (mu released while issuing). */
-static void start_run(cnet_t *cn, cnet_grp_t *cg) {
-  epd_engine_t *eng = cn->eng;
-  char err[256] = "";
-  epd_result_t rc = dev_alloc(cn, cg, err, sizeof err);
-  if (!rc) {
-    fill_addr(cn, cg);
-    const epd_ref_plan_t *plan = &cg->plan[cg->bank];
-    rc = eng_op_dispatch(cg->op)
-             ? cnet_build_dispatch(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cg->mode, (int)cg->fp8,
-                                   cn->addr)
-             : cnet_build_combine(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cg->mode, cn->addr);
-    if (rc) snprintf(err, sizeof err, "building the step program failed (%d)", rc);
-  }
-  if (rc) {
-    /* Every node decided to run: a node that cannot makes the others' exchange hang, so fail for good. */
-    eng_fail(eng, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, err);
-    complete_all(cn, cg, rc, -1, err);
-    return;
-  }
-  cg->phase = PH_RUN;
-  cg->run_ns = eng_now_ns();
-  cn->run = cg;
-  pthread_mutex_unlock(&eng->mu);
-  rc = issue(cn, cg, err, sizeof err);
-  cg->t_issued = eng_now_ns();
-  pthread_mutex_lock(&eng->mu);
-  if (rc) {
-    EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, err);
-    eng_fail(eng, "group %s step %llu: inter-node stage: %s", cg->gname, (unsigned long long)cg->step, err);
-    epd_cc_abort(cn->cc);
-    complete_all(cn, cg, rc, -1, err);
-  }
-}
-
-/* (mu) The step's GPU work: done, failed, or past the timeout. */
-static int poll_run(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
-  epd_engine_t *eng = cn->eng;
-  int ready = 1;
-  for (uint32_t l = 0; l < cn->L; l++) {
-    cudaSetDevice(cn->d[l].device);
-    cudaError_t e = cudaEventQuery(cn->d[l].done);
-    if (e == cudaErrorNotReady) {
-      ready = 0;
-      continue;
-    }
-    if (e != cudaSuccess) {
-      EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: GPU %d failed: %s", cg->gname, (unsigned long long)cg->step,
-               cn->d[l].device, cudaGetErrorString(e));
-      eng_fail(eng, "GPU %d: inter-node stage failed: %s", cn->d[l].device, cudaGetErrorString(e));
-      complete_all(cn, cg, EPD_ERR_CUDA, -1, cudaGetErrorString(e));
-      return 1;
-    }
-  }
-  if (ready) {
-    eng_group_t *grp = grp_alive(cn, cg) ? cg->grp : NULL;
-    if (grp && eng_op_dispatch(cg->op)) {
-      /* Statistics count this node's ranks' tokens (as the host backend's scale-out does). */
-      const epd_ref_plan_t *p = &cg->plan[cg->bank];
-      uint32_t M = cg->g.max_tokens, K = cg->g.topk, S = cg->g.slots_per_rank;
-      const uint8_t *f =
-          (const uint8_t *)(net_step_descs((const net_step_hdr_t *)cg->frame[cn->node]) + cn->L);
-      for (uint32_t l = 0; l < cn->L; l++) {
-        uint32_t src = cn->node * cn->L + l;
-        const int64_t *idx = (const int64_t *)f;
-        f += (size_t)p->num_tokens[src] * K * 12;
-        for (uint32_t t = 0; t < p->num_tokens[src]; t++)
-          for (uint32_t k = 0; k < K; k++) {
-            size_t row = ((size_t)src * M + t) * K + k;
-            if (p->dst_rank[row] < 0) continue;
-            int64_t e = idx[(size_t)t * K + k];
-            if (e >= 0 && e < (int64_t)cg->g.num_experts) grp->expert_tokens[e]++;
-            grp->slot_tokens[(size_t)p->dst_rank[row] * S + (size_t)p->dst_slot[row]]++;
-          }
-      }
-      cg->plan_valid[cg->bank] = 1;
-    }
-    uint64_t tx = 0, rx = 0; /* the exchange's payload counts with the control frames (metrics) */
-    for (uint32_t l = 0; l < cn->L; l++)
-      for (uint32_t n = 0; n < cn->nodes; n++) {
-        tx += (uint64_t)cn->prog.side[l].send_rows[n] * cn->prog.row_bytes;
-        rx += (uint64_t)cn->prog.side[l].recv_rows[n] * cn->prog.row_bytes;
-      }
-    epd_net_add_bytes(eng->o.net, tx, rx);
-    int o = !eng_op_dispatch(cg->op);
-    uint64_t t_done = eng_now_ns();
-    cg->prof_n[o]++;
-    cg->prof_ns[o][0] += cg->t_sent - cg->last_ns;
-    cg->prof_ns[o][1] += cg->t_in - cg->t_sent;
-    cg->prof_ns[o][2] += cg->t_issued - cg->t_in;
-    cg->prof_ns[o][3] += t_done - cg->t_issued;
-    complete_all(cn, cg, EPD_OK, -1, NULL);
-    return 1;
-  }
-  if (now > cg->run_ns && now - cg->run_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
-    char why[200];
-    snprintf(why, sizeof why,
-             "the inter-node exchange did not finish within %u ms (a node stopped mid-step?): world "
-             "communicator aborted",
-             eng->o.step_timeout_ms);
-    EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
-    epd_cc_abort(cn->cc);
-    eng_fail(eng, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
-    complete_all(cn, cg, EPD_ERR_TIMEOUT, -1, why);
-    return 1;
-  }
-  return 0;
-}
-
 /* (mu) Wait for every node's frame of the step. */
 static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   epd_engine_t *eng = cn->eng;
   epd_net_t *net = eng->o.net;
   uint32_t L = cn->L;
-  const int alive = grp_alive(cn, cg); /* a removed group's kept step (orphan) has no notices to heed */
+  const int alive = cnet_grp_alive(cn, cg); /* a removed group's kept step (orphan) has no notices to heed */
+  const uint64_t since = alive ? eng_net_frames_since(cg->grp) : EPD_NET_TAKE_ONLY;
+  /* every part that came, then what a missing one means */
+  uint64_t later[CNET_MAX_NODES] = {0}; /* node n's part of a later step came with none of this one's */
+  int missing = 0;
+  const net_step_hdr_t *h[CNET_MAX_NODES] = {0};
   for (uint32_t n = 0; n < cn->nodes; n++) {
-    if (n == cn->node || cg->frame[n]) continue;
-    uint64_t later; /* node n's part of a later step, came with none of this one's: it skipped this step */
-    cg->frame[n] = epd_net_take_payload(net, cg->gname, cg->step, n,
-                                        alive ? eng_net_frames_since(cg->grp) : 0, &later, &cg->flen[n]);
-    if (cg->frame[n]) continue;
-    char why[256];
-    int peer = -1;
-    const int st = net_part_missing(eng, alive ? cg->grp : NULL, cg->gname, n, cg->step,
-                                    eng_op_dispatch(cg->ldesc[0].op), later, &peer, why, sizeof why);
+    if (n == cn->node) continue;
+    if (net_node_masked(eng, cg->sent_mask, n)) { /* out of the step: none is waited for; what it sent goes */
+      size_t len;
+      free(epd_net_take_payload(net, cg->gname, cg->step, n, since, NULL, &len));
+      continue;
+    }
+    if (!cg->frame[n])
+      cg->frame[n] = epd_net_take_payload(net, cg->gname, cg->step, n, since, &later[n], &cg->flen[n]);
+    missing |= !cg->frame[n];
+    if (cg->frame[n] && cg->flen[n] >= sizeof(net_step_hdr_t)) h[n] = (const net_step_hdr_t *)cg->frame[n];
+  }
+  char why[256] = "";
+  int peer = -1, st;
+  if ((st = net_frames_mask(eng, alive ? cg->grp : NULL, h, cg->sent_mask, &peer, why, sizeof why))) {
+    EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
+    cnet_complete(cn, cg, st, peer, why);
+    return 1;
+  }
+  for (uint32_t n = 0; missing && n < cn->nodes; n++) {
+    if (n == cn->node || cg->frame[n] || net_node_masked(eng, cg->sent_mask, n)) continue;
+    st = net_part_missing(eng, alive ? cg->grp : NULL, cg->gname, n, cg->step,
+                          eng_op_dispatch(cg->ldesc[0].op), later[n], &peer, why, sizeof why);
     if (st) {
       EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
-      complete_all(cn, cg, st, peer, why);
+      cnet_complete(cn, cg, st, peer, why);
       return 1;
     }
     if (now > cg->first_ns && now - cg->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
       net_silent_why(n, L, eng->o.step_timeout_ms, why, sizeof why);
       EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
       eng->rank[n * L].timeouts++;
-      complete_all(cn, cg, EPD_ERR_TIMEOUT, (int)(n * L), why);
+      cnet_complete(cn, cg, EPD_ERR_TIMEOUT, (int)(n * L), why);
       return 1;
     }
-    return 0;
   }
+  if (missing) return 0; /* parts still to come */
   cg->t_in = eng_now_ns();
-  char why[256] = "";
-  int peer = -1;
-  int st = decide(cn, cg, &peer, why, sizeof why);
+  st = decide(cn, cg, &peer, why, sizeof why);
   if (st) {
-    complete_all(cn, cg, st, peer, why);
+    cnet_complete(cn, cg, st, peer, why);
     return 1;
   }
   int behind = cn->run != NULL;
@@ -996,6 +737,14 @@ static cnet_grp_t *grp_of(cnet_t *cn, const eng_group_t *grp) {
   return NULL;
 }
 
+/* (mu) The step runs on this node alone (every other node out of it): no NCCL call crosses nodes, so it
+ * takes no place in node 0's order (and runs while node 0 is out). */
+static int solo(const cnet_t *cn, const cnet_grp_t *cg) {
+  for (uint32_t n = 0; n < cn->nodes; n++)
+    if (n != cn->node && !net_node_masked(cn->eng, cg->sent_mask, n)) return 0;
+  return 1;
+}
+
 /* (mu) No exchange runs: start the next one. Node 0 takes the step that became ready first and tells
  * every other node (GO, numbered); the others run steps in GO order only, so every node issues the
  * groups' NCCL calls on the world communicator in the same order. */
@@ -1011,12 +760,17 @@ static int schedule(cnet_t *cn, uint64_t now) {
     int moved = 0;
     for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
       if (cg->phase == PH_READY) {
-        complete_all(cn, cg, EPD_ERR_INTERNAL, -1, why);
+        cnet_complete(cn, cg, EPD_ERR_INTERNAL, -1, why);
         moved = 1;
       }
     return moved;
   }
   if (cn->remake_req || cn->remaking) return 0; /* the world communicator is being made again */
+  for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
+    if (cg->phase == PH_READY && solo(cn, cg)) {
+      cnet_start_run(cn, cg);
+      return 1;
+    }
   if (cn->node == 0) {
     cnet_grp_t *next = NULL;
     for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
@@ -1032,7 +786,7 @@ static int schedule(cnet_t *cn, uint64_t now) {
         EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: the exchange order not sent to node %u (link down)",
                  next->gname, (unsigned long long)next->step, n);
     cn->go_seq++;
-    start_run(cn, next);
+    cnet_start_run(cn, next);
     return 1;
   }
   if (!cn->go_have) {
@@ -1057,12 +811,12 @@ static int schedule(cnet_t *cn, uint64_t now) {
     cg = cg->next;
   if (!cg) {
     cg = cn->groups;
-    while (cg && (strcmp(cg->gname, cn->go.group) || !grp_alive(cn, cg))) cg = cg->next;
+    while (cg && (strcmp(cg->gname, cn->go.group) || !cnet_grp_alive(cn, cg))) cg = cg->next;
   }
   if (cg && cg->phase == PH_READY && cg->step == cn->go.step) {
     cn->go_have = 0;
     cn->go_seq++;
-    start_run(cn, cg);
+    cnet_start_run(cn, cg);
     return 1;
   }
   /* A step this node already finished or failed (or of a group gone here): node 0's exchange has no
@@ -1098,10 +852,11 @@ static int ready_expired(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   epd_engine_t *eng = cn->eng;
   const uint64_t since = cg->ready_ns > cn->run_end_ns ? cg->ready_ns : cn->run_end_ns;
   char why[256], lw[160];
+  if (solo(cn, cg)) return 0; /* no order to wait for */
   if (cn->node != 0 && epd_net_node_dead(eng->o.net, 0, lw, sizeof lw)) {
     snprintf(why, sizeof why,
              "the data link to node 0 (ranks 0..%u), which orders the exchanges, is down: %s", cn->L - 1, lw);
-    complete_all(cn, cg, EPD_ERR_PEER, 0, why);
+    cnet_complete(cn, cg, EPD_ERR_PEER, 0, why);
     return 1;
   }
   if (cn->node == 0 || cn->run || now <= since ||
@@ -1110,7 +865,7 @@ static int ready_expired(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   snprintf(why, sizeof why, "waited %u ms for node 0 (rank 0) to order the step's exchange",
            eng->o.step_timeout_ms);
   EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
-  complete_all(cn, cg, EPD_ERR_TIMEOUT, 0, why);
+  cnet_complete(cn, cg, EPD_ERR_TIMEOUT, 0, why);
   return 1;
 }
 
@@ -1123,7 +878,7 @@ int eng_cuda_net_poll(cnet_t *cn) {
   /* groups removed (not while their exchange runs) */
   for (cnet_grp_t *cg = cn->groups, *next; cg; cg = next) {
     next = cg->next;
-    if (cg != cn->run && !grp_alive(cn, cg) &&
+    if (cg != cn->run && !cnet_grp_alive(cn, cg) &&
         !(cg->orphan && (cg->phase == PH_WAIT || cg->phase == PH_READY)))
       group_free(cn, cg);
   }
@@ -1151,9 +906,9 @@ int eng_cuda_net_poll(cnet_t *cn) {
     while (*tail) tail = &(*tail)->next;
     *tail = cg;
   }
-  if (cn->run) moved |= poll_run(cn, cn->run, now);
+  if (cn->run) moved |= cnet_poll_run(cn, cn->run, now);
   for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next) {
-    if (cg->phase == PH_COLLECT && grp_alive(cn, cg)) moved |= collect(cn, cg, now);
+    if (cg->phase == PH_COLLECT && cnet_grp_alive(cn, cg)) moved |= collect(cn, cg, now);
     if (cg->phase == PH_WAIT) moved |= wait_frames(cn, cg, now);
   }
   if (!cn->run) moved |= schedule(cn, now);

@@ -580,7 +580,7 @@ net_frame_t *net_take(epd_net_t *net, const char *group, uint64_t step, uint32_t
       pp = &f->next;
       continue;
     }
-    if (f->step > step) {
+    if (f->step > step || (since == EPD_NET_TAKE_ONLY && f->step != step)) {
       if (later && f->seq > since && (!*later || f->step < *later)) *later = f->step;
       pp = &f->next;
       continue;

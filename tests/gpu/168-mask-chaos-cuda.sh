@@ -13,7 +13,7 @@
 # Fails on: a result mismatch or a wrong dropped count in any worker's output (killed or not), fewer than
 # 1000 steps checked by workers that ran to their end, no rank masked, a clean round that fails or hangs,
 # a daemon fd count above its baseline once every worker left, or a daemon that is not ready afterwards.
-# EPD_MASK_MODE=persistent (mask-chaos-mps-cuda.sh, under MPS): the same with the daemon in persistent
+# EPD_MASK_MODE=persistent (169-mask-chaos-mps-cuda.sh, under MPS): the same with the daemon in persistent
 # mode, where groups that mask step in launch mode (the workers submit from their kernels).
 # Usage (repository root, on the GPU machine): bash tests/gpu/168-mask-chaos-cuda.sh [build-dir]
 set -u

@@ -7,8 +7,9 @@
 #   tests/gpu/check-all.sh DIR          DIR: a build directory, or a tree from deploy/dev-bundle.sh
 #   CHECK_STEPS="tests sanitize ht ll"  the steps to run (default: all four, in this order)
 #   CHECK_TESTS="gpu_ plumb_ system/15"  only the GPU tests whose names contain one of these words (the
-#                                       runner's filters): on one GPU the whole list takes about 485 s
-#                                       (kernel tests 140, 150-160 115, 165-167 230), so two calls split it
+#                                       runner's filters): on one GPU the whole list takes about 480 s
+#                                       (kernel tests, 150-160 and 168: 225; 165-167: 215; 169-170: 45),
+#                                       so two calls split it
 #   CHECK_BUDGET_S=570                  seconds for all steps (a device call allows 600): a step's own
 #                                       timeout is cut to what is left; once nothing is left, steps skip
 # After each step every process still running from DIR/bin (a hung test's daemon or worker) is killed.

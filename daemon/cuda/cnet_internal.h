@@ -1,0 +1,126 @@
+/*
+ * cnet_internal.h - the state of the CUDA backend across nodes, shared by its two files:
+ * engine_cuda_net.c (collect, verdict, order of the exchanges) and cnet_run.c (running an exchange).
+ */
+#ifndef EPD_CNET_INTERNAL_H
+#define EPD_CNET_INTERNAL_H
+
+#include "cuda/cnet_plan.h"
+#include "cuda/engine_cuda_net.h"
+#include "net/scaleout.h"
+
+#if EPD_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+enum { PH_COLLECT = 0, PH_WAIT = 1, PH_RUN = 2 };
+
+/* A node's part of a step (net/frame.h): the step header, nlocal descriptors, then (dispatch, status 0)
+ * for each local rank min(num_tokens, max_tokens) rows of top-k ids (int64) followed by as many rows of
+ * weights: the world plan's inputs (the tokens themselves move over NCCL). */
+
+/* One local GPU. */
+typedef struct cnet_dev {
+  int device;
+  cudaStream_t stream;
+  cudaEvent_t done, xdone;
+  uint8_t *xsend, *xrecv; /* nodes x max_tokens rows of H floats (BF16 rows use the first half) */
+  size_t xbytes;
+  uint8_t *tab_dev, *tab_host; /* the step's tables (device copy, pinned staging) */
+  size_t tab_cap;
+  cudaStream_t tkstream; /* the local rank's top-k read for the dispatch frame (send_frame) */
+  uint8_t *tk_host;      /* pinned: its top-k ids and weights */
+  size_t tk_cap;
+  size_t off[9]; /* offsets of the 9 tables in the staging buffer */
+} cnet_dev_t;
+
+enum { PH_READY = 3 }; /* every frame in, verdict OK: the exchange waits for its turn (schedule) */
+
+/* One group served: the step it collects, decides or runs. */
+typedef struct cnet_grp {
+  struct cnet_grp *next;
+  eng_group_t *grp;
+  uint64_t grp_serial; /* grp->serial when taken up (see grp_alive) */
+  char gname[EPD_GROUP_NAME_MAX];
+  epd_ref_geom_t g;
+  int phase;
+  uint64_t step;
+  int arrived[EPD_MAX_RANKS];
+  void *hold[EPD_MAX_RANKS];
+  eng_client_t *cl[EPD_MAX_RANKS];
+  uint64_t cid[EPD_MAX_RANKS];
+  epd_desc_t ldesc[EPD_MAX_RANKS]; /* local ranks' descriptors */
+  uint32_t narrived;
+  uint64_t first_ns, last_ns, run_ns;
+  uint64_t ready_seq, ready_ns;   /* PH_READY: in which order (node 0 orders by it) and since when */
+  uint8_t *frame[CNET_MAX_NODES]; /* every node's payload of the step (own included) */
+  size_t flen[CNET_MAX_NODES];
+  int plan_init;
+  epd_ref_plan_t plan[EPD_NUM_BANKS];
+  int plan_valid[EPD_NUM_BANKS];
+  uint64_t plan_mask[EPD_NUM_BANKS]; /* the mask each bank's dispatch ran with */
+  /* Groups that mask lost ranks: the world ranks the step was routed without, as this node sent it (every
+   * part must say the same: net_frames_mask). Masked ranks of this node take no part: no slot, no tokens. */
+  uint64_t sent_mask;
+  uint32_t op, bank, fp8, mode, op_version;
+  /* Where a step's time goes (logged when the group goes away), per dispatch [0] / combine [1]: last
+   * local arrival -> frame sent, -> every frame in, -> work issued (plan, tables, launches), -> GPUs
+   * done. */
+  uint64_t t_sent, t_in, t_issued;
+  uint64_t prof_n[2], prof_ns[2][4];
+  uint64_t behind; /* steps that found another group's exchange running or ready (logged with the profile) */
+  eng_map_vote_t vote; /* expert-map switches, the protocol of both backends (engine_internal.h) */
+  /* The group removed here (its last local client left) while its step was past collect: what the step
+   * still needs of the group, kept so that it is decided and its exchange runs as on the other nodes
+   * (whose NCCL calls would otherwise find no partner here). Valid if orphan. */
+  int orphan;
+  epd_expert_map_t omap;
+  epd_buffer_desc_t obufs[EPD_MAX_BUFFERS];
+  uint32_t onbufs;
+} cnet_grp_t;
+
+/* Node 0's word on the next exchange (a payload of group "" numbered by cnet.go_seq): every node runs the
+ * groups' exchanges in this order, so the NCCL calls on the world communicator match. */
+typedef struct cnet_go {
+  char group[EPD_GROUP_NAME_MAX];
+  uint64_t step;
+} cnet_go_t;
+
+struct cnet {
+  epd_engine_t *eng;
+  epd_cc_t *cc;
+  uint32_t L, nodes, node, W;
+  char gin[2048]; /* the start-up GIN probe's line (epd_cc_gin_probe): every local rank's result when they
+                     differ */
+  cnet_dev_t d[EPD_MAX_RANKS];
+  cnet_grp_t *groups; /* the groups served (those with a client on this node) */
+  cnet_grp_t *run;    /* the group whose step runs: one exchange at a time */
+  uint64_t run_end_ns;
+  uint64_t go_seq; /* node 0: exchanges ordered so far; other nodes: the number of the next GO */
+  uint64_t ready_ctr;
+  cnet_go_t go; /* other nodes: GO go_seq, taken, its step not yet ready here */
+  int go_have;
+  uint64_t go_ns; /* when go was taken */
+  cnet_addr_t addr[EPD_MAX_RANKS];
+  cnet_prog_t prog;
+  /* A restarted node joins (eng_cuda_net_remake): the world communicator is made again over remake_id by
+   * a thread of its own once no exchange runs; meanwhile no exchange starts here. */
+  int remake_req, remaking, remake_started;
+  int remake_cancel; /* (atomic) give the attempt up: stopping, or a newer id came */
+  pthread_t remake_th;
+  uint8_t remake_id[EPD_CC_UNIQUE_ID_BYTES];
+};
+
+/* (mu) The group is still the one the stage took up: same address and serial (a group removed and
+ * created again may get the freed memory back). */
+int cnet_grp_alive(cnet_t *cn, cnet_grp_t *cg);
+/* (mu) Answer the step's slots and start collecting the next one. */
+void cnet_complete(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const char *why);
+/* The exchange buffers of every local GPU, freed (with the last group). */
+void cnet_dev_free(cnet_t *cn);
+/* (mu) The step's turn: run it (mu released while issuing). */
+void cnet_start_run(cnet_t *cn, cnet_grp_t *cg);
+/* (mu) The step's GPU work: done, failed, or past the timeout; 1 if it ended. */
+int cnet_poll_run(cnet_t *cn, cnet_grp_t *cg, uint64_t now);
+
+#endif /* EPD_WITH_CUDA */
+#endif

@@ -1,0 +1,128 @@
+#!/bin/bash
+# 170-mask-two-nodes-cuda.sh - masked ranks across two nodes on the CUDA backend (the GPU twin of
+# tests/system/67-mask-two-nodes.sh): two daemons with engine.backend=cuda are nodes 0 and 1 of one world
+# of 4 ranks (2 each; on one GPU all four share it: two-nodes-lib.sh). One group is attached with
+# on_rank_loss = mask and an expert map that places every expert on two ranks of different nodes. For
+# EPD_MASK_CHAOS_SECONDS (default 20) a random worker is SIGKILLed about every 0.5 s (at most one rank of
+# each node down at once) and a new worker of its rank starts 0.1-0.5 s later: LL steps for half the
+# time, then HT steps in another group. Every worker (epd-worker --mask) checks each step against the
+# reference computed with the mask its completion reports (the world plan routes without the masked
+# ranks; their node sends no tokens for them). A node masks its own ranks and tells the other; a step one
+# node sent before the notice came fails on both (the worker goes on), as does a combine whose dispatch
+# ran with a rank masked since. Then the workers still running are killed and a clean round of 4 workers
+# must run. Then a whole node out, each in turn, while the other node's workers check every step:
+#   1. both workers of node 1 SIGKILLed: the group is removed there, node 0 masks ranks 2-3 and goes on;
+#   2. new workers at node 1: ranks 2-3 back at a step boundary, the four step together;
+#   3. both workers of node 0 SIGKILLed: node 1 goes on alone (its steps need no place in node 0's order
+#      of the exchanges: no NCCL call leaves the node);
+#   4. new workers at node 0: back, the four step together.
+# Fails on: a mismatch or a wrong dropped count in any worker's output, killed or not, fewer than 200
+# steps checked by workers that ran to their end, no rank masked on either node or no mask learnt from
+# the other node, a clean round that fails or hangs, a node's workers that do not step while the other
+# node is out or after it came back, more than 10 failed ops of a worker that ran through, a daemon that
+# exits or an engine that fails.
+# Usage (repository root, GPU machine): bash tests/gpu/170-mask-two-nodes-cuda.sh [build-dir]
+set -u
+B=${1:-${EPD_BUILD:-build}}
+GPN=2
+TWO_NODES_DAEMON_OPTS="-o engine.slots_factor_pct=200 -o engine.step_timeout_ms=2000"
+. "$(dirname "$0")/two-nodes-lib.sh"
+CHAOS_S=${EPD_MASK_CHAOS_SECONDS:-20} CHAOS_STEPS=300
+E=16 REP_NEXT=2 # the second replica of every expert on the other node
+RANDOM=${EPD_CHAOS_SEED:-4321}
+start_nodes
+ctl() { "$EPDCTL" -s "$T/n0/control.sock" "$@"; }
+run_worker() { # RANK STEPS OUT [ARGS...]: at its node (ranks 0-1 node 0, 2-3 node 1)
+  local r=$1 steps=$2 out=$3
+  shift 3
+  CUDA_VISIBLE_DEVICES=$(gpu_of "$r") "$WORKER" -s "$T/n$((r / GPN))/control.sock" -g "$GROUP" --mode "$MODE" \
+    -r "$r" -n 4 --steps "$steps" --seed 9 --experts $E --hidden 128 --topk 4 --tokens 16 --same-inputs --mask \
+    --until-streak 1000000 --node-ranks $GPN "$@" > "$out" 2>&1 &
+}
+# at most one rank of each node down: each node keeps a live rank (its last one would not be masked)
+may_kill() { [ -z "${DOWN[$(($1 ^ 1))]:-}" ] && [ -n "${WP[$(($1 ^ 1))]:-}" ]; }
+daemons_alive() {
+  kill -0 "$P_0" 2> /dev/null || fail "node 0 exited"
+  kill -0 "$P_1" 2> /dev/null || fail "node 1 exited"
+}
+. "$(dirname "$0")/../mask-chaos-lib.sh"
+
+echo "== warm-up: one clean round of 4 workers"
+warm_up
+chaos_phases "$CHAOS_S"
+clean_round
+own0=$(grep -c "rank_masked: group chaos[-ht]* rank [01] masked.*(its client" "$T/node0.log")
+own1=$(grep -c "rank_masked: group chaos[-ht]* rank [23] masked.*(its client" "$T/node1.log")
+learnt=$(cat "$T/node0.log" "$T/node1.log" | grep -c "rank_masked: group chaos[-ht]* rank [0-9] masked.*(masked on its node)")
+failed=$(cat "$T"/w*.out | grep -c "failed")
+echo "killed $killed workers; ranks masked by their node: $own0 on node 0, $own1 on node 1, learnt from the" \
+  "other node $learnt times; $nfin workers finished ($retried attaches retried, $maps" \
+  "replicated maps staged); $steps checked steps, $failed failed ops"
+[ $killed -ge 5 ] || fail "only $killed kills in $CHAOS_S s: the run exercised too little"
+[ $((own0 + own1)) -ge 1 ] || fail "no node masked a rank for $killed kills"
+[ "$learnt" -ge 1 ] || fail "no node learnt a mask from the other node"
+[ $steps -ge 200 ] || fail "only $steps checked steps (want 200+)"
+
+echo "== a whole node out, each in turn"
+GROUP=out MODE=ll
+# the steps a worker (-v) checked and found equal to the reference (0 before its output exists)
+checked() { cat "$1" 2> /dev/null | grep -c " ok$"; }
+stepping() { # stepping N OUT...: each worker of these outputs checked N more steps (within 60 s)
+  local n=$1 f c=""
+  shift
+  for f in "$@"; do c="$c [ \$(cat $f 2> /dev/null | grep -c ' ok\$') -ge $(($(checked "$f") + n)) ] &&"; done
+  wait_for 60 sh -c "$c true"
+}
+clean() { # clean MAX_FAILED OUT...: no mismatch, at most MAX_FAILED failed ops
+  local max=$1 f
+  shift
+  for f in "$@"; do
+    grep -q " MISMATCH$\|differs\|entries dropped\|, want" "$f" &&
+      fail "$(basename "$f"): $(grep -m3 " MISMATCH$\|differs\|entries dropped\|, want" "$f")"
+    [ "$(grep -c failed "$f")" -le "$max" ] || fail "$(basename "$f"): $(grep -c failed "$f") failed ops"
+  done
+  return 0
+}
+pair() { # pair NODE TAG: new -v workers of both ranks of NODE, outputs $T/TAGr.out, pids in V_r
+  local r
+  for r in $(($1 * 2)) $(($1 * 2 + 1)); do
+    run_worker $r 1000000 "$T/$2$r.out" -v
+    eval "V_$r=\$!"
+  done
+}
+kill_pair() { # kill_pair NODE: SIGKILL both workers of NODE
+  local r p
+  for r in $(($1 * 2)) $(($1 * 2 + 1)); do
+    eval "p=\$V_$r"
+    kill -KILL "$p" 2> /dev/null
+    wait "$p" 2> /dev/null
+  done
+}
+pair 0 a
+pair 1 b
+wait_for 30 group_made || fail "group $GROUP not made"
+replicated_map
+stepping 50 "$T"/a0.out "$T"/a1.out "$T"/b2.out "$T"/b3.out || fail "no steps with the 4 workers"
+echo "== 1. node 1's workers SIGKILLed: node 0 goes on without ranks 2-3"
+kill_pair 1
+stepping 100 "$T"/a0.out "$T"/a1.out || fail "node 0's workers did not step without node 1"
+grep -q "node 1 (ranks 2..3) is out of its steps" "$T/node0.log" || fail "node 0 did not take node 1 out"
+echo "== 2. new workers at node 1: ranks 2-3 back"
+pair 1 c
+stepping 100 "$T"/c2.out "$T"/c3.out "$T"/a0.out "$T"/a1.out || fail "the four did not step after node 1 came back"
+echo "== 3. node 0's workers SIGKILLed: node 1 goes on alone"
+kill_pair 0
+stepping 100 "$T"/c2.out "$T"/c3.out || fail "node 1's workers did not step without node 0"
+grep -q "node 0 (ranks 0..1) is out of its steps" "$T/node1.log" || fail "node 1 did not take node 0 out"
+echo "== 4. new workers at node 0: back"
+pair 0 d
+stepping 100 "$T"/d0.out "$T"/d1.out "$T"/c2.out "$T"/c3.out || fail "the four did not step after node 0 came back"
+kill_pair 0
+kill_pair 1
+clean 10 "$T"/d0.out "$T"/d1.out
+clean 2000 "$T"/a0.out "$T"/a1.out "$T"/b2.out "$T"/b3.out "$T"/c2.out "$T"/c3.out # their last ops failed
+echo "   node 0's first workers checked $(checked "$T/a0.out") steps, node 1's second $(checked "$T/c2.out")," \
+  "$(cat "$T"/[a-d]*.out | grep -c failed) ops failed at the losses and the returns"
+daemons_alive
+grep -q "engine failed" "$T/node0.log" "$T/node1.log" && fail "an engine failed: $(grep -h -m1 'engine failed' "$T"/node*.log)"
+echo "170-mask-two-nodes-cuda: every checked step matched the reference with its mask"
