@@ -116,12 +116,15 @@ int net_part_missing(epd_engine_t *eng, eng_group_t *grp, const char *group, uin
     return verdict(EPD_ERR_PEER, (int)(n * L), peer, why, wl,
                    "the data link to node %u (ranks %u..%u) is down: %s", n, n * L, n * L + L - 1, lw);
   }
-  if (grp && eng_net_drain_from(grp, n) <= step && dispatch)
+  if (grp && eng_net_drain_from(grp, n) <= step && dispatch) {
     /* its notice came after every frame it sent (one link, in order): this dispatch's part will not come
-     * (a draining node still runs combines: their parts come as usual) */
+     * (a draining node still runs combines: their parts come as usual); groups that mask go on without
+     * it from the next step */
+    net_node_out(eng, grp, n, "its node is draining");
     return verdict(EPD_ERR_DRAINING, (int)(n * L), peer, why, wl,
                    "node %u (ranks %u..%u) is draining: it takes no dispatch of group %s from step %llu on",
                    n, n * L, n * L + L - 1, group, (unsigned long long)eng_net_drain_from(grp, n));
+  }
   const int gone = grp ? eng_net_gone(grp, n, L, step, why, wl) : -1;
   if (gone >= 0) {
     net_node_out(eng, grp, n,
@@ -142,8 +145,13 @@ int net_frames_mask(epd_engine_t *eng, eng_group_t *grp, const net_step_hdr_t *c
                     int *peer, char *why, size_t wl) {
   const uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank;
   uint64_t differ = 0;
-  for (uint32_t n = 0; n < eng->o.nodes; n++)
-    if (n != me && h[n]) differ |= h[n]->mask ^ sent;
+  for (uint32_t n = 0; n < eng->o.nodes; n++) {
+    if (n == me || !h[n]) continue;
+    differ |= h[n]->mask ^ sent;
+    /* a draining node's refused dispatch (this step fails with EPD_ERR_DRAINING): out of the next steps,
+     * as where its part does not come (net_part_missing) */
+    if (grp && h[n]->status == EPD_ERR_DRAINING) net_node_out(eng, grp, n, "its node is draining");
+  }
   if (!differ) return 0;
   for (uint32_t n = 0; grp && n < eng->o.nodes; n++) {
     /* a part sent before its node's loss came here must not take the node back in */

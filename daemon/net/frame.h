@@ -59,12 +59,12 @@ int net_frames_status(const net_step_hdr_t *const *h, uint32_t nodes, uint32_t m
 int net_part_missing(epd_engine_t *eng, eng_group_t *grp, const char *group, uint32_t n, uint64_t step,
                      int dispatch, uint64_t later, int *peer, char *why, size_t wl);
 /* Groups that mask: every node must have routed with the same masked ranks. Each node masks its own
- * ranks and tells the others (CTL_MASK), and takes a node whose link is down, whose group is removed or
- * whose last live rank was lost out of the steps (net_node_out); a step one node sent before such news
- * came fails everywhere, at once (the first part that differs: no node waits for a part that will not
- * come), and the next step runs with each node's own ranks as it said (taken here from the parts). h[n]:
- * node n's header (NULL: none in, or this node), sent: the mask this node sent; grp NULL: a group
- * removed here whose step still runs (nothing to take). */
+ * ranks and tells the others (CTL_MASK), and takes a node whose link is down, whose group is removed,
+ * whose last live rank was lost or that drains (its first refused dispatch) out of the steps (net_node_out);
+ * a step one node sent before such news came fails everywhere, at once (the first part that differs: no node
+ * waits for a part that will not come), and the next step runs with each node's own ranks as it said (taken
+ * here from the parts). h[n]: node n's header (NULL: none in, or this node), sent: the mask this node sent;
+ * grp NULL: a group removed here whose step still runs (nothing to take). */
 int net_frames_mask(epd_engine_t *eng, eng_group_t *grp, const net_step_hdr_t *const *h, uint64_t sent,
                     int *peer, char *why, size_t wl);
 /* Every rank of node n is in mask (n is out of the steps routed with it: no part goes to it, none is
