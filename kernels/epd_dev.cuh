@@ -282,6 +282,20 @@ static inline void params_from_ctx(Params &p, const Ctx *k) {
   p.G = k->g.blocks;
 }
 
+/* A token's renormalisation (EPD_K_RENORMALIZE), a warp per token, lanes = its top-k columns (w: the
+ * lane's weight): the factor of the weights of the entries it keeps, the sum of its valid entries' weights
+ * (counted) over the sum of those kept (valid); 1 where it kept nothing. Sums in double, as the reference
+ * plan (epd_ref_plan_build). */
+__device__ __forceinline__ float renorm_factor(bool counted, bool valid, float w) {
+  double all = counted ? (double)w : 0.0, kept = valid ? (double)w : 0.0;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    all += __shfl_xor_sync(0xffffffffu, all, o);
+    kept += __shfl_xor_sync(0xffffffffu, kept, o);
+  }
+  return kept != 0.0 ? (float)(all / kept) : 1.0f;
+}
+
 } /* namespace epd_dev */
 
 #endif

@@ -105,10 +105,16 @@ void epd_k_ll_destroy(epd_k_ll_t *k);
  * and on every rank before the next op (recovery after a timeout). */
 epd_result_t epd_k_ll_reset(epd_k_ll_t *k, void *stream);
 
+/* A dispatch flag of the daemon's own (not an EPD_DESC_* of the caller): a token that lost entries (their
+ * expert has no replica in the map: masked ranks) has the weights of the entries it keeps scaled by the
+ * sum of all its valid entries' weights over the sum of those it keeps (a group's renormalize; as
+ * epd_ref_plan_build). LL and HT dispatch, launch mode. */
+#define EPD_K_RENORMALIZE (1u << 31)
+
 /* Parameters of one LL op. */
 typedef struct epd_k_ll_op {
   uint32_t op;         /* EPD_OP_LL_DISPATCH or EPD_OP_LL_COMBINE */
-  uint32_t flags;      /* EPD_DESC_* (dispatch: EPD_DESC_FP8) */
+  uint32_t flags;      /* EPD_DESC_* (dispatch: EPD_DESC_FP8), EPD_K_RENORMALIZE */
   uint32_t num_tokens; /* dispatch: tokens of x (<= max_tokens, else EPD_ERR_TOO_MANY_TOKENS on all ranks) */
   uint32_t bank;       /* 0..EPD_NUM_BANKS-1; a combine uses its dispatch's bank */
   uint64_t timeout_ns; /* per wait; 0: EPD_K_DEFAULT_TIMEOUT_NS */

@@ -108,7 +108,8 @@ struct __align__(16) TokRoute {
   uint32_t mask;      /* bits 0..7 dest ranks, bits 24..31 error bits of this token */
   uint8_t rank[KMAX]; /* 0xff: no expert */
   uint16_t slot[KMAX];
-  uint32_t pad[3];
+  float scale; /* the factor of its entries' weights: 1, or its renormalisation (EPD_K_RENORMALIZE) */
+  uint32_t pad[2];
 };
 static_assert(sizeof(TokRoute) == 64, "TokRoute is 64 bytes");
 
@@ -243,6 +244,8 @@ __global__ void __launch_bounds__(NTHR) ht_route_kernel(const HTParams p) {
     int64_t ej = __shfl_sync(0xffffffffu, e, j);
     if (j < lane && ej == e) valid = false; /* a duplicate expert is ignored */
   }
+  const bool counted = valid; /* the token's valid entries (renormalisation's whole) */
+  bool lost = false;          /* an entry dropped: its expert has no live replica */
   uint32_t errb = 0, d = 0xff, s = 0;
   if (valid) {
     if (e >= (int64_t)map_E) {
@@ -252,6 +255,7 @@ __global__ void __launch_bounds__(NTHR) ht_route_kernel(const HTParams p) {
       uint32_t nrep = __ldg(map_nrep + e);
       if (nrep == 0) {
         valid = false; /* no live replica (a map without masked ranks): the entry is dropped */
+        lost = true;
       } else if (nrep > EPD_K_MAX_REPLICAS) {
         valid = false;
         errb |= ERRB_BAD_MAP;
@@ -275,11 +279,17 @@ __global__ void __launch_bounds__(NTHR) ht_route_kernel(const HTParams p) {
     if (__ballot_sync(0xffffffffu, valid && d == r)) mask |= 1u << r;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) errb |= __shfl_xor_sync(0xffffffffu, errb, o);
+  float scale = 1.0f;
+  if ((p.flags & EPD_K_RENORMALIZE) && __any_sync(0xffffffffu, lost))
+    scale = renorm_factor(
+        counted, valid,
+        lane < K ? __ldcg(arena_buf<float>(p, EPD_BUF_TOPK_WEIGHTS) + (uint64_t)t * K + lane) : 0.f);
   TokRoute *rt = (TokRoute *)(local_bank(p) + p.lay.route) + t;
   if (lane < KMAX) {
     rt->rank[lane] = (uint8_t)d;
     rt->slot[lane] = (uint16_t)s;
   }
+  if (lane == 0) rt->scale = scale;
   if (lane == 0) {
     rt->mask = mask | (errb << 24); /* the ranks holding an entry of t: what the combine sums */
     /* the rows it gets: dense, every rank (the receivers' entries of other ranks are -1) */
@@ -439,7 +449,7 @@ __device__ void send_meta_token(const HTParams &p, uint32_t t, uint32_t m, const
     for (int k = 0; k < KMAX; k++) {
       const bool mine = k < (int)K && rt.rank[k] == r;
       rm.slot[k] = mine ? (int16_t)rt.slot[k] : (int16_t)-1;
-      rm.w[k] = mine ? __ldg(topw + k) : 0.f;
+      rm.w[k] = mine ? __ldg(topw + k) * rt.scale : 0.f;
     }
 #pragma unroll
     for (int q = 0; q < 6; q++) rm.pad1[q] = 0;
@@ -475,7 +485,7 @@ __device__ void meta_tile(const HTParams &p, uint32_t tb, const uint16_t *cl, co
       const bool mine = route[t].rank[k] == r;
       const uint32_t sl = route[t].slot[k];
       idx[e] = mine ? (int64_t)sl : (int64_t)-1;
-      wd[e] = mine ? __ldg(topw + (uint64_t)t * K + k) : 0.f;
+      wd[e] = mine ? __ldg(topw + (uint64_t)t * K + k) * route[t].scale : 0.f;
       if (mine) atomicAdd(&cnt[sl], 1u);
     }
     int32_t *srcd = rank_buf<int32_t>(p, r, EPD_BUF_HT_RECV_SRC) + jb;

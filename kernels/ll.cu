@@ -480,6 +480,8 @@ __device__ bool ll_dispatch_body(const LLParams &p, const LLOp &o) {
         int64_t ej = __shfl_sync(0xffffffffu, e, j);
         if (j < lane && ej == e) valid = false; /* a duplicate expert is ignored */
       }
+      const bool counted = valid; /* the token's valid entries (renormalisation's whole) */
+      bool lost = false;          /* an entry dropped: its expert has no live replica */
       /* persistent: the verdict word loaded with the expert map (one round trip after the release, as
        * late as the routing allows: the ranks have mostly agreed by then) */
       if (PERS && !gated && lane == 0) vpre = *(volatile const uint64_t *)&p.pdev->agree;
@@ -495,6 +497,7 @@ __device__ bool ll_dispatch_body(const LLParams &p, const LLOp &o) {
             reps[j] = __ldcg(map_rep + (uint64_t)e * EPD_K_MAX_REPLICAS + j);
           if (nrep == 0) {
             valid = false; /* no live replica (a map without masked ranks): the entry is dropped */
+            lost = true;
           } else if (nrep > EPD_K_MAX_REPLICAS) {
             valid = false;
             atomicOr(&sh_err, ERRB_BAD_MAP);
@@ -514,6 +517,8 @@ __device__ bool ll_dispatch_body(const LLParams &p, const LLOp &o) {
         }
       }
       if (__any_sync(0xffffffffu, bad) && lane == 0) atomicOr(&sh_err, ERRB_BAD_EXPERT);
+      if ((o.flags & EPD_K_RENORMALIZE) && __any_sync(0xffffffffu, lost))
+        w *= renorm_factor(counted, valid, w);
       uint64_t mask = 0;
       for (uint32_t r = 0; r < R; r++) {
         uint32_t m = __ballot_sync(0xffffffffu, valid && d == r);

@@ -42,6 +42,7 @@ typedef struct cnet_grp {
   uint64_t grp_serial; /* grp->serial when taken up (see grp_alive) */
   char gname[EPD_GROUP_NAME_MAX];
   epd_ref_geom_t g;
+  int renorm; /* the group's renormalize (the world plan's) */
   int phase;
   uint64_t step;
   int arrived[EPD_MAX_RANKS];

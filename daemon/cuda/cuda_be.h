@@ -107,6 +107,7 @@ typedef struct cuda_grp {
   char name[EPD_GROUP_NAME_MAX];
   epd_ref_geom_t g;
   uint64_t off[EPD_NUM_BANKS][EPD_BUF_KINDS]; /* arena layout (fixed per group) */
+  int renorm; /* the group's renormalize: its dispatches with ranks masked say EPD_K_RENORMALIZE */
   int phase;
   uint64_t run_seq;
   uint64_t step;

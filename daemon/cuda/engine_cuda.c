@@ -141,6 +141,7 @@ static cuda_grp_t *cuda_grp_find(cuda_be_t *be, eng_group_t *grp, int create) {
   fr->used = 1;
   fr->grp = grp;
   fr->g = grp->g;
+  fr->renorm = grp->renormalize;
   for (unsigned b = 0; b < EPD_NUM_BANKS; b++)
     for (unsigned k = 0; k < EPD_BUF_KINDS; k++) fr->off[b][k] = EPD_K_OFF_NONE;
   for (uint32_t i = 0; i < grp->nbufs; i++) /* the kernels see IO kinds only (not the expert weights) */
@@ -896,6 +897,7 @@ const eng_backend_ops_t eng_cuda_ops = {
     .world_id = cuda_world_id,
     .inter_node_transport = "nccl-p2p",
     .masks = 2,
+    .renormalizes = 1,
     .available = cuda_available,
     .create = cuda_create,
     .destroy = cuda_destroy,

@@ -650,6 +650,7 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
   else if (cg->sent_mask)
     route = &masked;
   int bad = -1;
+  plan->renormalize = cg->renorm;
   epd_result_t rc = epd_ref_plan_build(plan, route, in, &bad, why, wl);
   epd_expert_map_free(&masked);
   if (rc) {
@@ -896,6 +897,7 @@ int eng_cuda_net_poll(cnet_t *cn) {
     cg->grp = g;
     cg->grp_serial = g->serial;
     cg->g = g->g;
+    cg->renorm = (int)g->renormalize;
     snprintf(cg->gname, sizeof cg->gname, "%s", g->name);
     cg->phase = PH_COLLECT;
     int ok = 1;

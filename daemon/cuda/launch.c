@@ -392,6 +392,9 @@ static epd_result_t launch(cuda_be_t *be, cuda_grp_t *cg, int r, char *err, size
   memcpy(a.off, cg->off, sizeof a.off);
   memset(gr->comp_host, 0, sizeof *gr->comp_host);
   gr->comp_host->peer = -1;
+  /* with ranks masked, a token that lost entries has its other weights renormalised (a group option) */
+  const uint32_t flags =
+      d->flags | (cg->renorm && cg->step_mask && eng_op_dispatch(d->op) ? EPD_K_RENORMALIZE : 0);
   if (d->op == EPD_OP_HT_DISPATCH || d->op == EPD_OP_HT_COMBINE) {
     if (!gr->kh) {
       snprintf(err, errlen, "HT is not available for this group's geometry (max_tokens %u, capacity %u)",
@@ -399,7 +402,7 @@ static epd_result_t launch(cuda_be_t *be, cuda_grp_t *cg, int r, char *err, size
       return EPD_ERR_UNSUPPORTED;
     }
     epd_k_ht_op_t hop = {.op = d->op,
-                         .flags = d->flags,
+                         .flags = flags,
                          .num_tokens = d->num_tokens,
                          .bank = d->bank,
                          .timeout_ns = be->timeout_ns,
@@ -420,7 +423,7 @@ static epd_result_t launch(cuda_be_t *be, cuda_grp_t *cg, int r, char *err, size
     if ((rc = epd_k_ht_launch(gr->kh, &a, &hop, rk->stream, err, errlen))) return rc;
   } else {
     epd_k_ll_op_t op = {.op = d->op,
-                        .flags = d->flags,
+                        .flags = flags,
                         .num_tokens = d->num_tokens,
                         .bank = d->bank,
                         .timeout_ns = be->timeout_ns,

@@ -90,8 +90,7 @@ typedef struct epd_attach_opts {
    * EPD_RANK_LOSS_FAIL fails every step until a worker attaches to the rank again; EPD_RANK_LOSS_MASK
    * goes on without it from the next step (docs/SEMANTICS.md "Masked ranks"); 0 takes the group's (FAIL
    * for a new group). renormalize (masked groups): 1 scales a token's remaining top-k weights to their
-   * original sum when entries were dropped for lack of a live replica (host backend); 0 (default) leaves
-   * them. The first
+   * original sum when entries were dropped for lack of a live replica; 0 (default) leaves them. The first
    * attach fixes both; later attaches pass 0 or the same. (Added after API version 1, like the field
    * above.) */
   uint32_t on_rank_loss;

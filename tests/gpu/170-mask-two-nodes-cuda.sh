@@ -15,7 +15,8 @@
 #   2. new workers at node 1: ranks 2-3 back at a step boundary, the four step together;
 #   3. both workers of node 0 SIGKILLed: node 1 goes on alone (its steps need no place in node 0's order
 #      of the exchanges: no NCCL call leaves the node);
-#   4. new workers at node 0: back, the four step together.
+#   4. new workers at node 0: back, the four step together;
+#   5. node 1 drains (epdctl drain): node 0 takes it out at its first refused dispatch and goes on.
 # Fails on: a mismatch or a wrong dropped count in any worker's output, killed or not, fewer than 200
 # steps checked by workers that ran to their end, no rank masked on either node or no mask learnt from
 # the other node, a clean round that fails or hangs, a node's workers that do not step while the other
@@ -117,6 +118,11 @@ grep -q "node 0 (ranks 0..1) is out of its steps" "$T/node1.log" || fail "node 1
 echo "== 4. new workers at node 0: back"
 pair 0 d
 stepping 100 "$T"/d0.out "$T"/d1.out "$T"/c2.out "$T"/c3.out || fail "the four did not step after node 0 came back"
+echo "== 5. node 1 drains: node 0 goes on without it"
+"$EPDCTL" -s "$T/n1/control.sock" drain > "$T/drain.out" 2>&1 || fail "epdctl drain: $(cat "$T/drain.out")"
+stepping 100 "$T"/d0.out "$T"/d1.out || fail "node 0's workers did not step after node 1 began to drain"
+grep -q "node 1 (ranks 2..3) is out of its steps.*its node is draining" "$T/node0.log" ||
+  fail "node 0 did not take node 1 out when it drained"
 kill_pair 0
 kill_pair 1
 clean 10 "$T"/d0.out "$T"/d1.out

@@ -120,8 +120,11 @@ static void upload(unsigned bank) {
   }
 }
 
+static uint32_t g_dflags; /* the dispatches' daemon flags (EPD_K_RENORMALIZE) */
+
 static void exec(uint32_t opc, unsigned bank, int fp8) {
-  CK(hth_launch(&T_.h, 3, opc, bank, T_.ntok, fp8 ? EPD_DESC_FP8 : 0, 5000000000ull)); /* + h.dense */
+  const uint32_t flags = (fp8 ? EPD_DESC_FP8 : 0) | (opc == EPD_OP_HT_DISPATCH ? g_dflags : 0);
+  CK(hth_launch(&T_.h, 3, opc, bank, T_.ntok, flags, 5000000000ull)); /* + h.dense */
   CK(hth_sync(&T_.h, 3));
 }
 
@@ -157,6 +160,7 @@ static void dispatch_check(unsigned bank, int fp8) {
   for (int r = 0; r < 2; r++) in[r] = (epd_ref_in_t){T_.ntok[r], T_.x[r], T_.topk[r], T_.w[r]};
   int bad = -1;
   char err[256];
+  T_.plan.renormalize = (g_dflags & EPD_K_RENORMALIZE) != 0;
   CK(epd_ref_plan_build(&T_.plan, &T_.map, in, &bad, err, sizeof err));
   if (T_.h.dense) epd_ref_ht_dense(&T_.plan);
   epd_ref_out_t *outs[2] = {&T_.ro[0], &T_.ro[1]};
@@ -390,6 +394,40 @@ EPD_TEST_T(gpu_ht_fp8_special_values, 240) {
   step(36, 1, 300, 1024, 1, 1);
   hth_destroy(&T_.h);
   g_specials = 0;
+}
+
+/* A map without rank 1's replicas (ranks masked: epd_ref_map_mask): experts 0..7 have a second replica
+ * on rank 1 and keep the one on rank 0, the entries of experts 8..15 (only on rank 1) are dropped; with
+ * EPD_K_RENORMALIZE the weights each receiver gets (HT_RECV_TOPK_WEIGHTS, compared bit for bit) are
+ * scaled to the sum of all the token's valid entries' weights. Rows straight into the peers' arenas, then
+ * through staging, then dense. */
+EPD_TEST_T(gpu_ht_masked_map_drops_and_renormalizes, 240) {
+  setup(16, 256, 8, 64, 16, 256, 0);
+  for (uint32_t e = 0; e < 8; e++) {
+    T_.map.nrep[e] = 2;
+    T_.map.rep[e][1].rank = 1;
+    T_.map.rep[e][1].slot = 8 + e;
+  }
+  epd_expert_map_t m;
+  CK(epd_ref_map_mask(&m, &T_.map, 1ull << 1));
+  epd_expert_map_free(&T_.map);
+  T_.map = m;
+  for (uint32_t e = 0; e < 16; e++) ASSERT_EQ(T_.map.nrep[e], e < 8 ? 1u : 0u);
+  CK(epd_k_map_pack(T_.mapimg, T_.map.version, 16, T_.map.nrep, (const uint32_t *)T_.map.rep,
+                    EPD_MAX_REPLICAS));
+  CK(hth_set_map(&T_.h, T_.mapimg));
+  for (int mode = 0; mode < 3; mode++) {
+    T_.h.staging = mode == 1;
+    T_.h.dense = mode == 2;
+    for (int rn = 0; rn < 2; rn++) {
+      g_dflags = rn ? EPD_K_RENORMALIZE : 0;
+      step(81 + (uint64_t)(mode * 2 + rn), (uint64_t)rn, 64, 40, rn, rn && mode != 2);
+      ASSERT(T_.plan.dropped[0] + T_.plan.dropped[1] > 0);
+    }
+  }
+  g_dflags = 0;
+  T_.h.staging = T_.h.dense = 0;
+  hth_destroy(&T_.h);
 }
 
 static void expect_fail(int code, int peer, unsigned bank, int check_recv) {

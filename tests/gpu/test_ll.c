@@ -189,16 +189,19 @@ static int get_comp(int r, int which, epd_comp_t *c) {
   return llh_comp(&C.h, r, which, c);
 }
 
+static uint32_t g_dflags; /* the dispatches' daemon flags (EPD_K_RENORMALIZE) */
+
 /* Dispatch on both ranks and compare with the reference. */
 static void run_dispatch_check(unsigned bank, int fp8) {
   llh_t *h = &C.h;
   uint32_t M = C.rg.max_tokens, H = C.rg.hidden, S = C.rg.slots_per_rank;
   size_t RM = 2 * (size_t)M;
-  exec_op(EPD_OP_LL_DISPATCH, bank, C.ntok, fp8 ? EPD_DESC_FP8 : 0);
+  exec_op(EPD_OP_LL_DISPATCH, bank, C.ntok, (fp8 ? EPD_DESC_FP8 : 0) | g_dflags);
   epd_ref_in_t in[2];
   for (int r = 0; r < 2; r++) in[r] = (epd_ref_in_t){C.ntok[r], C.x[r], C.topk[r], C.w[r]};
   int bad_rank = -1;
   char err[256];
+  C.plan.renormalize = (g_dflags & EPD_K_RENORMALIZE) != 0;
   CK(epd_ref_plan_build(&C.plan, &C.map, in, &bad_rank, err, sizeof err));
   epd_ref_out_t *outs[2] = {&C.ref_out[0], &C.ref_out[1]};
   CK(epd_ref_ll_dispatch(&C.plan, in, fp8, outs));
@@ -428,6 +431,31 @@ EPD_TEST_T(gpu_ll_8_replicas, 180) {
   steps(61, 2, 128, 128, ROUTE_RANDOM, 1);
   steps(62, 1, 128, 50, ROUTE_SKEW, 0);
   steps(63, 1, 7, 128, ROUTE_ALL_TO_ONE, 1);
+  llh_destroy(&C.h);
+}
+
+/* A map without rank 1's replicas (ranks masked: epd_ref_map_mask): experts 0..7 keep their replica on
+ * rank 0, the entries of experts 8..15 (only on rank 1) are dropped, and with EPD_K_RENORMALIZE the
+ * weights a token keeps are scaled to the sum of all its valid entries' weights. Both ranks still run the
+ * kernels (the team), with tokens: the combine checks the weights each token used. */
+EPD_TEST_T(gpu_ll_masked_map_drops_and_renormalizes, 180) {
+  setup(16, 256, 8, 64, 16, 1);
+  epd_expert_map_t m;
+  CK(epd_ref_map_mask(&m, &C.map, 1ull << 1));
+  epd_expert_map_free(&C.map);
+  C.map = m;
+  for (uint32_t e = 0; e < 16; e++) ASSERT_EQ(C.map.nrep[e], e < 8 ? 1u : 0u);
+  CK(epd_k_map_pack(C.mapimg, C.map.version, 16, C.map.nrep, (const uint32_t *)C.map.rep, EPD_MAX_REPLICAS));
+  CK(llh_set_map(&C.h, C.mapimg));
+  for (int rn = 0; rn < 2; rn++) {
+    g_dflags = rn ? EPD_K_RENORMALIZE : 0;
+    steps(71 + (uint64_t)rn, 2, 64, 50, ROUTE_RANDOM, rn);
+    steps(73 + (uint64_t)rn, 1, 33, 64, ROUTE_SKEW, 1 - rn);
+    uint32_t lost = 0;
+    for (int r = 0; r < 2; r++) lost += C.plan.dropped[r];
+    ASSERT(lost > 0);
+  }
+  g_dflags = 0;
   llh_destroy(&C.h);
 }
 

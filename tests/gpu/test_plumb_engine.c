@@ -99,13 +99,14 @@ static epd_engine_t *engine_up(uint32_t timeout_ms) {
   return eng;
 }
 
-static uint32_t g_on_loss; /* attach: on_rank_loss of the request */
+static uint32_t g_on_loss, g_renorm; /* attach: on_rank_loss and renormalize of the request */
 
 static void attach(epd_engine_t *eng, const char *group, int rank, uint32_t E, uint32_t H, uint32_t K,
                    uint32_t M, gclient_t *c) {
   epd_attach_req_t req;
   memset(&req, 0, sizeof req);
   req.on_rank_loss = g_on_loss;
+  req.renormalize = g_renorm;
   snprintf(req.group, sizeof req.group, "%s", group);
   snprintf(req.name, sizeof req.name, "gpu-test-r%d", rank);
   req.rank = rank;
@@ -574,7 +575,7 @@ static void mask_step(gclient_t *c, int live, uint64_t mask, uint32_t E, uint32_
  * with no tokens on the memory it left) and rank 0 steps alone, its entries for rank 1's experts dropped;
  * a combine whose dispatch ran before the mask fails naming the rank; a hung rank is masked after the
  * step timeout, its combine fails, its next dispatch rejoins; a new client of a dead rank rejoins too;
- * renormalisation is refused. */
+ * a group that renormalises steps the same way. */
 EPD_TEST_T(plumb_engine_masked_ranks, 120) {
   need_gpus();
   epd_engine_t *eng = engine_up(300);
@@ -613,21 +614,16 @@ EPD_TEST_T(plumb_engine_masked_ranks, 120) {
   ASSERT_EQ(comp.masked, 2u);
   mask_step(c, 3, 0, E, K, T, 61, 1);
   for (int r = 0; r < NR; r++) detach(eng, &c[r], 0);
-  /* renormalisation: refused on this backend */
-  epd_attach_req_t req;
-  memset(&req, 0, sizeof req);
-  snprintf(req.group, sizeof req.group, "rn");
-  req.num_experts = E;
-  req.hidden = H;
-  req.topk = K;
-  req.max_tokens = T;
-  req.on_rank_loss = EPD_RANK_LOSS_MASK;
-  req.renormalize = 1;
-  req.pid = (uint32_t)getpid();
-  epd_attach_info_t info;
-  char err[256] = "";
-  ASSERT_EQ(epd_engine_attach(eng, &req, &info, err, sizeof err), EPD_ERR_UNSUPPORTED);
-  ASSERT_STR_CONTAINS(err, "does not renormalise");
+  /* renormalisation: rank 0 alone after rank 1 died, its dispatches with EPD_K_RENORMALIZE (the weights
+   * themselves: gpu_ll_masked_map_drops_and_renormalizes, 171-renormalize-cuda) */
+  g_on_loss = EPD_RANK_LOSS_MASK;
+  g_renorm = 1;
+  for (int r = 0; r < NR; r++) attach(eng, "rn", r, E, H, K, T, &c[r]);
+  g_on_loss = g_renorm = 0;
+  mask_step(c, 3, 0, E, K, T, 70, -1);
+  detach(eng, &c[1], 1);
+  for (int i = 0; i < 2; i++) mask_step(c, 1, 2, E, K, T, 80 + 2 * (uint64_t)i, -1);
+  detach(eng, &c[0], 0);
   epd_engine_destroy(eng);
 }
 
