@@ -1,12 +1,14 @@
 #!/usr/bin/python3
-"""Masked ranks, measured (host backend): a group of 4 ranks attached with on_rank_loss = mask, LL steps
+"""Masked ranks, measured: a group of 4 ranks attached with on_rank_loss = mask, LL steps
 of 64 tokens (hidden 256 unless --hidden), top-4 of 32 experts. Ranks 0-2 step in threads of this process,
 rank 3 in a child process that is SIGKILLed mid-run. One daemon of 4 ranks, or with --nodes 2 two daemons
 on this host as the nodes of one world (2 ranks each, ranks 2 and 3 on node 1; the second replica of
 every expert on the other node). --lose workers (two nodes): ranks 2 and 3 step in the child, both killed
 at once: node 1 has no worker of the group left and node 0 goes on without that node; --lose daemon: the
-same ranks, and node 1's daemon is SIGKILLed instead (its data link goes down). Reported, per expert map
-(every expert on two ranks, or on one):
+same ranks, and node 1's daemon is SIGKILLed instead (its data link goes down). --backend cuda: the
+daemons run the CUDA backend (--devices: their engine.devices, e.g. 0,0 where a node's ranks share GPU 0;
+two nodes on one host get the NCCL settings of tests/gpu/two-nodes-lib.sh), the steps use the torch views
+of the buffers. Reported, per expert map (every expert on two ranks, or on one):
   - recovery: from the SIGKILL to the survivors' first step (dispatch + combine) completed with rank 3
     masked, and the same minus the median step time (the target is <= 10 ms plus one step);
   - ops failed by the loss (the step in flight);
@@ -14,7 +16,8 @@ same ranks, and node 1's daemon is SIGKILLed instead (its data link goes down). 
   - top-k entries dropped per step: with a replica of every expert on a live rank there must be none.
 
 Usage: bench/mask/bench_mask.py [BUILD] [--steps N] [--hidden H] [--rounds N] [--nodes 1|2]
-                                [--lose rank|workers|daemon] [--json FILE]
+                                [--lose rank|workers|daemon] [--backend host|cuda] [--devices LIST]
+                                [--json FILE]
 (BUILD: default build). Each round runs both maps with a daemon of its own.
 """
 import argparse
@@ -61,9 +64,15 @@ def inputs(np, rank, seed):
 def step(ep):
     """One dispatch + toy expert + combine; returns (seconds, dispatch OpStatus) or raises EpdError."""
     t0 = time.monotonic()
+    b = ep.bank(0)
+    if ep.on_gpu:  # run and wait; the toy expert copies every row (one kernel)
+        ep.dispatch(M, stream="sync")
+        st = ep.op_status()
+        b.ll_y.copy_(b.ll_recv_x)
+        ep.combine(stream="sync")
+        return time.monotonic() - t0, st
     ep.dispatch(M)
     st = ep.op_status()
-    b = ep.bank(0)
     for s in range(ep.slots_per_rank):
         n = int(b.ll_recv_count[s])
         b.ll_y[s, :n] = b.ll_recv_x[s, :n]
@@ -190,6 +199,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--nodes", type=int, default=1, choices=(1, 2))
     ap.add_argument("--lose", default="rank", choices=("rank", "workers", "daemon"))
+    ap.add_argument("--backend", default="host", choices=("host", "cuda"))
+    ap.add_argument("--devices", help="engine.devices of each daemon (cuda), e.g. 0,0")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.lose != "rank" and a.nodes != 2:
@@ -216,15 +227,20 @@ def main():
                     "-o", "cluster.nodes=%d" % a.nodes, "-o", "cluster.node_rank=%d" % n,
                     "-o", "cluster.data_listen=127.0.0.1:0",
                     "-o", ("cluster.listen=127.0.0.1:%d" if n == 0 else "cluster.coordinator=127.0.0.1:%d") % port]
+                env = dict(os.environ)
+                if a.backend == "cuda" and a.nodes > 1:  # nodes on one host, as two-nodes-lib.sh
+                    env.update(NCCL_HOSTID="node%d" % n, NCCL_SHM_DISABLE="1", NCCL_IB_DISABLE="1",
+                               NCCL_SOCKET_IFNAME="lo")
+                devices = ["-o", "engine.devices=%s" % a.devices] if a.devices else []
                 daemons.append(subprocess.Popen(
                     [os.path.join(a.build, "bin", "epd"), "-f", "-c", conf, "-s", socks[-1],
                      "-o", "daemon.attach_socket=%s" % os.path.join(d, "attach%d.sock" % n),
-                     "-o", "engine.backend=host", "-o", "engine.num_ranks=%d" % (R // a.nodes),
+                     "-o", "engine.backend=%s" % a.backend, "-o", "engine.num_ranks=%d" % (R // a.nodes),
                      "-o", "engine.slots_factor_pct=200", "-o", "engine.step_timeout_ms=2000",
-                     "-o", "engine.max_hidden=%d" % H] + cluster,
-                    stdout=open(os.path.join(d, "epd%d.log" % n), "w"), stderr=subprocess.STDOUT))
-            for _ in range(300):
-                if all(os.path.exists(s) for s in socks):
+                     "-o", "engine.max_hidden=%d" % H] + devices + cluster,
+                    stdout=open(os.path.join(d, "epd%d.log" % n), "w"), stderr=subprocess.STDOUT, env=env))
+            for _ in range(1200):  # the CUDA backend makes its communicators first
+                if all(os.path.exists(os.path.join(d, "attach%d.sock" % n)) for n in range(a.nodes)):
                     break
                 time.sleep(0.05)
             time.sleep(0.3)
@@ -248,7 +264,7 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"geometry": {"ranks": R, "nodes": a.nodes, "experts": E, "hidden": H, "topk": K,
-                                    "tokens": M, "lose": a.lose},
+                                    "tokens": M, "lose": a.lose, "backend": a.backend, "devices": a.devices},
                        "results": results}, f, indent=1)
     return 0 if all(r["dropped_per_step"] == 0 for r in results if r["replicas"] == 2) else 1
 
