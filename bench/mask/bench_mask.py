@@ -188,6 +188,16 @@ def run(build, socks, replicas, steps, log_path, daemons):
     return res
 
 
+def report(r):
+    print("lose %s, replicas %d: masked %.1f ms after the SIGKILL; recovery %.2f ms (%.2f ms past one masked step); "
+          "%d ops failed; step %.3f ms (p90 %.3f) before, %.3f ms (p90 %.3f) masked; %.2f of %d entries "
+          "dropped per step" %
+          (r["lose"], r["replicas"], r["masked_after_ms"] or -1, r["recovery_ms"], r["recovery_minus_step_ms"],
+           r["ops_failed"], r["step_ms_before"]["median"], r["step_ms_before"]["p90"],
+           r["step_ms_masked"]["median"], r["step_ms_masked"]["p90"], r["dropped_per_step"],
+           r["entries_per_step"]), flush=True)
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         globals()["H"] = int(sys.argv[4])
@@ -247,6 +257,7 @@ def main():
             # the rank_masked event of rank 3: on its node for a rank's loss, on node 0 for a node's
             log = os.path.join(d, "epd%d.log" % (a.nodes - 1 if a.lose == "rank" else 0))
             results.append(run(a.build, socks, replicas, a.steps, log, daemons))
+            report(results[-1])
         finally:
             for daemon in daemons:
                 if daemon.poll() is None:
@@ -254,13 +265,6 @@ def main():
             for daemon in daemons:
                 daemon.wait(15)
             shutil.rmtree(d, ignore_errors=True)
-    for r in results:
-        print("lose %s, replicas %d: masked %.1f ms after the SIGKILL; recovery %.2f ms (%.2f ms past one masked step); "
-              "%d ops failed; step %.3f ms (p90 %.3f) before, %.3f ms (p90 %.3f) masked; %.2f of %d entries "
-              "dropped per step" %
-              (r["lose"], r["replicas"], r["masked_after_ms"] or -1, r["recovery_ms"], r["recovery_minus_step_ms"], r["ops_failed"],
-               r["step_ms_before"]["median"], r["step_ms_before"]["p90"], r["step_ms_masked"]["median"],
-               r["step_ms_masked"]["p90"], r["dropped_per_step"], r["entries_per_step"]))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"geometry": {"ranks": R, "nodes": a.nodes, "experts": E, "hidden": H, "topk": K,

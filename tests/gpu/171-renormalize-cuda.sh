@@ -24,7 +24,7 @@ for MODE in ll ht; do
   eval "w0=\$W_${MODE}0 w1=\$W_${MODE}1"
   wait_for 60 sh -c "[ \$(grep -c ' ok\$' $T/${MODE}0.out) -ge 30 ] && [ \$(grep -c ' ok\$' $T/${MODE}1.out) -ge 30 ]" ||
     fail "$MODE: the two workers did not step: $(tail -2 "$T/${MODE}0.out")"
-  kill -KILL "$w1"
+  kill -KILL $(pgrep -P "$w1") "$w1" 2> /dev/null # the worker under timeout(1), and timeout
   wait "$w1" 2> /dev/null
   n0=$(checked "$T/${MODE}0.out")
   wait_for 60 sh -c "[ \$(grep -c ' ok\$' $T/${MODE}0.out) -ge $((n0 + 100)) ]" ||
@@ -34,7 +34,7 @@ for MODE in ll ht; do
   echo "$st" | grep -q "on rank loss: mask (renormalize); masked now: 1;" || fail "$MODE: status: $st"
   drop=$(echo "$st" | sed -n 's/.*entries dropped: \([0-9]*\).*/\1/p' | head -1)
   [ "${drop:-0}" -gt 0 ] || fail "$MODE: no entry dropped: $st"
-  kill -TERM "$w0"
+  kill -TERM $(pgrep -P "$w0") 2> /dev/null
   wait "$w0" 2> /dev/null
   f=$T/${MODE}0.out
   grep -q " MISMATCH$\|differs\|entries dropped\|, want" "$f" &&
