@@ -42,6 +42,7 @@ R, E, K, M = 4, 32, 4, 64
 H = 256
 NODES = 1
 LOSE = "rank"
+STEP_WAIT_S = 60  # a phase that takes longer fails the run (the daemons' logs are printed)
 
 
 def placement(replicas):
@@ -61,14 +62,20 @@ def inputs(np, rank, seed):
     return x, idx, w
 
 
+def torch_sync():
+    import torch
+    torch.cuda.synchronize()
+
+
 def step(ep):
     """One dispatch + toy expert + combine; returns (seconds, dispatch OpStatus) or raises EpdError."""
     t0 = time.monotonic()
     b = ep.bank(0)
-    if ep.on_gpu:  # run and wait; the toy expert copies every row (one kernel)
+    if ep.on_gpu:  # run and wait; the toy expert copies every row (one kernel, waited for)
         ep.dispatch(M, stream="sync")
         st = ep.op_status()
         b.ll_y.copy_(b.ll_recv_x)
+        torch_sync()
         ep.combine(stream="sync")
         return time.monotonic() - t0, st
     ep.dispatch(M)
@@ -114,6 +121,16 @@ def mask_time(log_path, rank):
     return None
 
 
+def wait_steps(count, steps, failed, what):
+    """Wait until count() reaches steps; past STEP_WAIT_S raise, saying how far rank 0 got."""
+    t_end = time.monotonic() + STEP_WAIT_S
+    while count() < steps:
+        if time.monotonic() > t_end:
+            raise RuntimeError("rank 0 completed %d of %d %s in %d s (failed ops per rank: %s)" %
+                               (count(), steps, what, STEP_WAIT_S, failed))
+        time.sleep(0.01)
+
+
 def run(build, socks, replicas, steps, log_path, daemons):
     """socks: each node's control socket (world rank r attaches at node r // (R / nodes))."""
     import numpy as np
@@ -147,8 +164,11 @@ def run(build, socks, replicas, steps, log_path, daemons):
     threads = [threading.Thread(target=loop, args=(r,), daemon=True) for r in range(len(eps))]
     for t in threads:
         t.start()
-    while len(log[0]) < steps:
-        time.sleep(0.01)
+    try:
+        wait_steps(lambda: len(log[0]), steps, failed, "steps before the kill")
+    except RuntimeError:
+        kid.kill()
+        raise
     t_kill, t_kill_wall = time.monotonic(), time.time()
     if LOSE == "daemon":
         daemons[-1].send_signal(signal.SIGKILL)
@@ -156,8 +176,7 @@ def run(build, socks, replicas, steps, log_path, daemons):
     kid.send_signal(signal.SIGKILL)
     kid.wait()
     n0 = len(log[0])
-    while len([e for e in log[0][n0:] if e[2]]) < steps:
-        time.sleep(0.01)
+    wait_steps(lambda: len([e for e in log[0][n0:] if e[2]]), steps, failed, "masked steps")
     stop.set()
     for t in threads:
         t.join(10)
@@ -256,7 +275,15 @@ def main():
             time.sleep(0.3)
             # the rank_masked event of rank 3: on its node for a rank's loss, on node 0 for a node's
             log = os.path.join(d, "epd%d.log" % (a.nodes - 1 if a.lose == "rank" else 0))
-            results.append(run(a.build, socks, replicas, a.steps, log, daemons))
+            try:
+                results.append(run(a.build, socks, replicas, a.steps, log, daemons))
+            except RuntimeError as e:
+                print("FAILED: %s" % e, flush=True)
+                for n in range(a.nodes):
+                    with open(os.path.join(d, "epd%d.log" % n)) as f:
+                        tail = [ln for ln in f if " DEBUG " not in ln and "NCCL" not in ln][-40:]
+                    print("--- node %d's log, last lines:\n%s" % (n, "".join(tail)), flush=True)
+                return 1
             report(results[-1])
         finally:
             for daemon in daemons:
