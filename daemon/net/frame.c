@@ -5,6 +5,7 @@
 #define _GNU_SOURCE
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "net/net_internal.h"
@@ -173,4 +174,41 @@ int net_frames_mask(epd_engine_t *eng, eng_group_t *grp, const net_step_hdr_t *c
 void net_silent_why(uint32_t n, uint32_t L, uint32_t timeout_ms, char *why, size_t wl) {
   snprintf(why, wl, "waited %u ms for rank %u: node %u (ranks %u..%u) did not send its part of the step",
            timeout_ms, n * L, n, n * L, n * L + L - 1);
+}
+
+int net_parts_take(epd_engine_t *eng, eng_group_t *grp, const char *group, uint64_t step, uint64_t since,
+                   uint64_t sent_mask, int dispatch, uint64_t timeout_from, uint8_t **frame, size_t *flen,
+                   int *peer, char *why, size_t wl) {
+  epd_net_t *net = eng->o.net;
+  const uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank;
+  /* every part that came, then what a missing one means */
+  uint64_t later[MAX_NODES] = {0}; /* node n's part of a later step came with none of this one's */
+  const net_step_hdr_t *h[MAX_NODES] = {0};
+  int missing = 0, st;
+  for (uint32_t n = 0; n < eng->o.nodes && n < MAX_NODES; n++) {
+    if (n == me) continue;
+    if (net_node_masked(eng, sent_mask, n)) {
+      size_t len;
+      free(epd_net_take_payload(net, group, step, n, since, NULL, &len));
+      continue;
+    }
+    if (!frame[n]) frame[n] = epd_net_take_payload(net, group, step, n, since, &later[n], &flen[n]);
+    missing |= !frame[n];
+    if (frame[n] && flen[n] >= sizeof(net_step_hdr_t)) h[n] = (const net_step_hdr_t *)frame[n];
+  }
+  *peer = -1;
+  if ((st = net_frames_mask(eng, grp, h, sent_mask, peer, why, wl))) return st;
+  for (uint32_t n = 0; missing && n < eng->o.nodes && n < MAX_NODES; n++) {
+    if (n == me || frame[n] || net_node_masked(eng, sent_mask, n)) continue;
+    if ((st = net_part_missing(eng, grp, group, n, step, dispatch, later[n], peer, why, wl))) return st;
+    const uint64_t now = eng_now_ns();
+    if (timeout_from && now > timeout_from &&
+        now - timeout_from > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
+      net_silent_why(n, L, eng->o.step_timeout_ms, why, wl);
+      eng->rank[n * L].timeouts++;
+      *peer = (int)(n * L);
+      return EPD_ERR_TIMEOUT;
+    }
+  }
+  return missing ? NET_PARTS_WAIT : NET_PARTS_IN;
 }

@@ -58,6 +58,19 @@ int net_frames_status(const net_step_hdr_t *const *h, uint32_t nodes, uint32_t m
  * whose step still runs (no notice applies). Groups that mask take the node out of their next steps. */
 int net_part_missing(epd_engine_t *eng, eng_group_t *grp, const char *group, uint32_t n, uint64_t step,
                      int dispatch, uint64_t later, int *peer, char *why, size_t wl);
+/* The other nodes' parts of a step, taken as they come (both backends' steps across nodes): frame[n] and
+ * flen[n] node n's payload (its step header, descriptors and the backend's part; NULL while absent, and
+ * for this node and a node out of the step, every rank of it in sent_mask: none is waited for and what it
+ * sent is dropped). since: the group's first frame number (eng_net_frames_since), or EPD_NET_TAKE_ONLY
+ * for a step of a group removed here (grp NULL: no notice applies). dispatch: the step's op is one. The
+ * step fails (returned: its status, *peer and why) when the parts were routed with different masks
+ * (net_frames_mask), when a missing part will not come (net_part_missing), or when timeout_from is not 0
+ * and engine.step_timeout_ms passed since then with a part missing (EPD_ERR_TIMEOUT naming that node's
+ * first rank). Else NET_PARTS_IN (every part in) or NET_PARTS_WAIT. */
+enum { NET_PARTS_IN = 0, NET_PARTS_WAIT = -1 };
+int net_parts_take(epd_engine_t *eng, eng_group_t *grp, const char *group, uint64_t step, uint64_t since,
+                   uint64_t sent_mask, int dispatch, uint64_t timeout_from, uint8_t **frame, size_t *flen,
+                   int *peer, char *why, size_t wl);
 /* Groups that mask: every node must have routed with the same masked ranks. Each node masks its own
  * ranks and tells the others (CTL_MASK), and takes a node whose link is down, whose group is removed,
  * whose last live rank was lost or that drains (its first refused dispatch) out of the steps (net_node_out);

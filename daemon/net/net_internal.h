@@ -110,9 +110,8 @@ typedef struct net_hdr {
   uint32_t magic, src_node;
   uint64_t step;
   char group[EPD_GROUP_NAME_MAX];
-  net_step_hdr_t s;
 } net_hdr_t;
-_Static_assert(sizeof(net_hdr_t) == 320, "net_hdr_t changed size");
+_Static_assert(sizeof(net_hdr_t) == 80, "net_hdr_t changed size");
 
 /* Control frames: see "expert maps across nodes" below. */
 struct epd_expert_map;
@@ -175,8 +174,9 @@ typedef struct net_group {
   int64_t *idx[EPD_MAX_RANKS]; /* [M, K], -1 where not received */
   float *w[EPD_MAX_RANKS];
   uint32_t *ht_local;        /* [W] this node's HT tokens per destination rank */
-  net_frame_t *f[MAX_NODES]; /* frames of the step, taken when all are in */
-  eng_map_vote_t vote;       /* map switches (eng_vote_*) */
+  uint8_t *frame[MAX_NODES]; /* the other nodes' parts of the step (net_parts_take) */
+  size_t flen[MAX_NODES];
+  eng_map_vote_t vote; /* map switches (eng_vote_*) */
 } net_group_t;
 
 #define NG(grp) ((net_group_t *)(grp)->net)

@@ -34,11 +34,7 @@ void eng_net_group_free(eng_group_t *grp) {
   net_drop_queued(ng->net, grp->name, -1);
   free_bufs(ng);
   eng_vote_reset(&ng->vote);
-  for (int n = 0; n < MAX_NODES; n++)
-    if (ng->f[n]) {
-      free(ng->f[n]->buf);
-      free(ng->f[n]);
-    }
+  for (int n = 0; n < MAX_NODES; n++) free(ng->frame[n]);
   free(ng);
   grp->net = NULL;
 }
@@ -182,29 +178,27 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, epd_
       if (!(mask >> r & 1)) y[r] = eng_ref_y(grp->client[r], mode, d0->bank);
   for (uint32_t n = 0; n < eng->o.nodes; n++) {
     if (n == me || net_node_masked(eng, mask, n)) continue; /* a node out of the steps gets none */
+    /* the link's header, then the part as the CUDA backend's: step header, descriptors, this backend's
+     * own (HT counts, then tokens or partials) */
     obuf_t b = {0};
-    net_hdr_t *h = oput(&b, NULL, sizeof *h);
-    if (h) {
-      memset(h, 0, sizeof *h);
-      h->magic = NET_MAGIC;
-      h->src_node = me;
-      h->s.status = ng->lstatus;
-      h->s.bad_rank = ng->lbad;
-      h->step = grp->steps;
-      snprintf(h->group, sizeof h->group, "%s", grp->name);
-      h->s.map_version = grp->map.version;
-      h->s.map_hash = epd_net_map_hash(&grp->map);
-      h->s.staged_version = ng->vote.rep.version;
-      h->s.staged_hash = ng->vote.rep_hash;
-      h->s.nlocal = L;
-      h->s.world = W;
-      h->s.num_experts = g->num_experts;
-      h->s.hidden = H;
-      h->s.topk = K;
-      h->s.max_tokens = M;
-      h->s.mask = mask;
-      snprintf(h->s.why, sizeof h->s.why, "%.*s", (int)sizeof h->s.why - 1, ng->lwhy);
-    }
+    net_hdr_t lh = {.magic = NET_MAGIC, .src_node = me, .step = grp->steps};
+    snprintf(lh.group, sizeof lh.group, "%s", grp->name);
+    oput(&b, &lh, sizeof lh);
+    net_step_hdr_t h = {.status = ng->lstatus,
+                        .bad_rank = ng->lbad,
+                        .nlocal = L,
+                        .world = W,
+                        .num_experts = g->num_experts,
+                        .hidden = H,
+                        .topk = K,
+                        .max_tokens = M,
+                        .map_version = grp->map.version,
+                        .staged_version = ng->vote.rep.version,
+                        .map_hash = epd_net_map_hash(&grp->map),
+                        .staged_hash = ng->vote.rep_hash,
+                        .mask = mask};
+    snprintf(h.why, sizeof h.why, "%.*s", (int)sizeof h.why - 1, ng->lwhy);
+    oput(&b, &h, sizeof h);
     for (uint32_t r = base; r < base + L; r++) {
       net_step_desc_t nd = {desc[r].op, desc[r].bank, desc[r].flags, desc[r].num_tokens};
       oput(&b, &nd, sizeof nd);
@@ -250,24 +244,21 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, epd_
       /* Tell the peer rather than leave it to time out. */
       b.len = 0;
       b.oom = 0;
-      net_hdr_t hh = {.magic = NET_MAGIC,
-                      .src_node = me,
-                      .step = grp->steps,
-                      .s = {.status = EPD_ERR_NOMEM,
-                            .bad_rank = (int32_t)base,
-                            .nlocal = 0,
-                            .world = W,
-                            .map_version = grp->map.version,
-                            .map_hash = epd_net_map_hash(&grp->map),
-                            .staged_version = ng->vote.rep.version,
-                            .staged_hash = ng->vote.rep_hash,
-                            .mask = mask}};
-      snprintf(hh.group, sizeof hh.group, "%s", grp->name);
-      snprintf(hh.s.why, sizeof hh.s.why, "node %u: out of memory building the step's frame", me);
+      net_step_hdr_t hh = {.status = EPD_ERR_NOMEM,
+                           .bad_rank = (int32_t)base,
+                           .nlocal = 0,
+                           .world = W,
+                           .map_version = grp->map.version,
+                           .map_hash = epd_net_map_hash(&grp->map),
+                           .staged_version = ng->vote.rep.version,
+                           .staged_hash = ng->vote.rep_hash,
+                           .mask = mask};
+      snprintf(hh.why, sizeof hh.why, "node %u: out of memory building the step's frame", me);
+      oput(&b, &lh, sizeof lh);
       oput(&b, &hh, sizeof hh);
       ng->lstatus = EPD_ERR_NOMEM;
       ng->lbad = (int)base;
-      snprintf(ng->lwhy, sizeof ng->lwhy, "%s", hh.s.why);
+      snprintf(ng->lwhy, sizeof ng->lwhy, "%s", hh.why);
     }
     if (b.p) net_send(net, n, b.p, b.len);
     free(b.p);
@@ -284,7 +275,7 @@ int eng_net_missing_rank(epd_engine_t *eng, const eng_group_t *grp, const int *a
     }
   const net_group_t *ng = grp->net;
   for (uint32_t n = 0; n < eng->o.nodes; n++)
-    if (n != me && !(ng && ng->f[n]) &&
+    if (n != me && !(ng && ng->frame[n]) &&
         !(ng && ng->sent_step == grp->steps && net_node_masked(eng, ng->sent_mask, n)) &&
         !net_has(eng->o.net, grp->name, grp->steps, n)) {
       net_silent_why(n, L, eng->o.step_timeout_ms, why, len);
@@ -307,12 +298,10 @@ static int fail(eng_net_result_t *res, int status, int peer, const char *fmt, ..
 }
 
 static void drop_frames(net_group_t *ng) {
-  for (int n = 0; n < MAX_NODES; n++)
-    if (ng->f[n]) {
-      free(ng->f[n]->buf);
-      free(ng->f[n]);
-      ng->f[n] = NULL;
-    }
+  for (int n = 0; n < MAX_NODES; n++) {
+    free(ng->frame[n]);
+    ng->frame[n] = NULL;
+  }
 }
 
 static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, const epd_desc_t *desc,
@@ -331,7 +320,7 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, const 
   char why[256];
   int peer = -1, st;
   for (uint32_t n = 0; n < nodes; n++)
-    hs[n] = n == me ? &own : ng->f[n] ? &((const net_hdr_t *)ng->f[n]->buf)->s : NULL;
+    hs[n] = n == me ? &own : ng->frame[n] ? (const net_step_hdr_t *)ng->frame[n] : NULL;
   net_vote_frames(&ng->vote, hs, nodes, me, grp->steps);
   /* A node that could not build its frame (out of memory) fails the step everywhere. */
   if (ng->lstatus == EPD_ERR_NOMEM) return fail(res, EPD_ERR_NOMEM, ng->lbad, "%s", ng->lwhy);
@@ -341,24 +330,23 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, const 
       htc[n] = ng->ht_local;
       continue;
     }
-    net_frame_t *f = ng->f[n];
-    if (!f) continue; /* a node out of the step (its ranks all masked: below) */
+    if (!ng->frame[n]) continue; /* a node out of the step (its ranks all masked: below) */
     const net_step_hdr_t *h = hs[n];
     if (h->nlocal == 0) return fail(res, h->status ? h->status : EPD_ERR_PEER, h->bad_rank, "%s", h->why);
-    if ((st = net_frame_geom(h, f->len - offsetof(net_hdr_t, s), (size_t)W * 4, n, me, L, W, g, grp->name,
-                             &peer, why, sizeof why)))
+    if ((st = net_frame_geom(h, ng->flen[n], (size_t)W * 4, n, me, L, W, g, grp->name, &peer, why,
+                             sizeof why)))
       return fail(res, st, peer, "%s", why);
     net_frame_descs(h, n, L, d);
     htc[n] = (const uint32_t *)(net_step_descs(h) + L);
     pay[n] = (const uint8_t *)(htc[n] + W);
-    end[n] = f->buf + f->len;
+    end[n] = ng->frame[n] + ng->flen[n];
   }
   /* every frame in had the mask this node sent (eng_net_step, mask_differs); the ranks of a node out of
    * the step take part as masked ranks do */
   const uint64_t mask = ng->sent_mask;
   res->mask = mask;
   for (uint32_t r = 0; r < W; r++)
-    if (r / L != me && !ng->f[r / L]) {
+    if (r / L != me && !ng->frame[r / L]) {
       d[r] = desc[base];
       d[r].num_tokens = 0;
       d[r].user_tag = 0;
@@ -554,19 +542,8 @@ static int run_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, const 
   return 1;
 }
 
-/* Groups that mask: every part in routed with the mask this node sent (net_frames_mask). */
-static int mask_differs(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, eng_net_result_t *res) {
-  const net_step_hdr_t *h[MAX_NODES] = {0};
-  for (uint32_t n = 0; n < eng->o.nodes; n++)
-    if (n != eng->o.node_rank && ng->f[n]) h[n] = &((const net_hdr_t *)ng->f[n]->buf)->s;
-  int st = net_frames_mask(eng, grp, h, ng->sent_mask, &res->peer, res->why, sizeof res->why);
-  if (st) res->status = st;
-  return st != 0;
-}
-
 int eng_net_step(epd_engine_t *eng, eng_group_t *grp, const int *arrived, epd_desc_t *desc,
                  eng_net_result_t *res) {
-  epd_net_t *net = eng->o.net;
   uint32_t L = (uint32_t)eng->o.num_ranks, me = eng->o.node_rank, base = me * L;
   memset(res, 0, sizeof *res);
   res->peer = -1;
@@ -580,38 +557,19 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, const int *arrived, epd_de
     send_step(eng, grp, ng, desc);
     ng->sent_step = grp->steps;
   }
-  /* every part that came, then what a missing one means */
-  int missing = 0;
-  uint64_t later[MAX_NODES] = {0}; /* node n's part of a later step came with none of this one's */
-  for (uint32_t n = 0; n < eng->o.nodes; n++) {
-    if (n == me || ng->f[n]) continue;
-    if (net_node_masked(eng, ng->sent_mask, n)) { /* out: none is waited for; what it sent goes */
-      uint64_t l;
-      net_frame_t *x = net_take(net, grp->name, grp->steps, n, NG(grp)->frames_since, &l);
-      if (x) free(x->buf);
-      free(x);
-      continue;
-    }
-    ng->f[n] = net_take(net, grp->name, grp->steps, n, NG(grp)->frames_since, &later[n]);
-    missing |= !ng->f[n];
-  }
-  if (mask_differs(eng, grp, ng, res)) {
+  /* the other nodes' parts (the local ranks' op: desc[base]'s; run_step checks that they agree); the
+   * engine's collection times the step out */
+  int peer = -1;
+  const int st = net_parts_take(eng, grp, grp->name, grp->steps, NG(grp)->frames_since, ng->sent_mask,
+                                eng_op_dispatch(desc[base].op), 0, ng->frame, ng->flen, &peer, res->why,
+                                sizeof res->why);
+  if (st == NET_PARTS_WAIT) return 0; /* parts still to come */
+  if (st != NET_PARTS_IN) {
     drop_frames(ng);
+    res->status = st;
+    res->peer = peer;
     return 1;
   }
-  for (uint32_t n = 0; missing && n < eng->o.nodes; n++) {
-    if (n == me || ng->f[n] || net_node_masked(eng, ng->sent_mask, n)) continue;
-    /* the local ranks' op (desc[base]'s; run_step checks that they agree) */
-    char why[256];
-    int peer = -1;
-    const int st = net_part_missing(eng, grp, grp->name, n, grp->steps, eng_op_dispatch(desc[base].op),
-                                    later[n], &peer, why, sizeof why);
-    if (st) {
-      drop_frames(ng);
-      return fail(res, st, peer, "%s", why);
-    }
-  }
-  if (missing) return 0; /* parts still to come */
   int done = run_step(eng, grp, ng, desc, res);
   drop_frames(ng);
   return done;
