@@ -11,7 +11,8 @@
 # node sent before the notice came fails on both (the worker goes on), as does a combine whose dispatch
 # ran with a rank masked since. Then the workers still running are killed and a clean round of 4 workers
 # must run. Then a whole node out, each in turn, while the other node's workers check every step:
-#   1. both workers of node 1 SIGKILLed: the group is removed there, node 0 masks ranks 2-3 and goes on;
+#   1. both workers of node 1 SIGKILLed at once: the group is removed there, node 0 masks ranks 2-3 and
+#      goes on;
 #   2. new workers at node 1: ranks 2-3 back at a step boundary, the four step together;
 #   3. both workers of node 0 SIGKILLed: node 1 goes on alone (its steps need no place in node 0's order
 #      of the exchanges: no NCCL call leaves the node);
@@ -91,13 +92,11 @@ pair() { # pair NODE TAG: new -v workers of both ranks of NODE, outputs $T/TAGr.
     eval "V_$r=\$!"
   done
 }
-kill_pair() { # kill_pair NODE: SIGKILL both workers of NODE
-  local r p
-  for r in $(($1 * 2)) $(($1 * 2 + 1)); do
-    eval "p=\$V_$r"
-    kill -KILL "$p" 2> /dev/null
-    wait "$p" 2> /dev/null
-  done
+kill_pair() { # kill_pair NODE: SIGKILL both workers of NODE at once (as a crash of the node's workers)
+  local p0 p1
+  eval "p0=\$V_$(($1 * 2)) p1=\$V_$(($1 * 2 + 1))"
+  kill -KILL "$p0" "$p1" 2> /dev/null
+  wait "$p0" "$p1" 2> /dev/null
 }
 pair 0 a
 pair 1 b
