@@ -585,6 +585,38 @@ static void cl_submit(cluster_t *cl, int r0, int r1, uint32_t T, uint32_t seed) 
   }
 }
 
+/* A node whose step failed before its part went out (a client detached while the other had submitted) and
+ * whose group is then removed: the other node fails that step at once with EPD_ERR_PEER naming the node's
+ * first rank (the removal names the first step the node did not send), not after the 10 s step timeout. */
+EPD_TEST(cluster_group_removed_after_an_unsent_step_fails_that_step_at_once) {
+  cluster_t cl;
+  cl_step_timeout_ms = 10000;
+  cluster_up(&cl, 8, 64, 2, 4, 2);
+  cl_step_timeout_ms = 0;
+  cl_submit(&cl, 0, W, 3, 1);
+  for (int r = 0; r < W; r++) ASSERT_EQ(cwait(&cl.c[r]).status, EPD_OK);
+  /* node 1: rank 2 submits, rank 3's client detaches: the step fails there before its part goes out */
+  cl_submit(&cl, 2, 3, 3, 2);
+  usleep(50000);
+  cl_detach(&cl, 3, 0);
+  epd_comp_t comp = cwait(&cl.c[2]);
+  ASSERT_EQ(comp.status, EPD_ERR_PEER);
+  const uint64_t k = comp.step;
+  /* node 0 submits that step; node 1's last client leaves, which removes the group there */
+  const uint64_t t0 = ms_now();
+  cl_submit(&cl, 0, 2, 3, 2);
+  usleep(50000);
+  cl_detach(&cl, 2, 0);
+  for (int r = 0; r < 2; r++) {
+    comp = cwait(&cl.c[r]);
+    ASSERT_EQ(comp.status, EPD_ERR_PEER);
+    ASSERT_EQ(comp.peer, 2);
+    ASSERT_EQ(comp.step, k);
+  }
+  ASSERT_LT(ms_now() - t0, 3000u);
+  cluster_down(&cl);
+}
+
 /* A group removed on one node (its last clients there left) fails the other node's next step at once with
  * EPD_ERR_PEER naming the node's first rank (the removal notice), not after the 10 s step timeout; the
  * part of a step that node sent before its clients left is still used. A group removed and created again

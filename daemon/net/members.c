@@ -52,7 +52,11 @@ static int removed_take(epd_net_t *net, const char *name) {
 void eng_net_group_removed(epd_engine_t *eng, eng_group_t *grp) {
   epd_net_t *net = eng->o.net;
   if (eng->o.nodes <= 1 || !net) return;
-  send_gone(eng, grp, grp->steps);
+  /* from the first step whose part this node did not send: a step that failed here before its part went
+   * out (a client left mid-collection) is one the others wait for too */
+  const net_group_t *ng = grp->net;
+  send_gone(eng, grp,
+            ng && ng->sent_step != UINT64_MAX && ng->sent_step < grp->steps ? ng->sent_step + 1 : grp->steps);
   removed_take(net, grp->name); /* one entry per name */
   net->removed_next = (net->removed_next + 1) % 64;
   snprintf(net->removed[net->removed_next], sizeof net->removed[0], "%s", grp->name);
