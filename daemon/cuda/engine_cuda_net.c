@@ -20,6 +20,8 @@
 #if EPD_WITH_CUDA
 #include <cuda_runtime_api.h>
 
+#include "cuda/cuda_topk.h"
+
 #include "epd_kernels_net.h"
 
 #define REMAKE_LIMIT_MS 60000u /* the restarted node's ranks must join within this */
@@ -417,27 +419,14 @@ static void send_frame(cnet_t *cn, cnet_grp_t *cg) {
   for (uint32_t l = 0; l < L; l++) {
     cnet_dev_t *d = &cn->d[l];
     if (!rows[l]) continue;
-    const size_t need = rows[l] * K * 12;
     uint64_t arena = eng_cuda_client_arena(cg->hold[l]);
     cudaSetDevice(d->device);
     if (oi == UINT64_MAX || ow == UINT64_MAX) {
       te[l] = cudaErrorInvalidValue;
       continue;
     }
-    if (need > d->tk_cap) {
-      if (d->tk_host) cudaFreeHost(d->tk_host);
-      d->tk_cap = 0;
-      if ((te[l] = cudaHostAlloc((void **)&d->tk_host, (size_t)M * K * 12, 0))) {
-        d->tk_host = NULL;
-        continue;
-      }
-      d->tk_cap = (size_t)M * K * 12;
-    }
-    te[l] = cudaMemcpyAsync(d->tk_host, (const void *)(uintptr_t)(arena + oi), rows[l] * K * 8,
-                            cudaMemcpyDeviceToHost, d->tkstream);
-    if (!te[l])
-      te[l] = cudaMemcpyAsync(d->tk_host + rows[l] * K * 8, (const void *)(uintptr_t)(arena + ow),
-                              rows[l] * K * 4, cudaMemcpyDeviceToHost, d->tkstream);
+    te[l] = cuda_topk_read((void **)&d->tk_host, &d->tk_cap, (size_t)M * K * 12, arena + oi, arena + ow,
+                           rows[l], K, d->tkstream);
   }
   for (uint32_t l = 0; l < L; l++) {
     dd[l] =
