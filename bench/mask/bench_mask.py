@@ -5,7 +5,9 @@ rank 3 in a child process that is SIGKILLed mid-run. One daemon of 4 ranks, or w
 on this host as the nodes of one world (2 ranks each, ranks 2 and 3 on node 1; the second replica of
 every expert on the other node). --lose workers (two nodes): ranks 2 and 3 step in the child, both killed
 at once: node 1 has no worker of the group left and node 0 goes on without that node; --lose daemon: the
-same ranks, and node 1's daemon is SIGKILLed instead (its data link goes down). --backend cuda: the
+same ranks, and node 1's daemon is SIGKILLed instead (its data link goes down); --lose hang: rank 3's
+process is stopped (SIGSTOP: alive, its socket open, it never submits), so the rank is masked after the
+step timeout (--step-timeout MS, default 2000). --backend cuda: the
 daemons run the CUDA backend (--devices: their engine.devices, e.g. 0,0 where a node's ranks share GPU 0;
 two nodes on one host get the NCCL settings of tests/gpu/two-nodes-lib.sh), the steps use the torch views
 of the buffers. Reported, per expert map (every expert on two ranks, or on one):
@@ -16,7 +18,8 @@ of the buffers. Reported, per expert map (every expert on two ranks, or on one):
   - top-k entries dropped per step: with a replica of every expert on a live rank there must be none.
 
 Usage: bench/mask/bench_mask.py [BUILD] [--steps N] [--hidden H] [--rounds N] [--nodes 1|2]
-                                [--lose rank|workers|daemon] [--backend host|cuda] [--devices LIST]
+                                [--lose rank|workers|daemon|hang] [--step-timeout MS]
+                                [--backend host|cuda] [--devices LIST]
                                 [--json FILE]
 (BUILD: default build). Each round runs both maps with a daemon of its own.
 """
@@ -138,7 +141,7 @@ def run(build, socks, replicas, steps, log_path, daemons):
     conns = [epd.connect(s) for s in socks]
     at = lambda r: conns[r * len(socks) // R]  # noqa: E731
     eps = [at(0).attach("bench", rank=0, num_experts=E, hidden=H, topk=K, max_tokens=M, on_rank_loss="mask")]
-    lost = [3] if LOSE == "rank" else [2, 3]  # the ranks of the child process
+    lost = [3] if LOSE in ("rank", "hang") else [2, 3]  # the ranks of the child process
     eps += [at(r).attach("bench", rank=r, num_experts=E, hidden=H, topk=K, max_tokens=M, on_rank_loss="mask")
             for r in range(1, R) if r not in lost]
     kid = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", socks[-1],
@@ -173,10 +176,16 @@ def run(build, socks, replicas, steps, log_path, daemons):
     if LOSE == "daemon":
         daemons[-1].send_signal(signal.SIGKILL)
         daemons[-1].wait()
-    kid.send_signal(signal.SIGKILL)
-    kid.wait()
+    kid.send_signal(signal.SIGSTOP if LOSE == "hang" else signal.SIGKILL)
+    if LOSE != "hang":
+        kid.wait()
     n0 = len(log[0])
-    wait_steps(lambda: len([e for e in log[0][n0:] if e[2]]), steps, failed, "masked steps")
+    try:
+        wait_steps(lambda: len([e for e in log[0][n0:] if e[2]]), steps, failed, "masked steps")
+    finally:
+        if LOSE == "hang":  # the stopped process goes now (its rank is masked already)
+            kid.kill()
+            kid.wait()
     stop.set()
     for t in threads:
         t.join(10)
@@ -208,7 +217,7 @@ def run(build, socks, replicas, steps, log_path, daemons):
 
 
 def report(r):
-    print("lose %s, replicas %d: masked %.1f ms after the SIGKILL; recovery %.2f ms (%.2f ms past one masked step); "
+    print("lose %s, replicas %d: masked %.1f ms after the loss; recovery %.2f ms (%.2f ms past one masked step); "
           "%d ops failed; step %.3f ms (p90 %.3f) before, %.3f ms (p90 %.3f) masked; %.2f of %d entries "
           "dropped per step" %
           (r["lose"], r["replicas"], r["masked_after_ms"] or -1, r["recovery_ms"], r["recovery_minus_step_ms"],
@@ -227,12 +236,13 @@ def main():
     ap.add_argument("--hidden", type=int, default=H)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--nodes", type=int, default=1, choices=(1, 2))
-    ap.add_argument("--lose", default="rank", choices=("rank", "workers", "daemon"))
+    ap.add_argument("--lose", default="rank", choices=("rank", "workers", "daemon", "hang"))
+    ap.add_argument("--step-timeout", type=int, default=2000, help="engine.step_timeout_ms of the daemons")
     ap.add_argument("--backend", default="host", choices=("host", "cuda"))
     ap.add_argument("--devices", help="engine.devices of each daemon (cuda), e.g. 0,0")
     ap.add_argument("--json")
     a = ap.parse_args()
-    if a.lose != "rank" and a.nodes != 2:
+    if a.lose in ("workers", "daemon") and a.nodes != 2:
         ap.error("--lose workers|daemon needs --nodes 2")
     globals()["H"] = a.hidden
     globals()["NODES"] = a.nodes
@@ -265,7 +275,7 @@ def main():
                     [os.path.join(a.build, "bin", "epd"), "-f", "-c", conf, "-s", socks[-1],
                      "-o", "daemon.attach_socket=%s" % os.path.join(d, "attach%d.sock" % n),
                      "-o", "engine.backend=%s" % a.backend, "-o", "engine.num_ranks=%d" % (R // a.nodes),
-                     "-o", "engine.slots_factor_pct=200", "-o", "engine.step_timeout_ms=2000",
+                     "-o", "engine.slots_factor_pct=200", "-o", "engine.step_timeout_ms=%d" % a.step_timeout,
                      "-o", "engine.max_hidden=%d" % H] + devices + cluster,
                     stdout=open(os.path.join(d, "epd%d.log" % n), "w"), stderr=subprocess.STDOUT, env=env))
             for _ in range(1200):  # the CUDA backend makes its communicators first
@@ -274,7 +284,7 @@ def main():
                 time.sleep(0.05)
             time.sleep(0.3)
             # the rank_masked event of rank 3: on its node for a rank's loss, on node 0 for a node's
-            log = os.path.join(d, "epd%d.log" % (a.nodes - 1 if a.lose == "rank" else 0))
+            log = os.path.join(d, "epd%d.log" % (a.nodes - 1 if a.lose in ("rank", "hang") else 0))
             try:
                 results.append(run(a.build, socks, replicas, a.steps, log, daemons))
             except RuntimeError as e:
@@ -295,7 +305,8 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"geometry": {"ranks": R, "nodes": a.nodes, "experts": E, "hidden": H, "topk": K,
-                                    "tokens": M, "lose": a.lose, "backend": a.backend, "devices": a.devices},
+                                    "tokens": M, "lose": a.lose, "backend": a.backend, "devices": a.devices,
+                                    "step_timeout_ms": a.step_timeout},
                        "results": results}, f, indent=1)
     return 0 if all(r["dropped_per_step"] == 0 for r in results if r["replicas"] == 2) else 1
 
