@@ -103,20 +103,22 @@ pair 1 b
 wait_for 30 group_made || fail "group $GROUP not made"
 replicated_map
 stepping 50 "$T"/a0.out "$T"/a1.out "$T"/b2.out "$T"/b3.out || fail "no steps with the 4 workers"
-echo "== 1. node 1's workers SIGKILLed: node 0 goes on without ranks 2-3"
-kill_pair 1
-stepping 100 "$T"/a0.out "$T"/a1.out || fail "node 0's workers did not step without node 1"
-grep -q "node 1 (ranks 2..3) is out of its steps" "$T/node0.log" || fail "node 0 did not take node 1 out"
-echo "== 2. new workers at node 1: ranks 2-3 back"
-pair 1 c
-stepping 100 "$T"/c2.out "$T"/c3.out "$T"/a0.out "$T"/a1.out || fail "the four did not step after node 1 came back"
-echo "== 3. node 0's workers SIGKILLed: node 1 goes on alone"
-kill_pair 0
-stepping 100 "$T"/c2.out "$T"/c3.out || fail "node 1's workers did not step without node 0"
-grep -q "node 0 (ranks 0..1) is out of its steps" "$T/node1.log" || fail "node 1 did not take node 0 out"
-echo "== 4. new workers at node 0: back"
-pair 0 d
-stepping 100 "$T"/d0.out "$T"/d1.out "$T"/c2.out "$T"/c3.out || fail "the four did not step after node 0 came back"
+out_and_back() { # out_and_back NODE OLD NEW: NODE's workers killed while the other node's (outputs OLD) step
+  local n=$1 o=$((1 - $1)) old=$2 new=$3
+  kill_pair "$n"
+  stepping 100 "$T/$old$((o * 2)).out" "$T/$old$((o * 2 + 1)).out" ||
+    fail "node $o's workers did not step without node $n"
+  grep -q "node $n (ranks $((n * 2))..$((n * 2 + 1))) is out of its steps" "$T/node$o.log" ||
+    fail "node $o did not take node $n out"
+  echo "   new workers at node $n: back"
+  pair "$n" "$new"
+  stepping 100 "$T/$new$((n * 2)).out" "$T/$new$((n * 2 + 1)).out" "$T/$old$((o * 2)).out" \
+    "$T/$old$((o * 2 + 1)).out" || fail "the four did not step after node $n came back"
+}
+echo "== 1-2. node 1's workers SIGKILLed: node 0 goes on without ranks 2-3; then new workers at node 1"
+out_and_back 1 a c
+echo "== 3-4. node 0's workers SIGKILLed: node 1 goes on alone; then new workers at node 0"
+out_and_back 0 c d
 echo "== 5. node 1 drains: node 0 goes on without it"
 "$EPDCTL" -s "$T/n1/control.sock" drain > "$T/drain.out" 2>&1 || fail "epdctl drain: $(cat "$T/drain.out")"
 stepping 100 "$T"/d0.out "$T"/d1.out || fail "node 0's workers did not step after node 1 began to drain"
