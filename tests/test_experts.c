@@ -37,6 +37,18 @@ static uint64_t now_ms(void) {
   return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
+/* engine_new: engine.rehome_replicas; xattach: on_rank_loss; the events seen (kinds, ';'-separated). */
+static uint32_t x_rehome, x_on_loss;
+static pthread_mutex_t x_ev_mu = PTHREAD_MUTEX_INITIALIZER;
+static char x_events[2048];
+static void x_on_event(void *arg, const epd_engine_event_t *ev) {
+  (void)arg;
+  pthread_mutex_lock(&x_ev_mu);
+  size_t n = strlen(x_events);
+  snprintf(x_events + n, sizeof x_events - n, "%s;", ev->kind);
+  pthread_mutex_unlock(&x_ev_mu);
+}
+
 static epd_engine_t *engine_new(int R, uint32_t rpn) {
   epd_engine_opts_t o;
   memset(&o, 0, sizeof o);
@@ -52,9 +64,10 @@ static epd_engine_t *engine_new(int R, uint32_t rpn) {
   o.max_arena_bytes = 1ull << 30;
   o.step_timeout_ms = 10000;
   o.ranks_per_node = rpn;
+  o.rehome_replicas = x_rehome;
   epd_engine_t *eng = NULL;
   char err[256] = "";
-  epd_result_t rc = epd_engine_create(&o, NULL, NULL, &eng, err, sizeof err);
+  epd_result_t rc = epd_engine_create(&o, x_on_event, NULL, &eng, err, sizeof err);
   if (rc) epd_test_fail(__FILE__, __LINE__, "engine_create: %d %s", rc, err);
   return eng;
 }
@@ -72,6 +85,7 @@ static void xattach(epd_engine_t *eng, const char *group, int rank, uint32_t E, 
   req.max_tokens = M;
   req.pid = (uint32_t)getpid();
   req.weight_bytes_per_slot = wbytes;
+  req.on_rank_loss = x_on_loss;
   memset(c, 0, sizeof *c);
   char err[256] = "";
   epd_result_t rc = epd_engine_attach(eng, &req, &c->info, err, sizeof err);
@@ -536,6 +550,80 @@ EPD_TEST(experts_concurrent_set_map_serialised) {
 
 static uint8_t pattern(uint32_t rank, uint32_t slot, size_t i) {
   return (uint8_t)(rank * 37 + slot * 11 + i * 7 + (i >> 8));
+}
+
+/* engine.rehome_replicas: a masking group of 3 ranks with expert weights; rank 1 dies. Expert 2, on rank 1
+ * and on rank 0, gets a new replica on a free slot of rank 2 (the live rank without one), its weights
+ * copied byte for byte from rank 0's; expert 3, on rank 1 only, has nothing to copy from: an
+ * "experts_lost" event names it. The map switches at the next step of ranks 0 and 2, which then route
+ * expert 2 to both its live replicas. Off (the default), nothing is staged. */
+EPD_TEST(experts_rehome_masked_replicas) {
+  for (int on = 0; on < 2; on++) {
+    x_rehome = (uint32_t)on;
+    x_on_loss = EPD_RANK_LOSS_MASK;
+    epd_engine_t *eng = engine_new(3, 0);
+    const uint64_t WB = 2 * 4096 + 40;
+    xclient_t c[3];
+    for (int r = 0; r < 3; r++) xattach(eng, "rh", r, 6, 16, 2, 8, WB, &c[r]);
+    x_on_loss = 0;
+    const uint32_t S = c[0].info.slots_per_rank;
+    ASSERT_EQ(S, 4u); /* experts 0,1 on rank 0 (slots 0,1), 2,3 on rank 1, 4,5 on rank 2 */
+    uint8_t *wt[3];
+    for (int r = 0; r < 3; r++) {
+      wt[r] = xbuf(&c[r], EPD_BUF_EXPERT_WEIGHTS, 0);
+      for (uint32_t s = 0; s < S; s++)
+        for (size_t i = 0; i < WB; i++) wt[r][s * WB + i] = pattern((uint32_t)r, s, i);
+    }
+    /* a second replica of expert 2 on rank 0 slot 2, its weights copied there at the switch */
+    epd_expert_map_t m;
+    ASSERT_OK(epd_engine_get_map(eng, "rh", &m));
+    m.nrep[2] = 2;
+    m.rep[2][1] = (epd_replica_t){0, 2};
+    epd_weight_copy_t cp = {1, 0, 0, 2};
+    uint32_t v = 0;
+    char err[320] = "";
+    ASSERT_OK(epd_engine_set_map_copies(eng, "rh", &m, &cp, 1, &v, err, sizeof err));
+    epd_expert_map_free(&m);
+    for (int r = 0; r < 3; r++) xsubmit(&c[r], EPD_OP_LL_DISPATCH, 0, 0);
+    for (int r = 0; r < 3; r++) ASSERT_EQ(xwait(&c[r]).map_version, v);
+    pthread_mutex_lock(&x_ev_mu);
+    x_events[0] = 0;
+    pthread_mutex_unlock(&x_ev_mu);
+    ASSERT_OK(epd_engine_detach(eng, c[1].info.client_id, 1));
+    /* ranks 0 and 2 step on; with re-homing the map switches there */
+    for (int r = 0; r < 3; r += 2) xsubmit(&c[r], EPD_OP_LL_DISPATCH, 0, 0);
+    uint32_t after = 0;
+    for (int r = 0; r < 3; r += 2) {
+      epd_comp_t comp = xwait(&c[r]);
+      ASSERT_EQ(comp.status, EPD_OK);
+      ASSERT_EQ(comp.masked, 2u);
+      after = comp.map_version;
+    }
+    ASSERT_OK(epd_engine_get_map(eng, "rh", &m));
+    pthread_mutex_lock(&x_ev_mu);
+    const int lost_event = strstr(x_events, "experts_lost;") != NULL;
+    pthread_mutex_unlock(&x_ev_mu);
+    if (!on) {
+      ASSERT_EQ(after, v);
+      ASSERT_EQ(m.nrep[2], 2u);
+      ASSERT(!lost_event);
+    } else {
+      ASSERT_EQ(after, v + 1);
+      ASSERT_EQ(m.nrep[2], 3u);
+      ASSERT_EQ(m.rep[2][2].rank, 2u);
+      ASSERT_EQ(m.rep[2][2].slot, 2u);
+      ASSERT_EQ(m.nrep[3], 1u); /* nothing to copy expert 3 from */
+      for (size_t i = 0; i < WB; i++)
+        if (wt[2][2 * WB + i] != pattern(1, 0, i))
+          epd_test_fail(__FILE__, __LINE__, "byte %zu of (2,2) differs from expert 2's weights", i);
+      ASSERT(lost_event);
+    }
+    for (uint32_t s = 0; s < S && on; s++) /* the other slots of rank 2 untouched */
+      if (s != 2) ASSERT_EQ(wt[2][s * WB + 7], pattern(2, s, 7));
+    epd_expert_map_free(&m);
+    epd_engine_destroy(eng);
+  }
+  x_rehome = 0;
 }
 
 EPD_TEST(experts_migration_copies_exact) {

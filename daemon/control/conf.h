@@ -47,6 +47,7 @@ typedef struct epd_conf {
   uint32_t ll_blocks;          /* blocks of each LL kernel, per rank (cuda; 0: the mode's default) */
   uint32_t idle_spin_ns;       /* rank threads spin this long after activity before sleeping (cuda) */
   uint32_t step_timeout_ms;
+  uint32_t rehome_replicas;
   uint32_t exit_on_failure; /* 1: drain and exit 1 after an engine failure (restart by systemd) */
   uint32_t max_groups, max_clients_per_rank;
   uint64_t max_arena_bytes;

@@ -79,7 +79,8 @@ static void publish_v(const char *kind, const char *group, int rank, uint64_t cl
    * the other events repeat what their module logged already (attach, detach, drain, ready): debug. Only
    * the fields that say something: the versions of a switch, a step where there is one. */
   const int warn = !strcmp(ev.kind, "timeout") || !strcmp(ev.kind, "error") ||
-                   !strcmp(ev.kind, "client_lost") || !strcmp(ev.kind, "rank_masked");
+                   !strcmp(ev.kind, "client_lost") || !strcmp(ev.kind, "rank_masked") ||
+                   !strcmp(ev.kind, "experts_lost");
   const int map = !strcmp(ev.kind, "map_switch") || !strcmp(ev.kind, "rank_unmasked");
   char versions[48] = "", at[32] = "";
   if (map) snprintf(versions, sizeof versions, " (map v%u -> v%u)", old_version, new_version);

@@ -400,7 +400,8 @@ int main(int argc, char **argv) {
                           .max_groups = d.conf.max_groups,
                           .max_clients_per_rank = d.conf.max_clients_per_rank,
                           .max_arena_bytes = d.conf.max_arena_bytes,
-                          .step_timeout_ms = d.conf.step_timeout_ms};
+                          .step_timeout_ms = d.conf.step_timeout_ms,
+                          .rehome_replicas = d.conf.rehome_replicas};
   char eerr[1280] = "";
   static int devices[EPD_CONF_MAX_LIST];
   const int ndevices = epd_conf_parse_list(d.conf.devices, EPD_CONF_MAX_LIST - 1, devices, EPD_CONF_MAX_LIST,

@@ -161,6 +161,7 @@ void eng_mask_rank(epd_engine_t *eng, eng_group_t *grp, int rank, const char *wh
            "group %s rank %d masked from step %llu (%s): %u of %u experts without a live replica", grp->name,
            rank, (unsigned long long)grp->steps, why, lost_experts, grp->g.num_experts);
   if (eng->so && eng->so->rank_masked && eng_local_rank(eng, rank)) eng->so->rank_masked(eng, grp, rank, 1);
+  eng_rehome(eng, grp);
 }
 
 int eng_local_rank(const epd_engine_t *eng, int rank) {

@@ -259,6 +259,10 @@ int eng_apply_staged_version(epd_engine_t *eng, eng_group_t *grp, const epd_expe
                              uint32_t ncopies);
 /* (mu) The group of that name, or NULL. */
 eng_group_t *eng_find_group(epd_engine_t *eng, const char *name);
+/* (mu) engine.rehome_replicas, after grp masked a rank: stage a map that gives each masked replica of an
+ * expert with a live one a free slot of a live rank, its weights copied from the live replica; an event
+ * names the experts with none ("experts_lost"). One node, groups with expert weights, no map staged. */
+void eng_rehome(epd_engine_t *eng, eng_group_t *grp);
 /* (mu) Validate map (and its copies if check) and stage it with `version` (0: the group's next one). */
 epd_result_t eng_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert_map_t *map,
                            const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t version, int check,

@@ -533,3 +533,92 @@ out:
   pthread_mutex_unlock(&eng->mu);
   return rc;
 }
+
+void eng_rehome(epd_engine_t *eng, eng_group_t *grp) {
+  const epd_expert_map_t *m = &grp->map;
+  const uint32_t R = grp->g.num_ranks, S = grp->g.slots_per_rank, E = grp->g.num_experts;
+  if (!eng->o.rehome_replicas || eng->o.nodes > 1 || !grp->weight_bytes_per_slot || !grp->mask || !m->nrep)
+    return;
+  if (grp->has_staged) {
+    EPD_LOGW(EPD_SUB_ENGINE, "group %s: a map is staged: the masked ranks' replicas are not re-homed",
+             grp->name);
+    return;
+  }
+  uint8_t *used = calloc((size_t)R * S, 1);
+  uint32_t *load = calloc(R, sizeof *load);
+  epd_weight_copy_t *cp = malloc(sizeof *cp * (size_t)E * EPD_MAX_REPLICAS);
+  epd_expert_map_t nm;
+  memset(&nm, 0, sizeof nm);
+  if (!used || !load || !cp || epd_ref_map_copy(&nm, m)) {
+    EPD_LOGW(EPD_SUB_ENGINE, "group %s: out of memory re-homing the masked ranks' replicas", grp->name);
+    goto out;
+  }
+  for (uint32_t e = 0; e < E; e++)
+    for (uint32_t i = 0; i < m->nrep[e]; i++) {
+      used[(size_t)m->rep[e][i].rank * S + m->rep[e][i].slot] = 1;
+      load[m->rep[e][i].rank]++;
+    }
+  uint32_t ncp = 0, lost = 0, homeless = 0;
+  for (uint32_t e = 0; e < E; e++) {
+    const epd_replica_t *src = NULL; /* a live replica: the weights' source */
+    uint32_t masked = 0;
+    for (uint32_t i = 0; i < m->nrep[e]; i++) {
+      if (grp->mask >> m->rep[e][i].rank & 1)
+        masked++;
+      else if (!src)
+        src = &m->rep[e][i];
+    }
+    if (!masked) continue;
+    if (!src) { /* its weights are on masked ranks only: nothing to copy from */
+      lost++;
+      continue;
+    }
+    for (uint32_t k = 0; k < masked && nm.nrep[e] < EPD_MAX_REPLICAS; k++) {
+      /* the least loaded live rank without a replica of e, with a free slot */
+      int best = -1;
+      for (uint32_t r = 0; r < R; r++) {
+        if ((grp->mask >> r & 1) || load[r] >= S) continue;
+        int has = 0;
+        for (uint32_t i = 0; i < nm.nrep[e]; i++) has |= nm.rep[e][i].rank == r;
+        if (!has && (best < 0 || load[r] < load[best])) best = (int)r;
+      }
+      if (best < 0) {
+        homeless++;
+        break;
+      }
+      uint32_t s = 0;
+      while (used[(size_t)best * S + s]) s++;
+      used[(size_t)best * S + s] = 1;
+      load[best]++;
+      nm.rep[e][nm.nrep[e]++] = (epd_replica_t){(uint32_t)best, s};
+      cp[ncp++] = (epd_weight_copy_t){src->rank, src->slot, (uint32_t)best, s};
+    }
+  }
+  if (ncp) {
+    char err[320] = "";
+    uint32_t v = 0;
+    if (eng_stage_map(eng, grp, &nm, cp, ncp, 0, 1, &v, err, sizeof err))
+      EPD_LOGW(EPD_SUB_ENGINE, "group %s: re-homing the masked ranks' replicas: %s", grp->name, err);
+    else
+      EPD_LOGI(EPD_SUB_ENGINE,
+               "group %s: %u replica(s) of the masked ranks re-homed onto free slots of live ranks: map "
+               "version %u staged, active once their weights are copied",
+               grp->name, ncp, v);
+  }
+  if (homeless)
+    EPD_LOGW(EPD_SUB_ENGINE,
+             "group %s: %u expert(s) of the masked ranks found no free slot on a live rank "
+             "(engine.slots_factor_pct "
+             "leaves too few): they keep fewer replicas",
+             grp->name, homeless);
+  if (lost)
+    eng_emit(eng, "experts_lost", grp, -1, 0, 0, 0, grp->steps,
+             "group %s: %u expert(s) have no live replica: their entries are dropped until a map places them "
+             "again (load their weights on a free slot and set the map)",
+             grp->name, lost);
+out:
+  epd_expert_map_free(&nm);
+  free(cp);
+  free(load);
+  free(used);
+}
