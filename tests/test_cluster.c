@@ -86,6 +86,7 @@ typedef struct conn_arg {
 static uint64_t cl_weight_bytes;
 static uint32_t cl_slots_pct;
 static uint32_t cl_step_timeout_ms;
+static uint32_t cl_rehome, cl_on_loss; /* engine.rehome_replicas, the attaches' on_rank_loss */
 
 static void *connect_main(void *arg) {
   conn_arg_t *a = arg;
@@ -108,6 +109,7 @@ static void cluster_attach(cluster_t *cl, int r, uint32_t E, uint32_t H, uint32_
   req.topk = K;
   req.max_tokens = M;
   req.weight_bytes_per_slot = cl_weight_bytes;
+  req.on_rank_loss = cl_on_loss;
   cl_client_t *c = &cl->c[r];
   memset(c, 0, sizeof *c);
   /* A rank of the other node is refused, naming the node. */
@@ -154,6 +156,7 @@ static void cluster_up(cluster_t *cl, uint32_t E, uint32_t H, uint32_t K, uint32
     o.ht_capacity_factor = ht_factor;
     o.ranks_per_node = L;
     o.slots_factor_pct = cl_slots_pct;
+    o.rehome_replicas = cl_rehome;
     o.nodes = 2;
     o.node_rank = (uint32_t)n;
     o.net = cl->net[n];
@@ -549,6 +552,70 @@ EPD_TEST(cluster_map_weight_copies_across_nodes_large_slots) {
 /* A copy whose source rank has no client when its node stages the map: that node reads the slot once the
  * rank is back (at its next step frame) and sends it then; the destination's node waits for the bytes, so
  * the switch finds them. */
+/* engine.rehome_replicas across nodes: a masking group with expert weights, rank 3's experts (6, 7) also
+ * on rank 1 (node 0). Rank 3's client dies: node 1 masks it and tells node 0, which alone decides: it
+ * stages a map giving each of them a new replica on a free slot of the least loaded live rank without one
+ * (expert 6: rank 0 slot 2, on node 0; expert 7: rank 2 slot 2, on node 1), the weights copied from rank
+ * 1's replicas, across the link for rank 2. Both nodes switch at one step; every copied slot holds expert
+ * 6's and 7's bytes. */
+EPD_TEST(cluster_rehome_masked_replicas_across_nodes) {
+  cluster_t cl;
+  cl_rehome = 1;
+  cl_on_loss = EPD_RANK_LOSS_MASK;
+  const uint32_t WB = 3000;
+  const uint32_t S = cluster_up_weights(&cl, 8, WB);
+  cl_rehome = cl_on_loss = 0;
+  ASSERT_EQ(S, 4u); /* expert e on rank e / 2, slot e % 2 */
+  epd_expert_map_t m;
+  ASSERT_OK(epd_engine_get_map(cl.eng[0], "g", &m));
+  m.nrep[6] = m.nrep[7] = 2;
+  m.rep[6][1] = (epd_replica_t){1, 2};
+  m.rep[7][1] = (epd_replica_t){1, 3};
+  const epd_weight_copy_t cp[2] = {{3, 0, 1, 2}, {3, 1, 1, 3}};
+  uint32_t v = 0;
+  char err[320] = "";
+  ASSERT_OK(epd_engine_set_map_copies(cl.eng[0], "g", &m, cp, 2, &v, err, sizeof err));
+  epd_expert_map_free(&m);
+  steps_until_version(&cl, v, 5000, 2000);
+  check_weights(&cl, S, WB, cp, 2);
+  cl_detach(&cl, 3, 1);
+  /* ranks 0-2 step on (the first step may fail on the mask) until the re-homed map is active */
+  uint32_t seen = 0;
+  for (const uint64_t t0 = ms_now(); seen != v + 1 && ms_now() - t0 < 10000;) {
+    for (int r = 0; r < 3; r++) csubmit(&cl.c[r], EPD_OP_LL_DISPATCH, 1, 0, 0);
+    uint32_t ver[3] = {0};
+    for (int r = 0; r < 3; r++) {
+      epd_comp_t comp = cwait(&cl.c[r]);
+      if (comp.status) continue;
+      ASSERT_EQ(comp.masked, 1u << 3);
+      ver[r] = comp.map_version;
+    }
+    ASSERT(ver[0] == ver[1] && ver[1] == ver[2]); /* one switch step on both nodes */
+    seen = ver[0];
+    usleep(2000);
+  }
+  ASSERT_EQ(seen, v + 1);
+  for (int n = 0; n < 2; n++) {
+    ASSERT_OK(epd_engine_get_map(cl.eng[n], "g", &m));
+    ASSERT_EQ(m.version, v + 1);
+    ASSERT_EQ(m.nrep[6], 3u);
+    ASSERT_EQ(m.rep[6][2].rank, 0u);
+    ASSERT_EQ(m.rep[6][2].slot, 2u);
+    ASSERT_EQ(m.nrep[7], 3u);
+    ASSERT_EQ(m.rep[7][2].rank, 2u);
+    ASSERT_EQ(m.rep[7][2].slot, 2u);
+    epd_expert_map_free(&m);
+  }
+  const uint8_t *w0 = cbuf(&cl.c[0], EPD_BUF_EXPERT_WEIGHTS, 0),
+                *w2 = cbuf(&cl.c[2], EPD_BUF_EXPERT_WEIGHTS, 0);
+  for (uint32_t b = 0; b < WB; b++) {
+    ASSERT_EQ(w0[2 * WB + b], wbyte(3, 0, b));
+    ASSERT_EQ(w2[2 * WB + b], wbyte(3, 1, b));
+    ASSERT_EQ(w2[3 * WB + b], wbyte(2, 3, b)); /* the next free slot untouched */
+  }
+  cluster_down(&cl);
+}
+
 EPD_TEST(cluster_map_weight_copy_source_detached) {
   cluster_t cl;
   const uint32_t E = 8, WB = 256;

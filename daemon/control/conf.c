@@ -126,7 +126,7 @@ static const conf_key_t keys[] = {
     {"engine.step_timeout_ms", CT_UINT, 1, 3600000, "10000", 0, F(step_timeout_ms), NULL,
      "a rank waiting longer than this for its peers fails the step with EPD_ERR_TIMEOUT"},
     {"engine.rehome_replicas", CT_UINT, 0, 1, "0", 0, F(rehome_replicas), NULL,
-     "groups that mask, with expert weights, one node: 1 gives each replica a masked rank held of an expert "
+     "groups that mask, with expert weights: 1 gives each replica a masked rank held of an expert "
      "that still has a live one a new home, a free slot of a live rank, its weights copied from a live "
      "replica (a staged map that switches once the bytes are there)"},
     {"engine.exit_on_failure", CT_UINT, 0, 1, "1", 1, F(exit_on_failure), NULL,

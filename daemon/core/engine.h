@@ -40,8 +40,8 @@ typedef struct epd_engine_opts {
   uint32_t max_clients_per_rank;
   uint64_t max_arena_bytes; /* per client */
   uint32_t step_timeout_ms; /* a rank waiting longer for its peers fails the step with EPD_ERR_TIMEOUT */
-  /* groups that mask, with expert weights, one node: a masked rank's replicas of experts that still have a
-   * live one are copied to free slots of live ranks (a staged map); docs/SEMANTICS.md "Masked ranks" */
+  /* groups that mask, with expert weights: a masked rank's replicas of experts that still have a live one
+   * are copied to free slots of live ranks (a staged map; node 0's across nodes); SEMANTICS.md */
   uint32_t rehome_replicas;
   uint32_t ranks_per_node; /* node of a rank = rank / ranks_per_node (replica choice); 0: one node */
   uint64_t max_weight_bytes_per_slot; /* limit of an attach's weight_bytes_per_slot; 0: 1 GiB */

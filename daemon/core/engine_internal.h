@@ -97,6 +97,7 @@ struct eng_group {
   epd_expert_map_t staged;              /* valid if has_staged */
   int has_staged;
   uint32_t last_version;              /* highest version handed out */
+  uint32_t rehome_version;            /* the last map eng_rehome staged (0: none) */
   epd_ref_plan_t plan[EPD_NUM_BANKS]; /* routing of each bank's last dispatch (combine input) */
   int plan_valid[EPD_NUM_BANKS];
   uint64_t steps;          /* steps finished; the number of the step being collected */
@@ -201,6 +202,11 @@ typedef struct eng_scaleout {
   /* This node drains (drain = 1) or takes steps again. */
   void (*notify_drain)(epd_engine_t *eng, int drain);
   /* SetExpertMap across nodes: node 0 numbers, stages and sends every map (without mu). */
+  /* (mu) Node 0: stage a map the daemon made itself (re-homing, eng_rehome) on every node, as SetExpertMap
+   * does; the other nodes: EPD_ERR_UNSUPPORTED (node 0 decides). */
+  epd_result_t (*stage_map)(epd_engine_t *eng, eng_group_t *grp, const epd_expert_map_t *map,
+                            const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t *version_out,
+                            char *errbuf, size_t errlen);
   epd_result_t (*set_map)(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
                           const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t *version_out,
                           char *errbuf, size_t errlen);
@@ -261,7 +267,8 @@ int eng_apply_staged_version(epd_engine_t *eng, eng_group_t *grp, const epd_expe
 eng_group_t *eng_find_group(epd_engine_t *eng, const char *name);
 /* (mu) engine.rehome_replicas, after grp masked a rank: stage a map that gives each masked replica of an
  * expert with a live one a free slot of a live rank, its weights copied from the live replica; an event
- * names the experts with none ("experts_lost"). One node, groups with expert weights, no map staged. */
+ * names the experts with none ("experts_lost"). Groups with expert weights; across nodes node 0 only
+ * (through the layer's stage_map); no map staged but one of its own. */
 void eng_rehome(epd_engine_t *eng, eng_group_t *grp);
 /* (mu) Validate map (and its copies if check) and stage it with `version` (0: the group's next one). */
 epd_result_t eng_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert_map_t *map,

@@ -537,43 +537,47 @@ out:
 void eng_rehome(epd_engine_t *eng, eng_group_t *grp) {
   const epd_expert_map_t *m = &grp->map;
   const uint32_t R = grp->g.num_ranks, S = grp->g.slots_per_rank, E = grp->g.num_experts;
-  if (!eng->o.rehome_replicas || eng->o.nodes > 1 || !grp->weight_bytes_per_slot || !grp->mask || !m->nrep)
+  /* across nodes node 0 decides for all (it learns every node's masks) and stages through the layer */
+  if (!eng->o.rehome_replicas || (eng->o.nodes > 1 && eng->o.node_rank != 0) || !grp->weight_bytes_per_slot ||
+      !grp->mask || !m->nrep)
     return;
-  if (grp->has_staged) {
+  /* a map this function staged and that is not active yet is built on (a node out masks its ranks one by
+   * one); another staged map is the application's */
+  if (grp->has_staged && grp->staged.version != grp->rehome_version) {
     EPD_LOGW(EPD_SUB_ENGINE, "group %s: a map is staged: the masked ranks' replicas are not re-homed",
              grp->name);
     return;
   }
+  const epd_expert_map_t *base = grp->has_staged ? &grp->staged : m;
   uint8_t *used = calloc((size_t)R * S, 1);
   uint32_t *load = calloc(R, sizeof *load);
   epd_weight_copy_t *cp = malloc(sizeof *cp * (size_t)E * EPD_MAX_REPLICAS);
   epd_expert_map_t nm;
   memset(&nm, 0, sizeof nm);
-  if (!used || !load || !cp || epd_ref_map_copy(&nm, m)) {
+  if (!used || !load || !cp || epd_ref_map_copy(&nm, base)) {
     EPD_LOGW(EPD_SUB_ENGINE, "group %s: out of memory re-homing the masked ranks' replicas", grp->name);
     goto out;
   }
   for (uint32_t e = 0; e < E; e++)
-    for (uint32_t i = 0; i < m->nrep[e]; i++) {
-      used[(size_t)m->rep[e][i].rank * S + m->rep[e][i].slot] = 1;
-      load[m->rep[e][i].rank]++;
+    for (uint32_t i = 0; i < nm.nrep[e]; i++) {
+      used[(size_t)nm.rep[e][i].rank * S + nm.rep[e][i].slot] = 1;
+      load[nm.rep[e][i].rank]++;
     }
   uint32_t ncp = 0, lost = 0, homeless = 0;
   for (uint32_t e = 0; e < E; e++) {
-    const epd_replica_t *src = NULL; /* a live replica: the weights' source */
-    uint32_t masked = 0;
-    for (uint32_t i = 0; i < m->nrep[e]; i++) {
-      if (grp->mask >> m->rep[e][i].rank & 1)
-        masked++;
-      else if (!src)
-        src = &m->rep[e][i];
-    }
-    if (!masked) continue;
+    /* the weights' source: a live replica of the active map; the live replicas wanted: as many as the
+     * active map has */
+    const epd_replica_t *src = NULL;
+    for (uint32_t i = 0; i < m->nrep[e] && !src; i++)
+      if (!(grp->mask >> m->rep[e][i].rank & 1)) src = &m->rep[e][i];
+    uint32_t live = 0;
+    for (uint32_t i = 0; i < nm.nrep[e]; i++) live += !(grp->mask >> nm.rep[e][i].rank & 1);
+    if (live >= m->nrep[e]) continue;
     if (!src) { /* its weights are on masked ranks only: nothing to copy from */
       lost++;
       continue;
     }
-    for (uint32_t k = 0; k < masked && nm.nrep[e] < EPD_MAX_REPLICAS; k++) {
+    for (; live < m->nrep[e] && nm.nrep[e] < EPD_MAX_REPLICAS; live++) {
       /* the least loaded live rank without a replica of e, with a free slot */
       int best = -1;
       for (uint32_t r = 0; r < R; r++) {
@@ -597,19 +601,22 @@ void eng_rehome(epd_engine_t *eng, eng_group_t *grp) {
   if (ncp) {
     char err[320] = "";
     uint32_t v = 0;
-    if (eng_stage_map(eng, grp, &nm, cp, ncp, 0, 1, &v, err, sizeof err))
+    const epd_result_t rc = eng->so ? eng->so->stage_map(eng, grp, &nm, cp, ncp, &v, err, sizeof err)
+                                    : eng_stage_map(eng, grp, &nm, cp, ncp, 0, 1, &v, err, sizeof err);
+    if (rc) {
       EPD_LOGW(EPD_SUB_ENGINE, "group %s: re-homing the masked ranks' replicas: %s", grp->name, err);
-    else
+    } else {
+      grp->rehome_version = v;
       EPD_LOGI(EPD_SUB_ENGINE,
                "group %s: %u replica(s) of the masked ranks re-homed onto free slots of live ranks: map "
                "version %u staged, active once their weights are copied",
                grp->name, ncp, v);
+    }
   }
   if (homeless)
     EPD_LOGW(EPD_SUB_ENGINE,
              "group %s: %u expert(s) of the masked ranks found no free slot on a live rank "
-             "(engine.slots_factor_pct "
-             "leaves too few): they keep fewer replicas",
+             "(engine.slots_factor_pct leaves too few): they keep fewer replicas",
              grp->name, homeless);
   if (lost)
     eng_emit(eng, "experts_lost", grp, -1, 0, 0, 0, grp->steps,

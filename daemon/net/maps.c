@@ -178,6 +178,21 @@ int net_pending_put(epd_engine_t *eng, epd_net_t *net, const char *group, const 
   return 0;
 }
 
+epd_result_t eng_net_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert_map_t *map,
+                               const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t *version_out,
+                               char *errbuf, size_t errlen) {
+  epd_net_t *net = eng->o.net;
+  if (net->node_rank != 0) {
+    snprintf(errbuf, errlen, "only node 0 stages maps");
+    return EPD_ERR_UNSUPPORTED;
+  }
+  wout_t *wo = NULL;
+  const epd_result_t rc =
+      net_stage_and_send(eng, grp->name, map, copies, ncopies, version_out, &wo, errbuf, errlen);
+  net_weights_queue(net, grp->name, wo); /* takes the link layer's lock only */
+  return rc;
+}
+
 epd_result_t eng_net_set_map(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
                              const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t *version_out,
                              char *errbuf, size_t errlen) {

@@ -375,6 +375,7 @@ const eng_scaleout_t eng_net_scaleout = {
     .group_removed = eng_net_group_removed,
     .group_free = eng_net_group_free,
     .notify_drain = eng_net_notify_drain,
+    .stage_map = eng_net_stage_map,
     .set_map = eng_net_set_map,
     .group_note = group_note,
     .links = links,

@@ -38,6 +38,11 @@ int eng_net_step(epd_engine_t *eng, eng_group_t *grp, const int *arrived, epd_de
  * gets the timeout message. */
 int eng_net_missing_rank(epd_engine_t *eng, const eng_group_t *grp, const int *arrived, char *why,
                          size_t len);
+/* (mu) Node 0: stage a map this daemon made (re-homing) and send it with its weight copies to every
+ * node, as a SetExpertMap on node 0 does; the other nodes: EPD_ERR_UNSUPPORTED. */
+epd_result_t eng_net_stage_map(epd_engine_t *eng, eng_group_t *grp, const epd_expert_map_t *map,
+                               const epd_weight_copy_t *copies, uint32_t ncopies, uint32_t *version_out,
+                               char *errbuf, size_t errlen);
 /* SetExpertMap across nodes (host backend; called without mu): node 0 stages the map with the next
  * version and sends it to every other node; another node asks node 0 to and waits for its answer. */
 epd_result_t eng_net_set_map(epd_engine_t *eng, const char *group, const epd_expert_map_t *map,
