@@ -652,16 +652,22 @@ static void cl_submit(cluster_t *cl, int r0, int r1, uint32_t T, uint32_t seed) 
   }
 }
 
+/* A cluster of group "g" (8 experts, hidden 64, top-2, 4 tokens) with engine.step_timeout_ms timeout_ms,
+ * after one step of every rank. */
+static void cluster_up_stepped(cluster_t *cl, uint32_t timeout_ms) {
+  cl_step_timeout_ms = timeout_ms;
+  cluster_up(cl, 8, 64, 2, 4, 2);
+  cl_step_timeout_ms = 0;
+  cl_submit(cl, 0, W, 3, 1);
+  for (int r = 0; r < W; r++) ASSERT_EQ(cwait(&cl->c[r]).status, EPD_OK);
+}
+
 /* A node whose step failed before its part went out (a client detached while the other had submitted) and
  * whose group is then removed: the other node fails that step at once with EPD_ERR_PEER naming the node's
  * first rank (the removal names the first step the node did not send), not after the 10 s step timeout. */
 EPD_TEST(cluster_group_removed_after_an_unsent_step_fails_that_step_at_once) {
   cluster_t cl;
-  cl_step_timeout_ms = 10000;
-  cluster_up(&cl, 8, 64, 2, 4, 2);
-  cl_step_timeout_ms = 0;
-  cl_submit(&cl, 0, W, 3, 1);
-  for (int r = 0; r < W; r++) ASSERT_EQ(cwait(&cl.c[r]).status, EPD_OK);
+  cluster_up_stepped(&cl, 10000);
   /* node 1: rank 2 submits, rank 3's client detaches: the step fails there before its part goes out */
   cl_submit(&cl, 2, 3, 3, 2);
   usleep(50000);
@@ -1072,11 +1078,7 @@ EPD_TEST(cluster_group_made_again_everywhere_ignores_an_earlier_lifes_parts) {
  * first step fails at once naming rank 3 (not after the step timeout naming rank 2; review). */
 EPD_TEST(cluster_lost_rank_told_to_a_group_made_again_on_another_node) {
   cluster_t cl;
-  cl_step_timeout_ms = 2000;
-  cluster_up(&cl, 8, 64, 2, 4, 2);
-  cl_step_timeout_ms = 0;
-  cl_submit(&cl, 0, W, 3, 1);
-  for (int r = 0; r < W; r++) ASSERT_EQ(cwait(&cl.c[r]).status, EPD_OK);
+  cluster_up_stepped(&cl, 2000);
   cl_detach(&cl, 3, 1);
   cl_detach(&cl, 0, 0);
   cl_detach(&cl, 1, 0);
