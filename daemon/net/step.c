@@ -244,21 +244,16 @@ static void send_step(epd_engine_t *eng, eng_group_t *grp, net_group_t *ng, epd_
       /* Tell the peer rather than leave it to time out. */
       b.len = 0;
       b.oom = 0;
-      net_step_hdr_t hh = {.status = EPD_ERR_NOMEM,
-                           .bad_rank = (int32_t)base,
-                           .nlocal = 0,
-                           .world = W,
-                           .map_version = grp->map.version,
-                           .map_hash = epd_net_map_hash(&grp->map),
-                           .staged_version = ng->vote.rep.version,
-                           .staged_hash = ng->vote.rep_hash,
-                           .mask = mask};
-      snprintf(hh.why, sizeof hh.why, "node %u: out of memory building the step's frame", me);
+      /* the same header with no ranks: the receivers fail the step with its status */
+      h.status = EPD_ERR_NOMEM;
+      h.bad_rank = (int32_t)base;
+      h.nlocal = 0;
+      snprintf(h.why, sizeof h.why, "node %u: out of memory building the step's frame", me);
       oput(&b, &lh, sizeof lh);
-      oput(&b, &hh, sizeof hh);
+      oput(&b, &h, sizeof h);
       ng->lstatus = EPD_ERR_NOMEM;
       ng->lbad = (int)base;
-      snprintf(ng->lwhy, sizeof ng->lwhy, "%s", hh.why);
+      snprintf(ng->lwhy, sizeof ng->lwhy, "%s", h.why);
     }
     if (b.p) net_send(net, n, b.p, b.len);
     free(b.p);
