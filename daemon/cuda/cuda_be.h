@@ -81,6 +81,7 @@ typedef struct cuda_grank {
   uint64_t map_gen; /* the map image uploaded (cuda_grp_t.map_img_gen) */
   /* masked ranks: this rank's top-k of a dispatch, copied after the kernel to count the dropped entries */
   int64_t *topk_host;
+  size_t topk_cap;
   uint32_t dropped;
   epd_comp_t *comp_host; /* pinned, mapped: the kernel writes it */
   epd_comp_t *comp_dev;

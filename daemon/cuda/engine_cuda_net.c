@@ -20,6 +20,8 @@
 #if EPD_WITH_CUDA
 #include <cuda_runtime_api.h>
 
+#include "cuda/cuda_topk.h"
+
 #include "epd_kernels_net.h"
 
 #define REMAKE_LIMIT_MS 60000u /* the restarted node's ranks must join within this */
@@ -417,27 +419,14 @@ static void send_frame(cnet_t *cn, cnet_grp_t *cg) {
   for (uint32_t l = 0; l < L; l++) {
     cnet_dev_t *d = &cn->d[l];
     if (!rows[l]) continue;
-    const size_t need = rows[l] * K * 12;
     uint64_t arena = eng_cuda_client_arena(cg->hold[l]);
     cudaSetDevice(d->device);
     if (oi == UINT64_MAX || ow == UINT64_MAX) {
       te[l] = cudaErrorInvalidValue;
       continue;
     }
-    if (need > d->tk_cap) {
-      if (d->tk_host) cudaFreeHost(d->tk_host);
-      d->tk_cap = 0;
-      if ((te[l] = cudaHostAlloc((void **)&d->tk_host, (size_t)M * K * 12, 0))) {
-        d->tk_host = NULL;
-        continue;
-      }
-      d->tk_cap = (size_t)M * K * 12;
-    }
-    te[l] = cudaMemcpyAsync(d->tk_host, (const void *)(uintptr_t)(arena + oi), rows[l] * K * 8,
-                            cudaMemcpyDeviceToHost, d->tkstream);
-    if (!te[l])
-      te[l] = cudaMemcpyAsync(d->tk_host + rows[l] * K * 8, (const void *)(uintptr_t)(arena + ow),
-                              rows[l] * K * 4, cudaMemcpyDeviceToHost, d->tkstream);
+    te[l] = cuda_topk_read((void **)&d->tk_host, &d->tk_cap, (size_t)M * K * 12, arena + oi, arena + ow,
+                           rows[l], K, d->tkstream);
   }
   for (uint32_t l = 0; l < L; l++) {
     dd[l] =
@@ -668,54 +657,22 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
 }
 #undef FAIL
 
-/* (mu) Wait for every node's frame of the step. */
-static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
+/* (mu) Wait for every node's frame of the step (net_parts_take, as the host backend's step). */
+static int wait_frames(cnet_t *cn, cnet_grp_t *cg) {
   epd_engine_t *eng = cn->eng;
-  epd_net_t *net = eng->o.net;
-  uint32_t L = cn->L;
   const int alive = cnet_grp_alive(cn, cg); /* a removed group's kept step (orphan) has no notices to heed */
-  const uint64_t since = alive ? eng_net_frames_since(cg->grp) : EPD_NET_TAKE_ONLY;
-  /* every part that came, then what a missing one means */
-  uint64_t later[CNET_MAX_NODES] = {0}; /* node n's part of a later step came with none of this one's */
-  int missing = 0;
-  const net_step_hdr_t *h[CNET_MAX_NODES] = {0};
-  for (uint32_t n = 0; n < cn->nodes; n++) {
-    if (n == cn->node) continue;
-    if (net_node_masked(eng, cg->sent_mask, n)) { /* out of the step: none is waited for; what it sent goes */
-      size_t len;
-      free(epd_net_take_payload(net, cg->gname, cg->step, n, since, NULL, &len));
-      continue;
-    }
-    if (!cg->frame[n])
-      cg->frame[n] = epd_net_take_payload(net, cg->gname, cg->step, n, since, &later[n], &cg->flen[n]);
-    missing |= !cg->frame[n];
-    if (cg->frame[n] && cg->flen[n] >= sizeof(net_step_hdr_t)) h[n] = (const net_step_hdr_t *)cg->frame[n];
-  }
   char why[256] = "";
-  int peer = -1, st;
-  if ((st = net_frames_mask(eng, alive ? cg->grp : NULL, h, cg->sent_mask, &peer, why, sizeof why))) {
+  int peer = -1;
+  int st = net_parts_take(eng, alive ? cg->grp : NULL, cg->gname, cg->step,
+                          alive ? eng_net_frames_since(cg->grp) : EPD_NET_TAKE_ONLY, cg->sent_mask,
+                          eng_op_dispatch(cg->ldesc[0].op), cg->first_ns, cg->frame, cg->flen, &peer, why,
+                          sizeof why);
+  if (st == NET_PARTS_WAIT) return 0; /* parts still to come */
+  if (st != NET_PARTS_IN) {
     EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
     cnet_complete(cn, cg, st, peer, why);
     return 1;
   }
-  for (uint32_t n = 0; missing && n < cn->nodes; n++) {
-    if (n == cn->node || cg->frame[n] || net_node_masked(eng, cg->sent_mask, n)) continue;
-    st = net_part_missing(eng, alive ? cg->grp : NULL, cg->gname, n, cg->step,
-                          eng_op_dispatch(cg->ldesc[0].op), later[n], &peer, why, sizeof why);
-    if (st) {
-      EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
-      cnet_complete(cn, cg, st, peer, why);
-      return 1;
-    }
-    if (now > cg->first_ns && now - cg->first_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
-      net_silent_why(n, L, eng->o.step_timeout_ms, why, sizeof why);
-      EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
-      eng->rank[n * L].timeouts++;
-      cnet_complete(cn, cg, EPD_ERR_TIMEOUT, (int)(n * L), why);
-      return 1;
-    }
-  }
-  if (missing) return 0; /* parts still to come */
   cg->t_in = eng_now_ns();
   st = decide(cn, cg, &peer, why, sizeof why);
   if (st) {
@@ -911,7 +868,7 @@ int eng_cuda_net_poll(cnet_t *cn) {
   if (cn->run) moved |= cnet_poll_run(cn, cn->run, now);
   for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next) {
     if (cg->phase == PH_COLLECT && cnet_grp_alive(cn, cg)) moved |= collect(cn, cg, now);
-    if (cg->phase == PH_WAIT) moved |= wait_frames(cn, cg, now);
+    if (cg->phase == PH_WAIT) moved |= wait_frames(cn, cg);
   }
   if (!cn->run) moved |= schedule(cn, now);
   /* after schedule: an order that arrived in time is taken before a ready step is given up */

@@ -24,6 +24,7 @@
 
 #include "core/log.h"
 #include "cuda/cuda_comm.h"
+#include "cuda/cuda_topk.h"
 #include "cuda/cuda_be.h"
 #include "epd_kernels.h"
 
@@ -435,12 +436,10 @@ static epd_result_t launch(cuda_be_t *be, cuda_grp_t *cg, int r, char *err, size
   /* with ranks masked, the entries this rank's dispatch dropped are counted on the host (cuda_rank_main) */
   if (cg->step_mask && eng_op_dispatch(d->op) && !cg->synth[r] && d->num_tokens) {
     const size_t kb = (size_t)cg->g.max_tokens * cg->g.topk * sizeof(int64_t);
-    if (!gr->topk_host && (e = cudaMallocHost((void **)&gr->topk_host, kb)))
-      return cuda_err(e, "cudaMallocHost (top-k copy)", err, errlen);
-    if ((e = cudaMemcpyAsync(
-             gr->topk_host, (const void *)(uintptr_t)(a.base + cg->off[d->bank][EPD_BUF_TOPK_IDX]),
-             (size_t)d->num_tokens * cg->g.topk * sizeof(int64_t), cudaMemcpyDeviceToHost, rk->stream)))
-      return cuda_err(e, "cudaMemcpyAsync (top-k copy)", err, errlen);
+    if ((e = cuda_topk_read((void **)&gr->topk_host, &gr->topk_cap, kb,
+                            a.base + cg->off[d->bank][EPD_BUF_TOPK_IDX], 0, d->num_tokens, cg->g.topk,
+                            rk->stream)))
+      return cuda_err(e, "top-k copy", err, errlen);
   }
   if ((e = cudaEventRecord(gr->ev, rk->stream))) return cuda_err(e, "cudaEventRecord", err, errlen);
   return EPD_OK;
