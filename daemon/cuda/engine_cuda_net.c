@@ -675,6 +675,23 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg) {
   }
   cg->t_in = eng_now_ns();
   st = decide(cn, cg, &peer, why, sizeof why);
+  /* Every node reaches this verdict, so a node can have left a step that runs only by giving it up (it
+   * timed out waiting for a part or for node 0's order): its part of a later step is here. The exchange
+   * would have no partner there (and block in NCCL), so the step fails here too. */
+  for (uint32_t n = 0; !st && alive && n < cn->nodes; n++) {
+    uint64_t later;
+    if (n == cn->node || !cg->frame[n] ||
+        !(later = epd_net_later_part(eng->o.net, cg->gname, cg->step, n, eng_net_frames_since(cg->grp))))
+      continue;
+    st = EPD_ERR_PEER;
+    peer = (int)(n * cn->L);
+    snprintf(
+        why, sizeof why,
+        "node %u (ranks %u..%u) gave this step up (its part of step %llu came): it timed out waiting for "
+        "this node",
+        n, n * cn->L, n * cn->L + cn->L - 1, (unsigned long long)later);
+    EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
+  }
   if (st) {
     cnet_complete(cn, cg, st, peer, why);
     return 1;

@@ -53,6 +53,9 @@ int epd_net_send_payload(epd_net_t *net, uint32_t node, const char *group, uint6
  * node numbers its parts in order and skips only a step that failed there). */
 uint8_t *epd_net_take_payload(epd_net_t *net, const char *group, uint64_t step, uint32_t node, uint64_t since,
                               uint64_t *later, size_t *len);
+/* The smallest step after `step` of node's parts of group received after frame number `since` and still
+ * queued (0: none), taking nothing: a node whose later part is here has left `step`. */
+uint64_t epd_net_later_part(epd_net_t *net, const char *group, uint64_t step, uint32_t node, uint64_t since);
 /* As `since`: take the step's frame only and drop none of the group's others (a step of a group removed
  * here: the name may live again here, and the sender's parts of its new life number from 0). */
 #define EPD_NET_TAKE_ONLY UINT64_MAX
