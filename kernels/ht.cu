@@ -289,8 +289,8 @@ __global__ void __launch_bounds__(NTHR) ht_route_kernel(const HTParams p) {
     rt->rank[lane] = (uint8_t)d;
     rt->slot[lane] = (uint16_t)s;
   }
-  if (lane == 0) rt->scale = scale;
   if (lane == 0) {
+    rt->scale = scale;
     rt->mask = mask | (errb << 24); /* the ranks holding an entry of t: what the combine sums */
     /* the rows it gets: dense, every rank (the receivers' entries of other ranks are -1) */
     const uint32_t rows = p.dense ? (1u << R) - 1u : mask;

@@ -77,6 +77,15 @@ typedef struct cnet_grp {
   epd_expert_map_t omap;
   epd_buffer_desc_t obufs[EPD_MAX_BUFFERS];
   uint32_t onbufs;
+  /* Steps given up across nodes (epd_net_step_off): node 0 decides whether a step runs, since it orders
+   * the exchanges. No step below off_to runs: on node 0, a node asked to give one up or a step failed
+   * here; on the others, node 0's word (off_why, off_peer: the reason). Node 0: the last step it ordered
+   * (go_step, if go_valid) and a node's request not yet answered (wd_pending: its step wd_step, node
+   * wd_node, reason wd_why). Another node: when it asked node 0 to give the step up (wd_ns, 0: not). */
+  uint64_t off_to, go_step, wd_step, wd_ns;
+  int off_peer, go_valid, wd_pending;
+  uint32_t wd_node;
+  char off_why[256], wd_why[256];
 } cnet_grp_t;
 
 /* Node 0's word on the next exchange (a payload of group "" numbered by cnet.go_seq): every node runs the
@@ -109,7 +118,15 @@ struct cnet {
   int remake_cancel; /* (atomic) give the attempt up: stopping, or a newer id came */
   pthread_t remake_th;
   uint8_t remake_id[EPD_CC_UNIQUE_ID_BYTES];
+  /* Steps given up (epd_net_step_off) of groups not served here yet, taken as off_to by the group when it
+   * is (its first client here comes later than the other nodes' steps; kept CNET_UNSERVED_NS). */
+  struct {
+    char group[EPD_GROUP_NAME_MAX];
+    uint64_t to, ns;
+    char why[256];
+  } unserved[8];
 };
+#define CNET_UNSERVED_NS 60000000000ull
 
 /* (mu) The group is still the one the stage took up: same address and serial (a group removed and
  * created again may get the freed memory back). */

@@ -18,15 +18,16 @@ static inline cudaError_t cuda_topk_read(void **host, size_t *cap, size_t alloc,
                                          size_t rows, uint32_t K, cudaStream_t s) {
   const size_t ib = rows * K * sizeof(int64_t), need = ib + (w ? rows * K * sizeof(float) : 0);
   if (need > *cap) {
+    const size_t bytes = alloc > need ? alloc : need;
     if (*host) cudaFreeHost(*host);
     *host = NULL;
     *cap = 0;
-    cudaError_t e = cudaHostAlloc(host, alloc > need ? alloc : need, 0);
+    cudaError_t e = cudaHostAlloc(host, bytes, 0);
     if (e) {
       *host = NULL;
       return e;
     }
-    *cap = alloc > need ? alloc : need;
+    *cap = bytes;
   }
   cudaError_t e = cudaMemcpyAsync(*host, (const void *)(uintptr_t)idx, ib, cudaMemcpyDeviceToHost, s);
   if (!e && w)

@@ -691,6 +691,12 @@ static void cuda_world_remake(epd_engine_t *eng, const uint8_t *id) {
   if (be->net) eng_cuda_net_remake(be->net, id);
 }
 
+static void cuda_step_off(epd_engine_t *eng, const char *group, uint64_t step, uint32_t node,
+                          const char *why) {
+  cuda_be_t *be = eng->be;
+  if (be->net) eng_cuda_net_step_off(be->net, group, step, node, why);
+}
+
 static void cuda_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {
   cuda_be_t *be = eng->be;
   eng_group_t *grp = c->grp;
@@ -909,6 +915,7 @@ const eng_backend_ops_t eng_cuda_ops = {
     .client_alloc = cuda_client_alloc,
     .client_leave = cuda_client_leave,
     .world_remake = cuda_world_remake,
+    .step_off = cuda_step_off,
     .client_free = cuda_client_free,
     .copy_weights = cuda_copy_weights,
     .arena_io = cuda_arena_io,

@@ -172,6 +172,137 @@ static int remake_start(cnet_t *cn) {
   return 1;
 }
 
+/* ---- steps given up across nodes (node 0 decides) ---------------------------------------------------- */
+
+/* (mu) The group of that name served here (a removed group's kept step too), or NULL. */
+static cnet_grp_t *by_name(cnet_t *cn, const char *group) {
+  cnet_grp_t *orphan = NULL;
+  for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
+    if (!strcmp(cg->gname, group)) {
+      if (cnet_grp_alive(cn, cg)) return cg;
+      if (cg->orphan) orphan = cg;
+    }
+  return orphan;
+}
+
+/* (mu) No step of the group below `to` runs (peer, why: the reason); node 0 tells every other node but
+ * those out of the steps in mask (net_node_masked). */
+static void off_raise(cnet_t *cn, cnet_grp_t *cg, uint64_t to, int peer, const char *why, uint64_t mask) {
+  if (to <= cg->off_to) return;
+  cg->off_to = to;
+  cg->off_peer = peer;
+  snprintf(cg->off_why, sizeof cg->off_why, "%s", why);
+  for (uint32_t n = 1; cn->node == 0 && n < cn->nodes; n++)
+    if (!net_node_masked(cn->eng, mask, n)) epd_net_step_off(cn->eng->o.net, n, cg->gname, to - 1, why);
+}
+
+/* (mu) A group not served here: no step of it below `to` runs when it is (unserved_take). */
+static void unserved_put(cnet_t *cn, const char *group, uint64_t to, const char *why) {
+  const uint64_t now = eng_now_ns();
+  unsigned k = 0, i;
+  for (i = 0; i < 8 && strcmp(cn->unserved[i].group, group); i++)
+    if (cn->unserved[i].ns < cn->unserved[k].ns) k = i; /* else the oldest (or a free one) is replaced */
+  if (i < 8 && cn->unserved[i].to >= to && now - cn->unserved[i].ns < CNET_UNSERVED_NS) return;
+  if (i < 8) k = i;
+  snprintf(cn->unserved[k].group, sizeof cn->unserved[k].group, "%s", group);
+  cn->unserved[k].to = to;
+  cn->unserved[k].ns = now;
+  snprintf(cn->unserved[k].why, sizeof cn->unserved[k].why, "%s", why);
+}
+
+/* (mu) A group served from now: what was given up of it while it was not (unserved_put). */
+static void unserved_take(cnet_t *cn, cnet_grp_t *cg) {
+  for (unsigned i = 0; i < 8; i++)
+    if (cn->unserved[i].group[0] && !strcmp(cn->unserved[i].group, cg->gname)) {
+      if (eng_now_ns() - cn->unserved[i].ns < CNET_UNSERVED_NS) {
+        cg->off_to = cn->unserved[i].to;
+        cg->off_peer = -1;
+        snprintf(cg->off_why, sizeof cg->off_why, "%s", cn->unserved[i].why);
+        EPD_LOGI(EPD_SUB_CUDA,
+                 "group %s: steps below %llu were given up before it had a client here (%s): they fail at "
+                 "once",
+                 cg->gname, (unsigned long long)cg->off_to, cg->off_why);
+      }
+      memset(&cn->unserved[i], 0, sizeof cn->unserved[i]);
+    }
+}
+
+void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_t node, const char *why) {
+  cnet_grp_t *cg = by_name(cn, group);
+  char w[320];
+  if (cn->node != 0) { /* node 0's word */
+    snprintf(w, sizeof w, "node 0 gave the step up: %s", why);
+    if (cg)
+      off_raise(cn, cg, step + 1, -1, w, 0);
+    else
+      unserved_put(cn, group, step + 1, w);
+    return;
+  }
+  if (!cg) { /* none of its steps is ordered here: the node goes on, and so will this one when served */
+    snprintf(w, sizeof w, "node %u asked to give it up (the group had no client on node 0): %s", node, why);
+    unserved_put(cn, group, step + 1, w);
+    epd_net_step_off(cn->eng->o.net, node, group, step, w);
+    return;
+  }
+  if (!cg->wd_pending || step > cg->wd_step) {
+    cg->wd_step = step;
+    cg->wd_node = node;
+    snprintf(cg->wd_why, sizeof cg->wd_why, "%s", why);
+  }
+  cg->wd_pending = 1;
+}
+
+/* (mu) Node 0: a node asked to give a step up. Ordered already: the GO is on its way there and the step
+ * runs. Else no step of the group up to it runs: one waiting here fails (off_check) and every node hears
+ * it (off_raise). */
+static int answer_off(cnet_t *cn, cnet_grp_t *cg) {
+  if (!cg->wd_pending) return 0;
+  cg->wd_pending = 0;
+  if (cg->go_valid && cg->go_step == cg->wd_step) return 0;
+  char why[320];
+  snprintf(why, sizeof why, "node %u asked to give it up: %s", cg->wd_node, cg->wd_why);
+  EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->wd_step, why);
+  if (cg->wd_step < cg->off_to) /* given up before: that node hears it again */
+    epd_net_step_off(cn->eng->o.net, cg->wd_node, cg->gname, cg->off_to - 1, cg->off_why);
+  else
+    off_raise(cn, cg, cg->wd_step + 1, (int)(cg->wd_node * cn->L), why, 0);
+  return 1;
+}
+
+/* (mu) A step below off_to waiting for parts or its turn fails: 1 if so. */
+static int off_check(cnet_t *cn, cnet_grp_t *cg) {
+  if (cg->step >= cg->off_to) return 0;
+  cnet_complete(cn, cg, EPD_ERR_TIMEOUT, cg->off_peer, cg->off_why);
+  return 1;
+}
+
+/* (mu) Not node 0: the step waited past engine.step_timeout_ms since `since` for a part or for its GO
+ * (what). It asks node 0 once to give it up and goes on waiting for node 0's word or the GO; it fails
+ * here only if the link to node 0 is down or node 0 answers nothing within another timeout (an exchange
+ * node 0 orders after that would find no partner here). 1 if it failed. */
+static int ask_off(cnet_t *cn, cnet_grp_t *cg, uint64_t since, uint64_t now, int peer, const char *what) {
+  epd_engine_t *eng = cn->eng;
+  const uint64_t to = (uint64_t)eng->o.step_timeout_ms * 1000000ull;
+  char why[400];
+  if (!cg->wd_ns) {
+    if (now <= since || now - since <= to) return 0;
+    cg->wd_ns = now;
+    if (!epd_net_step_off(eng->o.net, 0, cg->gname, cg->step, what)) {
+      EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s: asked node 0 to give the step up", cg->gname,
+               (unsigned long long)cg->step, what);
+      return 0;
+    }
+    snprintf(why, sizeof why, "%s (the link to node 0 is down)", what);
+  } else {
+    if (now - cg->wd_ns <= to) return 0;
+    snprintf(why, sizeof why, "%s, and node 0 did not answer within %u ms when asked to give the step up",
+             what, eng->o.step_timeout_ms);
+    EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
+  }
+  cnet_complete(cn, cg, EPD_ERR_TIMEOUT, peer, why);
+  return 1;
+}
+
 void eng_cuda_net_destroy(cnet_t *cn) {
   if (!cn) return;
   epd_engine_t *eng = cn->eng;
@@ -336,6 +467,10 @@ void cnet_complete(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const char 
     cg->arrived[l] = 0;
   }
   if (grp) grp->steps++;
+  /* node 0 decides which steps do not run: every other node hears of one that failed here */
+  if (cn->node == 0 && status && cg->phase != PH_RUN)
+    off_raise(cn, cg, cg->step + 1, peer, why ? why : "failed on node 0", mask);
+  cg->wd_ns = 0;
   cg->narrived = 0;
   cg->op_version = 0;
   cg->phase = PH_COLLECT;
@@ -658,15 +793,24 @@ static int decide(cnet_t *cn, cnet_grp_t *cg, int *peer, char *why, size_t wl) {
 #undef FAIL
 
 /* (mu) Wait for every node's frame of the step (net_parts_take, as the host backend's step). */
-static int wait_frames(cnet_t *cn, cnet_grp_t *cg) {
+static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   epd_engine_t *eng = cn->eng;
   const int alive = cnet_grp_alive(cn, cg); /* a removed group's kept step (orphan) has no notices to heed */
   char why[256] = "";
   int peer = -1;
+  if (off_check(cn, cg)) return 1;
+  /* node 0 times the parts out; the others ask it to (ask_off) */
   int st = net_parts_take(eng, alive ? cg->grp : NULL, cg->gname, cg->step,
                           alive ? eng_net_frames_since(cg->grp) : EPD_NET_TAKE_ONLY, cg->sent_mask,
-                          eng_op_dispatch(cg->ldesc[0].op), cg->first_ns, cg->frame, cg->flen, &peer, why,
-                          sizeof why);
+                          eng_op_dispatch(cg->ldesc[0].op), cn->node ? 0 : cg->first_ns, cg->frame, cg->flen,
+                          &peer, why, sizeof why);
+  if (st == NET_PARTS_WAIT && cn->node) {
+    uint32_t n = 0;
+    while (n < cn->nodes && (n == cn->node || cg->frame[n] || net_node_masked(eng, cg->sent_mask, n))) n++;
+    if (n == cn->nodes) return 0;
+    net_silent_why(n, cn->L, eng->o.step_timeout_ms, why, sizeof why);
+    return ask_off(cn, cg, cg->first_ns, now, (int)(n * cn->L), why);
+  }
   if (st == NET_PARTS_WAIT) return 0; /* parts still to come */
   if (st != NET_PARTS_IN) {
     EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
@@ -675,6 +819,20 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg) {
   }
   cg->t_in = eng_now_ns();
   st = decide(cn, cg, &peer, why, sizeof why);
+  /* A node whose part of a later step is here has left this one (node 0 gave it up, maybe before the
+   * group had a client here): the exchange would have no partner there, so the step fails here too. */
+  for (uint32_t n = 0; !st && alive && n < cn->nodes; n++) {
+    uint64_t later;
+    if (n == cn->node || !cg->frame[n] ||
+        !(later = epd_net_later_part(eng->o.net, cg->gname, cg->step, n, eng_net_frames_since(cg->grp))))
+      continue;
+    st = EPD_ERR_PEER;
+    peer = (int)(n * cn->L);
+    snprintf(why, sizeof why,
+             "node %u (ranks %u..%u) left this step (its part of step %llu came): it was given up there", n,
+             n * cn->L, n * cn->L + cn->L - 1, (unsigned long long)later);
+    EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
+  }
   if (st) {
     cnet_complete(cn, cg, st, peer, why);
     return 1;
@@ -734,6 +892,7 @@ static int schedule(cnet_t *cn, uint64_t now) {
     for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
       if (cg->phase == PH_READY && (!next || cg->ready_seq < next->ready_seq)) next = cg;
     if (!next) return 0;
+    if (off_check(cn, next)) return 1;
     cnet_go_t go;
     memset(&go, 0, sizeof go);
     snprintf(go.group, sizeof go.group, "%s", next->gname);
@@ -744,6 +903,8 @@ static int schedule(cnet_t *cn, uint64_t now) {
         EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: the exchange order not sent to node %u (link down)",
                  next->gname, (unsigned long long)next->step, n);
     cn->go_seq++;
+    next->go_valid = 1;
+    next->go_step = next->step;
     cnet_start_run(cn, next);
     return 1;
   }
@@ -791,8 +952,10 @@ static int schedule(cnet_t *cn, uint64_t now) {
     return 1;
   }
   /* Held past the step timeout and still not ready here (the group was created again here, and its
-   * steps count from 0 while node 0's are on): never runnable, so it gives way to the next order. */
-  if (now > cn->go_ns && now - cn->go_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
+   * steps count from 0 while node 0's are on): never runnable, so it gives way to the next order. Not
+   * while this node waits for that step's parts: it runs once they are in, or fails (ask_off). */
+  const int waiting = cg && cg->step == cn->go.step && (cg->phase == PH_WAIT || cg->narrived);
+  if (!waiting && now > cn->go_ns && now - cn->go_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
     EPD_LOGW(EPD_SUB_CUDA,
              "group %s step %llu: node 0 ordered its exchange, but that step was not ready here within %u ms "
              "(at step %llu here): dropped",
@@ -804,12 +967,14 @@ static int schedule(cnet_t *cn, uint64_t now) {
   return 0;
 }
 
-/* (mu) A step ready here waits for node 0's order at most the step timeout while no exchange runs (a
- * lost link to node 0 fails it at once). */
+/* (mu) A step ready here that node 0 gave up fails; on another node, one that waited the step timeout
+ * for node 0's order while no exchange ran asks node 0 to give it up (ask_off; a lost link to node 0
+ * fails it at once). */
 static int ready_expired(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   epd_engine_t *eng = cn->eng;
   const uint64_t since = cg->ready_ns > cn->run_end_ns ? cg->ready_ns : cn->run_end_ns;
   char why[256], lw[160];
+  if (off_check(cn, cg)) return 1;
   if (solo(cn, cg)) return 0; /* no order to wait for */
   if (cn->node != 0 && epd_net_node_dead(eng->o.net, 0, lw, sizeof lw)) {
     snprintf(why, sizeof why,
@@ -817,14 +982,10 @@ static int ready_expired(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
     cnet_complete(cn, cg, EPD_ERR_PEER, 0, why);
     return 1;
   }
-  if (cn->node == 0 || cn->run || now <= since ||
-      now - since <= (uint64_t)eng->o.step_timeout_ms * 1000000ull)
-    return 0;
+  if (cn->node == 0 || cn->run) return 0;
   snprintf(why, sizeof why, "waited %u ms for node 0 (rank 0) to order the step's exchange",
            eng->o.step_timeout_ms);
-  EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
-  cnet_complete(cn, cg, EPD_ERR_TIMEOUT, 0, why);
-  return 1;
+  return ask_off(cn, cg, since, now, 0, why);
 }
 
 int eng_cuda_net_poll(cnet_t *cn) {
@@ -857,6 +1018,7 @@ int eng_cuda_net_poll(cnet_t *cn) {
     cg->renorm = (int)g->renormalize;
     snprintf(cg->gname, sizeof cg->gname, "%s", g->name);
     cg->phase = PH_COLLECT;
+    unserved_take(cn, cg);
     int ok = 1;
     for (unsigned b = 0; b < EPD_NUM_BANKS; b++) ok &= epd_ref_plan_init(&cg->plan[b], &cg->g) == EPD_OK;
     cg->plan_init = 1;
@@ -865,10 +1027,12 @@ int eng_cuda_net_poll(cnet_t *cn) {
     while (*tail) tail = &(*tail)->next;
     *tail = cg;
   }
+  if (cn->node == 0) /* before any step is ordered */
+    for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next) moved |= answer_off(cn, cg);
   if (cn->run) moved |= cnet_poll_run(cn, cn->run, now);
   for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next) {
     if (cg->phase == PH_COLLECT && cnet_grp_alive(cn, cg)) moved |= collect(cn, cg, now);
-    if (cg->phase == PH_WAIT) moved |= wait_frames(cn, cg);
+    if (cg->phase == PH_WAIT) moved |= wait_frames(cn, cg, now);
   }
   if (!cn->run) moved |= schedule(cn, now);
   /* after schedule: an order that arrived in time is taken before a ready step is given up */

@@ -17,8 +17,13 @@
  * Several groups: each collects and decides its steps on its own, but their exchanges share the world
  * communicator, whose NCCL calls must come in the same order on every node. So one exchange runs at a
  * time, and node 0 orders them: it runs the step that became ready first and sends every other node a
- * numbered GO frame (group, step); the other nodes run ready steps in GO order only. A step ready on
- * another node waits for its GO at most engine.step_timeout_ms while no exchange runs there.
+ * numbered GO frame (group, step); the other nodes run ready steps in GO order only.
+ * Node 0 also decides which steps do not run: a node that has sent its part never gives the step up on
+ * its own (node 0 might have ordered it, and its exchange would find no partner). Waiting past
+ * engine.step_timeout_ms for a part or for the GO, it asks node 0 to give the step up (CTL_STEP_OFF)
+ * and goes on waiting: node 0 either has ordered the step (the GO comes) or gives it up and tells every
+ * node that no step of the group up to it runs; a step that fails on node 0 is told the same way. Only
+ * a node 0 that answers nothing within another timeout leaves the step to fail on the asking node.
  */
 #ifndef EPD_ENGINE_CUDA_NET_H
 #define EPD_ENGINE_CUDA_NET_H
@@ -53,5 +58,8 @@ void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost);
 /* (mu) A restarted node joins: make the world communicator again over id once no exchange runs (a thread
  * of its own; meanwhile no exchange starts here). */
 void eng_cuda_net_remake(cnet_t *cn, const uint8_t *id);
+/* (mu) Node `node` gave step `step` of group up (epd_net_step_off): on node 0 a request, answered at the
+ * next poll; on another node node 0's word that no step of the group up to `step` runs. */
+void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_t node, const char *why);
 
 #endif /* EPD_ENGINE_CUDA_NET_H */

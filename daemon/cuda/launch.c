@@ -23,9 +23,9 @@
 #include <cuda_runtime_api.h>
 
 #include "core/log.h"
+#include "cuda/cuda_be.h"
 #include "cuda/cuda_comm.h"
 #include "cuda/cuda_topk.h"
-#include "cuda/cuda_be.h"
 #include "epd_kernels.h"
 
 /* ---- step protocol ------------------------------------------------------------------------------ */

@@ -37,6 +37,12 @@ int net_send_ctl(epd_net_t *net, uint32_t node, const char *group, const ctl_msg
   return rc;
 }
 
+int epd_net_step_off(epd_net_t *net, uint32_t node, const char *group, uint64_t step, const char *why) {
+  ctl_msg_t m = {.kind = CTL_STEP_OFF, .req_id = step};
+  snprintf(m.why, sizeof m.why, "%s", why);
+  return net_send_ctl(net, node, group, &m, NULL, NULL);
+}
+
 /* A notice of node n about its rank r (CTL_MASK, CTL_LOST): 1 if r is one of n's ranks, else logged. */
 static int own_rank(uint32_t n, uint32_t r, uint32_t L) {
   if (n < MAX_NODES && r < EPD_MAX_RANKS && r / L == n) return 1;
@@ -77,6 +83,17 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     }
     pthread_mutex_lock(&eng->mu);
     if (eng->ops->world_remake) eng->ops->world_remake(eng, (const uint8_t *)c.why);
+    pthread_mutex_unlock(&eng->mu);
+    return;
+  }
+  if (c.kind == CTL_STEP_OFF) { /* node 0 hears every node; the others hear node 0 only */
+    if (f->local || f->src_node >= eng->o.nodes || (eng->o.node_rank != 0 && f->src_node != 0)) {
+      EPD_LOGW(EPD_SUB_ENGINE, "node %u sent group %s step %llu off (only node 0 may, or to node 0): ignored",
+               f->src_node, group, (unsigned long long)c.req_id);
+      return;
+    }
+    pthread_mutex_lock(&eng->mu);
+    if (eng->ops->step_off) eng->ops->step_off(eng, group, c.req_id, f->src_node, c.why);
     pthread_mutex_unlock(&eng->mu);
     return;
   }

@@ -53,6 +53,9 @@ int epd_net_send_payload(epd_net_t *net, uint32_t node, const char *group, uint6
  * node numbers its parts in order and skips only a step that failed there). */
 uint8_t *epd_net_take_payload(epd_net_t *net, const char *group, uint64_t step, uint32_t node, uint64_t since,
                               uint64_t *later, size_t *len);
+/* The smallest step after `step` of node's parts of group received after frame number `since` and still
+ * queued (0: none), taking nothing: a node whose later part is here has left `step`. */
+uint64_t epd_net_later_part(epd_net_t *net, const char *group, uint64_t step, uint32_t node, uint64_t since);
 /* As `since`: take the step's frame only and drop none of the group's others (a step of a group removed
  * here: the name may live again here, and the sender's parts of its new life number from 0). */
 #define EPD_NET_TAKE_ONLY UINT64_MAX
@@ -65,6 +68,10 @@ uint64_t epd_net_frame_seq(epd_net_t *net);
 /* How many times the link to node was made again (a restarted node joined). */
 uint32_t epd_net_link_epoch(epd_net_t *net, uint32_t node);
 void epd_net_world_remake(epd_net_t *net, uint32_t except, const uint8_t *id);
+/* A step of group given up (CTL_STEP_OFF to node, handled there by the backend's step_off op): from node
+ * 0, no step of the group up to `step` will run; from another node to node 0, the sender asks node 0 to
+ * give `step` up (it waited past engine.step_timeout_ms). 0, or -1 where the link is down. */
+int epd_net_step_off(epd_net_t *net, uint32_t node, const char *group, uint64_t step, const char *why);
 /* Node 0: 1 from epd_net_world_remake until this node's remake ended (epd_net_world_made): a node that
  * restarts meanwhile gets the same id (its ranks are part of that world). */
 int epd_net_remake_pending(epd_net_t *net);

@@ -604,6 +604,17 @@ uint64_t epd_net_frame_seq(epd_net_t *net) {
   return s;
 }
 
+uint64_t epd_net_later_part(epd_net_t *net, const char *group, uint64_t step, uint32_t node, uint64_t since) {
+  uint64_t later = 0;
+  pthread_mutex_lock(&net->mu);
+  for (net_frame_t *f = net->frames; f; f = f->next)
+    if (f->src_node == node && f->step > step && f->seq > since && (!later || f->step < later) &&
+        !strcmp(f->group, group))
+      later = f->step;
+  pthread_mutex_unlock(&net->mu);
+  return later;
+}
+
 int net_has(epd_net_t *net, const char *group, uint64_t step, uint32_t node) {
   int has = 0;
   pthread_mutex_lock(&net->mu);
