@@ -115,6 +115,10 @@ struct cnet {
   /* A restarted node joins (eng_cuda_net_remake): the world communicator is made again over remake_id by
    * a thread of its own once no exchange runs; meanwhile no exchange starts here. */
   int remake_req, remaking, remake_started;
+  /* A node was lost mid-exchange (cnet_poll_run): the world communicator is aborted, so only steps of
+   * this node alone run until it is made again (a restarted node's remake); world_why: the loss. */
+  int world_down;
+  char world_why[320];
   int remake_cancel; /* (atomic) give the attempt up: stopping, or a newer id came */
   pthread_t remake_th;
   uint8_t remake_id[EPD_CC_UNIQUE_ID_BYTES];

@@ -241,6 +241,54 @@ void cnet_start_run(cnet_t *cn, cnet_grp_t *cg) {
   }
 }
 
+/* (mu) Node `lost` of the running exchange is gone (its link is down; why): the world communicator is
+ * aborted so that the exchange's kernels stop, and the step fails. The engine goes on: steps of this
+ * node alone run at once (the lost node is out of them), steps with another node once a restarted node
+ * makes the world communicator again (remake_main). Kernels that do not stop fail the engine. */
+static int world_lost(cnet_t *cn, cnet_grp_t *cg, uint32_t lost, const char *why) {
+  epd_engine_t *eng = cn->eng;
+  epd_cc_abort(cn->cc);
+  int stuck = 0;
+  pthread_mutex_unlock(&eng->mu); /* the run is ours (cn->run) */
+  const uint64_t t0 = eng_now_ns();
+  for (uint32_t l = 0; l < cn->L; l++) {
+    cudaSetDevice(cn->d[l].device);
+    while (cudaStreamQuery(cn->d[l].stream) == cudaErrorNotReady && eng_now_ns() - t0 < 2000000000ull)
+      eng_sleep_ns(1000000);
+    stuck |= cudaStreamQuery(cn->d[l].stream) == cudaErrorNotReady;
+  }
+  pthread_mutex_lock(&eng->mu);
+  if (stuck) {
+    eng_fail(eng,
+             "group %s step %llu: %s; the exchange did not stop within 2 s of the world communicator's "
+             "abort",
+             cg->gname, (unsigned long long)cg->step, why);
+    cnet_complete(cn, cg, EPD_ERR_NCCL, (int)(lost * cn->L), why);
+    return 1;
+  }
+  cn->world_down = 1;
+  snprintf(cn->world_why, sizeof cn->world_why, "%s", why);
+  EPD_LOGE(EPD_SUB_CUDA,
+           "group %s step %llu: %s: world communicator aborted; steps of this node alone go on, steps with "
+           "another node fail until a restarted node makes it again",
+           cg->gname, (unsigned long long)cg->step, why);
+  cnet_complete(cn, cg, EPD_ERR_PEER, (int)(lost * cn->L), why);
+  return 1;
+}
+
+/* (mu) A node of the step whose link is down, or -1; why gets it. */
+static int dead_node(cnet_t *cn, cnet_grp_t *cg, char *why, size_t wl) {
+  char lw[160];
+  for (uint32_t n = 0; n < cn->nodes; n++)
+    if (n != cn->node && !net_node_masked(cn->eng, cg->sent_mask, n) &&
+        epd_net_node_dead(cn->eng->o.net, n, lw, sizeof lw)) {
+      snprintf(why, wl, "node %u (ranks %u..%u) was lost mid-exchange: %s", n, n * cn->L,
+               n * cn->L + cn->L - 1, lw);
+      return (int)n;
+    }
+  return -1;
+}
+
 /* (mu) The step's GPU work: done, failed, or past the timeout. */
 int cnet_poll_run(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   epd_engine_t *eng = cn->eng;
@@ -301,8 +349,10 @@ int cnet_poll_run(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
     cnet_complete(cn, cg, EPD_OK, -1, NULL);
     return 1;
   }
+  char why[320];
+  const int lost = dead_node(cn, cg, why, sizeof why);
+  if (lost >= 0) return world_lost(cn, cg, (uint32_t)lost, why);
   if (now > cg->run_ns && now - cg->run_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
-    char why[200];
     snprintf(why, sizeof why,
              "the inter-node exchange did not finish within %u ms (a node stopped mid-step?): world "
              "communicator aborted",

@@ -145,9 +145,11 @@ static void *remake_main(void *arg) {
   else if (rc && !__atomic_load_n(&cn->remake_cancel, __ATOMIC_ACQUIRE))
     eng_fail(eng, "making the world communicator again for a restarted node failed: %s (restart every node)",
              err);
-  else if (!rc)
+  else if (!rc) {
+    cn->world_down = 0;
     EPD_LOGI(EPD_SUB_CUDA, "world communicator made again (%u ranks) in %.1f ms: exchanges run again", cn->W,
              (eng_now_ns() - t0) / 1e6);
+  }
   pthread_mutex_unlock(&eng->mu);
   return NULL;
 }
@@ -887,6 +889,20 @@ static int schedule(cnet_t *cn, uint64_t now) {
       cnet_start_run(cn, cg);
       return 1;
     }
+  if (cn->world_down) { /* no exchange with another node until the world communicator is made again */
+    char why[480];
+    snprintf(why, sizeof why,
+             "the world communicator was aborted (%s): steps with another node fail until a restarted node "
+             "makes it again",
+             cn->world_why);
+    int moved = 0;
+    for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
+      if (cg->phase == PH_READY) {
+        cnet_complete(cn, cg, EPD_ERR_PEER, -1, why);
+        moved = 1;
+      }
+    return moved;
+  }
   if (cn->node == 0) {
     cnet_grp_t *next = NULL;
     for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
