@@ -81,8 +81,9 @@ typedef struct cnet_grp {
    * the exchanges. No step below off_to runs: on node 0, a node asked to give one up or a step failed
    * here; on the others, node 0's word (off_why, off_peer: the reason). Node 0: the last step it ordered
    * (go_step, if go_valid) and a node's request not yet answered (wd_pending: its step wd_step, node
-   * wd_node, reason wd_why). Another node: when it asked node 0 to give the step up (wd_ns, 0: not). */
-  uint64_t off_to, go_step, wd_step, wd_ns;
+   * wd_node, reason wd_why). Another node: when it asked node 0 to give the step up (wd_ns, 0: not),
+   * and node 0's answer that steps below ordered_to were ordered (their GO comes). */
+  uint64_t off_to, go_step, wd_step, wd_ns, ordered_to;
   int off_peer, go_valid, wd_pending;
   uint32_t wd_node;
   char off_why[256], wd_why[256];
@@ -115,19 +116,22 @@ struct cnet {
   /* A restarted node joins (eng_cuda_net_remake): the world communicator is made again over remake_id by
    * a thread of its own once no exchange runs; meanwhile no exchange starts here. */
   int remake_req, remaking, remake_started;
-  /* A node was lost mid-exchange (cnet_poll_run): the world communicator is aborted, so only steps of
-   * this node alone run until it is made again (a restarted node's remake); world_why: the loss. */
+  /* A node was lost mid-exchange (cnet_poll_run), here or on another node (its EPD_NET_OFF_WORLD: the
+   * nodes in aborted): the world communicator is aborted, so only steps of this node alone run until it
+   * is made again (a restarted node's remake); world_why: the loss. */
   int world_down;
+  uint64_t aborted;
   char world_why[320];
   int remake_cancel; /* (atomic) give the attempt up: stopping, or a newer id came */
   pthread_t remake_th;
   uint8_t remake_id[EPD_CC_UNIQUE_ID_BYTES];
-  /* Steps given up (epd_net_step_off) of groups not served here yet, taken as off_to by the group when it
-   * is (its first client here comes later than the other nodes' steps; kept CNET_UNSERVED_NS). */
+  /* Node 0: steps another node asked to give up (epd_net_step_off) of groups not served here yet, taken
+   * as off_to by the group when it is (its first client here comes later than the other nodes' steps;
+   * kept CNET_UNSERVED_NS). */
   struct {
     char group[EPD_GROUP_NAME_MAX];
     uint64_t to, ns;
-    char why[256];
+    char why[320];
   } unserved[8];
 };
 #define CNET_UNSERVED_NS 60000000000ull

@@ -247,9 +247,9 @@ void cnet_start_run(cnet_t *cn, cnet_grp_t *cg) {
  * makes the world communicator again (remake_main). Kernels that do not stop fail the engine. */
 static int world_lost(cnet_t *cn, cnet_grp_t *cg, uint32_t lost, const char *why) {
   epd_engine_t *eng = cn->eng;
-  epd_cc_abort(cn->cc);
   int stuck = 0;
   pthread_mutex_unlock(&eng->mu); /* the run is ours (cn->run) */
+  epd_cc_abort(cn->cc);
   const uint64_t t0 = eng_now_ns();
   for (uint32_t l = 0; l < cn->L; l++) {
     cudaSetDevice(cn->d[l].device);
@@ -266,8 +266,10 @@ static int world_lost(cnet_t *cn, cnet_grp_t *cg, uint32_t lost, const char *why
     cnet_complete(cn, cg, EPD_ERR_NCCL, (int)(lost * cn->L), why);
     return 1;
   }
+  if (!cn->world_down) snprintf(cn->world_why, sizeof cn->world_why, "%s", why);
   cn->world_down = 1;
-  snprintf(cn->world_why, sizeof cn->world_why, "%s", why);
+  for (uint32_t n = 0; n < cn->nodes; n++) /* their exchanges with this node would find no partner */
+    if (n != cn->node) epd_net_step_off(eng->o.net, n, "", 0, EPD_NET_OFF_WORLD, why);
   EPD_LOGE(EPD_SUB_CUDA,
            "group %s step %llu: %s: world communicator aborted; steps of this node alone go on, steps with "
            "another node fail until a restarted node makes it again",
@@ -284,6 +286,12 @@ static int dead_node(cnet_t *cn, cnet_grp_t *cg, char *why, size_t wl) {
         epd_net_node_dead(cn->eng->o.net, n, lw, sizeof lw)) {
       snprintf(why, wl, "node %u (ranks %u..%u) was lost mid-exchange: %s", n, n * cn->L,
                n * cn->L + cn->L - 1, lw);
+      return (int)n;
+    }
+  for (uint32_t n = 0; n < cn->nodes && n < 64; n++)
+    if (n != cn->node && (cn->aborted >> n & 1) && !net_node_masked(cn->eng, cg->sent_mask, n)) {
+      snprintf(why, wl, "node %u (ranks %u..%u) aborted its world communicator mid-exchange", n, n * cn->L,
+               n * cn->L + cn->L - 1);
       return (int)n;
     }
   return -1;

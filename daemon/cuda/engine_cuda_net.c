@@ -147,6 +147,7 @@ static void *remake_main(void *arg) {
              err);
   else if (!rc) {
     cn->world_down = 0;
+    cn->aborted = 0;
     EPD_LOGI(EPD_SUB_CUDA, "world communicator made again (%u ranks) in %.1f ms: exchanges run again", cn->W,
              (eng_now_ns() - t0) / 1e6);
   }
@@ -195,7 +196,8 @@ static void off_raise(cnet_t *cn, cnet_grp_t *cg, uint64_t to, int peer, const c
   cg->off_peer = peer;
   snprintf(cg->off_why, sizeof cg->off_why, "%s", why);
   for (uint32_t n = 1; cn->node == 0 && n < cn->nodes; n++)
-    if (!net_node_masked(cn->eng, mask, n)) epd_net_step_off(cn->eng->o.net, n, cg->gname, to - 1, why);
+    if (!net_node_masked(cn->eng, mask, n))
+      epd_net_step_off(cn->eng->o.net, n, cg->gname, to - 1, EPD_NET_OFF_NO, why);
 }
 
 /* (mu) A group not served here: no step of it below `to` runs when it is (unserved_take). */
@@ -229,21 +231,41 @@ static void unserved_take(cnet_t *cn, cnet_grp_t *cg) {
     }
 }
 
-void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_t node, const char *why) {
+/* (mu) Node 0: a step of that name was ordered, that step or a later one (the asking node is at it). */
+static int ordered(cnet_t *cn, const char *group, uint64_t step) {
+  for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
+    if (!strcmp(cg->gname, group) && cg->go_valid && cg->go_step >= step) return 1;
+  return 0;
+}
+
+void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_t node, int what,
+                           const char *why) {
+  if (what == EPD_NET_OFF_WORLD) { /* its exchanges with this node would find no partner */
+    if (node >= 64 || node == cn->node) return;
+    cn->aborted |= 1ull << node;
+    if (!cn->world_down)
+      snprintf(cn->world_why, sizeof cn->world_why, "node %u aborted its world communicator: %s", node, why);
+    cn->world_down = 1;
+    return;
+  }
   cnet_grp_t *cg = by_name(cn, group);
   char w[320];
-  if (cn->node != 0) { /* node 0's word */
-    snprintf(w, sizeof w, "node 0 gave the step up: %s", why);
-    if (cg)
+  if (cn->node != 0) { /* node 0's answer */
+    if (cg && what == EPD_NET_OFF_ORDERED && step + 1 > cg->ordered_to) cg->ordered_to = step + 1;
+    if (cg && what == EPD_NET_OFF_NO) {
+      snprintf(w, sizeof w, "node 0 gave the step up: %s", why);
       off_raise(cn, cg, step + 1, -1, w, 0);
-    else
-      unserved_put(cn, group, step + 1, w);
+    }
+    return;
+  }
+  if (ordered(cn, group, step)) { /* its GO is on the way there */
+    epd_net_step_off(cn->eng->o.net, node, group, step, EPD_NET_OFF_ORDERED, "");
     return;
   }
   if (!cg) { /* none of its steps is ordered here: the node goes on, and so will this one when served */
     snprintf(w, sizeof w, "node %u asked to give it up (the group had no client on node 0): %s", node, why);
     unserved_put(cn, group, step + 1, w);
-    epd_net_step_off(cn->eng->o.net, node, group, step, w);
+    epd_net_step_off(cn->eng->o.net, node, group, step, EPD_NET_OFF_NO, w);
     return;
   }
   if (!cg->wd_pending || step > cg->wd_step) {
@@ -260,12 +282,15 @@ void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_
 static int answer_off(cnet_t *cn, cnet_grp_t *cg) {
   if (!cg->wd_pending) return 0;
   cg->wd_pending = 0;
-  if (cg->go_valid && cg->go_step == cg->wd_step) return 0;
+  if (ordered(cn, cg->gname, cg->wd_step)) {
+    epd_net_step_off(cn->eng->o.net, cg->wd_node, cg->gname, cg->wd_step, EPD_NET_OFF_ORDERED, "");
+    return 0;
+  }
   char why[320];
   snprintf(why, sizeof why, "node %u asked to give it up: %s", cg->wd_node, cg->wd_why);
   EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->wd_step, why);
   if (cg->wd_step < cg->off_to) /* given up before: that node hears it again */
-    epd_net_step_off(cn->eng->o.net, cg->wd_node, cg->gname, cg->off_to - 1, cg->off_why);
+    epd_net_step_off(cn->eng->o.net, cg->wd_node, cg->gname, cg->off_to - 1, EPD_NET_OFF_NO, cg->off_why);
   else
     off_raise(cn, cg, cg->wd_step + 1, (int)(cg->wd_node * cn->L), why, 0);
   return 1;
@@ -289,14 +314,17 @@ static int ask_off(cnet_t *cn, cnet_grp_t *cg, uint64_t since, uint64_t now, int
   if (!cg->wd_ns) {
     if (now <= since || now - since <= to) return 0;
     cg->wd_ns = now;
-    if (!epd_net_step_off(eng->o.net, 0, cg->gname, cg->step, what)) {
+    if (!epd_net_step_off(eng->o.net, 0, cg->gname, cg->step, EPD_NET_OFF_ASK, what)) {
       EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s: asked node 0 to give the step up", cg->gname,
                (unsigned long long)cg->step, what);
       return 0;
     }
     snprintf(why, sizeof why, "%s (the link to node 0 is down)", what);
   } else {
-    if (now - cg->wd_ns <= to) return 0;
+    /* ordered (node 0 said so, or its GO is held here): the step runs once its parts are in */
+    if (now - cg->wd_ns <= to || cg->ordered_to > cg->step ||
+        (cn->go_have && cn->go.step == cg->step && !strcmp(cn->go.group, cg->gname)))
+      return 0;
     snprintf(why, sizeof why, "%s, and node 0 did not answer within %u ms when asked to give the step up",
              what, eng->o.step_timeout_ms);
     EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
@@ -473,6 +501,7 @@ void cnet_complete(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const char 
   if (cn->node == 0 && status && cg->phase != PH_RUN)
     off_raise(cn, cg, cg->step + 1, peer, why ? why : "failed on node 0", mask);
   cg->wd_ns = 0;
+  cg->ordered_to = 0;
   cg->narrived = 0;
   cg->op_version = 0;
   cg->phase = PH_COLLECT;
@@ -821,9 +850,10 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   }
   cg->t_in = eng_now_ns();
   st = decide(cn, cg, &peer, why, sizeof why);
-  /* A node whose part of a later step is here has left this one (node 0 gave it up, maybe before the
-   * group had a client here): the exchange would have no partner there, so the step fails here too. */
-  for (uint32_t n = 0; !st && alive && n < cn->nodes; n++) {
+  /* Node 0, before it orders: a node whose part of a later step is here has left this one (node 0 gave it
+   * up, maybe before the group had a client here), so the step fails (and every node hears it). On
+   * another node such a part does not prove it: the step may have run without this node's rows. */
+  for (uint32_t n = 0; !st && alive && cn->node == 0 && n < cn->nodes; n++) {
     uint64_t later;
     if (n == cn->node || !cg->frame[n] ||
         !(later = epd_net_later_part(eng->o.net, cg->gname, cg->step, n, eng_net_frames_since(cg->grp))))

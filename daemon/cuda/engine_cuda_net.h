@@ -58,8 +58,10 @@ void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost);
 /* (mu) A restarted node joins: make the world communicator again over id once no exchange runs (a thread
  * of its own; meanwhile no exchange starts here). */
 void eng_cuda_net_remake(cnet_t *cn, const uint8_t *id);
-/* (mu) Node `node` gave step `step` of group up (epd_net_step_off): on node 0 a request, answered at the
- * next poll; on another node node 0's word that no step of the group up to `step` runs. */
-void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_t node, const char *why);
+/* (mu) Node `node`'s word on step `step` of group (epd_net_step_off: what, why): on node 0 a request to
+ * give it up, answered at the next poll; on another node node 0's answer; from any node, its world
+ * communicator aborted (group ""). */
+void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_t node, int what,
+                           const char *why);
 
 #endif /* EPD_ENGINE_CUDA_NET_H */

@@ -37,8 +37,9 @@ int net_send_ctl(epd_net_t *net, uint32_t node, const char *group, const ctl_msg
   return rc;
 }
 
-int epd_net_step_off(epd_net_t *net, uint32_t node, const char *group, uint64_t step, const char *why) {
-  ctl_msg_t m = {.kind = CTL_STEP_OFF, .req_id = step};
+int epd_net_step_off(epd_net_t *net, uint32_t node, const char *group, uint64_t step, int what,
+                     const char *why) {
+  ctl_msg_t m = {.kind = CTL_STEP_OFF, .req_id = step, .status = what};
   snprintf(m.why, sizeof m.why, "%s", why);
   return net_send_ctl(net, node, group, &m, NULL, NULL);
 }
@@ -86,14 +87,19 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     pthread_mutex_unlock(&eng->mu);
     return;
   }
-  if (c.kind == CTL_STEP_OFF) { /* node 0 hears every node; the others hear node 0 only */
-    if (f->local || f->src_node >= eng->o.nodes || (eng->o.node_rank != 0 && f->src_node != 0)) {
-      EPD_LOGW(EPD_SUB_ENGINE, "node %u sent group %s step %llu off (only node 0 may, or to node 0): ignored",
-               f->src_node, group, (unsigned long long)c.req_id);
+  if (c.kind == CTL_STEP_OFF) { /* asks go to node 0, answers come from it, world notices from anyone */
+    const int ok = c.status == EPD_NET_OFF_ASK ? eng->o.node_rank == 0
+                   : c.status == EPD_NET_OFF_WORLD
+                       ? !group[0]
+                       : c.status > 0 && c.status < EPD_NET_OFF_WORLD && f->src_node == 0;
+    if (f->local || f->src_node >= eng->o.nodes || !ok) {
+      EPD_LOGW(EPD_SUB_ENGINE,
+               "node %u sent a step notice (%d) about group %s step %llu that is not its to send: ignored",
+               f->src_node, c.status, group, (unsigned long long)c.req_id);
       return;
     }
     pthread_mutex_lock(&eng->mu);
-    if (eng->ops->step_off) eng->ops->step_off(eng, group, c.req_id, f->src_node, c.why);
+    if (eng->ops->step_off) eng->ops->step_off(eng, group, c.req_id, f->src_node, c.status, c.why);
     pthread_mutex_unlock(&eng->mu);
     return;
   }

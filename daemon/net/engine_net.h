@@ -68,10 +68,15 @@ uint64_t epd_net_frame_seq(epd_net_t *net);
 /* How many times the link to node was made again (a restarted node joined). */
 uint32_t epd_net_link_epoch(epd_net_t *net, uint32_t node);
 void epd_net_world_remake(epd_net_t *net, uint32_t except, const uint8_t *id);
-/* A step of group given up (CTL_STEP_OFF to node, handled there by the backend's step_off op): from node
- * 0, no step of the group up to `step` will run; from another node to node 0, the sender asks node 0 to
- * give `step` up (it waited past engine.step_timeout_ms). 0, or -1 where the link is down. */
-int epd_net_step_off(epd_net_t *net, uint32_t node, const char *group, uint64_t step, const char *why);
+/* Word on a step across nodes (CTL_STEP_OFF to node, handled there by the backend's step_off op), what:
+ *   EPD_NET_OFF_ASK      to node 0: the sender waited past engine.step_timeout_ms, give `step` up;
+ *   EPD_NET_OFF_NO       from node 0: no step of the group up to `step` runs;
+ *   EPD_NET_OFF_ORDERED  from node 0: `step` was ordered, its GO is on its way;
+ *   EPD_NET_OFF_WORLD    from any node (group ""): its world communicator was aborted (why).
+ * 0, or -1 where the link is down. */
+enum { EPD_NET_OFF_ASK = 0, EPD_NET_OFF_NO = 1, EPD_NET_OFF_ORDERED = 2, EPD_NET_OFF_WORLD = 3 };
+int epd_net_step_off(epd_net_t *net, uint32_t node, const char *group, uint64_t step, int what,
+                     const char *why);
 /* Node 0: 1 from epd_net_world_remake until this node's remake ended (epd_net_world_made): a node that
  * restarts meanwhile gets the same id (its ranks are part of that world). */
 int epd_net_remake_pending(epd_net_t *net);
