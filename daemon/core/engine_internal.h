@@ -173,7 +173,7 @@ typedef struct eng_backend_ops {
   void (*world_remake)(epd_engine_t *eng, const uint8_t *id);
   /* (mu) Optional, across nodes: node `node`'s word on step `step` of group (epd_net_step_off: what, why).
    * NULL: the backend's steps need no such word (the host backend's exchanges are frames of the step). */
-  void (*step_off)(epd_engine_t *eng, const char *group, uint64_t step, uint32_t node, int what,
+  void (*step_off)(epd_engine_t *eng, const char *group, uint64_t step, uint32_t node, int what, int peer,
                    const char *why);
   /* Optional: a new id for the world communicator of a scale-out rendezvous (EPD_CLUSTER_COMM_ID_BYTES);
    * -1 with why where the backend cannot start here. NULL: the backend needs none. */

@@ -81,10 +81,11 @@ typedef struct cnet_grp {
    * the exchanges. No step below off_to runs: on node 0, a node asked to give one up or a step failed
    * here; on the others, node 0's word (off_why, off_peer: the reason). Node 0: the last step it ordered
    * (go_step, if go_valid) and a node's request not yet answered (wd_pending: its step wd_step, node
-   * wd_node, reason wd_why). Another node: when it asked node 0 to give the step up (wd_ns, 0: not),
-   * and node 0's answer that steps below ordered_to were ordered (their GO comes). */
+   * wd_node, the rank it waited for wd_peer, reason wd_why). Another node: when it asked node 0 to give the
+   * step up (wd_ns, 0: not), and node 0's answer that steps below ordered_to were ordered (their GO comes).
+   */
   uint64_t off_to, go_step, wd_step, wd_ns, ordered_to;
-  int off_peer, go_valid, wd_pending;
+  int off_peer, go_valid, wd_pending, wd_peer;
   uint32_t wd_node;
   char off_why[256], wd_why[256];
 } cnet_grp_t;

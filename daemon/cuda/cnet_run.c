@@ -269,7 +269,7 @@ static int world_lost(cnet_t *cn, cnet_grp_t *cg, uint32_t lost, const char *why
   if (!cn->world_down) snprintf(cn->world_why, sizeof cn->world_why, "%s", why);
   cn->world_down = 1;
   for (uint32_t n = 0; n < cn->nodes; n++) /* their exchanges with this node would find no partner */
-    if (n != cn->node) epd_net_step_off(eng->o.net, n, "", 0, EPD_NET_OFF_WORLD, why);
+    if (n != cn->node) epd_net_step_off(eng->o.net, n, "", 0, EPD_NET_OFF_WORLD, -1, why);
   EPD_LOGE(EPD_SUB_CUDA,
            "group %s step %llu: %s: world communicator aborted; steps of this node alone go on, steps with "
            "another node fail until a restarted node makes it again",

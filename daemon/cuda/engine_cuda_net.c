@@ -197,7 +197,7 @@ static void off_raise(cnet_t *cn, cnet_grp_t *cg, uint64_t to, int peer, const c
   snprintf(cg->off_why, sizeof cg->off_why, "%s", why);
   for (uint32_t n = 1; cn->node == 0 && n < cn->nodes; n++)
     if (!net_node_masked(cn->eng, mask, n))
-      epd_net_step_off(cn->eng->o.net, n, cg->gname, to - 1, EPD_NET_OFF_NO, why);
+      epd_net_step_off(cn->eng->o.net, n, cg->gname, to - 1, EPD_NET_OFF_NO, peer, why);
 }
 
 /* (mu) A group not served here: no step of it below `to` runs when it is (unserved_take). */
@@ -238,7 +238,7 @@ static int ordered(cnet_t *cn, const char *group, uint64_t step) {
   return 0;
 }
 
-void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_t node, int what,
+void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_t node, int what, int peer,
                            const char *why) {
   if (what == EPD_NET_OFF_WORLD) { /* its exchanges with this node would find no partner */
     if (node >= 64 || node == cn->node) return;
@@ -254,23 +254,24 @@ void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_
     if (cg && what == EPD_NET_OFF_ORDERED && step + 1 > cg->ordered_to) cg->ordered_to = step + 1;
     if (cg && what == EPD_NET_OFF_NO) {
       snprintf(w, sizeof w, "node 0 gave the step up: %s", why);
-      off_raise(cn, cg, step + 1, -1, w, 0);
+      off_raise(cn, cg, step + 1, peer, w, 0);
     }
     return;
   }
   if (ordered(cn, group, step)) { /* its GO is on the way there */
-    epd_net_step_off(cn->eng->o.net, node, group, step, EPD_NET_OFF_ORDERED, "");
+    epd_net_step_off(cn->eng->o.net, node, group, step, EPD_NET_OFF_ORDERED, -1, "");
     return;
   }
   if (!cg) { /* none of its steps is ordered here: the node goes on, and so will this one when served */
     snprintf(w, sizeof w, "node %u asked to give it up (the group had no client on node 0): %s", node, why);
     unserved_put(cn, group, step + 1, w);
-    epd_net_step_off(cn->eng->o.net, node, group, step, EPD_NET_OFF_NO, w);
+    epd_net_step_off(cn->eng->o.net, node, group, step, EPD_NET_OFF_NO, peer, w);
     return;
   }
   if (!cg->wd_pending || step > cg->wd_step) {
     cg->wd_step = step;
     cg->wd_node = node;
+    cg->wd_peer = peer >= 0 ? peer : (int)(node * cn->L);
     snprintf(cg->wd_why, sizeof cg->wd_why, "%s", why);
   }
   cg->wd_pending = 1;
@@ -283,16 +284,17 @@ static int answer_off(cnet_t *cn, cnet_grp_t *cg) {
   if (!cg->wd_pending) return 0;
   cg->wd_pending = 0;
   if (ordered(cn, cg->gname, cg->wd_step)) {
-    epd_net_step_off(cn->eng->o.net, cg->wd_node, cg->gname, cg->wd_step, EPD_NET_OFF_ORDERED, "");
+    epd_net_step_off(cn->eng->o.net, cg->wd_node, cg->gname, cg->wd_step, EPD_NET_OFF_ORDERED, -1, "");
     return 0;
   }
   char why[320];
   snprintf(why, sizeof why, "node %u asked to give it up: %s", cg->wd_node, cg->wd_why);
   EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->wd_step, why);
   if (cg->wd_step < cg->off_to) /* given up before: that node hears it again */
-    epd_net_step_off(cn->eng->o.net, cg->wd_node, cg->gname, cg->off_to - 1, EPD_NET_OFF_NO, cg->off_why);
+    epd_net_step_off(cn->eng->o.net, cg->wd_node, cg->gname, cg->off_to - 1, EPD_NET_OFF_NO, cg->off_peer,
+                     cg->off_why);
   else
-    off_raise(cn, cg, cg->wd_step + 1, (int)(cg->wd_node * cn->L), why, 0);
+    off_raise(cn, cg, cg->wd_step + 1, cg->wd_peer, why, 0);
   return 1;
 }
 
@@ -314,7 +316,7 @@ static int ask_off(cnet_t *cn, cnet_grp_t *cg, uint64_t since, uint64_t now, int
   if (!cg->wd_ns) {
     if (now <= since || now - since <= to) return 0;
     cg->wd_ns = now;
-    if (!epd_net_step_off(eng->o.net, 0, cg->gname, cg->step, EPD_NET_OFF_ASK, what)) {
+    if (!epd_net_step_off(eng->o.net, 0, cg->gname, cg->step, EPD_NET_OFF_ASK, peer, what)) {
       EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s: asked node 0 to give the step up", cg->gname,
                (unsigned long long)cg->step, what);
       return 0;

@@ -61,7 +61,7 @@ void eng_cuda_net_remake(cnet_t *cn, const uint8_t *id);
 /* (mu) Node `node`'s word on step `step` of group (epd_net_step_off: what, why): on node 0 a request to
  * give it up, answered at the next poll; on another node node 0's answer; from any node, its world
  * communicator aborted (group ""). */
-void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_t node, int what,
+void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_t node, int what, int peer,
                            const char *why);
 
 #endif /* EPD_ENGINE_CUDA_NET_H */

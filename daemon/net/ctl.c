@@ -37,9 +37,9 @@ int net_send_ctl(epd_net_t *net, uint32_t node, const char *group, const ctl_msg
   return rc;
 }
 
-int epd_net_step_off(epd_net_t *net, uint32_t node, const char *group, uint64_t step, int what,
+int epd_net_step_off(epd_net_t *net, uint32_t node, const char *group, uint64_t step, int what, int peer,
                      const char *why) {
-  ctl_msg_t m = {.kind = CTL_STEP_OFF, .req_id = step, .status = what};
+  ctl_msg_t m = {.kind = CTL_STEP_OFF, .req_id = step, .status = what, .version = (uint32_t)(peer + 1)};
   snprintf(m.why, sizeof m.why, "%s", why);
   return net_send_ctl(net, node, group, &m, NULL, NULL);
 }
@@ -99,7 +99,8 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
       return;
     }
     pthread_mutex_lock(&eng->mu);
-    if (eng->ops->step_off) eng->ops->step_off(eng, group, c.req_id, f->src_node, c.status, c.why);
+    if (eng->ops->step_off)
+      eng->ops->step_off(eng, group, c.req_id, f->src_node, c.status, (int)c.version - 1, c.why);
     pthread_mutex_unlock(&eng->mu);
     return;
   }

@@ -73,9 +73,10 @@ void epd_net_world_remake(epd_net_t *net, uint32_t except, const uint8_t *id);
  *   EPD_NET_OFF_NO       from node 0: no step of the group up to `step` runs;
  *   EPD_NET_OFF_ORDERED  from node 0: `step` was ordered, its GO is on its way;
  *   EPD_NET_OFF_WORLD    from any node (group ""): its world communicator was aborted (why).
- * 0, or -1 where the link is down. */
+ * peer: the world rank the step waited for (the completions name it), -1 if none. 0, or -1 where the
+ * link is down. */
 enum { EPD_NET_OFF_ASK = 0, EPD_NET_OFF_NO = 1, EPD_NET_OFF_ORDERED = 2, EPD_NET_OFF_WORLD = 3 };
-int epd_net_step_off(epd_net_t *net, uint32_t node, const char *group, uint64_t step, int what,
+int epd_net_step_off(epd_net_t *net, uint32_t node, const char *group, uint64_t step, int what, int peer,
                      const char *why);
 /* Node 0: 1 from epd_net_world_remake until this node's remake ended (epd_net_world_made): a node that
  * restarts meanwhile gets the same id (its ranks are part of that world). */

@@ -129,7 +129,7 @@ enum {
   CTL_WORLD = 10, /* from node 0 (or local on node 0): make the world communicator again over the id in why */
   CTL_MASK = 11,  /* version: a world rank of the sender, status: 1 masked there, 0 back (groups that mask) */
   CTL_LINK_DOWN = 12, /* local only (the link's receiver): the link to src_node is down */
-  CTL_STEP_OFF = 13   /* req_id: a step of the group, status: what (epd_net_step_off); why: the reason */
+  CTL_STEP_OFF = 13   /* req_id: a step of the group, status: what, version: peer + 1 (epd_net_step_off) */
 };
 typedef struct ctl_msg {
   uint32_t kind, version;

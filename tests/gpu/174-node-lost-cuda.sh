@@ -64,6 +64,7 @@ for i in $(seq 1 "$ROUNDS"); do
   n=$(grep -c "was lost mid-exchange.*world communicator aborted" "$T/node0.log")
   echo "   node 0's workers stepped on with ranks 2-3 masked (exchanges aborted by the loss so far: $n)"
   echo "   node 1's daemon starts again and joins the running world; new workers there"
+  rm -f "$T/n1/attach.sock" "$T/n1/control.sock" # left by the killed daemon
   node 1
   wait_for 120 test -S "$T/n1/attach.sock" || fail "the restarted node 1 did not come up: $(grep -v 'NCCL INFO' "$T/node1.log" | tail -3)"
   grep -q "joined the running world again (this daemon restarted)" "$T/node1.log" ||
