@@ -111,7 +111,7 @@ WORKER := $(B)/bin/epd-worker
 # Test hooks (fault injection, delays) exist only in objects built with -DEPD_TEST_HOOKS: the test binaries
 # link these before the engine library, whose own copies they replace; epd-faults is the daemon with them.
 EPD_FAULTS := $(B)/bin/epd-faults
-HOOK_C_SRCS := daemon/host/engine_host.c daemon/net/weights.c daemon/cuda/cuda_comm.c
+HOOK_C_SRCS := daemon/host/engine_host.c daemon/net/weights.c daemon/cuda/cuda_comm.c daemon/cuda/cnet_run.c
 HOOK_C_OBJS := $(patsubst %.c,$(B)/obj-hooks/%.o,$(HOOK_C_SRCS))
 HOOK_CU_OBJS := $(if $(filter 1,$(WITH_CUDA)),$(B)/obj-hooks/kernels/ht.o)
 

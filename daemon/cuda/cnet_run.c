@@ -4,9 +4,11 @@
  * nodes, and its completion.
  */
 #define _GNU_SOURCE
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cuda/cnet_internal.h"
 #include "cuda/cnet_plan.h"
@@ -206,6 +208,22 @@ static epd_result_t issue(cnet_t *cn, cnet_grp_t *cg, char *err, size_t errlen) 
   return EPD_OK;
 }
 
+#ifdef EPD_TEST_HOOKS
+/* Test builds only (epd-faults; GPU test 174): once the file $EPD_TEST_DIE_IN_EXCHANGE exists, this daemon
+ * is SIGKILLed 100 ms into the next exchange it starts, before its own sends and receives: the other nodes
+ * are then waiting in that exchange (a node lost mid-exchange, which a kill from outside rarely hits). */
+static void die_in_exchange(void) {
+  const char *f = getenv("EPD_TEST_DIE_IN_EXCHANGE");
+  if (f && access(f, F_OK) == 0) {
+    EPD_LOGW(EPD_SUB_CUDA, "test hook: dying in this exchange ($EPD_TEST_DIE_IN_EXCHANGE)");
+    usleep(100000);
+    raise(SIGKILL);
+  }
+}
+#else
+static void die_in_exchange(void) {}
+#endif
+
 /* (mu) The step's turn (schedule): run it (mu released while issuing). */
 void cnet_start_run(cnet_t *cn, cnet_grp_t *cg) {
   epd_engine_t *eng = cn->eng;
@@ -230,6 +248,7 @@ void cnet_start_run(cnet_t *cn, cnet_grp_t *cg) {
   cg->run_ns = eng_now_ns();
   cn->run = cg;
   pthread_mutex_unlock(&eng->mu);
+  die_in_exchange();
   rc = issue(cn, cg, err, sizeof err);
   cg->t_issued = eng_now_ns();
   pthread_mutex_lock(&eng->mu);

@@ -30,17 +30,9 @@ GPN=2
 TWO_NODES_DAEMON_OPTS="-o engine.slots_factor_pct=200 -o engine.step_timeout_ms=2000"
 . "$(dirname "$0")/two-nodes-lib.sh"
 CHAOS_S=${EPD_MASK_CHAOS_SECONDS:-20} CHAOS_STEPS=300
-E=16 REP_NEXT=2 # the second replica of every expert on the other node
 RANDOM=${EPD_CHAOS_SEED:-4321}
 start_nodes
-ctl() { "$EPDCTL" -s "$T/n0/control.sock" "$@"; }
-run_worker() { # RANK STEPS OUT [ARGS...]: at its node (ranks 0-1 node 0, 2-3 node 1)
-  local r=$1 steps=$2 out=$3
-  shift 3
-  CUDA_VISIBLE_DEVICES=$(gpu_of "$r") "$WORKER" -s "$T/n$((r / GPN))/control.sock" -g "$GROUP" --mode "$MODE" \
-    -r "$r" -n 4 --steps "$steps" --seed 9 --experts $E --hidden 128 --topk 4 --tokens 16 --same-inputs --mask \
-    --until-streak 1000000 --node-ranks $GPN "$@" > "$out" 2>&1 &
-}
+. "$(dirname "$0")/mask-two-nodes-lib.sh"
 # at most one rank of each node down: each node keeps a live rank (its last one would not be masked)
 may_kill() { [ -z "${DOWN[$(($1 ^ 1))]:-}" ] && [ -n "${WP[$(($1 ^ 1))]:-}" ]; }
 daemons_alive() {
@@ -67,14 +59,6 @@ echo "killed $killed workers; ranks masked by their node: $own0 on node 0, $own1
 
 echo "== a whole node out, each in turn"
 GROUP=out MODE=ll
-# the steps a worker (-v) checked and found equal to the reference (0 before its output exists)
-checked() { cat "$1" 2> /dev/null | grep -c " ok$"; }
-stepping() { # stepping N OUT...: each worker of these outputs checked N more steps (within 60 s)
-  local n=$1 f c=""
-  shift
-  for f in "$@"; do c="$c [ \$(cat $f 2> /dev/null | grep -c ' ok\$') -ge $(($(checked "$f") + n)) ] &&"; done
-  wait_for 60 sh -c "$c true"
-}
 clean() { # clean MAX_FAILED OUT...: no mismatch, at most MAX_FAILED failed ops
   local max=$1 f
   shift
@@ -84,13 +68,6 @@ clean() { # clean MAX_FAILED OUT...: no mismatch, at most MAX_FAILED failed ops
     [ "$(grep -c failed "$f")" -le "$max" ] || fail "$(basename "$f"): $(grep -c failed "$f") failed ops"
   done
   return 0
-}
-pair() { # pair NODE TAG: new -v workers of both ranks of NODE, outputs $T/TAGr.out, pids in V_r
-  local r
-  for r in $(($1 * 2)) $(($1 * 2 + 1)); do
-    run_worker $r 1000000 "$T/$2$r.out" -v
-    eval "V_$r=\$!"
-  done
 }
 kill_pair() { # kill_pair NODE: SIGKILL both workers of NODE at once (as a crash of the node's workers)
   local p0 p1

@@ -16,7 +16,10 @@
 # ids differ. No NVLink then: 165's single-daemon baseline is left out (TWO_NODES_BASELINE=0). Logs go
 # to $TWO_NODES_OUT if set; TWO_NODES_NCCL_ENV: extra NCCL variables for the daemons; TWO_NODES_DAEMON_OPTS:
 # extra daemon options (the scripts set engine.slots_factor_pct=200: free slots for weight migrations).
+# TWO_NODES_FAULTS=1: the daemons are epd-faults (test hooks); node N's is SIGKILLed in the exchange it
+# starts once the file $T/die-nodeN exists (EPD_TEST_DIE_IN_EXCHANGE).
 EPD=$B/bin/epd
+[ "${TWO_NODES_FAULTS:-0}" = 1 ] && EPD=$B/bin/epd-faults
 WORKER=$B/bin/epd-worker
 EPDCTL=$B/bin/epdctl
 for x in "$EPD" "$WORKER" "$EPDCTL"; do [ -x "$x" ] || { echo "skip: $x is not built"; exit 77; }; done
@@ -72,7 +75,7 @@ node() {
   [ "$(echo "$devs" | tr ',' '\n' | grep -c .)" -lt "$GPN" ] && dopt="-o engine.devices=$ords"
   [ "$GPN" = 1 ] && p2p=NCCL_P2P_DISABLE=1
   mkdir -p "$T/n$n"
-  env ${TWO_NODES_NCCL_ENV:-} CUDA_VISIBLE_DEVICES=$devs NCCL_HOSTID=node$n $p2p NCCL_SHM_DISABLE=1 \
+  env ${TWO_NODES_NCCL_ENV:-} EPD_TEST_DIE_IN_EXCHANGE="$T/die-node$n" CUDA_VISIBLE_DEVICES=$devs NCCL_HOSTID=node$n $p2p NCCL_SHM_DISABLE=1 \
     NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_DEBUG=INFO \
     timeout 280 "$EPD" -s "$T/n$n/control.sock" -f -o daemon.attach_socket="$T/n$n/attach.sock" \
     -o engine.backend=cuda -o engine.num_ranks="$GPN" $dopt -o engine.step_timeout_ms=5000 -o engine.max_tokens=4096 \
