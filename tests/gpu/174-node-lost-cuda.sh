@@ -1,7 +1,9 @@
 #!/bin/bash
 # 174-node-lost-cuda.sh - a daemon lost while its node steps (CUDA backend across two nodes, 2 ranks each;
 # on one GPU all four share it: two-nodes-lib.sh). One group attached with on_rank_loss = mask and an
-# expert map that places every expert on two ranks of different nodes (as 170). While the four workers
+# expert map that places every expert on two neighbouring ranks (r and r+1 mod 4): the experts of ranks 1
+# and 3 have a replica on each node, those of ranks 0 and 2 on one node only, so every step exchanges
+# rows between the nodes and, without node 1, drops the entries of rank 2's experts. While the four workers
 # step, node 1's daemon is lost, ROUNDS times (default 2) SIGKILLed from outside with its workers, then
 # once more killed in an exchange it has been ordered to run (the daemons are epd-faults: its hook
 # EPD_TEST_DIE_IN_EXCHANGE), node 0's half of that exchange waiting for it. Each time:
@@ -23,6 +25,7 @@ TWO_NODES_FAULTS=1
 ROUNDS=${EPD_NODE_LOST_ROUNDS:-2}
 start_nodes
 . "$(dirname "$0")/mask-two-nodes-lib.sh"
+REP_NEXT=1 # rows cross the nodes in every step (with a replica on each node none would)
 may_kill() { return 1; }
 daemons_alive() { kill -0 "$P_0" 2> /dev/null || fail "node 0 exited"; }
 . "$(dirname "$0")/../mask-chaos-lib.sh"
