@@ -208,58 +208,6 @@ static epd_result_t issue(cnet_t *cn, cnet_grp_t *cg, char *err, size_t errlen) 
   return EPD_OK;
 }
 
-#ifdef EPD_TEST_HOOKS
-/* Test builds only (epd-faults; GPU test 174): once the file $EPD_TEST_DIE_IN_EXCHANGE exists, this daemon
- * is SIGKILLed 100 ms into the next exchange it starts, before its own sends and receives: the other nodes
- * are then waiting in that exchange (a node lost mid-exchange, which a kill from outside rarely hits). */
-static void die_in_exchange(void) {
-  const char *f = getenv("EPD_TEST_DIE_IN_EXCHANGE");
-  if (f && access(f, F_OK) == 0) {
-    EPD_LOGW(EPD_SUB_CUDA, "test hook: dying in this exchange ($EPD_TEST_DIE_IN_EXCHANGE)");
-    usleep(100000);
-    raise(SIGKILL);
-  }
-}
-#else
-static void die_in_exchange(void) {}
-#endif
-
-/* (mu) The step's turn (schedule): run it (mu released while issuing). */
-void cnet_start_run(cnet_t *cn, cnet_grp_t *cg) {
-  epd_engine_t *eng = cn->eng;
-  char err[256] = "";
-  epd_result_t rc = dev_alloc(cn, cg, err, sizeof err);
-  if (!rc) {
-    fill_addr(cn, cg);
-    const epd_ref_plan_t *plan = &cg->plan[cg->bank];
-    rc = eng_op_dispatch(cg->op)
-             ? cnet_build_dispatch(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cg->mode, (int)cg->fp8,
-                                   cn->addr)
-             : cnet_build_combine(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cg->mode, cn->addr);
-    if (rc) snprintf(err, sizeof err, "building the step program failed (%d)", rc);
-  }
-  if (rc) {
-    /* Every node decided to run: a node that cannot makes the others' exchange hang, so fail for good. */
-    eng_fail(eng, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, err);
-    cnet_complete(cn, cg, rc, -1, err);
-    return;
-  }
-  cg->phase = PH_RUN;
-  cg->run_ns = eng_now_ns();
-  cn->run = cg;
-  pthread_mutex_unlock(&eng->mu);
-  die_in_exchange();
-  rc = issue(cn, cg, err, sizeof err);
-  cg->t_issued = eng_now_ns();
-  pthread_mutex_lock(&eng->mu);
-  if (rc) {
-    EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, err);
-    eng_fail(eng, "group %s step %llu: inter-node stage: %s", cg->gname, (unsigned long long)cg->step, err);
-    epd_cc_abort(cn->cc);
-    cnet_complete(cn, cg, rc, -1, err);
-  }
-}
-
 /* (mu) Node `lost` of the running exchange is gone (its link is down; why): the world communicator is
  * aborted so that the exchange's kernels stop, and the step fails. The engine goes on: steps of this
  * node alone run at once (the lost node is out of them), steps with another node once a restarted node
@@ -314,6 +262,77 @@ static int dead_node(cnet_t *cn, cnet_grp_t *cg, char *why, size_t wl) {
       return (int)n;
     }
   return -1;
+}
+
+/* A node lost while this node issued the exchange (its sockets closed) can make NCCL fail the issue
+ * before the link to that node is seen down here: wait a moment for it (mu not held). -1: none. */
+static int lost_while_issuing(cnet_t *cn, cnet_grp_t *cg, char *why, size_t wl) {
+  epd_engine_t *eng = cn->eng;
+  const uint64_t t0 = eng_now_ns();
+  for (;;) {
+    pthread_mutex_lock(&eng->mu);
+    const int lost = dead_node(cn, cg, why, wl);
+    pthread_mutex_unlock(&eng->mu);
+    if (lost >= 0 || eng_now_ns() - t0 > 1000000000ull) return lost;
+    eng_sleep_ns(5000000);
+  }
+}
+
+#ifdef EPD_TEST_HOOKS
+/* Test builds only (epd-faults; GPU test 174): once the file $EPD_TEST_DIE_IN_EXCHANGE exists, this daemon
+ * is SIGKILLed 100 ms into the next exchange it starts, before its own sends and receives: the other nodes
+ * are then waiting in that exchange (a node lost mid-exchange, which a kill from outside hits by chance). */
+static void die_in_exchange(void) {
+  const char *f = getenv("EPD_TEST_DIE_IN_EXCHANGE");
+  if (f && access(f, F_OK) == 0) {
+    EPD_LOGW(EPD_SUB_CUDA, "test hook: dying in this exchange ($EPD_TEST_DIE_IN_EXCHANGE)");
+    usleep(100000);
+    raise(SIGKILL);
+  }
+}
+#else
+static void die_in_exchange(void) {}
+#endif
+
+/* (mu) The step's turn (schedule): run it (mu released while issuing). */
+void cnet_start_run(cnet_t *cn, cnet_grp_t *cg) {
+  epd_engine_t *eng = cn->eng;
+  char err[256] = "";
+  epd_result_t rc = dev_alloc(cn, cg, err, sizeof err);
+  if (!rc) {
+    fill_addr(cn, cg);
+    const epd_ref_plan_t *plan = &cg->plan[cg->bank];
+    rc = eng_op_dispatch(cg->op)
+             ? cnet_build_dispatch(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cg->mode, (int)cg->fp8,
+                                   cn->addr)
+             : cnet_build_combine(&cn->prog, plan, cn->nodes, cn->node, cn->L, (int)cg->mode, cn->addr);
+    if (rc) snprintf(err, sizeof err, "building the step program failed (%d)", rc);
+  }
+  if (rc) {
+    /* Every node decided to run: a node that cannot makes the others' exchange hang, so fail for good. */
+    eng_fail(eng, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, err);
+    cnet_complete(cn, cg, rc, -1, err);
+    return;
+  }
+  cg->phase = PH_RUN;
+  cg->run_ns = eng_now_ns();
+  cn->run = cg;
+  pthread_mutex_unlock(&eng->mu);
+  die_in_exchange();
+  rc = issue(cn, cg, err, sizeof err);
+  cg->t_issued = eng_now_ns();
+  char why[320];
+  const int lost = rc == EPD_ERR_NCCL ? lost_while_issuing(cn, cg, why, sizeof why) : -1;
+  pthread_mutex_lock(&eng->mu);
+  if (lost >= 0) {
+    EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, err);
+    world_lost(cn, cg, (uint32_t)lost, why);
+  } else if (rc) {
+    EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, err);
+    eng_fail(eng, "group %s step %llu: inter-node stage: %s", cg->gname, (unsigned long long)cg->step, err);
+    epd_cc_abort(cn->cc);
+    cnet_complete(cn, cg, rc, -1, err);
+  }
 }
 
 /* (mu) The step's GPU work: done, failed, or past the timeout. */
