@@ -20,7 +20,7 @@ of the buffers. Reported, per expert map (every expert on two ranks, or on one):
 Usage: bench/mask/bench_mask.py [BUILD] [--steps N] [--hidden H] [--rounds N] [--nodes 1|2]
                                 [--lose rank|workers|daemon|hang] [--step-timeout MS]
                                 [--backend host|cuda] [--devices LIST]
-                                [--json FILE]
+                                [--json FILE] [--logs DIR]
 (BUILD: default build). Each round runs both maps with a daemon of its own.
 """
 import argparse
@@ -241,6 +241,7 @@ def main():
     ap.add_argument("--backend", default="host", choices=("host", "cuda"))
     ap.add_argument("--devices", help="engine.devices of each daemon (cuda), e.g. 0,0")
     ap.add_argument("--json")
+    ap.add_argument("--logs", help="a folder to keep the daemons' logs in (replicas2-epd0.log, ...)")
     a = ap.parse_args()
     if a.lose in ("workers", "daemon") and a.nodes != 2:
         ap.error("--lose workers|daemon needs --nodes 2")
@@ -301,6 +302,11 @@ def main():
                     daemon.terminate()
             for daemon in daemons:
                 daemon.wait(15)
+            if a.logs:
+                os.makedirs(a.logs, exist_ok=True)
+                for n in range(a.nodes):
+                    shutil.copy(os.path.join(d, "epd%d.log" % n),
+                                os.path.join(a.logs, "replicas%d-epd%d.log" % (2 if replicas else 1, n)))
             shutil.rmtree(d, ignore_errors=True)
     if a.json:
         with open(a.json, "w") as f:
