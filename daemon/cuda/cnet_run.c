@@ -216,14 +216,16 @@ static int world_lost(cnet_t *cn, cnet_grp_t *cg, uint32_t lost, const char *why
   epd_engine_t *eng = cn->eng;
   int stuck = 0;
   pthread_mutex_unlock(&eng->mu); /* the run is ours (cn->run) */
-  epd_cc_abort(cn->cc);
   const uint64_t t0 = eng_now_ns();
+  epd_cc_abort(cn->cc);
+  const uint64_t t1 = eng_now_ns();
   for (uint32_t l = 0; l < cn->L; l++) {
     cudaSetDevice(cn->d[l].device);
-    while (cudaStreamQuery(cn->d[l].stream) == cudaErrorNotReady && eng_now_ns() - t0 < 2000000000ull)
+    while (cudaStreamQuery(cn->d[l].stream) == cudaErrorNotReady && eng_now_ns() - t1 < 2000000000ull)
       eng_sleep_ns(1000000);
     stuck |= cudaStreamQuery(cn->d[l].stream) == cudaErrorNotReady;
   }
+  const uint64_t t2 = eng_now_ns();
   pthread_mutex_lock(&eng->mu);
   if (stuck) {
     eng_fail(eng,
@@ -238,9 +240,9 @@ static int world_lost(cnet_t *cn, cnet_grp_t *cg, uint32_t lost, const char *why
   for (uint32_t n = 0; n < cn->nodes; n++) /* their exchanges with this node would find no partner */
     if (n != cn->node) epd_net_step_off(eng->o.net, n, "", 0, EPD_NET_OFF_WORLD, -1, why);
   EPD_LOGE(EPD_SUB_CUDA,
-           "group %s step %llu: %s: world communicator aborted; steps of this node alone go on, steps with "
-           "another node fail until a restarted node makes it again",
-           cg->gname, (unsigned long long)cg->step, why);
+           "group %s step %llu: %s: world communicator aborted (%.1f ms, streams drained in %.1f ms); steps "
+           "of this node alone go on, steps with another node fail until a restarted node makes it again",
+           cg->gname, (unsigned long long)cg->step, why, (double)(t1 - t0) / 1e6, (double)(t2 - t1) / 1e6);
   cnet_complete(cn, cg, EPD_ERR_PEER, (int)(lost * cn->L), why);
   return 1;
 }

@@ -81,5 +81,6 @@ done
 daemons_alive
 grep -q "engine failed" "$T/node0.log" "$T/node1.log" && fail "an engine failed: $(grep -h -m1 'engine failed' "$T"/node*.log)"
 echo "   node 0's first workers checked $(checked "$T/a0.out") steps, $(cat "$T"/a[01].out | grep -c failed) ops failed" \
-  "at the losses and returns; exchanges running at a loss (world communicator aborted): $(aborted)"
+  "at the losses and returns; exchanges running at a loss (world communicator aborted): $(aborted)" \
+  "$(grep -o "world communicator aborted ([^)]*)" "$T/node0.log" | sed 's/.*(/(/' | tr '\n' ' ')"
 echo "174-node-lost-cuda: node 0 served on through $((ROUNDS + 1)) losses of node 1, and the four stepped again each time"
