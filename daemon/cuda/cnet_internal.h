@@ -149,5 +149,19 @@ void cnet_start_run(cnet_t *cn, cnet_grp_t *cg);
 /* (mu) The step's GPU work: done, failed, or past the timeout; 1 if it ended. */
 int cnet_poll_run(cnet_t *cn, cnet_grp_t *cg, uint64_t now);
 
+/* Steps given up across nodes (cnet_off.c; node 0 decides). (mu) No step of the group below `to` runs
+ * (peer, why: the reason); node 0 tells every other node but those out of the steps in mask. */
+void cnet_off_raise(cnet_t *cn, cnet_grp_t *cg, uint64_t to, int peer, const char *why, uint64_t mask);
+/* (mu) A group served from now: what was given up of it while it was not. */
+void cnet_unserved_take(cnet_t *cn, cnet_grp_t *cg);
+/* (mu) Node 0: answer a node's request to give a step up (ordered: the step runs; else it is given up
+ * everywhere); 1 if given up. */
+int cnet_answer_off(cnet_t *cn, cnet_grp_t *cg);
+/* (mu) A step below off_to waiting for parts or its turn fails: 1 if so. */
+int cnet_off_check(cnet_t *cn, cnet_grp_t *cg);
+/* (mu) Not node 0: the step waited past the step timeout since `since` for a part or its GO (what): ask
+ * node 0 once to give it up; fail only without node 0's word. 1 if it failed. */
+int cnet_ask_off(cnet_t *cn, cnet_grp_t *cg, uint64_t since, uint64_t now, int peer, const char *what);
+
 #endif /* EPD_WITH_CUDA */
 #endif

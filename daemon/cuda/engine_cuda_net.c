@@ -1,7 +1,7 @@
 /*
  * engine_cuda_net.c - the CUDA backend across nodes (see engine_cuda_net.h): control frames over the
  * daemon links, the verdict on every node's part, and the order of the exchanges (their running:
- * cnet_run.c).
+ * cnet_run.c; steps node 0 gives up: cnet_off.c).
  */
 #define _GNU_SOURCE
 #include "cuda/engine_cuda_net.h"
@@ -175,166 +175,6 @@ static int remake_start(cnet_t *cn) {
   return 1;
 }
 
-/* ---- steps given up across nodes (node 0 decides) ---------------------------------------------------- */
-
-/* (mu) The group of that name served here (a removed group's kept step too), or NULL. */
-static cnet_grp_t *by_name(cnet_t *cn, const char *group) {
-  cnet_grp_t *orphan = NULL;
-  for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
-    if (!strcmp(cg->gname, group)) {
-      if (cnet_grp_alive(cn, cg)) return cg;
-      if (cg->orphan) orphan = cg;
-    }
-  return orphan;
-}
-
-/* (mu) No step of the group below `to` runs (peer, why: the reason); node 0 tells every other node but
- * those out of the steps in mask (net_node_masked). */
-static void off_raise(cnet_t *cn, cnet_grp_t *cg, uint64_t to, int peer, const char *why, uint64_t mask) {
-  if (to <= cg->off_to) return;
-  cg->off_to = to;
-  cg->off_peer = peer;
-  snprintf(cg->off_why, sizeof cg->off_why, "%s", why);
-  for (uint32_t n = 1; cn->node == 0 && n < cn->nodes; n++)
-    if (!net_node_masked(cn->eng, mask, n))
-      epd_net_step_off(cn->eng->o.net, n, cg->gname, to - 1, EPD_NET_OFF_NO, peer, why);
-}
-
-/* (mu) A group not served here: no step of it below `to` runs when it is (unserved_take). */
-static void unserved_put(cnet_t *cn, const char *group, uint64_t to, const char *why) {
-  const uint64_t now = eng_now_ns();
-  unsigned k = 0, i;
-  for (i = 0; i < 8 && strcmp(cn->unserved[i].group, group); i++)
-    if (cn->unserved[i].ns < cn->unserved[k].ns) k = i; /* else the oldest (or a free one) is replaced */
-  if (i < 8 && cn->unserved[i].to >= to && now - cn->unserved[i].ns < CNET_UNSERVED_NS) return;
-  if (i < 8) k = i;
-  snprintf(cn->unserved[k].group, sizeof cn->unserved[k].group, "%s", group);
-  cn->unserved[k].to = to;
-  cn->unserved[k].ns = now;
-  snprintf(cn->unserved[k].why, sizeof cn->unserved[k].why, "%s", why);
-}
-
-/* (mu) A group served from now: what was given up of it while it was not (unserved_put). */
-static void unserved_take(cnet_t *cn, cnet_grp_t *cg) {
-  for (unsigned i = 0; i < 8; i++)
-    if (cn->unserved[i].group[0] && !strcmp(cn->unserved[i].group, cg->gname)) {
-      if (eng_now_ns() - cn->unserved[i].ns < CNET_UNSERVED_NS) {
-        cg->off_to = cn->unserved[i].to;
-        cg->off_peer = -1;
-        snprintf(cg->off_why, sizeof cg->off_why, "%s", cn->unserved[i].why);
-        EPD_LOGI(EPD_SUB_CUDA,
-                 "group %s: steps below %llu were given up before it had a client here (%s): they fail at "
-                 "once",
-                 cg->gname, (unsigned long long)cg->off_to, cg->off_why);
-      }
-      memset(&cn->unserved[i], 0, sizeof cn->unserved[i]);
-    }
-}
-
-/* (mu) Node 0: a step of that name was ordered, that step or a later one (the asking node is at it). */
-static int ordered(cnet_t *cn, const char *group, uint64_t step) {
-  for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
-    if (!strcmp(cg->gname, group) && cg->go_valid && cg->go_step >= step) return 1;
-  return 0;
-}
-
-void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_t node, int what, int peer,
-                           const char *why) {
-  if (what == EPD_NET_OFF_WORLD) { /* its exchanges with this node would find no partner */
-    if (node >= 64 || node == cn->node) return;
-    cn->aborted |= 1ull << node;
-    if (!cn->world_down)
-      snprintf(cn->world_why, sizeof cn->world_why, "node %u aborted its world communicator: %s", node, why);
-    cn->world_down = 1;
-    return;
-  }
-  cnet_grp_t *cg = by_name(cn, group);
-  char w[320];
-  if (cn->node != 0) { /* node 0's answer */
-    if (cg && what == EPD_NET_OFF_ORDERED && step + 1 > cg->ordered_to) cg->ordered_to = step + 1;
-    if (cg && what == EPD_NET_OFF_NO) {
-      snprintf(w, sizeof w, "node 0 gave the step up: %s", why);
-      off_raise(cn, cg, step + 1, peer, w, 0);
-    }
-    return;
-  }
-  if (ordered(cn, group, step)) { /* its GO is on the way there */
-    epd_net_step_off(cn->eng->o.net, node, group, step, EPD_NET_OFF_ORDERED, -1, "");
-    return;
-  }
-  if (!cg) { /* none of its steps is ordered here: the node goes on, and so will this one when served */
-    snprintf(w, sizeof w, "node %u asked to give it up (the group had no client on node 0): %s", node, why);
-    unserved_put(cn, group, step + 1, w);
-    epd_net_step_off(cn->eng->o.net, node, group, step, EPD_NET_OFF_NO, peer, w);
-    return;
-  }
-  if (!cg->wd_pending || step > cg->wd_step) {
-    cg->wd_step = step;
-    cg->wd_node = node;
-    cg->wd_peer = peer >= 0 ? peer : (int)(node * cn->L);
-    snprintf(cg->wd_why, sizeof cg->wd_why, "%s", why);
-  }
-  cg->wd_pending = 1;
-}
-
-/* (mu) Node 0: a node asked to give a step up. Ordered already: the GO is on its way there and the step
- * runs. Else no step of the group up to it runs: one waiting here fails (off_check) and every node hears
- * it (off_raise). */
-static int answer_off(cnet_t *cn, cnet_grp_t *cg) {
-  if (!cg->wd_pending) return 0;
-  cg->wd_pending = 0;
-  if (ordered(cn, cg->gname, cg->wd_step)) {
-    epd_net_step_off(cn->eng->o.net, cg->wd_node, cg->gname, cg->wd_step, EPD_NET_OFF_ORDERED, -1, "");
-    return 0;
-  }
-  char why[320];
-  snprintf(why, sizeof why, "node %u asked to give it up: %s", cg->wd_node, cg->wd_why);
-  EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->wd_step, why);
-  if (cg->wd_step < cg->off_to) /* given up before: that node hears it again */
-    epd_net_step_off(cn->eng->o.net, cg->wd_node, cg->gname, cg->off_to - 1, EPD_NET_OFF_NO, cg->off_peer,
-                     cg->off_why);
-  else
-    off_raise(cn, cg, cg->wd_step + 1, cg->wd_peer, why, 0);
-  return 1;
-}
-
-/* (mu) A step below off_to waiting for parts or its turn fails: 1 if so. */
-static int off_check(cnet_t *cn, cnet_grp_t *cg) {
-  if (cg->step >= cg->off_to) return 0;
-  cnet_complete(cn, cg, EPD_ERR_TIMEOUT, cg->off_peer, cg->off_why);
-  return 1;
-}
-
-/* (mu) Not node 0: the step waited past engine.step_timeout_ms since `since` for a part or for its GO
- * (what). It asks node 0 once to give it up and goes on waiting for node 0's word or the GO; it fails
- * here only if the link to node 0 is down or node 0 answers nothing within another timeout (an exchange
- * node 0 orders after that would find no partner here). 1 if it failed. */
-static int ask_off(cnet_t *cn, cnet_grp_t *cg, uint64_t since, uint64_t now, int peer, const char *what) {
-  epd_engine_t *eng = cn->eng;
-  const uint64_t to = (uint64_t)eng->o.step_timeout_ms * 1000000ull;
-  char why[400];
-  if (!cg->wd_ns) {
-    if (now <= since || now - since <= to) return 0;
-    cg->wd_ns = now;
-    if (!epd_net_step_off(eng->o.net, 0, cg->gname, cg->step, EPD_NET_OFF_ASK, peer, what)) {
-      EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s: asked node 0 to give the step up", cg->gname,
-               (unsigned long long)cg->step, what);
-      return 0;
-    }
-    snprintf(why, sizeof why, "%s (the link to node 0 is down)", what);
-  } else {
-    /* ordered (node 0 said so, or its GO is held here): the step runs once its parts are in */
-    if (now - cg->wd_ns <= to || cg->ordered_to > cg->step ||
-        (cn->go_have && cn->go.step == cg->step && !strcmp(cn->go.group, cg->gname)))
-      return 0;
-    snprintf(why, sizeof why, "%s, and node 0 did not answer within %u ms when asked to give the step up",
-             what, eng->o.step_timeout_ms);
-    EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
-  }
-  cnet_complete(cn, cg, EPD_ERR_TIMEOUT, peer, why);
-  return 1;
-}
-
 void eng_cuda_net_destroy(cnet_t *cn) {
   if (!cn) return;
   epd_engine_t *eng = cn->eng;
@@ -501,7 +341,7 @@ void cnet_complete(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const char 
   if (grp) grp->steps++;
   /* node 0 decides which steps do not run: every other node hears of one that failed here */
   if (cn->node == 0 && status && cg->phase != PH_RUN)
-    off_raise(cn, cg, cg->step + 1, peer, why ? why : "failed on node 0", mask);
+    cnet_off_raise(cn, cg, cg->step + 1, peer, why ? why : "failed on node 0", mask);
   cg->wd_ns = 0;
   cg->ordered_to = 0;
   cg->narrived = 0;
@@ -831,7 +671,7 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   const int alive = cnet_grp_alive(cn, cg); /* a removed group's kept step (orphan) has no notices to heed */
   char why[256] = "";
   int peer = -1;
-  if (off_check(cn, cg)) return 1;
+  if (cnet_off_check(cn, cg)) return 1;
   /* node 0 times the parts out; the others ask it to (ask_off) */
   int st = net_parts_take(eng, alive ? cg->grp : NULL, cg->gname, cg->step,
                           alive ? eng_net_frames_since(cg->grp) : EPD_NET_TAKE_ONLY, cg->sent_mask,
@@ -842,7 +682,7 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
     while (n < cn->nodes && (n == cn->node || cg->frame[n] || net_node_masked(eng, cg->sent_mask, n))) n++;
     if (n == cn->nodes) return 0;
     net_silent_why(n, cn->L, eng->o.step_timeout_ms, why, sizeof why);
-    return ask_off(cn, cg, cg->first_ns, now, (int)(n * cn->L), why);
+    return cnet_ask_off(cn, cg, cg->first_ns, now, (int)(n * cn->L), why);
   }
   if (st == NET_PARTS_WAIT) return 0; /* parts still to come */
   if (st != NET_PARTS_IN) {
@@ -940,7 +780,7 @@ static int schedule(cnet_t *cn, uint64_t now) {
     for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
       if (cg->phase == PH_READY && (!next || cg->ready_seq < next->ready_seq)) next = cg;
     if (!next) return 0;
-    if (off_check(cn, next)) return 1;
+    if (cnet_off_check(cn, next)) return 1;
     cnet_go_t go;
     memset(&go, 0, sizeof go);
     snprintf(go.group, sizeof go.group, "%s", next->gname);
@@ -1022,7 +862,7 @@ static int ready_expired(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   epd_engine_t *eng = cn->eng;
   const uint64_t since = cg->ready_ns > cn->run_end_ns ? cg->ready_ns : cn->run_end_ns;
   char why[256], lw[160];
-  if (off_check(cn, cg)) return 1;
+  if (cnet_off_check(cn, cg)) return 1;
   if (solo(cn, cg)) return 0; /* no order to wait for */
   if (cn->node != 0 && epd_net_node_dead(eng->o.net, 0, lw, sizeof lw)) {
     snprintf(why, sizeof why,
@@ -1033,7 +873,7 @@ static int ready_expired(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   if (cn->node == 0 || cn->run) return 0;
   snprintf(why, sizeof why, "waited %u ms for node 0 (rank 0) to order the step's exchange",
            eng->o.step_timeout_ms);
-  return ask_off(cn, cg, since, now, 0, why);
+  return cnet_ask_off(cn, cg, since, now, 0, why);
 }
 
 int eng_cuda_net_poll(cnet_t *cn) {
@@ -1066,7 +906,7 @@ int eng_cuda_net_poll(cnet_t *cn) {
     cg->renorm = (int)g->renormalize;
     snprintf(cg->gname, sizeof cg->gname, "%s", g->name);
     cg->phase = PH_COLLECT;
-    unserved_take(cn, cg);
+    cnet_unserved_take(cn, cg);
     int ok = 1;
     for (unsigned b = 0; b < EPD_NUM_BANKS; b++) ok &= epd_ref_plan_init(&cg->plan[b], &cg->g) == EPD_OK;
     cg->plan_init = 1;
@@ -1076,7 +916,7 @@ int eng_cuda_net_poll(cnet_t *cn) {
     *tail = cg;
   }
   if (cn->node == 0) /* before any step is ordered */
-    for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next) moved |= answer_off(cn, cg);
+    for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next) moved |= cnet_answer_off(cn, cg);
   if (cn->run) moved |= cnet_poll_run(cn, cn->run, now);
   for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next) {
     if (cg->phase == PH_COLLECT && cnet_grp_alive(cn, cg)) moved |= collect(cn, cg, now);
