@@ -168,9 +168,11 @@ typedef struct eng_backend_ops {
   const char *(*gin)(const epd_engine_t *eng);
   /* (mu) Optional: how grp's steps run now (NULL: the engine's mode). */
   const char *(*group_mode)(epd_engine_t *eng, eng_group_t *grp);
-  /* (mu) Optional, across nodes: a restarted node joins the running world; make the world communicator
-   * again over this id (EPD_CLUSTER_COMM_ID_BYTES) with every other node (NULL: the backend has none). */
-  void (*world_remake)(epd_engine_t *eng, const uint8_t *id);
+  /* (mu) Optional, across nodes: make the world communicator again over this id
+   * (EPD_CLUSTER_COMM_ID_BYTES) with the nodes in live (bit k: node k; 0: every node, a restarted node
+   * joining the running world; else the nodes left after a node was lost mid-exchange). NULL: the
+   * backend has none. */
+  void (*world_remake)(epd_engine_t *eng, const uint8_t *id, uint64_t live);
   /* (mu) Optional, across nodes: node `node`'s word on step `step` of group (epd_net_step_off: what, why).
    * NULL: the backend's steps need no such word (the host backend's exchanges are frames of the step). */
   void (*step_off)(epd_engine_t *eng, const char *group, uint64_t step, uint32_t node, int what, int peer,

@@ -117,6 +117,10 @@ struct cnet {
   /* A restarted node joins (eng_cuda_net_remake): the world communicator is made again over remake_id by
    * a thread of its own once no exchange runs; meanwhile no exchange starts here. */
   int remake_req, remaking, remake_started;
+  /* The nodes of the world communicator being made (bit k: node k; 0: every node) and of the one in use
+   * (world_live); node 0 sent the nodes left an id without the lost ones (without_sent: once a loss). */
+  uint64_t remake_live, world_live;
+  int without_sent;
   /* A node was lost mid-exchange (cnet_poll_run), here or on another node (its EPD_NET_OFF_WORLD: the
    * nodes in aborted): the world communicator is aborted, so only steps of this node alone run until it
    * is made again (a restarted node's remake); world_why: the loss. */

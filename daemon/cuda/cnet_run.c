@@ -138,6 +138,14 @@ static epd_result_t issue(cnet_t *cn, cnet_grp_t *cg, char *err, size_t errlen) 
       return rc;
     }
   }
+  /* A node left out of the world communicator (made again without it) is masked: no rows for it. */
+  for (uint32_t l = 0; l < L; l++)
+    for (uint32_t n = 0; n < cn->nodes; n++)
+      if (n != cn->node && epd_cc_world_peer(cn->cc, n, (int)l) < 0 &&
+          (pg->side[l].send_rows[n] || pg->side[l].recv_rows[n])) {
+        snprintf(err, errlen, "rows for node %u, which is not on the world communicator", n);
+        return EPD_ERR_INTERNAL;
+      }
   /* The exchange: one grouped send/recv per rail peer of every other node. */
   ncclResult_t nr = ncclGroupStart();
   for (uint32_t l = 0; l < L && nr == ncclSuccess; l++) {
@@ -147,7 +155,7 @@ static epd_result_t issue(cnet_t *cn, cnet_grp_t *cg, char *err, size_t errlen) 
     for (uint32_t n = 0; n < cn->nodes && nr == ncclSuccess; n++) {
       if (n == cn->node) continue;
       size_t o = (size_t)n * cg->g.max_tokens * H * 4;
-      int peer = (int)(n * L + l);
+      const int peer = epd_cc_world_peer(cn->cc, n, (int)l);
       if (s->send_rows[n])
         nr = ncclSend(d->xsend + o, s->send_rows[n] * pg->row_bytes, ncclUint8, peer, comm, d->stream);
       if (nr == ncclSuccess && s->recv_rows[n])

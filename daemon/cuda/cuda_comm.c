@@ -23,6 +23,9 @@
 struct epd_cc {
   int n;
   int world_n, base; /* world ranks, and the world rank of local rank 0 (scale-out: node * n) */
+  /* Scale-out: the rank of each node's local rank 0 on the world communicators as they are (node * n,
+   * or, made again without some nodes, their place among the others; -1: a node left out). */
+  int peer0[EPD_CC_MAX_NODES];
   int dev[EPD_CC_MAX_RANKS];
   ncclComm_t world[EPD_CC_MAX_RANKS];
   ncclComm_t lsa[EPD_CC_MAX_RANKS];
@@ -121,8 +124,18 @@ static const char *comms_wait(ncclComm_t *c, int n, uint32_t limit_ms, const int
   }
 }
 
-epd_result_t epd_cc_world_remake(epd_cc_t *cc, const uint8_t *world_id, uint32_t limit_ms, const int *cancel,
-                                 char *err, size_t errlen) {
+epd_result_t epd_cc_world_remake(epd_cc_t *cc, const uint8_t *world_id, uint64_t live, uint32_t limit_ms,
+                                 const int *cancel, char *err, size_t errlen) {
+  const int nodes = cc->world_n / cc->n, node = cc->base / cc->n;
+  int peer0[EPD_CC_MAX_NODES], ranks = 0;
+  for (int k = 0; k < EPD_CC_MAX_NODES; k++) {
+    peer0[k] = k < nodes && (!live || (live >> k & 1)) ? ranks : -1;
+    if (peer0[k] >= 0) ranks += cc->n;
+  }
+  if (node >= EPD_CC_MAX_NODES || peer0[node] < 0) {
+    snprintf(err, errlen, "this node (%d) is not among the nodes of the world communicator to make", node);
+    return EPD_ERR_INVALID;
+  }
   memcpy(&cc->id, world_id, sizeof cc->id);
   for (int r = 0; r < cc->n; r++) /* a node of the old one is gone: abort, do not wait for it */
     if (cc->world[r]) {
@@ -137,7 +150,7 @@ epd_result_t epd_cc_world_remake(epd_cc_t *cc, const uint8_t *world_id, uint32_t
   ncclResult_t nr = ncclGroupStart();
   for (int r = 0; r < cc->n && (nr == ncclSuccess || nr == ncclInProgress); r++) {
     cudaSetDevice(cc->dev[r]);
-    nr = ncclCommInitRankConfig(&c[r], cc->world_n, cc->id, cc->base + r, &cfg);
+    nr = ncclCommInitRankConfig(&c[r], ranks, cc->id, peer0[node] + r, &cfg);
   }
   ncclResult_t ne = ncclGroupEnd();
   const char *why = NULL;
@@ -145,12 +158,13 @@ epd_result_t epd_cc_world_remake(epd_cc_t *cc, const uint8_t *world_id, uint32_t
   if (!why && ne != ncclSuccess && ne != ncclInProgress) why = ncclGetErrorString(ne);
   if (!why) why = comms_wait(c, cc->n, limit_ms, cancel);
   if (why) {
-    snprintf(err, errlen, "ncclCommInitRankConfig (world, %d ranks): %s", cc->world_n, why);
+    snprintf(err, errlen, "ncclCommInitRankConfig (world, %d ranks): %s", ranks, why);
     for (int r = 0; r < cc->n; r++)
       if (c[r]) ncclCommAbort(c[r]);
     return EPD_ERR_NCCL;
   }
   for (int r = 0; r < cc->n; r++) cc->world[r] = c[r];
+  memcpy(cc->peer0, peer0, sizeof peer0);
   return EPD_OK;
 }
 
@@ -323,6 +337,7 @@ epd_result_t epd_cc_create_world(int n, const int *devices, uint32_t nodes, uint
   cc->n = n;
   cc->world_n = n * (int)(nodes ? nodes : 1);
   cc->base = n * (int)node;
+  for (uint32_t k = 0; k < EPD_CC_MAX_NODES; k++) cc->peer0[k] = k < (nodes ? nodes : 1) ? n * (int)k : -1;
   for (int r = 0; r < n; r++) cc->dev[r] = devices ? devices[r] : r;
   ncclResult_t nr = ncclSuccess;
   if (world_id)
@@ -392,6 +407,9 @@ void epd_cc_abort(epd_cc_t *cc) {
 }
 int epd_cc_device(const epd_cc_t *cc, int rank) {
   return cc->dev[rank];
+}
+int epd_cc_world_peer(const epd_cc_t *cc, uint32_t node, int rank) {
+  return node < EPD_CC_MAX_NODES && cc->peer0[node] >= 0 ? cc->peer0[node] + rank : -1;
 }
 struct ncclComm *epd_cc_world(const epd_cc_t *cc, int rank) {
   return cc->world[rank];

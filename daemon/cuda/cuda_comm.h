@@ -18,6 +18,7 @@
 #include "epd.h"
 
 #define EPD_CC_MAX_RANKS 64
+#define EPD_CC_MAX_NODES 64 /* nodes of a world (epd_cc_world_peer) */
 
 struct ncclComm;
 struct ncclWindow_vidmem;
@@ -62,11 +63,16 @@ epd_result_t epd_cc_create_world(int n, const int *devices, uint32_t nodes, uint
                                  const uint8_t *world_id, int own_lsa, epd_cc_t **out, char *err,
                                  size_t errlen);
 /* Scale-out: abort the world communicators (a node is gone) and make them again over world_id with the
- * same ranks (a restarted node joins with own_lsa); the node-local ones stay. Returns once every node's
- * ranks joined, or fails (the new ones aborted) after limit_ms or once *cancel is set. The new world
- * communicators are non-blocking: a grouped call may return ncclInProgress (epd_cc_world_wait). */
-epd_result_t epd_cc_world_remake(epd_cc_t *cc, const uint8_t *world_id, uint32_t limit_ms, const int *cancel,
-                                 char *err, size_t errlen);
+ * ranks of the nodes in `live` (bit k: node k; 0: every node, each rank as at the start: a restarted node
+ * joins with own_lsa; without some nodes, the others' ranks in node order: epd_cc_world_peer); the
+ * node-local ones stay. Returns once every rank joined, or fails (the new ones aborted) after limit_ms or
+ * once *cancel is set. The new world communicators are non-blocking: a grouped call may return
+ * ncclInProgress (epd_cc_world_wait). */
+epd_result_t epd_cc_world_remake(epd_cc_t *cc, const uint8_t *world_id, uint64_t live, uint32_t limit_ms,
+                                 const int *cancel, char *err, size_t errlen);
+/* The rank of node `node`'s local rank `rank` on the world communicators as they are; -1 if that node is
+ * not on them (made again without it). */
+int epd_cc_world_peer(const epd_cc_t *cc, uint32_t node, int rank);
 /* After a grouped call on world communicators made again (non-blocking) returned ncclInProgress: wait
  * until they are done with it; NULL, or why not (an error, or still in progress after limit_ms). */
 const char *epd_cc_world_wait(epd_cc_t *cc, uint32_t limit_ms);

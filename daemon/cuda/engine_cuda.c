@@ -686,9 +686,9 @@ fail:
   return rc;
 }
 
-static void cuda_world_remake(epd_engine_t *eng, const uint8_t *id) {
+static void cuda_world_remake(epd_engine_t *eng, const uint8_t *id, uint64_t live) {
   cuda_be_t *be = eng->be;
-  if (be->net) eng_cuda_net_remake(be->net, id);
+  if (be->net) eng_cuda_net_remake(be->net, id, live);
 }
 
 static void cuda_step_off(epd_engine_t *eng, const char *group, uint64_t step, uint32_t node, int what,

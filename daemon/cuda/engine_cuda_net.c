@@ -118,13 +118,37 @@ const char *eng_cuda_net_gin(const cnet_t *cn) {
   return cn->gin;
 }
 
-void eng_cuda_net_remake(cnet_t *cn, const uint8_t *id) {
+/* "0, 1" of the nodes in live */
+static void node_list(uint64_t live, uint32_t nodes, char *out, size_t len) {
+  size_t n = 0;
+  out[0] = 0;
+  for (uint32_t k = 0; k < nodes && k < 64 && n < len; k++)
+    if (live >> k & 1) n += (size_t)snprintf(out + n, len - n, "%s%u", n ? ", " : "", k);
+}
+
+void eng_cuda_net_remake(cnet_t *cn, const uint8_t *id, uint64_t live) {
+  char nl[256];
+  if (live && !(live >> cn->node & 1)) {
+    node_list(live, cn->nodes, nl, sizeof nl);
+    EPD_LOGW(EPD_SUB_CUDA, "node 0 asked for a world communicator of nodes %s, without this one: ignored",
+             nl);
+    return;
+  }
   memcpy(cn->remake_id, id, sizeof cn->remake_id);
+  cn->remake_live = live;
   cn->remake_req = 1;
   if (cn->remaking) __atomic_store_n(&cn->remake_cancel, 1, __ATOMIC_RELEASE); /* a newer id: that one wins */
-  EPD_LOGI(EPD_SUB_CUDA,
-           "a restarted node joins the running world: the world communicator is made again once no "
-           "exchange runs here");
+  if (live) {
+    node_list(live, cn->nodes, nl, sizeof nl);
+    EPD_LOGI(EPD_SUB_CUDA,
+             "a node was lost mid-exchange: the world communicator is made again with the nodes left (%s) "
+             "once no exchange runs here",
+             nl);
+  } else {
+    EPD_LOGI(EPD_SUB_CUDA,
+             "a restarted node joins the running world: the world communicator is made again once no "
+             "exchange runs here");
+  }
 }
 
 static void *remake_main(void *arg) {
@@ -133,30 +157,49 @@ static void *remake_main(void *arg) {
   uint8_t id[EPD_CC_UNIQUE_ID_BYTES];
   pthread_mutex_lock(&eng->mu);
   memcpy(id, cn->remake_id, sizeof id);
+  const uint64_t live = cn->remake_live;
   pthread_mutex_unlock(&eng->mu);
   char err[256] = "";
   const uint64_t t0 = eng_now_ns();
-  epd_result_t rc = epd_cc_world_remake(cn->cc, id, REMAKE_LIMIT_MS, &cn->remake_cancel, err, sizeof err);
+  epd_result_t rc =
+      epd_cc_world_remake(cn->cc, id, live, REMAKE_LIMIT_MS, &cn->remake_cancel, err, sizeof err);
   pthread_mutex_lock(&eng->mu);
   cn->remaking = 0;
   if (!cn->remake_req) epd_net_world_made(eng->o.net);
-  if (rc && cn->remake_req)
+  if (rc && cn->remake_req) {
     EPD_LOGW(EPD_SUB_CUDA, "making the world communicator again: %s; a newer id follows", err);
-  else if (rc && !__atomic_load_n(&cn->remake_cancel, __ATOMIC_ACQUIRE))
+  } else if (rc && live) { /* the nodes left stay without exchanges until a restarted node makes it */
+    cn->world_down = 1;
+    EPD_LOGW(EPD_SUB_CUDA,
+             "making the world communicator without the lost nodes failed: %s; steps with another node fail "
+             "until a restarted node makes it again",
+             err);
+  } else if (rc && !__atomic_load_n(&cn->remake_cancel, __ATOMIC_ACQUIRE)) {
     eng_fail(eng, "making the world communicator again for a restarted node failed: %s (restart every node)",
              err);
-  else if (!rc) {
+  } else if (!rc) {
     cn->world_down = 0;
     cn->aborted = 0;
-    EPD_LOGI(EPD_SUB_CUDA, "world communicator made again (%u ranks) in %.1f ms: exchanges run again", cn->W,
-             (eng_now_ns() - t0) / 1e6);
+    cn->without_sent = 0;
+    if (live) {
+      char nl[256];
+      node_list(live, cn->nodes, nl, sizeof nl);
+      EPD_LOGI(EPD_SUB_CUDA,
+               "world communicator made again without the lost nodes (nodes %s, %d ranks) in %.1f ms: "
+               "exchanges among them run again",
+               nl, __builtin_popcountll(live) * (int)cn->L, (eng_now_ns() - t0) / 1e6);
+    } else {
+      EPD_LOGI(EPD_SUB_CUDA, "world communicator made again (%u ranks) in %.1f ms: exchanges run again",
+               cn->W, (eng_now_ns() - t0) / 1e6);
+    }
   }
   pthread_mutex_unlock(&eng->mu);
   return NULL;
 }
 
 /* (mu) No exchange runs: the GO order starts again at 0 on every node (none is in flight: every step
- * waited for the restarted node's part), and the thread makes the world communicator again. */
+ * waited for the restarted node's part; after a loss, node 0 orders none while its world communicator is
+ * down), and the thread makes the world communicator again. */
 static int remake_start(cnet_t *cn) {
   if (cn->remake_started) pthread_join(cn->remake_th, NULL); /* the last attempt's thread, finished */
   cn->remake_started = 0;
@@ -876,11 +919,37 @@ static int ready_expired(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   return cnet_ask_off(cn, cg, since, now, 0, why);
 }
 
+/* (mu) Node 0: the world communicator was aborted for a node lost mid-exchange and no restarted node is
+ * making it again: where two nodes or more are left, they make one without the lost nodes
+ * (epd_net_world_without), so that their steps exchange again before the lost node returns. */
+static int without_lost(cnet_t *cn) {
+  epd_net_t *net = cn->eng->o.net;
+  if (cn->node != 0 || !cn->world_down || cn->without_sent || cn->remake_req || cn->remaking || cn->run ||
+      epd_net_remake_pending(net))
+    return 0;
+  uint64_t live = 1;
+  char why[160];
+  for (uint32_t n = 1; n < cn->nodes && n < 64; n++)
+    if (!epd_net_node_dead(net, n, why, sizeof why)) live |= 1ull << n;
+  const int left = __builtin_popcountll(live);
+  if (left < 2 || left == (int)cn->nodes) return 0; /* no one to exchange with, or no node lost (yet) */
+  uint8_t id[EPD_CC_UNIQUE_ID_BYTES];
+  char err[256] = "";
+  cn->without_sent = 1;
+  if (epd_cc_unique_id(id, err, sizeof err)) {
+    EPD_LOGW(EPD_SUB_CUDA, "no world communicator without the lost nodes: %s", err);
+    return 0;
+  }
+  epd_net_world_without(net, live, id);
+  return 1;
+}
+
 int eng_cuda_net_poll(cnet_t *cn) {
   epd_engine_t *eng = cn->eng;
   int moved = 0;
   pthread_mutex_lock(&eng->mu);
   uint64_t now = eng_now_ns();
+  moved |= without_lost(cn);
   if (cn->remake_req && !cn->run && !cn->remaking) moved |= remake_start(cn);
   /* groups removed (not while their exchange runs) */
   for (cnet_grp_t *cg = cn->groups, *next; cg; cg = next) {

@@ -55,9 +55,10 @@ int eng_cuda_net_poll(cnet_t *cn);
 epd_result_t eng_cuda_net_attach(cnet_t *cn, eng_group_t *grp, char *err, size_t errlen);
 /* (mu) A client leaves: withdraw its submitted slot and fail the local peers of a step being collected. */
 void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost);
-/* (mu) A restarted node joins: make the world communicator again over id once no exchange runs (a thread
- * of its own; meanwhile no exchange starts here). */
-void eng_cuda_net_remake(cnet_t *cn, const uint8_t *id);
+/* (mu) Make the world communicator again over id with the nodes in live (0: every node, a restarted node
+ * joins; else the nodes left after a loss) once no exchange runs (a thread of its own; meanwhile no
+ * exchange starts here). */
+void eng_cuda_net_remake(cnet_t *cn, const uint8_t *id, uint64_t live);
 /* (mu) Node `node`'s word on step `step` of group (epd_net_step_off: what, why): on node 0 a request to
  * give it up, answered at the next poll; on another node node 0's answer; from any node, its world
  * communicator aborted (group ""). */

@@ -76,14 +76,15 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     pthread_mutex_unlock(&eng->mu);
     return;
   }
-  if (c.kind == CTL_WORLD) { /* why: the new world communicator's id (EPD_NET_COMM_ID_BYTES) */
+  if (c.kind ==
+      CTL_WORLD) { /* why: the new world communicator's id (EPD_NET_COMM_ID_BYTES), mask: its nodes */
     if (!f->local && f->src_node != 0) {
       EPD_LOGW(EPD_SUB_ENGINE, "node %u sent a world communicator id (only node 0 may): ignored",
                f->src_node);
       return;
     }
     pthread_mutex_lock(&eng->mu);
-    if (eng->ops->world_remake) eng->ops->world_remake(eng, (const uint8_t *)c.why);
+    if (eng->ops->world_remake) eng->ops->world_remake(eng, (const uint8_t *)c.why, c.mask);
     pthread_mutex_unlock(&eng->mu);
     return;
   }

@@ -434,6 +434,18 @@ void epd_net_world_remake(epd_net_t *net, uint32_t except, const uint8_t *id) {
   ctl_local(net, net->node_rank, &m);
 }
 
+void epd_net_world_without(epd_net_t *net, uint64_t live, const uint8_t *id) {
+  ctl_msg_t m = {.kind = CTL_WORLD, .mask = live};
+  memcpy(m.why, id, EPD_NET_COMM_ID_BYTES);
+  for (uint32_t n = 1; n < net->nodes && n < 64; n++)
+    if ((live >> n & 1) && net_send_ctl(net, n, "", &m, NULL, NULL))
+      EPD_LOGW(EPD_SUB_ENGINE,
+               "the id of the world communicator without the lost nodes was not sent to node %u "
+               "(its link is down)",
+               n);
+  ctl_local(net, net->node_rank, &m);
+}
+
 /* A restarted node connects to this one again: the link to it must be down (its old daemon is gone); the
  * old receiver is stopped and joined, the new connection takes its place, and the control thread is
  * told (a local frame: link_up) so that the engine forgets what it knew of that node's groups. */

@@ -126,8 +126,9 @@ enum {
   CTL_LOST = 8, /* version: a world rank of the sender; req_id: its first step without the rank's client (MAX:
                    back) */
   CTL_LINK_UP = 9, /* local only (revive): the link to src_node is up again */
-  CTL_WORLD = 10, /* from node 0 (or local on node 0): make the world communicator again over the id in why */
-  CTL_MASK = 11,  /* version: a world rank of the sender, status: 1 masked there, 0 back (groups that mask) */
+  CTL_WORLD = 10,  /* from node 0 (or local on node 0): make the world communicator again over the id in why
+                    * with the nodes in mask (0: every node) */
+  CTL_MASK = 11, /* version: a world rank of the sender, status: 1 masked there, 0 back (groups that mask) */
   CTL_LINK_DOWN = 12, /* local only (the link's receiver): the link to src_node is down */
   CTL_STEP_OFF = 13   /* req_id: a step of the group, status: what, version: peer + 1 (epd_net_step_off) */
 };

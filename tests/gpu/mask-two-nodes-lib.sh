@@ -1,16 +1,17 @@
 #!/bin/bash
-# mask-two-nodes-lib.sh - helpers of the GPU tests with a masking group across two nodes of 2 ranks each
-# (170, 174), sourced after two-nodes-lib.sh and start_nodes. Workers run with --mask (each step checked
-# against the reference computed with the mask its completion reports) on an expert map that places
-# every expert on two ranks of different nodes (E experts, REP_NEXT = 2: replicated_map of
-# mask-chaos-lib.sh). GROUP and MODE name the group the workers attach to.
-E=16 REP_NEXT=2 # the second replica of every expert on the other node
+# mask-two-nodes-lib.sh - helpers of the GPU tests with a masking group across the nodes of
+# two-nodes-lib.sh (170 and 174: two nodes of 2 ranks; 175: three of one), sourced after it and
+# start_nodes. Workers run with --mask (each step checked against the reference computed with the mask
+# its completion reports) on an expert map that places every expert on two ranks (E experts, the second
+# replica REP_NEXT ranks on: replicated_map of mask-chaos-lib.sh; REP_NEXT = 2 with two nodes of 2: on
+# the other node). GROUP and MODE name the group the workers attach to.
+E=16 REP_NEXT=2
 ctl() { "$EPDCTL" -s "$T/n0/control.sock" "$@"; }
-run_worker() { # RANK STEPS OUT [ARGS...]: at its node (ranks 0-1 node 0, 2-3 node 1)
+run_worker() { # RANK STEPS OUT [ARGS...]: at its node (rank r at node r / GPN)
   local r=$1 steps=$2 out=$3
   shift 3
   CUDA_VISIBLE_DEVICES=$(gpu_of "$r") "$WORKER" -s "$T/n$((r / GPN))/control.sock" -g "$GROUP" --mode "$MODE" \
-    -r "$r" -n 4 --steps "$steps" --seed 9 --experts $E --hidden 128 --topk 4 --tokens 16 --same-inputs --mask \
+    -r "$r" -n "$WR" --steps "$steps" --seed 9 --experts $E --hidden 128 --topk 4 --tokens 16 --same-inputs --mask \
     --until-streak 1000000 --node-ranks $GPN "$@" > "$out" 2>&1 &
 }
 # the steps a worker (-v) checked and found equal to the reference (0 before its output exists)
@@ -21,9 +22,9 @@ stepping() { # stepping N OUT...: each worker of these outputs checked N more st
   for f in "$@"; do c="$c [ \$(cat $f 2> /dev/null | grep -c ' ok\$') -ge $(($(checked "$f") + n)) ] &&"; done
   wait_for 60 sh -c "$c true"
 }
-pair() { # pair NODE TAG: new -v workers of both ranks of NODE, outputs $T/TAGr.out, pids in V_r
+pair() { # pair NODE TAG: new -v workers of every rank of NODE, outputs $T/TAGr.out, pids in V_r
   local r
-  for r in $(($1 * 2)) $(($1 * 2 + 1)); do
+  for r in $(seq $(($1 * GPN)) $(($1 * GPN + GPN - 1))); do
     run_worker $r 1000000 "$T/$2$r.out" -v
     eval "V_$r=\$!"
   done
