@@ -2,9 +2,10 @@
  * test_cnet.c - the CUDA inter-node stage's step programs (daemon/cnet_plan.c) run on the CPU: the
  * kernels emulated over host memory, ncclSend/ncclRecv emulated by copies between the rail peers of
  * every node pair. For 2 and 3 nodes of 1 and 2 ranks, LL and HT, BF16 and FP8, skewed routing, an
- * empty rank: every receive buffer must equal the single-world reference byte for byte, OUT within
- * BF16 rounding of it, each token must cross to a node exactly once however many of its ranks it
- * goes to, and an FP8 dispatch must cross as FP8 (quantised before the exchange).
+ * empty rank, a node out of the step (its ranks masked: no rows to or from it): every receive buffer
+ * must equal the single-world reference byte for byte, OUT within BF16 rounding of it, each token must
+ * cross to a node exactly once however many of its ranks it goes to, and an FP8 dispatch must cross as
+ * FP8 (quantised before the exchange).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -53,7 +54,16 @@ static void free_out(epd_ref_out_t *o) {
   free(o->recv_topk_weights);
 }
 
-static void run_case(uint32_t nodes, uint32_t L, int mode, int fp8, int skew, uint64_t seed) {
+/* Every rank of node n is in mask. */
+static int node_out(uint64_t mask, uint32_t n, uint32_t L) {
+  const uint64_t all = (1ull << L) - 1;
+  return (mask >> (n * L) & all) == all;
+}
+
+/* mask: world ranks out of the step (masked): no tokens of theirs, their experts' entries dropped; a node
+ * whose ranks are all masked gets no rows and sends none (its place on the world communicator may be
+ * gone: a world made again without it). */
+static void run_case(uint32_t nodes, uint32_t L, int mode, int fp8, int skew, uint64_t seed, uint64_t mask) {
   uint32_t W = nodes * L;
   ASSERT(W <= MAXW);
   epd_ref_geom_t g = {.num_ranks = W,
@@ -67,12 +77,18 @@ static void run_case(uint32_t nodes, uint32_t L, int mode, int fp8, int skew, ui
   epd_expert_map_t map;
   ASSERT_OK(epd_ref_map_default(&map, g.num_experts, W, S));
   map.ranks_per_node = L;
+  if (mask) {
+    epd_expert_map_t full = map;
+    ASSERT_OK(epd_ref_map_mask(&map, &full, mask));
+    epd_expert_map_free(&full);
+  }
   rank_mem_t m[MAXW];
   epd_ref_in_t in[MAXW];
   memset(m, 0, sizeof m);
   uint64_t rs = seed;
   for (uint32_t r = 0; r < W; r++) {
     uint32_t T = r == 1 ? 0 : M - (uint32_t)(epd_ref_rand(&rs) % 5); /* rank 1 sends nothing */
+    if (mask >> r & 1) T = 0;
     m[r].x = zalloc((size_t)M * H * 2);
     m[r].idx = zalloc((size_t)M * K * 8);
     m[r].w = zalloc((size_t)M * K * 4);
@@ -168,6 +184,7 @@ static void run_case(uint32_t nodes, uint32_t L, int mode, int fp8, int skew, ui
         if (p == n) continue;
         uint32_t cnt = pg[n].side[l].send_rows[p];
         ASSERT_EQ(cnt, pg[p].side[l].recv_rows[n]);
+        if (node_out(mask, p, L) || node_out(mask, n, L)) ASSERT_EQ(cnt, 0u); /* no rows to or from it */
         memcpy(m[p * L + l].xrecv[n], m[n * L + l].xsend[p], (size_t)cnt * pg[n].row_bytes);
         sent += cnt;
       }
@@ -230,6 +247,7 @@ static void run_case(uint32_t nodes, uint32_t L, int mode, int fp8, int skew, ui
         if (p == n) continue;
         uint32_t cnt = pg[n].side[l].send_rows[p];
         ASSERT_EQ(cnt, pg[p].side[l].recv_rows[n]);
+        if (node_out(mask, p, L) || node_out(mask, n, L)) ASSERT_EQ(cnt, 0u); /* no rows to or from it */
         memcpy(m[p * L + l].precv[n], m[n * L + l].psend[p], (size_t)cnt * pg[n].row_bytes);
       }
   for (uint32_t n = 0; n < nodes; n++)
@@ -256,21 +274,27 @@ static void run_case(uint32_t nodes, uint32_t L, int mode, int fp8, int skew, ui
 }
 
 EPD_TEST(cnet_ll_two_nodes_one_gpu) {
-  run_case(2, 1, EPD_MODE_LL, 0, 0, 1);
-  run_case(2, 1, EPD_MODE_LL, 1, 1, 2);
+  run_case(2, 1, EPD_MODE_LL, 0, 0, 1, 0);
+  run_case(2, 1, EPD_MODE_LL, 1, 1, 2, 0);
 }
 EPD_TEST(cnet_ll_two_nodes_two_gpus) {
-  run_case(2, 2, EPD_MODE_LL, 0, 1, 3);
-  run_case(2, 2, EPD_MODE_LL, 1, 0, 4);
+  run_case(2, 2, EPD_MODE_LL, 0, 1, 3, 0);
+  run_case(2, 2, EPD_MODE_LL, 1, 0, 4, 0);
 }
 EPD_TEST(cnet_ll_three_nodes) {
-  run_case(3, 1, EPD_MODE_LL, 1, 1, 5);
-  run_case(3, 2, EPD_MODE_LL, 0, 0, 6);
+  run_case(3, 1, EPD_MODE_LL, 1, 1, 5, 0);
+  run_case(3, 2, EPD_MODE_LL, 0, 0, 6, 0);
 }
 EPD_TEST(cnet_ht_nodes) {
-  run_case(2, 1, EPD_MODE_HT, 0, 1, 7);
-  run_case(2, 2, EPD_MODE_HT, 1, 0, 8);
-  run_case(3, 2, EPD_MODE_HT, 0, 1, 9);
+  run_case(2, 1, EPD_MODE_HT, 0, 1, 7, 0);
+  run_case(2, 2, EPD_MODE_HT, 1, 0, 8, 0);
+  run_case(3, 2, EPD_MODE_HT, 0, 1, 9, 0);
+}
+EPD_TEST(cnet_node_out_of_the_step) {
+  run_case(3, 1, EPD_MODE_LL, 0, 1, 10, 1ull << 2);             /* node 2 lost */
+  run_case(3, 2, EPD_MODE_LL, 1, 0, 11, 3ull << 4);             /* node 2's two ranks */
+  run_case(3, 2, EPD_MODE_HT, 0, 1, 12, 3ull << 2);             /* node 1, between the others */
+  run_case(3, 2, EPD_MODE_HT, 1, 1, 13, 1ull << 1 | 3ull << 4); /* node 2, and one rank of node 0 */
 }
 EPD_TEST(cnet_refuses_bad_geometry) {
   epd_ref_geom_t g = {.num_ranks = 4,
