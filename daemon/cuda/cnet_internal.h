@@ -52,7 +52,7 @@ typedef struct cnet_grp {
   epd_desc_t ldesc[EPD_MAX_RANKS]; /* local ranks' descriptors */
   uint32_t narrived;
   uint64_t first_ns, last_ns, run_ns;
-  uint64_t ready_seq, ready_ns;   /* PH_READY: in which order (node 0 orders by it) and since when */
+  uint64_t ready_seq, ready_ns;   /* PH_READY: in which order (the lead orders by it) and since when */
   uint8_t *frame[CNET_MAX_NODES]; /* every node's payload of the step (own included) */
   size_t flen[CNET_MAX_NODES];
   int plan_init;
@@ -77,21 +77,21 @@ typedef struct cnet_grp {
   epd_expert_map_t omap;
   epd_buffer_desc_t obufs[EPD_MAX_BUFFERS];
   uint32_t onbufs;
-  /* Steps given up across nodes (epd_net_step_off): node 0 decides whether a step runs, since it orders
-   * the exchanges. No step below off_to runs: on node 0, a node asked to give one up or a step failed
-   * here; on the others, node 0's word (off_why, off_peer: the reason). Node 0: the last step it ordered
-   * (go_step, if go_valid) and a node's request not yet answered (wd_pending: its step wd_step, node
-   * wd_node, the rank it waited for wd_peer, reason wd_why). Another node: when it asked node 0 to give the
-   * step up (wd_ns, 0: not), and node 0's answer that steps below ordered_to were ordered (their GO comes).
-   */
+  /* Steps given up across nodes (epd_net_step_off): the lead decides whether a step runs, since it orders
+   * the exchanges. No step below off_to runs: on the lead, a node asked to give one up or a step failed
+   * here; on the others, the lead's word (off_why, off_peer: the reason). The lead: the last step it
+   * ordered (go_step, if go_valid) and a node's request not yet answered (wd_pending: its step wd_step,
+   * node wd_node, the rank it waited for wd_peer, reason wd_why). Another node: when it asked the lead to
+   * give the step up (wd_ns, 0: not), and the lead's answer that steps below ordered_to were ordered (their
+   * GO comes). */
   uint64_t off_to, go_step, wd_step, wd_ns, ordered_to;
   int off_peer, go_valid, wd_pending, wd_peer;
   uint32_t wd_node;
   char off_why[256], wd_why[256];
 } cnet_grp_t;
 
-/* Node 0's word on the next exchange (a payload of group "" numbered by cnet.go_seq): every node runs the
- * groups' exchanges in this order, so the NCCL calls on the world communicator match. */
+/* The lead's word on the next exchange (a payload of group "" numbered by cnet.go_seq): every node runs
+ * the groups' exchanges in this order, so the NCCL calls on the world communicator match. */
 typedef struct cnet_go {
   char group[EPD_GROUP_NAME_MAX];
   uint64_t step;
@@ -107,7 +107,7 @@ struct cnet {
   cnet_grp_t *groups; /* the groups served (those with a client on this node) */
   cnet_grp_t *run;    /* the group whose step runs: one exchange at a time */
   uint64_t run_end_ns;
-  uint64_t go_seq; /* node 0: exchanges ordered so far; other nodes: the number of the next GO */
+  uint64_t go_seq; /* the lead: exchanges ordered so far; other nodes: the number of the next GO */
   uint64_t ready_ctr;
   cnet_go_t go; /* other nodes: GO go_seq, taken, its step not yet ready here */
   int go_have;
@@ -118,19 +118,23 @@ struct cnet {
    * a thread of its own once no exchange runs; meanwhile no exchange starts here. */
   int remake_req, remaking, remake_started;
   /* The nodes of the world communicator being made (bit k: node k; 0: every node) and of the one in use
-   * (world_live); node 0 sent the nodes left an id without the lost ones (without_sent: once a loss). */
-  uint64_t remake_live, world_live;
+   * (world_nodes); the lead, the first node of world_nodes, orders the exchanges and decides which steps
+   * do not run (node 0 until it is lost). After a loss the first node left sent the others an id without
+   * the lost ones (without_sent: once a loss). */
+  uint64_t remake_live, world_nodes;
+  uint32_t lead;
   int without_sent;
   /* A node was lost mid-exchange (cnet_poll_run), here or on another node (its EPD_NET_OFF_WORLD: the
-   * nodes in aborted): the world communicator is aborted, so only steps of this node alone run until it
-   * is made again (a restarted node's remake); world_why: the loss. */
+   * nodes in aborted), or the lead was lost: the world communicator is aborted or its order broken, so
+   * only steps of this node alone run until it is made again (without the lost nodes, or with a
+   * restarted one); world_why: the loss. */
   int world_down;
   uint64_t aborted;
   char world_why[320];
   int remake_cancel; /* (atomic) give the attempt up: stopping, or a newer id came */
   pthread_t remake_th;
   uint8_t remake_id[EPD_CC_UNIQUE_ID_BYTES];
-  /* Node 0: steps another node asked to give up (epd_net_step_off) of groups not served here yet, taken
+  /* The lead: steps another node asked to give up (epd_net_step_off) of groups not served here yet, taken
    * as off_to by the group when it is (its first client here comes later than the other nodes' steps;
    * kept CNET_UNSERVED_NS). */
   struct {
@@ -153,18 +157,24 @@ void cnet_start_run(cnet_t *cn, cnet_grp_t *cg);
 /* (mu) The step's GPU work: done, failed, or past the timeout; 1 if it ended. */
 int cnet_poll_run(cnet_t *cn, cnet_grp_t *cg, uint64_t now);
 
-/* Steps given up across nodes (cnet_off.c; node 0 decides). (mu) No step of the group below `to` runs
- * (peer, why: the reason); node 0 tells every other node but those out of the steps in mask. */
+/* (mu) This node orders the exchanges. */
+static inline int cnet_leads(const cnet_t *cn) {
+  return cn->node == cn->lead;
+}
+
+/* Steps given up across nodes (cnet_off.c; the lead decides). (mu) No step of the group below `to` runs
+ * (peer, why: the reason); the lead tells every other node of its world but those out of the steps in
+ * mask. */
 void cnet_off_raise(cnet_t *cn, cnet_grp_t *cg, uint64_t to, int peer, const char *why, uint64_t mask);
 /* (mu) A group served from now: what was given up of it while it was not. */
 void cnet_unserved_take(cnet_t *cn, cnet_grp_t *cg);
-/* (mu) Node 0: answer a node's request to give a step up (ordered: the step runs; else it is given up
+/* (mu) The lead: answer a node's request to give a step up (ordered: the step runs; else it is given up
  * everywhere); 1 if given up. */
 int cnet_answer_off(cnet_t *cn, cnet_grp_t *cg);
 /* (mu) A step below off_to waiting for parts or its turn fails: 1 if so. */
 int cnet_off_check(cnet_t *cn, cnet_grp_t *cg);
-/* (mu) Not node 0: the step waited past the step timeout since `since` for a part or its GO (what): ask
- * node 0 once to give it up; fail only without node 0's word. 1 if it failed. */
+/* (mu) Not the lead: the step waited past the step timeout since `since` for a part or its GO (what): ask
+ * the lead once to give it up; fail only without its word. 1 if it failed. */
 int cnet_ask_off(cnet_t *cn, cnet_grp_t *cg, uint64_t since, uint64_t now, int peer, const char *what);
 
 #endif /* EPD_WITH_CUDA */

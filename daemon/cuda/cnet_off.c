@@ -1,8 +1,9 @@
 /*
- * cnet_off.c - steps given up across nodes on the CUDA backend (cnet_internal.h): node 0 orders the
- * exchanges, so node 0 decides which steps do not run. Another node that waited a step timeout asks it
- * (EPD_NET_OFF_ASK); node 0 answers that the step was ordered (its GO comes) or gives it up and tells
- * every node (EPD_NET_OFF_NO); a node whose exchange aborted tells every node (EPD_NET_OFF_WORLD).
+ * cnet_off.c - steps given up across nodes on the CUDA backend (cnet_internal.h): the lead (node 0, or the
+ * first node left after its loss) orders the exchanges, so it decides which steps do not run. Another
+ * node that waited a step timeout asks it (EPD_NET_OFF_ASK); the lead answers that the step was ordered
+ * (its GO comes) or gives it up and tells every node (EPD_NET_OFF_NO); a node whose exchange aborted, or
+ * that lost the lead, tells every node (EPD_NET_OFF_WORLD).
  */
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -28,15 +29,15 @@ static cnet_grp_t *by_name(cnet_t *cn, const char *group) {
   return orphan;
 }
 
-/* (mu) No step of the group below `to` runs (peer, why: the reason); node 0 tells every other node but
- * those out of the steps in mask (net_node_masked). */
+/* (mu) No step of the group below `to` runs (peer, why: the reason); the lead tells every other node of
+ * its world but those out of the steps in mask (net_node_masked). */
 void cnet_off_raise(cnet_t *cn, cnet_grp_t *cg, uint64_t to, int peer, const char *why, uint64_t mask) {
   if (to <= cg->off_to) return;
   cg->off_to = to;
   cg->off_peer = peer;
   snprintf(cg->off_why, sizeof cg->off_why, "%s", why);
-  for (uint32_t n = 1; cn->node == 0 && n < cn->nodes; n++)
-    if (!net_node_masked(cn->eng, mask, n))
+  for (uint32_t n = 0; cnet_leads(cn) && n < cn->nodes && n < 64; n++)
+    if (n != cn->node && (cn->world_nodes >> n & 1) && !net_node_masked(cn->eng, mask, n))
       epd_net_step_off(cn->eng->o.net, n, cg->gname, to - 1, EPD_NET_OFF_NO, peer, why);
 }
 
@@ -71,7 +72,7 @@ void cnet_unserved_take(cnet_t *cn, cnet_grp_t *cg) {
     }
 }
 
-/* (mu) Node 0: a step of that name was ordered, that step or a later one (the asking node is at it). */
+/* (mu) The lead: a step of that name was ordered, that step or a later one (the asking node is at it). */
 static int ordered(cnet_t *cn, const char *group, uint64_t step) {
   for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
     if (!strcmp(cg->gname, group) && cg->go_valid && cg->go_step >= step) return 1;
@@ -88,12 +89,19 @@ void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_
     cn->world_down = 1;
     return;
   }
+  if (what == EPD_NET_OFF_ASK ? !cnet_leads(cn) : node != cn->lead) { /* sent before the lead changed */
+    EPD_LOGW(EPD_SUB_CUDA,
+             "node %u sent a step notice (%d) about group %s step %llu, but node %u orders the exchanges: "
+             "ignored",
+             node, what, group, (unsigned long long)step, cn->lead);
+    return;
+  }
   cnet_grp_t *cg = by_name(cn, group);
   char w[320];
-  if (cn->node != 0) { /* node 0's answer */
+  if (!cnet_leads(cn)) { /* the lead's answer */
     if (cg && what == EPD_NET_OFF_ORDERED && step + 1 > cg->ordered_to) cg->ordered_to = step + 1;
     if (cg && what == EPD_NET_OFF_NO) {
-      snprintf(w, sizeof w, "node 0 gave the step up: %s", why);
+      snprintf(w, sizeof w, "node %u gave the step up: %s", node, why);
       cnet_off_raise(cn, cg, step + 1, peer, w, 0);
     }
     return;
@@ -103,7 +111,8 @@ void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_
     return;
   }
   if (!cg) { /* none of its steps is ordered here: the node goes on, and so will this one when served */
-    snprintf(w, sizeof w, "node %u asked to give it up (the group had no client on node 0): %s", node, why);
+    snprintf(w, sizeof w, "node %u asked to give it up (the group had no client on node %u): %s", node,
+             cn->node, why);
     unserved_put(cn, group, step + 1, w);
     epd_net_step_off(cn->eng->o.net, node, group, step, EPD_NET_OFF_NO, peer, w);
     return;
@@ -117,7 +126,7 @@ void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_
   cg->wd_pending = 1;
 }
 
-/* (mu) Node 0: a node asked to give a step up. Ordered already: the GO is on its way there and the step
+/* (mu) The lead: a node asked to give a step up. Ordered already: the GO is on its way there and the step
  * runs. Else no step of the group up to it runs: one waiting here fails (off_check) and every node hears
  * it (off_raise). */
 int cnet_answer_off(cnet_t *cn, cnet_grp_t *cg) {
@@ -145,10 +154,10 @@ int cnet_off_check(cnet_t *cn, cnet_grp_t *cg) {
   return 1;
 }
 
-/* (mu) Not node 0: the step waited past engine.step_timeout_ms since `since` for a part or for its GO
- * (what). It asks node 0 once to give it up and goes on waiting for node 0's word or the GO; it fails
- * here only if the link to node 0 is down or node 0 answers nothing within another timeout (an exchange
- * node 0 orders after that would find no partner here). 1 if it failed. */
+/* (mu) Not the lead: the step waited past engine.step_timeout_ms since `since` for a part or for its GO
+ * (what). It asks the lead once to give it up and goes on waiting for the lead's word or the GO; it fails
+ * here only if the link to the lead is down or the lead answers nothing within another timeout (an
+ * exchange the lead orders after that would find no partner here). 1 if it failed. */
 int cnet_ask_off(cnet_t *cn, cnet_grp_t *cg, uint64_t since, uint64_t now, int peer, const char *what) {
   epd_engine_t *eng = cn->eng;
   const uint64_t to = (uint64_t)eng->o.step_timeout_ms * 1000000ull;
@@ -156,19 +165,19 @@ int cnet_ask_off(cnet_t *cn, cnet_grp_t *cg, uint64_t since, uint64_t now, int p
   if (!cg->wd_ns) {
     if (now <= since || now - since <= to) return 0;
     cg->wd_ns = now;
-    if (!epd_net_step_off(eng->o.net, 0, cg->gname, cg->step, EPD_NET_OFF_ASK, peer, what)) {
-      EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s: asked node 0 to give the step up", cg->gname,
-               (unsigned long long)cg->step, what);
+    if (!epd_net_step_off(eng->o.net, cn->lead, cg->gname, cg->step, EPD_NET_OFF_ASK, peer, what)) {
+      EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s: asked node %u to give the step up", cg->gname,
+               (unsigned long long)cg->step, what, cn->lead);
       return 0;
     }
-    snprintf(why, sizeof why, "%s (the link to node 0 is down)", what);
+    snprintf(why, sizeof why, "%s (the link to node %u is down)", what, cn->lead);
   } else {
-    /* ordered (node 0 said so, or its GO is held here): the step runs once its parts are in */
+    /* ordered (the lead said so, or its GO is held here): the step runs once its parts are in */
     if (now - cg->wd_ns <= to || cg->ordered_to > cg->step ||
         (cn->go_have && cn->go.step == cg->step && !strcmp(cn->go.group, cg->gname)))
       return 0;
-    snprintf(why, sizeof why, "%s, and node 0 did not answer within %u ms when asked to give the step up",
-             what, eng->o.step_timeout_ms);
+    snprintf(why, sizeof why, "%s, and node %u did not answer within %u ms when asked to give the step up",
+             what, cn->lead, eng->o.step_timeout_ms);
     EPD_LOGE(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->step, why);
   }
   cnet_complete(cn, cg, EPD_ERR_TIMEOUT, peer, why);

@@ -216,10 +216,11 @@ static epd_result_t issue(cnet_t *cn, cnet_grp_t *cg, char *err, size_t errlen) 
   return EPD_OK;
 }
 
-/* (mu) Node `lost` of the running exchange is gone (its link is down; why): the world communicator is
- * aborted so that the exchange's kernels stop, and the step fails. The engine goes on: steps of this
- * node alone run at once (the lost node is out of them), steps with another node once a restarted node
- * makes the world communicator again (remake_main). Kernels that do not stop fail the engine. */
+/* (mu) Node `lost` of the running exchange, or the lead, is gone (its link is down; why): the world
+ * communicator is aborted so that the exchange's kernels stop, and the step fails. The engine goes on:
+ * steps of this node alone run at once (the lost node is out of them), steps with another node once the
+ * world communicator is made again (remake_main: without the lost nodes, or with a restarted one).
+ * Kernels that do not stop fail the engine. */
 static int world_lost(cnet_t *cn, cnet_grp_t *cg, uint32_t lost, const char *why) {
   epd_engine_t *eng = cn->eng;
   int stuck = 0;
@@ -249,13 +250,14 @@ static int world_lost(cnet_t *cn, cnet_grp_t *cg, uint32_t lost, const char *why
     if (n != cn->node) epd_net_step_off(eng->o.net, n, "", 0, EPD_NET_OFF_WORLD, -1, why);
   EPD_LOGE(EPD_SUB_CUDA,
            "group %s step %llu: %s: world communicator aborted (%.1f ms, streams drained in %.1f ms); steps "
-           "of this node alone go on, steps with another node fail until a restarted node makes it again",
+           "of this node alone go on, steps with another node fail until it is made again",
            cg->gname, (unsigned long long)cg->step, why, (double)(t1 - t0) / 1e6, (double)(t2 - t1) / 1e6);
   cnet_complete(cn, cg, EPD_ERR_PEER, (int)(lost * cn->L), why);
   return 1;
 }
 
-/* (mu) A node of the step whose link is down, or -1; why gets it. */
+/* (mu) A node of the step whose link is down, or the lead if its link is (its last order may not have
+ * reached every node of the step), or -1; why gets it. */
 static int dead_node(cnet_t *cn, cnet_grp_t *cg, char *why, size_t wl) {
   char lw[160];
   for (uint32_t n = 0; n < cn->nodes; n++)
@@ -271,6 +273,11 @@ static int dead_node(cnet_t *cn, cnet_grp_t *cg, char *why, size_t wl) {
                n * cn->L + cn->L - 1);
       return (int)n;
     }
+  if (!cnet_leads(cn) && epd_net_node_dead(cn->eng->o.net, cn->lead, lw, sizeof lw)) {
+    snprintf(why, wl, "node %u (ranks %u..%u), which ordered the exchanges, was lost mid-exchange: %s",
+             cn->lead, cn->lead * cn->L, cn->lead * cn->L + cn->L - 1, lw);
+    return (int)cn->lead;
+  }
   return -1;
 }
 

@@ -1,7 +1,7 @@
 /*
  * engine_cuda_net.c - the CUDA backend across nodes (see engine_cuda_net.h): control frames over the
  * daemon links, the verdict on every node's part, and the order of the exchanges (their running:
- * cnet_run.c; steps node 0 gives up: cnet_off.c).
+ * cnet_run.c; steps the lead gives up: cnet_off.c).
  */
 #define _GNU_SOURCE
 #include "cuda/engine_cuda_net.h"
@@ -38,6 +38,7 @@ epd_result_t eng_cuda_net_create(epd_engine_t *eng, epd_cc_t *cc, const int *dev
   cn->nodes = eng->o.nodes;
   cn->node = eng->o.node_rank;
   cn->W = cn->L * cn->nodes;
+  cn->world_nodes = cn->nodes >= 64 ? ~0ull : (1ull << cn->nodes) - 1;
   for (uint32_t l = 0; l < cn->L; l++) {
     cnet_dev_t *d = &cn->d[l];
     d->device = devices[l];
@@ -130,8 +131,8 @@ void eng_cuda_net_remake(cnet_t *cn, const uint8_t *id, uint64_t live) {
   char nl[256];
   if (live && !(live >> cn->node & 1)) {
     node_list(live, cn->nodes, nl, sizeof nl);
-    EPD_LOGW(EPD_SUB_CUDA, "node 0 asked for a world communicator of nodes %s, without this one: ignored",
-             nl);
+    EPD_LOGW(EPD_SUB_CUDA, "node %u asked for a world communicator of nodes %s, without this one: ignored",
+             __builtin_ctzll(live), nl);
     return;
   }
   memcpy(cn->remake_id, id, sizeof cn->remake_id);
@@ -141,14 +142,32 @@ void eng_cuda_net_remake(cnet_t *cn, const uint8_t *id, uint64_t live) {
   if (live) {
     node_list(live, cn->nodes, nl, sizeof nl);
     EPD_LOGI(EPD_SUB_CUDA,
-             "a node was lost mid-exchange: the world communicator is made again with the nodes left (%s) "
-             "once no exchange runs here",
+             "a node was lost: the world communicator is made again with the nodes left (%s) once no "
+             "exchange runs here",
              nl);
   } else {
     EPD_LOGI(EPD_SUB_CUDA,
              "a restarted node joins the running world: the world communicator is made again once no "
              "exchange runs here");
   }
+}
+
+/* (mu) The world communicator in use is the one of these nodes: its first node orders the exchanges. A
+ * new lead knows of no step ordered or asked about before (no exchange ran meanwhile). */
+static void lead_from(cnet_t *cn, uint64_t nodes) {
+  const uint32_t lead = (uint32_t)__builtin_ctzll(nodes);
+  cn->world_nodes = nodes;
+  if (lead == cn->lead) return;
+  cn->lead = lead;
+  for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next) {
+    cg->go_valid = 0;
+    cg->wd_pending = 0;
+    cg->wd_ns = 0;
+    cg->ordered_to = 0;
+  }
+  memset(cn->unserved, 0, sizeof cn->unserved);
+  EPD_LOGI(EPD_SUB_CUDA, "node %u orders the exchanges from now%s", lead,
+           lead == cn->node ? " (this node)" : "");
 }
 
 static void *remake_main(void *arg) {
@@ -172,7 +191,7 @@ static void *remake_main(void *arg) {
     cn->world_down = 1;
     EPD_LOGW(EPD_SUB_CUDA,
              "making the world communicator without the lost nodes failed: %s; steps with another node fail "
-             "until a restarted node makes it again",
+             "until a restarted node joins",
              err);
   } else if (rc && !__atomic_load_n(&cn->remake_cancel, __ATOMIC_ACQUIRE)) {
     eng_fail(eng, "making the world communicator again for a restarted node failed: %s (restart every node)",
@@ -181,6 +200,7 @@ static void *remake_main(void *arg) {
     cn->world_down = 0;
     cn->aborted = 0;
     cn->without_sent = 0;
+    lead_from(cn, live ? live : (cn->nodes >= 64 ? ~0ull : (1ull << cn->nodes) - 1));
     if (live) {
       char nl[256];
       node_list(live, cn->nodes, nl, sizeof nl);
@@ -198,8 +218,8 @@ static void *remake_main(void *arg) {
 }
 
 /* (mu) No exchange runs: the GO order starts again at 0 on every node (none is in flight: every step
- * waited for the restarted node's part; after a loss, node 0 orders none while its world communicator is
- * down), and the thread makes the world communicator again. */
+ * waited for the restarted node's part; after a loss no exchange is ordered while the world communicator
+ * is down), and the thread makes the world communicator again. */
 static int remake_start(cnet_t *cn) {
   if (cn->remake_started) pthread_join(cn->remake_th, NULL); /* the last attempt's thread, finished */
   cn->remake_started = 0;
@@ -382,9 +402,10 @@ void cnet_complete(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const char 
     cg->arrived[l] = 0;
   }
   if (grp) grp->steps++;
-  /* node 0 decides which steps do not run: every other node hears of one that failed here */
-  if (cn->node == 0 && status && cg->phase != PH_RUN)
-    cnet_off_raise(cn, cg, cg->step + 1, peer, why ? why : "failed on node 0", mask);
+  /* the lead decides which steps do not run: every other node hears of one that failed here */
+  if (cnet_leads(cn) && status && cg->phase != PH_RUN)
+    cnet_off_raise(cn, cg, cg->step + 1, peer, why ? why : "failed on the node that orders the exchanges",
+                   mask);
   cg->wd_ns = 0;
   cg->ordered_to = 0;
   cg->narrived = 0;
@@ -715,12 +736,12 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   char why[256] = "";
   int peer = -1;
   if (cnet_off_check(cn, cg)) return 1;
-  /* node 0 times the parts out; the others ask it to (ask_off) */
+  /* the lead times the parts out; the others ask it to (ask_off) */
   int st = net_parts_take(eng, alive ? cg->grp : NULL, cg->gname, cg->step,
                           alive ? eng_net_frames_since(cg->grp) : EPD_NET_TAKE_ONLY, cg->sent_mask,
-                          eng_op_dispatch(cg->ldesc[0].op), cn->node ? 0 : cg->first_ns, cg->frame, cg->flen,
-                          &peer, why, sizeof why);
-  if (st == NET_PARTS_WAIT && cn->node) {
+                          eng_op_dispatch(cg->ldesc[0].op), cnet_leads(cn) ? cg->first_ns : 0, cg->frame,
+                          cg->flen, &peer, why, sizeof why);
+  if (st == NET_PARTS_WAIT && !cnet_leads(cn)) {
     uint32_t n = 0;
     while (n < cn->nodes && (n == cn->node || cg->frame[n] || net_node_masked(eng, cg->sent_mask, n))) n++;
     if (n == cn->nodes) return 0;
@@ -735,10 +756,10 @@ static int wait_frames(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   }
   cg->t_in = eng_now_ns();
   st = decide(cn, cg, &peer, why, sizeof why);
-  /* Node 0, before it orders: a node whose part of a later step is here has left this one (node 0 gave it
-   * up, maybe before the group had a client here), so the step fails (and every node hears it). On
+  /* The lead, before it orders: a node whose part of a later step is here has left this one (the lead gave
+   * it up, maybe before the group had a client here), so the step fails (and every node hears it). On
    * another node such a part does not prove it: the step may have run without this node's rows. */
-  for (uint32_t n = 0; !st && alive && cn->node == 0 && n < cn->nodes; n++) {
+  for (uint32_t n = 0; !st && alive && cnet_leads(cn) && n < cn->nodes; n++) {
     uint64_t later;
     if (n == cn->node || !cg->frame[n] ||
         !(later = epd_net_later_part(eng->o.net, cg->gname, cg->step, n, eng_net_frames_since(cg->grp))))
@@ -771,32 +792,37 @@ static cnet_grp_t *grp_of(cnet_t *cn, const eng_group_t *grp) {
 }
 
 /* (mu) The step runs on this node alone (every other node out of it): no NCCL call crosses nodes, so it
- * takes no place in node 0's order (and runs while node 0 is out). */
+ * takes no place in the lead's order (and runs while the lead is out). */
 static int solo(const cnet_t *cn, const cnet_grp_t *cg) {
   for (uint32_t n = 0; n < cn->nodes; n++)
     if (n != cn->node && !net_node_masked(cn->eng, cg->sent_mask, n)) return 0;
   return 1;
 }
 
-/* (mu) No exchange runs: start the next one. Node 0 takes the step that became ready first and tells
- * every other node (GO, numbered); the others run steps in GO order only, so every node issues the
- * groups' NCCL calls on the world communicator in the same order. */
+/* (mu) Every step ready here fails (status, why): none can run. 1 if one did. */
+static int fail_ready(cnet_t *cn, int status, const char *why) {
+  int moved = 0;
+  for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
+    if (cg->phase == PH_READY) {
+      cnet_complete(cn, cg, status, -1, why);
+      moved = 1;
+    }
+  return moved;
+}
+
+/* (mu) No exchange runs: start the next one. The lead takes the step that became ready first and tells
+ * every other node of its world (GO, numbered); the others run steps in GO order only, so every node
+ * issues the groups' NCCL calls on the world communicator in the same order. */
 static int schedule(cnet_t *cn, uint64_t now) {
   epd_engine_t *eng = cn->eng;
   epd_net_t *net = eng->o.net;
+  char why[480], lw[160];
 
   if (epd_engine_failure(eng)) {
     /* After a failure nothing more is issued here (the world communicator may be aborted, its buffers
-     * in use by the failed exchange): ready steps end with the reason, and node 0 orders nothing. */
-    char why[256];
+     * in use by the failed exchange): ready steps end with the reason, and the lead orders nothing. */
     snprintf(why, sizeof why, "node %u: the engine failed: %s", cn->node, epd_engine_failure(eng));
-    int moved = 0;
-    for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
-      if (cg->phase == PH_READY) {
-        cnet_complete(cn, cg, EPD_ERR_INTERNAL, -1, why);
-        moved = 1;
-      }
-    return moved;
+    return fail_ready(cn, EPD_ERR_INTERNAL, why);
   }
   if (cn->remake_req || cn->remaking) return 0; /* the world communicator is being made again */
   for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
@@ -805,20 +831,13 @@ static int schedule(cnet_t *cn, uint64_t now) {
       return 1;
     }
   if (cn->world_down) { /* no exchange with another node until the world communicator is made again */
-    char why[480];
     snprintf(why, sizeof why,
-             "the world communicator was aborted (%s): steps with another node fail until a restarted node "
-             "makes it again",
+             "the world communicator is down (%s): steps with another node fail until it is made again "
+             "(without the lost nodes, or with a restarted one)",
              cn->world_why);
-    int moved = 0;
-    for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
-      if (cg->phase == PH_READY) {
-        cnet_complete(cn, cg, EPD_ERR_PEER, -1, why);
-        moved = 1;
-      }
-    return moved;
+    return fail_ready(cn, EPD_ERR_PEER, why);
   }
-  if (cn->node == 0) {
+  if (cnet_leads(cn)) {
     cnet_grp_t *next = NULL;
     for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
       if (cg->phase == PH_READY && (!next || cg->ready_seq < next->ready_seq)) next = cg;
@@ -828,11 +847,9 @@ static int schedule(cnet_t *cn, uint64_t now) {
     memset(&go, 0, sizeof go);
     snprintf(go.group, sizeof go.group, "%s", next->gname);
     go.step = next->step;
-    for (uint32_t n = 1; n < cn->nodes; n++)
-      if (epd_net_send_payload(net, n, "", cn->go_seq, &go,
-                               sizeof go)) /* its link is down: it fails the step */
-        EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: the exchange order not sent to node %u (link down)",
-                 next->gname, (unsigned long long)next->step, n);
+    for (uint32_t n = 0; n < cn->nodes && n < 64; n++) /* a node whose link is down fails the step there */
+      if (n != cn->node && (cn->world_nodes >> n & 1) && !epd_net_node_dead(net, n, lw, sizeof lw))
+        epd_net_send_payload(net, n, "", cn->go_seq, &go, sizeof go);
     cn->go_seq++;
     next->go_valid = 1;
     next->go_step = next->step;
@@ -841,7 +858,7 @@ static int schedule(cnet_t *cn, uint64_t now) {
   }
   if (!cn->go_have) {
     size_t len = 0;
-    uint8_t *b = epd_net_take_payload(net, "", cn->go_seq, 0, 0, NULL, &len);
+    uint8_t *b = epd_net_take_payload(net, "", cn->go_seq, cn->lead, 0, NULL, &len);
     if (!b) return 0;
     if (len == sizeof cn->go) {
       memcpy(&cn->go, b, sizeof cn->go);
@@ -849,7 +866,7 @@ static int schedule(cnet_t *cn, uint64_t now) {
       cn->go_have = 1;
       cn->go_ns = now;
     } else {
-      EPD_LOGW(EPD_SUB_CUDA, "node 0 sent a malformed exchange order (%zu bytes): ignored", len);
+      EPD_LOGW(EPD_SUB_CUDA, "node %u sent a malformed exchange order (%zu bytes): ignored", cn->lead, len);
       cn->go_seq++;
     }
     free(b);
@@ -869,28 +886,29 @@ static int schedule(cnet_t *cn, uint64_t now) {
     cnet_start_run(cn, cg);
     return 1;
   }
-  /* A step this node already finished or failed (or of a group gone here): node 0's exchange has no
+  /* A step this node already finished or failed (or of a group gone here): the lead's exchange has no
    * partner here (it fails by its timeout); the next order may be runnable. */
   const uint64_t cur = !cg                                        ? UINT64_MAX
                        : cg->phase == PH_COLLECT && !cg->narrived ? cg->grp->steps
                                                                   : cg->step;
   if (cur > cn->go.step) {
-    EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: node 0 ordered its exchange, but %s here: ignored",
-             cn->go.group, (unsigned long long)cn->go.step,
+    EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: node %u ordered its exchange, but %s here: ignored",
+             cn->go.group, (unsigned long long)cn->go.step, cn->lead,
              cg ? "this node is past that step" : "the group is not served");
     cn->go_have = 0;
     cn->go_seq++;
     return 1;
   }
   /* Held past the step timeout and still not ready here (the group was created again here, and its
-   * steps count from 0 while node 0's are on): never runnable, so it gives way to the next order. Not
+   * steps count from 0 while the lead's are on): never runnable, so it gives way to the next order. Not
    * while this node waits for that step's parts: it runs once they are in, or fails (ask_off). */
   const int waiting = cg && cg->step == cn->go.step && (cg->phase == PH_WAIT || cg->narrived);
   if (!waiting && now > cn->go_ns && now - cn->go_ns > (uint64_t)eng->o.step_timeout_ms * 1000000ull) {
     EPD_LOGW(EPD_SUB_CUDA,
-             "group %s step %llu: node 0 ordered its exchange, but that step was not ready here within %u ms "
-             "(at step %llu here): dropped",
-             cn->go.group, (unsigned long long)cn->go.step, eng->o.step_timeout_ms, (unsigned long long)cur);
+             "group %s step %llu: node %u ordered its exchange, but that step was not ready here within %u "
+             "ms (at step %llu here): dropped",
+             cn->go.group, (unsigned long long)cn->go.step, cn->lead, eng->o.step_timeout_ms,
+             (unsigned long long)cur);
     cn->go_have = 0;
     cn->go_seq++;
     return 1;
@@ -898,41 +916,67 @@ static int schedule(cnet_t *cn, uint64_t now) {
   return 0;
 }
 
-/* (mu) A step ready here that node 0 gave up fails; on another node, one that waited the step timeout
- * for node 0's order while no exchange ran asks node 0 to give it up (ask_off; a lost link to node 0
- * fails it at once). */
+/* (mu) A step ready here that the lead gave up fails; on another node, one that waited the step timeout
+ * for the lead's order while no exchange ran asks the lead to give it up (ask_off; a lost link to the
+ * lead fails it at once). */
 static int ready_expired(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   epd_engine_t *eng = cn->eng;
   const uint64_t since = cg->ready_ns > cn->run_end_ns ? cg->ready_ns : cn->run_end_ns;
   char why[256], lw[160];
   if (cnet_off_check(cn, cg)) return 1;
-  if (solo(cn, cg)) return 0; /* no order to wait for */
-  if (cn->node != 0 && epd_net_node_dead(eng->o.net, 0, lw, sizeof lw)) {
+  if (solo(cn, cg) || cnet_leads(cn)) return 0; /* no order to wait for */
+  if (epd_net_node_dead(eng->o.net, cn->lead, lw, sizeof lw)) {
     snprintf(why, sizeof why,
-             "the data link to node 0 (ranks 0..%u), which orders the exchanges, is down: %s", cn->L - 1, lw);
-    cnet_complete(cn, cg, EPD_ERR_PEER, 0, why);
+             "the data link to node %u (ranks %u..%u), which orders the exchanges, is down: %s", cn->lead,
+             cn->lead * cn->L, cn->lead * cn->L + cn->L - 1, lw);
+    cnet_complete(cn, cg, EPD_ERR_PEER, (int)(cn->lead * cn->L), why);
     return 1;
   }
-  if (cn->node == 0 || cn->run) return 0;
-  snprintf(why, sizeof why, "waited %u ms for node 0 (rank 0) to order the step's exchange",
-           eng->o.step_timeout_ms);
-  return cnet_ask_off(cn, cg, since, now, 0, why);
+  if (cn->run) return 0;
+  snprintf(why, sizeof why, "waited %u ms for node %u (rank %u) to order the step's exchange",
+           eng->o.step_timeout_ms, cn->lead, cn->lead * cn->L);
+  return cnet_ask_off(cn, cg, since, now, (int)(cn->lead * cn->L), why);
 }
 
-/* (mu) Node 0: the world communicator was aborted for a node lost mid-exchange and no restarted node is
- * making it again: where two nodes or more are left, they make one without the lost nodes
- * (epd_net_world_without), so that their steps exchange again before the lost node returns. */
+/* (mu) The lead is lost (its link is down here) while no exchange runs here (one that runs aborts:
+ * cnet_poll_run): its last order may have reached some nodes and not others, so no exchange starts on
+ * the world communicator any more. Every node is told (as after an abort: one whose exchange runs aborts
+ * it), and the first node left hands out one without the lost nodes (without_lost). */
+static int lead_lost(cnet_t *cn) {
+  epd_net_t *net = cn->eng->o.net;
+  char lw[160];
+  if (cnet_leads(cn) || cn->world_down || cn->run || !epd_net_node_dead(net, cn->lead, lw, sizeof lw))
+    return 0;
+  snprintf(cn->world_why, sizeof cn->world_why,
+           "node %u (ranks %u..%u), which ordered the exchanges, was lost: %s", cn->lead, cn->lead * cn->L,
+           cn->lead * cn->L + cn->L - 1, lw);
+  cn->world_down = 1;
+  for (uint32_t n = 0; n < cn->nodes; n++)
+    if (n != cn->node && n != cn->lead) epd_net_step_off(net, n, "", 0, EPD_NET_OFF_WORLD, -1, cn->world_why);
+  EPD_LOGE(EPD_SUB_CUDA,
+           "%s: steps of this node alone go on, steps with another node fail until the nodes left make a "
+           "world communicator without it",
+           cn->world_why);
+  return 1;
+}
+
+/* (mu) The world communicator is down for a lost node and no restarted node is making it again: where two
+ * nodes or more are left, the first of them (node 0, unless it is the one lost) hands them the id of one
+ * without the lost nodes (epd_net_world_without), so that their steps exchange again before the lost node
+ * returns. The nodes of that world are those of the world in use whose link is up here. */
 static int without_lost(cnet_t *cn) {
   epd_net_t *net = cn->eng->o.net;
-  if (cn->node != 0 || !cn->world_down || cn->without_sent || cn->remake_req || cn->remaking || cn->run ||
+  if (!cn->world_down || cn->without_sent || cn->remake_req || cn->remaking || cn->run ||
       epd_net_remake_pending(net))
     return 0;
-  uint64_t live = 1;
+  uint64_t live = 0;
   char why[160];
-  for (uint32_t n = 1; n < cn->nodes && n < 64; n++)
-    if (!epd_net_node_dead(net, n, why, sizeof why)) live |= 1ull << n;
-  const int left = __builtin_popcountll(live);
-  if (left < 2 || left == (int)cn->nodes) return 0; /* no one to exchange with, or no node lost (yet) */
+  for (uint32_t n = 0; n < cn->nodes && n < 64; n++)
+    if ((cn->world_nodes >> n & 1) && (n == cn->node || !epd_net_node_dead(net, n, why, sizeof why)))
+      live |= 1ull << n;
+  if (__builtin_ctzll(live) != (int)cn->node) return 0; /* the first node left hands it out */
+  /* no one to exchange with, or no node lost (yet: another node's notice came first) */
+  if (__builtin_popcountll(live) < 2 || live == cn->world_nodes) return 0;
   uint8_t id[EPD_CC_UNIQUE_ID_BYTES];
   char err[256] = "";
   cn->without_sent = 1;
@@ -949,6 +993,7 @@ int eng_cuda_net_poll(cnet_t *cn) {
   int moved = 0;
   pthread_mutex_lock(&eng->mu);
   uint64_t now = eng_now_ns();
+  moved |= lead_lost(cn);
   moved |= without_lost(cn);
   if (cn->remake_req && !cn->run && !cn->remaking) moved |= remake_start(cn);
   /* groups removed (not while their exchange runs) */
@@ -984,7 +1029,7 @@ int eng_cuda_net_poll(cnet_t *cn) {
     while (*tail) tail = &(*tail)->next;
     *tail = cg;
   }
-  if (cn->node == 0) /* before any step is ordered */
+  if (cnet_leads(cn)) /* before any step is ordered */
     for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next) moved |= cnet_answer_off(cn, cg);
   if (cn->run) moved |= cnet_poll_run(cn, cn->run, now);
   for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next) {

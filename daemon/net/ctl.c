@@ -78,8 +78,12 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
   }
   if (c.kind ==
       CTL_WORLD) { /* why: the new world communicator's id (EPD_NET_COMM_ID_BYTES), mask: its nodes */
-    if (!f->local && f->src_node != 0) {
-      EPD_LOGW(EPD_SUB_ENGINE, "node %u sent a world communicator id (only node 0 may): ignored",
+    /* node 0 hands out every world; the first node left one without the lost nodes (node 0 among them) */
+    const uint32_t from = c.mask ? (uint32_t)__builtin_ctzll(c.mask) : 0;
+    if (!f->local && f->src_node != 0 && f->src_node != from) {
+      EPD_LOGW(EPD_SUB_ENGINE,
+               "node %u sent a world communicator id (only node 0 or the first node of the world may): "
+               "ignored",
                f->src_node);
       return;
     }
@@ -88,11 +92,8 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     pthread_mutex_unlock(&eng->mu);
     return;
   }
-  if (c.kind == CTL_STEP_OFF) { /* asks go to node 0, answers come from it, world notices from anyone */
-    const int ok = c.status == EPD_NET_OFF_ASK ? eng->o.node_rank == 0
-                   : c.status == EPD_NET_OFF_WORLD
-                       ? !group[0]
-                       : c.status > 0 && c.status < EPD_NET_OFF_WORLD && f->src_node == 0;
+  if (c.kind == CTL_STEP_OFF) { /* asks go to the lead, answers come from it (the backend checks that) */
+    const int ok = c.status == EPD_NET_OFF_WORLD ? !group[0] : c.status >= 0 && c.status < EPD_NET_OFF_WORLD;
     if (f->local || f->src_node >= eng->o.nodes || !ok) {
       EPD_LOGW(EPD_SUB_ENGINE,
                "node %u sent a step notice (%d) about group %s step %llu that is not its to send: ignored",

@@ -68,15 +68,17 @@ uint64_t epd_net_frame_seq(epd_net_t *net);
 /* How many times the link to node was made again (a restarted node joined). */
 uint32_t epd_net_link_epoch(epd_net_t *net, uint32_t node);
 void epd_net_world_remake(epd_net_t *net, uint32_t except, const uint8_t *id);
-/* Node 0, a node lost mid-exchange (backend cuda): the nodes in live (bit k: node k; this one among them)
- * make the world communicator again over id without the others, so that they exchange again before the
- * lost node restarts (its restart makes it again with every node: epd_net_world_remake). */
+/* The first node left after a loss (backend cuda): the nodes in live (bit k: node k; this one the first
+ * of them) make the world communicator again over id without the others, so that they exchange again
+ * before the lost node restarts (its restart makes it again with every node: epd_net_world_remake). */
 void epd_net_world_without(epd_net_t *net, uint64_t live, const uint8_t *id);
 /* Word on a step across nodes (CTL_STEP_OFF to node, handled there by the backend's step_off op), what:
- *   EPD_NET_OFF_ASK      to node 0: the sender waited past engine.step_timeout_ms, give `step` up;
- *   EPD_NET_OFF_NO       from node 0: no step of the group up to `step` runs;
- *   EPD_NET_OFF_ORDERED  from node 0: `step` was ordered, its GO is on its way;
- *   EPD_NET_OFF_WORLD    from any node (group ""): its world communicator was aborted (why).
+ *   EPD_NET_OFF_ASK      to the lead: the sender waited past engine.step_timeout_ms, give `step` up;
+ *   EPD_NET_OFF_NO       from the lead: no step of the group up to `step` runs;
+ *   EPD_NET_OFF_ORDERED  from the lead: `step` was ordered, its GO is on its way;
+ *   EPD_NET_OFF_WORLD    from any node (group ""): its world communicator was aborted, or it lost the
+ *                        lead (why).
+ * The lead orders the exchanges: node 0, or the first node of a world made without the lost nodes.
  * peer: the world rank the step waited for (the completions name it), -1 if none. 0, or -1 where the
  * link is down. */
 enum { EPD_NET_OFF_ASK = 0, EPD_NET_OFF_NO = 1, EPD_NET_OFF_ORDERED = 2, EPD_NET_OFF_WORLD = 3 };

@@ -422,28 +422,26 @@ static void ctl_local(epd_net_t *net, uint32_t src_node, const ctl_msg_t *m) {
   ctl_enqueue(net, f);
 }
 
-void epd_net_world_remake(epd_net_t *net, uint32_t except, const uint8_t *id) {
-  atomic_store(&net->remake_pending, 1);
-  ctl_msg_t m = {.kind = CTL_WORLD};
+/* CTL_WORLD over id to every node of `to` (bit k: node k) whose link is up, and to this node's own
+ * control thread; mask: the nodes of that world (0: every node). */
+static void world_send(epd_net_t *net, uint64_t to, uint64_t mask, const uint8_t *id, const char *what) {
+  ctl_msg_t m = {.kind = CTL_WORLD, .mask = mask};
   _Static_assert(sizeof m.why >= EPD_NET_COMM_ID_BYTES, "the id fits");
   memcpy(m.why, id, EPD_NET_COMM_ID_BYTES);
-  for (uint32_t n = 1; n < net->nodes; n++)
-    if (n != except && !atomic_load(&net->peer[n].dead) && net_send_ctl(net, n, "", &m, NULL, NULL))
-      EPD_LOGW(EPD_SUB_ENGINE, "the new world communicator's id was not sent to node %u (its link is down)",
-               n);
+  for (uint32_t n = 0; n < net->nodes && n < 64; n++)
+    if (n != net->node_rank && (to >> n & 1) && !atomic_load(&net->peer[n].dead) &&
+        net_send_ctl(net, n, "", &m, NULL, NULL))
+      EPD_LOGW(EPD_SUB_ENGINE, "the id of %s was not sent to node %u (its link is down)", what, n);
   ctl_local(net, net->node_rank, &m);
 }
 
+void epd_net_world_remake(epd_net_t *net, uint32_t except, const uint8_t *id) {
+  atomic_store(&net->remake_pending, 1);
+  world_send(net, ~(except < 64 ? 1ull << except : 0), 0, id, "the new world communicator");
+}
+
 void epd_net_world_without(epd_net_t *net, uint64_t live, const uint8_t *id) {
-  ctl_msg_t m = {.kind = CTL_WORLD, .mask = live};
-  memcpy(m.why, id, EPD_NET_COMM_ID_BYTES);
-  for (uint32_t n = 1; n < net->nodes && n < 64; n++)
-    if ((live >> n & 1) && net_send_ctl(net, n, "", &m, NULL, NULL))
-      EPD_LOGW(EPD_SUB_ENGINE,
-               "the id of the world communicator without the lost nodes was not sent to node %u "
-               "(its link is down)",
-               n);
-  ctl_local(net, net->node_rank, &m);
+  world_send(net, live, live, id, "the world communicator without the lost nodes");
 }
 
 /* A restarted node connects to this one again: the link to it must be down (its old daemon is gone); the
