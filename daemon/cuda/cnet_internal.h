@@ -86,6 +86,7 @@ typedef struct cnet_grp {
    * GO comes). */
   uint64_t off_to, go_step, wd_step, wd_ns, ordered_to;
   int off_peer, go_valid, wd_pending, wd_peer;
+  int ready_told; /* not the lead, out of the step: the lead was told the step is ready here */
   uint32_t wd_node;
   char off_why[256], wd_why[256];
 } cnet_grp_t;
@@ -95,7 +96,19 @@ typedef struct cnet_grp {
 typedef struct cnet_go {
   char group[EPD_GROUP_NAME_MAX];
   uint64_t step;
+  uint64_t nodes; /* the step's (bit k: node k): another node takes the next order */
 } cnet_go_t;
+
+/* The lead: a group's steps on other nodes that the lead is out of (its ranks masked there, or no client
+ * of the group here). A node of such a step tells the lead when it is ready (EPD_NET_OFF_READY), and the
+ * lead orders its exchange among its own (the order is one for the world communicator). */
+typedef struct cnet_away {
+  char group[EPD_GROUP_NAME_MAX];
+  uint64_t step, nodes, seq, ns; /* the step ready (if pending): its nodes, its place (ready_ctr), when */
+  uint64_t go_step;              /* the last step ordered (if go_valid) */
+  int pending, go_valid;
+} cnet_away_t;
+#define CNET_AWAY 32
 
 struct cnet {
   epd_engine_t *eng;
@@ -142,6 +155,7 @@ struct cnet {
     uint64_t to, ns;
     char why[320];
   } unserved[8];
+  cnet_away_t away[CNET_AWAY];
 };
 #define CNET_UNSERVED_NS 60000000000ull
 
@@ -168,6 +182,8 @@ static inline int cnet_leads(const cnet_t *cn) {
 void cnet_off_raise(cnet_t *cn, cnet_grp_t *cg, uint64_t to, int peer, const char *why, uint64_t mask);
 /* (mu) A group served from now: what was given up of it while it was not. */
 void cnet_unserved_take(cnet_t *cn, cnet_grp_t *cg);
+/* (mu) The lead: the away entry of group (made if `make`, else NULL when none). */
+cnet_away_t *cnet_away_of(cnet_t *cn, const char *group, int make);
 /* (mu) The lead: answer a node's request to give a step up (ordered: the step runs; else it is given up
  * everywhere); 1 if given up. */
 int cnet_answer_off(cnet_t *cn, cnet_grp_t *cg);

@@ -29,10 +29,32 @@ static cnet_grp_t *by_name(cnet_t *cn, const char *group) {
   return orphan;
 }
 
+cnet_away_t *cnet_away_of(cnet_t *cn, const char *group, int make) {
+  cnet_away_t *pick = NULL;
+  for (unsigned i = 0; i < CNET_AWAY; i++) {
+    cnet_away_t *a = &cn->away[i];
+    if (a->group[0] && !strcmp(a->group, group)) return a;
+    if (a->pending) continue;
+    /* a free entry first, else the one told of longest ago */
+    if (!pick || (pick->group[0] && (!a->group[0] || a->ns < pick->ns))) pick = a;
+  }
+  if (!make || !pick) return NULL;
+  memset(pick, 0, sizeof *pick);
+  snprintf(pick->group, sizeof pick->group, "%s", group);
+  return pick;
+}
+
+/* (mu) The lead: a step of group below `to` that waits for its order here is not ordered. */
+static void away_off(cnet_t *cn, const char *group, uint64_t to) {
+  cnet_away_t *a = cnet_leads(cn) ? cnet_away_of(cn, group, 0) : NULL;
+  if (a && a->pending && a->step < to) a->pending = 0;
+}
+
 /* (mu) No step of the group below `to` runs (peer, why: the reason); the lead tells every other node of
  * its world but those out of the steps in mask (net_node_masked). */
 void cnet_off_raise(cnet_t *cn, cnet_grp_t *cg, uint64_t to, int peer, const char *why, uint64_t mask) {
   if (to <= cg->off_to) return;
+  away_off(cn, cg->gname, to);
   cg->off_to = to;
   cg->off_peer = peer;
   snprintf(cg->off_why, sizeof cg->off_why, "%s", why);
@@ -49,6 +71,7 @@ static void unserved_put(cnet_t *cn, const char *group, uint64_t to, const char 
     if (cn->unserved[i].ns < cn->unserved[k].ns) k = i; /* else the oldest (or a free one) is replaced */
   if (i < 8 && cn->unserved[i].to >= to && now - cn->unserved[i].ns < CNET_UNSERVED_NS) return;
   if (i < 8) k = i;
+  away_off(cn, group, to);
   snprintf(cn->unserved[k].group, sizeof cn->unserved[k].group, "%s", group);
   cn->unserved[k].to = to;
   cn->unserved[k].ns = now;
@@ -76,11 +99,38 @@ void cnet_unserved_take(cnet_t *cn, cnet_grp_t *cg) {
 static int ordered(cnet_t *cn, const char *group, uint64_t step) {
   for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
     if (!strcmp(cg->gname, group) && cg->go_valid && cg->go_step >= step) return 1;
-  return 0;
+  const cnet_away_t *a = cnet_away_of(cn, group, 0);
+  return a && a->go_valid && a->go_step >= step;
+}
+
+/* (mu) The lead: node `node`'s step of group, which the lead is out of, is ready there (nodes: the
+ * step's; the first of them tells). It is ordered at the next poll, unless given up here: then the node
+ * hears so. */
+static void away_ready(cnet_t *cn, const char *group, uint64_t step, uint32_t node, uint64_t nodes) {
+  const cnet_grp_t *cg = by_name(cn, group);
+  uint64_t off = cg ? cg->off_to : 0;
+  int peer = cg ? cg->off_peer : -1;
+  const char *why = cg ? cg->off_why : "";
+  for (unsigned i = 0; !cg && i < 8; i++)
+    if (!strcmp(cn->unserved[i].group, group) && eng_now_ns() - cn->unserved[i].ns < CNET_UNSERVED_NS) {
+      off = cn->unserved[i].to;
+      why = cn->unserved[i].why;
+    }
+  if (step < off) {
+    epd_net_step_off(cn->eng->o.net, node, group, off - 1, EPD_NET_OFF_NO, peer, why);
+    return;
+  }
+  cnet_away_t *a = cnet_away_of(cn, group, 1);
+  if (!a || (a->pending && a->step == step)) return;
+  a->pending = 1;
+  a->step = step;
+  a->nodes = nodes;
+  a->seq = ++cn->ready_ctr;
+  a->ns = eng_now_ns();
 }
 
 void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_t node, int what, int peer,
-                           const char *why) {
+                           uint64_t nodes, const char *why) {
   if (what == EPD_NET_OFF_WORLD) { /* its exchanges with this node would find no partner */
     if (node >= 64 || node == cn->node) return;
     cn->aborted |= 1ull << node;
@@ -89,11 +139,17 @@ void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_
     cn->world_down = 1;
     return;
   }
-  if (what == EPD_NET_OFF_ASK ? !cnet_leads(cn) : node != cn->lead) { /* sent before the lead changed */
+  if (what == EPD_NET_OFF_ASK || what == EPD_NET_OFF_READY
+          ? !cnet_leads(cn)
+          : node != cn->lead) { /* sent before the lead changed */
     EPD_LOGW(EPD_SUB_CUDA,
              "node %u sent a step notice (%d) about group %s step %llu, but node %u orders the exchanges: "
              "ignored",
              node, what, group, (unsigned long long)step, cn->lead);
+    return;
+  }
+  if (what == EPD_NET_OFF_READY) {
+    away_ready(cn, group, step, node, nodes);
     return;
   }
   cnet_grp_t *cg = by_name(cn, group);

@@ -166,6 +166,7 @@ static void lead_from(cnet_t *cn, uint64_t nodes) {
     cg->ordered_to = 0;
   }
   memset(cn->unserved, 0, sizeof cn->unserved);
+  memset(cn->away, 0, sizeof cn->away);
   EPD_LOGI(EPD_SUB_CUDA, "node %u orders the exchanges from now%s", lead,
            lead == cn->node ? " (this node)" : "");
 }
@@ -408,6 +409,7 @@ void cnet_complete(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const char 
                    mask);
   cg->wd_ns = 0;
   cg->ordered_to = 0;
+  cg->ready_told = 0;
   cg->narrived = 0;
   cg->op_version = 0;
   cg->phase = PH_COLLECT;
@@ -799,6 +801,61 @@ static int solo(const cnet_t *cn, const cnet_grp_t *cg) {
   return 1;
 }
 
+/* (mu) The nodes of the step (bit k: node k): this one and those not out of it. */
+static uint64_t step_nodes(const cnet_t *cn, const cnet_grp_t *cg) {
+  uint64_t nodes = 0;
+  for (uint32_t n = 0; n < cn->nodes && n < 64; n++)
+    if (n == cn->node || !net_node_masked(cn->eng, cg->sent_mask, n)) nodes |= 1ull << n;
+  return nodes;
+}
+
+/* (mu) The lead: the next order (GO go_seq) to every other node of its world whose link is up (a node
+ * whose link is down fails the step there; one not among the step's nodes takes the next order). */
+static void send_go(cnet_t *cn, const char *group, uint64_t step, uint64_t nodes) {
+  epd_net_t *net = cn->eng->o.net;
+  cnet_go_t go;
+  char lw[160];
+  memset(&go, 0, sizeof go);
+  snprintf(go.group, sizeof go.group, "%s", group);
+  go.step = step;
+  go.nodes = nodes;
+  for (uint32_t n = 0; n < cn->nodes && n < 64; n++)
+    if (n != cn->node && (cn->world_nodes >> n & 1) && !epd_net_node_dead(net, n, lw, sizeof lw))
+      epd_net_send_payload(net, n, "", cn->go_seq, &go, sizeof go);
+  cn->go_seq++;
+}
+
+/* (mu) The lead: steps of other nodes that it is out of, ready there, are ordered in the order they were
+ * told (among the lead's own steps: the order is one per world communicator, whichever node is in a
+ * step). Not while the world communicator is down or made again. */
+static int order_away(cnet_t *cn) {
+  if (!cnet_leads(cn) || cn->world_down || cn->remake_req || cn->remaking || epd_engine_failure(cn->eng))
+    return 0;
+  int moved = 0;
+  for (;;) {
+    cnet_away_t *next = NULL;
+    for (unsigned i = 0; i < CNET_AWAY; i++)
+      if (cn->away[i].pending && (!next || cn->away[i].seq < next->seq)) next = &cn->away[i];
+    if (!next) return moved;
+    send_go(cn, next->group, next->step, next->nodes);
+    next->pending = 0;
+    next->go_valid = 1;
+    next->go_step = next->step;
+    moved = 1;
+  }
+}
+
+/* (mu) The first node of a step the lead is out of tells the lead once that the step is ready (the other
+ * nodes of the step are, or wait for the lead's order: order_away). */
+static void tell_ready(cnet_t *cn, cnet_grp_t *cg) {
+  if (cg->ready_told || cnet_leads(cn) || solo(cn, cg) || !net_node_masked(cn->eng, cg->sent_mask, cn->lead))
+    return;
+  const uint64_t nodes = step_nodes(cn, cg);
+  if (__builtin_ctzll(nodes) != (int)cn->node) return;
+  cg->ready_told = 1;
+  epd_net_step_ready(cn->eng->o.net, cn->lead, cg->gname, cg->step, nodes);
+}
+
 /* (mu) Every step ready here fails (status, why): none can run. 1 if one did. */
 static int fail_ready(cnet_t *cn, int status, const char *why) {
   int moved = 0;
@@ -816,7 +873,7 @@ static int fail_ready(cnet_t *cn, int status, const char *why) {
 static int schedule(cnet_t *cn, uint64_t now) {
   epd_engine_t *eng = cn->eng;
   epd_net_t *net = eng->o.net;
-  char why[480], lw[160];
+  char why[480];
 
   if (epd_engine_failure(eng)) {
     /* After a failure nothing more is issued here (the world communicator may be aborted, its buffers
@@ -843,14 +900,7 @@ static int schedule(cnet_t *cn, uint64_t now) {
       if (cg->phase == PH_READY && (!next || cg->ready_seq < next->ready_seq)) next = cg;
     if (!next) return 0;
     if (cnet_off_check(cn, next)) return 1;
-    cnet_go_t go;
-    memset(&go, 0, sizeof go);
-    snprintf(go.group, sizeof go.group, "%s", next->gname);
-    go.step = next->step;
-    for (uint32_t n = 0; n < cn->nodes && n < 64; n++) /* a node whose link is down fails the step there */
-      if (n != cn->node && (cn->world_nodes >> n & 1) && !epd_net_node_dead(net, n, lw, sizeof lw))
-        epd_net_send_payload(net, n, "", cn->go_seq, &go, sizeof go);
-    cn->go_seq++;
+    send_go(cn, next->gname, next->step, step_nodes(cn, next));
     next->go_valid = 1;
     next->go_step = next->step;
     cnet_start_run(cn, next);
@@ -871,6 +921,11 @@ static int schedule(cnet_t *cn, uint64_t now) {
     }
     free(b);
     if (!cn->go_have) return 1;
+  }
+  if (!(cn->go.nodes >> cn->node & 1)) { /* an exchange of other nodes: its place in the order only */
+    cn->go_have = 0;
+    cn->go_seq++;
+    return 1;
   }
   /* the step the GO names (a removed group's orphaned step too), else the group's live copy */
   cnet_grp_t *cg = cn->groups;
@@ -1035,7 +1090,9 @@ int eng_cuda_net_poll(cnet_t *cn) {
   for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next) {
     if (cg->phase == PH_COLLECT && cnet_grp_alive(cn, cg)) moved |= collect(cn, cg, now);
     if (cg->phase == PH_WAIT) moved |= wait_frames(cn, cg, now);
+    if (cg->phase == PH_READY) tell_ready(cn, cg);
   }
+  moved |= order_away(cn);
   if (!cn->run) moved |= schedule(cn, now);
   /* after schedule: an order that arrived in time is taken before a ready step is given up */
   for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)

@@ -59,10 +59,11 @@ void eng_cuda_net_client_leave(cnet_t *cn, eng_client_t *c, int lost);
  * joins; else the nodes left after a loss) once no exchange runs (a thread of its own; meanwhile no
  * exchange starts here). */
 void eng_cuda_net_remake(cnet_t *cn, const uint8_t *id, uint64_t live);
-/* (mu) Node `node`'s word on step `step` of group (epd_net_step_off: what, why): on node 0 a request to
- * give it up, answered at the next poll; on another node node 0's answer; from any node, its world
- * communicator aborted (group ""). */
+/* (mu) Node `node`'s word on step `step` of group (epd_net_step_off: what, why): on the lead a request to
+ * give it up, answered at the next poll, or a step of nodes (bit k: node k) it is out of, ready on that
+ * node (ordered at the next poll); on another node the lead's answer; from any node, its world
+ * communicator aborted or the lead lost (group ""). */
 void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_t node, int what, int peer,
-                           const char *why);
+                           uint64_t nodes, const char *why);
 
 #endif /* EPD_ENGINE_CUDA_NET_H */

@@ -44,6 +44,11 @@ int epd_net_step_off(epd_net_t *net, uint32_t node, const char *group, uint64_t 
   return net_send_ctl(net, node, group, &m, NULL, NULL);
 }
 
+int epd_net_step_ready(epd_net_t *net, uint32_t node, const char *group, uint64_t step, uint64_t nodes) {
+  ctl_msg_t m = {.kind = CTL_STEP_OFF, .req_id = step, .status = EPD_NET_OFF_READY, .mask = nodes};
+  return net_send_ctl(net, node, group, &m, NULL, NULL);
+}
+
 /* A notice of node n about its rank r (CTL_MASK, CTL_LOST): 1 if r is one of n's ranks, else logged. */
 static int own_rank(uint32_t n, uint32_t r, uint32_t L) {
   if (n < MAX_NODES && r < EPD_MAX_RANKS && r / L == n) return 1;
@@ -93,7 +98,7 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     return;
   }
   if (c.kind == CTL_STEP_OFF) { /* asks go to the lead, answers come from it (the backend checks that) */
-    const int ok = c.status == EPD_NET_OFF_WORLD ? !group[0] : c.status >= 0 && c.status < EPD_NET_OFF_WORLD;
+    const int ok = c.status == EPD_NET_OFF_WORLD ? !group[0] : c.status >= 0 && c.status <= EPD_NET_OFF_READY;
     if (f->local || f->src_node >= eng->o.nodes || !ok) {
       EPD_LOGW(EPD_SUB_ENGINE,
                "node %u sent a step notice (%d) about group %s step %llu that is not its to send: ignored",
@@ -102,7 +107,7 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     }
     pthread_mutex_lock(&eng->mu);
     if (eng->ops->step_off)
-      eng->ops->step_off(eng, group, c.req_id, f->src_node, c.status, (int)c.version - 1, c.why);
+      eng->ops->step_off(eng, group, c.req_id, f->src_node, c.status, (int)c.version - 1, c.mask, c.why);
     pthread_mutex_unlock(&eng->mu);
     return;
   }

@@ -77,13 +77,23 @@ void epd_net_world_without(epd_net_t *net, uint64_t live, const uint8_t *id);
  *   EPD_NET_OFF_NO       from the lead: no step of the group up to `step` runs;
  *   EPD_NET_OFF_ORDERED  from the lead: `step` was ordered, its GO is on its way;
  *   EPD_NET_OFF_WORLD    from any node (group ""): its world communicator was aborted, or it lost the
- *                        lead (why).
+ *                        lead (why);
+ *   EPD_NET_OFF_READY    to the lead, out of the step: `step` is ready on the sender, whose nodes are in
+ *                        the mask of epd_net_step_ready (the lead orders its exchange all the same).
  * The lead orders the exchanges: node 0, or the first node of a world made without the lost nodes.
  * peer: the world rank the step waited for (the completions name it), -1 if none. 0, or -1 where the
  * link is down. */
-enum { EPD_NET_OFF_ASK = 0, EPD_NET_OFF_NO = 1, EPD_NET_OFF_ORDERED = 2, EPD_NET_OFF_WORLD = 3 };
+enum {
+  EPD_NET_OFF_ASK = 0,
+  EPD_NET_OFF_NO = 1,
+  EPD_NET_OFF_ORDERED = 2,
+  EPD_NET_OFF_WORLD = 3,
+  EPD_NET_OFF_READY = 4
+};
 int epd_net_step_off(epd_net_t *net, uint32_t node, const char *group, uint64_t step, int what, int peer,
                      const char *why);
+/* EPD_NET_OFF_READY to node (the lead): `step` of group is ready here; nodes: the step's (bit k: node k). */
+int epd_net_step_ready(epd_net_t *net, uint32_t node, const char *group, uint64_t step, uint64_t nodes);
 /* Node 0: 1 from epd_net_world_remake until this node's remake ended (epd_net_world_made): a node that
  * restarts meanwhile gets the same id (its ranks are part of that world). */
 int epd_net_remake_pending(epd_net_t *net);
