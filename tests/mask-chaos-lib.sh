@@ -7,6 +7,8 @@
 #                              to OUT) with the group's options: -g "$GROUP" --mode "$MODE" --mask ...
 #   may_kill RANK              succeed when the worker of RANK may be killed now (WP, DOWN as below)
 #   daemons_alive              fail the test when a daemon exited
+#   group_gone                 (optional) succeed when no daemon has the group any more (default: the one
+#                              ctl reaches)
 # Defines warm_up, chaos_phases SECONDS, clean_round (after which steps, nfin and killed hold the counts).
 R=4
 declare -A WP=() WO=() DOWN=() # rank -> its worker's pid, its output; rank -> when its new worker starts
@@ -48,6 +50,7 @@ restart_due() { # start the workers whose restart time came (STEPS: theirs)
   done
 }
 group_made() { ctl experts "$GROUP" 2> /dev/null | grep -q '^expert'; }
+declare -F group_gone > /dev/null || group_gone() { ! group_made; }
 # every expert on its rank and on a second one: one rank down drops nothing (staged again when the group
 # was made anew: every worker left at once)
 replicated_map() {
@@ -151,6 +154,10 @@ clean_round() {
   done < "$FINISHED"
   nfin=$(wc -l < "$FINISHED")
   : > "$FINISHED"
+  # A worker killed between its Attach call and its attachment leaves its rank held until the attach token
+  # expires (5 s): the 4 new workers start once the group is gone everywhere, so that none comes alone
+  # after the others ran their steps (its steps would wait for parts no node sends).
+  wait_for 15 group_gone || fail "group $GROUP still there 15 s after the chaos"
   for r in 0 1 2 3; do start $r 100; done
   end=$(($(now_ms) + 60000))
   while { [ ${#WP[@]} -gt 0 ] || [ ${#DOWN[@]} -gt 0 ]; } && [ "$(now_ms)" -lt $end ]; do

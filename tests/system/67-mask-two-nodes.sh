@@ -34,6 +34,11 @@ daemons_alive() {
   kill -0 "$P_a" 2> /dev/null || fail "node 0 exited"
   kill -0 "$P_b" 2> /dev/null || fail "node 1 exited"
 }
+group_gone() { # on both nodes
+  local n
+  for n in a b; do "$EPDCTL" -s "$T/$n/control.sock" experts "$GROUP" 2> /dev/null | grep -q '^expert' && return 1; done
+  return 0
+}
 . "$(dirname "$0")/../mask-chaos-lib.sh"
 
 echo "== warm-up: one clean round of 4 workers, then the daemons' fds with nobody attached"
