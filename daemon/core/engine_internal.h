@@ -174,10 +174,11 @@ typedef struct eng_backend_ops {
    * backend has none. */
   void (*world_remake)(epd_engine_t *eng, const uint8_t *id, uint64_t live);
   /* (mu) Optional, across nodes: node `node`'s word on step `step` of group (epd_net_step_off: what, why;
-   * nodes: those of the step, EPD_NET_OFF_READY).
+   * code: the status a step given up failed with, EPD_NET_OFF_NO; nodes: those of the step,
+   * EPD_NET_OFF_READY).
    * NULL: the backend's steps need no such word (the host backend's exchanges are frames of the step). */
   void (*step_off)(epd_engine_t *eng, const char *group, uint64_t step, uint32_t node, int what, int peer,
-                   uint64_t nodes, const char *why);
+                   int code, uint64_t nodes, const char *why);
   /* Optional: a new id for the world communicator of a scale-out rendezvous (EPD_CLUSTER_COMM_ID_BYTES);
    * -1 with why where the backend cannot start here. NULL: the backend needs none. */
   int (*world_id)(uint8_t *id, char *why, size_t whylen);

@@ -85,7 +85,7 @@ typedef struct cnet_grp {
    * give the step up (wd_ns, 0: not), and the lead's answer that steps below ordered_to were ordered (their
    * GO comes). */
   uint64_t off_to, go_step, wd_step, wd_ns, ordered_to;
-  int off_peer, go_valid, wd_pending, wd_peer;
+  int off_peer, off_status, go_valid, wd_pending, wd_peer;
   int ready_told; /* not the lead, out of the step: the lead was told the step is ready here */
   uint32_t wd_node;
   char off_why[256], wd_why[256];
@@ -176,10 +176,11 @@ static inline int cnet_leads(const cnet_t *cn) {
   return cn->node == cn->lead;
 }
 
-/* Steps given up across nodes (cnet_off.c; the lead decides). (mu) No step of the group below `to` runs
- * (peer, why: the reason); the lead tells every other node of its world but those out of the steps in
- * mask. */
-void cnet_off_raise(cnet_t *cn, cnet_grp_t *cg, uint64_t to, int peer, const char *why, uint64_t mask);
+/* Steps given up across nodes (cnet_off.c; the lead decides). (mu) No step of the group below `to` runs:
+ * they fail with status (0: EPD_ERR_TIMEOUT) naming peer (why: the reason); the lead tells every other
+ * node of its world but those out of the steps in mask. */
+void cnet_off_raise(cnet_t *cn, cnet_grp_t *cg, uint64_t to, int status, int peer, const char *why,
+                    uint64_t mask);
 /* (mu) A group served from now: what was given up of it while it was not. */
 void cnet_unserved_take(cnet_t *cn, cnet_grp_t *cg);
 /* (mu) The lead: the away entry of group (made if `make`, else NULL when none). */

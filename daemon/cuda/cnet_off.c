@@ -52,15 +52,17 @@ static void away_off(cnet_t *cn, const char *group, uint64_t to) {
 
 /* (mu) No step of the group below `to` runs (peer, why: the reason); the lead tells every other node of
  * its world but those out of the steps in mask (net_node_masked). */
-void cnet_off_raise(cnet_t *cn, cnet_grp_t *cg, uint64_t to, int peer, const char *why, uint64_t mask) {
+void cnet_off_raise(cnet_t *cn, cnet_grp_t *cg, uint64_t to, int status, int peer, const char *why,
+                    uint64_t mask) {
   if (to <= cg->off_to) return;
   away_off(cn, cg->gname, to);
   cg->off_to = to;
+  cg->off_status = status ? status : EPD_ERR_TIMEOUT;
   cg->off_peer = peer;
   snprintf(cg->off_why, sizeof cg->off_why, "%s", why);
   for (uint32_t n = 0; cnet_leads(cn) && n < cn->nodes && n < 64; n++)
     if (n != cn->node && (cn->world_nodes >> n & 1) && !net_node_masked(cn->eng, mask, n))
-      epd_net_step_off(cn->eng->o.net, n, cg->gname, to - 1, EPD_NET_OFF_NO, peer, why);
+      epd_net_step_no(cn->eng->o.net, n, cg->gname, to - 1, cg->off_status, peer, why);
 }
 
 /* (mu) A group not served here: no step of it below `to` runs when it is (cnet_unserved_take). */
@@ -84,6 +86,7 @@ void cnet_unserved_take(cnet_t *cn, cnet_grp_t *cg) {
     if (cn->unserved[i].group[0] && !strcmp(cn->unserved[i].group, cg->gname)) {
       if (eng_now_ns() - cn->unserved[i].ns < CNET_UNSERVED_NS) {
         cg->off_to = cn->unserved[i].to;
+        cg->off_status = EPD_ERR_TIMEOUT;
         cg->off_peer = -1;
         snprintf(cg->off_why, sizeof cg->off_why, "%s", cn->unserved[i].why);
         EPD_LOGI(EPD_SUB_CUDA,
@@ -109,7 +112,7 @@ static int ordered(cnet_t *cn, const char *group, uint64_t step) {
 static void away_ready(cnet_t *cn, const char *group, uint64_t step, uint32_t node, uint64_t nodes) {
   const cnet_grp_t *cg = by_name(cn, group);
   uint64_t off = cg ? cg->off_to : 0;
-  int peer = cg ? cg->off_peer : -1;
+  int peer = cg ? cg->off_peer : -1, code = cg ? cg->off_status : EPD_ERR_TIMEOUT;
   const char *why = cg ? cg->off_why : "";
   for (unsigned i = 0; !cg && i < 8; i++)
     if (!strcmp(cn->unserved[i].group, group) && eng_now_ns() - cn->unserved[i].ns < CNET_UNSERVED_NS) {
@@ -117,7 +120,7 @@ static void away_ready(cnet_t *cn, const char *group, uint64_t step, uint32_t no
       why = cn->unserved[i].why;
     }
   if (step < off) {
-    epd_net_step_off(cn->eng->o.net, node, group, off - 1, EPD_NET_OFF_NO, peer, why);
+    epd_net_step_no(cn->eng->o.net, node, group, off - 1, code, peer, why);
     return;
   }
   cnet_away_t *a = cnet_away_of(cn, group, 1);
@@ -130,7 +133,7 @@ static void away_ready(cnet_t *cn, const char *group, uint64_t step, uint32_t no
 }
 
 void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_t node, int what, int peer,
-                           uint64_t nodes, const char *why) {
+                           int code, uint64_t nodes, const char *why) {
   if (what == EPD_NET_OFF_WORLD) { /* its exchanges with this node would find no partner */
     if (node >= 64 || node == cn->node) return;
     cn->aborted |= 1ull << node;
@@ -158,7 +161,8 @@ void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_
     if (cg && what == EPD_NET_OFF_ORDERED && step + 1 > cg->ordered_to) cg->ordered_to = step + 1;
     if (cg && what == EPD_NET_OFF_NO) {
       snprintf(w, sizeof w, "node %u gave the step up: %s", node, why);
-      cnet_off_raise(cn, cg, step + 1, peer, w, 0);
+      /* a status from the wire: an error code, else the step timed out as far as this node knows */
+      cnet_off_raise(cn, cg, step + 1, code < 0 && code > EPD_ERR_MIN ? code : EPD_ERR_TIMEOUT, peer, w, 0);
     }
     return;
   }
@@ -170,7 +174,7 @@ void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_
     snprintf(w, sizeof w, "node %u asked to give it up (the group had no client on node %u): %s", node,
              cn->node, why);
     unserved_put(cn, group, step + 1, w);
-    epd_net_step_off(cn->eng->o.net, node, group, step, EPD_NET_OFF_NO, peer, w);
+    epd_net_step_no(cn->eng->o.net, node, group, step, EPD_ERR_TIMEOUT, peer, w);
     return;
   }
   if (!cg->wd_pending || step > cg->wd_step) {
@@ -196,17 +200,17 @@ int cnet_answer_off(cnet_t *cn, cnet_grp_t *cg) {
   snprintf(why, sizeof why, "node %u asked to give it up: %s", cg->wd_node, cg->wd_why);
   EPD_LOGW(EPD_SUB_CUDA, "group %s step %llu: %s", cg->gname, (unsigned long long)cg->wd_step, why);
   if (cg->wd_step < cg->off_to) /* given up before: that node hears it again */
-    epd_net_step_off(cn->eng->o.net, cg->wd_node, cg->gname, cg->off_to - 1, EPD_NET_OFF_NO, cg->off_peer,
-                     cg->off_why);
+    epd_net_step_no(cn->eng->o.net, cg->wd_node, cg->gname, cg->off_to - 1, cg->off_status, cg->off_peer,
+                    cg->off_why);
   else
-    cnet_off_raise(cn, cg, cg->wd_step + 1, cg->wd_peer, why, 0);
+    cnet_off_raise(cn, cg, cg->wd_step + 1, EPD_ERR_TIMEOUT, cg->wd_peer, why, 0);
   return 1;
 }
 
 /* (mu) A step below off_to waiting for parts or its turn fails: 1 if so. */
 int cnet_off_check(cnet_t *cn, cnet_grp_t *cg) {
   if (cg->step >= cg->off_to) return 0;
-  cnet_complete(cn, cg, EPD_ERR_TIMEOUT, cg->off_peer, cg->off_why);
+  cnet_complete(cn, cg, cg->off_status, cg->off_peer, cg->off_why);
   return 1;
 }
 

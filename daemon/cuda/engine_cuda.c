@@ -692,9 +692,9 @@ static void cuda_world_remake(epd_engine_t *eng, const uint8_t *id, uint64_t liv
 }
 
 static void cuda_step_off(epd_engine_t *eng, const char *group, uint64_t step, uint32_t node, int what,
-                          int peer, uint64_t nodes, const char *why) {
+                          int peer, int code, uint64_t nodes, const char *why) {
   cuda_be_t *be = eng->be;
-  if (be->net) eng_cuda_net_step_off(be->net, group, step, node, what, peer, nodes, why);
+  if (be->net) eng_cuda_net_step_off(be->net, group, step, node, what, peer, code, nodes, why);
 }
 
 static void cuda_client_leave(epd_engine_t *eng, eng_client_t *c, int lost) {

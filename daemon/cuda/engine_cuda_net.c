@@ -405,8 +405,8 @@ void cnet_complete(cnet_t *cn, cnet_grp_t *cg, int status, int peer, const char 
   if (grp) grp->steps++;
   /* the lead decides which steps do not run: every other node hears of one that failed here */
   if (cnet_leads(cn) && status && cg->phase != PH_RUN)
-    cnet_off_raise(cn, cg, cg->step + 1, peer, why ? why : "failed on the node that orders the exchanges",
-                   mask);
+    cnet_off_raise(cn, cg, cg->step + 1, status, peer,
+                   why ? why : "failed on the node that orders the exchanges", mask);
   cg->wd_ns = 0;
   cg->ordered_to = 0;
   cg->ready_told = 0;

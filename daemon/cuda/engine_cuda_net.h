@@ -64,6 +64,6 @@ void eng_cuda_net_remake(cnet_t *cn, const uint8_t *id, uint64_t live);
  * node (ordered at the next poll); on another node the lead's answer; from any node, its world
  * communicator aborted or the lead lost (group ""). */
 void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_t node, int what, int peer,
-                           uint64_t nodes, const char *why);
+                           int code, uint64_t nodes, const char *why);
 
 #endif /* EPD_ENGINE_CUDA_NET_H */

@@ -37,16 +37,30 @@ int net_send_ctl(epd_net_t *net, uint32_t node, const char *group, const ctl_msg
   return rc;
 }
 
-int epd_net_step_off(epd_net_t *net, uint32_t node, const char *group, uint64_t step, int what, int peer,
-                     const char *why) {
-  ctl_msg_t m = {.kind = CTL_STEP_OFF, .req_id = step, .status = what, .version = (uint32_t)(peer + 1)};
+static int step_word(epd_net_t *net, uint32_t node, const char *group, uint64_t step, int what, int peer,
+                     int code, uint64_t nodes, const char *why) {
+  ctl_msg_t m = {.kind = CTL_STEP_OFF,
+                 .req_id = step,
+                 .status = what,
+                 .version = (uint32_t)(peer + 1),
+                 .code = code,
+                 .mask = nodes};
   snprintf(m.why, sizeof m.why, "%s", why);
   return net_send_ctl(net, node, group, &m, NULL, NULL);
 }
 
+int epd_net_step_off(epd_net_t *net, uint32_t node, const char *group, uint64_t step, int what, int peer,
+                     const char *why) {
+  return step_word(net, node, group, step, what, peer, 0, 0, why);
+}
+
+int epd_net_step_no(epd_net_t *net, uint32_t node, const char *group, uint64_t step, int code, int peer,
+                    const char *why) {
+  return step_word(net, node, group, step, EPD_NET_OFF_NO, peer, code, 0, why);
+}
+
 int epd_net_step_ready(epd_net_t *net, uint32_t node, const char *group, uint64_t step, uint64_t nodes) {
-  ctl_msg_t m = {.kind = CTL_STEP_OFF, .req_id = step, .status = EPD_NET_OFF_READY, .mask = nodes};
-  return net_send_ctl(net, node, group, &m, NULL, NULL);
+  return step_word(net, node, group, step, EPD_NET_OFF_READY, -1, 0, nodes, "");
 }
 
 /* A notice of node n about its rank r (CTL_MASK, CTL_LOST): 1 if r is one of n's ranks, else logged. */
@@ -107,7 +121,8 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
     }
     pthread_mutex_lock(&eng->mu);
     if (eng->ops->step_off)
-      eng->ops->step_off(eng, group, c.req_id, f->src_node, c.status, (int)c.version - 1, c.mask, c.why);
+      eng->ops->step_off(eng, group, c.req_id, f->src_node, c.status, (int)c.version - 1, c.code, c.mask,
+                         c.why);
     pthread_mutex_unlock(&eng->mu);
     return;
   }

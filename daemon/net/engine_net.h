@@ -74,7 +74,8 @@ void epd_net_world_remake(epd_net_t *net, uint32_t except, const uint8_t *id);
 void epd_net_world_without(epd_net_t *net, uint64_t live, const uint8_t *id);
 /* Word on a step across nodes (CTL_STEP_OFF to node, handled there by the backend's step_off op), what:
  *   EPD_NET_OFF_ASK      to the lead: the sender waited past engine.step_timeout_ms, give `step` up;
- *   EPD_NET_OFF_NO       from the lead: no step of the group up to `step` runs;
+ *   EPD_NET_OFF_NO       from the lead: no step of the group up to `step` runs (epd_net_step_no: with
+ *                        the status the step failed with there);
  *   EPD_NET_OFF_ORDERED  from the lead: `step` was ordered, its GO is on its way;
  *   EPD_NET_OFF_WORLD    from any node (group ""): its world communicator was aborted, or it lost the
  *                        lead (why);
@@ -92,6 +93,9 @@ enum {
 };
 int epd_net_step_off(epd_net_t *net, uint32_t node, const char *group, uint64_t step, int what, int peer,
                      const char *why);
+/* EPD_NET_OFF_NO to node: the steps of group up to `step` fail with code (naming peer; why). */
+int epd_net_step_no(epd_net_t *net, uint32_t node, const char *group, uint64_t step, int code, int peer,
+                    const char *why);
 /* EPD_NET_OFF_READY to node (the lead): `step` of group is ready here; nodes: the step's (bit k: node k). */
 int epd_net_step_ready(epd_net_t *net, uint32_t node, const char *group, uint64_t step, uint64_t nodes);
 /* Node 0: 1 from epd_net_world_remake until this node's remake ended (epd_net_world_made): a node that

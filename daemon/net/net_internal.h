@@ -136,7 +136,8 @@ typedef struct ctl_msg {
   uint32_t kind, version;
   uint64_t req_id;
   int32_t status;
-  uint32_t num_experts, ncopies, pad;
+  uint32_t num_experts, ncopies;
+  int32_t code; /* CTL_STEP_OFF, EPD_NET_OFF_NO: the status the step failed with */
   char why[320];
   uint64_t hash; /* CTL_JOIN: the hash of the sender's active map (its version in version) */
   uint64_t mask; /* CTL_JOIN: the world ranks the sender's group masks (groups that mask) */
