@@ -1,6 +1,7 @@
 /*
- * cnet_internal.h - the state of the CUDA backend across nodes, shared by its two files:
- * engine_cuda_net.c (collect, verdict, order of the exchanges) and cnet_run.c (running an exchange).
+ * cnet_internal.h - the state of the CUDA backend across nodes, shared by its files: engine_cuda_net.c
+ * (collect, verdict, order of the exchanges), cnet_run.c (running an exchange), cnet_off.c (steps the
+ * lead gives up) and cnet_world.c (the world communicator made again, the lead).
  */
 #ifndef EPD_CNET_INTERNAL_H
 #define EPD_CNET_INTERNAL_H
@@ -175,6 +176,10 @@ int cnet_poll_run(cnet_t *cn, cnet_grp_t *cg, uint64_t now);
 static inline int cnet_leads(const cnet_t *cn) {
   return cn->node == cn->lead;
 }
+
+/* (mu) The world communicator (cnet_world.c): the lead lost, the nodes left handed a world without the
+ * lost nodes, a remake started once no exchange runs. 1 if something moved. */
+int cnet_world_poll(cnet_t *cn);
 
 /* Steps given up across nodes (cnet_off.c; the lead decides). (mu) No step of the group below `to` runs:
  * they fail with status (0: EPD_ERR_TIMEOUT) naming peer (why: the reason); the lead tells every other
