@@ -180,6 +180,10 @@ static inline int cnet_leads(const cnet_t *cn) {
 /* (mu) The world communicator (cnet_world.c): the lead lost, the nodes left handed a world without the
  * lost nodes, a remake started once no exchange runs. 1 if something moved. */
 int cnet_world_poll(cnet_t *cn);
+/* (mu) Not the lead, or the lead lost: a world communicator of the nodes left is being made or handed out
+ * (the world is down and two nodes or more of it are left): its lead will order the steps ready here or
+ * give them up, so they wait for its word rather than fail here. */
+int cnet_world_coming(cnet_t *cn);
 
 /* Steps given up across nodes (cnet_off.c; the lead decides). (mu) No step of the group below `to` runs:
  * they fail with status (0: EPD_ERR_TIMEOUT) naming peer (why: the reason); the lead tells every other

@@ -103,7 +103,7 @@ static int ordered(cnet_t *cn, const char *group, uint64_t step) {
   for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next)
     if (!strcmp(cg->gname, group) && cg->go_valid && cg->go_step >= step) return 1;
   const cnet_away_t *a = cnet_away_of(cn, group, 0);
-  return a && a->go_valid && a->go_step >= step;
+  return a && a->go_valid && a->go_step == step; /* steps of other nodes: numbered again if made again */
 }
 
 /* (mu) The lead: node `node`'s step of group, which the lead is out of, is ready there (nodes: the
@@ -125,6 +125,7 @@ static void away_ready(cnet_t *cn, const char *group, uint64_t step, uint32_t no
   }
   cnet_away_t *a = cnet_away_of(cn, group, 1);
   if (!a || (a->pending && a->step == step)) return;
+  if (a->go_valid && step <= a->go_step) a->go_valid = 0; /* the group was made again there */
   a->pending = 1;
   a->step = step;
   a->nodes = nodes;
@@ -135,7 +136,7 @@ static void away_ready(cnet_t *cn, const char *group, uint64_t step, uint32_t no
 void eng_cuda_net_step_off(cnet_t *cn, const char *group, uint64_t step, uint32_t node, int what, int peer,
                            int code, uint64_t nodes, const char *why) {
   if (what == EPD_NET_OFF_WORLD) { /* its exchanges with this node would find no partner */
-    if (node >= 64 || node == cn->node) return;
+    if (node >= 64 || node == cn->node || !(cn->world_nodes >> node & 1)) return; /* not of this world */
     cn->aborted |= 1ull << node;
     if (!cn->world_down)
       snprintf(cn->world_why, sizeof cn->world_why, "node %u aborted its world communicator: %s", node, why);
@@ -222,6 +223,7 @@ int cnet_ask_off(cnet_t *cn, cnet_grp_t *cg, uint64_t since, uint64_t now, int p
   epd_engine_t *eng = cn->eng;
   const uint64_t to = (uint64_t)eng->o.step_timeout_ms * 1000000ull;
   char why[400];
+  if (cnet_world_coming(cn) && now - since <= 3 * to) return 0; /* the new world's lead decides */
   if (!cg->wd_ns) {
     if (now <= since || now - since <= to) return 0;
     cg->wd_ns = now;

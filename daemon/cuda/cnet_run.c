@@ -273,7 +273,10 @@ static int dead_node(cnet_t *cn, cnet_grp_t *cg, char *why, size_t wl) {
                n * cn->L + cn->L - 1);
       return (int)n;
     }
-  if (!cnet_leads(cn) && epd_net_node_dead(cn->eng->o.net, cn->lead, lw, sizeof lw)) {
+  int others = 0; /* a step of this node alone needs no order */
+  for (uint32_t n = 0; n < cn->nodes; n++)
+    others |= n != cn->node && !net_node_masked(cn->eng, cg->sent_mask, n);
+  if (others && !cnet_leads(cn) && epd_net_node_dead(cn->eng->o.net, cn->lead, lw, sizeof lw)) {
     snprintf(why, wl, "node %u (ranks %u..%u), which ordered the exchanges, was lost mid-exchange: %s",
              cn->lead, cn->lead * cn->L, cn->lead * cn->L + cn->L - 1, lw);
     return (int)cn->lead;

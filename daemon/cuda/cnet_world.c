@@ -65,6 +65,7 @@ static void lead_from(cnet_t *cn, uint64_t nodes) {
     cg->wd_ns = 0;
     cg->ordered_to = 0;
   }
+  for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next) cg->ready_told = 0;
   memset(cn->unserved, 0, sizeof cn->unserved);
   memset(cn->away, 0, sizeof cn->away);
   EPD_LOGI(EPD_SUB_CUDA, "node %u orders the exchanges from now%s", lead,
@@ -88,11 +89,12 @@ static void *remake_main(void *arg) {
   if (!cn->remake_req) epd_net_world_made(eng->o.net);
   if (rc && cn->remake_req) {
     EPD_LOGW(EPD_SUB_CUDA, "making the world communicator again: %s; a newer id follows", err);
-  } else if (rc && live) { /* the nodes left stay without exchanges until a restarted node makes it */
+  } else if (rc && live) { /* the first node left tries again with the nodes left then */
     cn->world_down = 1;
+    cn->without_sent = 0;
     EPD_LOGW(EPD_SUB_CUDA,
              "making the world communicator without the lost nodes failed: %s; steps with another node fail "
-             "until a restarted node joins",
+             "until it is made (tried again with the nodes left) or a restarted node joins",
              err);
   } else if (rc && !__atomic_load_n(&cn->remake_cancel, __ATOMIC_ACQUIRE)) {
     eng_fail(eng, "making the world communicator again for a restarted node failed: %s (restart every node)",
@@ -146,7 +148,8 @@ static int remake_start(cnet_t *cn) {
 static int lead_lost(cnet_t *cn) {
   epd_net_t *net = cn->eng->o.net;
   char lw[160];
-  if (cnet_leads(cn) || cn->world_down || cn->run || !epd_net_node_dead(net, cn->lead, lw, sizeof lw))
+  if (cnet_leads(cn) || cn->world_down || cn->run || cn->remake_req || cn->remaking ||
+      !epd_net_node_dead(net, cn->lead, lw, sizeof lw))
     return 0;
   snprintf(cn->world_why, sizeof cn->world_why,
            "node %u (ranks %u..%u), which ordered the exchanges, was lost: %s", cn->lead, cn->lead * cn->L,
@@ -189,7 +192,35 @@ static int without_lost(cnet_t *cn) {
   return 1;
 }
 
+int cnet_world_coming(cnet_t *cn) {
+  if (cn->remake_req || cn->remaking) return 1;
+  if (!cn->world_down || cnet_leads(cn)) return 0;
+  char lw[160];
+  int left = 0;
+  for (uint32_t n = 0; n < cn->nodes && n < 64; n++)
+    left +=
+        (cn->world_nodes >> n & 1) && (n == cn->node || !epd_net_node_dead(cn->eng->o.net, n, lw, sizeof lw));
+  return left >= 2;
+}
+
+/* (mu) A node of the world being made without the lost nodes is lost too: that attempt cannot end well,
+ * so it is given up at once (remake_main), and the first node left hands out another. */
+static void remake_lost(cnet_t *cn) {
+  char lw[160];
+  if (!cn->remaking || !cn->remake_live || __atomic_load_n(&cn->remake_cancel, __ATOMIC_ACQUIRE)) return;
+  for (uint32_t n = 0; n < cn->nodes && n < 64; n++)
+    if (n != cn->node && (cn->remake_live >> n & 1) && epd_net_node_dead(cn->eng->o.net, n, lw, sizeof lw)) {
+      EPD_LOGW(EPD_SUB_CUDA,
+               "node %u, of the world being made without the lost nodes, was lost too (%s): "
+               "that attempt is given up",
+               n, lw);
+      __atomic_store_n(&cn->remake_cancel, 1, __ATOMIC_RELEASE);
+      return;
+    }
+}
+
 int cnet_world_poll(cnet_t *cn) {
+  remake_lost(cn);
   int moved = lead_lost(cn);
   moved |= without_lost(cn);
   if (cn->remake_req && !cn->run && !cn->remaking) moved |= remake_start(cn);

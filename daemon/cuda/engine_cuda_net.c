@@ -726,7 +726,8 @@ static int order_away(cnet_t *cn) {
 /* (mu) The first node of a step the lead is out of tells the lead once that the step is ready (the other
  * nodes of the step are, or wait for the lead's order: order_away). */
 static void tell_ready(cnet_t *cn, cnet_grp_t *cg) {
-  if (cg->ready_told || cnet_leads(cn) || solo(cn, cg) || !net_node_masked(cn->eng, cg->sent_mask, cn->lead))
+  if (cg->ready_told || cnet_leads(cn) || cn->world_down || cn->remake_req || cn->remaking || solo(cn, cg) ||
+      !net_node_masked(cn->eng, cg->sent_mask, cn->lead))
     return;
   const uint64_t nodes = step_nodes(cn, cg);
   if (__builtin_ctzll(nodes) != (int)cn->node) return;
@@ -765,7 +766,21 @@ static int schedule(cnet_t *cn, uint64_t now) {
       cnet_start_run(cn, cg);
       return 1;
     }
+  /* A step ready here across the making of a world without the lost nodes: if a node of it is not in that
+   * world, it fails (every node of the step decides so alike); else the new world's lead orders it. */
+  for (cnet_grp_t *cg = cn->groups; cg; cg = cg->next) {
+    const uint64_t out = step_nodes(cn, cg) & ~cn->world_nodes;
+    if (cg->phase != PH_READY || !out) continue;
+    const uint32_t n = (uint32_t)__builtin_ctzll(out);
+    snprintf(why, sizeof why,
+             "node %u (ranks %u..%u) is in the step but not in the world communicator made without the lost "
+             "nodes",
+             n, n * cn->L, n * cn->L + cn->L - 1);
+    cnet_complete(cn, cg, EPD_ERR_PEER, (int)(n * cn->L), why);
+    return 1;
+  }
   if (cn->world_down) { /* no exchange with another node until the world communicator is made again */
+    if (cnet_world_coming(cn)) return 0; /* the new world's lead decides (ready_expired bounds the wait) */
     snprintf(why, sizeof why,
              "the world communicator is down (%s): steps with another node fail until it is made again "
              "(without the lost nodes, or with a restarted one)",
@@ -858,6 +873,7 @@ static int ready_expired(cnet_t *cn, cnet_grp_t *cg, uint64_t now) {
   char why[256], lw[160];
   if (cnet_off_check(cn, cg)) return 1;
   if (solo(cn, cg) || cnet_leads(cn)) return 0; /* no order to wait for */
+  if (cnet_world_coming(cn) && now - since <= 3ull * eng->o.step_timeout_ms * 1000000ull) return 0;
   if (epd_net_node_dead(eng->o.net, cn->lead, lw, sizeof lw)) {
     snprintf(why, sizeof why,
              "the data link to node %u (ranks %u..%u), which orders the exchanges, is down: %s", cn->lead,

@@ -97,13 +97,14 @@ static void ctl_handle(epd_engine_t *eng, net_frame_t *f) {
   }
   if (c.kind ==
       CTL_WORLD) { /* why: the new world communicator's id (EPD_NET_COMM_ID_BYTES), mask: its nodes */
-    /* node 0 hands out every world; the first node left one without the lost nodes (node 0 among them) */
+    /* node 0 hands out the whole world; the first node left one without the lost nodes */
     const uint32_t from = c.mask ? (uint32_t)__builtin_ctzll(c.mask) : 0;
-    if (!f->local && f->src_node != 0 && f->src_node != from) {
+    const uint64_t all = eng->o.nodes >= 64 ? ~0ull : (1ull << eng->o.nodes) - 1;
+    if ((c.mask & ~all) || (!f->local && f->src_node != from)) {
       EPD_LOGW(EPD_SUB_ENGINE,
-               "node %u sent a world communicator id (only node 0 or the first node of the world may): "
-               "ignored",
-               f->src_node);
+               "node %u sent the id of a world communicator of nodes 0x%llx (only its first node may, node 0 "
+               "for every node, and only of this world's nodes): ignored",
+               f->src_node, (unsigned long long)c.mask);
       return;
     }
     pthread_mutex_lock(&eng->mu);

@@ -1,6 +1,6 @@
 #!/bin/bash
 # mask-two-nodes-lib.sh - helpers of the GPU tests with a masking group across the nodes of
-# two-nodes-lib.sh (170 and 174: two nodes of 2 ranks; 175: three of one), sourced after it and
+# two-nodes-lib.sh (170 and 174: two nodes of 2 ranks; 175, 176: three of one), sourced after it and
 # start_nodes. Workers run with --mask (each step checked against the reference computed with the mask
 # its completion reports) on an expert map that places every expert on two ranks (E experts, the second
 # replica REP_NEXT ranks on: replicated_map of mask-chaos-lib.sh; REP_NEXT = 2 with two nodes of 2: on
