@@ -126,11 +126,12 @@ enum {
   CTL_LOST = 8, /* version: a world rank of the sender; req_id: its first step without the rank's client (MAX:
                    back) */
   CTL_LINK_UP = 9, /* local only (revive): the link to src_node is up again */
-  CTL_WORLD = 10,  /* from node 0 (or local on node 0): make the world communicator again over the id in why
-                    * with the nodes in mask (0: every node) */
+  CTL_WORLD = 10,  /* from the first node of mask (node 0 when 0; or local): make the world communicator again
+                    * over the id in why with the nodes in mask (0: every node) */
   CTL_MASK = 11, /* version: a world rank of the sender, status: 1 masked there, 0 back (groups that mask) */
   CTL_LINK_DOWN = 12, /* local only (the link's receiver): the link to src_node is down */
-  CTL_STEP_OFF = 13   /* req_id: a step of the group, status: what, version: peer + 1 (epd_net_step_off) */
+  CTL_STEP_OFF = 13   /* req_id: a step of the group, status: what, version: peer + 1, code, mask: the step's
+                         nodes (epd_net_step_off, _no, _ready) */
 };
 typedef struct ctl_msg {
   uint32_t kind, version;
@@ -140,7 +141,8 @@ typedef struct ctl_msg {
   int32_t code; /* CTL_STEP_OFF, EPD_NET_OFF_NO: the status the step failed with */
   char why[320];
   uint64_t hash; /* CTL_JOIN: the hash of the sender's active map (its version in version) */
-  uint64_t mask; /* CTL_JOIN: the world ranks the sender's group masks (groups that mask) */
+  uint64_t mask; /* CTL_JOIN: the world ranks the sender's group masks (groups that mask); CTL_WORLD,
+                  * CTL_STEP_OFF (EPD_NET_OFF_READY): nodes (bit k: node k) */
 } ctl_msg_t;
 
 /* Per group (grp->net, made with the group on every engine of several nodes): what the other nodes
